@@ -1,0 +1,36 @@
+# The two commands of README.md: `make demo` and `make test`. Each installs what it needs first.
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint os-deps bench-overhead clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/extproc demo
+
+# OS packages the tests need (real redis-server and Prometheus); installed when missing and root.
+os-deps:
+	@bash scripts/install-os-deps.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check extproc tests benchmarks
+	$(VENV)/bin/ruff format --check extproc tests benchmarks
+	$(VENV)/bin/mypy
+
+test: $(STAMP) os-deps lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+bench-overhead: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,5 @@
+"""``python -m extproc``."""
+
+from extproc.cli import main
+
+raise SystemExit(main())

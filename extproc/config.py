@@ -1,0 +1,203 @@
+"""The router's configuration: one YAML file, validated at start-up with messages that name the field.
+
+Every value has a default, so ``extproc serve --replica a=127.0.0.1:8001`` works without a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from extproc.request.features import FeatureSettings
+from extproc.request.session import SessionSource
+from extproc.routing.model import Replica
+from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
+
+Mode = Literal["cluster", "endpoint"]
+ROUTING_HEADERS = ("x-target-cluster", "x-gateway-destination-endpoint")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Validated router configuration."""
+
+    listen: str = "127.0.0.1:9002"
+    mode: Mode = "cluster"
+    target_cluster_header: str = "x-target-cluster"
+    destination_endpoint_header: str = "x-gateway-destination-endpoint"
+    replicas: tuple[Replica, ...] = ()
+    store: str = "memory://"
+    session_ttl_s: float = 600.0
+    max_sessions: int = 100_000
+    blocks_per_replica: int = 31_250
+    features: FeatureSettings = field(default_factory=FeatureSettings)
+    profile: Mapping[str, Any] = field(default_factory=lambda: DEFAULT_PROFILE)
+    vnodes: int = 128
+    ring_key_blocks: int = 32
+    metrics_listen: str | None = "127.0.0.1:9190"
+    max_message_bytes: int = 32 * 1024 * 1024
+    eject_after: int = 3
+    eject_s: float = 5.0
+    grace_s: float = 5.0
+
+    @property
+    def routing_headers(self) -> tuple[str, ...]:
+        """Headers a client must never set itself."""
+        return (self.target_cluster_header, self.destination_endpoint_header)
+
+
+def parse_replica(spec: str) -> Replica:
+    """``NAME=HOST:PORT`` (or just ``HOST:PORT``, named after its address)."""
+    name, sep, address = spec.partition("=")
+    if not sep:
+        name, address = spec.replace(":", "_").replace(".", "-"), spec
+    _check_address(address, f"replica {spec!r}")
+    return Replica(name=name.strip(), address=address.strip())
+
+
+def _check_address(address: str, where: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: expected HOST:PORT, got {address!r}")
+
+
+def _get(section: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any) -> Any:
+    if key not in section:
+        return default
+    value = section[key]
+    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else ()):
+        raise ConfigError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got a boolean")
+    if not isinstance(value, kind):
+        raise ConfigError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping")
+    return value
+
+
+KNOWN_KEYS = {
+    "listen",
+    "mode",
+    "headers",
+    "replicas",
+    "store",
+    "sessions",
+    "prefix",
+    "request",
+    "profile",
+    "ring",
+    "metrics",
+    "grpc",
+    "health",
+}
+
+
+def config_from_mapping(raw: Mapping[str, Any]) -> Config:
+    """Validate a parsed YAML mapping into a :class:`Config`."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config: expected a mapping at the top level")
+    unknown = set(raw) - KNOWN_KEYS
+    if unknown:
+        raise ConfigError(f"unknown top-level keys: {', '.join(sorted(unknown))}")
+    base = Config()
+    mode = raw.get("mode", base.mode)
+    if mode not in ("cluster", "endpoint"):
+        raise ConfigError(f"mode: expected 'cluster' or 'endpoint', got {mode!r}")
+    headers = _section(raw, "headers")
+    replicas: list[Replica] = []
+    for i, item in enumerate(raw.get("replicas") or []):
+        where = f"replicas[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{where}: expected a mapping with name and address")
+        name = _get(item, "name", str, where, None)
+        address = _get(item, "address", str, where, None)
+        if not name or not address:
+            raise ConfigError(f"{where}: name and address are required")
+        _check_address(address, f"{where}.address")
+        weight = float(_get(item, "weight", (int, float), where, 1.0))
+        if weight <= 0:
+            raise ConfigError(f"{where}.weight: expected a number > 0")
+        labels = _get(item, "labels", Mapping, where, {})
+        replicas.append(Replica(name, address, weight, {str(k): str(v) for k, v in labels.items()}))
+    names = [r.name for r in replicas]
+    if len(set(names)) != len(names):
+        raise ConfigError("replicas: names must be unique")
+    sessions = _section(raw, "sessions")
+    prefix = _section(raw, "prefix")
+    request = _section(raw, "request")
+    ring = _section(raw, "ring")
+    metrics = _section(raw, "metrics")
+    grpc = _section(raw, "grpc")
+    health = _section(raw, "health")
+    sources_raw: Sequence[Any] = _get(request, "session_sources", list, "request", None) or []
+    try:
+        sources = tuple(SessionSource.parse(str(s)) for s in sources_raw)
+    except ValueError as exc:
+        raise ConfigError(f"request.session_sources: {exc}") from None
+    fdefault = FeatureSettings()
+    features = FeatureSettings(
+        session_sources=sources or fdefault.session_sources,
+        tenant_header=str(_get(request, "tenant_header", str, "request", fdefault.tenant_header)).lower(),
+        block_chars=int(_get(prefix, "block_chars", int, "prefix", fdefault.block_chars)),
+        max_blocks=int(_get(prefix, "max_blocks", int, "prefix", fdefault.max_blocks)),
+        max_body_bytes=int(_get(request, "max_body_bytes", int, "request", fdefault.max_body_bytes)),
+    )
+    if features.block_chars < 1 or features.max_blocks < 1:
+        raise ConfigError("prefix.block_chars and prefix.max_blocks: expected integers >= 1")
+    profile = _section(raw, "profile") or DEFAULT_PROFILE
+    cfg = Config(
+        listen=str(_get(raw, "listen", str, "config", base.listen)),
+        mode=mode,
+        target_cluster_header=str(_get(headers, "target_cluster", str, "headers", base.target_cluster_header)).lower(),
+        destination_endpoint_header=str(
+            _get(headers, "destination_endpoint", str, "headers", base.destination_endpoint_header)
+        ).lower(),
+        replicas=tuple(replicas),
+        store=str(_get(raw, "store", str, "config", base.store)),
+        session_ttl_s=float(_get(sessions, "ttl_s", (int, float), "sessions", base.session_ttl_s)),
+        max_sessions=int(_get(sessions, "max_sessions", int, "sessions", base.max_sessions)),
+        blocks_per_replica=int(_get(prefix, "blocks_per_replica", int, "prefix", base.blocks_per_replica)),
+        features=features,
+        profile=profile,
+        vnodes=int(_get(ring, "vnodes", int, "ring", base.vnodes)),
+        ring_key_blocks=int(_get(ring, "key_blocks", int, "ring", base.ring_key_blocks)),
+        metrics_listen=metrics.get("listen", base.metrics_listen) if metrics.get("enabled", True) else None,
+        max_message_bytes=int(_get(grpc, "max_message_bytes", int, "grpc", base.max_message_bytes)),
+        eject_after=int(_get(health, "eject_after", int, "health", base.eject_after)),
+        eject_s=float(_get(health, "eject_s", (int, float), "health", base.eject_s)),
+    )
+    if cfg.session_ttl_s <= 0 or cfg.max_sessions < 1:
+        raise ConfigError("sessions.ttl_s and sessions.max_sessions: expected positive values")
+    if not cfg.store.startswith("memory://"):
+        raise ConfigError(f"store: only memory:// is available in this build, got {cfg.store!r}")
+    try:
+        build_profile(cfg.profile)  # fail now, naming the field, rather than at the first request
+    except ProfileError as exc:
+        raise ConfigError(str(exc)) from None
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return config_from_mapping(raw)
+
+
+def with_overrides(cfg: Config, **changes: Any) -> Config:
+    """A copy with some fields replaced (CLI flags win over the file)."""
+    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})

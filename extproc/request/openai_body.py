@@ -1,0 +1,126 @@
+"""Reading OpenAI-compatible request bodies: model, prompt text, stream flag, user.
+
+The prompt is rendered the way a chat template would lay it out (tools first, then the
+messages in order), so that two requests whose conversations share a beginning also share
+the beginning of the rendered text, and therefore their first prefix blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+
+
+class BodyError(ValueError):
+    """The body is not a JSON object of the OpenAI shape; routing falls back to what headers tell."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """What routing needs from an OpenAI request body."""
+
+    model: str
+    prompt: str
+    stream: bool
+    user: str | None
+    body: dict[str, Any]
+    has_media: bool = False
+
+
+def _part_text(part: Any) -> tuple[str, bool]:
+    """Text of one content part; media parts contribute their URL/data so equal images hash equal."""
+    if isinstance(part, str):
+        return part, False
+    if not isinstance(part, dict):
+        return "", False
+    kind = part.get("type")
+    if kind == "text" or "text" in part:
+        text = part.get("text")
+        return (text if isinstance(text, str) else ""), False
+    for media_key in ("image_url", "input_audio", "audio_url", "video_url"):
+        media = part.get(media_key)
+        if media is not None:
+            ref = media.get("url") or media.get("data") if isinstance(media, dict) else media
+            return f"<{media_key}:{ref if isinstance(ref, str) else ''}>", True
+    return "", False
+
+
+def content_text(content: Any) -> tuple[str, bool]:
+    """Render message content given as a string or a list of parts; also says whether media was present."""
+    if content is None:
+        return "", False
+    if isinstance(content, str):
+        return content, False
+    if isinstance(content, list):
+        texts: list[str] = []
+        media = False
+        for part in content:
+            text, is_media = _part_text(part)
+            texts.append(text)
+            media = media or is_media
+        return "".join(texts), media
+    return "", False
+
+
+def render_chat(messages: list[Any], tools: Any = None) -> tuple[str, bool]:
+    """Render chat messages (and tools) into the text a model would see, in order."""
+    pieces: list[str] = []
+    media = False
+    if tools:
+        pieces.append("<|tools|>\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n")
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        text, is_media = content_text(message.get("content"))
+        media = media or is_media
+        tool_calls = message.get("tool_calls")
+        if tool_calls:
+            text += json.dumps(tool_calls, sort_keys=True, separators=(",", ":"))
+        pieces.append(f"<|{role if isinstance(role, str) else 'user'}|>\n{text}\n")
+    return "".join(pieces), media
+
+
+def render_completion_prompt(prompt: Any) -> str:
+    """Render a /v1/completions prompt given as a string, a list of strings or token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if all(isinstance(p, str) for p in prompt):
+            return "".join(prompt)
+        # Token ids (or a batch of them): their decimal form is a stable stand-in for the text.
+        return json.dumps(prompt, separators=(",", ":"))
+    return ""
+
+
+def parse_request_body(path: str, raw: bytes) -> OpenAIRequest:
+    """Parse a request body for ``path``; raises :class:`BodyError` when it is not usable."""
+    if not raw:
+        raise BodyError("empty body")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BodyError(f"body is not JSON: {exc.__class__.__name__}") from None
+    except RecursionError:
+        raise BodyError("body JSON nests too deeply") from None
+    if not isinstance(body, dict):
+        raise BodyError("body is not a JSON object")
+    model = body.get("model")
+    model = model if isinstance(model, str) else ""
+    stream = body.get("stream") is True
+    user = body.get("user")
+    user = user if isinstance(user, str) and user else None
+    media = False
+    if path.startswith(CHAT_PATH):
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise BodyError("chat request without a messages list")
+        prompt, media = render_chat(messages, body.get("tools"))
+    else:
+        prompt = render_completion_prompt(body.get("prompt"))
+    return OpenAIRequest(model=model, prompt=prompt, stream=stream, user=user, body=body, has_media=media)

@@ -1,0 +1,21 @@
+"""The routing decision: a pure pipeline of filters, weighted scorers and a picker."""
+
+from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot
+from extproc.routing.pipeline import Profile, decide
+from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
+from extproc.routing.ring import HashRing
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "AffinityView",
+    "Decision",
+    "HashRing",
+    "Profile",
+    "ProfileError",
+    "Reason",
+    "Replica",
+    "ReplicaState",
+    "Snapshot",
+    "build_profile",
+    "decide",
+]

@@ -1,0 +1,81 @@
+"""The values the decision works on: replicas as last known, what the store remembers, the decision."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A model server the router can send to. In cluster mode ``name`` is its Envoy cluster."""
+
+    name: str
+    address: str
+    weight: float = 1.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica's health and load as last known (from scrapes and from observed traffic)."""
+
+    replica: Replica
+    in_rotation: bool = True
+    health: float = 1.0
+    inflight: int = 0
+    queue: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """The replica's name."""
+        return self.replica.name
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """All replicas' states at one moment; the decision never sees anything fresher."""
+
+    replicas: tuple[ReplicaState, ...]
+
+    def get(self, name: str) -> ReplicaState | None:
+        """The state of replica ``name``, if it is a member."""
+        for state in self.replicas:
+            if state.name == name:
+                return state
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityView:
+    """What the affinity store knows for one request."""
+
+    pinned: str | None = None
+    prefix_matches: Mapping[str, int] = field(default_factory=dict)
+
+
+class Reason(enum.StrEnum):
+    """Why a request went where it went (also a metric label: keep the set small)."""
+
+    STICKY = "sticky"
+    PREFIX = "prefix"
+    NEW_SESSION = "new_session"
+    SPILLOVER = "spillover"
+    FAILOVER = "failover"
+    FALLBACK = "fallback"
+    NO_REPLICA = "no_replica"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes, where it may go instead, and why."""
+
+    replica: Replica | None
+    reason: Reason
+    fallbacks: tuple[Replica, ...] = ()
+    matched_blocks: int = 0
+    total_blocks: int = 0
+    scores: Mapping[str, float] = field(default_factory=dict)

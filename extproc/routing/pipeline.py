@@ -1,0 +1,119 @@
+"""The decision: filters, then weighted scorers, then a picker. A pure function of its inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from extproc.request.features import RequestFeatures
+from extproc.routing.model import AffinityView, Decision, Reason, ReplicaState, Snapshot
+from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
+from extproc.routing.ring import HashRing
+
+KeySource = Literal["session", "prefix", "request", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    """A scorer and the weight the profile gives it."""
+
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(slots=True)
+class Profile:
+    """A named arrangement of plugins; see :func:`extproc.routing.registry.build_profile`."""
+
+    filters: Sequence[Filter]
+    scorers: Sequence[WeightedScorer]
+    picker: Picker
+    vnodes: int = 128
+    ring_key_blocks: int = 32
+    max_fallbacks: int = 2
+    name: str = "default"
+    _ring: HashRing | None = field(default=None, repr=False)
+    _ring_members: tuple[tuple[str, float], ...] = field(default=(), repr=False)
+
+    def ring_for(self, snapshot: Snapshot) -> HashRing:
+        """The ring over the snapshot's members, rebuilt only when membership changes."""
+        members = tuple(sorted((s.name, s.replica.weight) for s in snapshot.replicas))
+        if self._ring is None or members != self._ring_members:
+            self._ring = HashRing(members, self.vnodes)
+            self._ring_members = members
+        return self._ring
+
+    def ring_key(self, features: RequestFeatures) -> tuple[str | int | None, KeySource]:
+        """What new work is hashed on, and where that came from: the session, else a prefix deep
+        enough to tell requests apart, else the request id (which spreads requests we know
+        nothing about instead of sending them all to the first replica)."""
+        if features.session_key:
+            return features.session_key, "session"
+        hashes = features.prefix_hashes
+        if hashes:
+            return hashes[min(self.ring_key_blocks, len(hashes)) - 1], "prefix"
+        if features.request_id:
+            return features.request_id, "request"
+        return None, "none"
+
+
+def _clamp(value: float) -> float:
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+def decide(features: RequestFeatures, snapshot: Snapshot, view: AffinityView, now: float, profile: Profile) -> Decision:
+    """Choose a replica for a request.
+
+    ``snapshot`` is the replicas' health and load as last known, ``view`` what the affinity
+    store returned for this request, ``now`` the clock's value. Nothing here performs I/O.
+    """
+    if not snapshot.replicas:
+        return Decision(replica=None, reason=Reason.NO_REPLICA)
+    ring_key, key_source = profile.ring_key(features)
+    cycle = CycleState(
+        features=features,
+        snapshot=snapshot,
+        view=view,
+        now=now,
+        ring=profile.ring_for(snapshot),
+        ring_key=ring_key,
+        key_source=key_source,
+    )
+    candidates: list[ReplicaState] = list(snapshot.replicas)
+    for flt in profile.filters:
+        candidates = flt.filter(cycle, candidates)
+    totals: dict[str, float] = {c.name: 0.0 for c in candidates}
+    for weighted in profile.scorers:
+        for name, score in weighted.scorer.score(cycle, candidates).items():
+            if name in totals:
+                totals[name] += weighted.weight * _clamp(score)
+    ordered = profile.picker.pick(cycle, candidates, totals)
+    chosen = ordered[0]
+    matched = view.prefix_matches.get(chosen.name, 0)
+    return Decision(
+        replica=chosen.replica,
+        reason=_reason(cycle, chosen, matched),
+        fallbacks=tuple(s.replica for s in ordered[1 : 1 + profile.max_fallbacks]),
+        matched_blocks=matched,
+        total_blocks=len(features.prefix_hashes),
+        scores=totals,
+    )
+
+
+def _reason(cycle: CycleState, chosen: ReplicaState, matched: int) -> Reason:
+    view = cycle.view
+    overloaded: set[str] = cycle.scratch.get("overloaded", set())
+    if view.pinned:
+        if chosen.name == view.pinned:
+            return Reason.STICKY
+        return Reason.SPILLOVER if view.pinned in overloaded else Reason.FAILOVER
+    if view.prefix_matches:
+        best = max(view.prefix_matches.items(), key=lambda kv: kv[1])[0]
+        if best in overloaded and best != chosen.name:
+            return Reason.SPILLOVER
+    if matched > 0:
+        return Reason.PREFIX
+    if cycle.key_source in ("session", "prefix"):
+        return Reason.NEW_SESSION
+    return Reason.FALLBACK

@@ -1,0 +1,204 @@
+"""The pipeline's extension points and the built-in plugins.
+
+Filters drop candidates; scorers return a score in [0, 1] per candidate and never see their
+weight (the profile weighs them); one picker orders the weighted results. Plugins only read:
+what a decision changes (pins, the prefix index, in-flight counts) is recorded afterwards by
+the router.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from extproc.request.features import RequestFeatures
+from extproc.routing.model import AffinityView, ReplicaState, Snapshot
+from extproc.routing.ring import HashRing
+
+
+@dataclass(slots=True)
+class CycleState:
+    """Everything one decision reads, plus scratch data plugins share within the cycle."""
+
+    features: RequestFeatures
+    snapshot: Snapshot
+    view: AffinityView
+    now: float
+    ring: HashRing
+    ring_key: str | int | None
+    key_source: str = "none"
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+class Filter(Protocol):
+    """Drops candidates that must not receive this request."""
+
+    name: str
+
+    def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        """The candidates that remain."""
+        ...
+
+
+class Scorer(Protocol):
+    """Ranks candidates; every score lies in [0, 1]."""
+
+    name: str
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """A score per candidate name (missing names score 0)."""
+        ...
+
+
+class Picker(Protocol):
+    """Orders the candidates by their weighted totals: the first is the choice, the rest fallbacks."""
+
+    name: str
+
+    def pick(
+        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
+    ) -> list[ReplicaState]:
+        """Candidates, best first."""
+        ...
+
+
+# --- filters ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class InRotationFilter:
+    """Keeps replicas that are in rotation; if none is, keeps all (fail open rather than 503)."""
+
+    name: str = "in_rotation"
+
+    def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        """Drop replicas out of rotation."""
+        kept = [c for c in candidates if c.in_rotation]
+        if not kept:
+            cycle.scratch["all_out_of_rotation"] = True
+            return candidates
+        return kept
+
+
+@dataclass(slots=True)
+class OverloadFilter:
+    """Drops overloaded replicas (KV usage or queue above a threshold) unless all of them are.
+
+    This is what turns a sticky or prefix target into a spillover: affinity never pushes a
+    replica that is out of KV blocks into preemption.
+    """
+
+    kv_threshold: float = 0.9
+    queue_threshold: int = 32
+    name: str = "overload"
+
+    def overloaded(self, state: ReplicaState) -> bool:
+        """Whether a replica should take no new work now."""
+        return state.kv_usage > self.kv_threshold or state.queue > self.queue_threshold
+
+    def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        """Drop overloaded replicas."""
+        kept = [c for c in candidates if not self.overloaded(c)]
+        dropped = {c.name for c in candidates} - {c.name for c in kept}
+        cycle.scratch["overloaded"] = dropped
+        return kept or candidates
+
+
+# --- scorers ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SessionAffinityScorer:
+    """1 for the replica the session is pinned to, 0 elsewhere."""
+
+    name: str = "session_affinity"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Score the pinned replica."""
+        pinned = cycle.view.pinned
+        return {pinned: 1.0} if pinned else {}
+
+
+@dataclass(slots=True)
+class PrefixScorer:
+    """Fraction of the request's prefix blocks a replica is believed to hold.
+
+    Scoring by fraction (as GIE does) rather than by a first-block match keeps a prefix that
+    every request shares (a common system prompt) from herding everything onto one replica.
+    """
+
+    name: str = "prefix"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Matched blocks over total blocks."""
+        total = len(cycle.features.prefix_hashes)
+        if not total:
+            return {}
+        return {name: min(1.0, n / total) for name, n in cycle.view.prefix_matches.items()}
+
+
+@dataclass(slots=True)
+class LoadScorer:
+    """Lighter is better: gateway in-flight plus scraped queue, relative to the busiest
+    candidate, blended with free KV cache."""
+
+    kv_weight: float = 0.5
+    name: str = "load"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Score each candidate's headroom."""
+        work = {c.name: c.inflight + c.queue for c in candidates}
+        hi = max(work.values(), default=0)
+        lo = min(work.values(), default=0)
+        spread = hi - lo
+        out = {}
+        for c in candidates:
+            relative = 1.0 if spread == 0 else (hi - work[c.name]) / spread
+            free_kv = 1.0 - min(1.0, max(0.0, c.kv_usage))
+            out[c.name] = (1.0 - self.kv_weight) * relative + self.kv_weight * free_kv
+        return out
+
+
+@dataclass(slots=True)
+class RingScorer:
+    """1 for the first replica on the consistent-hash ring from the request's key that is under
+    the load bound ("consistent hashing with bounded loads"), 0 elsewhere.
+
+    The bound is ``ceil(load_factor * (total in-flight + 1) / candidates)``: a replica already at
+    it is passed over, so one hot key cannot pile more than its share onto one replica.
+    """
+
+    load_factor: float = 1.25
+    name: str = "ring"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Score the bounded ring owner of the request's key."""
+        if cycle.ring_key is None or not candidates:
+            return {}
+        by_name = {c.name: c for c in candidates}
+        total = sum(c.inflight for c in candidates)
+        bound = math.ceil(self.load_factor * (total + 1) / len(candidates))
+        order = [n for n in cycle.ring.preference(cycle.ring_key) if n in by_name]
+        owner = cycle.ring.bounded_owner(cycle.ring_key, lambda n: by_name[n].inflight + 1 <= bound, order)
+        if owner is None:
+            owner = order[0] if order else None
+        cycle.scratch["ring_owner"] = owner
+        return {owner: 1.0} if owner else {}
+
+
+# --- pickers ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class MaxScorePicker:
+    """Highest total first; ties go to the lighter replica, then to the name (deterministic)."""
+
+    name: str = "max_score"
+
+    def pick(
+        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
+    ) -> list[ReplicaState]:
+        """Order candidates best first."""
+        return sorted(candidates, key=lambda c: (-totals.get(c.name, 0.0), c.inflight + c.queue, c.name))

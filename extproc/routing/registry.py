@@ -1,0 +1,89 @@
+"""Plugins by name, and profiles assembled from the config's ``profile:`` section.
+
+The one place that knows every plugin type: a new plugin is registered here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from extproc.routing.pipeline import Profile, WeightedScorer
+from extproc.routing.plugins import (
+    Filter,
+    InRotationFilter,
+    LoadScorer,
+    MaxScorePicker,
+    OverloadFilter,
+    Picker,
+    PrefixScorer,
+    RingScorer,
+    Scorer,
+    SessionAffinityScorer,
+)
+
+FILTERS: dict[str, Callable[..., Filter]] = {
+    "in_rotation": InRotationFilter,
+    "overload": OverloadFilter,
+}
+SCORERS: dict[str, Callable[..., Scorer]] = {
+    "session_affinity": SessionAffinityScorer,
+    "prefix": PrefixScorer,
+    "load": LoadScorer,
+    "ring": RingScorer,
+}
+PICKERS: dict[str, Callable[..., Picker]] = {
+    "max_score": MaxScorePicker,
+}
+
+# Weights: a live pin outweighs everything else together; a strong prefix match outweighs the
+# ring's preference; load breaks the remaining ties. Overload is a filter, not a weight, so no
+# amount of affinity pushes a replica that is out of KV blocks.
+DEFAULT_PROFILE: dict[str, Any] = {
+    "filters": [{"type": "in_rotation"}, {"type": "overload"}],
+    "scorers": [
+        {"type": "session_affinity", "weight": 10},
+        {"type": "prefix", "weight": 4},
+        {"type": "ring", "weight": 2},
+        {"type": "load", "weight": 1},
+    ],
+    "picker": {"type": "max_score"},
+}
+
+
+class ProfileError(ValueError):
+    """A profile in the config names an unknown plugin or gives it bad parameters."""
+
+
+def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(spec, Mapping) or "type" not in spec:
+        raise ProfileError(f"{where}: expected a mapping with 'type'")
+    factory = table.get(spec["type"])
+    if factory is None:
+        raise ProfileError(f"{where}: unknown {kind} {spec['type']!r} (known: {', '.join(sorted(table))})")
+    params = spec.get("parameters") or {}
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise ProfileError(f"{where}: bad parameters for {spec['type']!r}: {exc}") from None
+
+
+def build_profile(spec: Mapping[str, Any] | None = None, **ring: Any) -> Profile:
+    """Build a :class:`Profile` from a config mapping (``DEFAULT_PROFILE`` when None)."""
+    spec = DEFAULT_PROFILE if spec is None else spec
+    filters: Sequence[Mapping[str, Any]] = spec.get("filters", DEFAULT_PROFILE["filters"])
+    scorers: Sequence[Mapping[str, Any]] = spec.get("scorers", DEFAULT_PROFILE["scorers"])
+    picker: Mapping[str, Any] = spec.get("picker", DEFAULT_PROFILE["picker"])
+    weighted = []
+    for i, s in enumerate(scorers):
+        weight = s.get("weight", 1) if isinstance(s, Mapping) else 1
+        if not isinstance(weight, int | float) or weight < 0:
+            raise ProfileError(f"profile.scorers[{i}].weight: expected a number >= 0")
+        weighted.append(WeightedScorer(_make("scorer", SCORERS, s, f"profile.scorers[{i}]"), float(weight)))
+    return Profile(
+        filters=[_make("filter", FILTERS, f, f"profile.filters[{i}]") for i, f in enumerate(filters)],
+        scorers=weighted,
+        picker=_make("picker", PICKERS, picker, "profile.picker"),
+        name=str(spec.get("name", "default")),
+        **ring,
+    )

@@ -1,0 +1,80 @@
+"""The gRPC server: ext_proc, the standard health service and reflection, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from extproc.router import Router
+from extproc.server.servicer import ExternalProcessor
+
+log = logging.getLogger("extproc.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+
+
+class ProcessorServer:
+    """A running ext_proc server bound to one address."""
+
+    def __init__(self, router: Router, listen: str, max_message_bytes: int = 32 * 1024 * 1024) -> None:
+        self.router = router
+        self.listen = listen
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+                ("grpc.http2.max_pings_without_data", 0),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(listen)
+        if self.port == 0 and not listen.startswith("unix:"):
+            raise OSError(f"cannot listen on {listen}")
+
+    @property
+    def address(self) -> str:
+        """Where the server listens, with the real port when 0 was asked for."""
+        if self.listen.startswith("unix:"):
+            return self.listen
+        host = self.listen.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Start serving and report SERVING on the health service."""
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("ext_proc server listening on %s (mode %s)", self.address, self.router.config.mode)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING first, so probes drain traffic, then stop within ``grace`` seconds."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+        await self.router.store.close()
+
+    async def serve_until_signalled(self, grace: float = 5.0) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down (grace %.1fs)", grace)
+        await self.stop(grace)

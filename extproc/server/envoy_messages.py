@@ -1,0 +1,108 @@
+"""Translation between ext_proc messages (upb-backed, from xds-protos) and plain values."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from extproc.routing.model import Decision
+
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+LB_NAMESPACE = "envoy.lb"
+
+
+def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy's header list as a dict (Envoy sends values in ``raw_value``; older ones in ``value``)."""
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=OVERWRITE
+    )
+
+
+def mutation(set_headers: Iterable[tuple[str, str]], remove: Iterable[str] = ()) -> pb.HeaderMutation:
+    """A header mutation that sets (overwriting) and removes headers."""
+    return pb.HeaderMutation(set_headers=[_set(k, v) for k, v in set_headers], remove_headers=list(remove))
+
+
+def continue_headers(remove: Iterable[str] = ()) -> pb.ProcessingResponse:
+    """Let request headers through, stripping the routing headers a client may have set."""
+    common = pb.CommonResponse(header_mutation=mutation((), remove)) if remove else pb.CommonResponse()
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+
+
+def continue_response_headers() -> pb.ProcessingResponse:
+    """Let response headers through unchanged."""
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+
+def routing_mutation(
+    decision: Decision, mode: str, cluster_header: str, endpoint_header: str, remove: Iterable[str]
+) -> tuple[pb.CommonResponse, struct_pb2.Struct | None]:
+    """The header mutation (and, in endpoint mode, ``envoy.lb`` metadata) that carries a decision."""
+    replica = decision.replica
+    assert replica is not None
+    metadata = None
+    if mode == "endpoint":
+        headers = [(endpoint_header, replica.address)]
+        metadata = struct_pb2.Struct()
+        chain = ",".join([replica.address, *(f.address for f in decision.fallbacks)])
+        metadata.get_or_create_struct(LB_NAMESPACE)[endpoint_header] = chain
+    else:
+        headers = [(cluster_header, replica.name)]
+    removals = [h for h in remove if h not in dict(headers)]
+    common = pb.CommonResponse(header_mutation=mutation(headers, removals), clear_route_cache=True)
+    return common, metadata
+
+
+def routed_headers_response(common: pb.CommonResponse, metadata: struct_pb2.Struct | None) -> pb.ProcessingResponse:
+    """Answer the request-headers phase with a decision (requests without a body)."""
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+
+
+def routed_body_response(common: pb.CommonResponse, metadata: struct_pb2.Struct | None) -> pb.ProcessingResponse:
+    """Answer the buffered-body phase with a decision."""
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+def continue_body() -> pb.ProcessingResponse:
+    """Let a body chunk through (a partial body before the end of the stream)."""
+    return pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def immediate(status: int, message: str, kind: str) -> pb.ProcessingResponse:
+    """Answer the client directly with an OpenAI-style JSON error."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=mutation([("content-type", "application/json")]),
+            body=body,
+            details=kind,
+        )
+    )
+
+
+def passthrough(kind: str) -> pb.ProcessingResponse:
+    """An empty answer for a phase this server does not act on (trailers, response body)."""
+    if kind == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    if kind == "response_trailers":
+        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+    if kind == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    if kind == "response_headers":
+        return continue_response_headers()
+    if kind == "request_body":
+        return continue_body()
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())

@@ -1,0 +1,105 @@
+"""One ext_proc stream (one HTTP request) as a small state machine.
+
+    HEADERS --(end_of_stream)--------------------------> decide in the headers answer
+    HEADERS --> BODY (accumulate until end_of_stream) --> decide in the body answer
+    any     --> RESPONSE_HEADERS: observe status and time to first byte
+    stream end: the request's in-flight slot is released
+
+Every phase gets an answer, whatever arrives and in whatever order: a message out of order is
+let through unchanged rather than failing the request.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import AsyncIterator
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.router import Routed, Router
+from extproc.server import envoy_messages as msg
+
+log = logging.getLogger("extproc.stream")
+
+
+class Phase(enum.Enum):
+    """Where a stream is."""
+
+    HEADERS = "headers"
+    BODY = "body"
+    ROUTED = "routed"
+    DONE = "done"
+
+
+class RequestStream:
+    """Turns one stream's ProcessingRequests into ProcessingResponses through the router."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        cfg = router.config
+        self.mode = cfg.mode
+        self.remove = cfg.routing_headers
+        self.phase = Phase.HEADERS
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.routed: Routed | None = None
+
+    async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+        """Answer each message of the stream; releases the request's in-flight slot at the end."""
+        try:
+            async for request in requests:
+                try:
+                    response = await self.answer(request)
+                except Exception:
+                    # Never fail the stream: an unrouted request still goes down Envoy's default route.
+                    log.exception("answering %s failed; letting it through", request.WhichOneof("request"))
+                    self.router.metrics.stream_errors.labels("answer").inc()
+                    response = msg.passthrough(request.WhichOneof("request") or "")
+                yield response
+        finally:
+            if self.routed is not None:
+                self.router.release(self.routed)
+            self.phase = Phase.DONE
+
+    async def answer(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        """The response to one message."""
+        kind = request.WhichOneof("request")
+        if kind == "request_headers" and self.phase is Phase.HEADERS:
+            self.headers = msg.header_map(request.request_headers)
+            if request.request_headers.end_of_stream:
+                return await self._decide(None, in_body=False)
+            self.phase = Phase.BODY
+            return msg.continue_headers(self.remove)
+        if kind == "request_body" and self.phase is Phase.BODY:
+            body = request.request_body
+            self.chunks.append(body.body)
+            self.size += len(body.body)
+            if not body.end_of_stream and self.size <= self.router.config.features.max_body_bytes:
+                return msg.continue_body()
+            data = b"".join(self.chunks)
+            self.chunks = []
+            return await self._decide(data, in_body=True)
+        if kind == "response_headers":
+            if self.routed is not None:
+                status = msg.header_map(request.response_headers).get(":status", "0")
+                self.router.observe_response(self.routed, int(status) if status.isdigit() else 0)
+            return msg.continue_response_headers()
+        log.debug("message %s in phase %s let through", kind, self.phase.value)
+        return msg.passthrough(kind or "")
+
+    async def _decide(self, body: bytes | None, in_body: bool) -> pb.ProcessingResponse:
+        self.phase = Phase.ROUTED
+        routed = await self.router.route(self.headers, body)
+        self.routed = routed
+        decision = routed.decision
+        if decision.replica is None:
+            return msg.immediate(503, "no model server replica is available", "no_replica")
+        cfg = self.router.config
+        common, metadata = msg.routing_mutation(
+            decision, self.mode, cfg.target_cluster_header, cfg.destination_endpoint_header, self.remove
+        )
+        if in_body:
+            return msg.routed_body_response(common, metadata)
+        return msg.routed_headers_response(common, metadata)

@@ -1,0 +1,151 @@
+"""The embedded in-memory affinity store for a single gateway: bounded, with a sliding TTL."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from extproc.routing.model import AffinityView
+from extproc.state.store import StoreStats
+
+
+class SessionMap:
+    """session key -> replica, with a sliding TTL and an LRU bound on the number of sessions."""
+
+    def __init__(self, ttl_s: float = 600.0, max_sessions: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str, now: float) -> str | None:
+        """The pinned replica, refreshing the TTL; None if absent or expired."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        replica, expires = entry
+        if expires <= now:
+            del self._entries[key]
+            return None
+        self._entries[key] = (replica, now + self.ttl_s)
+        self._entries.move_to_end(key)
+        return replica
+
+    def put(self, key: str, replica: str, now: float) -> None:
+        """Pin ``key`` to ``replica``; evicts expired entries and then the least recently used."""
+        self._entries[key] = (replica, now + self.ttl_s)
+        self._entries.move_to_end(key)
+        entries = self._entries
+        # The oldest entries sit at the front: drop the expired ones there, then enforce the bound.
+        while entries:
+            _, (_, expires) = next(iter(entries.items()))
+            if expires > now and len(entries) <= self.max_sessions:
+                break
+            entries.popitem(last=False)
+
+    def drop_replica(self, replica: str) -> int:
+        """Unpin every session on ``replica``; returns how many."""
+        doomed = [k for k, (r, _) in self._entries.items() if r == replica]
+        for k in doomed:
+            del self._entries[k]
+        return len(doomed)
+
+
+class PrefixIndex:
+    """Approximate prefix index: block hash -> replicas believed to hold it.
+
+    Learned from the router's own decisions. Each replica keeps at most ``blocks_per_replica``
+    blocks, least recently routed evicted first, as its real cache would.
+    """
+
+    def __init__(self, blocks_per_replica: int = 31_250) -> None:
+        self.blocks_per_replica = blocks_per_replica
+        self._owners: dict[int, set[str]] = {}
+        self._per_replica: dict[str, OrderedDict[int, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def matches(self, hashes: Sequence[int]) -> dict[str, int]:
+        """For each replica, how many leading blocks of ``hashes`` it holds (replicas with none omitted)."""
+        result: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            owners = self._owners.get(h)
+            if not owners:
+                break
+            alive = set(owners) if alive is None else alive & owners
+            if not alive:
+                break
+            for r in alive:
+                result[r] = i + 1
+        return result
+
+    def add(self, replica: str, hashes: Sequence[int]) -> None:
+        """Record that ``replica`` now holds ``hashes``."""
+        lru = self._per_replica.get(replica)
+        if lru is None:
+            lru = self._per_replica[replica] = OrderedDict()
+        owners = self._owners
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+                continue
+            lru[h] = None
+            holders = owners.get(h)
+            if holders is None:
+                owners[h] = {replica}
+            else:
+                holders.add(replica)
+        while len(lru) > self.blocks_per_replica:
+            old, _ = lru.popitem(last=False)
+            holders = owners.get(old)
+            if holders is not None:
+                holders.discard(replica)
+                if not holders:
+                    del owners[old]
+
+    def drop_replica(self, replica: str) -> None:
+        """Forget everything ``replica`` held."""
+        for h in self._per_replica.pop(replica, {}):
+            holders = self._owners.get(h)
+            if holders is not None:
+                holders.discard(replica)
+                if not holders:
+                    del self._owners[h]
+
+
+class MemoryStore:
+    """The :class:`~extproc.state.store.AffinityStore` kept in process memory (the default)."""
+
+    def __init__(self, ttl_s: float = 600.0, max_sessions: int = 100_000, blocks_per_replica: int = 31_250) -> None:
+        self.sessions = SessionMap(ttl_s, max_sessions)
+        self.prefixes = PrefixIndex(blocks_per_replica)
+
+    async def lookup(self, session_key: str | None, prefix_hashes: Sequence[int], now: float) -> AffinityView:
+        """Pinned replica (TTL refreshed) and prefix holders."""
+        pinned = self.sessions.get(session_key, now) if session_key else None
+        return AffinityView(pinned=pinned, prefix_matches=self.prefixes.matches(prefix_hashes))
+
+    async def record(
+        self, session_key: str | None, replica: str, prefix_hashes: Sequence[int], now: float, pin: bool
+    ) -> None:
+        """Pin and index."""
+        if session_key and pin:
+            self.sessions.put(session_key, replica, now)
+        if prefix_hashes:
+            self.prefixes.add(replica, prefix_hashes)
+
+    async def forget_replica(self, replica: str) -> None:
+        """Drop the replica's prefix entries and pins."""
+        self.prefixes.drop_replica(replica)
+        self.sessions.drop_replica(replica)
+
+    def stats(self) -> StoreStats:
+        """Sessions held and prefix blocks indexed."""
+        return StoreStats(sessions=len(self.sessions), prefix_blocks=len(self.prefixes))
+
+    async def close(self) -> None:
+        """Nothing to release."""

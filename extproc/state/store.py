@@ -1,0 +1,47 @@
+"""The affinity store: where sessions are pinned and which replicas hold which prefix blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from extproc.routing.model import AffinityView
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Sizes a store reports for metrics and bounds checks."""
+
+    sessions: int
+    prefix_blocks: int
+
+
+class AffinityStore(Protocol):
+    """Session pins with a sliding TTL and an approximate prefix index.
+
+    ``lookup`` also refreshes the session's TTL (a session in use never expires). ``now`` is the
+    caller's clock, so stores never read time themselves.
+    """
+
+    async def lookup(self, session_key: str | None, prefix_hashes: Sequence[int], now: float) -> AffinityView:
+        """What is known for a request: its pinned replica and the replicas holding its prefix."""
+        ...
+
+    async def record(
+        self, session_key: str | None, replica: str, prefix_hashes: Sequence[int], now: float, pin: bool
+    ) -> None:
+        """Remember a decision: pin the session (when ``pin``) and index the prefix on ``replica``."""
+        ...
+
+    async def forget_replica(self, replica: str) -> None:
+        """Drop a replica's prefix entries (it left, or its cache is gone); pins move lazily."""
+        ...
+
+    def stats(self) -> StoreStats:
+        """Current sizes."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...

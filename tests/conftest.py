@@ -1,0 +1,66 @@
+"""Shared fixtures and helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.config import Config
+from extproc.routing import Replica
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+
+
+def require_binary(name: str) -> str:
+    """The path of a binary the test needs: missing fails under CI, skips elsewhere."""
+    beside = Path(sys.executable).with_name(name)
+    path = str(beside) if beside.exists() else shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (make test installs it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def replicas(n: int = 3) -> tuple[Replica, ...]:
+    return tuple(Replica(f"r{i}", f"10.0.0.{i + 1}:8000") for i in range(n))
+
+
+def make_config(**changes: object) -> Config:
+    base: dict[str, object] = {"replicas": replicas(), "metrics_listen": None}
+    base.update(changes)
+    return Config(**base)  # type: ignore[arg-type]
+
+
+def headers_message(headers: dict[str, str], end_of_stream: bool = False) -> pb.ProcessingRequest:
+    hv = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv), end_of_stream=end_of_stream)
+    )
+
+
+def body_message(body: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
+def response_headers_message(status: int) -> pb.ProcessingRequest:
+    hv = [base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv)))
+
+
+def chat_body(text: str, **extra: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}], **extra}).encode()
+
+
+def set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
+    return {h.header.key: (h.header.raw_value or h.header.value.encode()).decode() for h in mutation.set_headers}

@@ -1,0 +1,78 @@
+"""The real gRPC server on a free port, with a real channel: ext_proc, health, reflection."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from extproc.router import Router
+from extproc.server import ProcessorServer
+from tests.conftest import body_message, chat_body, headers_message, make_config, set_headers
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ProcessorServer]:
+    srv = ProcessorServer(Router(make_config()), "127.0.0.1:0", max_message_bytes=32 * 1024 * 1024)
+    await srv.start()
+    yield srv
+    await srv.stop(0.5)
+
+
+async def test_process_stream_over_a_real_channel(server: ProcessorServer) -> None:
+    async with grpc.aio.insecure_channel(
+        server.address, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
+    ) as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        big = chat_body("x" * (6 * 1024 * 1024))  # over gRPC's 4 MiB default
+        call = stub.Process(iter([headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}), body_message(big)]))
+        responses = [r async for r in call]
+    assert len(responses) == 2
+    assert set_headers(responses[1].request_body.response.header_mutation)["x-target-cluster"]
+
+
+async def test_health_and_reflection(server: ProcessorServer) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = [s.name async for r in call for s in r.list_services_response.service]
+        assert "envoy.service.ext_proc.v3.ExternalProcessor" in names
+
+
+async def test_graceful_stop_reports_not_serving_first(server: ProcessorServer) -> None:
+    await server.health.set("", health_pb2.HealthCheckResponse.SERVING)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        await server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        second = await watch.read()
+        assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+
+
+async def test_unix_socket_listener(tmp_path: object) -> None:
+    path = f"unix:{tmp_path}/extproc.sock"
+    srv = ProcessorServer(Router(make_config()), path)
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(path) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            call = pb_grpc.ExternalProcessorStub(channel).Process(
+                iter([headers_message({":path": "/v1/models"}, end_of_stream=True)])
+            )
+            out = [r async for r in call]
+            assert isinstance(out[0], pb.ProcessingResponse)
+    finally:
+        await srv.stop(0.5)

@@ -1,0 +1,137 @@
+"""One ext_proc stream as a state machine, driven in memory (no sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.router import Router
+from extproc.server.stream import RequestStream
+from tests.conftest import (
+    body_message,
+    chat_body,
+    headers_message,
+    make_config,
+    response_headers_message,
+    set_headers,
+)
+
+CHAT = {":path": "/v1/chat/completions", ":method": "POST"}
+
+
+async def run(router: Router, messages: Iterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    async def source() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in messages:
+            yield m
+
+    return [r async for r in RequestStream(router).run(source())]
+
+
+async def test_body_phase_carries_the_decision_in_cluster_mode() -> None:
+    router = Router(make_config())
+    out = await run(
+        router,
+        [
+            headers_message({**CHAT, "x-session-id": "s", "x-target-cluster": "evil"}),
+            body_message(chat_body("hello")),
+            response_headers_message(200),
+        ],
+    )
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "response_headers"]
+    assert "x-target-cluster" in out[0].request_headers.response.header_mutation.remove_headers
+    common = out[1].request_body.response
+    assert common.clear_route_cache
+    assert set_headers(common.header_mutation)["x-target-cluster"] in {"r0", "r1", "r2"}
+    assert all(r.inflight == 0 for r in router.replicas.records())  # released at the end of the stream
+
+
+async def test_endpoint_mode_sets_header_and_lb_metadata_with_fallbacks() -> None:
+    router = Router(make_config(mode="endpoint"))
+    out = await run(router, [headers_message(CHAT), body_message(chat_body("hello"))])
+    common = out[1].request_body.response
+    endpoint = set_headers(common.header_mutation)["x-gateway-destination-endpoint"]
+    chain = out[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    addresses = chain.string_value.split(",")
+    assert addresses[0] == endpoint and len(addresses) == 3 and len(set(addresses)) == 3
+
+
+async def test_request_without_body_is_routed_in_the_headers_phase() -> None:
+    out = await run(Router(make_config()), [headers_message({":path": "/v1/models", ":method": "GET"}, True)])
+    common = out[0].request_headers.response
+    assert common.clear_route_cache and "x-target-cluster" in set_headers(common.header_mutation)
+
+
+async def test_session_turns_stay_on_one_replica() -> None:
+    router = Router(make_config())
+    chosen = set()
+    for turn in range(20):
+        out = await run(router, [headers_message({**CHAT, "x-session-id": "conv"}), body_message(chat_body(f"t{turn}"))])
+        chosen.add(set_headers(out[1].request_body.response.header_mutation)["x-target-cluster"])
+    assert len(chosen) == 1
+
+
+async def test_partial_body_chunks_are_accumulated() -> None:
+    router = Router(make_config())
+    body = chat_body("a" * 1000)
+    out = await run(
+        router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(body[:100], False), body_message(body[100:])]
+    )
+    assert out[1].request_body.response.header_mutation.set_headers == []
+    assert set_headers(out[2].request_body.response.header_mutation)["x-target-cluster"]
+    assert router.metrics.body_errors._value.get() == 0
+
+
+async def test_malformed_and_huge_bodies_are_routed_by_fallback() -> None:
+    router = Router(make_config())
+    for body in (b"{nope", b"", b"\x00\xff" * 10, chat_body("x" * (9 * 1024 * 1024))):
+        out = await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(body)])
+        assert set_headers(out[-1].request_body.response.header_mutation)["x-target-cluster"]
+    assert router.metrics.body_errors._value.get() == 4
+
+
+async def test_no_replicas_answers_503_immediately() -> None:
+    out = await run(Router(make_config(replicas=())), [headers_message(CHAT), body_message(chat_body("x"))])
+    assert out[1].immediate_response.status.code == 503
+    assert b"no model server" in out[1].immediate_response.body
+
+
+async def test_messages_out_of_order_are_let_through() -> None:
+    router = Router(make_config())
+    out = await run(
+        router,
+        [
+            body_message(b"early"),
+            response_headers_message(200),
+            headers_message(CHAT),
+            headers_message(CHAT),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+            pb.ProcessingRequest(),
+        ],
+    )
+    assert len(out) == 6
+    assert out[0].WhichOneof("response") == "request_body"
+    assert out[4].WhichOneof("response") == "request_trailers"
+
+
+async def test_a_failing_router_never_fails_the_stream() -> None:
+    router = Router(make_config())
+
+    async def broken(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    router.route = broken  # type: ignore[method-assign,assignment]
+    out = await run(router, [headers_message(CHAT), body_message(chat_body("x"))])
+    assert out[1].WhichOneof("response") == "request_body"
+    assert not out[1].request_body.response.header_mutation.set_headers
+
+
+async def test_upstream_failures_take_a_replica_out_of_rotation() -> None:
+    clock = [0.0]
+    router = Router(make_config(), clock=lambda: clock[0])
+    for _ in range(3):
+        await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(chat_body("x")), response_headers_message(503)])
+    snap = router.replicas.snapshot(clock[0])
+    assert sum(not s.in_rotation for s in snap.replicas) == 1
+    clock[0] += 60
+    assert all(s.in_rotation for s in router.replicas.snapshot(clock[0]).replicas)
