@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import replace
+from typing import Any
 
 from extproc.config import Config, ConfigError, load_config, parse_replica, with_overrides
 
@@ -81,6 +84,16 @@ async def _serve(cfg: Config) -> None:
             await runner.cleanup()
 
 
+async def _until_signalled(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` until it ends or SIGTERM/SIGINT arrives, then cancel it (its cleanup runs)."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``extproc`` console script."""
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
@@ -92,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_demo_parser(sub)
     args = parser.parse_args(argv)
-    level = getattr(args, "log_level", "info").upper()
+    level = getattr(args, "log_level", "warning" if args.command == "demo" else "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         if args.command == "serve":
@@ -103,7 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "replica":
             from extproc.replica import serve_replica
 
-            asyncio.run(serve_replica(args.name, args.host, args.port, args.profile, args.model, args.time_scale))
+            asyncio.run(
+                _until_signalled(
+                    serve_replica(args.name, args.host, args.port, args.profile, args.model, args.time_scale)
+                )
+            )
         elif args.command == "envoy-config":
             from extproc.envoy_config import GatewaySpec, render_yaml
 

@@ -55,6 +55,7 @@ class GatewaySpec:
     message_timeout_ms: int = 1000
     route_timeout_s: int = 300
     retries: int = 2
+    observe_responses: bool = True
 
 
 def _socket(address: str) -> dict[str, Any]:
@@ -126,7 +127,7 @@ def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool)
                     "processing_mode": {
                         "request_header_mode": "SEND",
                         "request_body_mode": "BUFFERED",
-                        "response_header_mode": "SEND",
+                        "response_header_mode": "SEND" if spec.observe_responses else "SKIP",
                         "response_body_mode": "NONE",
                         "request_trailer_mode": "SKIP",
                         "response_trailer_mode": "SKIP",

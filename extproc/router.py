@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from extproc.config import Config
 from extproc.metrics import RouterMetrics
-from extproc.request.features import RequestFeatures, extract_features
+from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
 from extproc.routing.model import AffinityView, Decision, Reason
 from extproc.routing.pipeline import Profile, decide
 from extproc.routing.registry import build_profile
@@ -33,6 +33,7 @@ class Routed:
     features: RequestFeatures
     decision: Decision
     decided_at: float
+    prefill_tokens: int = 0
     released: bool = False
 
 
@@ -72,8 +73,10 @@ class Router:
             view = AffinityView()
         decision = decide(features, self.replicas.snapshot(start), view, start, self.profile)
         replica = decision.replica
+        prefill_tokens = 0
         if replica is not None:
-            self.replicas.begin(replica.name)
+            prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
+            self.replicas.begin(replica.name, start, prefill_tokens)
             pin = decision.reason != Reason.SPILLOVER
             try:
                 await self.store.record(features.session_key, replica.name, features.prefix_hashes, start, pin)
@@ -96,7 +99,11 @@ class Router:
                 decision.matched_blocks,
                 decision.total_blocks,
             )
-        return Routed(features, decision, now)
+        return Routed(features, decision, now, prefill_tokens)
+
+    def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
+        cached_chars = matched_blocks * self.config.features.block_chars
+        return max(0, features.prompt_chars - cached_chars) // CHARS_PER_TOKEN
 
     def observe_response(self, routed: Routed, status: int) -> None:
         """Learn from the response headers Envoy saw: status and time to first byte."""
@@ -104,13 +111,16 @@ class Router:
         if replica is not None:
             now = self.clock()
             self.replicas.observe(replica.name, status, now - routed.decided_at, now)
+            self.replicas.prefilled(replica.name, routed.prefill_tokens)
+            routed.prefill_tokens = 0
 
     def release(self, routed: Routed) -> None:
         """The request is over (or abandoned): its in-flight slot is freed, once."""
         if routed.released or routed.decision.replica is None:
             return
         routed.released = True
-        self.replicas.end(routed.decision.replica.name)
+        self.replicas.end(routed.decision.replica.name, routed.prefill_tokens)
+        routed.prefill_tokens = 0
 
     def collect(self) -> None:
         """Refresh gauges from current state (called before each metrics scrape)."""

@@ -122,9 +122,7 @@ def test_fallbacks_are_other_replicas() -> None:
 
 @settings(max_examples=60)
 @given(
-    st.lists(
-        st.tuples(st.booleans(), st.integers(0, 50), st.integers(0, 50), st.floats(0, 1)), min_size=1, max_size=8
-    ),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 50), st.integers(0, 50), st.floats(0, 1)), min_size=1, max_size=8),
     st.one_of(st.none(), st.text(max_size=8)),
     st.dictionaries(st.integers(0, 7), st.integers(0, 20)),
     st.one_of(st.none(), st.integers(0, 7)),

@@ -38,9 +38,7 @@ def test_shipped_config_validates(path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["cluster", "endpoint"])
-def test_shipped_config_is_what_the_renderer_produces(
-    mode: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_shipped_config_is_what_the_renderer_produces(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["envoy-config", "--mode", mode, "--processor", "127.0.0.1:9002"]
     argv += [f"--replica={r}" for r in EXAMPLE_REPLICAS]
     assert main(argv) == 0

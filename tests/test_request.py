@@ -136,7 +136,11 @@ def test_any_bytes_give_features_never_an_exception(raw: bytes) -> None:
         assert f.path == path
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c)))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c)
+    )
+)
 def test_any_json_gives_features_never_an_exception(value: object) -> None:
     raw = json.dumps({"model": "m", "messages": value, "prompt": value, "user": value, "metadata": value}).encode()
     for path in (CHAT, "/v1/completions"):

@@ -30,7 +30,9 @@ async def test_process_stream_over_a_real_channel(server: ProcessorServer) -> No
     ) as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         big = chat_body("x" * (6 * 1024 * 1024))  # over gRPC's 4 MiB default
-        call = stub.Process(iter([headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}), body_message(big)]))
+        call = stub.Process(
+            iter([headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}), body_message(big)])
+        )
         responses = [r async for r in call]
     assert len(responses) == 2
     assert set_headers(responses[1].request_body.response.header_mutation)["x-target-cluster"]

@@ -66,7 +66,9 @@ async def test_session_turns_stay_on_one_replica() -> None:
     router = Router(make_config())
     chosen = set()
     for turn in range(20):
-        out = await run(router, [headers_message({**CHAT, "x-session-id": "conv"}), body_message(chat_body(f"t{turn}"))])
+        out = await run(
+            router, [headers_message({**CHAT, "x-session-id": "conv"}), body_message(chat_body(f"t{turn}"))]
+        )
         chosen.add(set_headers(out[1].request_body.response.header_mutation)["x-target-cluster"])
     assert len(chosen) == 1
 
@@ -75,7 +77,8 @@ async def test_partial_body_chunks_are_accumulated() -> None:
     router = Router(make_config())
     body = chat_body("a" * 1000)
     out = await run(
-        router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(body[:100], False), body_message(body[100:])]
+        router,
+        [headers_message({**CHAT, "x-session-id": "s"}), body_message(body[:100], False), body_message(body[100:])],
     )
     assert out[1].request_body.response.header_mutation.set_headers == []
     assert set_headers(out[2].request_body.response.header_mutation)["x-target-cluster"]
@@ -130,7 +133,14 @@ async def test_upstream_failures_take_a_replica_out_of_rotation() -> None:
     clock = [0.0]
     router = Router(make_config(), clock=lambda: clock[0])
     for _ in range(3):
-        await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(chat_body("x")), response_headers_message(503)])
+        await run(
+            router,
+            [
+                headers_message({**CHAT, "x-session-id": "s"}),
+                body_message(chat_body("x")),
+                response_headers_message(503),
+            ],
+        )
     snap = router.replicas.snapshot(clock[0])
     assert sum(not s.in_rotation for s in snap.replicas) == 1
     clock[0] += 60

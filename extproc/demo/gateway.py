@@ -25,6 +25,7 @@ class LocalGateway:
     profile: str = "demo"
     time_scale: float | None = None
     processor_args: tuple[str, ...] = ()
+    observe_responses: bool = True
     log_dir: Path | None = None
     members: list[Replica] = field(default_factory=list)
 
@@ -112,6 +113,7 @@ class LocalGateway:
             listen=f"{HOST}:{self.envoy_port}",
             admin=f"{HOST}:{self.admin_port}",
             round_robin_listen=f"{HOST}:{self.round_robin_port}",
+            observe_responses=self.observe_responses,
         )
         path = self.dir / "envoy.yaml"
         path.write_text(render_yaml(spec))

@@ -22,7 +22,7 @@ def block_hashes(text: str, seed: int, block_chars: int, max_blocks: int) -> tup
 
     A trailing partial block is not hashed: like vLLM's prefix cache, only full blocks are shared.
     """
-    data = text.encode("utf-8", "surrogatepass")
+    data = memoryview(text.encode("utf-8", "surrogatepass"))
     # Blocks are measured in characters of the text, approximated here by bytes: cheap, and
     # stable for a given text, which is all the index needs.
     count = min(len(data) // block_chars, max_blocks)

@@ -25,6 +25,8 @@ class ReplicaState:
     in_rotation: bool = True
     health: float = 1.0
     inflight: int = 0
+    pending_prefill_tokens: int = 0
+    recent_requests: float = 0.0
     queue: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -33,6 +35,11 @@ class ReplicaState:
     def name(self) -> str:
         """The replica's name."""
         return self.replica.name
+
+    def work(self, tokens_per_request: int) -> int:
+        """Outstanding work in prompt-token equivalents: prefills not yet answered, plus a fixed
+        cost per request in flight or queued (its decode)."""
+        return self.pending_prefill_tokens + tokens_per_request * (self.inflight + self.queue)
 
 
 @dataclass(frozen=True, slots=True)

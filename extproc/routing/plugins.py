@@ -123,41 +123,66 @@ class SessionAffinityScorer:
 
 @dataclass(slots=True)
 class PrefixScorer:
-    """Fraction of the request's prefix blocks a replica is believed to hold.
+    """How much of the request's prefix a replica is believed to hold, beyond what every
+    candidate holds.
 
-    Scoring by fraction (as GIE does) rather than by a first-block match keeps a prefix that
-    every request shares (a common system prompt) from herding everything onto one replica.
+    Scoring by fraction (as GIE does) rather than by a first-block match, and only on the part
+    that tells candidates apart, keeps a prefix that every request shares (a common system
+    prompt, cached everywhere) from pulling new sessions towards the replicas that already have
+    the most of them.
     """
 
     name: str = "prefix"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
-        """Matched blocks over total blocks."""
+        """(matched - least matched) / (total - least matched), per candidate."""
         total = len(cycle.features.prefix_hashes)
-        if not total:
+        matches = cycle.view.prefix_matches
+        if not total or not matches:
             return {}
-        return {name: min(1.0, n / total) for name, n in cycle.view.prefix_matches.items()}
+        base = min(matches.get(c.name, 0) for c in candidates) if candidates else 0
+        if base >= total:
+            return {}
+        return {name: (n - base) / (total - base) for name, n in matches.items() if n > base}
+
+
+def _relative(values: Mapping[str, float], floor: float) -> dict[str, float]:
+    """1 for the lightest, falling linearly with the distance from it, scaled by the heaviest
+    (never by less than ``floor``, so near-idle replicas score alike)."""
+    lo = min(values.values(), default=0.0)
+    scale = max(max(values.values(), default=0.0), floor)
+    return {name: 1.0 - (v - lo) / scale for name, v in values.items()}
 
 
 @dataclass(slots=True)
 class LoadScorer:
-    """Lighter is better: gateway in-flight plus scraped queue, relative to the busiest
-    candidate, blended with free KV cache."""
+    """Lighter is better, on three signals:
 
-    kv_weight: float = 0.5
+    - outstanding work the gateway sent: prefill tokens not yet answered, plus a decode cost per
+      request in flight or queued (reacts within one request, so a burst does not herd);
+    - recent requests, decayed over a minute (in a sticky fleet a replica's future load is the
+      sessions pinned to it, which in-flight counts between turns do not show);
+    - free KV cache, as last scraped.
+    """
+
+    work_weight: float = 0.3
+    recent_weight: float = 0.5
+    kv_weight: float = 0.2
+    tokens_per_request: int = 256
+    floor_tokens: int = 1024
+    floor_requests: float = 1.0
     name: str = "load"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
         """Score each candidate's headroom."""
-        work = {c.name: c.inflight + c.queue for c in candidates}
-        hi = max(work.values(), default=0)
-        lo = min(work.values(), default=0)
-        spread = hi - lo
+        work = _relative({c.name: float(c.work(self.tokens_per_request)) for c in candidates}, self.floor_tokens)
+        recent = _relative({c.name: c.recent_requests for c in candidates}, self.floor_requests)
+        total = self.work_weight + self.recent_weight + self.kv_weight or 1.0
         out = {}
         for c in candidates:
-            relative = 1.0 if spread == 0 else (hi - work[c.name]) / spread
             free_kv = 1.0 - min(1.0, max(0.0, c.kv_usage))
-            out[c.name] = (1.0 - self.kv_weight) * relative + self.kv_weight * free_kv
+            blended = self.work_weight * work[c.name] + self.recent_weight * recent[c.name] + self.kv_weight * free_kv
+            out[c.name] = blended / total
         return out
 
 
@@ -201,4 +226,4 @@ class MaxScorePicker:
         self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
     ) -> list[ReplicaState]:
         """Order candidates best first."""
-        return sorted(candidates, key=lambda c: (-totals.get(c.name, 0.0), c.inflight + c.queue, c.name))
+        return sorted(candidates, key=lambda c: (-totals.get(c.name, 0.0), c.work(256), c.name))

@@ -36,16 +36,20 @@ PICKERS: dict[str, Callable[..., Picker]] = {
     "max_score": MaxScorePicker,
 }
 
-# Weights: a live pin outweighs everything else together; a strong prefix match outweighs the
-# ring's preference; load breaks the remaining ties. Overload is a filter, not a weight, so no
-# amount of affinity pushes a replica that is out of KV blocks.
+# Weights: a live pin outweighs everything else together; a prefix match and load weigh alike
+# (as in GIE's default profile), so a near-complete match wins unless its holder is much busier;
+# load outweighs the ring, so new sessions go where there is headroom (pinned sessions make a
+# placement last, and an early imbalance would last with it) and the ring decides among replicas
+# that are about equally loaded, which keeps gateways without shared state in agreement on an
+# idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a replica that is
+# out of KV blocks.
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [{"type": "in_rotation"}, {"type": "overload"}],
     "scorers": [
         {"type": "session_affinity", "weight": 10},
-        {"type": "prefix", "weight": 4},
-        {"type": "ring", "weight": 2},
-        {"type": "load", "weight": 1},
+        {"type": "prefix", "weight": 3},
+        {"type": "load", "weight": 3},
+        {"type": "ring", "weight": 0.5},
     ],
     "picker": {"type": "max_score"},
 }

@@ -69,18 +69,30 @@ class PrefixIndex:
         return len(self._owners)
 
     def matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        """For each replica, how many leading blocks of ``hashes`` it holds (replicas with none omitted)."""
+        """For each replica, how many leading blocks of ``hashes`` it holds (replicas with none omitted).
+
+        Hashes are chained, and :meth:`add` keeps a prompt's first blocks the most recently used,
+        so a replica that holds block ``i`` holds blocks ``0..i``: the longest match is found by
+        binary search, a few lookups per replica instead of one per block.
+        """
+        if not hashes:
+            return {}
+        owners = self._owners
+        first = owners.get(hashes[0])
+        if not first:
+            return {}
         result: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(hashes):
-            owners = self._owners.get(h)
-            if not owners:
-                break
-            alive = set(owners) if alive is None else alive & owners
-            if not alive:
-                break
-            for r in alive:
-                result[r] = i + 1
+        last = len(hashes) - 1
+        for replica in first:
+            lo, hi = 0, last  # invariant: the replica holds block lo
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                holders = owners.get(hashes[mid])
+                if holders is not None and replica in holders:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            result[replica] = lo + 1
         return result
 
     def add(self, replica: str, hashes: Sequence[int]) -> None:
@@ -89,7 +101,9 @@ class PrefixIndex:
         if lru is None:
             lru = self._per_replica[replica] = OrderedDict()
         owners = self._owners
-        for h in hashes:
+        # Last block first, so a prompt's first blocks end up the most recently used and are
+        # evicted last, as a real prefix cache evicts a sequence's tail before its head.
+        for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
                 continue

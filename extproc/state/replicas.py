@@ -20,6 +20,9 @@ class ReplicaRecord:
 
     replica: Replica
     inflight: int = 0
+    pending_prefill_tokens: int = 0
+    recent: float = 0.0
+    recent_at: float = 0.0
     queue: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -38,10 +41,18 @@ class ReplicaBook:
     take a replica out of rotation for ``eject_s`` seconds; any success resets the count.
     """
 
-    def __init__(self, replicas: Iterable[Replica], eject_after: int = 3, eject_s: float = 5.0) -> None:
+    def __init__(
+        self, replicas: Iterable[Replica], eject_after: int = 3, eject_s: float = 5.0, recent_half_life_s: float = 60.0
+    ) -> None:
         self._records: dict[str, ReplicaRecord] = {r.name: ReplicaRecord(r) for r in replicas}
         self.eject_after = eject_after
         self.eject_s = eject_s
+        self.recent_half_life_s = recent_half_life_s
+
+    def _decayed(self, rec: ReplicaRecord, now: float) -> float:
+        if rec.recent == 0.0 or now <= rec.recent_at:
+            return rec.recent
+        return float(rec.recent * 0.5 ** ((now - rec.recent_at) / self.recent_half_life_s))
 
     def __contains__(self, name: str) -> bool:
         return name in self._records
@@ -59,6 +70,8 @@ class ReplicaBook:
                     in_rotation=r.out_until <= now,
                     health=r.health,
                     inflight=r.inflight,
+                    pending_prefill_tokens=r.pending_prefill_tokens,
+                    recent_requests=self._decayed(r, now),
                     queue=r.queue,
                     running=r.running,
                     kv_usage=r.kv_usage,
@@ -67,18 +80,28 @@ class ReplicaBook:
             )
         )
 
-    def begin(self, name: str) -> None:
-        """A request was sent to ``name``."""
+    def begin(self, name: str, now: float, prefill_tokens: int = 0) -> None:
+        """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there."""
         rec = self._records.get(name)
         if rec is not None:
+            rec.recent = self._decayed(rec, now) + 1.0
+            rec.recent_at = now
             rec.inflight += 1
             rec.requests += 1
+            rec.pending_prefill_tokens += prefill_tokens
 
-    def end(self, name: str) -> None:
-        """A request to ``name`` finished (or was abandoned)."""
+    def prefilled(self, name: str, prefill_tokens: int) -> None:
+        """The first byte came back: that request's prefill is done."""
+        rec = self._records.get(name)
+        if rec is not None:
+            rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
+
+    def end(self, name: str, prefill_tokens: int = 0) -> None:
+        """A request to ``name`` finished (or was abandoned); ``prefill_tokens`` still pending are dropped."""
         rec = self._records.get(name)
         if rec is not None and rec.inflight > 0:
             rec.inflight -= 1
+            rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
 
     def observe(self, name: str, status: int, ttfb_s: float | None, now: float) -> None:
         """Learn from a response seen by Envoy: its status and its time to first byte."""
