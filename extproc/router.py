@@ -65,6 +65,12 @@ class Router:
         features = extract_features(headers, body, self.config.features)
         if features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
+        return await self.route_features(features, start)
+
+    async def route_features(self, features: RequestFeatures, start: float | None = None) -> Routed:
+        """:meth:`route` for a request already turned into features (the simulator's entry point)."""
+        if start is None:
+            start = self.clock()
         try:
             view = await self.store.lookup(features.session_key, features.prefix_hashes, start)
         except Exception as exc:  # the store is an optimisation: route on hashing without it

@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 from extproc.routing.model import Replica, ReplicaState, Snapshot
 
 
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """A replica's load as the replica itself reports it (its /metrics page, or a simulator)."""
+
+    queue: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+
 @dataclass(slots=True)
 class ReplicaRecord:
     """Mutable per-replica bookkeeping behind a :class:`ReplicaState`."""
@@ -79,6 +88,14 @@ class ReplicaBook:
                 for r in self._records.values()
             )
         )
+
+    def apply_report(self, name: str, report: LoadReport) -> None:
+        """Take in what the replica reported about its own load."""
+        rec = self._records.get(name)
+        if rec is not None:
+            rec.queue = report.queue
+            rec.running = report.running
+            rec.kv_usage = report.kv_usage
 
     def begin(self, name: str, now: float, prefill_tokens: int = 0) -> None:
         """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there."""
