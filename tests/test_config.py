@@ -63,3 +63,10 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     path.write_text("mode: sideways\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "mode" in capsys.readouterr().err
+
+
+def test_example_config_loads() -> None:
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "examples" / "router.yaml")
+    assert len(cfg.replicas) == 3 and cfg.replicas[2].weight == 2
