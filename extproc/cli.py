@@ -68,6 +68,7 @@ def _build_config(args: argparse.Namespace) -> Config:
 
 
 async def _serve(cfg: Config) -> None:
+    from extproc.health.scraper import Scraper
     from extproc.metrics_http import start_metrics_server
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
@@ -77,9 +78,14 @@ async def _serve(cfg: Config) -> None:
     runner = None
     if cfg.metrics_listen:
         runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, router.collect)
+    scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics)
+    scraping = asyncio.create_task(scraper.run(), name="scraper")
     try:
         await server.serve_until_signalled(cfg.grace_s)
     finally:
+        scraping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await scraping
         if runner is not None:
             await runner.cleanup()
 

@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 import yaml
 
+from extproc.health.rotation import RotationPolicy
+from extproc.health.score import HealthLimits, HealthWeights
+from extproc.health.settings import HealthSettings
 from extproc.request.features import FeatureSettings
 from extproc.request.session import SessionSource
 from extproc.routing.model import Replica
@@ -44,8 +47,8 @@ class Config:
     ring_key_blocks: int = 32
     metrics_listen: str | None = "127.0.0.1:9190"
     max_message_bytes: int = 32 * 1024 * 1024
-    eject_after: int = 3
-    eject_s: float = 5.0
+    health: HealthSettings = field(default_factory=HealthSettings)
+    spillover_repin: bool = False
     grace_s: float = 5.0
 
     @property
@@ -87,6 +90,51 @@ def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value
 
 
+def _number(section: Mapping[str, Any], key: str, where: str, default: float, minimum: float = 0.0) -> float:
+    value = float(_get(section, key, (int, float), where, default))
+    if value < minimum:
+        raise ConfigError(f"{where}.{key}: expected a number >= {minimum:g}, got {value:g}")
+    return value
+
+
+def _health_settings(raw: Mapping[str, Any]) -> HealthSettings:
+    d = HealthSettings()
+    weights = _section(raw, "weights") if "weights" in raw else {}
+    limits = _section(raw, "limits") if "limits" in raw else {}
+    where = "health"
+    rotation = RotationPolicy(
+        eject_below=_number(raw, "eject_below", where, d.rotation.eject_below),
+        eject_after=int(_number(raw, "eject_after", where, d.rotation.eject_after, 1)),
+        readmit_above=_number(raw, "readmit_above", where, d.rotation.readmit_above),
+        readmit_after=int(_number(raw, "readmit_after", where, d.rotation.readmit_after, 1)),
+        cooldown_s=_number(raw, "cooldown_s", where, d.rotation.cooldown_s),
+    )
+    if rotation.readmit_above < rotation.eject_below:
+        raise ConfigError("health.readmit_above: must not be below health.eject_below (hysteresis)")
+    return HealthSettings(
+        scrape_interval_s=_number(raw, "scrape_interval_s", where, d.scrape_interval_s, 0.01),
+        scrape_timeout_s=_number(raw, "scrape_timeout_s", where, d.scrape_timeout_s, 0.001),
+        stale_after_s=_number(raw, "stale_after_s", where, d.stale_after_s, 0.01),
+        metrics_path=str(_get(raw, "metrics_path", str, where, d.metrics_path)),
+        weights=HealthWeights(
+            **{
+                k: _number(weights, k, "health.weights", getattr(d.weights, k))
+                for k in HealthWeights.__dataclass_fields__
+            }
+        ),
+        limits=HealthLimits(
+            queue_full=int(_number(limits, "queue_full", "health.limits", d.limits.queue_full, 1)),
+            kv_start=_number(limits, "kv_start", "health.limits", d.limits.kv_start),
+            ttft_slo_s=_number(limits, "ttft_slo_s", "health.limits", d.limits.ttft_slo_s, 0.001),
+            error_rate_full=_number(limits, "error_rate_full", "health.limits", d.limits.error_rate_full, 0.001),
+            unreachable_after=int(_number(limits, "unreachable_after", "health.limits", d.limits.unreachable_after, 1)),
+        ),
+        rotation=rotation,
+        upstream_fail_after=int(_number(raw, "upstream_fail_after", where, d.upstream_fail_after, 1)),
+        ttft_window_s=_number(raw, "ttft_window_s", where, d.ttft_window_s, 1.0),
+    )
+
+
 KNOWN_KEYS = {
     "listen",
     "mode",
@@ -101,6 +149,7 @@ KNOWN_KEYS = {
     "metrics",
     "grpc",
     "health",
+    "spillover",
 }
 
 
@@ -175,8 +224,8 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         ring_key_blocks=int(_get(ring, "key_blocks", int, "ring", base.ring_key_blocks)),
         metrics_listen=metrics.get("listen", base.metrics_listen) if metrics.get("enabled", True) else None,
         max_message_bytes=int(_get(grpc, "max_message_bytes", int, "grpc", base.max_message_bytes)),
-        eject_after=int(_get(health, "eject_after", int, "health", base.eject_after)),
-        eject_s=float(_get(health, "eject_s", (int, float), "health", base.eject_s)),
+        health=_health_settings(health),
+        spillover_repin=bool(_get(_section(raw, "spillover"), "repin", bool, "spillover", base.spillover_repin)),
     )
     if cfg.session_ttl_s <= 0 or cfg.max_sessions < 1:
         raise ConfigError("sessions.ttl_s and sessions.max_sessions: expected positive values")

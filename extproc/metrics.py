@@ -39,6 +39,27 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.scrape_errors = Counter(
+            "extproc_replica_scrape_errors", "Failed scrapes of a replica's /metrics page.", ["replica"], registry=r
+        )
+        self.ejections = Counter(
+            "extproc_replica_ejections", "Times a replica left the rotation.", ["replica"], registry=r
+        )
+        self.replica_health = Gauge(
+            "extproc_replica_health_score", "Replica health score in [0, 1].", ["replica"], registry=r
+        )
+        self.replica_in_rotation = Gauge(
+            "extproc_replica_in_rotation", "1 when the replica is in rotation.", ["replica"], registry=r
+        )
+        self.replica_queue = Gauge(
+            "extproc_replica_queue_requests", "Waiting requests, as last scraped.", ["replica"], registry=r
+        )
+        self.replica_kv_usage = Gauge(
+            "extproc_replica_kv_cache_usage_ratio",
+            "KV-cache usage in [0, 1], as last scraped.",
+            ["replica"],
+            registry=r,
+        )
         self.sessions = Gauge("extproc_sessions", "Sessions held by the affinity store.", registry=r)
         self.body_errors = Counter(
             "extproc_request_body_errors", "Request bodies that could not be used for routing.", registry=r

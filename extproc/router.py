@@ -57,7 +57,7 @@ class Router:
         self.profile = profile or build_profile(
             config.profile, vnodes=config.vnodes, ring_key_blocks=config.ring_key_blocks
         )
-        self.replicas = ReplicaBook(config.replicas, config.eject_after, config.eject_s)
+        self.replicas = ReplicaBook(config.replicas, config.health)
 
     async def route(self, headers: Mapping[str, str], body: bytes | None) -> Routed:
         """Decide where a request goes and record the decision (pin, prefix index, in-flight)."""
@@ -83,7 +83,7 @@ class Router:
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             self.replicas.begin(replica.name, start, prefill_tokens)
-            pin = decision.reason != Reason.SPILLOVER
+            pin = decision.reason != Reason.SPILLOVER or self.config.spillover_repin
             try:
                 await self.store.record(features.session_key, replica.name, features.prefix_hashes, start, pin)
             except Exception as exc:
@@ -130,6 +130,12 @@ class Router:
 
     def collect(self) -> None:
         """Refresh gauges from current state (called before each metrics scrape)."""
+        m = self.metrics
         for rec in self.replicas.records():
-            self.metrics.replica_inflight.labels(rec.replica.name).set(rec.inflight)
+            name = rec.replica.name
+            m.replica_inflight.labels(name).set(rec.inflight)
+            m.replica_health.labels(name).set(rec.health)
+            m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
+            m.replica_queue.labels(name).set(rec.queue)
+            m.replica_kv_usage.labels(name).set(rec.kv_usage)
         self.metrics.sessions.set(self.store.stats().sessions)

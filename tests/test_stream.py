@@ -143,5 +143,8 @@ async def test_upstream_failures_take_a_replica_out_of_rotation() -> None:
         )
     snap = router.replicas.snapshot(clock[0])
     assert sum(not s.in_rotation for s in snap.replicas) == 1
-    clock[0] += 60
+    clock[0] += 60  # past the cooldown: readmitted after two good evaluations, not before
+    router.replicas.evaluate(clock[0])
+    assert sum(not s.in_rotation for s in router.replicas.snapshot(clock[0]).replicas) == 1
+    router.replicas.evaluate(clock[0] + 0.25)
     assert all(s.in_rotation for s in router.replicas.snapshot(clock[0]).replicas)

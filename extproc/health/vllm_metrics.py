@@ -1,0 +1,184 @@
+"""What a vLLM replica's ``/metrics`` page says, parsed with prometheus_client's parser.
+
+Names are vLLM's (V1 engine, 0.33; ../shared/vllm/README.md), with the older
+``vllm:gpu_cache_usage_perc`` read when ``vllm:kv_cache_usage_perc`` is absent. Series of several
+engines (data parallel) or models are summed (queues, counters) or maxed (KV usage).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True, slots=True)
+class LoraInfo:
+    """``vllm:lora_requests_info``: adapters loaded and waiting, and how many may be loaded."""
+
+    max_lora: int
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaMetrics:
+    """One scrape of one replica."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    preemptions: float = 0.0
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    lora: LoraInfo | None = None
+    models: tuple[str, ...] = field(default=())
+
+
+class MetricsPageError(ValueError):
+    """The page is not a Prometheus exposition, or has none of vLLM's load gauges."""
+
+
+_WANTED = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:cache_config_info",
+    "vllm:lora_requests_info",
+)
+
+
+def _relevant_lines(text: str) -> str:
+    """Only the series the router reads, with their TYPE lines: a full vLLM page has hundreds of
+    histogram lines the router never looks at, and the parser's cost is per line."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name = line[7:].split(" ", 1)[0]
+        elif line.startswith("#") or not line:
+            continue
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith(_WANTED) and not name.endswith(("_created", "_by_reason")):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def _adapters(value: str) -> tuple[str, ...]:
+    return tuple(a for a in value.split(",") if a)
+
+
+def parse_vllm_metrics(text: str) -> ReplicaMetrics:
+    """Parse a /metrics page; raises :class:`MetricsPageError` when it is unusable."""
+    running = waiting = 0.0
+    kv: float | None = None
+    legacy_kv: float | None = None
+    queries = hits = preemptions = 0.0
+    buckets: dict[float, float] = {}
+    block_size = num_blocks = None
+    lora: tuple[float, LoraInfo] | None = None
+    models: set[str] = set()
+    seen_load = False
+    try:
+        for family in text_string_to_metric_families(_relevant_lines(text)):
+            for sample in family.samples:
+                name, labels, value = sample.name, sample.labels, sample.value
+                if not name.startswith("vllm:") or math.isnan(value):
+                    continue
+                if "model_name" in labels:
+                    models.add(labels["model_name"])
+                if name == "vllm:num_requests_running":
+                    running += value
+                    seen_load = True
+                elif name == "vllm:num_requests_waiting":
+                    waiting += value
+                    seen_load = True
+                elif name == "vllm:kv_cache_usage_perc":
+                    kv = value if kv is None else max(kv, value)
+                elif name == "vllm:gpu_cache_usage_perc":
+                    legacy_kv = value if legacy_kv is None else max(legacy_kv, value)
+                elif name == "vllm:prefix_cache_queries_total":
+                    queries += value
+                elif name == "vllm:prefix_cache_hits_total":
+                    hits += value
+                elif name == "vllm:num_preemptions_total":
+                    preemptions += value
+                elif name == "vllm:time_to_first_token_seconds_bucket":
+                    le = float(labels.get("le", "inf"))
+                    buckets[le] = buckets.get(le, 0.0) + value
+                elif name == "vllm:cache_config_info":
+                    block_size = _int(labels.get("block_size"), block_size)
+                    num_blocks = _int(labels.get("num_gpu_blocks"), num_blocks)
+                elif name == "vllm:lora_requests_info":
+                    info = LoraInfo(
+                        max_lora=_int(labels.get("max_lora"), 0) or 0,
+                        running=_adapters(labels.get("running_lora_adapters", "")),
+                        waiting=_adapters(labels.get("waiting_lora_adapters", "")),
+                    )
+                    # Several series may linger; the newest (largest timestamp value) is current.
+                    if lora is None or value > lora[0]:
+                        lora = (value, info)
+    except ValueError as exc:
+        raise MetricsPageError(f"not a Prometheus exposition: {exc}") from None
+    if not seen_load:
+        raise MetricsPageError("no vllm:num_requests_running / vllm:num_requests_waiting on the page")
+    usage = kv if kv is not None else legacy_kv if legacy_kv is not None else 0.0
+    return ReplicaMetrics(
+        running=int(running),
+        waiting=int(waiting),
+        kv_usage=min(1.0, max(0.0, usage)),
+        prefix_queries=queries,
+        prefix_hits=hits,
+        preemptions=preemptions,
+        ttft_buckets=tuple(sorted(buckets.items())),
+        block_size=block_size,
+        num_gpu_blocks=num_blocks,
+        lora=lora[1] if lora else None,
+        models=tuple(sorted(models)),
+    )
+
+
+def _int(value: str | None, default: int | None) -> int | None:
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+def histogram_quantile(buckets: tuple[tuple[float, float], ...], q: float, min_count: float = 20.0) -> float | None:
+    """The ``q`` quantile of a cumulative histogram (``(le, count)`` pairs), as Prometheus' own
+    ``histogram_quantile`` does (linear within the bucket); None with fewer than ``min_count``."""
+    if not buckets:
+        return None
+    total = buckets[-1][1]
+    if total < min_count:
+        return None
+    rank = q * total
+    lower_le, lower_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lower_le
+            width = count - lower_count
+            return lower_le + (le - lower_le) * ((rank - lower_count) / width if width else 1.0)
+        lower_le, lower_count = le, count
+    return buckets[-1][0]
+
+
+def bucket_delta(
+    newer: tuple[tuple[float, float], ...], older: tuple[tuple[float, float], ...]
+) -> tuple[tuple[float, float], ...]:
+    """Per-bucket increase between two scrapes (a counter reset counts from zero)."""
+    old = dict(older)
+    if any(count < old.get(le, 0.0) for le, count in newer):
+        return newer  # the replica restarted: everything since is new
+    return tuple((le, count - old.get(le, 0.0)) for le, count in newer)
