@@ -27,7 +27,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="a replica (repeatable); in cluster mode NAME is its Envoy cluster",
     )
     p.add_argument("--mode", choices=["cluster", "endpoint"])
-    p.add_argument("--store", help="affinity store URL (memory://)")
+    p.add_argument(
+        "--store",
+        help="affinity store URL: memory:// (default), redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
+    )
     p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (default 127.0.0.1:9190), 'off' to disable")
     p.add_argument("--log-level", default="info")
 
@@ -51,6 +54,12 @@ def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--listen", default="127.0.0.1:10000")
     p.add_argument("--admin", default="127.0.0.1:9901")
     p.add_argument("--round-robin-listen", default=None, help="also a plain round-robin listener here")
+    p.add_argument(
+        "--endpoint-cluster",
+        choices=["override_host", "original_dst"],
+        default="override_host",
+        help="endpoint mode: a cluster of known replicas with failover (override_host), or ORIGINAL_DST",
+    )
 
 
 def _build_config(args: argparse.Namespace) -> Config:
@@ -69,11 +78,15 @@ def _build_config(args: argparse.Namespace) -> Config:
 
 async def _serve(cfg: Config) -> None:
     from extproc.health.scraper import Scraper
+    from extproc.metrics import RouterMetrics
     from extproc.metrics_http import start_metrics_server
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
+    from extproc.state.factory import open_store
 
-    router = Router(cfg)
+    metrics = RouterMetrics()
+    store = open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
+    router = Router(cfg, store=store, metrics=metrics)
     server = ProcessorServer(router, cfg.listen, cfg.max_message_bytes)
     runner = None
     if cfg.metrics_listen:
@@ -88,6 +101,7 @@ async def _serve(cfg: Config) -> None:
             await scraping
         if runner is not None:
             await runner.cleanup()
+        await store.close()  # idempotent: a graceful stop has closed it already
 
 
 async def _until_signalled(work: Coroutine[Any, Any, None]) -> None:
@@ -140,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cluster_header=cfg.target_cluster_header,
                 endpoint_header=cfg.destination_endpoint_header,
                 round_robin_listen=args.round_robin_listen,
+                endpoint_cluster=args.endpoint_cluster,
             )
             sys.stdout.write(render_yaml(spec))
         elif args.command == "demo":

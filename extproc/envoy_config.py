@@ -10,8 +10,15 @@ the processor is down.
   replica's cluster also lists every other replica at priority 1: a connect failure or reset
   is retried on another replica (``previous_priorities``), so a dead replica costs no client
   error for requests that had not reached it.
-- ``endpoint``: the Gateway API Inference Extension's endpoint-picker protocol: an
-  ``ORIGINAL_DST`` cluster sends to the ``ip:port`` in ``x-gateway-destination-endpoint``.
+- ``endpoint``: the Gateway API Inference Extension's endpoint-picker protocol: the processor
+  names the pod's ``ip:port`` in ``x-gateway-destination-endpoint`` and, with fallbacks, in the
+  ``envoy.lb`` metadata. Two cluster kinds read it:
+  ``override_host`` (default): a cluster of the known replicas with the ``override_host`` load
+  balancing policy, which takes the header, then the metadata list, then round robin; retries
+  of connect failures and resets go to another host, so a dead pod costs no client error.
+  ``original_dst``: an ``ORIGINAL_DST`` cluster connects to whatever address the header names,
+  for fleets Envoy does not know; a retry goes to the same address, so a dead pod's requests
+  fail over only after the processor ejects it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ PREVIOUS_PRIORITIES = (
 PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 ROUND_ROBIN_CLUSTER = "replicas_round_robin"
 ORIGINAL_DST_CLUSTER = "replicas_original_dst"
+OVERRIDE_HOST_CLUSTER = "replicas_endpoint"
+OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+ROUND_ROBIN_POLICY = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 PROCESSOR_CLUSTER = "extproc"
 BUFFER_LIMIT = 16 * 1024 * 1024
 
@@ -51,6 +61,7 @@ class GatewaySpec:
     admin: str = "127.0.0.1:9901"
     cluster_header: str = "x-target-cluster"
     endpoint_header: str = "x-gateway-destination-endpoint"
+    endpoint_cluster: str = "override_host"
     round_robin_listen: str | None = None
     message_timeout_ms: int = 1000
     route_timeout_s: int = 300
@@ -98,12 +109,16 @@ def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool)
     routes: list[dict[str, Any]] = []
     if with_processor:
         header = spec.cluster_header if spec.mode == "cluster" else spec.endpoint_header
-        target: dict[str, Any] = (
-            {"cluster_header": spec.cluster_header} if spec.mode == "cluster" else {"cluster": ORIGINAL_DST_CLUSTER}
-        )
-        target["timeout"] = f"{spec.route_timeout_s}s"
+        target: dict[str, Any]
         if spec.mode == "cluster":
-            target["retry_policy"] = _retry_policy(spec.retries, across_priorities=True)
+            target = {"cluster_header": spec.cluster_header}
+        elif spec.endpoint_cluster == "original_dst":
+            target = {"cluster": ORIGINAL_DST_CLUSTER}
+        else:
+            target = {"cluster": OVERRIDE_HOST_CLUSTER}
+        target["timeout"] = f"{spec.route_timeout_s}s"
+        if spec.mode == "cluster" or spec.endpoint_cluster != "original_dst":
+            target["retry_policy"] = _retry_policy(spec.retries, across_priorities=spec.mode == "cluster")
         routes.append({"match": {"prefix": "/", "headers": [{"name": header, "present_match": True}]}, "route": target})
     routes.append(default_route)
     filters: list[dict[str, Any]] = [
@@ -176,10 +191,36 @@ def _cluster(name: str, endpoints: list[dict[str, Any]], **extra: Any) -> dict[s
 _OUTLIER = {"consecutive_gateway_failure": 3, "interval": "1s", "base_ejection_time": "5s", "max_ejection_percent": 50}
 
 
+def _override_host(spec: GatewaySpec) -> dict[str, Any]:
+    # The metadata first: it carries the fallbacks after the chosen pod; the header has only the pod.
+    return {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": OVERRIDE_HOST,
+            "override_host_sources": [
+                {"metadata": {"key": "envoy.lb", "path": [{"key": spec.endpoint_header}]}},
+                {"header": spec.endpoint_header},
+            ],
+            "fallback_policy": {
+                "policies": [
+                    {
+                        "typed_extension_config": {
+                            "name": "envoy.load_balancing_policies.round_robin",
+                            "typed_config": {"@type": ROUND_ROBIN_POLICY},
+                        }
+                    }
+                ]
+            },
+        },
+    }
+
+
 def render(spec: GatewaySpec) -> dict[str, Any]:
     """The bootstrap as a mapping (dump it with :func:`render_yaml`)."""
     if spec.mode not in ("cluster", "endpoint"):
         raise ValueError(f"mode: expected cluster or endpoint, got {spec.mode!r}")
+    if spec.endpoint_cluster not in ("override_host", "original_dst"):
+        raise ValueError(f"endpoint_cluster: expected override_host or original_dst, got {spec.endpoint_cluster!r}")
     listeners = [_listener("gateway", spec.listen, _http_connection_manager(spec, "gateway", True))]
     if spec.round_robin_listen:
         listeners.append(
@@ -203,6 +244,16 @@ def render(spec: GatewaySpec) -> dict[str, Any]:
             if others:
                 endpoints.append({"lb_endpoints": others, "priority": 1})
             clusters.append(_cluster(replica.name, endpoints, outlier_detection=_OUTLIER))
+    elif spec.endpoint_cluster != "original_dst":
+        clusters.append(
+            _cluster(
+                OVERRIDE_HOST_CLUSTER,
+                [{"lb_endpoints": every}],
+                outlier_detection=_OUTLIER,
+                load_balancing_policy={"policies": [{"typed_extension_config": _override_host(spec)}]},
+            )
+        )
+        del clusters[-1]["lb_policy"]
     else:
         clusters.append(
             {

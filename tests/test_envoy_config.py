@@ -29,7 +29,7 @@ def validate(path: Path) -> None:
 
 
 def test_shipped_configs_exist() -> None:
-    assert {p.parent.name for p in SHIPPED} >= {"cluster-mode", "endpoint-mode"}
+    assert {p.parent.name for p in SHIPPED} >= {"cluster-mode", "endpoint-mode", "endpoint-original-dst"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.parent.name)
@@ -37,20 +37,34 @@ def test_shipped_config_validates(path: Path) -> None:
     validate(path)
 
 
-@pytest.mark.parametrize("mode", ["cluster", "endpoint"])
-def test_shipped_config_is_what_the_renderer_produces(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["envoy-config", "--mode", mode, "--processor", "127.0.0.1:9002"]
+@pytest.mark.parametrize(
+    ("folder", "flags"),
+    [
+        ("cluster-mode", ["--mode", "cluster"]),
+        ("endpoint-mode", ["--mode", "endpoint"]),
+        ("endpoint-original-dst", ["--mode", "endpoint", "--endpoint-cluster", "original_dst"]),
+    ],
+)
+def test_shipped_config_is_what_the_renderer_produces(
+    folder: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["envoy-config", *flags, "--processor", "127.0.0.1:9002"]
     argv += [f"--replica={r}" for r in EXAMPLE_REPLICAS]
     assert main(argv) == 0
-    assert capsys.readouterr().out == (ROOT / "envoy" / f"{mode}-mode" / "envoy.yaml").read_text()
+    assert capsys.readouterr().out == (ROOT / "envoy" / folder / "envoy.yaml").read_text()
 
 
-@pytest.mark.parametrize("mode", ["cluster", "endpoint"])
-def test_rendered_with_unix_socket_processor_and_round_robin_listener_validates(mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "endpoint_cluster"), [("cluster", ""), ("endpoint", "override_host"), ("endpoint", "original_dst")]
+)
+def test_rendered_with_unix_socket_processor_and_round_robin_listener_validates(
+    mode: str, endpoint_cluster: str, tmp_path: Path
+) -> None:
     spec = GatewaySpec(
         replicas=[Replica(f"r{i}", f"127.0.0.1:{8000 + i}") for i in range(4)],
         processor=f"unix:{tmp_path}/p.sock",
         mode=mode,
+        endpoint_cluster=endpoint_cluster or "override_host",
         round_robin_listen="127.0.0.1:10001",
     )
     path = tmp_path / "envoy.yaml"
