@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint os-deps bench-overhead clean
+.PHONY: install demo test lint os-deps bench-overhead bench-store fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,8 @@ os-deps:
 	@bash scripts/install-os-deps.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check extproc tests benchmarks
-	$(VENV)/bin/ruff format --check extproc tests benchmarks
+	$(VENV)/bin/ruff check extproc tests benchmarks fuzz envoy
+	$(VENV)/bin/ruff format --check extproc tests benchmarks fuzz envoy
 	$(VENV)/bin/mypy
 
 test: $(STAMP) os-deps lint
@@ -31,6 +31,14 @@ test: $(STAMP) os-deps lint
 
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+bench-store: $(STAMP) os-deps
+	$(PY) benchmarks/store_latency.py
+
+# Longer coverage-guided fuzzing runs (bounded); the suite runs short ones.
+fuzz: $(STAMP)
+	$(PY) fuzz/fuzz_request.py -runs=200000 -max_len=65536 -seed=1
+	$(PY) fuzz/fuzz_stream.py -runs=50000 -max_len=16384 -seed=1
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

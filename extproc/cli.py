@@ -1,11 +1,10 @@
-"""The ``extproc`` command line: serve, replica, envoy-config, demo."""
+"""The ``extproc`` command line: serve, replica, envoy-config, check-config, demo."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -13,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from extproc.config import Config, ConfigError, load_config, parse_replica, with_overrides
+from extproc.logs import setup_logging
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,6 +33,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (default 127.0.0.1:9190), 'off' to disable")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
 
 
 def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,20 +47,46 @@ def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("envoy-config", help="render an Envoy bootstrap for the router's replicas")
-    p.add_argument("--config", help="router YAML config (replicas, mode, headers)")
+    # Scenario and output names are checked by extproc.envoy_config, imported only for this command.
+    p = sub.add_parser(
+        "envoy-config", help="render an Envoy bootstrap (or Istio EnvoyFilter) for the router's replicas"
+    )
+    p.add_argument("--config", help="router YAML config (replicas or discovery, mode, headers, listen)")
+    p.add_argument(
+        "--scenario",
+        help="a preset, as the folders of envoy/: cluster-mode, endpoint-mode, endpoint-original-dst, failover, "
+        "unix-socket, kubernetes",
+    )
+    p.add_argument("--output", default="bootstrap", help="bootstrap (default) or istio-envoyfilter")
     p.add_argument("--replica", action="append", default=[], metavar="NAME=HOST:PORT")
     p.add_argument("--mode", choices=["cluster", "endpoint"])
-    p.add_argument("--processor", default=None, help="the processor's HOST:PORT or unix:/path")
-    p.add_argument("--listen", default="127.0.0.1:10000")
-    p.add_argument("--admin", default="127.0.0.1:9901")
-    p.add_argument("--round-robin-listen", default=None, help="also a plain round-robin listener here")
+    p.add_argument("--processor", help="the processor's HOST:PORT or unix:/path (default: the config's listen)")
+    p.add_argument("--listen", help="the gateway listener (default 127.0.0.1:10000)")
+    p.add_argument("--admin", help="the admin interface (default 127.0.0.1:9901)")
+    p.add_argument("--round-robin-listen", help="also a plain round-robin listener here")
     p.add_argument(
         "--endpoint-cluster",
         choices=["override_host", "original_dst"],
-        default="override_host",
-        help="endpoint mode: a cluster of known replicas with failover (override_host), or ORIGINAL_DST",
+        help="endpoint mode: a cluster of known replicas with failover (override_host, default), or ORIGINAL_DST",
     )
+    p.add_argument("--health-check-path", help="active HTTP health checks of the replicas on this path")
+    p.add_argument("--probe-listen", help="a listener exposing only the admin's /ready and /stats/prometheus")
+    p.add_argument("--replicas-dns", metavar="HOST:PORT", help="endpoint mode: replicas by DNS (default: discovery)")
+    p.add_argument("--istio-namespace", default="istio-system", help="istio-envoyfilter: the gateway's namespace")
+
+
+def _check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("check-config", help="validate a router config file without starting (exit 2 if invalid)")
+    p.add_argument("file", help="router YAML config")
+
+
+def _check_store(url: str) -> None:
+    from extproc.state.store_url import parse_store_url
+
+    try:
+        parse_store_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"--store: {exc}") from None
 
 
 def _build_config(args: argparse.Namespace) -> Config:
@@ -67,6 +94,8 @@ def _build_config(args: argparse.Namespace) -> Config:
     replicas = tuple(parse_replica(s) for s in args.replica) or None
     changes: dict[str, object] = {"replicas": replicas, "mode": args.mode}
     if hasattr(args, "store"):
+        if args.store:
+            _check_store(args.store)
         changes["store"] = args.store
         changes["listen"] = args.listen
         changes["metrics_listen"] = args.metrics_listen
@@ -77,6 +106,7 @@ def _build_config(args: argparse.Namespace) -> Config:
 
 
 async def _serve(cfg: Config) -> None:
+    from extproc.discovery import run_discovery
     from extproc.health.scraper import Scraper
     from extproc.metrics import RouterMetrics
     from extproc.metrics_http import start_metrics_server
@@ -85,20 +115,27 @@ async def _serve(cfg: Config) -> None:
     from extproc.state.factory import open_store
 
     metrics = RouterMetrics()
-    store = open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
+    try:
+        store = open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
+    except ValueError as exc:  # e.g. an unreadable password file
+        raise ConfigError(f"store: {exc}") from None
     router = Router(cfg, store=store, metrics=metrics)
     server = ProcessorServer(router, cfg.listen, cfg.max_message_bytes)
     runner = None
     if cfg.metrics_listen:
         runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, router.collect)
-    scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics)
+    scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
+    discovering = asyncio.create_task(run_discovery(cfg, router), name="discovery")
     try:
         await server.serve_until_signalled(cfg.grace_s)
     finally:
         scraping.cancel()
+        discovering.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await scraping
+        with contextlib.suppress(asyncio.CancelledError):
+            await discovering
         if runner is not None:
             await runner.cleanup()
         await store.close()  # idempotent: a graceful stop has closed it already
@@ -121,17 +158,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_parser(sub)
     _replica_parser(sub)
     _envoy_parser(sub)
+    _check_parser(sub)
     from extproc.demo.cli import add_demo_parser
 
     add_demo_parser(sub)
     args = parser.parse_args(argv)
-    level = getattr(args, "log_level", "warning" if args.command == "demo" else "info").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(
+        getattr(args, "log_level", "warning" if args.command == "demo" else "info"), getattr(args, "log_format", "text")
+    )
     try:
         if args.command == "serve":
             cfg = _build_config(args)
-            if not cfg.replicas:
-                parser.error("serve: no replicas (give --replica NAME=HOST:PORT or a config file with replicas)")
+            if not cfg.replicas and cfg.discovery.is_static:
+                parser.error(
+                    "serve: no replicas (give --replica NAME=HOST:PORT, or a config file with replicas or discovery)"
+                )
             asyncio.run(_serve(cfg))
         elif args.command == "replica":
             from extproc.replica import serve_replica
@@ -142,21 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         elif args.command == "envoy-config":
-            from extproc.envoy_config import GatewaySpec, render_yaml
+            from extproc.envoy_config import run_envoy_config
 
-            cfg = _build_config(args)
-            spec = GatewaySpec(
-                replicas=cfg.replicas,
-                processor=args.processor or cfg.listen,
-                mode=cfg.mode,
-                listen=args.listen,
-                admin=args.admin,
-                cluster_header=cfg.target_cluster_header,
-                endpoint_header=cfg.destination_endpoint_header,
-                round_robin_listen=args.round_robin_listen,
-                endpoint_cluster=args.endpoint_cluster,
-            )
-            sys.stdout.write(render_yaml(spec))
+            return run_envoy_config(args, sys.stdout)
+        elif args.command == "check-config":
+            cfg = load_config(args.file)
+            source = "static" if cfg.discovery.is_static else cfg.discovery.source.type
+            print(f"{args.file}: ok (mode {cfg.mode}, {len(cfg.replicas)} replicas, discovery {source})")
         elif args.command == "demo":
             from extproc.demo.cli import run_demo_command
 

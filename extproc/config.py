@@ -12,13 +12,19 @@ from typing import Any, Literal
 
 import yaml
 
+from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, parse_discovery
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.rebalance.prewarm import PrewarmSettings
+from extproc.rebalance.rebalancer import RebalanceSettings
+from extproc.request.classes import ClassRule
 from extproc.request.features import FeatureSettings
 from extproc.request.session import SessionSource
 from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
+from extproc.state.store_url import parse_store_url
+from extproc.tenancy import TenantPolicy, TenantSettings
 
 Mode = Literal["cluster", "endpoint"]
 ROUTING_HEADERS = ("x-target-cluster", "x-gateway-destination-endpoint")
@@ -37,6 +43,7 @@ class Config:
     target_cluster_header: str = "x-target-cluster"
     destination_endpoint_header: str = "x-gateway-destination-endpoint"
     replicas: tuple[Replica, ...] = ()
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     store: str = "memory://"
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
@@ -48,6 +55,9 @@ class Config:
     metrics_listen: str | None = "127.0.0.1:9190"
     max_message_bytes: int = 32 * 1024 * 1024
     health: HealthSettings = field(default_factory=HealthSettings)
+    rebalance: RebalanceSettings = field(default_factory=RebalanceSettings)
+    tenants: TenantSettings = field(default_factory=TenantSettings)
+    profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     spillover_repin: bool = False
     grace_s: float = 5.0
 
@@ -58,12 +68,19 @@ class Config:
 
 
 def parse_replica(spec: str) -> Replica:
-    """``NAME=HOST:PORT`` (or just ``HOST:PORT``, named after its address)."""
-    name, sep, address = spec.partition("=")
+    """``NAME=HOST:PORT[,LABEL=VALUE...]`` (or just ``HOST:PORT``, named after its address)."""
+    head, *label_specs = spec.split(",")
+    name, sep, address = head.partition("=")
     if not sep:
-        name, address = spec.replace(":", "_").replace(".", "-"), spec
+        name, address = head.replace(":", "_").replace(".", "-"), head
     _check_address(address, f"replica {spec!r}")
-    return Replica(name=name.strip(), address=address.strip())
+    labels = {}
+    for item in label_specs:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"replica {spec!r}: labels are LABEL=VALUE, got {item!r}")
+        labels[key.strip()] = value.strip()
+    return Replica(name=name.strip(), address=address.strip(), labels=labels)
 
 
 def _check_address(address: str, where: str) -> None:
@@ -135,11 +152,148 @@ def _health_settings(raw: Mapping[str, Any]) -> HealthSettings:
     )
 
 
+TENANT_KEYS = {"header", "api_keys", "api_keys_file", "replica_capacity", "per_replica", "overflow_pool", "definitions"}
+
+
+def _tenant_settings(raw: Mapping[str, Any]) -> TenantSettings:
+    d = TenantSettings()
+    unknown = set(raw) - TENANT_KEYS
+    if unknown:
+        raise ConfigError(f"tenants: unknown keys {', '.join(sorted(unknown))}")
+    definitions: dict[str, TenantPolicy] = {}
+    defs = _section(raw, "definitions") if "definitions" in raw else {}
+    for name, spec in defs.items():
+        where = f"tenants.definitions.{name}"
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        over = spec.get("over_quota", "reject")
+        if over not in ("reject", "overflow"):
+            raise ConfigError(f"{where}.over_quota: expected 'reject' or 'overflow', got {over!r}")
+        max_concurrent = spec.get("max_concurrent")
+        share = spec.get("max_share")
+        if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
+            raise ConfigError(f"{where}.max_concurrent: expected an integer >= 1")
+        if share is not None and (not isinstance(share, int | float) or not 0 < share <= 1):
+            raise ConfigError(f"{where}.max_share: expected a fraction in (0, 1]")
+        definitions[str(name)] = TenantPolicy(
+            max_concurrent=max_concurrent,
+            max_share=float(share) if share is not None else None,
+            shard_size=int(_number(spec, "shard_size", where, 0)),
+            over_quota=over,
+            retry_after_s=int(_number(spec, "retry_after_s", where, 1, 1)),
+        )
+    pool = _get(raw, "overflow_pool", Mapping, "tenants", d.overflow_pool)
+    return TenantSettings(
+        definitions=definitions,
+        replica_capacity=int(_number(raw, "replica_capacity", "tenants", d.replica_capacity, 1)),
+        per_replica=int(_number(raw, "per_replica", "tenants", d.per_replica, 1)),
+        overflow_pool={str(k): str(v) for k, v in pool.items()},
+    )
+
+
+def _api_keys(raw: Mapping[str, Any]) -> dict[str, str]:
+    """API-key digests -> tenant, inline or from a YAML/JSON file (``api_keys_file``)."""
+    keys: dict[str, Any] = dict(_get(raw, "api_keys", Mapping, "tenants", {}))
+    path = raw.get("api_keys_file")
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(str(path)).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"tenants.api_keys_file: {exc}") from None
+        if not isinstance(loaded, Mapping):
+            raise ConfigError("tenants.api_keys_file: expected a mapping of sha256 digest -> tenant")
+        keys.update(loaded)
+    for digest in keys:
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise ConfigError("tenants.api_keys: keys are hex SHA-256 digests of API keys, never the keys themselves")
+    return {k: str(v) for k, v in keys.items()}
+
+
+def _class_rules(raw: Any, profiles: Mapping[str, Any]) -> tuple[ClassRule, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError("classes: expected a list of rules")
+    rules = []
+    for i, item in enumerate(raw):
+        where = f"classes[{i}]"
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+            raise ConfigError(f"{where}: expected a mapping with a name")
+        match = _section(item, "match") if "match" in item else {}
+        unknown = set(match) - {"min_tokens", "max_tokens", "stream", "media", "headers", "models"}
+        if unknown:
+            raise ConfigError(f"{where}.match: unknown keys {', '.join(sorted(unknown))}")
+        profile = item.get("profile")
+        if profile is not None and profile not in profiles:
+            raise ConfigError(f"{where}.profile: no profile {profile!r} under profiles:")
+        models = match.get("models", [])
+        rules.append(
+            ClassRule(
+                name=item["name"],
+                min_tokens=_get(match, "min_tokens", int, f"{where}.match", None),
+                max_tokens=_get(match, "max_tokens", int, f"{where}.match", None),
+                stream=_get(match, "stream", bool, f"{where}.match", None),
+                media=_get(match, "media", bool, f"{where}.match", None),
+                headers={str(k).lower(): str(v) for k, v in _get(match, "headers", Mapping, where, {}).items()},
+                models=tuple(str(m) for m in (models if isinstance(models, list) else [models])),
+                pool={str(k): str(v) for k, v in _get(item, "pool", Mapping, where, {}).items()},
+                profile=profile,
+            )
+        )
+    return tuple(rules)
+
+
+def _profiles(raw: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    out = {}
+    for name, spec in raw.items():
+        try:
+            build_profile(spec)
+        except ProfileError as exc:
+            raise ConfigError(f"profiles.{name}: {exc}") from None
+        out[str(name)] = spec
+    return out
+
+
+def _rebalance_settings(raw: Mapping[str, Any]) -> RebalanceSettings:
+    d = RebalanceSettings()
+    where = "rebalance"
+    pw = _section(raw, "prewarm") if "prewarm" in raw else {}
+    fraction = _number(raw, "shed_fraction", where, d.shed_fraction)
+    if fraction > 1:
+        raise ConfigError("rebalance.shed_fraction: expected a fraction in [0, 1]")
+    return RebalanceSettings(
+        enabled=bool(_get(raw, "enabled", bool, where, d.enabled)),
+        session_cooldown_s=_number(raw, "session_cooldown_s", where, d.session_cooldown_s),
+        hot_kv=_number(raw, "hot_kv", where, d.hot_kv),
+        hot_queue=int(_number(raw, "hot_queue", where, d.hot_queue)),
+        hot_for_s=_number(raw, "hot_for_s", where, d.hot_for_s),
+        shed_fraction=fraction,
+        replica_cooldown_s=_number(raw, "replica_cooldown_s", where, d.replica_cooldown_s),
+        ledger_sessions=int(_number(raw, "ledger_sessions", where, d.ledger_sessions, 1)),
+        ledger_bytes=int(_number(raw, "ledger_bytes", where, d.ledger_bytes, 1)),
+        prewarm=PrewarmSettings(
+            enabled=bool(_get(pw, "enabled", bool, "rebalance.prewarm", d.prewarm.enabled)),
+            rate_per_s=_number(pw, "rate_per_s", "rebalance.prewarm", d.prewarm.rate_per_s, 0.001),
+            burst=int(_number(pw, "burst", "rebalance.prewarm", d.prewarm.burst, 1)),
+            queue=int(_number(pw, "queue", "rebalance.prewarm", d.prewarm.queue, 1)),
+            timeout_s=_number(pw, "timeout_s", "rebalance.prewarm", d.prewarm.timeout_s, 0.001),
+        ),
+    )
+
+
+def _discovery_settings(raw: Any) -> DiscoverySettings:
+    try:
+        return parse_discovery(raw)
+    except DiscoveryConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 KNOWN_KEYS = {
     "listen",
     "mode",
     "headers",
     "replicas",
+    "discovery",
     "store",
     "sessions",
     "prefix",
@@ -150,6 +304,10 @@ KNOWN_KEYS = {
     "grpc",
     "health",
     "spillover",
+    "rebalance",
+    "tenants",
+    "classes",
+    "profiles",
 }
 
 
@@ -198,10 +356,15 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     fdefault = FeatureSettings()
     features = FeatureSettings(
         session_sources=sources or fdefault.session_sources,
-        tenant_header=str(_get(request, "tenant_header", str, "request", fdefault.tenant_header)).lower(),
+        tenant_header=str(
+            _get(_section(raw, "tenants"), "header", str, "tenants", None)
+            or _get(request, "tenant_header", str, "request", fdefault.tenant_header)
+        ).lower(),
         block_chars=int(_get(prefix, "block_chars", int, "prefix", fdefault.block_chars)),
         max_blocks=int(_get(prefix, "max_blocks", int, "prefix", fdefault.max_blocks)),
         max_body_bytes=int(_get(request, "max_body_bytes", int, "request", fdefault.max_body_bytes)),
+        api_keys=_api_keys(_section(raw, "tenants")),
+        classes=_class_rules(raw.get("classes"), _section(raw, "profiles")),
     )
     if features.block_chars < 1 or features.max_blocks < 1:
         raise ConfigError("prefix.block_chars and prefix.max_blocks: expected integers >= 1")
@@ -214,6 +377,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
             _get(headers, "destination_endpoint", str, "headers", base.destination_endpoint_header)
         ).lower(),
         replicas=tuple(replicas),
+        discovery=_discovery_settings(raw.get("discovery")),
         store=str(_get(raw, "store", str, "config", base.store)),
         session_ttl_s=float(_get(sessions, "ttl_s", (int, float), "sessions", base.session_ttl_s)),
         max_sessions=int(_get(sessions, "max_sessions", int, "sessions", base.max_sessions)),
@@ -225,12 +389,17 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         metrics_listen=metrics.get("listen", base.metrics_listen) if metrics.get("enabled", True) else None,
         max_message_bytes=int(_get(grpc, "max_message_bytes", int, "grpc", base.max_message_bytes)),
         health=_health_settings(health),
+        rebalance=_rebalance_settings(_section(raw, "rebalance")),
+        tenants=_tenant_settings(_section(raw, "tenants")),
+        profiles=_profiles(_section(raw, "profiles")),
         spillover_repin=bool(_get(_section(raw, "spillover"), "repin", bool, "spillover", base.spillover_repin)),
     )
     if cfg.session_ttl_s <= 0 or cfg.max_sessions < 1:
         raise ConfigError("sessions.ttl_s and sessions.max_sessions: expected positive values")
-    if not cfg.store.startswith("memory://"):
-        raise ConfigError(f"store: only memory:// is available in this build, got {cfg.store!r}")
+    try:
+        parse_store_url(cfg.store)  # the form only: Redis may well be down while we start
+    except ValueError as exc:
+        raise ConfigError(f"store: {exc}") from None
     try:
         build_profile(cfg.profile)  # fail now, naming the field, rather than at the first request
     except ProfileError as exc:

@@ -1,5 +1,12 @@
 """Envoy bootstrap configs for the gateway, rendered from the router's replica list.
 
+Every message is built from envoy-data-plane's typed classes (betterproto2 messages that are
+pydantic dataclasses), so a misspelt field, a value of the wrong type or an ``Any`` of an unknown
+type fails here, at render time, instead of in ``envoy --mode validate`` or, worse, at start-up on
+a production gateway. This module is imported by ``extproc envoy-config``, the local gateway and
+the tests; the processor's request path never imports it (betterproto2 parsing is about 65 times
+slower than the upb messages the servicer uses).
+
 Two modes, one shape: a route taken when our routing header is present, and a default route
 (plain round robin over every replica) taken when it is not, so a dead or slow processor
 (``failure_mode_allow``) degrades to load balancing instead of 500s. Client-sent routing
@@ -14,40 +21,114 @@ the processor is down.
   names the pod's ``ip:port`` in ``x-gateway-destination-endpoint`` and, with fallbacks, in the
   ``envoy.lb`` metadata. Two cluster kinds read it:
   ``override_host`` (default): a cluster of the known replicas with the ``override_host`` load
-  balancing policy, which takes the header, then the metadata list, then round robin; retries
+  balancing policy, which takes the metadata list, then the header, then round robin; retries
   of connect failures and resets go to another host, so a dead pod costs no client error.
   ``original_dst``: an ``ORIGINAL_DST`` cluster connects to whatever address the header names,
   for fleets Envoy does not know; a retry goes to the same address, so a dead pod's requests
   fail over only after the processor ejects it.
+
+The typed classes express everything used here. ``Any`` fields (``typed_config``, the
+``typed_extension_protocol_options`` map) are filled with ``Any.pack(message)``, whose type URL
+comes from envoy-data-plane's message pool, so no ``@type`` string is written by hand; the YAML
+form comes back from ``to_dict``, which unpacks each ``Any``. The one thing that is not an Envoy
+message is the Istio ``EnvoyFilter`` (a Kubernetes resource): its envelope is a plain mapping,
+but every patch value in it (filters, the cluster and listener fields merged) is a typed message.
+
+The scenarios shipped under ``envoy/`` and ``k8s/`` are named presets of :class:`GatewaySpec`
+(:data:`SCENARIOS`); :func:`istio_envoy_filter` builds the Istio ``EnvoyFilter`` that inserts the
+same filters into an Istio ingress gateway, from the same builders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+import argparse
+import datetime
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
+import betterproto2
 import yaml
+from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
+from envoy_data_plane.envoy.config.cluster.v3 import (
+    Cluster,
+    ClusterDiscoveryType,
+    ClusterLbPolicy,
+    ClusterOriginalDstLbConfig,
+    LoadBalancingPolicy,
+    LoadBalancingPolicyPolicy,
+    OutlierDetection,
+)
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation as HeaderMutationRule
+from envoy_data_plane.envoy.config.core.v3 import (
+    Address,
+    GrpcService,
+    GrpcServiceEnvoyGrpc,
+    HealthCheck,
+    HealthCheckHttpHealthCheck,
+    Http2ProtocolOptions,
+    Pipe,
+    SocketAddress,
+    TypedExtensionConfig,
+)
+from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
+from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.route.v3 import (
+    HeaderMatcher,
+    RetryPolicy,
+    RetryPolicyRetryHostPredicate,
+    RetryPolicyRetryPriority,
+    Route,
+    RouteAction,
+    RouteConfiguration,
+    RouteMatch,
+    VirtualHost,
+)
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+    ExternalProcessor,
+    ProcessingMode,
+    ProcessingModeBodySendMode,
+    ProcessingModeHeaderSendMode,
+)
+from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import HeaderMutation, Mutations
+from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+    HttpConnectionManager,
+    HttpFilter,
+)
+from envoy_data_plane.envoy.extensions.load_balancing_policies.override_host.v3 import (
+    OverrideHost,
+    OverrideHostOverrideHostSource,
+)
+from envoy_data_plane.envoy.extensions.load_balancing_policies.round_robin.v3 import RoundRobin
+from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
+from envoy_data_plane.envoy.extensions.retry.priority.previous_priorities.v3 import PreviousPrioritiesConfig
+from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
+    HttpProtocolOptions,
+    HttpProtocolOptionsExplicitHttpConfig,
+)
+from envoy_data_plane.envoy.type.metadata.v3 import MetadataKey, MetadataKeyPathSegment
+from envoy_data_plane.google.protobuf import Any as AnyMessage
 
+from extproc.config import Config, ConfigError, load_config, parse_replica, with_overrides
+from extproc.discovery.settings import DnsSource, KubernetesSource
 from extproc.routing.model import Replica
 
-HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-HEADER_MUTATION = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
-ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-PREVIOUS_PRIORITIES = (
-    "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig"
-)
-PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 ROUND_ROBIN_CLUSTER = "replicas_round_robin"
 ORIGINAL_DST_CLUSTER = "replicas_original_dst"
 OVERRIDE_HOST_CLUSTER = "replicas_endpoint"
-OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-ROUND_ROBIN_POLICY = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 PROCESSOR_CLUSTER = "extproc"
+ADMIN_CLUSTER = "envoy_admin"
 BUFFER_LIMIT = 16 * 1024 * 1024
+HEADER_MUTATION_FILTER = "envoy.filters.http.header_mutation"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+ROUTER_FILTER = "envoy.filters.http.router"
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
+# What the probe listener passes to the admin interface: readiness and metrics, nothing that
+# changes state (the admin's /quitquitquit, /drain_listeners ... stay on loopback).
+ADMIN_PATHS = ("/ready", "/stats/prometheus")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,210 +148,642 @@ class GatewaySpec:
     route_timeout_s: int = 300
     retries: int = 2
     observe_responses: bool = True
+    # More processors sharing one affinity store (active-active): Envoy round-robins streams.
+    extra_processors: tuple[str, ...] = ()
+    # Active HTTP health checks on every replica cluster (the failover scenario): Envoy takes a
+    # dead replica out of its own priority 0 within a second, before the processor has noticed.
+    health_check_path: str | None = None
+    # HOST:PORT of a Kubernetes Service: the replicas Envoy knows come from DNS (STRICT_DNS) while
+    # the processor discovers the same pods from EndpointSlices. Endpoint mode only.
+    replicas_dns: str | None = None
+    # A listener that exposes only the admin's /ready and /stats/prometheus, so kubelet probes and
+    # Prometheus reach them while the admin interface itself stays on loopback.
+    probe_listen: str | None = None
 
 
-def _socket(address: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A named preset of :class:`GatewaySpec`: one folder under ``envoy/`` (or the k8s base)."""
+
+    name: str
+    summary: str
+    mode: str = "cluster"
+    endpoint_cluster: str = "override_host"
+    processor: str = "127.0.0.1:9002"
+    listen: str = "127.0.0.1:10000"
+    admin: str = "127.0.0.1:9901"
+    health_check_path: str | None = None
+    probe_listen: str | None = None
+
+    def spec(self, replicas: Sequence[Replica], **overrides: Any) -> GatewaySpec:
+        """The spec of this scenario for ``replicas``; ``overrides`` that are not None win."""
+        values: dict[str, Any] = {
+            "replicas": replicas,
+            "mode": self.mode,
+            "endpoint_cluster": self.endpoint_cluster,
+            "processor": self.processor,
+            "listen": self.listen,
+            "admin": self.admin,
+            "health_check_path": self.health_check_path,
+            "probe_listen": self.probe_listen,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return GatewaySpec(**values)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("cluster-mode", "standalone gateway: one cluster per replica, chosen by route.cluster_header"),
+        Scenario("endpoint-mode", "GIE endpoint picker: override_host over the known replicas", mode="endpoint"),
+        Scenario(
+            "endpoint-original-dst",
+            "GIE endpoint picker: an ORIGINAL_DST cluster for replicas Envoy does not know",
+            mode="endpoint",
+            endpoint_cluster="original_dst",
+        ),
+        Scenario(
+            "failover",
+            "cluster mode with active health checks: a dead replica costs no client error",
+            health_check_path="/health",
+        ),
+        Scenario(
+            "unix-socket",
+            "cluster mode with the processor on a unix socket (a sidecar sharing a volume)",
+            processor="unix:/run/extproc/extproc.sock",
+        ),
+        Scenario(
+            "kubernetes",
+            "the k8s gateway pod: endpoint picker over ORIGINAL_DST, replicas from the Service's DNS",
+            mode="endpoint",
+            endpoint_cluster="original_dst",
+            listen="0.0.0.0:8080",
+            probe_listen="0.0.0.0:9902",
+        ),
+    )
+}
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+def _typed(name: str, message: betterproto2.Message) -> TypedExtensionConfig:
+    # ``Any.pack`` looks the type URL up in envoy-data-plane's message pool, so only a message
+    # class the package knows can be packed; the type URL is never typed by hand.
+    return TypedExtensionConfig(name=name, typed_config=AnyMessage.pack(message))
+
+
+def _address(address: str) -> Address:
     if address.startswith("unix:"):
-        return {"pipe": {"path": address[len("unix:") :]}}
+        return Address(pipe=Pipe(path=address[len("unix:") :]))
     host, _, port = address.rpartition(":")
-    return {"socket_address": {"address": host, "port_value": int(port)}}
+    return Address(socket_address=SocketAddress(address=host, port_value=int(port)))
 
 
-def _endpoint(address: str) -> dict[str, Any]:
-    return {"endpoint": {"address": _socket(address)}}
+def _endpoint(address: str) -> LbEndpoint:
+    return LbEndpoint(endpoint=Endpoint(address=_address(address)))
 
 
-def _retry_policy(retries: int, across_priorities: bool) -> dict[str, Any]:
-    policy: dict[str, Any] = {
-        "retry_on": "connect-failure,refused-stream,reset",
-        "num_retries": retries,
-        "retry_host_predicate": [
-            {"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {"@type": PREVIOUS_HOSTS}}
+def _retry_policy(retries: int, across_priorities: bool) -> RetryPolicy:
+    return RetryPolicy(
+        retry_on="connect-failure,refused-stream,reset",
+        num_retries=retries,
+        retry_host_predicate=[
+            RetryPolicyRetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=AnyMessage.pack(PreviousHostsPredicate()),
+            )
         ],
-        "host_selection_retry_max_attempts": 5,
-    }
-    if across_priorities:
-        policy["retry_priority"] = {
-            "name": "envoy.retry_priorities.previous_priorities",
-            "typed_config": {"@type": PREVIOUS_PRIORITIES, "update_frequency": 1},
-        }
-    return policy
+        host_selection_retry_max_attempts=5,
+        retry_priority=(
+            RetryPolicyRetryPriority(
+                name="envoy.retry_priorities.previous_priorities",
+                typed_config=AnyMessage.pack(PreviousPrioritiesConfig(update_frequency=1)),
+            )
+            if across_priorities
+            else None
+        ),
+    )
 
 
-def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool) -> dict[str, Any]:
-    default_route = {
-        "match": {"prefix": "/"},
-        "route": {
-            "cluster": ROUND_ROBIN_CLUSTER,
-            "timeout": f"{spec.route_timeout_s}s",
-            "retry_policy": _retry_policy(spec.retries, across_priorities=False),
-        },
-    }
-    routes: list[dict[str, Any]] = []
-    if with_processor:
-        header = spec.cluster_header if spec.mode == "cluster" else spec.endpoint_header
-        target: dict[str, Any]
-        if spec.mode == "cluster":
-            target = {"cluster_header": spec.cluster_header}
-        elif spec.endpoint_cluster == "original_dst":
-            target = {"cluster": ORIGINAL_DST_CLUSTER}
-        else:
-            target = {"cluster": OVERRIDE_HOST_CLUSTER}
-        target["timeout"] = f"{spec.route_timeout_s}s"
-        if spec.mode == "cluster" or spec.endpoint_cluster != "original_dst":
-            target["retry_policy"] = _retry_policy(spec.retries, across_priorities=spec.mode == "cluster")
-        routes.append({"match": {"prefix": "/", "headers": [{"name": header, "present_match": True}]}, "route": target})
-    routes.append(default_route)
-    filters: list[dict[str, Any]] = [
-        {
-            "name": "envoy.filters.http.header_mutation",
-            "typed_config": {
-                "@type": HEADER_MUTATION,
-                "mutations": {"request_mutations": [{"remove": spec.cluster_header}, {"remove": spec.endpoint_header}]},
-            },
-        }
-    ]
-    if with_processor:
-        filters.append(
-            {
-                "name": "envoy.filters.http.ext_proc",
-                "typed_config": {
-                    "@type": EXT_PROC,
-                    "grpc_service": {"envoy_grpc": {"cluster_name": PROCESSOR_CLUSTER}},
-                    "failure_mode_allow": True,
-                    "message_timeout": f"{spec.message_timeout_ms / 1000:g}s",
-                    "processing_mode": {
-                        "request_header_mode": "SEND",
-                        "request_body_mode": "BUFFERED",
-                        "response_header_mode": "SEND" if spec.observe_responses else "SKIP",
-                        "response_body_mode": "NONE",
-                        "request_trailer_mode": "SKIP",
-                        "response_trailer_mode": "SKIP",
-                    },
-                },
-            }
+def header_mutation_filter(spec: GatewaySpec) -> HttpFilter:
+    """Strips the routing headers a client sent, before ext_proc runs."""
+    removals = [HeaderMutationRule(remove=spec.cluster_header), HeaderMutationRule(remove=spec.endpoint_header)]
+    return HttpFilter(
+        name=HEADER_MUTATION_FILTER,
+        typed_config=AnyMessage.pack(HeaderMutation(mutations=Mutations(request_mutations=removals))),
+    )
+
+
+def ext_proc_filter(spec: GatewaySpec, cluster: str = PROCESSOR_CLUSTER) -> HttpFilter:
+    """The ext_proc filter: headers and the buffered body to the processor, failing open."""
+    send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
+    processor = ExternalProcessor(
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster)),
+        failure_mode_allow=True,
+        message_timeout=datetime.timedelta(milliseconds=spec.message_timeout_ms),
+        processing_mode=ProcessingMode(
+            request_header_mode=send,
+            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            response_header_mode=send if spec.observe_responses else skip,
+            response_body_mode=ProcessingModeBodySendMode.NONE,
+            request_trailer_mode=skip,
+            response_trailer_mode=skip,
+        ),
+    )
+    return HttpFilter(name=EXT_PROC_FILTER, typed_config=AnyMessage.pack(processor))
+
+
+def _router_filter() -> HttpFilter:
+    return HttpFilter(name=ROUTER_FILTER, typed_config=AnyMessage.pack(Router()))
+
+
+def _routes(spec: GatewaySpec, with_processor: bool) -> list[Route]:
+    timeout = _seconds(spec.route_timeout_s)
+    default_route = Route(
+        match=RouteMatch(prefix="/"),
+        route=RouteAction(
+            cluster=ROUND_ROBIN_CLUSTER,
+            timeout=timeout,
+            retry_policy=_retry_policy(spec.retries, across_priorities=False),
+        ),
+    )
+    if not with_processor:
+        return [default_route]
+    header = spec.cluster_header if spec.mode == "cluster" else spec.endpoint_header
+    if spec.mode == "cluster":
+        target = RouteAction(
+            cluster_header=spec.cluster_header,
+            timeout=timeout,
+            retry_policy=_retry_policy(spec.retries, across_priorities=True),
         )
-    filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}})
-    return {
-        "name": "envoy.filters.network.http_connection_manager",
-        "typed_config": {
-            "@type": HCM,
-            "stat_prefix": name,
-            "generate_request_id": True,
-            "route_config": {
-                "name": name,
-                "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes}],
-            },
-            "http_filters": filters,
-        },
-    }
+    elif spec.endpoint_cluster == "original_dst":
+        # No retry policy: a retry would go to the same address the header names.
+        target = RouteAction(cluster=ORIGINAL_DST_CLUSTER, timeout=timeout)
+    else:
+        target = RouteAction(
+            cluster=OVERRIDE_HOST_CLUSTER,
+            timeout=timeout,
+            retry_policy=_retry_policy(spec.retries, across_priorities=False),
+        )
+    routed = Route(match=RouteMatch(prefix="/", headers=[HeaderMatcher(name=header, present_match=True)]), route=target)
+    return [routed, default_route]
 
 
-def _listener(name: str, address: str, hcm: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": name,
-        "address": _socket(address),
-        "per_connection_buffer_limit_bytes": BUFFER_LIMIT,
-        "filter_chains": [{"filters": [hcm]}],
-    }
+def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool) -> Filter:
+    filters = [header_mutation_filter(spec)]
+    if with_processor:
+        filters.append(ext_proc_filter(spec))
+    filters.append(_router_filter())
+    hcm = HttpConnectionManager(
+        stat_prefix=name,
+        generate_request_id=True,
+        route_config=RouteConfiguration(
+            name=name,
+            virtual_hosts=[VirtualHost(name="inference", domains=["*"], routes=_routes(spec, with_processor))],
+        ),
+        http_filters=filters,
+    )
+    return Filter(name=HCM_FILTER, typed_config=AnyMessage.pack(hcm))
 
 
-def _cluster(name: str, endpoints: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    cluster: dict[str, Any] = {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "lb_policy": "ROUND_ROBIN",
-        "per_connection_buffer_limit_bytes": BUFFER_LIMIT,
-        "load_assignment": {"cluster_name": name, "endpoints": endpoints},
-    }
-    cluster.update(extra)
-    return cluster
+def _probe_connection_manager() -> Filter:
+    routes = [
+        Route(match=RouteMatch(path=path), route=RouteAction(cluster=ADMIN_CLUSTER, timeout=_seconds(5)))
+        for path in ADMIN_PATHS
+    ]
+    hcm = HttpConnectionManager(
+        stat_prefix="probe",
+        route_config=RouteConfiguration(
+            name="probe", virtual_hosts=[VirtualHost(name="admin", domains=["*"], routes=routes)]
+        ),
+        http_filters=[_router_filter()],
+    )
+    return Filter(name=HCM_FILTER, typed_config=AnyMessage.pack(hcm))
 
 
-_OUTLIER = {"consecutive_gateway_failure": 3, "interval": "1s", "base_ejection_time": "5s", "max_ejection_percent": 50}
+def _listener(name: str, address: str, network_filter: Filter) -> Listener:
+    return Listener(
+        name=name,
+        address=_address(address),
+        per_connection_buffer_limit_bytes=BUFFER_LIMIT,
+        filter_chains=[FilterChain(filters=[network_filter])],
+    )
 
 
-def _override_host(spec: GatewaySpec) -> dict[str, Any]:
+def _outlier_detection() -> OutlierDetection:
+    # The processor decides the rotation; Envoy's passive ejection only spares a dead replica the
+    # attempts made before the processor has noticed (about a second). So a short ejection (1 s,
+    # growing while the host keeps failing): a longer one outlasts the processor's readmission,
+    # and the replica's own cluster keeps sending its conversations to priority 1 meanwhile.
+    return OutlierDetection(
+        consecutive_gateway_failure=3,
+        interval=_seconds(1),
+        base_ejection_time=_seconds(1),
+        max_ejection_percent=50,
+    )
+
+
+def _health_checks(spec: GatewaySpec) -> list[HealthCheck]:
+    if spec.health_check_path is None:
+        return []
+    # Each replica cluster checks every replica (itself at priority 0, the others at 1): N x N
+    # checks per interval. no_traffic_interval keeps the clusters of idle replicas quiet.
+    return [
+        HealthCheck(
+            timeout=_seconds(0.5),
+            interval=_seconds(1),
+            no_traffic_interval=_seconds(5),
+            unhealthy_threshold=1,
+            healthy_threshold=2,
+            http_health_check=HealthCheckHttpHealthCheck(path=spec.health_check_path),
+        )
+    ]
+
+
+def _static_cluster(name: str, localities: list[LocalityLbEndpoints], dns: bool = False, **extra: Any) -> Cluster:
+    return Cluster(
+        name=name,
+        type=ClusterDiscoveryType.STRICT_DNS if dns else ClusterDiscoveryType.STATIC,
+        connect_timeout=_seconds(1),
+        per_connection_buffer_limit_bytes=BUFFER_LIMIT,
+        load_assignment=ClusterLoadAssignment(cluster_name=name, endpoints=localities),
+        # Kubernetes DNS answers for a Service change as pods come and go; look again often.
+        dns_refresh_rate=_seconds(2) if dns else None,
+        **extra,
+    )
+
+
+def _override_host_policy(spec: GatewaySpec) -> LoadBalancingPolicy:
     # The metadata first: it carries the fallbacks after the chosen pod; the header has only the pod.
-    return {
-        "name": "envoy.load_balancing_policies.override_host",
-        "typed_config": {
-            "@type": OVERRIDE_HOST,
-            "override_host_sources": [
-                {"metadata": {"key": "envoy.lb", "path": [{"key": spec.endpoint_header}]}},
-                {"header": spec.endpoint_header},
-            ],
-            "fallback_policy": {
-                "policies": [
-                    {
-                        "typed_extension_config": {
-                            "name": "envoy.load_balancing_policies.round_robin",
-                            "typed_config": {"@type": ROUND_ROBIN_POLICY},
-                        }
-                    }
-                ]
-            },
-        },
-    }
+    override = OverrideHost(
+        override_host_sources=[
+            OverrideHostOverrideHostSource(
+                metadata=MetadataKey(key="envoy.lb", path=[MetadataKeyPathSegment(key=spec.endpoint_header)])
+            ),
+            OverrideHostOverrideHostSource(header=spec.endpoint_header),
+        ],
+        fallback_policy=LoadBalancingPolicy(
+            policies=[
+                LoadBalancingPolicyPolicy(
+                    typed_extension_config=_typed("envoy.load_balancing_policies.round_robin", RoundRobin())
+                )
+            ]
+        ),
+    )
+    return LoadBalancingPolicy(
+        policies=[
+            LoadBalancingPolicyPolicy(
+                typed_extension_config=_typed("envoy.load_balancing_policies.override_host", override)
+            )
+        ]
+    )
 
 
-def render(spec: GatewaySpec) -> dict[str, Any]:
-    """The bootstrap as a mapping (dump it with :func:`render_yaml`)."""
+def processor_cluster(name: str, addresses: Sequence[str]) -> Cluster:
+    """The cluster of the processor(s): HTTP/2 (gRPC), TCP or unix sockets."""
+    options = HttpProtocolOptions(
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=Http2ProtocolOptions())
+    )
+    return Cluster(
+        name=name,
+        type=ClusterDiscoveryType.STATIC,
+        connect_timeout=_seconds(1),
+        lb_policy=ClusterLbPolicy.ROUND_ROBIN,
+        per_connection_buffer_limit_bytes=BUFFER_LIMIT,
+        load_assignment=ClusterLoadAssignment(
+            cluster_name=name, endpoints=[LocalityLbEndpoints(lb_endpoints=[_endpoint(a) for a in addresses])]
+        ),
+        typed_extension_protocol_options={HTTP_OPTIONS: AnyMessage.pack(options)},
+    )
+
+
+def _check(spec: GatewaySpec) -> None:
     if spec.mode not in ("cluster", "endpoint"):
         raise ValueError(f"mode: expected cluster or endpoint, got {spec.mode!r}")
     if spec.endpoint_cluster not in ("override_host", "original_dst"):
         raise ValueError(f"endpoint_cluster: expected override_host or original_dst, got {spec.endpoint_cluster!r}")
+    if spec.replicas_dns is not None and spec.mode == "cluster":
+        raise ValueError("replicas_dns: cluster mode needs one Envoy cluster per replica, so a static replica list")
+    if spec.replicas_dns is None and not spec.replicas:
+        raise ValueError("replicas: none given (a replica list, or replicas_dns in endpoint mode)")
+
+
+def bootstrap(spec: GatewaySpec) -> Bootstrap:
+    """The bootstrap as a typed message; a wrong field or type raises here."""
+    _check(spec)
     listeners = [_listener("gateway", spec.listen, _http_connection_manager(spec, "gateway", True))]
     if spec.round_robin_listen:
         listeners.append(
             _listener("round_robin", spec.round_robin_listen, _http_connection_manager(spec, "round_robin", False))
         )
-    every = [_endpoint(r.address) for r in spec.replicas]
+    if spec.probe_listen:
+        listeners.append(_listener("probe", spec.probe_listen, _probe_connection_manager()))
+    dns = spec.replicas_dns is not None
+    every = [_endpoint(spec.replicas_dns)] if spec.replicas_dns else [_endpoint(r.address) for r in spec.replicas]
+    checks = _health_checks(spec)
     clusters = [
-        _cluster(ROUND_ROBIN_CLUSTER, [{"lb_endpoints": every}], outlier_detection=_OUTLIER),
-        _cluster(
-            PROCESSOR_CLUSTER,
-            [{"lb_endpoints": [_endpoint(spec.processor)]}],
-            typed_extension_protocol_options={
-                HTTP_OPTIONS: {"@type": HTTP_OPTIONS_TYPE, "explicit_http_config": {"http2_protocol_options": {}}}
-            },
+        _static_cluster(
+            ROUND_ROBIN_CLUSTER,
+            [LocalityLbEndpoints(lb_endpoints=every)],
+            dns=dns,
+            lb_policy=ClusterLbPolicy.ROUND_ROBIN,
+            outlier_detection=_outlier_detection(),
+            health_checks=checks,
         ),
+        processor_cluster(PROCESSOR_CLUSTER, [spec.processor, *spec.extra_processors]),
     ]
     if spec.mode == "cluster":
         for replica in spec.replicas:
             others = [_endpoint(r.address) for r in spec.replicas if r.name != replica.name]
-            endpoints: list[dict[str, Any]] = [{"lb_endpoints": [_endpoint(replica.address)], "priority": 0}]
+            localities = [LocalityLbEndpoints(lb_endpoints=[_endpoint(replica.address)], priority=0)]
             if others:
-                endpoints.append({"lb_endpoints": others, "priority": 1})
-            clusters.append(_cluster(replica.name, endpoints, outlier_detection=_OUTLIER))
-    elif spec.endpoint_cluster != "original_dst":
+                localities.append(LocalityLbEndpoints(lb_endpoints=others, priority=1))
+            clusters.append(
+                _static_cluster(
+                    replica.name,
+                    localities,
+                    lb_policy=ClusterLbPolicy.ROUND_ROBIN,
+                    outlier_detection=_outlier_detection(),
+                    health_checks=checks,
+                )
+            )
+    elif spec.endpoint_cluster == "override_host":
         clusters.append(
-            _cluster(
+            _static_cluster(
                 OVERRIDE_HOST_CLUSTER,
-                [{"lb_endpoints": every}],
-                outlier_detection=_OUTLIER,
-                load_balancing_policy={"policies": [{"typed_extension_config": _override_host(spec)}]},
+                [LocalityLbEndpoints(lb_endpoints=every)],
+                dns=dns,
+                outlier_detection=_outlier_detection(),
+                health_checks=checks,
+                load_balancing_policy=_override_host_policy(spec),
             )
         )
-        del clusters[-1]["lb_policy"]
     else:
         clusters.append(
-            {
-                "name": ORIGINAL_DST_CLUSTER,
-                "type": "ORIGINAL_DST",
-                "connect_timeout": "1s",
-                "lb_policy": "CLUSTER_PROVIDED",
-                "per_connection_buffer_limit_bytes": BUFFER_LIMIT,
-                "original_dst_lb_config": {"use_http_header": True, "http_header_name": spec.endpoint_header},
-            }
+            Cluster(
+                name=ORIGINAL_DST_CLUSTER,
+                type=ClusterDiscoveryType.ORIGINAL_DST,
+                connect_timeout=_seconds(1),
+                lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
+                per_connection_buffer_limit_bytes=BUFFER_LIMIT,
+                original_dst_lb_config=ClusterOriginalDstLbConfig(
+                    use_http_header=True, http_header_name=spec.endpoint_header
+                ),
+            )
         )
-    return {
-        "admin": {"address": _socket(spec.admin)},
-        "static_resources": {"listeners": listeners, "clusters": clusters},
-    }
+    if spec.probe_listen:
+        clusters.append(_static_cluster(ADMIN_CLUSTER, [LocalityLbEndpoints(lb_endpoints=[_endpoint(spec.admin)])]))
+    return Bootstrap(
+        admin=Admin(address=_address(spec.admin)),
+        static_resources=BootstrapStaticResources(listeners=listeners, clusters=clusters),
+    )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, datetime.timedelta):
+        return f"{value.total_seconds():g}s"
+    if isinstance(value, enum.Enum):
+        return value.name
+    return value
+
+
+def to_dict(message: betterproto2.Message) -> dict[str, Any]:
+    """A message as Envoy's YAML form: snake_case fields, ``@type`` in every ``Any``.
+
+    Built from betterproto2's Python output rather than its proto JSON, which quotes 64-bit
+    integers (``'5'``); durations become ``"1s"`` and enums their names. Fields at their proto3
+    default (``priority: 0``, ``response_body_mode: NONE`` ...) are left out, as Envoy's own
+    printer does; Envoy reads them as those defaults.
+    """
+    plain: dict[str, Any] = _plain(
+        message.to_dict(casing=betterproto2.Casing.SNAKE, output_format=betterproto2.OutputFormat.PYTHON)
+    )
+    return plain
+
+
+def render(spec: GatewaySpec) -> dict[str, Any]:
+    """The bootstrap as a mapping (dump it with :func:`render_yaml`), the admin section first."""
+    rendered = to_dict(bootstrap(spec))
+    return {"admin": rendered.pop("admin"), **rendered}
+
+
+class _Dumper(yaml.SafeDumper):
+    """No ``&id001`` anchors: each repeated block is written out, as a person would."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(data: Mapping[str, Any] | Sequence[Any]) -> str:
+    """YAML text in the form of the files we ship (keys in proto field order, no anchors)."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=120)
 
 
 def render_yaml(spec: GatewaySpec) -> str:
     """The bootstrap as YAML text."""
-    return yaml.safe_dump(render(spec), sort_keys=False, width=120)
+    return dump_yaml(render(spec))
+
+
+def dns_address(service: str, namespace: str, port: int) -> str:
+    """A Kubernetes Service's cluster DNS name and port."""
+    return f"{service}.{namespace}.svc.cluster.local:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class IstioSpec:
+    """What the Istio ``EnvoyFilter`` needs: where our processor and the model servers are."""
+
+    processor_service: str  # HOST:PORT of our processor's Service (port appProtocol grpc)
+    replicas_service: str  # HOST of the model servers' Service, as Istio names its clusters
+    replicas_port: int
+    namespace: str = "istio-system"
+    name: str = "extproc-router"
+    gateway_labels: Mapping[str, str] = field(default_factory=lambda: {"istio": "ingressgateway"})
+    endpoint_header: str = "x-gateway-destination-endpoint"
+    cluster_header: str = "x-target-cluster"
+    message_timeout_ms: int = 1000
+    observe_responses: bool = True
+
+    @property
+    def processor_cluster(self) -> str:
+        """The cluster Istio generates for our processor's Service port."""
+        host, _, port = self.processor_service.rpartition(":")
+        return f"outbound|{port}||{host}"
+
+
+def istio_envoy_filter(spec: IstioSpec) -> dict[str, Any]:
+    """An Istio ``EnvoyFilter`` that makes an ingress gateway route through our processor.
+
+    Built with the same typed builders as the bootstrap (the MERGE values are partial typed
+    messages too). The patches: the header_mutation and ext_proc filters inserted before the
+    router; the ``override_host`` policy merged into Istio's cluster for the model servers, so the
+    pod the processor names is used and round robin is the fallback; and the 16 MiB buffer limit
+    of the standalone gateway on the gateway's listeners. The processor runs in endpoint mode.
+
+    The ext_proc filter calls the cluster Istio generates for our processor's Service
+    (``outbound|9002||extproc...``) rather than a cluster added by the patch: Istio's cluster
+    carries the mesh's mTLS, so the call also works where PeerAuthentication is STRICT, and is
+    HTTP/2 because the Service port declares ``appProtocol: grpc``.
+    """
+    gateway = GatewaySpec(
+        replicas=(),
+        mode="endpoint",
+        endpoint_header=spec.endpoint_header,
+        cluster_header=spec.cluster_header,
+        message_timeout_ms=spec.message_timeout_ms,
+        observe_responses=spec.observe_responses,
+    )
+    before_router = {
+        "context": "GATEWAY",
+        "listener": {"filterChain": {"filter": {"name": HCM_FILTER, "subFilter": {"name": ROUTER_FILTER}}}},
+    }
+    patches = [
+        # Two INSERT_BEFORE the router, applied in order: header_mutation, ext_proc, router.
+        {
+            "applyTo": "HTTP_FILTER",
+            "match": before_router,
+            "patch": {"operation": "INSERT_BEFORE", "value": to_dict(header_mutation_filter(gateway))},
+        },
+        {
+            "applyTo": "HTTP_FILTER",
+            "match": before_router,
+            "patch": {"operation": "INSERT_BEFORE", "value": to_dict(ext_proc_filter(gateway, spec.processor_cluster))},
+        },
+        {
+            "applyTo": "CLUSTER",
+            "match": {
+                "context": "GATEWAY",
+                "cluster": {"service": spec.replicas_service, "portNumber": spec.replicas_port},
+            },
+            "patch": {
+                "operation": "MERGE",
+                "value": to_dict(
+                    Cluster(
+                        per_connection_buffer_limit_bytes=BUFFER_LIMIT,
+                        load_balancing_policy=_override_host_policy(gateway),
+                    )
+                ),
+            },
+        },
+        # Istio's gateway listeners buffer far less than a long prompt: BUFFERED bodies above the
+        # limit get 413, so raise it to what the standalone gateway allows.
+        {
+            "applyTo": "LISTENER",
+            "match": {"context": "GATEWAY"},
+            "patch": {"operation": "MERGE", "value": to_dict(Listener(per_connection_buffer_limit_bytes=BUFFER_LIMIT))},
+        },
+    ]
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": spec.name, "namespace": spec.namespace},
+        "spec": {"workloadSelector": {"labels": dict(spec.gateway_labels)}, "configPatches": patches},
+    }
+
+
+# The ``extproc envoy-config`` command (its arguments are declared in extproc.cli, which imports
+# this module only for that command, so ``extproc serve`` never loads envoy_data_plane).
+
+OUTPUTS = ("bootstrap", "istio-envoyfilter")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+def _loopback(address: str) -> str:
+    """The address to connect to a server that listens on ``address`` from the same host."""
+    if address.startswith("unix:"):
+        return address
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host in WILDCARD_HOSTS else address
+
+
+def _replicas_dns(cfg: Config) -> str | None:
+    """The replicas' DNS name from the ``discovery:`` section (None when they are static)."""
+    source = cfg.discovery.source
+    if isinstance(source, KubernetesSource):
+        if source.namespace is None or source.port is None:
+            raise ConfigError(
+                "discovery: Envoy needs the Service's DNS name and port: give discovery.namespace and "
+                "discovery.port, or --replicas-dns HOST:PORT"
+            )
+        return dns_address(source.service, source.namespace, source.port)
+    if isinstance(source, DnsSource):
+        if source.record == "SRV" or source.port is None:
+            raise ConfigError("discovery: Envoy cannot follow SRV records here; give --replicas-dns HOST:PORT")
+        return f"{source.name}:{source.port}"
+    return None
+
+
+def _router_config(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config) if args.config else Config()
+    replicas = tuple(parse_replica(s) for s in args.replica) or None
+    return with_overrides(cfg, replicas=replicas, mode=args.mode)
+
+
+def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
+    """The spec for ``envoy-config``: flags win over the scenario, which wins over the defaults.
+
+    The mode, headers and replicas come from the router's own config, so the rendered Envoy
+    config and the processor agree; a scenario whose mode contradicts the config is an error.
+    """
+    if args.scenario and args.scenario not in SCENARIOS:
+        raise ConfigError(f"--scenario: expected one of {', '.join(SCENARIOS)}, got {args.scenario!r}")
+    if args.output not in OUTPUTS:
+        raise ConfigError(f"--output: expected one of {', '.join(OUTPUTS)}, got {args.output!r}")
+    cfg = _router_config(args)
+    scenario = SCENARIOS[args.scenario] if args.scenario else Scenario("default", "")
+    mode = args.mode or (scenario.mode if args.scenario else cfg.mode)
+    if args.config and args.scenario and cfg.mode != scenario.mode and not args.mode:
+        raise ConfigError(f"mode: scenario {scenario.name} needs mode {scenario.mode}, the config has {cfg.mode}")
+    processor = args.processor or (_loopback(cfg.listen) if args.config else scenario.processor)
+    replicas_dns = args.replicas_dns or (None if cfg.replicas else _replicas_dns(cfg))
+    return scenario.spec(
+        cfg.replicas,
+        mode=mode,
+        processor=processor,
+        listen=args.listen,
+        admin=args.admin,
+        endpoint_cluster=args.endpoint_cluster,
+        health_check_path=args.health_check_path,
+        probe_listen=args.probe_listen,
+        round_robin_listen=args.round_robin_listen,
+        replicas_dns=replicas_dns,
+        cluster_header=cfg.target_cluster_header,
+        endpoint_header=cfg.destination_endpoint_header,
+    )
+
+
+def run_envoy_config(args: argparse.Namespace, out: TextIO) -> int:
+    """``extproc envoy-config``: write the YAML to ``out``; a bad value raises ConfigError."""
+    spec = spec_from_args(args)
+    try:
+        if args.output == "istio-envoyfilter":
+            if spec.mode != "endpoint":
+                raise ConfigError("mode: the Istio EnvoyFilter needs the processor in endpoint mode")
+            if spec.replicas_dns is None or spec.processor.startswith("unix:"):
+                raise ConfigError(
+                    "istio-envoyfilter: needs the replicas' Service (discovery or --replicas-dns) and "
+                    "--processor HOST:PORT of the processor's Service"
+                )
+            host, _, port = spec.replicas_dns.rpartition(":")
+            istio = IstioSpec(
+                processor_service=spec.processor,
+                replicas_service=host,
+                replicas_port=int(port),
+                namespace=args.istio_namespace,
+                endpoint_header=spec.endpoint_header,
+                cluster_header=spec.cluster_header,
+            )
+            out.write(dump_yaml(istio_envoy_filter(istio)))
+        else:
+            out.write(render_yaml(spec))
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(str(exc)) from None
+    return 0

@@ -1,15 +1,96 @@
 """Prometheus metrics of the router, on their own registry and their own port.
 
-Labels stay bounded: decision reasons and replica names, never a session, prompt or user.
+Labels stay bounded: decision reasons, replica names, and model names (the first
+``MAX_MODEL_LABELS`` seen; any further model is counted as ``other``, since the model comes from
+the client). Never a session, a prompt or a user.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from extproc.routing.model import Reason
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+MAX_MODEL_LABELS = 32
+
+
+class BoundedLabel:
+    """Passes the first ``limit`` distinct values through and maps every later one to ``other``;
+    ``on_new`` runs once for each value admitted (to create its series at zero)."""
+
+    def __init__(self, limit: int, on_new: Callable[[str], None] = lambda value: None) -> None:
+        self.limit = limit
+        self.on_new = on_new
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if len(self._seen) >= self.limit:
+            value = "other"
+            if value in self._seen:
+                return value
+        self._seen.add(value)
+        self.on_new(value)
+        return value
+
+
+# Label values known in advance get their series at zero from the start, so that rates and alert
+# expressions have data before the first event (an absent series is not a zero).
+STREAM_ERROR_KINDS = ("answer", "stream")
+STORE_OPERATIONS = ("lookup", "record", "forget", "rebalance")
+MOVE_REASONS = ("join", "leave", "hot")
+PREWARM_OUTCOMES = ("ok", "error", "dropped", "unusable")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """What the router last read from one replica's own /metrics page, re-exported."""
+
+    replica: str
+    prefix_hits_tokens: float | None
+    prefix_queries_tokens: float | None
+    last_scrape_unix: float | None
+
+
+class ReplicaReportCollector(Collector):
+    """Re-exports replica-reported counters (the real prefix-cache hit ratio needs them next to
+    the router's estimate, also where Prometheus does not scrape the replicas itself) and the
+    time of each replica's last good scrape (for a staleness alert)."""
+
+    def __init__(self, rows: Callable[[], Sequence[ReplicaReport]]) -> None:
+        self.rows = rows
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per signal, one sample per replica that reported it."""
+        hits = CounterMetricFamily(
+            "extproc_replica_prefix_cache_hits_tokens",
+            "Prefix-cache hits in tokens, as the replica reports them (vllm:prefix_cache_hits_total).",
+            labels=["replica"],
+        )
+        queries = CounterMetricFamily(
+            "extproc_replica_prefix_cache_queries_tokens",
+            "Prefix-cache queries in tokens, as the replica reports them (vllm:prefix_cache_queries_total).",
+            labels=["replica"],
+        )
+        scraped = GaugeMetricFamily(
+            "extproc_replica_last_scrape_timestamp_seconds",
+            "Unix time of the last successful scrape of the replica's /metrics page.",
+            labels=["replica"],
+        )
+        for row in self.rows():
+            if row.prefix_hits_tokens is not None and row.prefix_queries_tokens is not None:
+                hits.add_metric([row.replica], row.prefix_hits_tokens)
+                queries.add_metric([row.replica], row.prefix_queries_tokens)
+            if row.last_scrape_unix is not None:
+                scraped.add_metric([row.replica], row.last_scrape_unix)
+        yield from (hits, queries, scraped)
 
 
 class RouterMetrics:
@@ -18,9 +99,10 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.decisions = Counter("extproc_decisions", "Routing decisions by reason.", ["reason"], registry=r)
-        for reason in Reason:
-            self.decisions.labels(reason.value)
+        self.decisions = Counter(
+            "extproc_decisions", "Routing decisions by reason and model.", ["reason", "model"], registry=r
+        )
+        self.model_label = BoundedLabel(MAX_MODEL_LABELS, self._new_model)
         self.decision_seconds = Histogram(
             "extproc_decision_duration_seconds",
             "Time from a complete request to a decision, store round trips included.",
@@ -31,6 +113,11 @@ class RouterMetrics:
         self.prefix_blocks_matched = Counter(
             "extproc_prefix_blocks_matched",
             "Prefix blocks the chosen replica was believed to hold (estimated cache hits).",
+            registry=r,
+        )
+        self.prefix_blocks_round_robin = Counter(
+            "extproc_prefix_blocks_expected_round_robin",
+            "Prefix blocks a replica picked uniformly at random would have held (the round-robin expectation).",
             registry=r,
         )
         self.replica_inflight = Gauge(
@@ -60,6 +147,12 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.sessions_moved = Counter(
+            "extproc_sessions_moved", "Sessions moved to another replica, by reason.", ["reason"], registry=r
+        )
+        self.prewarms = Counter(
+            "extproc_prewarm_requests", "Pre-warm requests for moved sessions, by outcome.", ["outcome"], registry=r
+        )
         self.sessions = Gauge("extproc_sessions", "Sessions held by the affinity store.", registry=r)
         self.body_errors = Counter(
             "extproc_request_body_errors", "Request bodies that could not be used for routing.", registry=r
@@ -70,3 +163,46 @@ class RouterMetrics:
         self.store_errors = Counter(
             "extproc_store_errors", "Affinity store operations that failed.", ["operation"], registry=r
         )
+        self.store_seconds = Histogram(
+            "extproc_store_duration_seconds",
+            "Round trips to a remote affinity store, by operation (lookup, record batch).",
+            ["operation"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.store_up = Gauge(
+            "extproc_store_available", "1 while the affinity store is reachable, 0 during an outage.", registry=r
+        )
+        self.store_up.set(1)
+        for kind in STREAM_ERROR_KINDS:
+            self.stream_errors.labels(kind)
+        for operation in STORE_OPERATIONS:
+            self.store_errors.labels(operation)
+        for operation in ("lookup", "record"):
+            self.store_seconds.labels(operation)
+        for reason in MOVE_REASONS:
+            self.sessions_moved.labels(reason)
+        for outcome in PREWARM_OUTCOMES:
+            self.prewarms.labels(outcome)
+
+    def _new_model(self, model: str) -> None:
+        for reason in Reason:
+            self.decisions.labels(reason.value, model)
+
+    def replica_seen(self, replica: str) -> None:
+        """Create a replica's counter series at zero (called for every member at each scrape)."""
+        self.scrape_errors.labels(replica)
+        self.ejections.labels(replica)
+
+    # The StoreObserver protocol (extproc.state.store): a remote store reports through these.
+    def store_error(self, operation: str) -> None:
+        """One failed store operation."""
+        self.store_errors.labels(operation).inc()
+
+    def store_latency(self, operation: str, seconds: float) -> None:
+        """One store round trip."""
+        self.store_seconds.labels(operation).observe(seconds)
+
+    def store_available(self, available: bool) -> None:
+        """The store became reachable or unreachable."""
+        self.store_up.set(1 if available else 0)

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import Config
+from extproc.demo.processes import ProcessGroup
+from extproc.demo.redis_server import LocalRedis
 from extproc.routing import Replica
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -30,6 +34,17 @@ def require_binary(name: str) -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    """One redis-server for the run (each test uses its own key namespace), stopped by its PID."""
+    require_binary("redis-server")
+    # A short directory: unix socket paths are limited to about 100 bytes.
+    directory = Path(tempfile.mkdtemp(prefix="extproc-redis-"))
+    with ProcessGroup(directory) as procs:
+        yield LocalRedis(procs, directory).start()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def replicas(n: int = 3) -> tuple[Replica, ...]:

@@ -35,7 +35,8 @@ def test_good_config() -> None:
         ({"profile": {"scorers": [{"type": "psychic"}]}}, "profile.scorers[0]"),
         ({"profile": {"filters": [{"type": "overload", "parameters": {"bogus": 1}}]}}, "profile.filters[0]"),
         ({"surprise": 1}, "surprise"),
-        ({"store": "redis://x"}, "store"),
+        ({"store": "mongodb://x"}, "store"),
+        ({"store": "redis://x:1,y:2"}, "store"),
     ],
 )
 def test_errors_name_the_field(change: dict[str, object], field: str) -> None:
@@ -70,3 +71,18 @@ def test_example_config_loads() -> None:
 
     cfg = load_config(ROOT / "examples" / "router.yaml")
     assert len(cfg.replicas) == 3 and cfg.replicas[2].weight == 2
+
+
+def test_classes_and_tenants_example_loads(tmp_path: Path) -> None:
+    import yaml
+
+    from extproc.request.tenant import api_key_digest
+    from tests.conftest import ROOT
+
+    raw = yaml.safe_load((ROOT / "examples" / "classes-and-tenants.yaml").read_text())
+    keys = tmp_path / "api-keys.yaml"
+    keys.write_text(f"{api_key_digest('sk-a')}: team-a\n")
+    raw["tenants"]["api_keys_file"] = str(keys)
+    cfg = config_from_mapping(raw)
+    assert [r.name for r in cfg.features.classes] == ["batch", "multimodal", "long-context", "short"]
+    assert cfg.tenants.definitions["trial"].retry_after_s == 5 and "throughput" in cfg.profiles

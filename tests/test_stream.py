@@ -93,10 +93,12 @@ async def test_malformed_and_huge_bodies_are_routed_by_fallback() -> None:
     assert router.metrics.body_errors._value.get() == 4
 
 
-async def test_no_replicas_answers_503_immediately() -> None:
-    out = await run(Router(make_config(replicas=())), [headers_message(CHAT), body_message(chat_body("x"))])
-    assert out[1].immediate_response.status.code == 503
-    assert b"no model server" in out[1].immediate_response.body
+async def test_no_replicas_lets_envoy_route_on_its_own() -> None:
+    router = Router(make_config(replicas=()))
+    out = await run(router, [headers_message(CHAT), body_message(chat_body("x"))])
+    assert out[1].WhichOneof("response") == "request_body"
+    assert not out[1].request_body.response.header_mutation.set_headers
+    assert router.metrics.decisions.labels("no_replica", "m")._value.get() == 1
 
 
 async def test_messages_out_of_order_are_let_through() -> None:
@@ -148,3 +150,18 @@ async def test_upstream_failures_take_a_replica_out_of_rotation() -> None:
     assert sum(not s.in_rotation for s in router.replicas.snapshot(clock[0]).replicas) == 1
     router.replicas.evaluate(clock[0] + 0.25)
     assert all(s.in_rotation for s in router.replicas.snapshot(clock[0]).replicas)
+
+
+async def test_membership_changes_join_and_leave() -> None:
+    from extproc.routing import Replica
+
+    router = Router(make_config())
+    await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(chat_body("x" * 500))])
+    pinned = (await router.store.lookup("s", (), 0.0, model="m")).pinned
+    assert pinned is not None
+    keep = [r for r in router.config.replicas if r.name != pinned]
+    change = await router.set_replicas([*keep, Replica("new", "10.9.9.9:8000")])
+    assert change.joined == ("new",) and change.left == (pinned,)
+    assert pinned not in router.replicas and "new" in router.replicas
+    out = await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(chat_body("x" * 500))])
+    assert set_headers(out[1].request_body.response.header_mutation)["x-target-cluster"] != pinned

@@ -15,6 +15,12 @@ from extproc.routing.model import Replica
 HOST = "127.0.0.1"
 
 
+def replica_flag(replica: Replica) -> str:
+    """``NAME=HOST:PORT[,LABEL=VALUE...]`` as ``extproc serve --replica`` takes it."""
+    labels = "".join(f",{k}={v}" for k, v in replica.labels.items())
+    return f"{replica.name}={replica.address}{labels}"
+
+
 @dataclass
 class LocalGateway:
     """Start with ``with LocalGateway(replicas=4) as gw:``; ``gw.url`` goes through our routing,
@@ -26,8 +32,10 @@ class LocalGateway:
     time_scale: float | None = None
     processor_args: tuple[str, ...] = ()
     observe_responses: bool = True
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
     log_dir: Path | None = None
     members: list[Replica] = field(default_factory=list)
+    processors: int = 1  # several share one Redis store (pass --store in processor_args)
 
     def __post_init__(self) -> None:
         self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
@@ -38,7 +46,12 @@ class LocalGateway:
         self.admin_port = free_port()
         self.processor_port = free_port()
         self.metrics_port = free_port()
-        self.members = [Replica(f"replica-{i}", f"{HOST}:{free_port()}") for i in range(self.replicas)]
+        # (gRPC port, metrics port) of processors 1.. ; processor 0 uses the two above.
+        self.extra_processor_ports = [(free_port(), free_port()) for _ in range(self.processors - 1)]
+        self.members = [
+            Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
+            for i in range(self.replicas)
+        ]
 
     @property
     def url(self) -> str:
@@ -54,6 +67,16 @@ class LocalGateway:
     def metrics_url(self) -> str:
         """The processor's /metrics."""
         return f"http://{HOST}:{self.metrics_port}/metrics"
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """Every processor's /metrics, processor 0 first."""
+        ports = [self.metrics_port, *(m for _, m in self.extra_processor_ports)]
+        return [f"http://{HOST}:{p}/metrics" for p in ports]
+
+    def processor_name(self, index: int = 0) -> str:
+        """The process name of processor ``index`` (``processor``, ``processor-1``, ...)."""
+        return "processor" if index == 0 else f"processor-{index}"
 
     def replica_url(self, name: str) -> str:
         """A replica's own base URL (bypassing Envoy)."""
@@ -82,27 +105,31 @@ class LocalGateway:
         self.procs.start(replica.name, argv)
         wait_for_http(f"http://{replica.address}/health")
 
-    def start_processor(self) -> None:
-        """Start (or restart) the processor and wait for its port."""
+    def start_processor(self, index: int = 0) -> None:
+        """Start (or restart) processor ``index`` and wait for its port."""
+        port, metrics_port = (
+            (self.processor_port, self.metrics_port) if index == 0 else self.extra_processor_ports[index - 1]
+        )
+        name = self.processor_name(index)
         argv = [
             sys.executable,
             "-m",
             "extproc",
             "serve",
             "--listen",
-            f"{HOST}:{self.processor_port}",
+            f"{HOST}:{port}",
             "--mode",
             self.mode,
             "--metrics-listen",
-            f"{HOST}:{self.metrics_port}",
-            *[f"--replica={r.name}={r.address}" for r in self.members],
+            f"{HOST}:{metrics_port}",
+            *[f"--replica={replica_flag(r)}" for r in self.members],
             *self.processor_args,
         ]
-        proc = self.procs.start("processor", argv)
+        proc = self.procs.start(name, argv)
         try:
-            wait_for_port(HOST, self.processor_port, proc=proc)
+            wait_for_port(HOST, port, proc=proc)
         except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{exc}\n{self.procs.log_tail('processor')}") from None
+            raise RuntimeError(f"{exc}\n{self.procs.log_tail(name)}") from None
 
     def start_envoy(self) -> None:
         """Start Envoy with a config rendered for these replicas and wait for its listeners."""
@@ -114,6 +141,7 @@ class LocalGateway:
             admin=f"{HOST}:{self.admin_port}",
             round_robin_listen=f"{HOST}:{self.round_robin_port}",
             observe_responses=self.observe_responses,
+            extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
         )
         path = self.dir / "envoy.yaml"
         path.write_text(render_yaml(spec))
@@ -140,7 +168,8 @@ class LocalGateway:
         try:
             for replica in self.members:
                 self.start_replica(replica)
-            self.start_processor()
+            for index in range(self.processors):
+                self.start_processor(index)
             self.start_envoy()
         except BaseException:
             self.stop()

@@ -71,12 +71,14 @@ class Scraper:
         clock: Callable[[], float],
         fetch: Fetch | None = None,
         metrics: RouterMetrics | None = None,
+        listener: Callable[[list[Transition]], Awaitable[None]] | None = None,
     ) -> None:
         self.book = book
         self.settings = settings
         self.clock = clock
         self.fetch: Fetch = fetch or HttpFetch()
         self.metrics = metrics
+        self.listener = listener
 
     async def _scrape(self, name: str, address: str) -> None:
         url = f"http://{address}{self.settings.metrics_path}"
@@ -101,6 +103,8 @@ class Scraper:
             log.info("replica %s %s the rotation (health %.2f)", t.replica, verb, t.score)
             if self.metrics is not None and not t.in_rotation:
                 self.metrics.ejections.labels(t.replica).inc()
+        if self.listener is not None:
+            await self.listener(transitions)
         return transitions
 
     async def run(self) -> None:

@@ -1,16 +1,20 @@
-"""A fake vLLM replica for demos, end-to-end tests and capacity planning.
+"""A vLLM replica: a pure model of its KV cache and scheduler, and a fake server built on it.
 
-It speaks vLLM's OpenAI-compatible API (chat and completions, streaming or not), keeps a prefix
-cache of KV blocks hashed like the router's, makes cache hits show as a faster first token,
-serialises prefills so overload shows as queueing, and exposes vLLM's ``/metrics`` names.
+:class:`ReplicaModel` is the replica as the router sees it from outside: a prefix cache of KV
+blocks with LRU eviction, continuous batching within a token budget, a waiting queue, preemption
+when blocks run out, and vLLM's gauges, counters and latency histograms. It has no I/O and no
+clock. Two drivers step it: :class:`ReplicaEngine` with the HTTP server of :mod:`.http` (vLLM's
+OpenAI-compatible API and ``/metrics``, in real or scaled time) and the simulator of
+:mod:`extproc.sim` (a virtual clock).
 
-Run one with ``await serve_replica("replica-0", "127.0.0.1", 8001)``; embed one with
+Run one server with ``await serve_replica("replica-0", "127.0.0.1", 8001)``; embed one with
 ``build_app(ReplicaEngine(PROFILES["demo"]), "replica-0", "demo-model")``.
 """
 
-from extproc.replica.cache import CHARS_PER_TOKEN, PrefixCache, count_tokens
-from extproc.replica.engine import Generation, ReplicaEngine, output_budget
+from extproc.replica.cache import CHARS_PER_TOKEN, PrefixCache, WeightedPrefixCache, count_tokens
+from extproc.replica.engine import Generation, ReplicaEngine, filler_text, filler_token, output_budget
 from extproc.replica.http import REPLICA_HEADER, build_app, serve_replica
+from extproc.replica.model import KVPool, ReplicaModel, Seq, StepResult
 from extproc.replica.timing import PROFILES, ReplicaProfile, get_profile
 
 __all__ = [
@@ -18,11 +22,18 @@ __all__ = [
     "PROFILES",
     "REPLICA_HEADER",
     "Generation",
+    "KVPool",
     "PrefixCache",
     "ReplicaEngine",
+    "ReplicaModel",
     "ReplicaProfile",
+    "Seq",
+    "StepResult",
+    "WeightedPrefixCache",
     "build_app",
     "count_tokens",
+    "filler_text",
+    "filler_token",
     "get_profile",
     "output_budget",
     "serve_replica",

@@ -1,4 +1,9 @@
-"""The fake replica's prefix cache: KV blocks keyed by chained prefix hashes, evicted LRU.
+"""A bare prefix cache: KV blocks keyed by chained prefix hashes, evicted least recently used.
+
+The replica model keeps its blocks in :class:`~extproc.replica.model.KVPool` (shared entries with
+reference counts, alongside the blocks of running requests). This simpler cache, with no requests
+holding blocks, is what the benchmark's ceilings are computed with: ``pooled`` (one cache with the
+whole fleet's capacity receiving every request) and ``ideal`` (one cache without bound).
 
 Blocks are hashed exactly as the router hashes them (:func:`extproc.request.prefix.block_hashes`
 seeded with the model), so what the router believes a replica holds and what the replica really
@@ -86,3 +91,40 @@ class PrefixCache:
     def reset(self) -> None:
         """Drop every block (vLLM's ``/reset_prefix_cache``); the counters keep their totals."""
         self._blocks.clear()
+
+
+class WeightedPrefixCache:
+    """:class:`PrefixCache` for keys that each cover several blocks (a trace's 512-token groups):
+    capacity and counters in blocks, least recently used keys evicted first; ``None`` capacity
+    never evicts (the ``ideal`` ceiling)."""
+
+    def __init__(self, num_blocks: int | None) -> None:
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1 (or None for no bound)")
+        self.num_blocks = num_blocks
+        self.blocks = 0
+        self._entries: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self.blocks
+
+    def match_and_store(self, keys: Sequence[int], sizes: Sequence[int]) -> int:
+        """Blocks of the longest cached prefix of ``keys`` (key ``i`` covers ``sizes[i]`` blocks);
+        then every key is stored or refreshed, the head last so it is evicted last."""
+        entries = self._entries
+        hit = 0
+        for key, size in zip(keys, sizes, strict=False):
+            if key not in entries:
+                break
+            hit += size
+        for key, size in zip(reversed(keys), reversed(sizes), strict=False):
+            if key in entries:
+                entries.move_to_end(key)
+            else:
+                entries[key] = size
+                self.blocks += size
+        if self.num_blocks is not None:
+            while self.blocks > self.num_blocks and entries:
+                _, size = entries.popitem(last=False)
+                self.blocks -= size
+        return hit

@@ -5,11 +5,13 @@ about a request. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from extproc.request.classes import ClassRule, classify
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
+from extproc.request.tenant import resolve_tenant
 
 CHARS_PER_TOKEN = 4
 
@@ -28,6 +30,8 @@ class FeatureSettings:
     block_chars: int = 64
     max_blocks: int = 512
     max_body_bytes: int = 8 * 1024 * 1024
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    classes: tuple[ClassRule, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,9 @@ class RequestFeatures:
     has_media: bool = False
     body_error: str | None = None
     request_id: str = ""
+    request_class: str = "default"
+    pool: tuple[tuple[str, str], ...] = ()
+    profile: str | None = None
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -64,7 +71,7 @@ def request_path(headers: Mapping[str, str]) -> str:
 def extract_features(headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings) -> RequestFeatures:
     """Extract features; a body that cannot be used leaves ``body_error`` set, never raises."""
     path = request_path(headers)
-    tenant = headers.get(settings.tenant_header, "")[:128]
+    tenant = resolve_tenant(headers, settings.tenant_header, settings.api_keys)
     request_id = headers.get("x-request-id", "")[:128]
     body_error: str | None = None
     parsed = None
@@ -83,7 +90,7 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
         # Tenants live in their own key space: equal session ids of two tenants are two sessions.
         key = f"{tenant}\x1f{key}"
     if parsed is None:
-        return RequestFeatures(
+        features = RequestFeatures(
             path=path,
             session_key=key,
             tenant=tenant,
@@ -91,8 +98,9 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
             request_id=request_id,
             model=headers.get("x-model", "")[:256],
         )
+        return _classified(features, headers, settings) if settings.classes else features
     hashes = block_hashes(parsed.prompt, model_seed(parsed.model), settings.block_chars, settings.max_blocks)
-    return RequestFeatures(
+    features = RequestFeatures(
         path=path,
         model=parsed.model,
         session_key=key,
@@ -103,3 +111,18 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
         has_media=parsed.has_media,
         request_id=request_id,
     )
+    return _classified(features, headers, settings) if settings.classes else features
+
+
+def _classified(features: RequestFeatures, headers: Mapping[str, str], settings: FeatureSettings) -> RequestFeatures:
+    rule = classify(
+        settings.classes,
+        features.estimated_prompt_tokens,
+        features.stream,
+        features.has_media,
+        features.model,
+        headers,
+    )
+    if rule is None:
+        return features
+    return replace(features, request_class=rule.name, pool=tuple(sorted(rule.pool.items())), profile=rule.profile)

@@ -30,6 +30,10 @@ class ReplicaState:
     queue: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    adapters: frozenset[str] = frozenset()
+    adapters_waiting: frozenset[str] = frozenset()
+    max_lora: int = 0
+    models: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -47,6 +51,8 @@ class Snapshot:
     """All replicas' states at one moment; the decision never sees anything fresher."""
 
     replicas: tuple[ReplicaState, ...]
+    tenant_inflight: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(tenant, replica) -> requests in flight, for tenants with quotas."""
 
     def get(self, name: str) -> ReplicaState | None:
         """The state of replica ``name``, if it is a member."""
@@ -74,6 +80,7 @@ class Reason(enum.StrEnum):
     FAILOVER = "failover"
     FALLBACK = "fallback"
     NO_REPLICA = "no_replica"
+    QUOTA = "quota"
 
 
 @dataclass(frozen=True, slots=True)

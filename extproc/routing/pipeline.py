@@ -52,7 +52,9 @@ class Profile:
             return features.session_key, "session"
         hashes = features.prefix_hashes
         if hashes:
-            return hashes[min(self.ring_key_blocks, len(hashes)) - 1], "prefix"
+            anchor = hashes[min(self.ring_key_blocks, len(hashes)) - 1]
+            # Tenants hash in their own space: equal prompts of two tenants need not meet.
+            return (f"{features.tenant}\x1f{anchor}" if features.tenant else anchor), "prefix"
         if features.request_id:
             return features.request_id, "request"
         return None, "none"

@@ -106,6 +106,74 @@ class OverloadFilter:
         return kept or candidates
 
 
+@dataclass(slots=True)
+class PoolFilter:
+    """Keeps the replicas of the request's pool (its class's label selector). An empty pool is a
+    misconfiguration or an outage: then the whole fleet serves rather than nobody."""
+
+    name: str = "pool"
+
+    def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        """Drop replicas outside the pool."""
+        selector = cycle.features.pool
+        if not selector:
+            return candidates
+        kept = [c for c in candidates if all(c.replica.labels.get(k) == v for k, v in selector)]
+        if not kept:
+            cycle.scratch["pool_empty"] = True
+            return candidates
+        return kept
+
+
+@dataclass(slots=True)
+class TenantShardFilter:
+    """Confines a tenant to its shard: the first ``shard_size`` replicas on the ring from the
+    tenant's name (stable as replicas come and go). Tenants without a shard size use the fleet."""
+
+    shard_sizes: Mapping[str, int] = field(default_factory=dict)
+    name: str = "tenant_shard"
+
+    def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        """Drop replicas outside the tenant's shard."""
+        size = self.shard_sizes.get(cycle.features.tenant, 0)
+        if size <= 0:
+            return candidates
+        shard = set(cycle.ring.preference(f"tenant\x1f{cycle.features.tenant}", size))
+        kept = [c for c in candidates if c.name in shard]
+        return kept or candidates
+
+
+def _adapter_requested(model: str, candidates: Sequence[ReplicaState]) -> bool:
+    """Whether ``model`` names a LoRA adapter: listed by some replica (loaded or waiting), or asked
+    of a fleet that serves adapters while no replica serves it as a base model."""
+    if not model or not any(c.max_lora for c in candidates):
+        return False
+    if any(model in c.adapters or model in c.adapters_waiting for c in candidates):
+        return True
+    bases = [c.models for c in candidates if c.models]
+    return bool(bases) and not any(model in b for b in bases)
+
+
+@dataclass(slots=True)
+class LoraFilter:
+    """For a known LoRA adapter, drops replicas whose adapter slots (``max_lora``) are all taken by
+    other adapters: sending it there would force an adapter swap. Keeps all if every one is full."""
+
+    name: str = "lora"
+
+    def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        """Drop replicas that cannot take the adapter without evicting another."""
+        model = cycle.features.model
+        if not _adapter_requested(model, candidates):
+            return candidates
+        kept = [
+            c
+            for c in candidates
+            if model in c.adapters or model in c.adapters_waiting or not c.max_lora or len(c.adapters) < c.max_lora
+        ]
+        return kept or candidates
+
+
 # --- scorers ------------------------------------------------------------------------------------
 
 
@@ -211,6 +279,50 @@ class RingScorer:
             owner = order[0] if order else None
         cycle.scratch["ring_owner"] = owner
         return {owner: 1.0} if owner else {}
+
+
+@dataclass(slots=True)
+class TenantHeadroomScorer:
+    """Prefers replicas where the request's tenant has few requests in flight, so one tenant's
+    burst spreads instead of filling the replicas its sessions happen to live on."""
+
+    per_replica: int = 16
+    name: str = "tenant_headroom"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """1 with no requests of this tenant in flight there, 0 at ``per_replica``."""
+        tenant = cycle.features.tenant
+        load = cycle.snapshot.tenant_inflight
+        if not tenant or not load:
+            return {}
+        cap = max(1, self.per_replica)
+        return {c.name: 1.0 - min(1.0, load.get((tenant, c.name), 0) / cap) for c in candidates}
+
+
+@dataclass(slots=True)
+class LoraScorer:
+    """For a LoRA adapter (the requested model name, as replicas list it in
+    ``vllm:lora_requests_info``): loaded beats waiting beats a free adapter slot beats a full one,
+    so an adapter is loaded once and reused, and ``max_lora`` is respected where possible."""
+
+    name: str = "lora"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Score each candidate's readiness for the adapter."""
+        model = cycle.features.model
+        if not _adapter_requested(model, candidates):
+            return {}
+        out = {}
+        for c in candidates:
+            if model in c.adapters:
+                out[c.name] = 1.0
+            elif model in c.adapters_waiting:
+                out[c.name] = 0.6
+            elif c.max_lora and len(c.adapters) < c.max_lora:
+                out[c.name] = 0.3
+            else:
+                out[c.name] = 0.0
+        return out
 
 
 # --- pickers ------------------------------------------------------------------------------------

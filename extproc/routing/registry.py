@@ -13,24 +13,34 @@ from extproc.routing.plugins import (
     Filter,
     InRotationFilter,
     LoadScorer,
+    LoraFilter,
+    LoraScorer,
     MaxScorePicker,
     OverloadFilter,
     Picker,
+    PoolFilter,
     PrefixScorer,
     RingScorer,
     Scorer,
     SessionAffinityScorer,
+    TenantHeadroomScorer,
+    TenantShardFilter,
 )
 
 FILTERS: dict[str, Callable[..., Filter]] = {
     "in_rotation": InRotationFilter,
     "overload": OverloadFilter,
+    "pool": PoolFilter,
+    "tenant_shard": TenantShardFilter,
+    "lora": LoraFilter,
 }
 SCORERS: dict[str, Callable[..., Scorer]] = {
     "session_affinity": SessionAffinityScorer,
     "prefix": PrefixScorer,
     "load": LoadScorer,
     "ring": RingScorer,
+    "tenant_headroom": TenantHeadroomScorer,
+    "lora": LoraScorer,
 }
 PICKERS: dict[str, Callable[..., Picker]] = {
     "max_score": MaxScorePicker,
@@ -44,12 +54,20 @@ PICKERS: dict[str, Callable[..., Picker]] = {
 # idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a replica that is
 # out of KV blocks.
 DEFAULT_PROFILE: dict[str, Any] = {
-    "filters": [{"type": "in_rotation"}, {"type": "overload"}],
+    "filters": [
+        {"type": "pool"},
+        {"type": "tenant_shard"},
+        {"type": "in_rotation"},
+        {"type": "lora"},
+        {"type": "overload"},
+    ],
     "scorers": [
         {"type": "session_affinity", "weight": 10},
         {"type": "prefix", "weight": 3},
         {"type": "load", "weight": 3},
         {"type": "ring", "weight": 0.5},
+        {"type": "lora", "weight": 3},
+        {"type": "tenant_headroom", "weight": 1},
     ],
     "picker": {"type": "max_score"},
 }

@@ -80,13 +80,16 @@ def continue_body() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
-def immediate(status: int, message: str, kind: str) -> pb.ProcessingResponse:
+def immediate(status: int, message: str, kind: str, retry_after_s: int | None = None) -> pb.ProcessingResponse:
     """Answer the client directly with an OpenAI-style JSON error."""
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    headers = [("content-type", "application/json")]
+    if retry_after_s is not None:
+        headers.append(("retry-after", str(retry_after_s)))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=mutation([("content-type", "application/json")]),
+            headers=mutation(headers),
             body=body,
             details=kind,
         )

@@ -32,6 +32,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         except Exception as exc:
             # A bug must cost one request its routing, never the server: Envoy's failure_mode_allow
             # then sends it down the default route.
-            self.router.metrics.stream_errors.labels(type(exc).__name__).inc()
-            log.exception("ext_proc stream failed")
+            self.router.metrics.stream_errors.labels("stream").inc()
+            log.exception("ext_proc stream failed (%s)", type(exc).__name__)
             raise

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.router import Routed, Router
+from extproc.routing.model import Reason
 from extproc.server import envoy_messages as msg
 
 log = logging.getLogger("extproc.stream")
@@ -94,8 +95,17 @@ class RequestStream:
         routed = await self.router.route(self.headers, body)
         self.routed = routed
         decision = routed.decision
+        if decision.reason is Reason.QUOTA:
+            return msg.immediate(
+                429,
+                "this tenant is over its quota of concurrent requests; retry later",
+                "quota_exceeded",
+                retry_after_s=routed.retry_after_s,
+            )
         if decision.replica is None:
-            return msg.immediate(503, "no model server replica is available", "no_replica")
+            # No replica known (discovery has not answered yet, or the fleet is empty): let Envoy
+            # route it on its own (the default route); Envoy answers 503 itself if it has none.
+            return msg.continue_body() if in_body else msg.continue_headers(self.remove)
         cfg = self.router.config
         common, metadata = msg.routing_mutation(
             decision, self.mode, cfg.target_cluster_header, cfg.destination_endpoint_header, self.remove

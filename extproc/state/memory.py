@@ -131,6 +131,11 @@ class PrefixIndex:
                     del self._owners[h]
 
 
+def _per_model(model: str, session_key: str) -> str:
+    # A unit separator cannot come from a header; no model keeps the plain key (the common case).
+    return f"{model}\x1f{session_key}" if model else session_key
+
+
 class MemoryStore:
     """The :class:`~extproc.state.store.AffinityStore` kept in process memory (the default)."""
 
@@ -138,17 +143,26 @@ class MemoryStore:
         self.sessions = SessionMap(ttl_s, max_sessions)
         self.prefixes = PrefixIndex(blocks_per_replica)
 
-    async def lookup(self, session_key: str | None, prefix_hashes: Sequence[int], now: float) -> AffinityView:
+    async def lookup(
+        self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
+    ) -> AffinityView:
         """Pinned replica (TTL refreshed) and prefix holders."""
-        pinned = self.sessions.get(session_key, now) if session_key else None
+        pinned = self.sessions.get(_per_model(model, session_key), now) if session_key else None
         return AffinityView(pinned=pinned, prefix_matches=self.prefixes.matches(prefix_hashes))
 
     async def record(
-        self, session_key: str | None, replica: str, prefix_hashes: Sequence[int], now: float, pin: bool
+        self,
+        session_key: str | None,
+        replica: str,
+        prefix_hashes: Sequence[int],
+        now: float,
+        pin: bool,
+        *,
+        model: str = "",
     ) -> None:
         """Pin and index."""
         if session_key and pin:
-            self.sessions.put(session_key, replica, now)
+            self.sessions.put(_per_model(model, session_key), replica, now)
         if prefix_hashes:
             self.prefixes.add(replica, prefix_hashes)
 

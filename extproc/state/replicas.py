@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from extproc.health.rotation import Rotation, step
@@ -106,13 +106,14 @@ class ReplicaBook:
             return rec.recent
         return float(rec.recent * 0.5 ** ((now - rec.recent_at) / self.settings.recent_half_life_s))
 
-    def snapshot(self, now: float) -> Snapshot:
+    def snapshot(self, now: float, tenant_inflight: Mapping[tuple[str, str], int] | None = None) -> Snapshot:
         """Every replica's state at ``now``. Scraped load older than ``stale_after_s`` is not
         trusted: a replica whose page broke while it was busy must not look busy forever."""
         stale_before = now - self.settings.stale_after_s
         states = []
         for r in self._records.values():
             fresh = r.scraped_at >= stale_before
+            lora = r.metrics.lora if r.metrics is not None else None
             states.append(
                 ReplicaState(
                     replica=r.replica,
@@ -124,9 +125,13 @@ class ReplicaBook:
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
                     kv_usage=r.kv_usage if fresh else 0.0,
+                    adapters=frozenset(lora.running) if lora else frozenset(),
+                    adapters_waiting=frozenset(lora.waiting) if lora else frozenset(),
+                    max_lora=lora.max_lora if lora else 0,
+                    models=frozenset(r.metrics.models) if r.metrics is not None else frozenset(),
                 )
             )
-        return Snapshot(tuple(states))
+        return Snapshot(tuple(states), tenant_inflight or {})
 
     # --- what the decision changes ----------------------------------------------------------------
 
@@ -239,6 +244,10 @@ class ReplicaBook:
         before = rec.rotation.in_rotation
         rec.rotation = step(rec.rotation, rec.health, now, s.rotation, hard_failure=hard_failure or rec.refused)
         if rec.rotation.in_rotation != before:
+            if not rec.rotation.in_rotation:
+                # Its sessions move away: the recent traffic that stood for them no longer applies,
+                # and it must not keep the replica looking busy when it comes back.
+                rec.recent = 0.0
             return Transition(rec.replica.name, rec.rotation.in_rotation, rec.health)
         return None
 

@@ -24,12 +24,25 @@ class AffinityStore(Protocol):
     caller's clock, so stores never read time themselves.
     """
 
-    async def lookup(self, session_key: str | None, prefix_hashes: Sequence[int], now: float) -> AffinityView:
-        """What is known for a request: its pinned replica and the replicas holding its prefix."""
+    async def lookup(
+        self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
+    ) -> AffinityView:
+        """What is known for a request: its pinned replica and the replicas holding its prefix.
+
+        Sessions are kept per ``model`` (a conversation's KV cache is per model); prefix hashes
+        are already seeded with the model name.
+        """
         ...
 
     async def record(
-        self, session_key: str | None, replica: str, prefix_hashes: Sequence[int], now: float, pin: bool
+        self,
+        session_key: str | None,
+        replica: str,
+        prefix_hashes: Sequence[int],
+        now: float,
+        pin: bool,
+        *,
+        model: str = "",
     ) -> None:
         """Remember a decision: pin the session (when ``pin``) and index the prefix on ``replica``."""
         ...
@@ -44,4 +57,22 @@ class AffinityStore(Protocol):
 
     async def close(self) -> None:
         """Release connections."""
+        ...
+
+
+class StoreObserver(Protocol):
+    """Where a remote store reports what the router cannot see: its errors (a Redis store does
+    not raise, it falls back), its latency and its availability. ``operation`` is one of a small
+    fixed set (lookup, record, forget, probe): it becomes a metric label."""
+
+    def store_error(self, operation: str) -> None:
+        """One failed operation."""
+        ...
+
+    def store_latency(self, operation: str, seconds: float) -> None:
+        """How long one operation took."""
+        ...
+
+    def store_available(self, available: bool) -> None:
+        """The store became reachable (True) or unreachable (False)."""
         ...

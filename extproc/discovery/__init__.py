@@ -1,0 +1,46 @@
+"""Discovery: where the fleet's members come from (the config, DNS, or Kubernetes EndpointSlices).
+
+A :class:`Discovery` source yields complete replica lists; a :class:`DiscoveryLoop` debounces them
+and hands the changes to ``Router.set_replicas`` as joins and leaves. The Kubernetes client and
+dnspython are imported only by the source that needs them.
+"""
+
+from extproc.discovery.dns import DnsDiscovery, DnsPythonResolver, ResolutionError, Resolver, SrvRecord
+from extproc.discovery.endpoint_slices import PortChoice, SliceSet, replicas_of_slice
+from extproc.discovery.factory import build_discovery, run_discovery
+from extproc.discovery.kubernetes_watch import KubernetesDiscovery
+from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
+from extproc.discovery.settings import (
+    DiscoveryConfigError,
+    DiscoverySettings,
+    DnsSource,
+    KubernetesSource,
+    StaticSource,
+    parse_discovery,
+)
+from extproc.discovery.source import Discovery, StaticDiscovery, canonical
+
+__all__ = [
+    "Discovery",
+    "DiscoveryConfigError",
+    "DiscoveryLoop",
+    "DiscoverySettings",
+    "DnsDiscovery",
+    "DnsPythonResolver",
+    "DnsSource",
+    "KubernetesDiscovery",
+    "KubernetesSource",
+    "MembershipTarget",
+    "PortChoice",
+    "ResolutionError",
+    "Resolver",
+    "SliceSet",
+    "SrvRecord",
+    "StaticDiscovery",
+    "StaticSource",
+    "build_discovery",
+    "canonical",
+    "parse_discovery",
+    "replicas_of_slice",
+    "run_discovery",
+]

@@ -1,0 +1,396 @@
+"""The affinity store in Redis, shared by every gateway of a deployment (active-active).
+
+Several gateway pods each see only some turns of a conversation; with state in process memory a
+session whose turns land on different pods is scattered again. Here every pod reads and writes
+the same session pins and the same approximate prefix index.
+
+**One round trip per lookup.** A lookup is one ``EVALSHA`` of a Lua script that reads the
+session's pin and refreshes its TTL (``GETEX ... PX``: the TTL slides in the same round trip
+as the read) and runs the longest-prefix search inside Redis: for each replica, a binary search
+over the prompt's chained block hashes (see :mod:`extproc.state.redis_scripts` for why a script
+and not a pipeline). The reply is the pin plus a few ``(replica, blocks)`` pairs.
+
+**Near-cache.** A pin learned in the last ``near_cache_ttl_s`` (1 s) answers without Redis (an
+agent's burst of calls in one session); prefix matches then come from the local mirror. This
+bounds how long a gateway can follow a pin another gateway has just moved.
+
+**Writes behind the decision.** ``record`` updates the local mirror and the near-cache at once
+and queues the Redis write; a background writer sends what is queued in one pipeline per batch.
+The decision never waits for a write. The price: another gateway may not see a pin for one
+round trip after the answer went to Envoy (a conversation's next turn comes after the reply, far
+later), and writes queued when the process dies are lost. The queue is bounded (``backlog``):
+when Redis is away the oldest writes are dropped first and the rest are sent when it returns.
+
+**Redis going away.** Every call has a short timeout (socket and connect timeouts of 50 ms
+by default, far below Envoy's message timeout). The first failure starts an outage episode
+(logged once, counted on every failure): lookups are then answered from the local mirror,
+a :class:`~extproc.state.memory.MemoryStore` that sees every decision of this gateway and
+every pin it read from Redis, without touching the network, so no request waits on a dead Redis;
+a prober pings with exponential backoff and, once Redis answers, lookups go remote again and
+the writer drains its backlog. The store never raises into the router.
+
+Timeouts are wall-clock: an event loop kept busy for longer than the timeout by other work
+looks like a slow Redis, and the store falls back to local state for that episode, which is
+the right thing for a gateway that saturated.
+
+**Memory** (``benchmarks/store_latency.py``, results in ``benchmarks/store_latency.md``): about
+190 bytes of Redis memory per session (a 36-character session id: key, replica name, expiry
+entry), so 180 MiB for a million sessions; about 110 bytes per prefix-index entry (one block
+on one replica, a sorted-set member), 13 MiB for 31,250 blocks on each of 4 replicas. Entries
+expire after ``prefix_ttl_s`` and each replica keeps at most ``blocks_per_replica``.
+``max_sessions`` bounds only the local mirror: bound Redis with ``maxmemory`` and
+``volatile-lru`` (every key here has a TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from extproc.routing.model import AffinityView
+from extproc.state.memory import MemoryStore
+from extproc.state.near_cache import NearCache
+from extproc.state.outage import Outage
+from extproc.state.redis_client import DEFAULT_TIMEOUT_S, RedisClient
+from extproc.state.redis_keys import KeySpace
+from extproc.state.redis_scripts import LOOKUP, LOOKUP_SHA, RECORD, RECORD_SHA, pack_hashes, parse_lookup
+from extproc.state.store import StoreObserver, StoreStats
+
+log = logging.getLogger("extproc.state")
+
+# What a lost or slow Redis raises (redis-py's ConnectionError and TimeoutError are RedisErrors;
+# the rest come from sockets and from asyncio.timeout).
+UNAVAILABLE = (RedisError, OSError, TimeoutError)
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """What the store did, for tests and benchmarks (metrics go through the observer)."""
+
+    remote_lookups: int = 0
+    near_hits: int = 0
+    local_lookups: int = 0
+    writes: int = 0
+    dropped_writes: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    model: str
+    session: str | None
+    replica: str
+    hashes: Sequence[int]
+    pin: bool
+
+
+class RedisStore:
+    """:class:`~extproc.state.store.AffinityStore` on Redis with a near-cache and a local mirror."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        namespace: str = "default",
+        ttl_s: float = 600.0,
+        max_sessions: int = 100_000,
+        blocks_per_replica: int = 31_250,
+        prefix_ttl_s: float | None = None,
+        near_cache_ttl_s: float = 1.0,
+        near_cache_size: int = 10_000,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        backlog: int = 10_000,
+        batch: int = 64,
+        reconnect_base_s: float = 0.05,
+        reconnect_max_s: float = 1.0,
+        observer: StoreObserver | None = None,
+        name: str = "redis",
+    ) -> None:
+        self.client = client
+        self.keys = KeySpace(namespace)
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self.prefix_ttl_ms = max(1, round((prefix_ttl_s or ttl_s) * 1000))
+        self.blocks_per_replica = blocks_per_replica
+        self.local = MemoryStore(ttl_s, max_sessions, blocks_per_replica)
+        self.near = NearCache(min(near_cache_ttl_s, ttl_s), near_cache_size)
+        # Whole-operation bound on top of the socket timeouts (a connect plus a read, or a
+        # Sentinel asking for the master first): still a small fraction of Envoy's timeout.
+        self.op_timeout_s = max(2 * timeout_s, 0.01)
+        self.backlog = backlog
+        self.batch = batch
+        self.outage = Outage(name, reconnect_base_s, reconnect_max_s)
+        self.observer = observer
+        self.counters = StoreCounters()
+        self._pending: deque[_Write] = deque()
+        self._in_flight = 0
+        self._wake = asyncio.Event()
+        self._up = asyncio.Event()
+        self._up.set()
+        self._writer: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
+        self._models: set[str] = set()
+        self._closed = False
+
+    @property
+    def available(self) -> bool:
+        """Whether Redis is in use (False during an outage episode)."""
+        return not self.outage.down
+
+    async def wait_available(self, timeout_s: float) -> bool:
+        """Wait until Redis is in use again (after an outage); False if not within ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._up.wait()
+        return self.available
+
+    async def lookup(
+        self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
+    ) -> AffinityView:
+        """The session's pin and the prefix holders: near-cache, else Redis, else the local mirror."""
+        local = await self.local.lookup(session_key, prefix_hashes, now, model=model)
+        skey = self.keys.session(model, session_key) if session_key else None
+        if skey is not None:
+            cached = self.near.get(skey, now)
+            if cached is not None:
+                self.counters.near_hits += 1
+                return AffinityView(pinned=cached, prefix_matches=local.prefix_matches)
+        if self.outage.down or self._closed:
+            self.counters.local_lookups += 1
+            return local
+        try:
+            reply = await self._lookup_remote(skey, model, prefix_hashes)
+        except UNAVAILABLE as exc:
+            self._failed("lookup", exc)
+            self.counters.local_lookups += 1
+            return local
+        self.counters.remote_lookups += 1
+        pinned, matches = parse_lookup(reply)
+        # This gateway's own recent writes may still be queued: what it knows locally counts too.
+        for replica, blocks in local.prefix_matches.items():
+            if blocks > matches.get(replica, 0):
+                matches[replica] = blocks
+        if pinned is None:
+            # Not in Redis: our pin is still queued, or Redis lost its data (a restart). Ours
+            # holds, and the decision's record writes it back.
+            pinned = local.pinned
+        elif skey is not None and session_key is not None:
+            self.near.put(skey, pinned, now)
+            if pinned != local.pinned:  # mirrored, so an outage keeps the pins peers made
+                await self.local.record(session_key, pinned, (), now, True, model=model)
+        return AffinityView(pinned=pinned, prefix_matches=matches)
+
+    async def _lookup_remote(self, skey: str | None, model: str, hashes: Sequence[int]) -> Any:
+        keys = (skey or self.keys.replicas(model), self.keys.replicas(model))
+        args = (self.ttl_ms if skey else 0, self.prefix_ttl_ms, self.keys.prefix_base(model), pack_hashes(hashes))
+        start = time.perf_counter()
+        async with asyncio.timeout(self.op_timeout_s):
+            try:
+                reply = await self.client.evalsha(LOOKUP_SHA, 2, *keys, *args)
+            except NoScriptError:  # a restarted or failed-over Redis forgot it: EVAL caches it again
+                reply = await self.client.eval(LOOKUP, 2, *keys, *args)
+        if self.observer is not None:
+            self.observer.store_latency("lookup", time.perf_counter() - start)
+        return reply
+
+    async def record(
+        self,
+        session_key: str | None,
+        replica: str,
+        prefix_hashes: Sequence[int],
+        now: float,
+        pin: bool,
+        *,
+        model: str = "",
+    ) -> None:
+        """Pin and index at once locally; the Redis write is queued for the background writer."""
+        await self.local.record(session_key, replica, prefix_hashes, now, pin, model=model)
+        skey = self.keys.session(model, session_key) if session_key else None
+        if skey is not None and pin:
+            self.near.put(skey, replica, now)
+        if self._closed:
+            return
+        if len(self._pending) >= self.backlog:
+            self._pending.popleft()
+            self.counters.dropped_writes += 1
+        self._pending.append(_Write(model, skey, replica, prefix_hashes, pin))
+        self._wake.set()
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="redis-store-writer")
+
+    async def _write_loop(self) -> None:
+        while not self._closed:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending and not self.outage.down:
+                batch = [self._pending.popleft() for _ in range(min(self.batch, len(self._pending)))]
+                self._in_flight = len(batch)
+                try:
+                    await self._write_batch(batch)
+                except UNAVAILABLE as exc:
+                    # Back to the front, oldest first; the backlog bound still holds.
+                    self._pending.extendleft(reversed(batch))
+                    while len(self._pending) > self.backlog:
+                        self._pending.popleft()
+                        self.counters.dropped_writes += 1
+                    self._failed("record", exc)
+                except Exception as exc:  # a bug must cost this batch, never the writer itself
+                    self.counters.dropped_writes += len(batch)
+                    self._error("record", exc)
+                    log.exception("affinity store write failed")
+                finally:
+                    self._in_flight = 0
+
+    def _record_call(self, w: _Write, keys: KeySpace) -> tuple[Any, ...]:
+        index = keys.prefix_index(w.model, w.replica)
+        return (
+            3,
+            w.session or index,  # any key of the model's slot stands in when there is no session
+            keys.replicas(w.model),
+            index,
+            self.ttl_ms if w.session else 0,
+            self.prefix_ttl_ms,
+            w.replica,
+            self.blocks_per_replica,
+            pack_hashes(w.hashes),
+            1 if w.pin else 0,  # unpinned (a spillover), the session was still used: its TTL slides
+            self.prefix_ttl_ms // 8,
+        )
+
+    async def _write_batch(self, batch: list[_Write]) -> None:
+        start = time.perf_counter()
+        calls = [self._record_call(w, self.keys) for w in batch]
+        new_models = {w.model for w in batch} - self._models
+        async with asyncio.timeout(self.op_timeout_s + 0.002 * len(batch)):
+            if isinstance(self.client, RedisCluster):
+                results = await self._write_concurrently(calls, new_models)
+            else:
+                results = await self._write_pipelined(calls, new_models)
+        failures = [r for r in results if isinstance(r, Exception) and not isinstance(r, NoScriptError)]
+        unavailable = [r for r in failures if isinstance(r, UNAVAILABLE) and not isinstance(r, ResponseError)]
+        if unavailable:
+            raise unavailable[0]
+        self._models |= new_models
+        self.counters.writes += len(batch) - len(failures)
+        for failure in failures:  # refused by Redis (out of memory, a foreign key type): not retried
+            self._error("record", failure)
+        if self.observer is not None:
+            self.observer.store_latency("record", time.perf_counter() - start)
+
+    async def _write_pipelined(self, calls: list[tuple[Any, ...]], new_models: set[str]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(RECORD_SHA, *call)
+        for model in new_models:
+            pipe.sadd(self.keys.models_key, model)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        missing = [call for call, result in zip(calls, results, strict=False) if isinstance(result, NoScriptError)]
+        if missing:  # EVAL loads the script again (a restarted Redis), then EVALSHA works
+            pipe = self.client.pipeline(transaction=False)
+            for call in missing:
+                pipe.eval(RECORD, *call)
+            results += await pipe.execute(raise_on_error=False)
+        return results
+
+    async def _write_concurrently(self, calls: list[tuple[Any, ...]], new_models: set[str]) -> list[Any]:
+        # redis-py refuses scripts in a cluster pipeline: the calls go out side by side instead,
+        # each to the node owning its model's slot, which costs about one round trip as well.
+        async def one(call: tuple[Any, ...]) -> Any:
+            try:
+                return await self.client.evalsha(RECORD_SHA, *call)
+            except NoScriptError:
+                return await self.client.eval(RECORD, *call)
+
+        jobs: list[Awaitable[Any]] = [one(call) for call in calls]
+        jobs += [self.client.sadd(self.keys.models_key, model) for model in new_models]
+        return list(await asyncio.gather(*jobs, return_exceptions=True))
+
+    async def forget_replica(self, replica: str) -> None:
+        """Drop the replica's prefix entries here and, for every model, in Redis."""
+        await self.local.forget_replica(replica)
+        self.near.drop_replica(replica)
+        if self.outage.down or self._closed:
+            return  # its index expires after prefix_ttl_s; a gone replica is filtered out anyway
+        try:
+            async with asyncio.timeout(self.op_timeout_s * 4):
+                members = await self.client.smembers(self.keys.models_key)
+                models = self._models | {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+                pipe = self.client.pipeline(transaction=False)
+                for model in models:
+                    pipe.delete(self.keys.prefix_index(model, replica))
+                    pipe.zrem(self.keys.replicas(model), replica)
+                await pipe.execute()
+        except UNAVAILABLE as exc:
+            self._failed("forget", exc)
+
+    def stats(self) -> StoreStats:
+        """Sizes of the local mirror (this gateway's view; Redis holds the whole deployment's)."""
+        return self.local.stats()
+
+    async def flush(self, timeout_s: float = 1.0) -> bool:
+        """Wait until every queued write reached Redis; False if that did not happen in time."""
+        deadline = time.monotonic() + timeout_s
+        while (self._pending or self._in_flight) and not self.outage.down:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return not self._pending and not self._in_flight
+
+    async def close(self) -> None:
+        """Send what is queued (briefly), stop the background tasks, close the connections."""
+        if self._closed:
+            return
+        if self._pending and not self.outage.down:
+            await self.flush(0.5)
+        self._closed = True
+        for task in (self._writer, self._prober):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        with contextlib.suppress(*UNAVAILABLE):
+            await self.client.aclose()
+
+    def _error(self, operation: str, exc: BaseException) -> None:
+        self.counters.errors += 1
+        if self.observer is not None:
+            self.observer.store_error(operation)
+        log.debug("affinity store %s failed: %s: %s", operation, type(exc).__name__, exc)
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        """An operation failed. A refusal (a ResponseError) concerns that operation only;
+        anything else means Redis is unreachable or too slow: an outage episode starts."""
+        self._error(operation, exc)
+        if isinstance(exc, ResponseError):
+            return
+        if self.outage.failed(operation, exc):
+            self._up.clear()
+            if self.observer is not None:
+                self.observer.store_available(False)
+            if self._prober is None or self._prober.done():
+                self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-store-prober")
+
+    async def _probe_loop(self) -> None:
+        while self.outage.down and not self._closed:
+            await asyncio.sleep(self.outage.next_delay())
+            try:
+                async with asyncio.timeout(self.op_timeout_s):
+                    await self.client.ping()
+            except UNAVAILABLE as exc:
+                self._error("probe", exc)
+                continue
+            if self.outage.recovered() and self.observer is not None:
+                self.observer.store_available(True)
+            self._up.set()
+            self._wake.set()  # the writer drains what queued up meanwhile
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.outage.name}, namespace={self.keys.namespace!r})"

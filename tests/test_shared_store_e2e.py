@@ -1,0 +1,187 @@
+"""Active-active through real Envoy: two processors share one Redis behind one Envoy, which
+round-robins ext_proc streams between them, so a conversation's turns alternate processors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.demo.gateway import LocalGateway
+from extproc.demo.processes import free_port
+from extproc.demo.redis_server import LocalRedis
+from extproc.demo.workload import Conversation, multi_turn
+from tests.conftest import require_binary
+
+pytestmark = pytest.mark.e2e
+CHAT = "/v1/chat/completions"
+NAMESPACE = "e2e"
+
+
+class SharedGateway:
+    """Envoy -> two processors (``--store redis://...``) -> three fake replicas, and the Redis."""
+
+    def __init__(self) -> None:
+        redis_port = free_port()
+        url = f"redis://127.0.0.1:{redis_port}?namespace={NAMESPACE}"
+        self.gw = LocalGateway(replicas=3, time_scale=0.02, processors=2, processor_args=("--store", url))
+        self.redis = LocalRedis(self.gw.procs, self.gw.dir, port=redis_port)
+
+    def __enter__(self) -> SharedGateway:
+        try:
+            self.redis.start()
+            self.gw.start()
+        except BaseException:
+            self.gw.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gw.stop()  # the Redis is in the gateway's process group: stopped by PID with the rest
+
+    def session_keys(self) -> list[bytes]:
+        with self.redis.client() as c:
+            return list(c.scan_iter(match=f"ext:{{{NAMESPACE}/*}}:s:*", count=1000))
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[SharedGateway]:
+    require_binary("envoy")
+    require_binary("redis-server")
+    with SharedGateway() as gateway:
+        yield gateway
+
+
+async def metrics_of(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Samples of one processor's /metrics, keyed ``name{label=value}``."""
+    async with http.get(url) as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+async def decisions(http: aiohttp.ClientSession, gw: LocalGateway) -> list[Counter[str]]:
+    """Decisions by reason, per processor."""
+    per_processor = []
+    for url in gw.metrics_urls:
+        samples = await metrics_of(http, url)
+        counts: Counter[str] = Counter()
+        for key, value in samples.items():
+            if key.startswith("extproc_decisions_total{"):
+                counts[key.split("reason=")[1].rstrip("}")] = int(value)
+        per_processor.append(counts)
+    return per_processor
+
+
+async def send_turn(http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int) -> tuple[int, str]:
+    body = {"model": "demo-model", "messages": conv.next_messages(turn), "max_tokens": 2}
+    async with http.post(url + CHAT, data=json.dumps(body), headers={"x-session-id": conv.session_id}) as resp:
+        payload: Any = await resp.read()
+        if resp.status == 200:
+            content = json.loads(payload)["choices"][0]["message"]["content"]
+            conv.add_answer(content)
+        return resp.status, resp.headers.get("x-replica-name", "")
+
+
+async def test_turns_alternate_processors_and_stay_on_one_replica(shared: SharedGateway) -> None:
+    gw = shared.gw
+    async with aiohttp.ClientSession() as http:
+        # One conversation alone: Envoy's round robin hands its turns to the processors in turn.
+        before = await decisions(http, gw)
+        (alone,) = multi_turn(1, 6, seed=1, system_tokens=100, document_tokens=300, run_id="alone")
+        seen = {(await send_turn(http, gw.url, alone, t))[1] for t in range(6)}
+        after = await decisions(http, gw)
+        per_processor = [after[i] - before[i] for i in range(2)]
+        assert len(seen) == 1, seen
+        assert [sum(c.values()) for c in per_processor] == [3, 3], per_processor
+        # Only the first turn was new; every later turn, on either processor, found the pin.
+        assert sum(c["sticky"] for c in per_processor) == 5, per_processor
+        assert sum(c["new_session"] for c in per_processor) == 1, per_processor
+
+        # Many conversations at once.
+        convs = multi_turn(10, 6, seed=2, system_tokens=100, document_tokens=300, run_id="many")
+
+        async def converse(conv: Conversation) -> set[str]:
+            replicas = set()
+            for t in range(6):
+                status, replica = await send_turn(http, gw.url, conv, t)
+                assert status == 200
+                replicas.add(replica)
+            return replicas
+
+        before = await decisions(http, gw)
+        results = await asyncio.gather(*(converse(c) for c in convs))
+        after = await decisions(http, gw)
+    assert all(len(r) == 1 for r in results), results
+    assert len({next(iter(r)) for r in results}) >= 2  # the conversations themselves are spread
+    per_processor = [after[i] - before[i] for i in range(2)]
+    totals = [sum(c.values()) for c in per_processor]
+    assert sum(totals) == 60 and min(totals) >= 20, per_processor
+    assert sum(c["sticky"] for c in per_processor) == 60 - 10, per_processor
+
+
+async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(shared: SharedGateway) -> None:
+    gw, redis = shared.gw, shared.redis
+    convs = multi_turn(8, 9, seed=3, system_tokens=100, document_tokens=300, run_id="outage")
+    total = 8 * 9
+    statuses: list[int] = []
+    progress = asyncio.Event()
+
+    async def converse(http: aiohttp.ClientSession, conv: Conversation) -> None:
+        for t in range(9):
+            status, _ = await send_turn(http, gw.url, conv, t)
+            statuses.append(status)
+            progress.set()
+            await asyncio.sleep(0.01)
+
+    async def wait_for(count: int) -> None:
+        while len(statuses) < count:
+            progress.clear()
+            await progress.wait()
+
+    async with aiohttp.ClientSession() as http:
+        replay = asyncio.gather(*(converse(http, c) for c in convs))
+        await wait_for(total // 3)
+        redis.kill()
+        await wait_for(2 * total // 3)
+        during = len(statuses)
+        redis.start()
+        await replay
+        assert len(statuses) == total and Counter(statuses) == {200: total}, Counter(statuses)
+        assert during < total  # some of the replay ran after Redis came back
+
+        # Both processors noticed the outage, and both are back on Redis.
+        for url in gw.metrics_urls:
+            deadline = asyncio.get_running_loop().time() + 5
+            while (await metrics_of(http, url))["extproc_store_available{}"] != 1:
+                assert asyncio.get_running_loop().time() < deadline, f"{url}: store still unavailable"
+                await asyncio.sleep(0.1)
+        errors = [
+            sum(v for k, v in (await metrics_of(http, url)).items() if k.startswith("extproc_store_errors_total"))
+            for url in gw.metrics_urls
+        ]
+        assert sum(errors) >= 1, errors
+        for index in range(2):
+            log = (gw.dir / f"{gw.processor_name(index)}.log").read_text()
+            # Logged once per episode, however many requests it touched (here, at most one).
+            assert log.count("unavailable") == log.count("is back") <= 1, log[-2000:]
+
+        # The restarted Redis started empty: pins in it now were written after it returned.
+        fresh = multi_turn(4, 2, seed=4, system_tokens=50, document_tokens=100, run_id="after")
+        for conv in fresh:
+            for t in range(2):
+                assert (await send_turn(http, gw.url, conv, t))[0] == 200
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(shared.session_keys()) < 4:
+            assert asyncio.get_running_loop().time() < deadline, shared.session_keys()
+            await asyncio.sleep(0.05)
