@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from hypothesis import given, settings
@@ -163,3 +164,64 @@ def test_ring_weight_is_proportional() -> None:
     ring = HashRing([("small", 1.0), ("big", 3.0)])
     owners = Counter(ring.preference(f"k{i}", 1)[0] for i in range(4000))
     assert 2.3 < owners["big"] / owners["small"] < 3.9
+
+
+replica_loads = st.lists(
+    st.tuples(st.integers(0, 40), st.integers(0, 32), st.floats(0, 0.9), st.integers(0, 30)), min_size=2, max_size=10
+)
+
+
+@settings(max_examples=150)
+@given(replica_loads, st.integers(0, 9), st.dictionaries(st.integers(0, 9), st.integers(1, 40)), st.text(min_size=1))
+def test_a_session_keeps_its_replica_while_it_is_healthy_and_not_overloaded(
+    loads: list[tuple[int, int, float, int]], pinned: int, matches: dict[int, int], session: str
+) -> None:
+    pinned %= len(loads)
+    snap = Snapshot(
+        tuple(
+            ReplicaState(Replica(f"r{i}", f"h:{i + 1}"), inflight=inf, queue=q, kv_usage=kv, recent_requests=rec)
+            for i, (inf, q, kv, rec) in enumerate(loads)
+        )
+    )
+    view = AffinityView(pinned=f"r{pinned}", prefix_matches={f"r{k % len(loads)}": v for k, v in matches.items()})
+    d = decide(features(session, tuple(range(40))), snap, view, 0.0, build_profile())
+    assert d.replica is not None and d.replica.name == f"r{pinned}" and d.reason is Reason.STICKY
+
+
+@settings(max_examples=150)
+@given(st.lists(st.integers(0, 20), min_size=2, max_size=12), st.text(min_size=1), st.floats(1.0, 2.0))
+def test_the_ring_never_gives_a_replica_more_than_the_bound(inflight: list[int], key: str, load_factor: float) -> None:
+    from extproc.routing.plugins import CycleState, RingScorer
+
+    snap = Snapshot(tuple(ReplicaState(Replica(f"r{i}", f"h:{i + 1}"), inflight=n) for i, n in enumerate(inflight)))
+    profile = build_profile()
+    cycle = CycleState(features(key), snap, AffinityView(), 0.0, profile.ring_for(snap), key, "session")
+    scores = RingScorer(load_factor=load_factor).score(cycle, list(snap.replicas))
+    (owner,) = [name for name, s in scores.items() if s == 1.0]
+    bound = math.ceil(load_factor * (sum(inflight) + 1) / len(inflight))
+    fits = [s for s in snap.replicas if s.inflight + 1 <= bound]
+    state = snap.get(owner)
+    assert state is not None
+    assert state.inflight + 1 <= bound or not fits
+
+
+@settings(max_examples=40)
+@given(st.integers(3, 16), st.integers(0, 10_000))
+def test_a_join_moves_at_most_about_its_share_of_bounded_placements(n: int, seed: int) -> None:
+    from extproc.routing.plugins import CycleState, RingScorer
+
+    def owners(count: int) -> list[str]:
+        snap = Snapshot(tuple(ReplicaState(Replica(f"r{i}", f"h:{i + 1}")) for i in range(count)))
+        ring = build_profile().ring_for(snap)
+        out = []
+        for k in range(1500):
+            key = f"{seed}-{k}"
+            cycle = CycleState(features(key), snap, AffinityView(), 0.0, ring, key, "session")
+            scores = RingScorer().score(cycle, list(snap.replicas))
+            out.append(next(name for name, s in scores.items() if s == 1.0))
+        return out
+
+    before, after = owners(n), owners(n + 1)
+    moved = sum(a != b for a, b in zip(before, after, strict=True))
+    assert moved / len(before) <= 1 / (n + 1) + 0.06  # about 1/(N+1), with slack for vnode variance
+    assert all(b == f"r{n}" for a, b in zip(before, after, strict=True) if a != b)

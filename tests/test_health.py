@@ -26,7 +26,7 @@ from extproc.routing import Replica
 from extproc.state.replicas import ReplicaBook
 from tests.conftest import SHARED
 
-SAMPLE = (SHARED / "vllm" / "metrics_sample.txt").read_text() if (SHARED / "vllm").exists() else ""
+SAMPLE_PATH = SHARED / "vllm" / "metrics_sample.txt"  # ../shared beside the checkout, as in CI
 
 
 def page(running: int = 0, waiting: int = 0, kv: float = 0.0, legacy: bool = False) -> str:
@@ -42,7 +42,7 @@ def page(running: int = 0, waiting: int = 0, kv: float = 0.0, legacy: bool = Fal
 
 
 def test_parses_the_shared_vllm_sample() -> None:
-    m = parse_vllm_metrics(SAMPLE)
+    m = parse_vllm_metrics(SAMPLE_PATH.read_text())
     assert (m.running, m.waiting, m.block_size, m.num_gpu_blocks) == (14, 3, 16, 27545)
     assert 0.0 < m.kv_usage < 1.0 and m.prefix_hits <= m.prefix_queries
     assert m.lora is not None and m.lora.max_lora == 4 and m.lora.waiting == ("chat-lora",)  # newest series
