@@ -148,6 +148,7 @@ class GatewaySpec:
     route_timeout_s: int = 300
     retries: int = 2
     observe_responses: bool = True
+    full_duplex: bool = False
     # More processors sharing one affinity store (active-active): Envoy round-robins streams.
     extra_processors: tuple[str, ...] = ()
     # Active HTTP health checks on every replica cluster (the failover scenario): Envoy takes a
@@ -285,10 +286,15 @@ def ext_proc_filter(spec: GatewaySpec, cluster: str = PROCESSOR_CLUSTER) -> Http
         message_timeout=datetime.timedelta(milliseconds=spec.message_timeout_ms),
         processing_mode=ProcessingMode(
             request_header_mode=send,
-            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            # FULL_DUPLEX_STREAMED, as the Inference Extension's gateways use it, needs trailers sent.
+            request_body_mode=(
+                ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED
+                if spec.full_duplex
+                else ProcessingModeBodySendMode.BUFFERED
+            ),
             response_header_mode=send if spec.observe_responses else skip,
             response_body_mode=ProcessingModeBodySendMode.NONE,
-            request_trailer_mode=skip,
+            request_trailer_mode=send if spec.full_duplex else skip,
             response_trailer_mode=skip,
         ),
     )

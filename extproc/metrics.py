@@ -154,6 +154,17 @@ class RouterMetrics:
             "extproc_prewarm_requests", "Pre-warm requests for moved sessions, by outcome.", ["outcome"], registry=r
         )
         self.sessions = Gauge("extproc_sessions", "Sessions held by the affinity store.", registry=r)
+        # Sizes of the bounded structures, so a soak can check the bounds hold (sessions.max_sessions,
+        # prefix.blocks_per_replica x replicas, rebalance.ledger_sessions / ledger_bytes).
+        self.prefix_index_blocks = Gauge(
+            "extproc_prefix_index_blocks", "Distinct prefix blocks in the affinity store's prefix index.", registry=r
+        )
+        self.ledger_sessions = Gauge(
+            "extproc_session_ledger_sessions", "Sessions whose latest request is kept for moves.", registry=r
+        )
+        self.ledger_bytes = Gauge(
+            "extproc_session_ledger_bytes", "Bytes of request bodies kept in the session ledger.", registry=r
+        )
         self.body_errors = Counter(
             "extproc_request_body_errors", "Request bodies that could not be used for routing.", registry=r
         )

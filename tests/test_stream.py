@@ -165,3 +165,27 @@ async def test_membership_changes_join_and_leave() -> None:
     assert pinned not in router.replicas and "new" in router.replicas
     out = await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(chat_body("x" * 500))])
     assert set_headers(out[1].request_body.response.header_mutation)["x-target-cluster"] != pinned
+
+
+async def test_full_duplex_holds_the_headers_answer_and_streams_the_body_back() -> None:
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+    router = Router(make_config())
+    body = chat_body("y" * 100_000)
+    first = headers_message({**CHAT, "x-session-id": "s"})
+    first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    out = await run(
+        router,
+        [
+            first,
+            body_message(body[:70_000], False),
+            body_message(body[70_000:], False),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+        ],
+    )
+    kinds = [r.WhichOneof("response") for r in out]
+    assert kinds[0] == "request_headers" and kinds[-1] == "request_trailers"
+    assert set_headers(out[0].request_headers.response.header_mutation)["x-target-cluster"]
+    streamed = [r.request_body.response.body_mutation.streamed_response for r in out[1:-1]]
+    assert b"".join(s.body for s in streamed) == body
+    assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]

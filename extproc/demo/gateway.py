@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from extproc.demo.processes import ProcessGroup, envoy_binary, free_port, wait_for_http, wait_for_port
 from extproc.envoy_config import GatewaySpec, render_yaml
@@ -32,10 +33,13 @@ class LocalGateway:
     time_scale: float | None = None
     processor_args: tuple[str, ...] = ()
     observe_responses: bool = True
+    full_duplex: bool = False
     labels: dict[str, dict[str, str]] = field(default_factory=dict)
     log_dir: Path | None = None
     members: list[Replica] = field(default_factory=list)
     processors: int = 1  # several share one Redis store (pass --store in processor_args)
+    # More GatewaySpec fields for Envoy (route_timeout_s, processor_tls, ...), for fault and TLS tests.
+    envoy_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
@@ -141,7 +145,9 @@ class LocalGateway:
             admin=f"{HOST}:{self.admin_port}",
             round_robin_listen=f"{HOST}:{self.round_robin_port}",
             observe_responses=self.observe_responses,
+            full_duplex=self.full_duplex,
             extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
+            **self.envoy_options,
         )
         path = self.dir / "envoy.yaml"
         path.write_text(render_yaml(spec))

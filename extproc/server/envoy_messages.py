@@ -75,6 +75,26 @@ def routed_body_response(common: pb.CommonResponse, metadata: struct_pb2.Struct 
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
+STREAMED_CHUNK = 62 * 1024  # as the Inference Extension's picker: well under any message limit
+
+
+def streamed_body(body: bytes) -> list[pb.ProcessingResponse]:
+    """A whole body sent back in FULL_DUPLEX_STREAMED mode, in chunks, the last one ending it."""
+    chunks = [body[i : i + STREAMED_CHUNK] for i in range(0, len(body), STREAMED_CHUNK)] or [b""]
+    return [
+        pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(
+                    body_mutation=pb.BodyMutation(
+                        streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == len(chunks) - 1)
+                    )
+                )
+            )
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+
+
 def continue_body() -> pb.ProcessingResponse:
     """Let a body chunk through (a partial body before the end of the stream)."""
     return pb.ProcessingResponse(request_body=pb.BodyResponse())

@@ -22,6 +22,7 @@ from extproc.routing.model import Reason
 from extproc.server import envoy_messages as msg
 
 log = logging.getLogger("extproc.stream")
+FULL_DUPLEX_STREAMED = 4  # envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 class Phase(enum.Enum):
@@ -46,19 +47,27 @@ class RequestStream:
         self.chunks: list[bytes] = []
         self.size = 0
         self.routed: Routed | None = None
+        self.duplex = False
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer each message of the stream; releases the request's in-flight slot at the end."""
         try:
             async for request in requests:
+                if request.HasField("protocol_config"):
+                    self.duplex = request.protocol_config.request_body_mode == FULL_DUPLEX_STREAMED
                 try:
-                    response = await self.answer(request)
+                    responses = await self.answer_duplex(request) if self.duplex else [await self.answer(request)]
                 except Exception:
                     # Never fail the stream: an unrouted request still goes down Envoy's default route.
                     log.exception("answering %s failed; letting it through", request.WhichOneof("request"))
                     self.router.metrics.stream_errors.labels("answer").inc()
-                    response = msg.passthrough(request.WhichOneof("request") or "")
-                yield response
+                    responses = (
+                        self._duplex_fallback(request)
+                        if self.duplex
+                        else [msg.passthrough(request.WhichOneof("request") or "")]
+                    )
+                for response in responses:
+                    yield response
         finally:
             if self.routed is not None:
                 self.router.release(self.routed)
@@ -89,6 +98,45 @@ class RequestStream:
             return msg.continue_response_headers()
         log.debug("message %s in phase %s let through", kind, self.phase.value)
         return msg.passthrough(kind or "")
+
+    async def answer_duplex(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """FULL_DUPLEX_STREAMED (the mode the Gateway API Inference Extension's gateways use): the
+        headers answer is held back until the body is complete, then sent with the decision,
+        followed by the body itself, streamed back unchanged."""
+        kind = request.WhichOneof("request")
+        if kind == "request_headers" and self.phase is Phase.HEADERS:
+            self.headers = msg.header_map(request.request_headers)
+            if request.request_headers.end_of_stream:
+                return [await self._decide(None, in_body=False)]
+            self.phase = Phase.BODY
+            return []
+        if kind == "request_body" and self.phase is Phase.BODY:
+            self.chunks.append(request.request_body.body)
+            self.size += len(request.request_body.body)
+            return await self._duplex_end(trailers=False) if request.request_body.end_of_stream else []
+        if kind == "request_trailers" and self.phase is Phase.BODY:
+            return await self._duplex_end(trailers=True)
+        return [await self.answer(request)]
+
+    async def _duplex_end(self, trailers: bool) -> list[pb.ProcessingResponse]:
+        data = b"".join(self.chunks)
+        self.chunks = []
+        parse = data if self.size <= self.router.config.features.max_body_bytes else b""
+        first = await self._decide(parse, in_body=False)
+        if first.WhichOneof("response") == "immediate_response":
+            return [first]
+        out = [first, *msg.streamed_body(data)]
+        if trailers:
+            out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        return out
+
+    def _duplex_fallback(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """After a failure in duplex mode: release what was held back, unrouted."""
+        if self.phase is Phase.BODY and request.WhichOneof("request") in ("request_body", "request_trailers"):
+            self.phase = Phase.ROUTED
+            data, self.chunks = b"".join(self.chunks), []
+            return [msg.continue_headers(self.remove), *msg.streamed_body(data)]
+        return [msg.passthrough(request.WhichOneof("request") or "")]
 
     async def _decide(self, body: bytes | None, in_body: bool) -> pb.ProcessingResponse:
         self.phase = Phase.ROUTED
