@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint os-deps bench-overhead bench-store fuzz clean
+.PHONY: install demo test lint os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ bench-overhead: $(STAMP)
 
 bench-store: $(STAMP) os-deps
 	$(PY) benchmarks/store_latency.py
+
+# The fault matrix at full size (about 2 minutes) and the ten-minute soak; the suite runs both small.
+bench-faults: $(STAMP) os-deps
+	$(PY) benchmarks/fault_matrix.py
+
+bench-soak: $(STAMP)
+	$(PY) benchmarks/soak.py
 
 # Longer coverage-guided fuzzing runs (bounded); the suite runs short ones.
 fuzz: $(STAMP)

@@ -1,4 +1,4 @@
-"""The ``extproc`` command line: serve, replica, envoy-config, check-config, demo."""
+"""The ``extproc`` command line: serve, replica, envoy-config, check-config, demo, bench."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
 
-from extproc.config import Config, ConfigError, load_config, parse_replica, with_overrides
+from extproc.config import Config, ConfigError, ListenerTls, load_config, parse_replica, with_overrides
 from extproc.logs import setup_logging
 
 
@@ -34,6 +34,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (default 127.0.0.1:9190), 'off' to disable")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
 
 
 def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,6 +76,10 @@ def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--probe-listen", help="a listener exposing only the admin's /ready and /stats/prometheus")
     p.add_argument("--replicas-dns", metavar="HOST:PORT", help="endpoint mode: replicas by DNS (default: discovery)")
     p.add_argument("--istio-namespace", default="istio-system", help="istio-envoyfilter: the gateway's namespace")
+    p.add_argument("--processor-ca", metavar="FILE", help="TLS to the processor: the CA of its certificate")
+    p.add_argument("--processor-cert", metavar="FILE", help="mTLS: Envoy's client certificate for the processor")
+    p.add_argument("--processor-key", metavar="FILE", help="mTLS: the key of --processor-cert")
+    p.add_argument("--processor-server-name", metavar="NAME", help="TLS: SNI and the SAN the processor must have")
 
 
 def _check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -102,7 +109,20 @@ def _build_config(args: argparse.Namespace) -> Config:
     cfg = with_overrides(cfg, **changes)
     if getattr(args, "metrics_listen", None) == "off":
         cfg = replace(cfg, metrics_listen=None)
-    return cfg
+    return _with_tls_flags(cfg, args)
+
+
+def _with_tls_flags(cfg: Config, args: argparse.Namespace) -> Config:
+    """``--tls-*`` flags over the config's ``grpc.tls``, each file on its own."""
+    cert, key, ca = (getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_client_ca"))
+    if not (cert or key or ca):
+        return cfg
+    base = cfg.grpc_tls
+    cert = cert or (base.cert_file if base else None)
+    key = key or (base.key_file if base else None)
+    if not cert or not key:
+        raise ConfigError("--tls-cert and --tls-key: both are needed for TLS (--tls-client-ca adds mTLS)")
+    return replace(cfg, grpc_tls=ListenerTls(cert, key, ca or (base.client_ca_file if base else None)))
 
 
 async def _serve(cfg: Config) -> None:
@@ -120,7 +140,11 @@ async def _serve(cfg: Config) -> None:
     except ValueError as exc:  # e.g. an unreadable password file
         raise ConfigError(f"store: {exc}") from None
     router = Router(cfg, store=store, metrics=metrics)
-    server = ProcessorServer(router, cfg.listen, cfg.max_message_bytes)
+    try:
+        server = ProcessorServer(router, cfg.listen, cfg.max_message_bytes, tls=cfg.grpc_tls)
+    except ValueError as exc:  # an unreadable certificate or key file
+        await store.close()
+        raise ConfigError(str(exc)) from None
     runner = None
     if cfg.metrics_listen:
         runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, router.collect)
@@ -159,13 +183,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _replica_parser(sub)
     _envoy_parser(sub)
     _check_parser(sub)
+    from extproc.bench.cli import add_bench_parser
     from extproc.demo.cli import add_demo_parser
 
     add_demo_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
-    setup_logging(
-        getattr(args, "log_level", "warning" if args.command == "demo" else "info"), getattr(args, "log_format", "text")
-    )
+    quiet = args.command in ("demo", "bench")
+    setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
     try:
         if args.command == "serve":
             cfg = _build_config(args)
@@ -194,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from extproc.demo.cli import run_demo_command
 
             return run_demo_command(args)
+        elif args.command == "bench":
+            from extproc.bench.cli import run_bench_command
+
+            return run_bench_command(args)
     except ConfigError as exc:
         print(f"extproc: config error: {exc}", file=sys.stderr)
         return 2

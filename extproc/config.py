@@ -35,6 +35,24 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class ListenerTls:
+    """TLS on the processor's gRPC listener (config ``grpc.tls``, or ``--tls-cert``/``--tls-key``).
+
+    Files only, never inline PEM, so the key stays out of config files and process listings. With
+    ``client_ca_file`` it is mutual TLS: a client must present a certificate that CA signed.
+    """
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    @property
+    def mutual(self) -> bool:
+        """Whether client certificates are required."""
+        return self.client_ca_file is not None
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Validated router configuration."""
 
@@ -60,6 +78,7 @@ class Config:
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     spillover_repin: bool = False
     grace_s: float = 5.0
+    grpc_tls: ListenerTls | None = None
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -281,6 +300,22 @@ def _rebalance_settings(raw: Mapping[str, Any]) -> RebalanceSettings:
     )
 
 
+def _listener_tls(grpc: Mapping[str, Any]) -> ListenerTls | None:
+    if "tls" not in grpc:
+        return None
+    raw = grpc["tls"]
+    if not isinstance(raw, Mapping):
+        raise ConfigError("grpc.tls: expected a mapping with cert_file and key_file")
+    unknown = set(raw) - {"cert_file", "key_file", "client_ca_file"}
+    if unknown:
+        raise ConfigError(f"grpc.tls: unknown keys {', '.join(sorted(unknown))} (PEM is read from files only)")
+    cert = _get(raw, "cert_file", str, "grpc.tls", None)
+    key = _get(raw, "key_file", str, "grpc.tls", None)
+    if not cert or not key:
+        raise ConfigError("grpc.tls: cert_file and key_file are both required")
+    return ListenerTls(cert, key, _get(raw, "client_ca_file", str, "grpc.tls", None) or None)
+
+
 def _discovery_settings(raw: Any) -> DiscoverySettings:
     try:
         return parse_discovery(raw)
@@ -388,6 +423,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         ring_key_blocks=int(_get(ring, "key_blocks", int, "ring", base.ring_key_blocks)),
         metrics_listen=metrics.get("listen", base.metrics_listen) if metrics.get("enabled", True) else None,
         max_message_bytes=int(_get(grpc, "max_message_bytes", int, "grpc", base.max_message_bytes)),
+        grpc_tls=_listener_tls(grpc),
         health=_health_settings(health),
         rebalance=_rebalance_settings(_section(raw, "rebalance")),
         tenants=_tenant_settings(_section(raw, "tenants")),

@@ -52,6 +52,8 @@ import betterproto2
 import yaml
 from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
 from envoy_data_plane.envoy.config.cluster.v3 import (
+    CircuitBreakers,
+    CircuitBreakersThresholds,
     Cluster,
     ClusterDiscoveryType,
     ClusterLbPolicy,
@@ -63,6 +65,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation as HeaderMutationRule
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
+    DataSource,
     GrpcService,
     GrpcServiceEnvoyGrpc,
     HealthCheck,
@@ -70,6 +73,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
     Http2ProtocolOptions,
     Pipe,
     SocketAddress,
+    TransportSocket,
     TypedExtensionConfig,
 )
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
@@ -104,10 +108,19 @@ from envoy_data_plane.envoy.extensions.load_balancing_policies.override_host.v3 
 from envoy_data_plane.envoy.extensions.load_balancing_policies.round_robin.v3 import RoundRobin
 from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
 from envoy_data_plane.envoy.extensions.retry.priority.previous_priorities.v3 import PreviousPrioritiesConfig
+from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
+    CertificateValidationContext,
+    CommonTlsContext,
+    SubjectAltNameMatcher,
+    SubjectAltNameMatcherSanType,
+    TlsCertificate,
+    UpstreamTlsContext,
+)
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions,
     HttpProtocolOptionsExplicitHttpConfig,
 )
+from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.envoy.type.metadata.v3 import MetadataKey, MetadataKeyPathSegment
 from envoy_data_plane.google.protobuf import Any as AnyMessage
 
@@ -122,6 +135,7 @@ OVERRIDE_HOST_CLUSTER = "replicas_endpoint"
 PROCESSOR_CLUSTER = "extproc"
 ADMIN_CLUSTER = "envoy_admin"
 BUFFER_LIMIT = 16 * 1024 * 1024
+MAX_RETRIES = 1024  # concurrent retries per replica cluster (Envoy's default: 3)
 HEADER_MUTATION_FILTER = "envoy.filters.http.header_mutation"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 ROUTER_FILTER = "envoy.filters.http.router"
@@ -129,6 +143,18 @@ HCM_FILTER = "envoy.filters.network.http_connection_manager"
 # What the probe listener passes to the admin interface: readiness and metrics, nothing that
 # changes state (the admin's /quitquitquit, /drain_listeners ... stay on loopback).
 ADMIN_PATHS = ("/ready", "/stats/prometheus")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorTls:
+    """Envoy's side of TLS to the processor: trust ``ca_file`` for the processor's certificate,
+    check ``server_name`` in its SANs (and send it as SNI), and present ``cert_file``/``key_file``
+    when the processor requires client certificates (``grpc.tls.client_ca_file``). Files only."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +186,8 @@ class GatewaySpec:
     # A listener that exposes only the admin's /ready and /stats/prometheus, so kubelet probes and
     # Prometheus reach them while the admin interface itself stays on loopback.
     probe_listen: str | None = None
+    # TLS (mTLS with a client certificate) from Envoy to the processor, when it listens with grpc.tls.
+    processor_tls: ProcessorTls | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +445,11 @@ def _static_cluster(name: str, localities: list[LocalityLbEndpoints], dns: bool 
         load_assignment=ClusterLoadAssignment(cluster_name=name, endpoints=localities),
         # Kubernetes DNS answers for a Service change as pods come and go; look again often.
         dns_refresh_rate=_seconds(2) if dns else None,
+        # Envoy allows 3 concurrent retries per cluster by default: when a replica dies, every
+        # request in flight to it fails at once and those past the third got a 503 (retry
+        # overflow; benchmarks/fault_matrix.md). Retries here are only for connect failures and
+        # resets, at most 2 per request, so the bound is raised to the default max_requests.
+        circuit_breakers=CircuitBreakers(thresholds=[CircuitBreakersThresholds(max_retries=MAX_RETRIES)]),
         **extra,
     )
 
@@ -447,8 +480,39 @@ def _override_host_policy(spec: GatewaySpec) -> LoadBalancingPolicy:
     )
 
 
-def processor_cluster(name: str, addresses: Sequence[str]) -> Cluster:
-    """The cluster of the processor(s): HTTP/2 (gRPC), TCP or unix sockets."""
+def processor_transport_socket(tls: ProcessorTls) -> TransportSocket:
+    """An ``UpstreamTlsContext`` for the processor cluster: ALPN h2 (gRPC), the processor's
+    certificate verified against the CA (and its SAN, when a server name is given), and a client
+    certificate for mTLS."""
+    sans = []
+    if tls.server_name:
+        sans = [
+            SubjectAltNameMatcher(
+                san_type=SubjectAltNameMatcherSanType.DNS, matcher=StringMatcher(exact=tls.server_name)
+            )
+        ]
+    certificates = []
+    if tls.cert_file and tls.key_file:
+        certificates = [
+            TlsCertificate(
+                certificate_chain=DataSource(filename=tls.cert_file), private_key=DataSource(filename=tls.key_file)
+            )
+        ]
+    context = UpstreamTlsContext(
+        common_tls_context=CommonTlsContext(
+            tls_certificates=certificates,
+            validation_context=CertificateValidationContext(
+                trusted_ca=DataSource(filename=tls.ca_file), match_typed_subject_alt_names=sans
+            ),
+            alpn_protocols=["h2"],
+        ),
+        sni=tls.server_name or "",
+    )
+    return TransportSocket(name="envoy.transport_sockets.tls", typed_config=AnyMessage.pack(context))
+
+
+def processor_cluster(name: str, addresses: Sequence[str], tls: ProcessorTls | None = None) -> Cluster:
+    """The cluster of the processor(s): HTTP/2 (gRPC), TCP or unix sockets, TLS when ``tls``."""
     options = HttpProtocolOptions(
         explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=Http2ProtocolOptions())
     )
@@ -462,6 +526,7 @@ def processor_cluster(name: str, addresses: Sequence[str]) -> Cluster:
             cluster_name=name, endpoints=[LocalityLbEndpoints(lb_endpoints=[_endpoint(a) for a in addresses])]
         ),
         typed_extension_protocol_options={HTTP_OPTIONS: AnyMessage.pack(options)},
+        transport_socket=processor_transport_socket(tls) if tls is not None else None,
     )
 
 
@@ -498,7 +563,7 @@ def bootstrap(spec: GatewaySpec) -> Bootstrap:
             outlier_detection=_outlier_detection(),
             health_checks=checks,
         ),
-        processor_cluster(PROCESSOR_CLUSTER, [spec.processor, *spec.extra_processors]),
+        processor_cluster(PROCESSOR_CLUSTER, [spec.processor, *spec.extra_processors], spec.processor_tls),
     ]
     if spec.mode == "cluster":
         for replica in spec.replicas:
@@ -761,7 +826,21 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         replicas_dns=replicas_dns,
         cluster_header=cfg.target_cluster_header,
         endpoint_header=cfg.destination_endpoint_header,
+        processor_tls=_processor_tls(args),
     )
+
+
+def _processor_tls(args: argparse.Namespace) -> ProcessorTls | None:
+    """``--processor-ca`` (``--processor-cert``, ``--processor-key``, ``--processor-server-name``)."""
+    names = ("processor_ca", "processor_cert", "processor_key", "processor_server_name")
+    ca, cert, key, server_name = (getattr(args, n, None) for n in names)
+    if not (ca or cert or key or server_name):
+        return None
+    if not ca:
+        raise ConfigError("--processor-ca: TLS to the processor needs the CA that signed its certificate")
+    if bool(cert) != bool(key):
+        raise ConfigError("--processor-cert and --processor-key: give both (Envoy's client certificate for mTLS)")
+    return ProcessorTls(ca, cert, key, server_name)
 
 
 def run_envoy_config(args: argparse.Namespace, out: TextIO) -> int:

@@ -133,8 +133,11 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
         raise MetricsPageError("no vllm:num_requests_running / vllm:num_requests_waiting on the page")
     usage = kv if kv is not None else legacy_kv if legacy_kv is not None else 0.0
     return ReplicaMetrics(
-        running=int(running),
-        waiting=int(waiting),
+        # A count below zero is a broken exporter; taken as is it would make the replica look
+        # emptier than idle and draw every new session (the load scorer ranks by distance from
+        # the lightest), so counts are clamped as KV usage is.
+        running=max(0, int(running)),
+        waiting=max(0, int(waiting)),
         kv_usage=min(1.0, max(0.0, usage)),
         prefix_queries=queries,
         prefix_hits=hits,

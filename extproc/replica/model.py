@@ -330,6 +330,7 @@ class StepResult:
     emitted: list[Seq]
     first: list[Seq]
     finished: list[Seq]
+    tokens: int = 0
 
 
 class ReplicaModel:
@@ -673,9 +674,11 @@ class ReplicaModel:
         finished: list[Seq] = []
         pool = self.pool
         bs = pool.block_size
+        tokens = 0
         for seq, n in plan:
             if seq.state != RUNNING:
                 continue  # aborted during the step
+            tokens += n * steps
             if steps > 1:
                 # A run: the first step's blocks were taken when it was planned, the rest now
                 # (room for them was checked when the run was planned).
@@ -712,7 +715,7 @@ class ReplicaModel:
                 seq.finished_at = end
                 self.e2e.observe(end - seq.arrived_at)
                 self.finished[seq.finish_reason] += 1
-        return StepResult(end, steps, emitted, first, finished)
+        return StepResult(end, steps, emitted, first, finished, tokens)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached block no sequence uses (the counters keep their totals)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from extproc.routing.candidates import CANDIDATE_SCORERS
+from extproc.routing.peers import PEER_PICKERS, PEER_SCORERS
 from extproc.routing.pipeline import Profile, WeightedScorer
 from extproc.routing.plugins import (
     Filter,
@@ -45,6 +47,13 @@ SCORERS: dict[str, Callable[..., Scorer]] = {
 PICKERS: dict[str, Callable[..., Picker]] = {
     "max_score": MaxScorePicker,
 }
+# Other routers' policies (extproc/routing/peers.py), for the routing benchmark and for trying
+# them behind Envoy: round_robin, random, least_request, power_of_two, consistent_hash,
+# sglang_cache_aware, gie_*, dynamo_kv, oracle.
+SCORERS.update(PEER_SCORERS)
+PICKERS.update(PEER_PICKERS)
+# Scorers proposed for the default profile (extproc/routing/candidates.py), unused unless named.
+SCORERS.update(CANDIDATE_SCORERS)
 
 # Weights: a live pin outweighs everything else together; a prefix match and load weigh alike
 # (as in GIE's default profile), so a near-complete match wins unless its holder is much busier;

@@ -13,19 +13,30 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from extproc.config import ListenerTls
 from extproc.router import Router
 from extproc.server.servicer import ExternalProcessor
+from extproc.server.tls import CertificateFiles, server_credentials
 
 log = logging.getLogger("extproc.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 class ProcessorServer:
     """A running ext_proc server bound to one address."""
 
-    def __init__(self, router: Router, listen: str, max_message_bytes: int = 32 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        router: Router,
+        listen: str,
+        max_message_bytes: int = 32 * 1024 * 1024,
+        tls: ListenerTls | None = None,
+    ) -> None:
         self.router = router
         self.listen = listen
+        self.tls = tls
+        self.certificates: CertificateFiles | None = None
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -41,7 +52,16 @@ class ProcessorServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(listen)
+        if tls is not None:
+            credentials, self.certificates = server_credentials(tls)  # ValueError names a bad file
+            self.port = self.server.add_secure_port(listen, credentials)
+        else:
+            self.port = self.server.add_insecure_port(listen)
+            host = listen.rpartition(":")[0]
+            if not listen.startswith("unix:") and host not in LOOPBACK_HOSTS:
+                # Anything that reaches a plaintext listener can have requests routed and hold
+                # in-flight slots; off loopback that wants TLS or a network policy in front.
+                log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
         if self.port == 0 and not listen.startswith("unix:"):
             raise OSError(f"cannot listen on {listen}")
 
@@ -58,7 +78,8 @@ class ProcessorServer:
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("ext_proc server listening on %s (mode %s)", self.address, self.router.config.mode)
+        security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
+        log.info("ext_proc server listening on %s (mode %s, %s)", self.address, self.router.config.mode, security)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING first, so probes drain traffic, then stop within ``grace`` seconds."""

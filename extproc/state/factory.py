@@ -52,4 +52,7 @@ def open_store(
         name=parsed.redacted,
     )
     log.info("affinity store %s (namespace %s)", parsed.redacted, ns)
+    if parsed.password is not None:
+        # It works, but a URL ends up in config files, process listings and shell history.
+        log.warning("the store URL carries its password inline; prefer password_file= or password_env=")
     return store
