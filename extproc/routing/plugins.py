@@ -255,6 +255,34 @@ class LoadScorer:
 
 
 @dataclass(slots=True)
+class PrefillCostScorer:
+    """Expected prefill work if the request went there, in tokens: what the replica still has to
+    prefill for requests already sent, plus this prompt's part it does not hold. Cheaper is better.
+
+    This weighs a prefix match against the queue it sits behind in the same unit: a shared system
+    prompt held by one replica attracts new sessions only until the work piling up there costs
+    more than prefilling the prompt elsewhere, which is what stops a burst from herding.
+    """
+
+    floor_tokens: int = 2048
+    name: str = "prefill_cost"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """1 for the cheapest candidate, falling linearly with the extra expected work."""
+        f = cycle.features
+        total = len(f.prefix_hashes)
+        tokens = f.estimated_prompt_tokens
+        if not candidates:
+            return {}
+        matches = cycle.view.prefix_matches
+        cost = {}
+        for c in candidates:
+            held = matches.get(c.name, 0) / total if total else 0.0
+            cost[c.name] = float(c.pending_prefill_tokens) + tokens * (1.0 - held)
+        return _relative(cost, float(self.floor_tokens))
+
+
+@dataclass(slots=True)
 class RingScorer:
     """1 for the first replica on the consistent-hash ring from the request's key that is under
     the load bound ("consistent hashing with bounded loads"), 0 elsewhere.

@@ -21,6 +21,7 @@ from extproc.routing.plugins import (
     OverloadFilter,
     Picker,
     PoolFilter,
+    PrefillCostScorer,
     PrefixScorer,
     RingScorer,
     Scorer,
@@ -43,6 +44,7 @@ SCORERS: dict[str, Callable[..., Scorer]] = {
     "ring": RingScorer,
     "tenant_headroom": TenantHeadroomScorer,
     "lora": LoraScorer,
+    "prefill_cost": PrefillCostScorer,
 }
 PICKERS: dict[str, Callable[..., Picker]] = {
     "max_score": MaxScorePicker,
@@ -55,13 +57,14 @@ PICKERS.update(PEER_PICKERS)
 # Scorers proposed for the default profile (extproc/routing/candidates.py), unused unless named.
 SCORERS.update(CANDIDATE_SCORERS)
 
-# Weights: a live pin outweighs everything else together; a prefix match and load weigh alike
-# (as in GIE's default profile), so a near-complete match wins unless its holder is much busier;
-# load outweighs the ring, so new sessions go where there is headroom (pinned sessions make a
-# placement last, and an early imbalance would last with it) and the ring decides among replicas
-# that are about equally loaded, which keeps gateways without shared state in agreement on an
-# idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a replica that is
-# out of KV blocks.
+# Weights: a live pin outweighs everything else together. Prefix overlap and load are weighed in
+# one unit by the prefill-cost scorer (work already sent there plus the part of this prompt it
+# does not hold), so a shared prefix attracts new work only until the queue behind it costs more
+# than prefilling elsewhere; the prefix scorer adds a preference for deep matches on top, and the
+# load scorer a preference for replicas with fewer sessions and free KV cache. The ring decides
+# among replicas that are about equal, which keeps gateways without shared state in agreement on
+# an idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a replica that is
+# out of KV blocks. Tuned with `extproc bench routing` (benchmarks/routing.md).
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [
         {"type": "pool"},
@@ -72,8 +75,9 @@ DEFAULT_PROFILE: dict[str, Any] = {
     ],
     "scorers": [
         {"type": "session_affinity", "weight": 10},
-        {"type": "prefix", "weight": 3},
-        {"type": "load", "weight": 3},
+        {"type": "prefix", "weight": 2},
+        {"type": "prefill_cost", "weight": 3},
+        {"type": "load", "weight": 2},
         {"type": "ring", "weight": 0.5},
         {"type": "lora", "weight": 3},
         {"type": "tenant_headroom", "weight": 1},
