@@ -47,6 +47,14 @@ def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--profile", default="demo")
     p.add_argument("--model", default="demo-model")
     p.add_argument("--time-scale", type=float, default=None, help="1.0 real time, 0.1 ten times faster")
+    p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
+    p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
+    p.add_argument(
+        "--no-lora-on-demand",
+        dest="lora_on_demand",
+        action="store_false",
+        help="answer 404 for adapters not in --lora-adapters instead of loading them by name",
+    )
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -202,9 +210,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "replica":
             from extproc.replica import serve_replica
 
+            adapters = tuple(a for a in args.lora_adapters.split(",") if a)
+            if args.max_lora is not None and (args.max_lora < 0 or (adapters and args.max_lora == 0)):
+                parser.error("replica: --max-lora must be >= 1 with --lora-adapters, and never negative")
             asyncio.run(
                 _until_signalled(
-                    serve_replica(args.name, args.host, args.port, args.profile, args.model, args.time_scale)
+                    serve_replica(
+                        args.name,
+                        args.host,
+                        args.port,
+                        args.profile,
+                        args.model,
+                        args.time_scale,
+                        lora_adapters=adapters,
+                        max_lora=args.max_lora,
+                        lora_on_demand=args.lora_on_demand,
+                    )
                 )
             )
         elif args.command == "envoy-config":

@@ -10,7 +10,9 @@ usual) with a switch in front of ``/metrics``:
 - ``absurd``: a well-formed page with impossible values (a queue of 10^12, KV usage of 10^9, NaN),
   as a replica with a broken exporter might report;
 - ``negative``: a well-formed page with negative gauges (running and waiting below zero), which
-  a router that trusted them would read as a replica emptier than idle.
+  a router that trusted them would read as a replica emptier than idle;
+- ``overloaded``: a well-formed, plausible page of a replica at its limit (KV usage 0.95, 50
+  requests waiting) while it keeps answering normally: the router should spill its sessions over.
 
 The switch is flipped at run time (``POST /_fault?metrics=hang``), so the replica can first be
 healthy and hold sessions, as a real one would when its exporter breaks. A replica that accepts
@@ -32,7 +34,7 @@ from aiohttp import web
 
 from extproc.replica import ReplicaEngine, build_app, get_profile
 
-METRICS_MODES = ("ok", "hang", "garbage", "absurd", "negative")
+METRICS_MODES = ("ok", "hang", "garbage", "absurd", "negative", "overloaded")
 CONTROL_PATH = "/_fault"
 
 ABSURD_PAGE = """# TYPE vllm:num_requests_running gauge
@@ -49,6 +51,13 @@ vllm:num_requests_running{model_name="demo-model"} -3
 vllm:num_requests_waiting{model_name="demo-model"} -1000
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{model_name="demo-model"} -0.5
+"""
+OVERLOADED_PAGE = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="demo-model",engine="0"} 16
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="demo-model",engine="0"} 50
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="demo-model",engine="0"} 0.95
 """
 HTML_PAGE = "<html><body><h1>502 Bad Gateway</h1></body></html>\n"
 
@@ -76,6 +85,8 @@ class MetricsFault:
             return web.Response(body=junk, content_type="text/plain")
         if self.mode in ("absurd", "negative"):
             return web.Response(text=ABSURD_PAGE if self.mode == "absurd" else NEGATIVE_PAGE, content_type="text/plain")
+        if self.mode == "overloaded":
+            return web.Response(text=OVERLOADED_PAGE, content_type="text/plain")
         return await handler(request)
 
 

@@ -40,6 +40,8 @@ class LocalGateway:
     processors: int = 1  # several share one Redis store (pass --store in processor_args)
     # More GatewaySpec fields for Envoy (route_timeout_s, processor_tls, ...), for fault and TLS tests.
     envoy_options: dict[str, Any] = field(default_factory=dict)
+    # More `extproc replica` flags per replica name, e.g. {"replica-0": ("--lora-adapters", "a,b")}.
+    replica_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
@@ -106,6 +108,7 @@ class LocalGateway:
         ]
         if self.time_scale is not None:
             argv += ["--time-scale", str(self.time_scale)]
+        argv += self.replica_args.get(replica.name, ())
         self.procs.start(replica.name, argv)
         wait_for_http(f"http://{replica.address}/health")
 

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from extproc.replica.engine import Generation, ReplicaEngine
+from extproc.replica.lora import LoraSlots
 from extproc.replica.timing import get_profile
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, parse_request_body
 
@@ -88,10 +90,11 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class _ReplicaApi:
     """Request handlers bound to one engine, replica name and served model."""
 
-    def __init__(self, engine: ReplicaEngine, name: str, model: str) -> None:
+    def __init__(self, engine: ReplicaEngine, name: str, model: str, lora: LoraSlots | None = None) -> None:
         self.engine = engine
         self.name = name
         self.model = model
+        self.lora = lora
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming or not."""
@@ -104,6 +107,10 @@ class _ReplicaApi:
         # Any model name is served (a fake need not refuse), and it seeds the block hashes as
         # the router's do, so different models never share cached blocks.
         model = parsed.model or self.model
+        # With LoRA on, as vLLM with --enable-lora: another name is an adapter, swapped into a
+        # slot (see extproc.replica.lora), or a 404 when it cannot be resolved.
+        if self.lora is not None and self.lora.enabled and model != self.model and not self.lora.use(model):
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
@@ -183,7 +190,9 @@ class _ReplicaApi:
             "root": self.model,
             "parent": None,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = sorted(self.lora.known) if self.lora is not None else []
+        cards = [card, *({**card, "id": a, "root": a, "parent": self.model} for a in adapters)]
+        return web.json_response({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: 200 while the server runs, as vLLM's."""
@@ -191,7 +200,10 @@ class _ReplicaApi:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """``GET /metrics``: vLLM's metric names, for the router's scraper."""
-        return web.Response(body=self.engine.metrics_text(self.model), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        page = self.engine.metrics_text(self.model)
+        if self.lora is not None:
+            page += self.lora.exposition().encode()
+        return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """``POST /reset_prefix_cache``: drop every cached block, as vLLM's endpoint does."""
@@ -200,9 +212,10 @@ class _ReplicaApi:
         return web.Response(status=200)
 
 
-def build_app(engine: ReplicaEngine, name: str, model: str) -> web.Application:
-    """The aiohttp application of one fake replica called ``name`` serving ``model``."""
-    api = _ReplicaApi(engine, name, model)
+def build_app(engine: ReplicaEngine, name: str, model: str, lora: LoraSlots | None = None) -> web.Application:
+    """The aiohttp application of one fake replica called ``name`` serving ``model`` (and, with
+    ``lora``, its LoRA adapters)."""
+    api = _ReplicaApi(engine, name, model, lora)
     app = web.Application(client_max_size=_MAX_BODY_BYTES)
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
@@ -228,16 +241,27 @@ async def serve_replica(
     model: str = "demo-model",
     time_scale: float | None = None,
     ready: asyncio.Future[int] | None = None,
+    *,
+    lora_adapters: Sequence[str] = (),
+    max_lora: int | None = None,
+    lora_on_demand: bool = True,
 ) -> None:
     """Serve one fake replica on ``host:port`` until cancelled, then shut the server down cleanly.
 
     ``profile_name`` picks a :data:`~extproc.replica.timing.PROFILES` entry, ``time_scale``
     overrides its speed. ``ready``, when given, receives the bound port once the replica accepts
     connections (useful with ``port=0``), or the error if it could not start.
+
+    ``lora_adapters`` are loaded at start into ``max_lora`` slots (default: one per adapter, and
+    LoRA off without adapters); ``lora_on_demand`` loads other adapter names on their first
+    request, else they are a 404 (:mod:`extproc.replica.lora`).
     """
     try:
         engine = ReplicaEngine(get_profile(profile_name, time_scale))
-        runner = web.AppRunner(build_app(engine, name, model), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+        slots = len(lora_adapters) if max_lora is None else max_lora
+        lora = LoraSlots(slots, lora_adapters, on_demand=lora_on_demand) if slots or lora_adapters else None
+        app = build_app(engine, name, model, lora)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
         await runner.setup()
     except BaseException as exc:
         _fail(ready, exc)

@@ -1,0 +1,76 @@
+"""LoRA adapters through real Envoy, the processor and fake replicas that load adapters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from extproc.demo.gateway import LocalGateway
+from tests.conftest import require_binary
+
+pytestmark = pytest.mark.e2e
+CHAT = "/v1/chat/completions"
+REPLICA_ARGS = {
+    "replica-0": ("--max-lora", "2", "--lora-adapters", "sql-lora"),  # holds it, a slot free
+    "replica-1": ("--max-lora", "2", "--lora-adapters", "chat-a,chat-b"),  # slots full
+    "replica-2": ("--max-lora", "2", "--lora-adapters", "code-a,code-b"),  # slots full
+    "replica-3": ("--max-lora", "2"),  # LoRA on, nothing loaded
+}
+
+
+async def wait_scraped(http: aiohttp.ClientSession, gw: LocalGateway, timeout_s: float = 10.0) -> None:
+    """Poll the processor's metrics until every replica has been scraped and is in rotation."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        async with http.get(gw.metrics_url) as resp:
+            text = await resp.text()
+        if all(
+            f'extproc_replica_last_scrape_timestamp_seconds{{replica="{r.name}"}}' in text
+            and f'extproc_replica_in_rotation{{replica="{r.name}"}} 1.0' in text
+            for r in gw.members
+        ):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"replicas not scraped after {timeout_s}s")
+
+
+async def turn(http: aiohttp.ClientSession, url: str, model: str, session: str, text: str) -> tuple[int, str]:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    async with http.post(url + CHAT, json=body, headers={"x-session-id": session}) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get("x-replica-name", "")
+
+
+async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
+    require_binary("envoy")
+    with LocalGateway(replicas=4, time_scale=0.05, replica_args=REPLICA_ARGS) as gw:
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            await asyncio.wait_for(wait_scraped(http, gw), 15)
+            # The replica's own view: sql-lora is loaded on replica-0 only.
+            async with http.get(gw.replica_url("replica-0") + "/metrics") as resp:
+                assert 'running_lora_adapters="sql-lora"' in await resp.text()
+
+            async def converse(session: str) -> list[tuple[int, str]]:
+                history, out = f"{session}: write SQL for the report", []
+                for t in range(3):
+                    history += f" turn {t} more details"
+                    out.append(await turn(http, gw.url, "sql-lora", session, history))
+                    await asyncio.sleep(0.02)
+                return out
+
+            results = await asyncio.wait_for(asyncio.gather(*(converse(f"sql-{i}") for i in range(8))), 60)
+            turns = [t for r in results for t in r]
+            assert all(status == 200 for status, _ in turns), turns
+            where = Counter(replica for _, replica in turns)
+            assert not where.keys() & {"replica-1", "replica-2"}, where  # never forces a swap on a full replica
+            assert where["replica-0"] >= 0.75 * len(turns), where  # the replica that holds it, mostly
+            print(f"sql-lora turns per replica: {dict(sorted(where.items()))}")
+
+            # The base model is still served anywhere, full replicas included.
+            base = await asyncio.gather(*(turn(http, gw.url, "demo-model", f"b{i}", f"base {i}") for i in range(8)))
+            assert all(status == 200 for status, _ in base)
