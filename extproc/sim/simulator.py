@@ -33,7 +33,7 @@ from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
 from extproc.routing.model import Replica
 from extproc.routing.pipeline import Profile
-from extproc.sim.workload import SimRequest, Workload
+from extproc.sim.workload import Workload
 from extproc.state.memory import MemoryStore
 from extproc.state.replicas import LoadReport
 
@@ -357,8 +357,3 @@ def simulate(
     """Run one :class:`Simulation` to its end."""
     on_progress = options.pop("on_progress", None)
     return Simulation(workload, profile, replicas, make_profile, **options).run(on_progress)
-
-
-def requests_by_index(workload: Workload) -> dict[int, SimRequest]:
-    """The workload's requests by index."""
-    return {r.index: r for r in workload.requests}
