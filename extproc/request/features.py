@@ -28,7 +28,7 @@ class FeatureSettings:
     )
     tenant_header: str = "x-tenant-id"
     block_chars: int = 64
-    max_blocks: int = 512
+    max_blocks: int = 2048
     max_body_bytes: int = 8 * 1024 * 1024
     api_keys: Mapping[str, str] = field(default_factory=dict)
     classes: tuple[ClassRule, ...] = ()

@@ -61,9 +61,9 @@ SCORERS.update(CANDIDATE_SCORERS)
 # one unit by the prefill-cost scorer (work already sent there plus the part of this prompt it
 # does not hold), so a shared prefix attracts new work only until the queue behind it costs more
 # than prefilling elsewhere; the prefix scorer adds a preference for deep matches on top, and the
-# load scorer a preference for replicas with fewer sessions and free KV cache. The ring decides
-# among replicas that are about equal, which keeps gateways without shared state in agreement on
-# an idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a replica that is
+# load scorer a preference for replicas with fewer sessions and free KV cache. The ring only breaks
+# ties (weight 0.1: more overrode real load differences in the simulator), which keeps gateways
+# without shared state in agreement on an idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a replica that is
 # out of KV blocks. Tuned with `extproc bench routing` (benchmarks/routing.md).
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [
@@ -78,9 +78,9 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "prefix", "weight": 2},
         {"type": "prefill_cost", "weight": 3},
         {"type": "load", "weight": 2},
-        {"type": "ring", "weight": 0.5},
+        {"type": "ring", "weight": 0.1},
         {"type": "lora", "weight": 3},
-        {"type": "tenant_headroom", "weight": 1},
+        {"type": "tenant_headroom", "weight": 3},
     ],
     "picker": {"type": "max_score"},
 }
