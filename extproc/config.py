@@ -282,6 +282,7 @@ def _rebalance_settings(raw: Mapping[str, Any]) -> RebalanceSettings:
         raise ConfigError("rebalance.shed_fraction: expected a fraction in [0, 1]")
     return RebalanceSettings(
         enabled=bool(_get(raw, "enabled", bool, where, d.enabled)),
+        move_on_join=bool(_get(raw, "move_on_join", bool, where, d.move_on_join)),
         session_cooldown_s=_number(raw, "session_cooldown_s", where, d.session_cooldown_s),
         hot_kv=_number(raw, "hot_kv", where, d.hot_kv),
         hot_queue=int(_number(raw, "hot_queue", where, d.hot_queue)),

@@ -63,8 +63,9 @@ SCORERS.update(CANDIDATE_SCORERS)
 # than prefilling elsewhere; the prefix scorer adds a preference for deep matches on top, and the
 # load scorer a preference for replicas with fewer sessions and free KV cache. The ring only breaks
 # ties (weight 0.1: more overrode real load differences in the simulator), which keeps gateways
-# without shared state in agreement on an idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a replica that is
-# out of KV blocks. Tuned with `extproc bench routing` (benchmarks/routing.md).
+# without shared state in agreement on an idle fleet. Overload is a filter, not a weight: no amount
+# of affinity pushes a replica that is out of KV blocks. Tuned with `extproc bench routing`
+# (benchmarks/routing.md).
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [
         {"type": "pool"},
