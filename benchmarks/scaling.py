@@ -26,7 +26,7 @@ from extproc.sim.dynamic import DynamicRun, DynamicSimulation, WindowFigures, wi
 from extproc.sim.generators import multi_turn
 
 MODES: dict[str, RebalanceSettings] = {
-    "prewarm": RebalanceSettings(move_on_join=True),
+    "prewarm": RebalanceSettings(move_on_join=True, prewarm=PrewarmSettings(enabled=True)),
     "no-prewarm": RebalanceSettings(move_on_join=True, prewarm=PrewarmSettings(enabled=False)),
     "default": RebalanceSettings(),
     "no-rebalance": RebalanceSettings(enabled=False),
@@ -176,8 +176,9 @@ replica-9 leave; their models finish what they hold and get nothing new). Modes:
   queue 256) is pumped by the virtual clock and each pre-warm becomes a prefill-only request
   (max_tokens 1) with the session's latest prompt on the target replica model;
 - **default**: `RebalanceSettings()` — no moves on a join (new sessions fill the newcomers);
-  a leaving replica's sessions move to their next ring replica, pre-warmed.
-- **prewarm**: `RebalanceSettings(move_on_join=True)` — a newcomer's ring share moves, pre-warmed.
+  a leaving replica's sessions move to their next ring replica, without pre-warming.
+- **prewarm**: `RebalanceSettings(move_on_join=True, prewarm=PrewarmSettings(enabled=True))` — a
+  newcomer's ring share moves, pre-warmed.
 - **no-prewarm**: `RebalanceSettings(move_on_join=True, prewarm=PrewarmSettings(enabled=False))` — sessions move,
   nothing is warmed;
 - **no-rebalance**: `RebalanceSettings(enabled=False)` — the rebalancer moves nothing.

@@ -97,7 +97,7 @@ async def test_prewarmer_sends_at_its_rate_and_drops_the_oldest_when_full() -> N
         return 200
 
     loop = asyncio.get_running_loop()
-    settings = PrewarmSettings(rate_per_s=200.0, burst=2, queue=3)
+    settings = PrewarmSettings(enabled=True, rate_per_s=200.0, burst=2, queue=3)
     warm = Prewarmer(settings, loop.time, send=send, on_result=outcomes.append)
     for i in range(5):
         warm.submit(f"h{i}:1", "/v1/chat/completions", chat_body("x"))
@@ -116,7 +116,7 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
 
     router.rebalancer.settings = replace(router.rebalancer.settings, move_on_join=True)
     router.rebalancer.prewarmer.send = send
-    router.rebalancer.prewarmer.settings = PrewarmSettings(rate_per_s=10_000, burst=10_000, queue=10_000)
+    router.rebalancer.prewarmer.settings = PrewarmSettings(enabled=True, rate_per_s=10_000, burst=10_000, queue=10_000)
     headers = {":path": "/v1/chat/completions"}
     for i in range(400):
         routed = await router.route({**headers, "x-session-id": f"s{i}"}, chat_body(f"conversation {i} " * 20))

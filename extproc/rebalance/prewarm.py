@@ -42,7 +42,10 @@ def prefill_only(body: bytes) -> bytes | None:
 class PrewarmSettings:
     """Config ``rebalance.prewarm``."""
 
-    enabled: bool = True
+    # Off by default: in the simulator (benchmarks/scaling.md) pre-warms landing during a fleet change
+    # raised everyone's TTFT p99 more than they saved the moved sessions; turn it on where moves are
+    # rare and prompts long.
+    enabled: bool = False
     rate_per_s: float = 5.0
     burst: int = 5
     queue: int = 256
