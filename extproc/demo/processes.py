@@ -19,11 +19,21 @@ from pathlib import Path
 from types import TracebackType
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago, and never one this process handed out before: a
+    gateway asks for several at once, before anything binds them, and the kernel may offer a
+    just-closed port again."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError("no fresh free port found")
 
 
 def envoy_binary() -> str:
