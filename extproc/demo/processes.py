@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-
 _HANDED_OUT: set[int] = set()
 
 
