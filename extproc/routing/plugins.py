@@ -203,12 +203,16 @@ class PrefixScorer:
     name: str = "prefix"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
-        """(matched - least matched) / (total - least matched), per candidate."""
+        """(matched - median matched) / (total - median matched), per candidate above the median."""
         total = len(cycle.features.prefix_hashes)
         matches = cycle.view.prefix_matches
         if not total or not matches:
             return {}
-        base = min(matches.get(c.name, 0) for c in candidates) if candidates else 0
+        # What at least half of the candidates hold does not tell them apart (a system prompt every
+        # replica that ever served has); the minimum would let one cold replica make it count, and
+        # that replica would then never be chosen.
+        held = sorted(matches.get(c.name, 0) for c in candidates)
+        base = held[(len(held) - 1) // 2] if held else 0
         if base >= total:
             return {}
         return {name: (n - base) / (total - base) for name, n in matches.items() if n > base}
