@@ -577,7 +577,6 @@ async def metrics_faults(
                         },
                     )
                 )
-            await asyncio.sleep(scale.after_s)
     return rows
 
 

@@ -6,7 +6,7 @@ take longer than the run to fill) so that every bounded structure reaches its st
 the warm-up: the session map through its TTL, the prefix index through its per-replica bound, the
 rebalancer's session ledger through its own. After the warm-up nothing should grow; the report
 compares the processor's resident memory then and at the end, and checks every size against its
-bound. ``benchmarks/soak.py`` runs it for ten minutes; ``tests/test_soak.py`` for twenty seconds.
+bound. ``benchmarks/soak.py`` runs it for ten minutes; ``tests/test_soak.py`` for sixteen seconds.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class SoakSettings:
 
 
 SHORT = SoakSettings(
-    duration_s=20.0,
-    warmup_s=8.0,
+    duration_s=16.0,
+    warmup_s=6.0,
     rate=40.0,
     pool=40,
     turns=(1, 6),

@@ -8,9 +8,10 @@ fails for a client without a certificate that CA signed, before any ext_proc mes
 Certificates are read from files (cert-manager or a mounted Secret): gRPC asks
 :class:`CertificateFiles` before each new handshake, and the files are read again when their
 size or modification time changed, so a rotated certificate is served to new connections without
-a restart. A rotation caught half-written (a key that does not match its certificate) fails
-those handshakes until the files are complete; a file that cannot be read keeps the previous
-certificate.
+a restart. Swap the files in with a rename (as Kubernetes does for a mounted Secret): a rotation
+caught half-way (a new key beside the old certificate) can fail the handshakes made in between,
+until the next change of the files is read. A file that cannot be read, or holds no PEM, keeps
+the previous certificate.
 """
 
 from __future__ import annotations
