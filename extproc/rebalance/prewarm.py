@@ -99,10 +99,14 @@ class Prewarmer:
             self._pending.popleft()
             self.on_result("dropped")
         self._pending.append((address, path, warm))
+        self._start()
+        return True
+
+    def _start(self) -> None:
+        """Make sure something sends what is queued (here, a background task)."""
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="prewarm")
-        return True
 
     def _take_token(self) -> float:
         now = self.clock()

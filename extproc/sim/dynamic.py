@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings, prefill_only
+from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
 from extproc.replica.cache import count_tokens
 from extproc.replica.model import ReplicaModel, Seq
 from extproc.request.openai_body import render_chat
@@ -57,20 +57,9 @@ class SimPrewarmer(Prewarmer):
         self.results: dict[str, int] = {}
         self.on_result = lambda outcome: self.results.__setitem__(outcome, self.results.get(outcome, 0) + 1)
 
-    def submit(self, address: str, path: str, body: bytes) -> bool:
-        """Queue one pre-warm (as the base class does) and ask to be pumped now."""
-        if not self.settings.enabled:
-            return False
-        warm = prefill_only(body)
-        if warm is None:
-            self.on_result("unusable")
-            return False
-        if len(self._pending) >= self.settings.queue:
-            self._pending.popleft()
-            self.on_result("dropped")
-        self._pending.append((address, path, warm))
+    def _start(self) -> None:
+        """Instead of a background task: ask the simulation to pump now."""
         self.wake_at(self.clock())
-        return True
 
     def pump(self) -> None:
         """Send what the token bucket allows now; ask to be woken when the next token is due."""
