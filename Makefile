@@ -29,8 +29,10 @@ lint: $(STAMP)
 test: $(STAMP) os-deps lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
-bench-overhead: $(STAMP)
-	$(PY) benchmarks/overhead.py
+# Envoy alone, Envoy + our processor, sglang-router and vllm-router side by side (about 3 minutes;
+# the peer routers are pip-installed into venvs under ~/.cache/extproc on first use).
+bench-overhead: $(STAMP) os-deps
+	$(VENV)/bin/extproc bench overhead --json benchmarks/overhead.json
 
 bench-store: $(STAMP) os-deps
 	$(PY) benchmarks/store_latency.py

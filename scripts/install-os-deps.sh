@@ -7,6 +7,8 @@ command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # kubectl renders k8s/ (kubectl kustomize). The machine image ships kubectl 1.32 (kustomize v5);
 # Debian's kubernetes-client is the fallback, and k8s/ needs kustomize v4+ (kubectl 1.21+).
 command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
+# wrk drives `extproc bench overhead` (and its short run in the suite).
+command -v wrk >/dev/null 2>&1 || need+=(wrk)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

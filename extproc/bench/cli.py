@@ -1,4 +1,5 @@
-"""``extproc bench routing``: our routing against the peers' policies, in the simulator."""
+"""``extproc bench``: ``routing`` (our routing against the peers' policies, in the simulator) and
+``overhead`` (Envoy with our processor beside the real peer routers, on loopback)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from extproc.sim.traces import TRACES_ENV
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Register ``bench`` and its ``routing`` sub-command."""
-    bench = sub.add_parser("bench", help="benchmarks (routing policies in the simulator)")
+    """Register ``bench`` and its ``routing`` and ``overhead`` sub-commands."""
+    bench = sub.add_parser("bench", help="benchmarks (routing policies in the simulator; router overhead)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     p = kinds.add_parser(
         "routing",
@@ -50,10 +51,74 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_overhead_parser(kinds)
+
+
+def _add_overhead_parser(kinds: Any) -> None:
+    from extproc.bench.overhead import ROUTERS
+    from extproc.bench.peer_routers import PEERS_DIR_ENV
+
+    p = kinds.add_parser(
+        "overhead",
+        help="Envoy alone, Envoy with our processor, sglang-router and vllm-router, in front of the same replicas",
+        description="Throughput and latency of each router in turn, driven by wrk on this machine. The peer "
+        "routers are pip-installed into venvs of their own on first use.",
+    )
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each measured run")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring each router")
+    p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--prompt-kb", type=int, default=8)
+    p.add_argument("--large-kb", type=int, default=200, help="prompt size of the large-body run")
+    p.add_argument("--rate", type=float, default=1000.0, help="requests/s of the paced latency run")
+    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated (default: {','.join(ROUTERS)})")
+    p.add_argument("--peers-dir", help=f"where the peer routers' venvs live (default: ${PEERS_DIR_ENV} or ~/.cache)")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install missing peer routers")
+    p.add_argument(
+        "--no-observe", action="store_true", help="our processor skips the response-headers phase (see README)"
+    )
+    p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
+    p.add_argument("--json", dest="json_path", help="write the figures here")
+
+
+def run_overhead_command(args: argparse.Namespace) -> int:
+    """Run ``extproc bench overhead``."""
+    from extproc.bench.overhead import OverheadSetup, format_table, run_overhead
+    from extproc.bench.peer_routers import default_peers_dir
+
+    setup = OverheadSetup(
+        seconds=args.seconds,
+        warmup_s=args.warmup,
+        connections=args.connections,
+        prompt_kb=args.prompt_kb,
+        large_kb=args.large_kb,
+        rate=args.rate,
+        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        peers_dir=Path(args.peers_dir) if args.peers_dir else default_peers_dir(),
+        install=not args.no_install,
+        processor_args=tuple(args.processor_arg),
+        observe_responses=not args.no_observe,
+    )
+    try:
+        result = run_overhead(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"extproc bench: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"figures written to {args.json_path}")
+    failed = [name for name, r in result["routers"].items() if "error" in r]
+    if failed:
+        print(f"extproc bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    """Run ``extproc bench routing``."""
+    """Run ``extproc bench routing`` or ``extproc bench overhead``."""
+    if args.bench_command == "overhead":
+        return run_overhead_command(args)
     from extproc.bench.plots import write_plots
     from extproc.bench.routing import BenchSetup, format_table, run_bench, verdict
 

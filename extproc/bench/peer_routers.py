@@ -1,0 +1,100 @@
+"""The peer routers, run for real beside ours: installed into venvs of their own, started on loopback.
+
+``sglang-router`` and ``vllm-router`` are Rust routers published on PyPI. Each gets its own venv
+under a cache folder (``~/.cache/extproc/peer-routers`` unless told otherwise), created with the
+running Python and pip the first time it is needed; nothing of theirs is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "127.0.0.1"
+PEERS_DIR_ENV = "EXTPROC_PEERS_DIR"
+_INSTALL_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRouter:
+    """One peer router: its package, version, the policy it is run with and how to start it."""
+
+    name: str
+    package: str
+    version: str
+    policy: str
+    summary: str
+
+    def venv(self, peers_dir: Path) -> Path:
+        """The venv this router lives in."""
+        return peers_dir / f"{self.package}-{self.version}"
+
+    def argv(self, peers_dir: Path, port: int, metrics_port: int, workers: Sequence[str]) -> list[str]:
+        """The command line that serves on ``HOST:port`` in front of ``workers`` (base URLs)."""
+        bin_dir = self.venv(peers_dir) / "bin"
+        common = [
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--worker-urls",
+            *workers,
+            "--policy",
+            self.policy,
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(metrics_port),
+        ]
+        if self.package == "sglang-router":
+            # Its defaults, stated: route to the least loaded worker only when the spread of
+            # in-flight requests exceeds 64 and 1.5x; otherwise to the best prefix match.
+            thresholds = ["--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5"]
+            return [str(bin_dir / "python"), "-m", "sglang_router.launch_router", *common, *thresholds,
+                    "--log-level", "warn"]  # fmt: skip
+        return [str(bin_dir / "vllm-router"), *common, "--log-level", "warning"]
+
+    def env(self) -> dict[str, str]:
+        """Environment for the router: any tokenizer download it attempts stays on loopback."""
+        return {"HF_ENDPOINT": f"http://{HOST}:9", "HF_HUB_OFFLINE": "1", "RUST_LOG": "warn"}
+
+    def installed(self, peers_dir: Path) -> bool:
+        """Whether this router's venv is complete."""
+        return (self.venv(peers_dir) / ".installed").exists()
+
+    def install(self, peers_dir: Path) -> None:
+        """Create the venv and pip-install the pinned release (raises RuntimeError on failure)."""
+        venv = self.venv(peers_dir)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        steps = [
+            [sys.executable, "-m", "venv", "--clear", str(venv)],
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", f"{self.package}=={self.version}"],
+        ]
+        for argv in steps:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=_INSTALL_TIMEOUT_S, check=False)
+            if done.returncode != 0:
+                tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+                raise RuntimeError(f"installing {self.package}=={self.version} failed: {' '.join(argv)}\n{tail}")
+        (venv / ".installed").write_text(f"{self.package}=={self.version}\n")
+
+
+PEER_ROUTERS = {
+    "sglang_router": PeerRouter(
+        "sglang_router", "sglang-router", "0.3.2", "cache_aware", "SGLang router 0.3.2, cache_aware"
+    ),
+    "vllm_router": PeerRouter(
+        "vllm_router", "vllm-router", "0.1.17", "consistent_hash", "vLLM router 0.1.17, consistent_hash"
+    ),
+}
+
+
+def default_peers_dir() -> Path:
+    """``$EXTPROC_PEERS_DIR``, else ``$XDG_CACHE_HOME/extproc/peer-routers``, else under ``~/.cache``."""
+    if os.environ.get(PEERS_DIR_ENV):
+        return Path(os.environ[PEERS_DIR_ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "extproc" / "peer-routers"
