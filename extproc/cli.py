@@ -34,6 +34,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (default 127.0.0.1:9190), 'off' to disable")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument(
+        "--response-sample-rate",
+        type=float,
+        metavar="R",
+        help="share of requests whose response headers are observed (health.response_sample_rate, default 1)",
+    )
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
@@ -117,6 +123,11 @@ def _build_config(args: argparse.Namespace) -> Config:
     cfg = with_overrides(cfg, **changes)
     if getattr(args, "metrics_listen", None) == "off":
         cfg = replace(cfg, metrics_listen=None)
+    rate = getattr(args, "response_sample_rate", None)
+    if rate is not None:
+        if not 0.0 <= rate <= 1.0:
+            raise ConfigError("--response-sample-rate: expected a number from 0 to 1")
+        cfg = replace(cfg, health=replace(cfg.health, response_sample_rate=rate))
     return _with_tls_flags(cfg, args)
 
 

@@ -147,7 +147,11 @@ def _health_settings(raw: Mapping[str, Any]) -> HealthSettings:
     )
     if rotation.readmit_above < rotation.eject_below:
         raise ConfigError("health.readmit_above: must not be below health.eject_below (hysteresis)")
+    sample_rate = _number(raw, "response_sample_rate", where, d.response_sample_rate)
+    if not 0.0 <= sample_rate <= 1.0:
+        raise ConfigError("health.response_sample_rate: expected a number from 0 to 1")
     return HealthSettings(
+        response_sample_rate=sample_rate,
         scrape_interval_s=_number(raw, "scrape_interval_s", where, d.scrape_interval_s, 0.01),
         scrape_timeout_s=_number(raw, "scrape_timeout_s", where, d.scrape_timeout_s, 0.001),
         stale_after_s=_number(raw, "stale_after_s", where, d.stale_after_s, 0.01),

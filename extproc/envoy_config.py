@@ -312,6 +312,8 @@ def ext_proc_filter(spec: GatewaySpec, cluster: str = PROCESSOR_CLUSTER) -> Http
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster)),
         failure_mode_allow=True,
         message_timeout=datetime.timedelta(milliseconds=spec.message_timeout_ms),
+        # The processor may skip a request's response headers (health.response_sample_rate).
+        allow_mode_override=True,
         processing_mode=ProcessingMode(
             request_header_mode=send,
             # FULL_DUPLEX_STREAMED, as the Inference Extension's gateways use it, needs trailers sent.

@@ -120,6 +120,12 @@ class RouterMetrics:
             "Prefix blocks a replica picked uniformly at random would have held (the round-robin expectation).",
             registry=r,
         )
+        self.responses_observed = Counter(
+            "extproc_responses_observed",
+            "Responses whose headers the processor saw (status, time to first byte); the others were "
+            "skipped by health.response_sample_rate.",
+            registry=r,
+        )
         self.replica_inflight = Gauge(
             "extproc_replica_inflight_requests",
             "Requests sent to a replica and not finished.",

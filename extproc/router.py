@@ -62,6 +62,7 @@ class Router:
         profile: Profile | None = None,
     ) -> None:
         self.config = config
+        self._sampled = 0.0  # response_sample_rate accumulated: a request is observed at each whole one
         self.store: AffinityStore = store or MemoryStore(
             config.session_ttl_s, config.max_sessions, config.blocks_per_replica
         )
@@ -179,9 +180,26 @@ class Router:
         cached_chars = matched_blocks * self.config.features.block_chars
         return max(0, features.prompt_chars - cached_chars) // CHARS_PER_TOKEN
 
+    def sample_response(self) -> bool:
+        """Whether to observe the next request's response headers (``health.response_sample_rate``).
+
+        Deterministic: with a rate of 0.25 exactly every fourth request is observed. A request that
+        is not observed keeps its in-flight slot until its stream ends (Envoy holds the ext_proc
+        stream open until the HTTP request is over) and its prefill counts as pending until then.
+        """
+        rate = self.config.health.response_sample_rate
+        if rate >= 1.0:
+            return True
+        self._sampled += rate
+        if self._sampled >= 1.0:
+            self._sampled -= 1.0
+            return True
+        return False
+
     def observe_response(self, routed: Routed, status: int) -> None:
         """Learn from the response headers Envoy saw: status and time to first byte."""
         replica = routed.decision.replica
+        self.metrics.responses_observed.inc()
         if replica is not None:
             now = self.clock()
             self.replicas.observe(replica.name, status, now - routed.decided_at, now)

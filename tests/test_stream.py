@@ -189,3 +189,32 @@ async def test_full_duplex_holds_the_headers_answer_and_streams_the_body_back() 
     streamed = [r.request_body.response.body_mutation.streamed_response for r in out[1:-1]]
     assert b"".join(s.body for s in streamed) == body
     assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]
+
+
+async def test_response_sampling_skips_the_response_headers_of_the_unsampled_requests() -> None:
+    """health.response_sample_rate 0.25: every fourth request keeps its response-headers phase;
+    the others are told (mode_override, repeating the buffered body mode) to skip it."""
+    from dataclasses import replace
+
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+
+    cfg = make_config()
+    router = Router(replace(cfg, health=replace(cfg.health, response_sample_rate=0.25)))
+    overrides = []
+    for i in range(8):
+        out = await run(router, [headers_message({**CHAT, "x-session-id": f"s{i}"}), body_message(chat_body("hi"))])
+        overrides.append(out[0].HasField("mode_override"))
+        if out[0].HasField("mode_override"):
+            mode = out[0].mode_override
+            assert mode.response_header_mode == pm.ProcessingMode.SKIP
+            assert mode.request_body_mode == pm.ProcessingMode.BUFFERED  # the body still comes
+            assert "x-target-cluster" in out[0].request_headers.response.header_mutation.remove_headers
+        assert out[1].request_body.response.clear_route_cache  # routed either way
+    assert overrides == [True, True, True, False] * 2
+    assert all(r.inflight == 0 for r in router.replicas.records())
+
+
+async def test_by_default_every_response_is_observed() -> None:
+    router = Router(make_config())
+    out = await run(router, [headers_message(CHAT), body_message(chat_body("hi"))])
+    assert not out[0].HasField("mode_override")

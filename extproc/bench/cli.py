@@ -117,7 +117,7 @@ def run_overhead_command(args: argparse.Namespace) -> int:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench routing`` or ``extproc bench overhead``."""
-    if args.bench_command == "overhead":
+    if getattr(args, "bench_command", "routing") == "overhead":
         return run_overhead_command(args)
     from extproc.bench.plots import write_plots
     from extproc.bench.routing import BenchSetup, format_table, run_bench, verdict

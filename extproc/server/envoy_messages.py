@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -13,6 +14,8 @@ from google.protobuf import struct_pb2
 from extproc.routing.model import Decision
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+BUFFERED = pm.ProcessingMode.BUFFERED
+FULL_DUPLEX_STREAMED = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 LB_NAMESPACE = "envoy.lb"
 
 
@@ -35,10 +38,30 @@ def mutation(set_headers: Iterable[tuple[str, str]], remove: Iterable[str] = ())
     return pb.HeaderMutation(set_headers=[_set(k, v) for k, v in set_headers], remove_headers=list(remove))
 
 
-def continue_headers(remove: Iterable[str] = ()) -> pb.ProcessingResponse:
-    """Let request headers through, stripping the routing headers a client may have set."""
+def continue_headers(remove: Iterable[str] = (), skip_response_headers: int | None = None) -> pb.ProcessingResponse:
+    """Let request headers through, stripping the routing headers a client may have set.
+
+    With ``skip_response_headers`` (the stream's request body mode), the answer also asks Envoy
+    not to send this request's response headers (a ``mode_override``; Envoy applies it only when
+    its filter has ``allow_mode_override``, as the rendered configs do, and only in this answer).
+    """
     common = pb.CommonResponse(header_mutation=mutation((), remove)) if remove else pb.CommonResponse()
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+    response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+    if skip_response_headers is not None:
+        response.mode_override.CopyFrom(_without_response_headers(skip_response_headers))
+    return response
+
+
+def _without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
+    # Envoy replaces the whole mode with an override: everything else repeats the rendered config.
+    return pm.ProcessingMode(
+        request_header_mode=pm.ProcessingMode.SEND,
+        response_header_mode=pm.ProcessingMode.SKIP,
+        request_body_mode=request_body_mode,
+        response_body_mode=pm.ProcessingMode.NONE,
+        request_trailer_mode=pm.ProcessingMode.SKIP,
+        response_trailer_mode=pm.ProcessingMode.SKIP,
+    )
 
 
 def continue_response_headers() -> pb.ProcessingResponse:

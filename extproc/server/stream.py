@@ -22,7 +22,6 @@ from extproc.routing.model import Reason
 from extproc.server import envoy_messages as msg
 
 log = logging.getLogger("extproc.stream")
-FULL_DUPLEX_STREAMED = 4  # envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 class Phase(enum.Enum):
@@ -48,13 +47,15 @@ class RequestStream:
         self.size = 0
         self.routed: Routed | None = None
         self.duplex = False
+        self.body_mode = msg.BUFFERED  # Envoy says which in the first message's protocol_config
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer each message of the stream; releases the request's in-flight slot at the end."""
         try:
             async for request in requests:
                 if request.HasField("protocol_config"):
-                    self.duplex = request.protocol_config.request_body_mode == FULL_DUPLEX_STREAMED
+                    self.body_mode = request.protocol_config.request_body_mode
+                    self.duplex = self.body_mode == msg.FULL_DUPLEX_STREAMED
                 try:
                     responses = await self.answer_duplex(request) if self.duplex else [await self.answer(request)]
                 except Exception:
@@ -81,7 +82,9 @@ class RequestStream:
             if request.request_headers.end_of_stream:
                 return await self._decide(None, in_body=False)
             self.phase = Phase.BODY
-            return msg.continue_headers(self.remove)
+            if self.router.sample_response():
+                return msg.continue_headers(self.remove)
+            return msg.continue_headers(self.remove, skip_response_headers=self.body_mode)
         if kind == "request_body" and self.phase is Phase.BODY:
             body = request.request_body
             self.chunks.append(body.body)

@@ -340,7 +340,7 @@ class DynamicSimulation(Simulation):
             result = model.end_step()
             add_work(a, step_start[a], now, result.tokens)
             for seq in result.first:
-                if seq.handle >= 0:
+                if seq.handle >= 0 and router.sample_response():
                     router.observe_response(routed[seq.handle], 200)
             for seq in result.finished:
                 i = seq.handle

@@ -298,7 +298,8 @@ class Simulation:
             result = model.end_step()
             add_work(a, step_start[a], now, result.tokens)
             for seq in result.first:
-                router.observe_response(routed[seq.handle], 200)
+                if router.sample_response():  # as the processor asks Envoy for response headers
+                    router.observe_response(routed[seq.handle], 200)
             for seq in result.finished:
                 i = seq.handle
                 router.release(routed.pop(i))
