@@ -145,3 +145,15 @@ def test_any_json_gives_features_never_an_exception(value: object) -> None:
     raw = json.dumps({"model": "m", "messages": value, "prompt": value, "user": value, "metadata": value}).encode()
     for path in (CHAT, "/v1/completions"):
         extract_features({":path": path}, raw, FeatureSettings())
+
+
+def test_bodies_orjson_refuses_are_still_parsed_as_python_json_would() -> None:
+    """The fast parser declines NaN, integers beyond 64 bits and lone surrogate escapes; a
+    replica's server takes them, so the router parses them the slow way instead of failing."""
+    from extproc.request.openai_body import parse_request_body
+
+    raw = b'{"model": "m", "temperature": NaN, "seed": 123456789012345678901234567890,'
+    raw += b' "messages": [{"role": "user", "content": "caf\\ud800 au lait"}]}'
+    parsed = parse_request_body("/v1/chat/completions", raw)
+    assert parsed.model == "m"
+    assert "caf" in parsed.prompt and "au lait" in parsed.prompt

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
@@ -103,11 +105,16 @@ def parse_request_body(path: str, raw: bytes) -> OpenAIRequest:
     if not raw:
         raise BodyError("empty body")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BodyError(f"body is not JSON: {exc.__class__.__name__}") from None
-    except RecursionError:
-        raise BodyError("body JSON nests too deeply") from None
+        body = orjson.loads(raw)  # twice as fast as json on long prompts
+    except orjson.JSONDecodeError:
+        # What orjson refuses and Python's json takes (NaN, integers beyond 64 bits, lone
+        # surrogate escapes) a replica's server would take too: parse those the slow way.
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise BodyError(f"body is not JSON: {exc.__class__.__name__}") from None
+        except RecursionError:
+            raise BodyError("body JSON nests too deeply") from None
     if not isinstance(body, dict):
         raise BodyError("body is not a JSON object")
     model = body.get("model")

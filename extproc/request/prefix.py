@@ -22,13 +22,14 @@ def block_hashes(text: str, seed: int, block_chars: int, max_blocks: int) -> tup
 
     A trailing partial block is not hashed: like vLLM's prefix cache, only full blocks are shared.
     """
-    data = memoryview(text.encode("utf-8", "surrogatepass"))
+    data = text.encode("utf-8", "surrogatepass")
     # Blocks are measured in characters of the text, approximated here by bytes: cheap, and
     # stable for a given text, which is all the index needs.
-    count = min(len(data) // block_chars, max_blocks)
-    hashes = []
+    end = min(len(data) // block_chars, max_blocks) * block_chars
+    hashes: list[int] = []
+    append, xxh3 = hashes.append, _xxh3  # the loop runs up to max_blocks times: keep it lean
     h = seed
-    for i in range(count):
-        h = _xxh3(data[i * block_chars : (i + 1) * block_chars], h)
-        hashes.append(h)
+    for start in range(0, end, block_chars):
+        h = xxh3(data[start : start + block_chars], h)
+        append(h)
     return tuple(hashes)
