@@ -59,6 +59,7 @@ def test_table_marks_ours_and_reports_failures_and_added_latency() -> None:
     assert f"| {OURS} * | 1000 |" in table
     assert "| 2.50 |" in table  # 4.0 - 1.5 ms added at p99
     assert "| sglang_router | failed: installing failed |" in table
+    assert "| 100 | - | 1 |" in table  # 200 KB req/s, no CPU figure, one error
     assert "10 / 5" in table
 
 
@@ -107,6 +108,7 @@ def test_short_side_by_side_run_of_every_router(tmp_path: Path) -> None:
         assert figures["errors"] == 0, name
         assert figures["paced"]["rps"] == pytest.approx(200, rel=0.25), name  # the schedule held
         assert sum(figures["spread"].values()) > 0, name
+        assert figures["router_cpu_us_per_request"] > 0, name
     # The bare floor sends everything to one fixed replica: what arrives is what it routed.
     assert sorted(result["routers"][BARE]["spread"].values())[0] == 0
     assert f"| {OURS} * |" in done.stdout

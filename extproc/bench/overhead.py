@@ -18,6 +18,7 @@ prompts. Every request carries its own ``x-session-id``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -38,6 +39,13 @@ from extproc.demo.processes import free_port, wait_for_port
 OURS = "extproc"
 BARE = "bare_extproc"
 ROUTERS = ("envoy_direct", OURS, *PEER_ROUTERS, BARE)
+# The processes whose CPU a router costs (the replicas and wrk are the same for every router).
+ROUTER_PROCESSES = {
+    "envoy_direct": ("envoy",),
+    OURS: ("envoy", "processor"),
+    **{name: (name,) for name in PEER_ROUTERS},
+    BARE: ("envoy", BARE),
+}
 CHAT_PATH = "/v1/chat/completions"
 
 # One wrk thread drives every connection; requests are scheduled ``interval_ms`` apart when
@@ -152,6 +160,21 @@ class Wrk:
         return parse_wrk(done.stdout)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process, its threads and its descendants (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            pending += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def replica_counts(metrics_urls: dict[str, str]) -> dict[str, float]:
     """Requests each replica has finished (``vllm:request_success_total``), by replica name."""
     out: dict[str, float] = {}
@@ -213,13 +236,24 @@ def swap_in_bare_processor(gw: LocalGateway) -> str:
     return gw.url
 
 
-def measure(wrk: Wrk, url: str, setup: OverheadSetup, counts: Callable[[], dict[str, float]]) -> dict[str, Any]:
-    """The three runs against one router, and how its requests spread over the replicas."""
+def measure(
+    wrk: Wrk,
+    url: str,
+    setup: OverheadSetup,
+    counts: Callable[[], dict[str, float]],
+    pids: dict[str, int],
+    router_processes: Sequence[str],
+) -> dict[str, Any]:
+    """The three runs against one router, how its requests spread over the replicas and the CPU
+    each process used during the throughput run (``pids``: process name to pid)."""
     wrk.run(url, setup.prompt_kb, setup.connections, setup.warmup_s)
-    before = counts()
+    before, cpu_before, started = counts(), {n: cpu_seconds(p) for n, p in pids.items()}, time.monotonic()
     top = wrk.run(url, setup.prompt_kb, setup.connections, setup.seconds)
-    after = counts()
+    wall = time.monotonic() - started
+    after, cpu_after = counts(), {n: cpu_seconds(p) for n, p in pids.items()}
     spread = {name: after[name] - before[name] for name in after}
+    cpu = {n: cpu_after[n] - cpu_before[n] for n in pids}
+    router_cpu = sum(cpu.get(n, 0.0) for n in router_processes)
     paced = wrk.run(url, setup.prompt_kb, setup.connections, setup.seconds, rate=setup.rate)
     large = wrk.run(url, setup.large_kb, setup.connections, max(1.0, setup.seconds / 2))
     return {
@@ -228,6 +262,9 @@ def measure(wrk: Wrk, url: str, setup: OverheadSetup, counts: Callable[[], dict[
         "p99_ms": top.get("p99_ms"),
         "errors": top["errors"],
         "spread": spread,
+        # Cores each process kept busy, and the router's own CPU per request (replicas and wrk excluded).
+        "cpu_cores": {n: round(c / wall, 3) for n, c in cpu.items()},
+        "router_cpu_us_per_request": round(router_cpu / top["requests"] * 1e6, 1) if top["requests"] else None,
         "paced": {"rate": setup.rate, **paced},
         "large": {"prompt_kb": setup.large_kb, **large},
     }
@@ -262,7 +299,8 @@ def run_overhead(setup: OverheadSetup, progress: Callable[[str], None] = print) 
                 else:
                     url = urls.get(name) or start_peer(gw, PEER_ROUTERS[name], setup)
                 progress(f"{name}: measuring at {url}")
-                routers[name] = measure(wrk, url, setup, lambda: replica_counts(metrics))
+                pids = {n: proc.pid for n, proc in gw.procs.procs.items() if proc.poll() is None}
+                routers[name] = measure(wrk, url, setup, lambda: replica_counts(metrics), pids, ROUTER_PROCESSES[name])
             except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                 routers[name] = {"error": str(exc)}
             progress(f"{name}: {json.dumps(routers[name])}")
@@ -296,8 +334,8 @@ def format_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
     lines = [
         f"| router | req/s ({s['prompt_kb']} KB, {s['connections']} conns) | p50 ms | p99 ms "
         f"| p50 ms at {rate}/s | p99 ms at {rate}/s | added p99 ms at {rate}/s "
-        f"| req/s ({s['large_kb']} KB) | errors | requests per replica |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| req/s ({s['large_kb']} KB) | router CPU us/request | errors | requests per replica |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     routers = result["routers"]
     base = routers.get("envoy_direct", {}).get("paced", {}).get("p99_ms")
@@ -308,7 +346,7 @@ def format_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
         label = f"{name} *" if name == result.get("ours") else f"({name})" if name == BARE else name
         if "error" in r:
             first = r["error"].splitlines()[0][:120] if r["error"] else "failed"
-            lines.append(f"| {label} | failed: {first} |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {label} | failed: {first} |  |  |  |  |  |  |  |  |  |")
             continue
         paced = r["paced"]
         added = "" if base is None or name == "envoy_direct" else _fmt(paced.get("p99_ms", 0) - base)
@@ -316,6 +354,7 @@ def format_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
         errors = r["errors"] + paced.get("errors", 0) + r["large"].get("errors", 0)
         lines.append(
             f"| {label} | {r['rps']:.0f} | {_fmt(r['p50_ms'])} | {_fmt(r['p99_ms'])} | {_fmt(paced.get('p50_ms'))} "
-            f"| {_fmt(paced.get('p99_ms'))} | {added} | {r['large']['rps']:.0f} | {errors:.0f} | {spread} |"
+            f"| {_fmt(paced.get('p99_ms'))} | {added} | {r['large']['rps']:.0f} "
+            f"| {_fmt(r.get('router_cpu_us_per_request'), 0)} | {errors:.0f} | {spread} |"
         )
     return "\n".join(lines)
