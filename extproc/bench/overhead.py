@@ -254,6 +254,7 @@ def measure(
     spread = {name: after[name] - before[name] for name in after}
     cpu = {n: cpu_after[n] - cpu_before[n] for n in pids}
     router_cpu = sum(cpu.get(n, 0.0) for n in router_processes)
+    single = wrk.run(url, setup.prompt_kb, 1, max(1.0, setup.seconds / 2))
     paced = wrk.run(url, setup.prompt_kb, setup.connections, setup.seconds, rate=setup.rate)
     large = wrk.run(url, setup.large_kb, setup.connections, max(1.0, setup.seconds / 2))
     return {
@@ -265,6 +266,7 @@ def measure(
         # Cores each process kept busy, and the router's own CPU per request (replicas and wrk excluded).
         "cpu_cores": {n: round(c / wall, 3) for n, c in cpu.items()},
         "router_cpu_us_per_request": round(router_cpu / top["requests"] * 1e6, 1) if top["requests"] else None,
+        "one_connection": single,
         "paced": {"rate": setup.rate, **paced},
         "large": {"prompt_kb": setup.large_kb, **large},
     }
@@ -332,10 +334,10 @@ def format_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
     s = result["setup"]
     rate = f"{s['rate']:g}"
     lines = [
-        f"| router | req/s ({s['prompt_kb']} KB, {s['connections']} conns) | p50 ms | p99 ms "
+        f"| router | req/s ({s['prompt_kb']} KB, {s['connections']} conns) | p50 ms | p99 ms | p50 ms, 1 conn "
         f"| p50 ms at {rate}/s | p99 ms at {rate}/s | added p99 ms at {rate}/s "
         f"| req/s ({s['large_kb']} KB) | router CPU us/request | errors | requests per replica |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     routers = result["routers"]
     base = routers.get("envoy_direct", {}).get("paced", {}).get("p99_ms")
@@ -346,14 +348,16 @@ def format_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
         label = f"{name} *" if name == result.get("ours") else f"({name})" if name == BARE else name
         if "error" in r:
             first = r["error"].splitlines()[0][:120] if r["error"] else "failed"
-            lines.append(f"| {label} | failed: {first} |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {label} | failed: {first} |" + "  |" * 10)
             continue
         paced = r["paced"]
         added = "" if base is None or name == "envoy_direct" else _fmt(paced.get("p99_ms", 0) - base)
         spread = " / ".join(f"{v:.0f}" for _, v in sorted(r["spread"].items()))
         errors = r["errors"] + paced.get("errors", 0) + r["large"].get("errors", 0)
+        errors += r.get("one_connection", {}).get("errors", 0)
         lines.append(
-            f"| {label} | {r['rps']:.0f} | {_fmt(r['p50_ms'])} | {_fmt(r['p99_ms'])} | {_fmt(paced.get('p50_ms'))} "
+            f"| {label} | {r['rps']:.0f} | {_fmt(r['p50_ms'])} | {_fmt(r['p99_ms'])} "
+            f"| {_fmt(r.get('one_connection', {}).get('p50_ms'))} | {_fmt(paced.get('p50_ms'))} "
             f"| {_fmt(paced.get('p99_ms'))} | {added} | {r['large']['rps']:.0f} "
             f"| {_fmt(r.get('router_cpu_us_per_request'), 0)} | {errors:.0f} | {spread} |"
         )
