@@ -50,7 +50,7 @@ def test_prefix_index_stays_within_its_bound(ops: list[tuple[str, list[int]]]) -
         idx.add(replica, hashes)
     for lru in idx._per_replica.values():
         assert len(lru) <= 10
-    owners_total = sum(len(s) for s in idx._owners.values())
+    owners_total = sum(bin(mask).count("1") for mask in idx._owners.values())
     assert owners_total == sum(len(lru) for lru in idx._per_replica.values())
 
 
@@ -65,3 +65,16 @@ async def test_memory_store_round_trip() -> None:
     view = await store.lookup("s", [1, 2, 3], now=2)
     assert view.pinned is None and view.prefix_matches == {}
     assert store.stats().sessions == 0
+
+
+def test_prefix_index_reuses_the_bit_of_a_replica_that_left() -> None:
+    idx = PrefixIndex(blocks_per_replica=100)
+    idx.add("a", [1, 2, 3])
+    idx.add("b", [1, 2])
+    idx.drop_replica("a")
+    assert idx.matches([1, 2, 3]) == {"b": 2}
+    idx.add("c", [1, 2, 3, 4])  # takes a's bit: nothing of a's may show up as c's
+    assert idx.matches([1, 2, 3, 4]) == {"b": 2, "c": 4}
+    idx.drop_replica("b")
+    idx.drop_replica("c")
+    assert len(idx) == 0 and idx.matches([1]) == {}
