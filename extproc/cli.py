@@ -41,6 +41,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="R",
         help="share of requests whose response headers are observed (health.response_sample_rate, default 1)",
     )
+    p.add_argument(
+        "--health-listen", metavar="HOST:PORT", help="also serve gRPC health alone, in plaintext, here (for probes)"
+    )
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
@@ -124,6 +127,8 @@ def _build_config(args: argparse.Namespace) -> Config:
     cfg = with_overrides(cfg, **changes)
     if getattr(args, "metrics_listen", None) == "off":
         cfg = replace(cfg, metrics_listen=None)
+    if getattr(args, "health_listen", None):
+        cfg = replace(cfg, health_listen=args.health_listen)
     rate = getattr(args, "response_sample_rate", None)
     if rate is not None:
         if not 0.0 <= rate <= 1.0:
@@ -161,7 +166,9 @@ async def _serve(cfg: Config) -> None:
         raise ConfigError(f"store: {exc}") from None
     router = Router(cfg, store=store, metrics=metrics)
     try:
-        server = ProcessorServer(router, cfg.listen, cfg.max_message_bytes, tls=cfg.grpc_tls)
+        server = ProcessorServer(
+            router, cfg.listen, cfg.max_message_bytes, tls=cfg.grpc_tls, health_listen=cfg.health_listen
+        )
     except ValueError as exc:  # an unreadable certificate or key file
         await store.close()
         raise ConfigError(str(exc)) from None

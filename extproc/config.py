@@ -79,6 +79,9 @@ class Config:
     spillover_repin: bool = False
     grace_s: float = 5.0
     grpc_tls: ListenerTls | None = None
+    # A plaintext listener that serves only the gRPC health service (kubelet's gRPC probes speak
+    # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
+    health_listen: str | None = None
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -429,6 +432,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         metrics_listen=metrics.get("listen", base.metrics_listen) if metrics.get("enabled", True) else None,
         max_message_bytes=int(_get(grpc, "max_message_bytes", int, "grpc", base.max_message_bytes)),
         grpc_tls=_listener_tls(grpc),
+        health_listen=_get(grpc, "health_listen", str, "grpc", None),
         health=_health_settings(health),
         rebalance=_rebalance_settings(_section(raw, "rebalance")),
         tenants=_tenant_settings(_section(raw, "tenants")),

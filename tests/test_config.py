@@ -86,3 +86,14 @@ def test_classes_and_tenants_example_loads(tmp_path: Path) -> None:
     cfg = config_from_mapping(raw)
     assert [r.name for r in cfg.features.classes] == ["batch", "multimodal", "long-context", "short"]
     assert cfg.tenants.definitions["trial"].retry_after_s == 5 and "throughput" in cfg.profiles
+
+
+def test_health_listen_and_response_sample_rate_are_read_and_checked() -> None:
+    cfg = config_from_mapping(
+        {**GOOD, "grpc": {"health_listen": "0.0.0.0:9003"}, "health": {"response_sample_rate": 0.25}}
+    )
+    assert cfg.health_listen == "0.0.0.0:9003"
+    assert cfg.health.response_sample_rate == 0.25
+    assert config_from_mapping(GOOD).health_listen is None
+    with pytest.raises(ConfigError, match="response_sample_rate"):
+        config_from_mapping({**GOOD, "health": {"response_sample_rate": 1.5}})

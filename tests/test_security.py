@@ -193,6 +193,29 @@ async def test_tls_listener_serves_tls_clients_and_refuses_plaintext(tls_server:
         assert await refused(channel) == grpc.StatusCode.UNAVAILABLE  # a server it cannot verify
 
 
+async def test_a_plaintext_health_port_beside_an_mtls_listener_serves_health_alone(pki: Pki) -> None:
+    """kubelet's gRPC probes speak plaintext: grpc.health_listen gives them the health service,
+    with the status of the TLS listener, and nothing else."""
+    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
+    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls, health_listen="127.0.0.1:0")
+    await server.start()
+    try:
+        plain = f"127.0.0.1:{server.health_port}"
+        async with grpc.aio.insecure_channel(plain) as channel:
+            assert await health_check(channel) == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await route_one(channel)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED  # no ext_proc in plaintext
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            assert await refused(channel) == grpc.StatusCode.UNAVAILABLE  # the main port stays TLS-only
+        for name in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        async with grpc.aio.insecure_channel(plain) as channel:
+            assert await health_check(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await server.stop(0)
+
+
 @pytest.mark.parametrize("tls_server", [True], indirect=True, ids=["mtls"])
 async def test_mtls_requires_a_client_certificate_signed_by_the_client_ca(
     tls_server: ProcessorServer, pki: Pki

@@ -32,6 +32,7 @@ class ProcessorServer:
         listen: str,
         max_message_bytes: int = 32 * 1024 * 1024,
         tls: ListenerTls | None = None,
+        health_listen: str | None = None,
     ) -> None:
         self.router = router
         self.listen = listen
@@ -64,6 +65,15 @@ class ProcessorServer:
                 log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
         if self.port == 0 and not listen.startswith("unix:"):
             raise OSError(f"cannot listen on {listen}")
+        # Health alone, in plaintext: the same servicer, so both ports report the same status.
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port = 0
+        if health_listen is not None:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(health_listen)
+            if self.health_port == 0 and not health_listen.startswith("unix:"):
+                raise OSError(f"cannot listen on {health_listen}")
 
     @property
     def address(self) -> str:
@@ -76,6 +86,8 @@ class ProcessorServer:
     async def start(self) -> None:
         """Start serving and report SERVING on the health service."""
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
@@ -86,6 +98,8 @@ class ProcessorServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.router.store.close()
 
     async def serve_until_signalled(self, grace: float = 5.0) -> None:
