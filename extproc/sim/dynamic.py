@@ -34,7 +34,7 @@ from extproc.request.openai_body import render_chat
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.router import Routed
 from extproc.routing.model import Replica
-from extproc.sim.simulator import Outcome, SimRun, Simulation, run_sync
+from extproc.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync
 from extproc.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL
 from extproc.state.replicas import LoadReport
 
@@ -168,10 +168,9 @@ class DynamicSimulation(Simulation):
         seqs: dict[int, Seq] = {}
         routed: dict[int, Routed] = {}
         replica_of: dict[int, int] = {}
-        last_replica: dict[str, int] = {}
-        stayed: dict[int, bool] = {}
         index_of = {name: i for i, name in enumerate(names)}
         window = self.window_s
+        tally = RouteTally(window, counts)
         interval = self.scrape_interval_s
         last_tick = -1
         book = self.router.replicas
@@ -323,17 +322,7 @@ class DynamicSimulation(Simulation):
                 seqs[a] = seq
                 routed[a] = decision
                 replica_of[a] = m
-                w = int(now // window)
-                series = counts[m]
-                while len(series) <= w:
-                    series.append(0)
-                series[w] += 1
-                if req.session is not None:
-                    key = f"{req.tenant}\x1f{req.session}"
-                    prev = last_replica.get(key)
-                    if prev is not None:
-                        stayed[a] = prev == m
-                    last_replica[key] = m
+                tally.routed(a, m, now, req.tenant, req.session)
                 submit(m, seq, now)
                 continue
             model = models[a]
@@ -348,23 +337,7 @@ class DynamicSimulation(Simulation):
                     warm_pending -= 1
                     continue
                 router.release(routed.pop(i))
-                req = reqs[i]
-                outcomes.append(
-                    Outcome(
-                        index=i,
-                        replica=replica_of[i],
-                        arrival=seq.arrived_at,
-                        first_token=seq.first_token_at,
-                        finish=seq.finished_at,
-                        prompt_tokens=seq.prompt_tokens,
-                        cached_tokens=max(0, seq.cached_tokens),
-                        prefill_tokens=seq.prefill_tokens,
-                        output_tokens=seq.output_tokens,
-                        preemptions=seq.preemptions,
-                        session=req.session,
-                        stayed=stayed.get(i),
-                    )
-                )
+                outcomes.append(tally.outcome(i, replica_of[i], seq, reqs[i].session))
                 del seqs[i]
                 for f in followers.get(i, ()):
                     heapq.heappush(heap, (now + reqs[f].arrival_s, _ARRIVAL, order, f, 0))

@@ -100,6 +100,48 @@ class SimRun:
     events: int = 0
 
 
+@dataclass(slots=True)
+class RouteTally:
+    """What both simulators note when a request is routed or finishes: requests per replica per
+    window, and whether a session's turn went where its previous turn went."""
+
+    window_s: float
+    counts: list[list[int]]  # per replica, per window; a joining replica appends its own list
+    stayed: dict[int, bool] = field(default_factory=dict)
+    last_replica: dict[str, int] = field(default_factory=dict)
+
+    def routed(self, index: int, replica: int, now: float, tenant: str, session: str | None) -> None:
+        """Request ``index`` was sent to ``replica`` at ``now``."""
+        w = int(now // self.window_s)
+        series = self.counts[replica]
+        while len(series) <= w:
+            series.append(0)
+        series[w] += 1
+        if session is not None:
+            key = f"{tenant}\x1f{session}"
+            prev = self.last_replica.get(key)
+            if prev is not None:
+                self.stayed[index] = prev == replica
+            self.last_replica[key] = replica
+
+    def outcome(self, index: int, replica: int, seq: Seq, session: str | None) -> Outcome:
+        """The finished request's :class:`Outcome`."""
+        return Outcome(
+            index=index,
+            replica=replica,
+            arrival=seq.arrived_at,
+            first_token=seq.first_token_at,
+            finish=seq.finished_at,
+            prompt_tokens=seq.prompt_tokens,
+            cached_tokens=max(0, seq.cached_tokens),
+            prefill_tokens=seq.prefill_tokens,
+            output_tokens=seq.output_tokens,
+            preemptions=seq.preemptions,
+            session=session,
+            stayed=self.stayed.get(index),
+        )
+
+
 class SimCacheProbe:
     """What every replica model holds of the request being routed (the oracle's and Dynamo's
     KV-event view). Only answers for the request the simulator is routing."""
@@ -184,13 +226,12 @@ class Simulation:
         seqs: dict[int, Seq] = {}
         routed: dict[int, Routed] = {}
         replica_of: dict[int, int] = {}
-        last_replica: dict[str, int] = {}
-        stayed: dict[int, bool] = {}
         step_start = [0.0] * n
         scheduled_end = [0.0] * n
         counts: list[list[int]] = [[] for _ in range(n)]
         work: list[list[float]] = [[] for _ in range(n)]
         window = self.window_s
+        tally = RouteTally(window, counts)
         interval = self.scrape_interval_s
         last_tick = -1
         book = self.router.replicas
@@ -269,17 +310,7 @@ class Simulation:
                 seqs[a] = seq
                 routed[a] = decision
                 replica_of[a] = m
-                w = int(now // window)
-                series = counts[m]
-                while len(series) <= w:
-                    series.append(0)
-                series[w] += 1
-                if req.session is not None:
-                    key = f"{req.tenant}\x1f{req.session}"
-                    prev = last_replica.get(key)
-                    if prev is not None:
-                        stayed[a] = prev == m
-                    last_replica[key] = m
+                tally.routed(a, m, now, req.tenant, req.session)
                 model = models[m]
                 if model.busy:
                     end = model.cut(now)
@@ -303,23 +334,7 @@ class Simulation:
             for seq in result.finished:
                 i = seq.handle
                 router.release(routed.pop(i))
-                req = reqs[i]
-                outcomes.append(
-                    Outcome(
-                        index=i,
-                        replica=replica_of[i],
-                        arrival=seq.arrived_at,
-                        first_token=seq.first_token_at,
-                        finish=seq.finished_at,
-                        prompt_tokens=seq.prompt_tokens,
-                        cached_tokens=max(0, seq.cached_tokens),
-                        prefill_tokens=seq.prefill_tokens,
-                        output_tokens=seq.output_tokens,
-                        preemptions=seq.preemptions,
-                        session=req.session,
-                        stayed=stayed.get(i),
-                    )
-                )
+                outcomes.append(tally.outcome(i, replica_of[i], seq, reqs[i].session))
                 del seqs[i]
                 for f in followers.get(i, ()):
                     heapq.heappush(heap, (now + reqs[f].arrival_s, _ARRIVAL, order, f, 0))
