@@ -120,6 +120,22 @@ class RouterMetrics:
             "Prefix blocks a replica picked uniformly at random would have held (the round-robin expectation).",
             registry=r,
         )
+        self.discovery_lists = Counter(
+            "extproc_discovery_lists", "Replica lists received from the discovery source.", registry=r
+        )
+        self.discovery_changes = Counter(
+            "extproc_discovery_changes_applied",
+            "Membership changes applied from discovery (after debouncing).",
+            registry=r,
+        )
+        self.discovery_failures = Counter(
+            "extproc_discovery_failures", "Times the discovery source failed and was restarted.", registry=r
+        )
+        self.discovery_members = Gauge(
+            "extproc_discovery_members",
+            "Replicas in the membership last applied from discovery (static ones included).",
+            registry=r,
+        )
         self.responses_observed = Counter(
             "extproc_responses_observed",
             "Responses whose headers the processor saw (status, time to first byte); the others were "

@@ -33,6 +33,7 @@ from extproc.discovery import (
     run_discovery,
 )
 from extproc.discovery.kubernetes_watch import Backoff
+from extproc.metrics import RouterMetrics
 from extproc.router import Router
 from extproc.routing import Replica
 from tests.conftest import make_config
@@ -182,7 +183,8 @@ async def test_loop_max_delay_bounds_a_flapping_fleet() -> None:
 async def test_loop_keeps_static_replicas_and_survives_a_failing_source() -> None:
     source, target = ScriptedSource(), RecordingRouter()
     static = [Replica("outside", "127.0.2.1:8000")]
-    loop = DiscoveryLoop(source, target, debounce_s=0.0, static=static, retry_s=0.05)
+    metrics = RouterMetrics()
+    loop = DiscoveryLoop(source, target, debounce_s=0.0, static=static, retry_s=0.05, metrics=metrics)
     async with running(loop.run()) as task:
         source.queue.put_nowait(fleet("a"))
         await eventually(lambda: set(members(target.router)) == {"a", "outside"}, "a and the static replica")
@@ -193,6 +195,11 @@ async def test_loop_keeps_static_replicas_and_survives_a_failing_source() -> Non
         await eventually(lambda: set(members(target.router)) == {"b", "outside"}, "b to replace a")
         source.queue.put_nowait(None)  # a source that ends ends the loop
         await asyncio.wait_for(task, 2.0)
+    value = metrics.registry.get_sample_value
+    assert value("extproc_discovery_lists_total") == 2
+    assert value("extproc_discovery_changes_applied_total") == 2
+    assert value("extproc_discovery_failures_total") == 1
+    assert value("extproc_discovery_members") == 2
 
 
 async def test_static_source_yields_the_config_once() -> None:

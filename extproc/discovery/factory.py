@@ -49,5 +49,12 @@ async def run_discovery(config: Config, target: MembershipTarget) -> None:
         # are the Envoy clusters the router answers with, so Envoy must define them.
         log.warning("discovery in cluster mode: Envoy needs a cluster named after each discovered replica")
     source = build_discovery(settings, config.replicas)
-    loop = DiscoveryLoop(source, target, settings.debounce_s, settings.max_delay_s, static=config.replicas)
+    loop = DiscoveryLoop(
+        source,
+        target,
+        settings.debounce_s,
+        settings.max_delay_s,
+        static=config.replicas,
+        metrics=getattr(target, "metrics", None),  # the router's instruments
+    )
     await loop.run()

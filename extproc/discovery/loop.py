@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from extproc.discovery.settings import DEBOUNCE_S, MAX_DELAY_S
 from extproc.discovery.source import Discovery, canonical
@@ -29,6 +29,19 @@ class MembershipTarget(Protocol):
     async def set_replicas(self, replicas: Sequence[Replica]) -> object:
         """Make ``replicas`` the membership."""
         ...
+
+
+class DiscoveryMetrics(Protocol):
+    """The instruments the loop feeds (:class:`extproc.metrics.RouterMetrics` has them)."""
+
+    @property
+    def discovery_lists(self) -> Any: ...
+    @property
+    def discovery_changes(self) -> Any: ...
+    @property
+    def discovery_failures(self) -> Any: ...
+    @property
+    def discovery_members(self) -> Any: ...
 
 
 class DiscoveryLoop:
@@ -47,8 +60,10 @@ class DiscoveryLoop:
         max_delay_s: float = MAX_DELAY_S,
         static: Sequence[Replica] = (),
         retry_s: float = 5.0,
+        metrics: DiscoveryMetrics | None = None,
     ) -> None:
         self.source = source
+        self.metrics = metrics
         self.target = target
         self.debounce_s = debounce_s
         self.max_delay_s = max(max_delay_s, debounce_s)
@@ -65,6 +80,8 @@ class DiscoveryLoop:
                 await self.follow()
                 return
             except Exception:  # a failing source must not end discovery for good
+                if self.metrics is not None:
+                    self.metrics.discovery_failures.inc()
                 log.exception("discovery %r failed; restarting it in %.1fs", self.source, self.retry_s)
                 await asyncio.sleep(self.retry_s)
 
@@ -96,6 +113,8 @@ class DiscoveryLoop:
                     if due is not None and latest is not None:
                         await self._apply(latest)
                     return
+                if self.metrics is not None:
+                    self.metrics.discovery_lists.inc()
                 if replicas == latest:
                     continue  # a repeat (DNS yields every interval): the debounce clock runs on
                 latest = replicas
@@ -131,6 +150,9 @@ class DiscoveryLoop:
             log.info("discovery %r: %d replicas", self.source, len(replicas))
         self.applied = replicas
         self.applies += 1
+        if self.metrics is not None:
+            self.metrics.discovery_changes.inc()
+            self.metrics.discovery_members.set(len(replicas))
         moved = [
             f"{r.name} {before[r.name].address} -> {r.address}"
             for r in replicas
