@@ -483,8 +483,13 @@ async def replica_hung(scale: Scale = SMALL) -> CaseResult:
             paused = time.monotonic()
             os.kill(paused_pid, signal.SIGSTOP)
             ejected = await watch.until(out_of_rotation(victim), paused, 10.0)
-            # Hold the hang until the requests stuck on it have met the route timeout.
-            await asyncio.sleep(max(0.0, paused + max(scale.fault_s, scale.route_timeout_s + 1.0) - time.monotonic()))
+            # Hold the hang until every request stuck on it has met the route timeout, the last
+            # ones routed to it just before its ejection included (else one of them is answered
+            # by the resumed replica after ~2 s and counts as a slow "other" request).
+            hold_until = paused + max(scale.fault_s, scale.route_timeout_s + 1.0)
+            if ejected is not None:
+                hold_until = max(hold_until, ejected + scale.route_timeout_s + 1.0)
+            await asyncio.sleep(max(0.0, hold_until - time.monotonic()))
             os.kill(paused_pid, signal.SIGCONT)
             paused_pid = 0
             resumed = time.monotonic()
