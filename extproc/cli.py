@@ -184,7 +184,9 @@ async def _serve(cfg: Config) -> None:
     gc.collect()
     gc.freeze()
     try:
-        await server.serve_until_signalled(cfg.grace_s)
+        # With discovery and no static replica, the ext_proc service is ready once a list came.
+        waiting = not cfg.discovery.is_static and not cfg.replicas
+        await server.serve_until_signalled(cfg.grace_s, (lambda: len(router.replicas) > 0) if waiting else None)
     finally:
         scraping.cancel()
         discovering.cancel()

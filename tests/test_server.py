@@ -78,3 +78,47 @@ async def test_unix_socket_listener(tmp_path: object) -> None:
             assert isinstance(out[0], pb.ProcessingResponse)
     finally:
         await srv.stop(0.5)
+
+
+async def test_with_discovery_pending_ext_proc_is_not_serving_until_a_replica_is_known() -> None:
+    import asyncio
+
+    from extproc.routing import Replica
+
+    router = Router(make_config(replicas=()))
+    server = ProcessorServer(router, "127.0.0.1:0")
+    await server.start(ready_when=lambda: len(router.replicas) > 0, ready_timeout_s=30)
+    service = "envoy.service.ext_proc.v3.ExternalProcessor"
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status(name: str) -> int:
+                return int((await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=3)).status)
+
+            assert await status("") == health_pb2.HealthCheckResponse.SERVING  # alive
+            assert await status(service) == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready
+            await router.set_replicas([Replica("r0", "127.0.0.1:8000")])
+            for _ in range(30):
+                if await status(service) == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                await asyncio.sleep(0.1)
+            assert await status(service) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)
+
+
+async def test_a_discovery_that_never_answers_still_ends_in_serving() -> None:
+    import asyncio
+
+    server = ProcessorServer(Router(make_config(replicas=())), "127.0.0.1:0")
+    await server.start(ready_when=lambda: False, ready_timeout_s=0.3)
+    try:
+        await asyncio.sleep(0.6)
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="envoy.service.ext_proc.v3.ExternalProcessor"), timeout=3
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # Envoy fails open: let it
+    finally:
+        await server.stop(0)

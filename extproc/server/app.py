@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -66,6 +67,7 @@ class ProcessorServer:
         if self.port == 0 and not listen.startswith("unix:"):
             raise OSError(f"cannot listen on {listen}")
         # Health alone, in plaintext: the same servicer, so both ports report the same status.
+        self._readiness: asyncio.Task[None] | None = None
         self.health_server: grpc.aio.Server | None = None
         self.health_port = 0
         if health_listen is not None:
@@ -83,18 +85,41 @@ class ProcessorServer:
         host = self.listen.rpartition(":")[0]
         return f"{host}:{self.port}"
 
-    async def start(self) -> None:
-        """Start serving and report SERVING on the health service."""
+    async def start(self, ready_when: Callable[[], bool] | None = None, ready_timeout_s: float = 10.0) -> None:
+        """Start serving and report SERVING on the health service.
+
+        With ``ready_when`` (discovery that has not listed any replica yet) the ext_proc service
+        reports NOT_SERVING until it holds, or until ``ready_timeout_s`` has passed: a readiness
+        probe then waits for the first list rather than send traffic down Envoy's default route,
+        and a discovery that never answers still ends in SERVING (Envoy fails open anyway).
+        """
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if ready_when is None or ready_when():
+            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        else:
+            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._readiness = asyncio.create_task(self._serving_when(ready_when, ready_timeout_s))
         security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
         log.info("ext_proc server listening on %s (mode %s, %s)", self.address, self.router.config.mode, security)
 
+    async def _serving_when(self, ready: Callable[[], bool], timeout_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not ready():
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("no replica discovered after %.0fs: reporting SERVING (Envoy routes by default)", timeout_s)
+                break
+            await asyncio.sleep(0.1)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING first, so probes drain traffic, then stop within ``grace`` seconds."""
+        if self._readiness is not None:
+            self._readiness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._readiness
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
@@ -102,9 +127,9 @@ class ProcessorServer:
             await self.health_server.stop(0)
         await self.router.store.close()
 
-    async def serve_until_signalled(self, grace: float = 5.0) -> None:
+    async def serve_until_signalled(self, grace: float = 5.0, ready_when: Callable[[], bool] | None = None) -> None:
         """Serve until SIGTERM or SIGINT, then shut down gracefully."""
-        await self.start()
+        await self.start(ready_when)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
