@@ -18,25 +18,11 @@ import time
 from pathlib import Path
 
 from extproc.bench.overhead import BARE, Wrk, swap_in_bare_processor
+from extproc.demo.fault_matrix import rss_bytes
 from extproc.demo.gateway import LocalGateway
+from extproc.demo.soak import least_squares_slope
 
 MIB = 2**20
-
-
-def rss_bytes(pid: int) -> int:
-    """VmRSS of a process."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def slope_mib_per_min(samples: list[tuple[float, int]]) -> float:
-    """Least-squares slope of RSS over time."""
-    xs = [t / 60 for t, _ in samples]
-    ys = [b / MIB for _, b in samples]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
 
 
 def main() -> int:
@@ -57,16 +43,17 @@ def main() -> int:
         load.start()
         samples: list[tuple[float, int]] = []
         while load.is_alive():
-            samples.append((time.monotonic() - start, rss_bytes(pid)))
+            samples.append((time.monotonic() - start, rss_bytes(pid) or 0))
             print(f"{samples[-1][0]:6.0f} s  {samples[-1][1] / MIB:6.1f} MiB", flush=True)
             time.sleep(10)
         load.join()
     warm = [s for s in samples if s[0] >= 60]
+    slope = least_squares_slope([(t / 60, b / MIB) for t, b in warm])
     requests = args.rate * (warm[-1][0] - warm[0][0])
     growth = warm[-1][1] - warm[0][1]
     print(
         f"\nbare grpc.aio ext_proc, {args.rate:g} req/s for {args.minutes:g} min: RSS {warm[0][1] / MIB:.1f} MiB "
-        f"after 60 s, {warm[-1][1] / MIB:.1f} MiB at the end; slope {slope_mib_per_min(warm):+.2f} MiB/min, "
+        f"after 60 s, {warm[-1][1] / MIB:.1f} MiB at the end; slope {slope:+.2f} MiB/min, "
         f"about {growth / requests:.0f} bytes a request"
     )
     return 0

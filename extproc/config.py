@@ -136,6 +136,13 @@ def _number(section: Mapping[str, Any], key: str, where: str, default: float, mi
     return value
 
 
+def checked_sample_rate(rate: float, where: str) -> float:
+    """``health.response_sample_rate`` (or the flag ``where`` names), checked: a share from 0 to 1."""
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"{where}: expected a number from 0 to 1")
+    return rate
+
+
 def _health_settings(raw: Mapping[str, Any]) -> HealthSettings:
     d = HealthSettings()
     weights = _section(raw, "weights") if "weights" in raw else {}
@@ -150,11 +157,10 @@ def _health_settings(raw: Mapping[str, Any]) -> HealthSettings:
     )
     if rotation.readmit_above < rotation.eject_below:
         raise ConfigError("health.readmit_above: must not be below health.eject_below (hysteresis)")
-    sample_rate = _number(raw, "response_sample_rate", where, d.response_sample_rate)
-    if not 0.0 <= sample_rate <= 1.0:
-        raise ConfigError("health.response_sample_rate: expected a number from 0 to 1")
     return HealthSettings(
-        response_sample_rate=sample_rate,
+        response_sample_rate=checked_sample_rate(
+            _number(raw, "response_sample_rate", where, d.response_sample_rate), "health.response_sample_rate"
+        ),
         scrape_interval_s=_number(raw, "scrape_interval_s", where, d.scrape_interval_s, 0.01),
         scrape_timeout_s=_number(raw, "scrape_timeout_s", where, d.scrape_timeout_s, 0.001),
         stale_after_s=_number(raw, "stale_after_s", where, d.stale_after_s, 0.01),

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from extproc.bench.peer_routers import HOST, PEER_ROUTERS, PeerRouter, default_peers_dir
+from extproc.config import Config
+from extproc.demo import load
 from extproc.demo.gateway import LocalGateway
 from extproc.demo.processes import free_port, wait_for_port
 
@@ -85,11 +87,8 @@ _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 def chat_body(size: int) -> bytes:
-    """A chat request of about ``size`` bytes, asking for one token."""
-    words = ("gateway replica prefix cache session token " * (size // 40 + 1))[:size]
-    return json.dumps(
-        {"model": "demo-model", "max_tokens": 1, "messages": [{"role": "user", "content": words}]}
-    ).encode()
+    """A chat request with a prompt of ``size`` bytes, asking for one token."""
+    return load.chat_body(("gateway replica prefix cache session token " * (size // 40 + 1))[:size], max_tokens=1)
 
 
 def parse_wrk(text: str) -> dict[str, float]:
@@ -226,8 +225,10 @@ def start_peer(gw: LocalGateway, peer: PeerRouter, setup: OverheadSetup) -> str:
 def swap_in_bare_processor(gw: LocalGateway) -> str:
     """Replace our processor behind the gateway's Envoy with the do-nothing one; Envoy's URL."""
     gw.procs.stop(gw.processor_name())
-    target = gw.members[0].name if gw.mode == "cluster" else gw.members[0].address
-    header = "x-target-cluster" if gw.mode == "cluster" else "x-gateway-destination-endpoint"
+    cfg = Config()  # the gateway's processor runs with the default headers
+    cluster_mode = gw.mode == "cluster"
+    target = gw.members[0].name if cluster_mode else gw.members[0].address
+    header = cfg.target_cluster_header if cluster_mode else cfg.destination_endpoint_header
     argv = [sys.executable, "-m", "extproc.bench.bare_processor", "--listen", f"{HOST}:{gw.processor_port}",
             "--header", header, "--target", target]  # fmt: skip
     proc = gw.procs.start(BARE, argv)
@@ -244,8 +245,9 @@ def measure(
     pids: dict[str, int],
     router_processes: Sequence[str],
 ) -> dict[str, Any]:
-    """The three runs against one router, how its requests spread over the replicas and the CPU
-    each process used during the throughput run (``pids``: process name to pid)."""
+    """The four runs against one router (throughput, one connection, paced, large prompts), how
+    its requests spread over the replicas and the CPU each process used during the throughput run
+    (``pids``: process name to pid)."""
     wrk.run(url, setup.prompt_kb, setup.connections, setup.warmup_s)
     before, cpu_before, started = counts(), {n: cpu_seconds(p) for n, p in pids.items()}, time.monotonic()
     top = wrk.run(url, setup.prompt_kb, setup.connections, setup.seconds)

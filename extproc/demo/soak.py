@@ -82,6 +82,16 @@ class Sample:
     requests: int  # answered so far
 
 
+def least_squares_slope(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of ``(x, y)`` points; 0.0 for fewer than two or no spread in x."""
+    if len(points) < 2:
+        return 0.0
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else 0.0
+
+
 @dataclass
 class SoakReport:
     """What the soak saw."""
@@ -126,13 +136,7 @@ class SoakReport:
 
     def slope_bytes_per_min(self) -> float:
         """Least-squares slope of resident memory over the samples after the warm-up."""
-        pts = [(s.at_s / 60.0, float(s.rss_bytes)) for s in self.after_warmup()]
-        if len(pts) < 2:
-            return 0.0
-        mx = sum(x for x, _ in pts) / len(pts)
-        my = sum(y for _, y in pts) / len(pts)
-        den = sum((x - mx) ** 2 for x, _ in pts)
-        return sum((x - mx) * (y - my) for x, y in pts) / den if den else 0.0
+        return least_squares_slope([(s.at_s / 60.0, float(s.rss_bytes)) for s in self.after_warmup()])
 
     def peaks(self) -> dict[str, int]:
         """The largest size of each bounded structure over the whole run."""

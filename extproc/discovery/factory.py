@@ -11,6 +11,7 @@ from extproc.discovery.kubernetes_watch import KubernetesDiscovery
 from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
 from extproc.discovery.settings import DiscoverySettings, DnsSource, KubernetesSource
 from extproc.discovery.source import Discovery, StaticDiscovery
+from extproc.metrics import RouterMetrics
 from extproc.routing.model import Replica
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = (
     return StaticDiscovery(replicas)
 
 
-async def run_discovery(config: Config, target: MembershipTarget) -> None:
+async def run_discovery(config: Config, target: MembershipTarget, metrics: RouterMetrics | None = None) -> None:
     """Keep ``target``'s membership in line with ``config.discovery`` until cancelled. With the
     static source there is nothing to follow: the router starts with the config's replicas."""
     settings = config.discovery
@@ -55,6 +56,6 @@ async def run_discovery(config: Config, target: MembershipTarget) -> None:
         settings.debounce_s,
         settings.max_delay_s,
         static=config.replicas,
-        metrics=getattr(target, "metrics", None),  # the router's instruments
+        metrics=metrics,
     )
     await loop.run()

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from extproc.discovery.settings import DEBOUNCE_S, MAX_DELAY_S
 from extproc.discovery.source import Discovery, canonical
+from extproc.metrics import RouterMetrics
 from extproc.routing.model import Replica
 
 log = logging.getLogger("extproc.discovery")
@@ -29,19 +30,6 @@ class MembershipTarget(Protocol):
     async def set_replicas(self, replicas: Sequence[Replica]) -> object:
         """Make ``replicas`` the membership."""
         ...
-
-
-class DiscoveryMetrics(Protocol):
-    """The instruments the loop feeds (:class:`extproc.metrics.RouterMetrics` has them)."""
-
-    @property
-    def discovery_lists(self) -> Any: ...
-    @property
-    def discovery_changes(self) -> Any: ...
-    @property
-    def discovery_failures(self) -> Any: ...
-    @property
-    def discovery_members(self) -> Any: ...
 
 
 class DiscoveryLoop:
@@ -60,7 +48,7 @@ class DiscoveryLoop:
         max_delay_s: float = MAX_DELAY_S,
         static: Sequence[Replica] = (),
         retry_s: float = 5.0,
-        metrics: DiscoveryMetrics | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.source = source
         self.metrics = metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 
@@ -14,8 +15,8 @@ from google.protobuf import struct_pb2
 from extproc.routing.model import Decision
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-BUFFERED = pm.ProcessingMode.BUFFERED
-FULL_DUPLEX_STREAMED = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED: int = pm.ProcessingMode.BUFFERED
+FULL_DUPLEX_STREAMED: int = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 LB_NAMESPACE = "envoy.lb"
 
 
@@ -52,8 +53,10 @@ def continue_headers(remove: Iterable[str] = (), skip_response_headers: int | No
     return response
 
 
+@functools.cache
 def _without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
     # Envoy replaces the whole mode with an override: everything else repeats the rendered config.
+    # Built once per body mode (the caller copies it into each answer).
     return pm.ProcessingMode(
         request_header_mode=pm.ProcessingMode.SEND,
         response_header_mode=pm.ProcessingMode.SKIP,

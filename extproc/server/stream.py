@@ -46,8 +46,7 @@ class RequestStream:
         self.chunks: list[bytes] = []
         self.size = 0
         self.routed: Routed | None = None
-        self.duplex = False
-        self.body_mode = msg.BUFFERED  # Envoy says which in the first message's protocol_config
+        self.body_mode: int = msg.BUFFERED  # Envoy says which in the first message's protocol_config
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer each message of the stream; releases the request's in-flight slot at the end."""
@@ -55,7 +54,6 @@ class RequestStream:
             async for request in requests:
                 if request.HasField("protocol_config"):
                     self.body_mode = request.protocol_config.request_body_mode
-                    self.duplex = self.body_mode == msg.FULL_DUPLEX_STREAMED
                 try:
                     responses = await self.answer_duplex(request) if self.duplex else [await self.answer(request)]
                 except Exception:
@@ -73,6 +71,11 @@ class RequestStream:
             if self.routed is not None:
                 self.router.release(self.routed)
             self.phase = Phase.DONE
+
+    @property
+    def duplex(self) -> bool:
+        """FULL_DUPLEX_STREAMED: answers are held back until the body is complete."""
+        return self.body_mode == msg.FULL_DUPLEX_STREAMED
 
     async def answer(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """The response to one message."""
