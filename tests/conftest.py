@@ -21,7 +21,6 @@ from extproc.routing import Replica
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
 
 
 def require_binary(name: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -24,9 +25,8 @@ from extproc.health.scraper import ScrapeError, Scraper
 from extproc.health.vllm_metrics import bucket_delta, histogram_quantile
 from extproc.routing import Replica
 from extproc.state.replicas import ReplicaBook
-from tests.conftest import SHARED
 
-SAMPLE_PATH = SHARED / "vllm" / "metrics_sample.txt"  # ../shared beside the checkout, as in CI
+SAMPLE_PATH = Path(__file__).parent / "data" / "vllm_metrics_sample.txt"
 
 
 def page(running: int = 0, waiting: int = 0, kv: float = 0.0, legacy: bool = False) -> str:

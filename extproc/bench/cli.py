@@ -28,7 +28,7 @@ def add_bench_parser(sub: Any) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=WORKLOADS, default="multi-turn")
     src.add_argument("--trace", help="a Mooncake JSONL or Azure CSV trace file (gzipped or not)")
-    p.add_argument("--traces-dir", help=f"where the named traces are (default ../shared/traces, or ${TRACES_ENV})")
+    p.add_argument("--traces-dir", help=f"where the named traces are (default: the packaged copy, or ${TRACES_ENV})")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--profile", default="llama-8b-h100", help="replica profile (llama-8b-h100, demo, instant)")
     p.add_argument("--rate", type=float, default=1.0, help="arrival-rate factor (2.0: twice the load)")

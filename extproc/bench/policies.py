@@ -33,7 +33,7 @@ CEILINGS = ("pooled", "ideal")
 ALL = (OURS, *PEERS, *CEILINGS)
 
 GIE_SCRAPE_INTERVAL_S = 0.05
-"""GIE's endpoint picker scrapes vLLM's metrics every 50 ms (../shared/REFERENCE.md)."""
+"""GIE's endpoint picker scrapes vLLM's metrics every 50 ms (its documented default)."""
 
 Spec = Callable[[CacheProbe, int, ReplicaProfile], Mapping[str, Any]]
 

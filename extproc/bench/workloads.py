@@ -7,13 +7,12 @@ from pathlib import Path
 
 from extproc.sim import generators
 from extproc.sim.traces import (
-    TRACE_FILES,
     azure_workload,
     load_azure,
     load_mooncake,
     load_trace_workload,
     mooncake_workload,
-    traces_dir,
+    trace_path,
 )
 from extproc.sim.workload import Workload
 
@@ -59,10 +58,10 @@ class WorkloadSpec:
         elif name == "tenant-mix":
             wl = generators.tenant_mix(seed=seed, rate=rate)
         elif name in ("mooncake-conversation", "mooncake-synthetic"):
-            path = traces_dir(self.traces) / TRACE_FILES[name]
+            path = trace_path(name, self.traces)
             wl = mooncake_workload(load_mooncake(path, self.limit), name, rate)
         elif name in ("azure-conv", "azure-code"):
-            path = traces_dir(self.traces) / TRACE_FILES[name]
+            path = trace_path(name, self.traces)
             wl = azure_workload(load_azure(path, self.limit), name, rate)
         else:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")

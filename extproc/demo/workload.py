@@ -1,5 +1,5 @@
 """A multi-turn chat workload in the shape of vLLM's multi-turn benchmark
-(../shared/workloads/vllm_multi_turn.json): a system prompt shared by every conversation, a long
+(extproc/sim/data/workloads/vllm_multi_turn.json): a system prompt shared by every conversation, a long
 document in the first turn, then follow-ups that resend the growing conversation.
 
 Text is made of words drawn from a fixed vocabulary with a seeded generator: the same seed gives

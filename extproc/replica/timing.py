@@ -130,7 +130,7 @@ LLAMA_8B_H100 = ReplicaProfile(
     num_gpu_blocks=27_545,
     # Prefill is compute-bound: ~16 GFLOP per token (2 x 8.03e9 parameters); at about a third of the
     # H100 SXM's 989 dense bf16 TFLOP/s that is 20k tokens/s, which is also what the seeds' figure
-    # implies (a 10,000-token follow-up took 500 ms uncached, ../shared/REFERENCE.md).
+    # implies (a 10,000-token follow-up took 500 ms uncached).
     prefill_tokens_per_s=20_000.0,
     # Every step reads the 16 GB of weights once: ~8 ms at ~2 TB/s achieved of the 3.35 TB/s HBM3.
     ttft_overhead_s=0.008,

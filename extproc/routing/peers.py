@@ -1,8 +1,8 @@
 """Other routers' policies as plugins of our pipeline, so a benchmark compares them fairly: same
 request features, same replica snapshots, same store, only the choice differs.
 
-Each is written from its project's published behaviour (../shared/REFERENCE.md and the projects'
-documentation), not from their code:
+Each is written from its project's published behaviour (the projects' documentation and
+published benchmarks), not from their code:
 
 - ``round_robin``, ``random``, ``least_request``, ``power_of_two`` (vllm-router, sglang-router,
   Envoy): pickers over the candidates. Randomness comes from a generator seeded by the profile

@@ -1,4 +1,4 @@
-"""Synthetic workloads in the shapes peer benchmarks publish (../shared/workloads).
+"""Synthetic workloads in the shapes peer benchmarks publish (their parameters in ``data/workloads``).
 
 - :func:`multi_turn`: vLLM's multi-turn benchmark (``vllm_multi_turn.json``): a prefix common to
   every conversation, a long per-conversation document in the first turn, follow-ups that resend
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from extproc.replica.engine import filler_text
-from extproc.sim.traces import repo_root
 from extproc.sim.workload import DEFAULT_MODEL, SimRequest, Workload, check_order, text_request
 
 _VOCAB = (
@@ -37,18 +36,8 @@ _VOCAB = (
     "river mountain garden window letter market harbor engine signal winter summer autumn spring"
 ).split()
 
-VLLM_MULTI_TURN: dict[str, Any] = {
-    "num_conversations": 24,
-    "prompt_input": {
-        "num_turns": {"distribution": "uniform", "min": 12, "max": 18},
-        "common_prefix_num_tokens": {"distribution": "constant", "value": 500},
-        "prefix_num_tokens": {"distribution": "lognormal", "mean": 6, "sigma": 4, "max": 1500},
-        "num_tokens": {"distribution": "uniform", "min": 120, "max": 160},
-    },
-    "prompt_output": {"num_tokens": {"distribution": "uniform", "min": 80, "max": 120}},
-}
-"""vLLM's multi-turn generator parameters, as in ../shared/workloads/vllm_multi_turn.json
-(used when that file is not found)."""
+WORKLOADS_DIR = Path(__file__).resolve().parent / "data" / "workloads"
+"""Peer benchmarks' workload parameters, shipped with the package (licences beside them)."""
 
 
 def words(rng: random.Random, tokens: int) -> str:
@@ -85,15 +74,9 @@ def sample(rng: random.Random, spec: Mapping[str, Any]) -> int:
 
 
 def load_multi_turn_spec(path: str | Path | None = None) -> dict[str, Any]:
-    """vLLM's multi-turn config: ``path``, else ../shared/workloads/vllm_multi_turn.json, else the
-    built-in copy of it."""
-    candidate = Path(path) if path else repo_root() / ".." / "shared" / "workloads" / "vllm_multi_turn.json"
-    if candidate.exists():
-        loaded: dict[str, Any] = json.loads(candidate.read_text())
-        return loaded
-    if path:
-        raise FileNotFoundError(path)
-    return VLLM_MULTI_TURN
+    """vLLM's multi-turn config: ``path``, else the packaged ``vllm_multi_turn.json``."""
+    loaded: dict[str, Any] = json.loads(Path(path or WORKLOADS_DIR / "vllm_multi_turn.json").read_text())
+    return loaded
 
 
 def _poisson_times(rng: random.Random, count: int, rate: float) -> list[float]:

@@ -1,4 +1,4 @@
-"""Loaders for the production traces in ../shared/traces, turned into workloads.
+"""Loaders for the production traces shipped in ``extproc/sim/data/traces``, turned into workloads.
 
 - **Mooncake** (kvcache-ai/Mooncake FAST'25, Apache-2.0): one JSON object per line with
   ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, ids of 512-token
@@ -10,7 +10,8 @@
   ``TIMESTAMP,ContextTokens,GeneratedTokens``, arrivals and lengths only; every prompt gets text
   of its own (no shared prefix).
 
-The directory is ``../shared/traces`` beside the repository, or ``$EXTPROC_TRACES_DIR``.
+The traces ship with the package (their licences and origins beside them, in ``MANIFEST.md``);
+``--traces-dir`` or ``$EXTPROC_TRACES_DIR`` points at another copy.
 """
 
 from __future__ import annotations
@@ -45,19 +46,30 @@ TRACE_FILES = {
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
-def repo_root() -> Path:
-    """The repository this package lives in."""
-    return Path(__file__).resolve().parents[2]
+PACKAGED_TRACES = Path(__file__).resolve().parent / "data" / "traces"
+"""The traces installed with the package."""
 
 
 def traces_dir(override: str | Path | None = None) -> Path:
-    """Where the traces are: ``override``, else ``$EXTPROC_TRACES_DIR``, else ../shared/traces."""
+    """Where the traces are: ``override``, else ``$EXTPROC_TRACES_DIR``, else the packaged copy."""
     if override:
         return Path(override)
     env = os.environ.get(TRACES_ENV)
     if env:
         return Path(env)
-    return repo_root() / ".." / "shared" / "traces"
+    return PACKAGED_TRACES
+
+
+def trace_path(name: str, override: str | Path | None = None) -> Path:
+    """The file of the named trace; a missing one is an error that says where it was looked for."""
+    path = traces_dir(override) / TRACE_FILES[name]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trace {name!r} not found at {path}; the package ships it in {PACKAGED_TRACES / TRACE_FILES[name]} "
+            f"(a checkout has it under extproc/sim/data/traces; MANIFEST.md there says where it came from). "
+            f"Point --traces-dir or ${TRACES_ENV} at a directory holding {TRACE_FILES[name]}, or unset them."
+        )
+    return path
 
 
 def _open_text(path: Path) -> Iterator[str]:
