@@ -6,10 +6,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test lint os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -e ./lab
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,8 +22,8 @@ os-deps:
 	@bash scripts/install-os-deps.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check extproc tests benchmarks fuzz envoy
-	$(VENV)/bin/ruff format --check extproc tests benchmarks fuzz envoy
+	$(VENV)/bin/ruff check extproc lab tests benchmarks fuzz envoy
+	$(VENV)/bin/ruff format --check extproc lab tests benchmarks fuzz envoy
 	$(VENV)/bin/mypy
 
 test: $(STAMP) os-deps lint

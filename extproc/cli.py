@@ -1,4 +1,9 @@
-"""The ``extproc`` command line: serve, replica, envoy-config, check-config, demo, bench."""
+"""The ``extproc`` command line: serve, envoy-config, check-config.
+
+Installed packages add sub-commands through the ``extproc.commands`` entry point group (a
+function given the sub-parsers, setting ``run`` on each parser it adds): the lab adds ``replica``,
+``demo`` and ``bench``.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,10 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from importlib.metadata import entry_points
 
 from extproc.config import (
     Config,
@@ -22,6 +26,8 @@ from extproc.config import (
     with_overrides,
 )
 from extproc.logs import setup_logging
+
+COMMANDS_GROUP = "extproc.commands"
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,24 +61,6 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
-
-
-def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("replica", help="run a fake vLLM replica (OpenAI API, /metrics, prefix cache)")
-    p.add_argument("--name", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--profile", default="demo")
-    p.add_argument("--model", default="demo-model")
-    p.add_argument("--time-scale", type=float, default=None, help="1.0 real time, 0.1 ten times faster")
-    p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
-    p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
-    p.add_argument(
-        "--no-lora-on-demand",
-        dest="lora_on_demand",
-        action="store_false",
-        help="answer 404 for adapters not in --lora-adapters instead of loading them by name",
-    )
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -206,29 +194,15 @@ async def _serve(cfg: Config) -> None:
         await store.close()  # idempotent: a graceful stop has closed it already
 
 
-async def _until_signalled(work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` until it ends or SIGTERM/SIGINT arrives, then cancel it (its cleanup runs)."""
-    task = asyncio.ensure_future(work)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``extproc`` console script."""
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    _replica_parser(sub)
     _envoy_parser(sub)
     _check_parser(sub)
-    from extproc.bench.cli import add_bench_parser
-    from extproc.demo.cli import add_demo_parser
-
-    add_demo_parser(sub)
-    add_bench_parser(sub)
+    for entry in entry_points(group=COMMANDS_GROUP):
+        entry.load()(sub)
     args = parser.parse_args(argv)
     quiet = args.command in ("demo", "bench")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
@@ -240,27 +214,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "serve: no replicas (give --replica NAME=HOST:PORT, or a config file with replicas or discovery)"
                 )
             asyncio.run(_serve(cfg))
-        elif args.command == "replica":
-            from extproc.replica import serve_replica
-
-            adapters = tuple(a for a in args.lora_adapters.split(",") if a)
-            if args.max_lora is not None and (args.max_lora < 0 or (adapters and args.max_lora == 0)):
-                parser.error("replica: --max-lora must be >= 1 with --lora-adapters, and never negative")
-            asyncio.run(
-                _until_signalled(
-                    serve_replica(
-                        args.name,
-                        args.host,
-                        args.port,
-                        args.profile,
-                        args.model,
-                        args.time_scale,
-                        lora_adapters=adapters,
-                        max_lora=args.max_lora,
-                        lora_on_demand=args.lora_on_demand,
-                    )
-                )
-            )
         elif args.command == "envoy-config":
             from extproc.envoy_config import run_envoy_config
 
@@ -269,14 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_config(args.file)
             source = "static" if cfg.discovery.is_static else cfg.discovery.source.type
             print(f"{args.file}: ok (mode {cfg.mode}, {len(cfg.replicas)} replicas, discovery {source})")
-        elif args.command == "demo":
-            from extproc.demo.cli import run_demo_command
-
-            return run_demo_command(args)
-        elif args.command == "bench":
-            from extproc.bench.cli import run_bench_command
-
-            return run_bench_command(args)
+        else:
+            run: Callable[[argparse.Namespace], int] = args.run
+            return run(args)
     except ConfigError as exc:
         print(f"extproc: config error: {exc}", file=sys.stderr)
         return 2

@@ -15,9 +15,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import Config
-from extproc.demo.processes import ProcessGroup
-from extproc.demo.redis_server import LocalRedis
 from extproc.routing import Replica
+from extproc_lab.demo.processes import ProcessGroup
+from extproc_lab.demo.redis_server import LocalRedis
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 ROOT = Path(__file__).resolve().parent.parent

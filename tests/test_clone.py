@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from extproc.sim.traces import TRACES_ENV
+from extproc_lab.sim.traces import TRACES_ENV
 from tests.conftest import ROOT, require_binary
 
 # Every test that reads a file the repository ships (traces, workload parameters, the vLLM metrics
@@ -27,13 +28,54 @@ QUICK_SUBSET = (
     "tests/test_decision.py",
     "tests/test_sim.py::test_generated_workloads_run_through_the_simulator",
 )
+BENCH = (sys.executable, "-m", "extproc", "bench", "routing", "--workload", "mooncake-synthetic", "--limit", "200")
 OUTSIDE = ".." + "/shared"  # spelled apart so this file does not match its own check
 
 
-def _env() -> dict[str, str]:
+def _env(*path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in (TRACES_ENV, "PYTHONPATH")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(map(str, path))
     return env
+
+
+def _where(module: str, cwd: Path, env: dict[str, str]) -> Path:
+    """The file ``module`` is imported from, as a program started in ``cwd`` would import it."""
+    out = subprocess.run(
+        [sys.executable, "-c", f"import {module}; print({module}.__file__)"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def _wheel(source: Path, out: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
+        cwd=source,
+        env=_env(),
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    (wheel,) = out.glob("*.whl")
+    return wheel
+
+
+def _install(wheels: list[Path], target: Path) -> Path:
+    """The wheels' files alone in ``target``; their dependencies come from this environment."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *map(str, wheels)],
+        env=_env(),
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -61,68 +103,80 @@ def test_nothing_in_the_repository_points_outside_it() -> None:
 
 
 def test_the_quick_subset_passes_in_a_fresh_clone(clone: Path) -> None:
-    where = subprocess.run(
-        [sys.executable, "-c", "import extproc; print(extproc.__file__)"],
-        cwd=clone,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert Path(where).is_relative_to(clone), f"the clone's tests would import {where}"
+    env = _env(clone / "lab")
+    for module, home in (("extproc", clone), ("extproc_lab", clone / "lab")):
+        assert _where(module, clone, env).is_relative_to(home), f"the clone's tests would not import its {module}"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *QUICK_SUBSET],
         cwd=clone,
-        env=_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
+        check=False,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout
 
 
-def test_the_installed_wheel_runs_a_trace_benchmark(clone: Path, tmp_path: Path) -> None:
-    """The wheel alone (installed outside any checkout) carries the traces ``bench routing`` reads."""
-    wheels = tmp_path / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."],
-        cwd=clone,
-        env=_env(),
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    (wheel,) = wheels.glob("extproc_router-*.whl")
-    site = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-        env=_env(),
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    # The dependencies come from this environment; extproc itself only from the wheel's files.
-    env = {**_env(), "PYTHONPATH": str(site)}
+@pytest.fixture(scope="module")
+def wheels(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The router's wheel and the lab's, built from the clone."""
+    out = tmp_path_factory.mktemp("wheels")
+    return _wheel(clone, out / "router"), _wheel(clone / "lab", out / "lab")
+
+
+def test_the_router_wheel_holds_no_lab_and_routes_alone(wheels: tuple[Path, Path], tmp_path: Path) -> None:
+    router_wheel, _ = wheels
+    names = zipfile.ZipFile(router_wheel).namelist()
+    assert any(n.startswith("extproc/router.py") for n in names)
+    assert [n for n in names if not n.startswith(("extproc/", "extproc_router-"))] == []
+    assert [
+        n for n in names if n.startswith(("extproc/demo/", "extproc/sim/", "extproc/replica/", "extproc/bench/"))
+    ] == []
+    site = _install([router_wheel], tmp_path / "site")
+    env = _env(site)
     work = tmp_path / "cwd"
     work.mkdir()
-    where = subprocess.run(
-        [sys.executable, "-c", "import extproc; print(extproc.__file__)"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert Path(where).is_relative_to(site)
+    assert _where("extproc", work, env).is_relative_to(site)
+    # In process: the router routes a chat request, and nothing of the lab was (or can be) imported.
+    script = """
+import asyncio, importlib.util, json, sys
+from extproc.config import Config
+from extproc.routing import Replica
+from extproc.router import Router
+cfg = Config(replicas=(Replica("a", "127.0.0.1:8001"), Replica("b", "127.0.0.1:8002")), metrics_listen=None)
+body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
+routed = asyncio.run(Router(cfg).route({":path": "/v1/chat/completions", "x-session-id": "s1"}, body))
+assert importlib.util.find_spec("extproc_lab") is None
+assert not [m for m in sys.modules if m.startswith("extproc_lab")]
+print(routed.decision.replica.name, routed.decision.reason)
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=work, env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] in ("a", "b")
+    # The command line has the router's commands only.
+    usage = subprocess.run(
+        [sys.executable, "-m", "extproc", "--help"], cwd=work, env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert "serve" in usage and "bench" not in usage and "demo" not in usage
+
+
+def test_the_installed_wheels_run_a_trace_benchmark(wheels: tuple[Path, Path], tmp_path: Path) -> None:
+    """The lab's wheel carries the traces ``bench routing`` reads, installed outside any checkout."""
+    site = _install(list(wheels), tmp_path / "site")
+    env = _env(site)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    assert _where("extproc_lab", work, env).is_relative_to(site)
     run = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "routing", "--workload", "mooncake-synthetic", "--limit", "200"]
-        + ["--quiet", "--no-plots", "--json", str(work / "out.json")],
+        [*BENCH, "--quiet", "--no-plots", "--json", str(work / "out.json")],
         cwd=work,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
+        check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "extproc" in run.stdout and "round_robin" in run.stdout

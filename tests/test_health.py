@@ -183,8 +183,8 @@ async def test_scraper_tolerates_timeouts_and_garbage_for_a_while() -> None:
 async def test_scraper_reads_a_real_fake_replica() -> None:
     import asyncio
 
-    from extproc.demo.processes import free_port
-    from extproc.replica import serve_replica
+    from extproc_lab.demo.processes import free_port
+    from extproc_lab.replica import serve_replica
 
     port = free_port()
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()

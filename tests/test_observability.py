@@ -18,9 +18,9 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from extproc.demo.gateway import LocalGateway
-from extproc.demo.processes import ProcessGroup, free_port, wait_for_http
 from extproc.router import Router
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_http
 from tests.conftest import ROOT, chat_body, make_config, require_binary
 
 OBS = ROOT / "k8s" / "observability"

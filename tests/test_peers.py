@@ -10,7 +10,11 @@ import pytest
 
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, Replica, ReplicaState, Snapshot, build_profile, decide
-from extproc.routing.peers import (
+from extproc.routing.pipeline import Profile
+from extproc.routing.plugins import CycleState
+from extproc.routing.ring import HashRing
+from extproc_lab.peers import (
+    PEER_REGISTRY,
     ApproximateTree,
     DynamoCostPicker,
     KVCacheUtilizationScorer,
@@ -18,10 +22,13 @@ from extproc.routing.peers import (
     QueueScorer,
     SGLangCacheAwarePicker,
 )
-from extproc.routing.plugins import CycleState
-from extproc.routing.ring import HashRing
 
 NAMES = ("a", "b", "c", "d")
+
+
+def peer_profile(spec: Mapping[str, object]) -> Profile:
+    """A profile that may name the peers' plugins."""
+    return build_profile(spec, registry=PEER_REGISTRY)
 
 
 def states(**fields: Mapping[str, float]) -> tuple[ReplicaState, ...]:
@@ -47,7 +54,7 @@ def features(session: str | None = None, blocks: int = 10, request_id: str = "r1
 def pick(
     policy: str, snap: tuple[ReplicaState, ...], f: RequestFeatures, view: AffinityView | None = None, **params: object
 ) -> str:
-    profile = build_profile({"filters": [], "scorers": [], "picker": {"type": policy, "parameters": params}})
+    profile = peer_profile({"filters": [], "scorers": [], "picker": {"type": policy, "parameters": params}})
     d = decide(f, Snapshot(snap), view or AffinityView(), 0.0, profile)
     assert d.replica is not None
     return d.replica.name
@@ -59,7 +66,7 @@ def cycle(snap: tuple[ReplicaState, ...], f: RequestFeatures, view: AffinityView
 
 
 def test_round_robin_cycles_through_replicas_in_order() -> None:
-    profile = build_profile({"filters": [], "scorers": [], "picker": {"type": "round_robin"}})
+    profile = peer_profile({"filters": [], "scorers": [], "picker": {"type": "round_robin"}})
     chosen = [decide(features(), Snapshot(states()), AffinityView(), 0.0, profile).replica for _ in range(8)]
     assert [r.name for r in chosen if r] == list("abcdabcd")
 
@@ -67,9 +74,7 @@ def test_round_robin_cycles_through_replicas_in_order() -> None:
 @pytest.mark.parametrize("policy", ["random", "least_request", "power_of_two"])
 def test_randomised_pickers_are_seeded_not_clock_driven(policy: str) -> None:
     def run(seed: int) -> list[str]:
-        profile = build_profile(
-            {"filters": [], "scorers": [], "picker": {"type": policy, "parameters": {"seed": seed}}}
-        )
+        profile = peer_profile({"filters": [], "scorers": [], "picker": {"type": policy, "parameters": {"seed": seed}}})
         return [str(decide(features(), Snapshot(states()), AffinityView(), 0.0, profile).replica) for _ in range(20)]
 
     assert run(3) == run(3)
@@ -136,7 +141,7 @@ def test_gie_scorers_and_default_profile() -> None:
     assert KVCacheUtilizationScorer().score(c, snap)["a"] == pytest.approx(0.1)
     assert MatchFractionScorer().score(c, snap) == {"a": 0.0, "b": 0.0, "c": 0.5, "d": 1.0}
     assert QueueScorer().score(c, states()) == dict.fromkeys(NAMES, 1.0)
-    profile = build_profile(
+    profile = peer_profile(
         {
             "filters": [],
             "scorers": [
@@ -184,22 +189,4 @@ def test_oracle_follows_the_true_cache_and_needs_a_probe() -> None:
     probe = FixedProbe({"b": 320, "c": 640}, {})
     assert pick("oracle", states(), features(), probe=probe) == "c"
     with pytest.raises(ValueError, match="oracle"):
-        build_profile({"filters": [], "scorers": [], "picker": {"type": "oracle"}})
-
-
-def test_prefill_wait_scores_cache_and_pending_work_in_one_unit() -> None:
-    from extproc.routing.candidates import PrefillWaitScorer
-
-    f = features(blocks=1000)  # 16,000 tokens
-    view = AffinityView(prefix_matches={"a": 1000, "b": 500})
-    idle = states()
-    scores = PrefillWaitScorer(floor_tokens=2048).score(cycle(idle, f, view), idle)
-    assert scores["a"] == 1.0 and scores["a"] > scores["b"] > scores["c"] == scores["d"]
-    # The holder of the whole prefix, busy with 40k tokens of other prefills, loses to an idle
-    # replica that holds half of it.
-    busy = states(pending_prefill_tokens={"a": 40_000})
-    scores = PrefillWaitScorer(floor_tokens=2048).score(cycle(busy, f, view), busy)
-    assert scores["b"] == 1.0 and scores["a"] < scores["b"]
-    assert all(0.0 < v <= 1.0 for v in scores.values())
-    profile = build_profile({"scorers": [{"type": "prefill_wait", "weight": 4}]})
-    assert profile.scorers[0].scorer.name == "prefill_wait"
+        peer_profile({"filters": [], "scorers": [], "picker": {"type": "oracle"}})

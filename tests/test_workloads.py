@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench.workloads import WorkloadSpec
 from extproc.cli import main
-from extproc.replica.engine import filler_text
 from extproc.request.features import FeatureSettings, extract_features
 from extproc.request.prefix import block_hashes, model_seed
-from extproc.sim import generators
-from extproc.sim.traces import (
+from extproc_lab.bench.workloads import WorkloadSpec
+from extproc_lab.replica.engine import filler_text
+from extproc_lab.sim import generators
+from extproc_lab.sim.traces import (
     TRACE_FILES,
     TRACES_ENV,
     BlockText,
