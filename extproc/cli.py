@@ -202,7 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _envoy_parser(sub)
     _check_parser(sub)
     for entry in entry_points(group=COMMANDS_GROUP):
-        entry.load()(sub)
+        try:
+            register = entry.load()
+        except ImportError as exc:  # a plugin half-installed must not take the router's commands down
+            print(f"extproc: sub-commands {entry.value!r} not loaded: {exc}", file=sys.stderr)
+            continue
+        register(sub)
     args = parser.parse_args(argv)
     quiet = args.command in ("demo", "bench")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))

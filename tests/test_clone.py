@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,29 +136,33 @@ def test_the_router_wheel_holds_no_lab_and_routes_alone(wheels: tuple[Path, Path
         n for n in names if n.startswith(("extproc/demo/", "extproc/sim/", "extproc/replica/", "extproc/bench/"))
     ] == []
     site = _install([router_wheel], tmp_path / "site")
-    env = _env(site)
+    # -S: no .pth file runs, so the editable installs of this checkout (the lab's among them) are
+    # out of reach; the dependencies come from this environment's site-packages as a plain path.
+    python = (sys.executable, "-S")
+    env = _env(site, Path(sysconfig.get_paths()["purelib"]))
     work = tmp_path / "cwd"
     work.mkdir()
-    assert _where("extproc", work, env).is_relative_to(site)
     # In process: the router routes a chat request, and nothing of the lab was (or can be) imported.
     script = """
 import asyncio, importlib.util, json, sys
+import extproc
 from extproc.config import Config
 from extproc.routing import Replica
 from extproc.router import Router
 cfg = Config(replicas=(Replica("a", "127.0.0.1:8001"), Replica("b", "127.0.0.1:8002")), metrics_listen=None)
 body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
 routed = asyncio.run(Router(cfg).route({":path": "/v1/chat/completions", "x-session-id": "s1"}, body))
-assert importlib.util.find_spec("extproc_lab") is None
+assert importlib.util.find_spec("extproc_lab") is None, "the lab is importable"
 assert not [m for m in sys.modules if m.startswith("extproc_lab")]
-print(routed.decision.replica.name, routed.decision.reason)
+print(extproc.__file__, routed.decision.replica.name)
 """
-    out = subprocess.run([sys.executable, "-c", script], cwd=work, env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run([*python, "-c", script], cwd=work, env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[0] in ("a", "b")
+    where, replica = out.stdout.split()
+    assert Path(where).is_relative_to(site) and replica in ("a", "b")
     # The command line has the router's commands only.
     usage = subprocess.run(
-        [sys.executable, "-m", "extproc", "--help"], cwd=work, env=env, capture_output=True, text=True, check=True
+        [*python, "-m", "extproc", "--help"], cwd=work, env=env, capture_output=True, text=True, check=True
     ).stdout
     assert "serve" in usage and "bench" not in usage and "demo" not in usage
 
