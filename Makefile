@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 # OS packages the tests need (real redis-server and Prometheus); installed when missing and root.
 os-deps:
 	@bash scripts/install-os-deps.sh
+
+# examples/router.yaml is generated from the config schema; tests/test_config.py keeps it equal.
+example-config: $(STAMP)
+	$(PY) -c "from extproc.config_schema import example_yaml; print(example_yaml(), end='')" > examples/router.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check extproc lab tests benchmarks fuzz envoy

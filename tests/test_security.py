@@ -260,9 +260,9 @@ async def test_tls_settings_come_from_files_and_errors_name_the_field(pki: Pki, 
     )
     assert cfg.grpc_tls == ListenerTls("/c.pem", "/k.pem", "/ca.pem") and cfg.grpc_tls.mutual
     for tls, message in (
-        ({"cert_file": "/c.pem"}, "cert_file and key_file are both required"),
-        ({"cert_file": "/c.pem", "key_file": "/k.pem", "key": "-----BEGIN"}, "PEM is read from files only"),
-        ("yes", "expected a mapping"),
+        ({"cert_file": "/c.pem"}, r"grpc\.tls\.key_file: Field required"),
+        ({"cert_file": "/c.pem", "key_file": "/k.pem", "key": "-----BEGIN"}, r"grpc\.tls\.key: unknown key"),
+        ("yes", r"grpc\.tls: Input should be .*ListenerTlsFiles"),
     ):
         with pytest.raises(ConfigError, match=message):
             config_from_mapping({"grpc": {"tls": tls}})

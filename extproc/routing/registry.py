@@ -8,9 +8,14 @@ handed to the router.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from extproc.routing.pipeline import Profile, WeightedScorer
 from extproc.routing.plugins import (
@@ -119,6 +124,29 @@ class ProfileError(ValueError):
     """A profile in the config names an unknown plugin or gives it bad parameters."""
 
 
+@functools.cache
+def _parameters_model(factory: Callable[..., Any]) -> type[BaseModel] | None:
+    """A strict model of a dataclass plugin's fields, to check ``parameters`` before building it."""
+    if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
+        return None
+    try:
+        hints = typing.get_type_hints(factory)
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(factory):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                fields[f.name] = (hints[f.name], f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                fields[f.name] = (hints[f.name], Field(default_factory=f.default_factory))
+            else:
+                fields[f.name] = (hints[f.name], ...)
+        config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
+        return create_model(f"{factory.__name__}Parameters", __config__=config, **fields)
+    except Exception:  # a field type pydantic cannot check (a protocol): the factory checks itself
+        return None
+
+
 def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str, Any], where: str) -> Any:
     if not isinstance(spec, Mapping) or "type" not in spec:
         raise ProfileError(f"{where}: expected a mapping with 'type'")
@@ -126,6 +154,18 @@ def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str,
     if factory is None:
         raise ProfileError(f"{where}: unknown {kind} {spec['type']!r} (known: {', '.join(sorted(table))})")
     params = spec.get("parameters") or {}
+    model = _parameters_model(factory)
+    if model is not None:
+        try:
+            model.model_validate(params)
+        except ValidationError as exc:
+            errors = []
+            for err in exc.errors():
+                field_ = ".".join(str(p) for p in err["loc"])
+                message = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
+                got = "" if err["type"] in ("extra_forbidden", "missing") else f", got {err['input']!r}"
+                errors.append(f"{where}.parameters.{field_}: {message}{got} ({spec['type']!r})")
+            raise ProfileError("; ".join(errors)) from None
     try:
         return factory(**params)
     except TypeError as exc:
