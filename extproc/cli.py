@@ -172,7 +172,10 @@ async def _serve(cfg: Config) -> None:
         runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, router.collect)
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
-    discovering = asyncio.create_task(run_discovery(cfg, router, router.metrics), name="discovery")
+    discovering = asyncio.create_task(
+        run_discovery(cfg.discovery, router, router.metrics, static=cfg.replicas, cluster_mode=cfg.mode == "cluster"),
+        name="discovery",
+    )
     # What is alive now (modules, config, the router) lives as long as the process: take it out of
     # the collector's sight, so that a full collection walks only what requests create. Measured
     # here: a full collection went from ~60 ms (a stall every request in flight waits out) to ~2 ms.

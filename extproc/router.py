@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from extproc.config import Config
+from extproc.health.replicas import ReplicaBook, Transition
 from extproc.metrics import ReplicaReport, ReplicaReportCollector, RouterMetrics
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
@@ -20,7 +21,6 @@ from extproc.routing.pipeline import Profile, decide
 from extproc.routing.plugins import TenantShardFilter
 from extproc.routing.registry import build_profile
 from extproc.state.memory import MemoryStore
-from extproc.state.replicas import ReplicaBook, Transition
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
 

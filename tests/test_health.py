@@ -21,10 +21,10 @@ from extproc.health import (
     parse_vllm_metrics,
     step,
 )
+from extproc.health.replicas import ReplicaBook
 from extproc.health.scraper import ScrapeError, Scraper
 from extproc.health.vllm_metrics import bucket_delta, histogram_quantile
 from extproc.routing import Replica
-from extproc.state.replicas import ReplicaBook
 
 SAMPLE_PATH = Path(__file__).parent / "data" / "vllm_metrics_sample.txt"
 

@@ -30,12 +30,6 @@ RANKS = {
     "extproc.request": 0,
     "extproc.logs": 0,
 }
-# Imports that point up today, each to be turned around (issue 16, "layers one way"). An entry
-# that no longer occurs fails the test too, so the list only shrinks.
-KNOWN_UPWARD = {
-    ("extproc.discovery", "extproc.config"),  # discovery takes the whole Config, not its own settings
-    ("extproc.state", "extproc.health"),  # replica health bookkeeping still lives in state/replicas.py
-}
 
 
 def _group(module: str) -> str:
@@ -79,5 +73,4 @@ def test_router_imports_point_down() -> None:
         elif RANKS[dst] > RANKS[src]:
             upward.add((src, dst))
     assert unranked == set(), "place new modules in RANKS and docs/architecture.md"
-    assert upward - KNOWN_UPWARD == set(), "an import points up a layer"
-    assert KNOWN_UPWARD - upward == set(), "fixed: remove it from KNOWN_UPWARD"
+    assert upward == set(), "an import points up a layer"

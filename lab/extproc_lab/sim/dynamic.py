@@ -27,12 +27,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from extproc.health.replicas import LoadReport
 from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
 from extproc.request.openai_body import render_chat
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.router import Routed
 from extproc.routing.model import Replica
-from extproc.state.replicas import LoadReport
 from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync

@@ -5,7 +5,7 @@ It drives the very objects the ext_proc server drives, without sockets: a
 request (:meth:`~extproc.router.Router.route_features`), learns of its first token
 (:meth:`~extproc.router.Router.observe_response`) and of its end
 (:meth:`~extproc.router.Router.release`), and takes in each replica's load as a scraper would
-(:meth:`~extproc.state.replicas.ReplicaBook.apply_report`, then ``evaluate``, every scrape
+(:meth:`~extproc.health.replicas.ReplicaBook.apply_report`, then ``evaluate``, every scrape
 interval). Replicas are :class:`~extproc_lab.replica.model.ReplicaModel` instances, the model behind
 the fake HTTP replica.
 
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from extproc.config import Config
+from extproc.health.replicas import LoadReport
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
 from extproc.routing.model import Replica
 from extproc.routing.pipeline import Profile
 from extproc.state.memory import MemoryStore
-from extproc.state.replicas import LoadReport
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.replica.timing import ReplicaProfile
 from extproc_lab.sim.workload import Workload
