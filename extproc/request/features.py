@@ -57,11 +57,6 @@ class RequestFeatures:
         """A tokenizer-free estimate: about four characters a token."""
         return self.prompt_chars // CHARS_PER_TOKEN
 
-    @property
-    def is_inference(self) -> bool:
-        """Whether this is a completion request that lands on a model's KV cache."""
-        return self.path in INFERENCE_PATHS
-
 
 def request_path(headers: Mapping[str, str]) -> str:
     """The path without its query string."""

@@ -77,7 +77,6 @@ class InRotationFilter:
         """Drop replicas out of rotation."""
         kept = [c for c in candidates if c.in_rotation]
         if not kept:
-            cycle.scratch["all_out_of_rotation"] = True
             return candidates
         return kept
 
@@ -120,7 +119,6 @@ class PoolFilter:
             return candidates
         kept = [c for c in candidates if all(c.replica.labels.get(k) == v for k, v in selector)]
         if not kept:
-            cycle.scratch["pool_empty"] = True
             return candidates
         return kept
 
@@ -309,7 +307,6 @@ class RingScorer:
         owner = cycle.ring.bounded_owner(cycle.ring_key, lambda n: by_name[n].inflight + 1 <= bound, order)
         if owner is None:
             owner = order[0] if order else None
-        cycle.scratch["ring_owner"] = owner
         return {owner: 1.0} if owner else {}
 
 

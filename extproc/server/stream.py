@@ -87,7 +87,7 @@ class RequestStream:
             self.phase = Phase.BODY
             if self.router.sample_response():
                 return msg.continue_headers(self.remove)
-            return msg.continue_headers(self.remove, skip_response_headers=self.body_mode)
+            return msg.continue_headers(self.remove, msg.without_response_headers(self.body_mode))
         if kind == "request_body" and self.phase is Phase.BODY:
             body = request.request_body
             self.chunks.append(body.body)

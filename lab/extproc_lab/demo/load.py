@@ -264,24 +264,6 @@ def total(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name)
 
 
-async def wait_for_metric(
-    http: aiohttp.ClientSession,
-    url: str,
-    predicate: Callable[[dict[str, float]], bool],
-    timeout_s: float = 15.0,
-    interval_s: float = 0.05,
-) -> float | None:
-    """Poll ``url`` until ``predicate(samples)``; returns the monotonic time it held, None on timeout.
-    A page that cannot be read (the processor restarting) counts as not yet."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            if predicate(await read_metrics(http, url)):
-                return time.monotonic()
-        await asyncio.sleep(interval_s)
-    return None
-
-
 def in_rotation(replica: str) -> Callable[[dict[str, float]], bool]:
     """Predicate: the processor has ``replica`` in rotation."""
     return lambda s: s.get(f"extproc_replica_in_rotation{{replica={replica}}}") == 1.0

@@ -68,11 +68,6 @@ class ReplicaProfile:
         n = max(0, uncached_tokens)
         return self.ttft_overhead_s + n / self.prefill_tokens_per_s + self.prefill_s_per_token_pair * n * n / 2
 
-    def decode_seconds(self, tokens: int) -> float:
-        """Profile seconds to decode ``tokens`` output tokens after the first one, alone on the
-        replica and ignoring the growth of the context."""
-        return max(0, tokens) * self.decode_s_per_token
-
     def step_seconds(
         self, prefill_tokens: int, token_pairs: float, has_prefill: bool, seqs: int, kv_tokens: int
     ) -> float:
