@@ -22,9 +22,10 @@ from extproc.config import Config
 from extproc.tenancy import TenantPolicy, TenantSettings
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
-from extproc_lab.sim.dynamic import DynamicRun, DynamicSimulation, percentile
+from extproc_lab.sim.dynamic import DynamicRun, DynamicSimulation
 from extproc_lab.sim.generators import merge, multi_turn, unique_prompts
 from extproc_lab.sim.workload import Workload
+from extproc_lab.stats import percentile
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from extproc_lab.demo.load import (
     in_rotation,
     lost,
     out_of_rotation,
-    percentile,
     read_metrics,
     send,
     send_stream,
@@ -52,6 +51,7 @@ from extproc_lab.demo.load import (
 )
 from extproc_lab.demo.processes import free_port, wait_for_http
 from extproc_lab.demo.redis_server import LocalRedis
+from extproc_lab.stats import percentile
 
 TIME_SCALE = 0.02  # the demo replica at 50x speed: a turn takes milliseconds, not seconds
 # Readmission after 1 s instead of 10 s, so a case sees a replica come back within its bound.

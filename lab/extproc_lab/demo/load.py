@@ -282,14 +282,6 @@ def lost(outcomes: Iterable[Outcome]) -> list[Outcome]:
     return [o for o in outcomes if not o.ok]
 
 
-def percentile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``; 0 for none."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
 @dataclass(slots=True)
 class Stickiness:
     """How often a session's consecutive turns changed replica."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
+from extproc_lab.stats import percentile
 
 
 @dataclass
@@ -50,8 +51,8 @@ class PolicyResult:
         ttfts = sorted(s.ttft_s for s in ok)
         return {
             "hit_ratio": round(sum(s.cached_tokens for s in ok) / prompt, 4) if prompt else 0.0,
-            "ttft_p50_s": round(percentile(ttfts, 50), 4),
-            "ttft_p99_s": round(percentile(ttfts, 99), 4),
+            "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
+            "ttft_p99_s": round(percentile(ttfts, 0.99), 4),
             "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else 0.0,
             "requests": len(self.samples),
             "errors": len(self.samples) - len(ok),
@@ -59,14 +60,6 @@ class PolicyResult:
             "sessions_on_one_replica": sessions_on_one_replica(ok),
             "wall_s": round(self.wall_s, 2),
         }
-
-
-def percentile(sorted_values: list[float], pct: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    if not sorted_values:
-        return 0.0
-    rank = max(0, min(len(sorted_values) - 1, round(pct / 100 * len(sorted_values) + 0.5) - 1))
-    return sorted_values[rank]
 
 
 def sessions_on_one_replica(samples: list[Sample]) -> float:

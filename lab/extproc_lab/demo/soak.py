@@ -23,7 +23,8 @@ import aiohttp
 
 from extproc_lab.demo.fault_matrix import client, processor_rss, with_config
 from extproc_lab.demo.gateway import LocalGateway
-from extproc_lab.demo.load import Outcome, RateStats, fixed_rate, lost, percentile, read_metrics, total
+from extproc_lab.demo.load import Outcome, RateStats, fixed_rate, lost, read_metrics, total
+from extproc_lab.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from extproc.request.features import CHARS_PER_TOKEN
+
 _VOCAB = (
     "the of and to in is that for it as with was on be by this are from or at an which have not "
     "cache replica token prefix session model request latency block memory route gateway envoy "
     "queue batch decode prefill attention layer weight tensor kernel shard stream cluster pool "
     "river mountain garden window letter market harbor engine signal winter summer autumn spring"
 ).split()
-
-CHARS_PER_TOKEN = 4
 
 
 def words(rng: random.Random, tokens: int) -> str:

@@ -11,14 +11,13 @@ Run one server with ``await serve_replica("replica-0", "127.0.0.1", 8001)``; emb
 ``build_app(ReplicaEngine(PROFILES["demo"]), "replica-0", "demo-model")``.
 """
 
-from extproc_lab.replica.cache import CHARS_PER_TOKEN, PrefixCache, WeightedPrefixCache, count_tokens
+from extproc_lab.replica.cache import PrefixCache, WeightedPrefixCache, count_tokens
 from extproc_lab.replica.engine import Generation, ReplicaEngine, filler_text, filler_token, output_budget
 from extproc_lab.replica.http import REPLICA_HEADER, build_app, serve_replica
 from extproc_lab.replica.model import KVPool, ReplicaModel, Seq, StepResult
 from extproc_lab.replica.timing import PROFILES, ReplicaProfile, get_profile
 
 __all__ = [
-    "CHARS_PER_TOKEN",
     "PROFILES",
     "REPLICA_HEADER",
     "Generation",

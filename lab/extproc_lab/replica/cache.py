@@ -16,9 +16,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from extproc.request.features import CHARS_PER_TOKEN
 from extproc.request.prefix import block_hashes, model_seed
 
-CHARS_PER_TOKEN = 4
 """Tokens are approximated as four characters (UTF-8 bytes) of the rendered prompt."""
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -37,6 +36,7 @@ from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync
 from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL
+from extproc_lab.stats import percentile
 
 _CONTROL, _ARRIVAL, _STEP_END, _PUMP = -1, 0, 1, 2
 
@@ -360,15 +360,6 @@ class DynamicSimulation(Simulation):
             events=events,
         )
         return DynamicRun(run, changes, self.prewarms_sent, dict(prewarmer.results), refused, session_keys, tenants)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by nearest rank; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
-    return ordered[rank]
 
 
 @dataclass(frozen=True)

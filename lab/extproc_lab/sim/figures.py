@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from extproc_lab.sim.simulator import SimRun
-
-
-def percentile(sorted_values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile of already sorted values (0 for none)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(0, min(len(sorted_values) - 1, math.ceil(pct / 100 * len(sorted_values)) - 1))
-    return float(sorted_values[rank])
+from extproc_lab.stats import percentile
 
 
 def cv(values: Sequence[float]) -> float:
@@ -46,11 +38,11 @@ def figures(run: SimRun) -> dict[str, Any]:
         "prefill_tokens": sum(run.prefill_tokens),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
-        "ttft_p50_s": round(percentile(ttft, 50), 4),
-        "ttft_p99_s": round(percentile(ttft, 99), 4),
+        "ttft_p50_s": round(percentile(ttft, 0.5), 4),
+        "ttft_p99_s": round(percentile(ttft, 0.99), 4),
         "ttft_mean_s": round(statistics.fmean(ttft), 4) if ttft else 0.0,
-        "e2e_p50_s": round(percentile(e2e, 50), 4),
-        "e2e_p99_s": round(percentile(e2e, 99), 4),
+        "e2e_p50_s": round(percentile(e2e, 0.5), 4),
+        "e2e_p99_s": round(percentile(e2e, 0.99), 4),
         "throughput_rps": round(len(out) / makespan, 3) if makespan > 0 else 0.0,
         "output_tokens_per_s": round(sum(o.output_tokens for o in out) / makespan, 1) if makespan > 0 else 0.0,
         "load_cv": round(cv(per_replica), 4),

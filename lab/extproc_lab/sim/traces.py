@@ -29,12 +29,12 @@ from pathlib import Path
 
 import xxhash
 
+from extproc.request.features import CHARS_PER_TOKEN
 from extproc.request.prefix import model_seed
 from extproc_lab.sim.workload import DEFAULT_MODEL, SimRequest, Workload
 
 TRACES_ENV = "EXTPROC_TRACES_DIR"
 MOONCAKE_BLOCK_TOKENS = 512
-CHARS_PER_TOKEN = 4
 ROUTER_BLOCK_CHARS = 64
 TRACE_FILES = {
     "mooncake-conversation": "mooncake_conversation_trace.jsonl.gz",
