@@ -153,6 +153,7 @@ async def _serve(cfg: Config) -> None:
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
     from extproc.state.factory import open_store
+    from extproc.telemetry import export
 
     metrics = RouterMetrics()
     try:
@@ -169,7 +170,7 @@ async def _serve(cfg: Config) -> None:
         raise ConfigError(str(exc)) from None
     runner = None
     if cfg.metrics_listen:
-        runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, router.collect)
+        runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, export(router))
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
     discovering = asyncio.create_task(

@@ -17,6 +17,7 @@ RANKS = {
     "extproc.server": 7,
     "extproc.envoy_config": 7,
     "extproc.metrics_http": 7,
+    "extproc.telemetry": 7,
     "extproc.router": 6,
     "extproc.config": 5,
     "extproc.config_schema": 5,

@@ -154,7 +154,7 @@ class RequestStream:
                 429,
                 "this tenant is over its quota of concurrent requests; retry later",
                 "quota_exceeded",
-                retry_after_s=routed.retry_after_s,
+                retry_after_s=routed.decision.retry_after_s,
             )
         if decision.replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): let Envoy

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from extproc.config import Config
 from extproc.health.replicas import LoadReport
+from extproc.rebalance.prewarm import Prewarmer
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
 from extproc.routing.model import Replica
@@ -198,7 +199,9 @@ class Simulation:
         self.routing: Seq | None = None
         routing_profile = make_profile(self.probe)
         store = MemoryStore(self.config.session_ttl_s, self.config.max_sessions, self.config.blocks_per_replica)
-        self.router = Router(self.config, store=store, clock=self.clock, profile=routing_profile)
+        self.router = Router(
+            self.config, store=store, clock=self.clock, profile=routing_profile, prewarmer=self._prewarmer()
+        )
         self.models = [ReplicaModel(profile) for _ in range(replicas)]
         self.scrape_interval_s = scrape_interval_s or self.config.health.scrape_interval_s
         # The health evaluation only matters to profiles that filter on rotation.
@@ -207,6 +210,10 @@ class Simulation:
         nominal = workload.nominal_order()
         span = max((r.arrival_s for r in nominal if r.after < 0), default=0.0)
         self.window_s = window_s or max(1.0, span / 60)
+
+    def _prewarmer(self) -> Prewarmer | None:
+        """The router's pre-warmer (None: the router's own, which sends HTTP)."""
+        return None
 
     # --- the event loop ----------------------------------------------------------------------
 
