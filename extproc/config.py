@@ -25,6 +25,7 @@ from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.state.store_url import parse_store_url
 from extproc.tenancy import TenantPolicy, TenantSettings
+from extproc.upstream_timeouts import UpstreamTimeouts
 
 Mode = Literal["cluster", "endpoint"]
 ROUTING_HEADERS = ("x-target-cluster", "x-gateway-destination-endpoint")
@@ -82,11 +83,12 @@ class Config:
     # A plaintext listener that serves only the gRPC health service (kubelet's gRPC probes speak
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
+    upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
         """Headers a client must never set itself."""
-        return (self.target_cluster_header, self.destination_endpoint_header)
+        return (self.target_cluster_header, self.destination_endpoint_header, self.upstream.stream_header)
 
 
 def parse_replica(spec: str) -> Replica:
@@ -314,6 +316,23 @@ def _rebalance_settings(raw: Mapping[str, Any]) -> RebalanceSettings:
     )
 
 
+def _upstream_timeouts(raw: Mapping[str, Any]) -> UpstreamTimeouts:
+    d = UpstreamTimeouts()
+    unknown = set(raw) - set(UpstreamTimeouts.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"upstream: unknown keys {', '.join(sorted(unknown))}")
+    where = "upstream"
+    timeouts = UpstreamTimeouts(
+        first_byte_s=_number(raw, "first_byte_s", where, d.first_byte_s, 0.001),
+        stream_idle_s=_number(raw, "stream_idle_s", where, d.stream_idle_s, 0.001),
+        unary_s_per_output_token=_number(raw, "unary_s_per_output_token", where, d.unary_s_per_output_token),
+        stream_header=str(_get(raw, "stream_header", str, where, d.stream_header)).lower(),
+    )
+    if not timeouts.stream_header:
+        raise ConfigError("upstream.stream_header: expected a header name")
+    return timeouts
+
+
 def _listener_tls(grpc: Mapping[str, Any]) -> ListenerTls | None:
     if "tls" not in grpc:
         return None
@@ -357,6 +376,7 @@ KNOWN_KEYS = {
     "tenants",
     "classes",
     "profiles",
+    "upstream",
 }
 
 
@@ -444,6 +464,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         tenants=_tenant_settings(_section(raw, "tenants")),
         profiles=_profiles(_section(raw, "profiles")),
         spillover_repin=bool(_get(_section(raw, "spillover"), "repin", bool, "spillover", base.spillover_repin)),
+        upstream=_upstream_timeouts(_section(raw, "upstream")),
     )
     if cfg.session_ttl_s <= 0 or cfg.max_sessions < 1:
         raise ConfigError("sessions.ttl_s and sessions.max_sessions: expected positive values")
