@@ -149,9 +149,9 @@ async def _serve(cfg: Config) -> None:
     from extproc.discovery import run_discovery
     from extproc.health.scraper import Scraper
     from extproc.metrics import RouterMetrics
-    from extproc.metrics_http import start_metrics_server
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
+    from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all
     from extproc.state.factory import open_store
     from extproc.telemetry import export
 
@@ -168,9 +168,18 @@ async def _serve(cfg: Config) -> None:
     except ValueError as exc:  # an unreadable certificate or key file
         await store.close()
         raise ConfigError(str(exc)) from None
-    runner = None
+    except BaseException:  # a gRPC port that does not bind (BindError)
+        await store.close()
+        raise
+    # Every other listener binds now, before the health service says SERVING (server.start()).
+    listeners: list[Listener] = []
     if cfg.metrics_listen:
-        runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, export(router))
+        listeners.append(MetricsListener(router.metrics.registry, cfg.metrics_listen, export(router)))
+    try:
+        await bind_all(listeners)
+    except BaseException:
+        await store.close()
+        raise
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
     discovering = asyncio.create_task(
@@ -193,8 +202,7 @@ async def _serve(cfg: Config) -> None:
             await scraping
         with contextlib.suppress(asyncio.CancelledError):
             await discovering
-        if runner is not None:
-            await runner.cleanup()
+        await close_all(listeners)
         await store.close()  # idempotent: a graceful stop has closed it already
 
 
@@ -222,7 +230,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(
                     "serve: no replicas (give --replica NAME=HOST:PORT, or a config file with replicas or discovery)"
                 )
-            asyncio.run(_serve(cfg))
+            from extproc.server.listeners import BindError
+
+            try:
+                asyncio.run(_serve(cfg))
+            except BindError as exc:
+                # Nothing was reported SERVING: a port in use stops the start, naming the address.
+                print(f"extproc: {exc}", file=sys.stderr)
+                return 3
         elif args.command == "envoy-config":
             from extproc.envoy_config import run_envoy_config
 

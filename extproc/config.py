@@ -26,6 +26,7 @@ from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.state.store_url import parse_store_url
 from extproc.tenancy import TenantPolicy, TenantSettings
+from extproc.upstream_timeouts import UpstreamTimeouts
 
 Mode = Literal["cluster", "endpoint"]
 
@@ -82,11 +83,12 @@ class Config:
     # A plaintext listener that serves only the gRPC health service (kubelet's gRPC probes speak
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
+    upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
         """Headers a client must never set itself."""
-        return (self.target_cluster_header, self.destination_endpoint_header)
+        return (self.target_cluster_header, self.destination_endpoint_header, self.upstream.stream_header)
 
 
 def parse_replica(spec: str) -> Replica:
@@ -211,6 +213,10 @@ def _rebalance_settings(raw: schema.Rebalance) -> RebalanceSettings:
     return RebalanceSettings(**fields, prewarm=PrewarmSettings(**raw.prewarm.model_dump()))
 
 
+def _upstream_timeouts(raw: schema.Upstream) -> UpstreamTimeouts:
+    return UpstreamTimeouts(**{**raw.model_dump(), "stream_header": raw.stream_header.lower()})
+
+
 def _discovery_settings(raw: Any) -> DiscoverySettings:
     try:
         return parse_discovery(raw)
@@ -272,6 +278,9 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         tenants=_tenant_settings(file.tenants),
         profiles=profiles,
         spillover_repin=file.spillover.repin,
+        upstream=UpstreamTimeouts(
+            **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
+        ),
     )
     try:
         parse_store_url(cfg.store)  # the form only: Redis may well be down while we start

@@ -24,10 +24,11 @@ from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.features import FeatureSettings
 from extproc.routing.registry import DEFAULT_PROFILE, REGISTRY
 from extproc.tenancy import TenantPolicy, TenantSettings
+from extproc.upstream_timeouts import UpstreamTimeouts
 
 _HEALTH, _WEIGHTS, _LIMITS, _ROTATION = HealthSettings(), HealthWeights(), HealthLimits(), RotationPolicy()
 _REBALANCE, _PREWARM, _TENANTS, _TENANT = RebalanceSettings(), PrewarmSettings(), TenantSettings(), TenantPolicy()
-_FEATURES = FeatureSettings()
+_FEATURES, _UPSTREAM = FeatureSettings(), UpstreamTimeouts()
 
 
 class Section(BaseModel):
@@ -157,6 +158,23 @@ class Health(Section):
     limits: HealthLimitsSection = _doc(HealthLimitsSection(), "where each penalty starts and is full")
 
 
+class Upstream(Section):
+    """``upstream:``: per-try bounds, shared with ``extproc envoy-config`` (README: hung replicas)."""
+
+    first_byte_s: float = _doc(
+        _UPSTREAM.first_byte_s, "a try without response headers by then is retried on another replica", ge=0.001
+    )
+    stream_idle_s: float = _doc(
+        _UPSTREAM.stream_idle_s, "a stream silent this long is ended (must exceed 3 x first_byte_s)", ge=0.001
+    )
+    unary_s_per_output_token: float = _doc(
+        _UPSTREAM.unary_s_per_output_token, "a non-streaming try waits first_byte_s + this x max_tokens", ge=0
+    )
+    stream_header: str = _doc(
+        _UPSTREAM.stream_header, "marks streaming requests for Envoy's idle-timeout route", min_length=1
+    )
+
+
 class Spillover(Section):
     """``spillover:``: requests of an overloaded replica's sessions go elsewhere."""
 
@@ -276,6 +294,7 @@ class RouterFile(Section):
     grpc: Grpc = _doc(Grpc(), "the gRPC listener")
     health: Health = _doc(Health(), "replica health and rotation")
     spillover: Spillover = _doc(Spillover(), "overloaded replicas")
+    upstream: Upstream = _doc(Upstream(), "how long Envoy waits for a replica")
     rebalance: Rebalance = _doc(Rebalance(), "moving sessions")
     tenants: Tenants = _doc(Tenants(), "tenants and quotas")
     classes: list[ClassRuleSection] = _doc([], "request classes, first match wins")

@@ -63,6 +63,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     OutlierDetection,
 )
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation as HeaderMutationRule
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutationRules
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
     DataSource,
@@ -127,6 +128,7 @@ from envoy_data_plane.google.protobuf import Any as AnyMessage
 from extproc.config import Config, ConfigError, load_config, parse_replica, with_overrides
 from extproc.discovery.settings import DnsSource, KubernetesSource
 from extproc.routing.model import Replica
+from extproc.upstream_timeouts import PER_TRY_TIMEOUT_HEADER, UpstreamTimeouts
 
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 ROUND_ROBIN_CLUSTER = "replicas_round_robin"
@@ -173,6 +175,12 @@ class GatewaySpec:
     message_timeout_ms: int = 1000
     route_timeout_s: int = 300
     retries: int = 2
+    # Per try (config ``upstream:``): a try without response headers after first_byte_timeout_s is
+    # retried on another replica; a stream silent for stream_idle_timeout_s is ended. The
+    # processor marks streams with stream_header and gives non-streaming requests their own bound.
+    first_byte_timeout_s: float = UpstreamTimeouts().first_byte_s
+    stream_idle_timeout_s: float = UpstreamTimeouts().stream_idle_s
+    stream_header: str = UpstreamTimeouts().stream_header
     observe_responses: bool = True
     full_duplex: bool = False
     # More processors sharing one affinity store (active-active): Envoy round-robins streams.
@@ -274,10 +282,14 @@ def _endpoint(address: str) -> LbEndpoint:
     return LbEndpoint(endpoint=Endpoint(address=_address(address)))
 
 
-def _retry_policy(retries: int, across_priorities: bool) -> RetryPolicy:
+def _retry_policy(retries: int, across_priorities: bool, per_try_timeout_s: float | None = None) -> RetryPolicy:
+    # "reset" also covers a try that met its per-try (first-byte) timeout: Envoy resets it and, as
+    # nothing has gone to the client yet, tries another host. Not 5xx: a replica's own 503 is an
+    # answer (overloaded), and resending the request there or elsewhere is the processor's call.
     return RetryPolicy(
         retry_on="connect-failure,refused-stream,reset",
         num_retries=retries,
+        per_try_timeout=_seconds(per_try_timeout_s) if per_try_timeout_s else None,
         retry_host_predicate=[
             RetryPolicyRetryHostPredicate(
                 name="envoy.retry_host_predicates.previous_hosts",
@@ -298,7 +310,10 @@ def _retry_policy(retries: int, across_priorities: bool) -> RetryPolicy:
 
 def header_mutation_filter(spec: GatewaySpec) -> HttpFilter:
     """Strips the routing headers a client sent, before ext_proc runs."""
-    removals = [HeaderMutationRule(remove=spec.cluster_header), HeaderMutationRule(remove=spec.endpoint_header)]
+    removals = [
+        HeaderMutationRule(remove=name)
+        for name in (spec.cluster_header, spec.endpoint_header, spec.stream_header, PER_TRY_TIMEOUT_HEADER)
+    ]
     return HttpFilter(
         name=HEADER_MUTATION_FILTER,
         typed_config=AnyMessage.pack(HeaderMutation(mutations=Mutations(request_mutations=removals))),
@@ -314,6 +329,9 @@ def ext_proc_filter(spec: GatewaySpec, cluster: str = PROCESSOR_CLUSTER) -> Http
         message_timeout=datetime.timedelta(milliseconds=spec.message_timeout_ms),
         # The processor may skip a request's response headers (health.response_sample_rate).
         allow_mode_override=True,
+        # The processor sets x-envoy-upstream-rq-per-try-timeout-ms (a non-streaming request's
+        # first-byte bound grows with its max_tokens); Envoy ignores x-envoy-* mutations otherwise.
+        mutation_rules=HeaderMutationRules(allow_envoy=True),
         processing_mode=ProcessingMode(
             request_header_mode=send,
             # FULL_DUPLEX_STREAMED, as the Inference Extension's gateways use it, needs trailers sent.
@@ -348,23 +366,33 @@ def _routes(spec: GatewaySpec, with_processor: bool) -> list[Route]:
     if not with_processor:
         return [default_route]
     header = spec.cluster_header if spec.mode == "cluster" else spec.endpoint_header
-    if spec.mode == "cluster":
-        target = RouteAction(
-            cluster_header=spec.cluster_header,
-            timeout=timeout,
-            retry_policy=_retry_policy(spec.retries, across_priorities=True),
-        )
-    elif spec.endpoint_cluster == "original_dst":
-        # No retry policy: a retry would go to the same address the header names.
-        target = RouteAction(cluster=ORIGINAL_DST_CLUSTER, timeout=timeout)
-    else:
-        target = RouteAction(
-            cluster=OVERRIDE_HOST_CLUSTER,
-            timeout=timeout,
-            retry_policy=_retry_policy(spec.retries, across_priorities=False),
-        )
-    routed = Route(match=RouteMatch(prefix="/", headers=[HeaderMatcher(name=header, present_match=True)]), route=target)
-    return [routed, default_route]
+
+    def target(idle_s: float | None) -> RouteAction:
+        first_byte_s = spec.first_byte_timeout_s
+        idle = _seconds(idle_s) if idle_s else None
+        if spec.mode == "cluster":
+            policy = _retry_policy(spec.retries, True, first_byte_s)
+            return RouteAction(
+                cluster_header=spec.cluster_header, timeout=timeout, retry_policy=policy, idle_timeout=idle
+            )
+        if spec.endpoint_cluster == "original_dst":
+            # No retries: a retry would go to the same address the header names. The per-try
+            # bound still ends a hung pod's request in seconds rather than at the route timeout.
+            policy = _retry_policy(0, False, first_byte_s)
+            return RouteAction(cluster=ORIGINAL_DST_CLUSTER, timeout=timeout, retry_policy=policy, idle_timeout=idle)
+        policy = _retry_policy(spec.retries, False, first_byte_s)
+        return RouteAction(cluster=OVERRIDE_HOST_CLUSTER, timeout=timeout, retry_policy=policy, idle_timeout=idle)
+
+    routed = [HeaderMatcher(name=header, present_match=True)]
+    streaming = [*routed, HeaderMatcher(name=spec.stream_header, present_match=True)]
+    return [
+        # Streams first: only they get the idle timeout (a non-streaming answer is silent until
+        # done). Envoy's route idle_timeout, not the retry policy's per_try_idle_timeout, which
+        # (Envoy 1.40, tried) did not end a stream stalled after its headers.
+        Route(match=RouteMatch(prefix="/", headers=streaming), route=target(spec.stream_idle_timeout_s)),
+        Route(match=RouteMatch(prefix="/", headers=routed), route=target(None)),
+        default_route,
+    ]
 
 
 def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool) -> Filter:
@@ -377,7 +405,16 @@ def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool)
         generate_request_id=True,
         route_config=RouteConfiguration(
             name=name,
-            virtual_hosts=[VirtualHost(name="inference", domains=["*"], routes=_routes(spec, with_processor))],
+            virtual_hosts=[
+                VirtualHost(
+                    name="inference",
+                    domains=["*"],
+                    routes=_routes(spec, with_processor),
+                    # x-envoy-attempt-count on the response tells the processor that the replica
+                    # it chose failed its try (a reset or a first-byte timeout) and another answered.
+                    include_attempt_count_in_response=with_processor,
+                )
+            ],
         ),
         http_filters=filters,
     )
@@ -539,6 +576,12 @@ def _check(spec: GatewaySpec) -> None:
         raise ValueError(f"endpoint_cluster: expected override_host or original_dst, got {spec.endpoint_cluster!r}")
     if spec.replicas_dns is not None and spec.mode == "cluster":
         raise ValueError("replicas_dns: cluster mode needs one Envoy cluster per replica, so a static replica list")
+    tries = spec.retries + 1
+    if spec.stream_idle_timeout_s and spec.stream_idle_timeout_s <= spec.first_byte_timeout_s * tries:
+        raise ValueError(
+            f"stream_idle_timeout_s: {spec.stream_idle_timeout_s:g} s would end a stream still waiting for "
+            f"its headers; it must exceed {tries} tries x first_byte_timeout_s {spec.first_byte_timeout_s:g} s"
+        )
     if spec.replicas_dns is None and not spec.replicas:
         raise ValueError("replicas: none given (a replica list, or replicas_dns in endpoint mode)")
 
@@ -829,6 +872,9 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         cluster_header=cfg.target_cluster_header,
         endpoint_header=cfg.destination_endpoint_header,
         processor_tls=_processor_tls(args),
+        first_byte_timeout_s=cfg.upstream.first_byte_s,
+        stream_idle_timeout_s=cfg.upstream.stream_idle_s,
+        stream_header=cfg.upstream.stream_header,
     )
 
 

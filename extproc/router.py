@@ -202,13 +202,15 @@ class Router:
             return True
         return False
 
-    def observe_response(self, routed: Routed, status: int) -> None:
-        """Learn from the response headers Envoy saw: status and time to first byte."""
+    def observe_response(self, routed: Routed, status: int, attempts: int = 1) -> None:
+        """Learn from the response headers Envoy saw: status, time to first byte, and whether the
+        chosen replica's try failed (``attempts`` > 1: Envoy retried elsewhere after a connect
+        failure, a reset or a first-byte timeout, so this answer is not the chosen replica's)."""
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
         if replica is not None:
             now = self.clock()
-            self.replicas.observe(replica.name, status, now - routed.decided_at, now)
+            self.replicas.observe(replica.name, 0 if attempts > 1 else status, now - routed.decided_at, now)
             self.replicas.prefilled(replica.name, routed.prefill_tokens)
             routed.prefill_tokens = 0
 

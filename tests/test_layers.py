@@ -30,6 +30,7 @@ RANKS = {
     "extproc.routing": 1,
     "extproc.request": 0,
     "extproc.logs": 0,
+    "extproc.upstream_timeouts": 0,
 }
 
 

@@ -45,6 +45,7 @@ class RequestFeatures:
     prompt_chars: int = 0
     prefix_hashes: tuple[int, ...] = ()
     stream: bool = False
+    max_output_tokens: int | None = None
     has_media: bool = False
     body_error: str | None = None
     request_id: str = ""
@@ -103,6 +104,7 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
         prompt_chars=len(parsed.prompt),
         prefix_hashes=hashes,
         stream=parsed.stream,
+        max_output_tokens=parsed.max_output_tokens,
         has_media=parsed.has_media,
         request_id=request_id,
     )
