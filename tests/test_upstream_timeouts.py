@@ -9,10 +9,10 @@ import json
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from extproc.health.replicas import ReplicaBook
 
 from extproc.config import ConfigError, config_from_mapping
 from extproc.envoy_config import GatewaySpec, render
+from extproc.health.replicas import ReplicaBook
 from extproc.request.openai_body import max_output_tokens
 from extproc.router import Router
 from extproc.routing.model import Replica
