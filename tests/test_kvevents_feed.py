@@ -139,9 +139,9 @@ async def test_topic_without_replica_is_dropped_when_no_replica_given() -> None:
 # -- over ZMQ ----------------------------------------------------------------------------------
 
 
-async def wait_for(predicate, timeout: float = 5.0) -> None:
+async def wait_for(predicate, within_s: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
+    end = loop.time() + within_s
     while not predicate():
         if loop.time() > end:
             raise AssertionError("condition not met in time")
