@@ -16,6 +16,7 @@ from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, 
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.kvevents.settings import KvEventSettings, kv_event_settings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.classes import ClassRule
@@ -82,6 +83,7 @@ class Config:
     # A plaintext listener that serves only the gRPC health service (kubelet's gRPC probes speak
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
+    kv_events: KvEventSettings = field(default_factory=KvEventSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -357,6 +359,7 @@ KNOWN_KEYS = {
     "tenants",
     "classes",
     "profiles",
+    "kv_events",
 }
 
 
@@ -444,6 +447,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         tenants=_tenant_settings(_section(raw, "tenants")),
         profiles=_profiles(_section(raw, "profiles")),
         spillover_repin=bool(_get(_section(raw, "spillover"), "repin", bool, "spillover", base.spillover_repin)),
+        kv_events=_kv_events(raw.get("kv_events")),
     )
     if cfg.session_ttl_s <= 0 or cfg.max_sessions < 1:
         raise ConfigError("sessions.ttl_s and sessions.max_sessions: expected positive values")
@@ -456,6 +460,13 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     except ProfileError as exc:
         raise ConfigError(str(exc)) from None
     return cfg
+
+
+def _kv_events(raw: Any) -> KvEventSettings:
+    try:
+        return kv_event_settings(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path) -> Config:

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from extproc.config import Config
 from extproc.metrics import ReplicaReport, ReplicaReportCollector, RouterMetrics
@@ -23,6 +24,9 @@ from extproc.state.memory import MemoryStore
 from extproc.state.replicas import ReplicaBook, Transition
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
+
+if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
+    from extproc.kvevents.cache_state import EventCacheState
 
 log = logging.getLogger("extproc.router")
 
@@ -60,8 +64,10 @@ class Router:
         clock: Clock = time.monotonic,
         metrics: RouterMetrics | None = None,
         profile: Profile | None = None,
+        kv_events: EventCacheState | None = None,
     ) -> None:
         self.config = config
+        self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._sampled = 0.0  # response_sample_rate accumulated: a request is observed at each whole one
         self.store: AffinityStore = store or MemoryStore(
             config.session_ttl_s, config.max_sessions, config.blocks_per_replica
@@ -98,6 +104,8 @@ class Router:
         features = extract_features(headers, body, self.config.features)
         if features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
+        if self.kv_events is not None:
+            features = await self.kv_events.tokenized(features, body)
         routed = await self.route_features(features, start)
         replica = routed.decision.replica
         if features.session_key and body and replica is not None and features.body_error is None:
@@ -117,6 +125,8 @@ class Router:
             self.metrics.store_errors.labels("lookup").inc()
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
+        if self.kv_events is not None:
+            view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
         policy = self.tenants.policy(features.tenant)
         tenant_counted = rejected = False
         if policy is not None and self.tenants.over_quota(features.tenant, len(self.replicas)):
@@ -135,6 +145,8 @@ class Router:
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             self.replicas.begin(replica.name, start, prefill_tokens)
+            if self.kv_events is not None:
+                self.kv_events.decided(features, replica.name, decision.matched_blocks, start)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
             pin = decision.reason != Reason.SPILLOVER or self.config.spillover_repin
             try:
@@ -177,6 +189,8 @@ class Router:
         return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted, retry_after_s=retry_after)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
+        if features.tokens_per_block:
+            return max(0, features.prompt_tokens - matched_blocks * features.tokens_per_block)
         cached_chars = matched_blocks * self.config.features.block_chars
         return max(0, features.prompt_chars - cached_chars) // CHARS_PER_TOKEN
 
@@ -236,6 +250,8 @@ class Router:
         snapshot = self.replicas.snapshot(now)
         for name in joined:
             await self.rebalancer.on_join(name, self.profile.ring_for(snapshot), snapshot)
+        if self.kv_events is not None:
+            self.kv_events.sync([rec.replica for rec in self.replicas.records()])
         if joined or left:
             log.info("membership: joined %s, left %s", joined or "-", left or "-")
         return Membership(tuple(joined), tuple(left))
@@ -282,3 +298,5 @@ class Router:
         m.prefix_index_blocks.set(stats.prefix_blocks)
         m.ledger_sessions.set(len(self.rebalancer.ledger))
         m.ledger_bytes.set(self.rebalancer.ledger.size_bytes)
+        if self.kv_events is not None:
+            self.kv_events.collect()

@@ -70,10 +70,10 @@ class KvEventSource:
         stale_after_s: float = 5.0,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.index = index or KvIndex()
+        self.index = index if index is not None else KvIndex()
         self.clock = clock
         self.wall_clock = wall_clock
-        self.metrics = metrics or KvEventMetrics()
+        self.metrics = metrics if metrics is not None else KvEventMetrics()
         self.stale_after_s = stale_after_s
         self.feeds: dict[str, FeedState] = {}
 
@@ -123,7 +123,9 @@ class KvEventSource:
     def credit(self, model: str, replica: str, keys: Sequence[int], now: float) -> None:
         """Speculative credit for the replica a request was just sent to."""
         if replica in self.feeds and keys:
-            idx = self.index.for_request(model) or self.index.model(self.feeds[replica].model)
+            idx = self.index.for_request(model)
+            if idx is None:
+                idx = self.index.model(self.feeds[replica].model)
             idx.credit(replica, keys, now)
 
     # -- messages ---------------------------------------------------------------------------

@@ -307,7 +307,8 @@ class KvIndex:
     def for_request(self, model: str) -> ModelIndex | None:
         """The index that answers for requests to ``model``: its own, else the one events that
         name no model feed."""
-        return self.models.get(model) or self.models.get("")
+        idx = self.models.get(model)
+        return idx if idx is not None else self.models.get("")
 
     def clear_replica(self, replica: str) -> int:
         """Forget ``replica`` in every model."""
