@@ -138,7 +138,9 @@ class KvEventSource:
         ok = await self._replay(state, 0, None)
         if ok:
             state.synced = True
-            state.replayed_through = state.last_seq if state.last_seq is not None else -1
+            if state.last_seq is None:
+                state.last_seq = -1  # nothing published yet: the first message must be seq 0
+            state.replayed_through = state.last_seq
         return ok
 
     async def receive(self, msg: Message, replica: str | None = None) -> None:
