@@ -234,3 +234,42 @@ async def test_garbage_frames_never_stop_the_subscriber(ipc_dir: Path) -> None:
     finally:
         await subs.close()
         await publisher.close()
+
+
+async def test_reconnect_to_the_same_engine_fills_what_was_missed() -> None:
+    history = [msg(0, stored(1)), msg(1, stored(2)), msg(2, stored(3))]
+    replayer = FakeReplayer(history)
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    await source.receive(history[0])
+    await source.receive(history[1])
+    await source.reconnected("a")  # seq 2 was sent while we were disconnected
+    assert replayer.asked == [1] and source.feeds["a"].last_seq == 2
+    assert matches(source, 1, 2, 3) == {"a": 3.0}
+    assert source.metrics.restarts.labels("a")._value.get() == 0
+
+
+async def test_reconnect_to_a_new_engine_is_a_restart_and_catches_up() -> None:
+    replayer = FakeReplayer([msg(0, stored(1)), msg(1, stored(2))])
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    await source.receive(replayer.messages[0])
+    await source.receive(replayer.messages[1])
+    replayer.messages = [msg(0, stored(7))]  # a new process: its own seq 0, never received live
+    await source.reconnected("a")
+    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert matches(source, 1) == {} and matches(source, 7) == {"a": 1.0}
+    await source.receive(replayer.messages[0])  # queued live copy: a duplicate, not a restart
+    await source.receive(msg(1, stored(8)))
+    assert source.metrics.restarts.labels("a")._value.get() == 1 and source.feeds["a"].last_seq == 1
+
+
+async def test_restart_after_a_catch_up_is_not_taken_for_duplicates() -> None:
+    replayer = FakeReplayer([msg(i, stored(i + 1)) for i in range(5)])
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    assert await source.catch_up("a")
+    await source.receive(msg(5, stored(9)))  # live, after the replay
+    await source.receive(msg(0, stored(20)))  # a new engine, seq 0 again
+    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert matches(source, 20) == {"a": 1.0} and matches(source, 1) == {}

@@ -15,10 +15,13 @@ Never silently wrong:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import xxhash
 
 from extproc.kvevents.index import KvIndex
 from extproc.kvevents.metrics import KvEventMetrics
@@ -49,6 +52,9 @@ class FeedState:
     last_message_at: float = float("-inf")
     routed_since: float | None = None
     """The first request sent there since its last message (for staleness)."""
+    last_digest: int = 0
+    """A hash of the last applied payload: after a reconnect, tells the same engine from a new one."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def topic_parts(topic: str) -> tuple[str | None, str]:
@@ -135,6 +141,10 @@ class KvEventSource:
         state = self.feeds[replica]
         if state.replayer is None:
             return False
+        async with state.lock:
+            return await self._catch_up(state)
+
+    async def _catch_up(self, state: FeedState) -> bool:
         ok = await self._replay(state, 0, None)
         if ok:
             state.synced = True
@@ -153,18 +163,57 @@ class KvEventSource:
         state = self.feeds.get(name) or self.add_feed(name, model=model)
         if model:
             state.model = model
+        async with state.lock:
+            await self._receive(state, msg)
+
+    async def reconnected(self, replica: str) -> None:
+        """The connection to ``replica``'s publisher came back: messages may have been lost
+        meanwhile (a PUB drops what it sends while no subscriber is connected), and the engine
+        may be a new one. Ask its buffer from the last seq applied: the same engine still has
+        that batch, and gives what followed; a new one does not, and is a restart."""
+        state = self.feeds.get(replica)
+        if state is None or state.replayer is None or state.last_seq is None or state.last_seq < 0:
+            return
+        async with state.lock:
+            last = state.last_seq
+            try:
+                messages = sorted(await state.replayer(last), key=lambda x: x.seq)
+            except ReplayError as exc:
+                self.metrics.replays.labels(replica, "failed").inc()
+                log.info("kv events: replay after reconnecting to %s failed: %s", replica, exc)
+                return
+            same = any(m.seq == last and xxhash.xxh3_64_intdigest(m.payload) == state.last_digest for m in messages)
+            if same:
+                for m in messages:
+                    if m.seq == state.last_seq + 1:
+                        self._apply(state, m)
+                self.metrics.replays.labels(replica, "ok").inc()
+                return
+            self.metrics.restarts.labels(replica).inc()
+            self._clear(state, "restart")
+            log.info("kv events: %s is a new engine (reconnected): its entries are dropped", replica)
+            state.last_seq = None
+            await self._catch_up(state)
+
+    async def _receive(self, state: FeedState, msg: Message) -> None:
+        name = state.replica
         state.last_message_at = self.clock()
         state.routed_since = None
         m = self.metrics
         last = state.last_seq
         if last is None or msg.seq == last + 1:
-            self._apply(state, msg)
+            if self._apply(state, msg):
+                state.replayed_through = -1  # the live stream has caught up with the replay
         elif msg.seq <= last:
             if msg.seq <= state.replayed_through:
                 return  # queued while we replayed: already applied
             m.restarts.labels(name).inc()
             self._clear(state, "restart")
             log.info("kv events: %s restarted (seq %d after %d): its entries are dropped", name, msg.seq, last)
+            state.replayed_through = -1
+            if msg.seq > 0 and state.replayer is not None:
+                # What the new engine published before this message may not have reached us.
+                await self._replay(state, 0, msg.seq)
             self._apply(state, msg)
         else:
             m.gaps.labels(name).inc()
@@ -220,6 +269,7 @@ class KvEventSource:
         idx = self.index.model(topic_model or state.model)
         result = idx.apply(name, batch.events)
         state.last_seq = msg.seq
+        state.last_digest = xxhash.xxh3_64_intdigest(msg.payload)
         m.batches.labels(name).inc()
         lag = self.wall_clock() - batch.ts
         if 0 <= lag < 3600:
@@ -254,4 +304,6 @@ class KvEventSource:
         for name in self.feeds:
             m.index_blocks.labels(name).set(self.index.blocks(name))
             m.live.labels(name).set(1 if self.is_live(name, now) else 0)
+            last = self.feeds[name].last_seq
+            m.last_seq.labels(name).set(-1 if last is None else last)
         m.index_keys.set(len(self.index))

@@ -45,6 +45,9 @@ class KvEventMetrics:
             "extproc_kv_index_blocks", "Indexed (block, tier) entries per replica", ["replica"], registry=r
         )
         self.index_keys = Gauge("extproc_kv_index_keys", "Distinct block keys in the event index", registry=r)
+        self.last_seq = Gauge(
+            "extproc_kv_feed_last_seq", "Sequence number of the last batch applied", ["replica"], registry=r
+        )
         self.live = Gauge(
             "extproc_kv_feed_live", "1 when the replica's matches come from its events", ["replica"], registry=r
         )

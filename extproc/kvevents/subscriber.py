@@ -86,7 +86,10 @@ async def follow_replica(
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        watching: asyncio.Task[None] | None = None
         try:
+            if replayer is not None:
+                watching = asyncio.create_task(_watch_reconnects(sock, source, replica))
             sock.connect(endpoint)
             if replayer is not None:
                 # Subscribed first, so what is published during the replay waits in the socket.
@@ -101,7 +104,38 @@ async def follow_replica(
             log.warning("kv events from %s (%s): %s; again in %.0fs", replica, endpoint, exc, RETRY_S)
             await asyncio.sleep(RETRY_S)
         finally:
+            if watching is not None:
+                watching.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await watching
             sock.close(0)
+
+
+async def _watch_reconnects(sock: zmq.asyncio.Socket, source: KvEventSource, replica: str) -> None:
+    """On every connection after the first, let the feed check what it missed (see
+    :meth:`KvEventSource.reconnected`)."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    connects = 0
+    try:
+        while True:
+            frames = await monitor.recv_multipart()
+            event = recv_monitor_message_from(frames)
+            if event == zmq.EVENT_CONNECTED:
+                connects += 1
+                if connects > 1:
+                    try:
+                        await source.reconnected(replica)
+                    except Exception as exc:  # never stop the subscriber
+                        log.warning("kv events: after reconnecting to %s: %s", replica, exc)
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(0)
+
+
+def recv_monitor_message_from(frames: Sequence[bytes]) -> int:
+    """The event number of a monitor message (first frame: 16-bit event, 32-bit value)."""
+    return int.from_bytes(frames[0][:2], "little") if frames and len(frames[0]) >= 2 else 0
 
 
 async def listen(

@@ -251,6 +251,12 @@ class _ReplicaApi:
         self.publisher.drop_next += max(0, int(request.query.get("n", "1")))
         return web.Response(status=200)
 
+    async def kv_events_state(self, request: web.Request) -> web.Response:
+        """``GET /kv_events`` (fake replica only): the next sequence number and what the replay buffer holds."""
+        if self.publisher is None:
+            return _error(404, "this replica publishes no KV events", "NotFoundError")
+        return web.json_response({"next_seq": self.publisher.seq, "buffered": len(self.publisher.buffer)})
+
 
 def build_app(
     engine: ReplicaEngine,
@@ -278,6 +284,7 @@ def build_app(
     app.router.add_get("/metrics", api.metrics)
     app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
     app.router.add_post("/kv_events/drop", api.drop_kv_events)
+    app.router.add_get("/kv_events", api.kv_events_state)
     return app
 
 
