@@ -122,7 +122,8 @@ async def synced(http: aiohttp.ClientSession, gw: LocalGateway) -> None:
             }
             for p in pages
         ]
-        raise AssertionError(f"processors not in sync: wanted {wanted}, saw {seen}") from None
+        logs = "\n".join(gw.procs.log_tail(gw.processor_name(i), 15) for i in range(gw.processors))
+        raise AssertionError(f"processors not in sync: wanted {wanted}, saw {seen}\n{logs}") from None
 
 
 async def seed(http: aiohttp.ClientSession, gw: LocalGateway, replica: str, messages: list[dict[str, str]]) -> None:
@@ -180,9 +181,13 @@ async def test_engine_restart_clears_its_blocks(gateway: LocalGateway) -> None:
         gateway.start_replica(member)
     async with aiohttp.ClientSession() as http:  # no kept-alive connection to the old process
         await seed(http, gateway, "replica-2", conversation(40, 1))  # the new engine's first batch: seq 0
+
+        async def restarted() -> bool:  # live, or (lost before the SUB reconnected) on reconnecting
+            pages = await metrics(http, gateway)
+            return all(scrape(p, "extproc_kv_event_restarts_total", replica="replica-2") == 1 for p in pages)
+
+        await wait_until(restarted)
         await synced(http, gateway)
-        pages = await metrics(http, gateway)
-        assert all(scrape(p, "extproc_kv_event_restarts_total", replica="replica-2") == 1 for p in pages)
         assert await routed(http, gateway, full) == {"replica-0"}
 
 

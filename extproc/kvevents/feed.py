@@ -270,6 +270,8 @@ class KvEventSource:
         result = idx.apply(name, batch.events)
         state.last_seq = msg.seq
         state.last_digest = xxhash.xxh3_64_intdigest(msg.payload)
+        state.last_message_at = self.clock()
+        state.routed_since = None  # the feed works, replayed or live
         m.batches.labels(name).inc()
         lag = self.wall_clock() - batch.ts
         if 0 <= lag < 3600:

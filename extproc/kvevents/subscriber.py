@@ -122,11 +122,14 @@ async def _watch_reconnects(sock: zmq.asyncio.Socket, source: KvEventSource, rep
             event = recv_monitor_message_from(frames)
             if event == zmq.EVENT_CONNECTED:
                 connects += 1
-                if connects > 1:
-                    try:
+                state = source.feeds.get(replica)
+                try:
+                    if state is not None and not state.synced and connects > 1:
+                        await source.catch_up(replica)  # the publisher was down when we started
+                    elif connects > 1:
                         await source.reconnected(replica)
-                    except Exception as exc:  # never stop the subscriber
-                        log.warning("kv events: after reconnecting to %s: %s", replica, exc)
+                except Exception as exc:  # never stop the subscriber
+                    log.warning("kv events: after reconnecting to %s: %s", replica, exc)
     finally:
         with contextlib.suppress(zmq.ZMQError):
             sock.disable_monitor()
