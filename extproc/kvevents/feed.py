@@ -25,7 +25,15 @@ import xxhash
 
 from extproc.kvevents.index import KvIndex
 from extproc.kvevents.metrics import KvEventMetrics
-from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, WireError, decode_batch
+from extproc.kvevents.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Message,
+    WireError,
+    decode_batch,
+)
 
 log = logging.getLogger("extproc.kvevents")
 
@@ -133,6 +141,15 @@ class KvEventSource:
             if idx is None:
                 idx = self.index.model(self.feeds[replica].model)
             idx.credit(replica, keys, now)
+
+    def apply_events(self, replica: str, events: Sequence[Event], model: str = "") -> None:
+        """Apply decoded events of ``replica`` directly, with no sequence tracking (a source that
+        cannot lose messages: the simulator's replicas)."""
+        state = self.feeds.get(replica) or self.add_feed(replica, model=model)
+        state.synced = True
+        state.last_message_at = self.clock()
+        state.routed_since = None
+        self.index.model(model or state.model).apply(replica, events)
 
     # -- messages ---------------------------------------------------------------------------
     async def catch_up(self, replica: str) -> bool:
