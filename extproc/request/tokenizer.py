@@ -139,7 +139,7 @@ class PromptTokenizer:
         if session is not None:
             with self._lock:
                 previous = self._sessions.get(session)
-        result = self._encode_from(text, add_special_tokens, previous)
+        result = self._encode_from(text, add_special_tokens, previous, keep_ends=session is not None)
         if session is not None:
             with self._lock:
                 self._sessions[session] = result
@@ -148,7 +148,9 @@ class PromptTokenizer:
                     self._sessions.popitem(last=False)
         return result
 
-    def _encode_from(self, text: str, add_special_tokens: bool, previous: Tokenized | None) -> Tokenized:
+    def _encode_from(
+        self, text: str, add_special_tokens: bool, previous: Tokenized | None, keep_ends: bool = True
+    ) -> Tokenized:
         cut = self._safe_cut(previous, text) if previous is not None and not add_special_tokens else 0
         if cut and previous is not None:
             n = bisect.bisect_right(previous.ends, cut)
@@ -158,7 +160,9 @@ class PromptTokenizer:
                 ends = previous.ends[:n] + tuple(cut + e for _, e in rest.offsets)
                 return Tokenized(text, ids, ends, reused=n)
         enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return Tokenized(text, tuple(enc.ids), tuple(e for _, e in enc.offsets))
+        # Offsets cost as much as a third of encoding a long prompt: only a session reuses them.
+        ends = tuple(e for _, e in enc.offsets) if keep_ends else ()
+        return Tokenized(text, tuple(enc.ids), ends)
 
     def _safe_cut(self, previous: Tokenized, text: str) -> int:
         """The end of the last special token of the previous text, if the new text shares all
