@@ -229,3 +229,35 @@ def test_settings_validation_names_the_field() -> None:
     for raw, field in (({"hash_algo": "md5"}, "hash_algo"), ({"port": 0}, "port"), ({"nope": 1}, "unknown")):
         with pytest.raises(ValueError, match=field):
             kv_event_settings(raw)
+
+
+def test_discovered_replicas_publish_on_the_configured_ports() -> None:
+    from extproc.kvevents.cache_state import replica_endpoints
+    from extproc.routing.model import Replica
+
+    settings = KvEventSettings(port=5557, replay_port=5558)
+    assert replica_endpoints(Replica("pod-a", "10.1.2.3:8000"), settings) == (
+        "tcp://10.1.2.3:5557",
+        "tcp://10.1.2.3:5558",
+    )
+    labelled = Replica("r", "10.1.2.4:8000", labels={"kv_events": "ipc:///x"})
+    assert replica_endpoints(labelled, KvEventSettings()) == ("ipc:///x", None)
+    assert replica_endpoints(Replica("pod-b", "10.1.2.5:8000"), KvEventSettings()) == (None, None)
+
+
+async def test_membership_changes_follow_and_unfollow_publishers(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from extproc.routing.model import Replica
+
+    members = [
+        Replica(f"r{i}", f"127.0.0.1:{9000 + i}", labels={"kv_events": f"ipc://{tmp_path}/r{i}"}) for i in range(3)
+    ]
+    kv = EventCacheState(KvEventSettings(tokenizers={"m": str(tokenizer_dir)}))
+    router = Router(make_config(replicas=tuple(members)), kv_events=kv)
+    kv.start(members)
+    try:
+        assert sorted(kv.subscriptions.following()) == ["r0", "r1", "r2"]
+        assert kv.resolve("127.0.0.1:9001") == "r1" and kv.resolve("r2") == "r2" and kv.resolve("x") is None
+        await router.set_replicas(members[:2])
+        assert sorted(kv.subscriptions.following()) == ["r0", "r1"]
+    finally:
+        await kv.close()
