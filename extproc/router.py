@@ -299,4 +299,5 @@ class Router:
         m.ledger_sessions.set(len(self.rebalancer.ledger))
         m.ledger_bytes.set(self.rebalancer.ledger.size_bytes)
         if self.kv_events is not None:
-            self.kv_events.collect()
+            hits = {r.replica.name: r.metrics.prefix_hits for r in self.replicas.records() if r.metrics is not None}
+            self.kv_events.collect(hits)

@@ -261,3 +261,19 @@ async def test_membership_changes_follow_and_unfollow_publishers(tmp_path: Path,
         assert sorted(kv.subscriptions.following()) == ["r0", "r1"]
     finally:
         await kv.close()
+
+
+async def test_predicted_and_reported_cached_tokens_are_counted_for_live_replicas(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(2, seed=21)
+    await feed(kv, "r1", 0, stored_event(tok, msgs))
+    kv.collect({"r1": 1000.0, "r2": 50.0})
+    routed = await router.route(*chat(msgs))
+    assert routed.decision.replica is not None and routed.decision.replica.name == "r1"
+    predicted = kv.metrics.predicted_tokens.labels("r1")._value.get()
+    assert predicted == routed.decision.matched_blocks * BS > 0
+    kv.collect({"r1": 1000.0 + predicted, "r2": 80.0})  # r2 has no live feed: not counted
+    assert kv.metrics.reported_tokens.labels("r1")._value.get() == predicted
+    assert kv.metrics.reported_tokens.labels("r2")._value.get() == 0

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -92,6 +92,7 @@ class EventCacheState:
         )
         self.subscriptions: Any = None  # extproc.kvevents.subscriber.Subscriptions, made by start()
         self._members: list[Replica] = []
+        self._hits: dict[str, float] = {}
 
     # -- before the decision ----------------------------------------------------------------
     async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
@@ -211,9 +212,19 @@ class EventCacheState:
                 return r.name
         return None
 
-    def collect(self) -> None:
-        """Refresh gauges before a scrape."""
+    def collect(self, reported_hits: Mapping[str, float | None] | None = None) -> None:
+        """Refresh gauges before a scrape. ``reported_hits``: each replica's
+        ``vllm:prefix_cache_hits_total`` as last scraped; its growth while the replica's feed is
+        live counts as reported cached tokens, beside the tokens the index predicted."""
         self.source.collect()
+        now = self.clock()
+        for replica, hits in (reported_hits or {}).items():
+            if hits is None:
+                continue
+            before = self._hits.get(replica)
+            self._hits[replica] = hits
+            if before is not None and hits >= before and self.source.is_live(replica, now):
+                self.metrics.reported_tokens.labels(replica).inc(hits - before)
 
     async def close(self) -> None:
         """Stop the subscribers and the tokenizing threads."""
