@@ -4,6 +4,7 @@ fallback to the estimate, speculative credit."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,24 @@ async def test_predicted_and_reported_cached_tokens_are_counted_for_live_replica
     kv.collect({"r1": 1000.0 + predicted, "r2": 80.0})  # r2 has no live feed: not counted
     assert kv.metrics.reported_tokens.labels("r1")._value.get() == predicted
     assert kv.metrics.reported_tokens.labels("r2")._value.get() == 0
+
+
+async def test_a_pin_whose_replica_lost_the_conversation_is_dropped(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(2, seed=23)
+    ev = stored_event(tok, msgs)
+    for name in ("r0", "r1", "r2"):
+        await feed(kv, name, 0)
+    first = await router.route(*chat(msgs, session="s"))
+    pinned = first.decision.replica.name  # type: ignore[union-attr]
+    await feed(kv, pinned, 1, ev)
+    again = await router.route(*chat(msgs, session="s"))
+    assert again.decision.reason.value == "sticky"
+    await feed(kv, pinned, 2, BlockRemoved(ev.block_hashes[len(ev.block_hashes) // 3 :]))  # evicted: a third left
+    estimate = await router.store.lookup("s", again.features.prefix_hashes, clock.now, model="m")
+    assert estimate.pinned == pinned
+    assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned is None
+    kv.settings = replace(kv.settings, unpin_below=0.0)  # pins always kept
+    assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned == pinned

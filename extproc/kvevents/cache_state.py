@@ -164,7 +164,14 @@ class EventCacheState:
         for replica, blocks in from_events.items():
             if blocks >= 1:
                 matches[replica] = int(blocks)
-        return AffinityView(pinned=view.pinned, prefix_matches=matches)
+        pinned = view.pinned
+        # A pin is worth its cache: when the pinned replica's own events show it lost most of the
+        # conversation (evicted under pressure), the session is routed as new, on what is cached
+        # where and on load, rather than held to a replica that must recompute it anyway.
+        held = matches.get(pinned, 0) if pinned is not None else 0
+        if pinned in live and held < self.settings.unpin_below * len(features.prefix_hashes):
+            pinned = None
+        return AffinityView(pinned=pinned, prefix_matches=matches)
 
     def decided(self, features: RequestFeatures, replica: str, matched_blocks: int, now: float) -> None:
         """Credit the chosen replica and expect its feed to speak."""

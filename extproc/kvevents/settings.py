@@ -20,6 +20,7 @@ KEYS = {
     "replay_timeout_s",
     "max_blocks_per_replica",
     "tokenizers",
+    "unpin_below",
 }
 
 
@@ -46,6 +47,9 @@ class KvEventSettings:
     speculative_ttl_s: float = 2.0
     replay_timeout_s: float = 1.0
     max_blocks_per_replica: int = 1_000_000
+    unpin_below: float = 0.5
+    """A session stays pinned while its replica's events show it holding at least this fraction of
+    the prompt's blocks (0: pins are always kept)."""
     tokenizers: Mapping[str, str] = field(default_factory=dict)
     """Model name -> a directory with tokenizer.json and tokenizer_config.json."""
 
@@ -102,5 +106,6 @@ def kv_event_settings(raw: Mapping[str, Any] | None) -> KvEventSettings:
         speculative_ttl_s=_number(raw, "speculative_ttl_s", d.speculative_ttl_s, 0),
         replay_timeout_s=_number(raw, "replay_timeout_s", d.replay_timeout_s, 0.01),
         max_blocks_per_replica=int(_number(raw, "max_blocks_per_replica", d.max_blocks_per_replica, 1)),
+        unpin_below=_number(raw, "unpin_below", d.unpin_below, 0),
         tokenizers={str(k): str(v) for k, v in tokenizers.items()},
     )
