@@ -17,6 +17,7 @@ from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, 
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.kvevents.settings import KvEventSettings, kv_event_settings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.classes import ClassRule
@@ -84,6 +85,7 @@ class Config:
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
+    kv_events: KvEventSettings = field(default_factory=KvEventSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -281,6 +283,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         upstream=UpstreamTimeouts(
             **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
         ),
+        kv_events=_kv_events(file.kv_events),
     )
     try:
         parse_store_url(cfg.store)  # the form only: Redis may well be down while we start
@@ -291,6 +294,13 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     except ProfileError as exc:
         raise ConfigError(str(exc)) from None
     return cfg
+
+
+def _kv_events(raw: Any) -> KvEventSettings:
+    try:
+        return kv_event_settings(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path) -> Config:

@@ -295,6 +295,9 @@ class RouterFile(Section):
     health: Health = _doc(Health(), "replica health and rotation")
     spillover: Spillover = _doc(Spillover(), "overloaded replicas")
     upstream: Upstream = _doc(Upstream(), "how long Envoy waits for a replica")
+    kv_events: dict[str, Any] | None = _doc(
+        None, "vLLM's KV-cache events: listen, port, replay_port, hash_algo, tokenizers, ...; see README"
+    )
     rebalance: Rebalance = _doc(Rebalance(), "moving sessions")
     tenants: Tenants = _doc(Tenants(), "tenants and quotas")
     classes: list[ClassRuleSection] = _doc([], "request classes, first match wins")

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc.config import Config
 from extproc.health.replicas import ReplicaBook, Transition
@@ -24,6 +24,9 @@ from extproc.routing.registry import build_profile
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
+
+if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
+    from extproc.kvevents.cache_state import EventCacheState
 
 log = logging.getLogger("extproc.router")
 
@@ -76,10 +79,12 @@ class Router:
         replicas: ReplicaBook | None = None,
         tenants: TenantLedger | None = None,
         prewarmer: Prewarmer | None = None,
+        kv_events: EventCacheState | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer)."""
         self.config = config
+        self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._sampled = 0.0  # response_sample_rate accumulated: a request is observed at each whole one
         self.store: AffinityStore = store or MemoryStore(
             config.session_ttl_s, config.max_sessions, config.blocks_per_replica
@@ -110,6 +115,8 @@ class Router:
         features = extract_features(headers, body, self.config.features)
         if features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
+        if self.kv_events is not None:
+            features = await self.kv_events.tokenized(features, body)
         routed = await self.route_features(features, start)
         replica = routed.decision.replica
         if features.session_key and body and replica is not None and features.body_error is None:
@@ -129,6 +136,8 @@ class Router:
             self.metrics.store_errors.labels("lookup").inc()
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
+        if self.kv_events is not None:
+            view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
         decision = decide(features, snapshot, view, start, self.profiles.for_request(features), terms)
@@ -138,6 +147,8 @@ class Router:
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             self.replicas.begin(replica.name, start, prefill_tokens)
+            if self.kv_events is not None:
+                self.kv_events.decided(features, replica.name, decision.matched_blocks, start)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
             try:
                 await self.store.record(
@@ -183,6 +194,8 @@ class Router:
         return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
+        if features.tokens_per_block:
+            return max(0, features.prompt_tokens - matched_blocks * features.tokens_per_block)
         cached_chars = matched_blocks * self.config.features.block_chars
         return max(0, features.prompt_chars - cached_chars) // CHARS_PER_TOKEN
 
@@ -244,6 +257,8 @@ class Router:
         snapshot = self.replicas.snapshot(now)
         for name in joined:
             await self.rebalancer.on_join(name, self.profile.ring_for(snapshot), snapshot)
+        if self.kv_events is not None:
+            self.kv_events.sync([rec.replica for rec in self.replicas.records()])
         if joined or left:
             log.info("membership: joined %s, left %s", joined or "-", left or "-")
         return Membership(tuple(joined), tuple(left))
