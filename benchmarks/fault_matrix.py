@@ -1,4 +1,4 @@
-"""The fault matrix at full size: every case of :mod:`extproc.demo.fault_matrix` against real
+"""The fault matrix at full size: every case of :mod:`extproc_lab.demo.fault_matrix` against real
 Envoy, the processor, fake replicas and Redis on 127.0.0.1, bigger than the test suite runs them
 (16 concurrent conversations, 5 s faults, 10,000 sessions, a burst of 800). Prints the table and
 writes it, with each case's measured facts, to a markdown file.
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
-from extproc.demo import fault_matrix as fm
+from extproc_lab.demo import fault_matrix as fm
 
 CASES: dict[str, Callable[[fm.Scale], Awaitable[fm.CaseResult | list[fm.CaseResult]]]] = {
     "processor": fm.processor_restart,

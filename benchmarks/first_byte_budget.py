@@ -1,6 +1,6 @@
 """Where the default first-byte timeout comes from: a 10,000-token prefill on a slow replica.
 
-The replica timing model (``extproc/replica/timing.py``, profile ``llama-8b-h100``) prices one
+The replica timing model (``lab/extproc_lab/replica/timing.py``, profile ``llama-8b-h100``) prices one
 engine step; this walks a 10,000-token prompt through chunked prefill, step by step, on an idle
 replica and on replicas whose running batch is already decoding (each step's token budget is
 shared with one token per running sequence, and every step pays for their context). The slowest
@@ -13,7 +13,7 @@ request, whose first byte comes only after its last token.
 
 from __future__ import annotations
 
-from extproc.replica.timing import LLAMA_8B_H100, ReplicaProfile
+from extproc_lab.replica.timing import LLAMA_8B_H100, ReplicaProfile
 
 PROMPT_TOKENS = 10_000
 

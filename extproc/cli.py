@@ -1,4 +1,9 @@
-"""The ``extproc`` command line: serve, replica, envoy-config, check-config, demo, bench."""
+"""The ``extproc`` command line: serve, envoy-config, check-config.
+
+Installed packages add sub-commands through the ``extproc.commands`` entry point group (a
+function given the sub-parsers, setting ``run`` on each parser it adds): the lab adds ``replica``,
+``demo`` and ``bench``.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,10 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from importlib.metadata import entry_points
 
 from extproc.config import (
     Config,
@@ -21,7 +25,10 @@ from extproc.config import (
     parse_replica,
     with_overrides,
 )
+from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
 from extproc.logs import setup_logging
+
+COMMANDS_GROUP = "extproc.commands"
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,24 +62,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
-
-
-def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("replica", help="run a fake vLLM replica (OpenAI API, /metrics, prefix cache)")
-    p.add_argument("--name", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--profile", default="demo")
-    p.add_argument("--model", default="demo-model")
-    p.add_argument("--time-scale", type=float, default=None, help="1.0 real time, 0.1 ten times faster")
-    p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
-    p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
-    p.add_argument(
-        "--no-lora-on-demand",
-        dest="lora_on_demand",
-        action="store_false",
-        help="answer 404 for adapters not in --lora-adapters instead of loading them by name",
-    )
+    add_kv_event_flags(p)
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -135,6 +125,11 @@ def _build_config(args: argparse.Namespace) -> Config:
     cfg = with_overrides(cfg, **changes)
     if getattr(args, "metrics_listen", None) == "off":
         cfg = replace(cfg, metrics_listen=None)
+    if hasattr(args, "kv_events_listen"):
+        try:
+            cfg = replace(cfg, kv_events=kv_event_overrides(cfg.kv_events, args))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if getattr(args, "health_listen", None):
         cfg = replace(cfg, health_listen=args.health_listen)
     rate = getattr(args, "response_sample_rate", None)
@@ -165,13 +160,27 @@ async def _serve(cfg: Config) -> None:
     from extproc.server.app import ProcessorServer
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all
     from extproc.state.factory import open_store
+    from extproc.telemetry import export
 
     metrics = RouterMetrics()
     try:
         store = open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
     except ValueError as exc:  # e.g. an unreadable password file
         raise ConfigError(f"store: {exc}") from None
-    router = Router(cfg, store=store, metrics=metrics)
+    kv_events = None
+    kv = cfg.kv_events
+    if kv.enabled or kv.listen or any("kv_events" in r.labels for r in cfg.replicas):
+        from extproc.kvevents.cache_state import EventCacheState
+        from extproc.request.tokenizer import TokenizerError
+
+        try:
+            kv_events = EventCacheState(kv, registry=metrics.registry, max_blocks=cfg.features.max_blocks)
+        except TokenizerError as exc:
+            await store.close()
+            raise ConfigError(f"kv_events.tokenizers: {exc}") from None
+    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events)
+    if kv_events is not None:
+        kv_events.start(cfg.replicas)
     try:
         server = ProcessorServer(
             router, cfg.listen, cfg.max_message_bytes, tls=cfg.grpc_tls, health_listen=cfg.health_listen
@@ -185,7 +194,7 @@ async def _serve(cfg: Config) -> None:
     # Every other listener binds now, before the health service says SERVING (server.start()).
     listeners: list[Listener] = []
     if cfg.metrics_listen:
-        listeners.append(MetricsListener(router.metrics.registry, cfg.metrics_listen, router.collect))
+        listeners.append(MetricsListener(router.metrics.registry, cfg.metrics_listen, export(router)))
     try:
         await bind_all(listeners)
     except BaseException:
@@ -193,7 +202,10 @@ async def _serve(cfg: Config) -> None:
         raise
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
-    discovering = asyncio.create_task(run_discovery(cfg, router, router.metrics), name="discovery")
+    discovering = asyncio.create_task(
+        run_discovery(cfg.discovery, router, router.metrics, static=cfg.replicas, cluster_mode=cfg.mode == "cluster"),
+        name="discovery",
+    )
     # What is alive now (modules, config, the router) lives as long as the process: take it out of
     # the collector's sight, so that a full collection walks only what requests create. Measured
     # here: a full collection went from ~60 ms (a stall every request in flight waits out) to ~2 ms.
@@ -211,17 +223,9 @@ async def _serve(cfg: Config) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await discovering
         await close_all(listeners)
+        if kv_events is not None:
+            await kv_events.close()
         await store.close()  # idempotent: a graceful stop has closed it already
-
-
-async def _until_signalled(work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` until it ends or SIGTERM/SIGINT arrives, then cancel it (its cleanup runs)."""
-    task = asyncio.ensure_future(work)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,14 +233,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    _replica_parser(sub)
     _envoy_parser(sub)
     _check_parser(sub)
-    from extproc.bench.cli import add_bench_parser
-    from extproc.demo.cli import add_demo_parser
-
-    add_demo_parser(sub)
-    add_bench_parser(sub)
+    for entry in entry_points(group=COMMANDS_GROUP):
+        try:
+            register = entry.load()
+        except ImportError as exc:  # a plugin half-installed must not take the router's commands down
+            print(f"extproc: sub-commands {entry.value!r} not loaded: {exc}", file=sys.stderr)
+            continue
+        register(sub)
     args = parser.parse_args(argv)
     quiet = args.command in ("demo", "bench")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
@@ -255,27 +260,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # Nothing was reported SERVING: a port in use stops the start, naming the address.
                 print(f"extproc: {exc}", file=sys.stderr)
                 return 3
-        elif args.command == "replica":
-            from extproc.replica import serve_replica
-
-            adapters = tuple(a for a in args.lora_adapters.split(",") if a)
-            if args.max_lora is not None and (args.max_lora < 0 or (adapters and args.max_lora == 0)):
-                parser.error("replica: --max-lora must be >= 1 with --lora-adapters, and never negative")
-            asyncio.run(
-                _until_signalled(
-                    serve_replica(
-                        args.name,
-                        args.host,
-                        args.port,
-                        args.profile,
-                        args.model,
-                        args.time_scale,
-                        lora_adapters=adapters,
-                        max_lora=args.max_lora,
-                        lora_on_demand=args.lora_on_demand,
-                    )
-                )
-            )
         elif args.command == "envoy-config":
             from extproc.envoy_config import run_envoy_config
 
@@ -284,14 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_config(args.file)
             source = "static" if cfg.discovery.is_static else cfg.discovery.source.type
             print(f"{args.file}: ok (mode {cfg.mode}, {len(cfg.replicas)} replicas, discovery {source})")
-        elif args.command == "demo":
-            from extproc.demo.cli import run_demo_command
-
-            return run_demo_command(args)
-        elif args.command == "bench":
-            from extproc.bench.cli import run_bench_command
-
-            return run_bench_command(args)
+        else:
+            run: Callable[[argparse.Namespace], int] = args.run
+            return run(args)
     except ConfigError as exc:
         print(f"extproc: config error: {exc}", file=sys.stderr)
         return 2

@@ -14,9 +14,9 @@ from envoy_data_plane.envoy.config.cluster.v3 import Cluster
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import HttpConnectionManager
 
 from extproc.cli import main
-from extproc.demo.scenario import SHIPPED_REPLICAS
 from extproc.envoy_config import SCENARIOS, GatewaySpec, bootstrap, render, render_yaml
 from extproc.routing import Replica
+from extproc_lab.demo.scenario import SHIPPED_REPLICAS
 from tests.conftest import ROOT, require_binary
 
 ENVOY_DIR = ROOT / "envoy"

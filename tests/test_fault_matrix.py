@@ -1,7 +1,7 @@
 """The fault matrix through real Envoy, at small scale: each fault injected under load into a
 gateway of its own, with bounded durations, and what the clients saw asserted.
 
-The cases live in :mod:`extproc.demo.fault_matrix`; ``benchmarks/fault_matrix.py`` runs them
+The cases live in :mod:`extproc_lab.demo.fault_matrix`; ``benchmarks/fault_matrix.py`` runs them
 bigger and writes ``benchmarks/fault_matrix.md``. Two faults of the matrix are asserted elsewhere
 and not repeated here: a replica killed mid-replay (``tests/test_failover_e2e.py``: no client
 error, sessions re-pinned and sticky again, readmission, in both modes) and Redis killed under
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.demo import fault_matrix as fm
-from extproc.demo.faulty import ABSURD_PAGE, NEGATIVE_PAGE
 from extproc.envoy_config import GatewaySpec, render
 from extproc.health.vllm_metrics import parse_vllm_metrics
 from extproc.routing import Replica
+from extproc_lab.demo import fault_matrix as fm
+from extproc_lab.demo.faulty import ABSURD_PAGE, NEGATIVE_PAGE
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

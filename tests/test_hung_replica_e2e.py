@@ -15,9 +15,9 @@ import time
 import aiohttp
 import pytest
 
-from extproc.demo.fault_matrix import with_config
-from extproc.demo.gateway import LocalGateway
-from extproc.demo.load import Outcome, chat_body, send, send_stream
+from extproc_lab.demo.fault_matrix import with_config
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.load import Outcome, chat_body, send, send_stream
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

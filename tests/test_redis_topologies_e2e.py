@@ -22,11 +22,11 @@ import aiohttp
 import pytest
 from redis.crc import key_slot
 
-from extproc.demo.certificates import make_certificates
-from extproc.demo.gateway import LocalGateway
-from extproc.demo.redis_server import LocalCluster, LocalRedis, LocalSentinel
-from extproc.demo.workload import Conversation, multi_turn
 from extproc.state.redis_keys import KeySpace
+from extproc_lab.demo.certificates import make_certificates
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.redis_server import LocalCluster, LocalRedis, LocalSentinel
+from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import require_binary
 from tests.test_shared_store_e2e import metrics_of
 

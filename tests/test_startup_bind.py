@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from extproc.demo.processes import free_port, wait_for_port
 from extproc.server.listeners import BindError, Listener, MetricsListener, bind_all
+from extproc_lab.demo.processes import free_port, wait_for_port
 
 HOST = "127.0.0.1"
 

@@ -12,11 +12,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import ConfigError, config_from_mapping
 from extproc.envoy_config import GatewaySpec, render
+from extproc.health.replicas import ReplicaBook
 from extproc.request.openai_body import max_output_tokens
 from extproc.router import Router
 from extproc.routing.model import Replica
 from extproc.server.stream import RequestStream
-from extproc.state.replicas import ReplicaBook
 from extproc.upstream_timeouts import PER_TRY_TIMEOUT_HEADER, UpstreamTimeouts, attempts
 from tests.conftest import body_message, headers_message, make_config, set_headers
 
@@ -52,7 +52,7 @@ def test_upstream_section_is_validated_naming_the_field() -> None:
     cfg = config_from_mapping({"upstream": {"first_byte_s": 2, "stream_idle_s": 7, "stream_header": "X-S"}})
     assert (cfg.upstream.first_byte_s, cfg.upstream.stream_idle_s, cfg.upstream.stream_header) == (2.0, 7.0, "x-s")
     assert "x-s" in cfg.routing_headers  # a client never sets it itself
-    with pytest.raises(ConfigError, match="upstream: unknown keys"):
+    with pytest.raises(ConfigError, match=r"upstream\.first_byte: unknown key"):
         config_from_mapping({"upstream": {"first_byte": 2}})
     with pytest.raises(ConfigError, match=r"upstream\.first_byte_s"):
         config_from_mapping({"upstream": {"first_byte_s": 0}})

@@ -39,22 +39,25 @@ def mutation(set_headers: Iterable[tuple[str, str]], remove: Iterable[str] = ())
     return pb.HeaderMutation(set_headers=[_set(k, v) for k, v in set_headers], remove_headers=list(remove))
 
 
-def continue_headers(remove: Iterable[str] = (), skip_response_headers: int | None = None) -> pb.ProcessingResponse:
+def continue_headers(
+    remove: Iterable[str] = (), mode_override: pm.ProcessingMode | None = None
+) -> pb.ProcessingResponse:
     """Let request headers through, stripping the routing headers a client may have set.
 
-    With ``skip_response_headers`` (the stream's request body mode), the answer also asks Envoy
-    not to send this request's response headers (a ``mode_override``; Envoy applies it only when
-    its filter has ``allow_mode_override``, as the rendered configs do, and only in this answer).
+    With ``mode_override`` (e.g. :func:`without_response_headers`), the answer also changes what
+    Envoy sends next on this stream; Envoy applies it only when its filter has
+    ``allow_mode_override``, as the rendered configs do, and only in this answer.
     """
     common = pb.CommonResponse(header_mutation=mutation((), remove)) if remove else pb.CommonResponse()
     response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
-    if skip_response_headers is not None:
-        response.mode_override.CopyFrom(_without_response_headers(skip_response_headers))
+    if mode_override is not None:
+        response.mode_override.CopyFrom(mode_override)
     return response
 
 
 @functools.cache
-def _without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
+def without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
+    """The processing mode that skips this request's response headers, its body mode unchanged."""
     # Envoy replaces the whole mode with an override: everything else repeats the rendered config.
     # Built once per body mode (the caller copies it into each answer).
     return pm.ProcessingMode(

@@ -88,7 +88,7 @@ class RequestStream:
             self.phase = Phase.BODY
             if self.router.sample_response():
                 return msg.continue_headers(self.remove)
-            return msg.continue_headers(self.remove, skip_response_headers=self.body_mode)
+            return msg.continue_headers(self.remove, msg.without_response_headers(self.body_mode))
         if kind == "request_body" and self.phase is Phase.BODY:
             body = request.request_body
             self.chunks.append(body.body)
@@ -157,7 +157,7 @@ class RequestStream:
                 429,
                 "this tenant is over its quota of concurrent requests; retry later",
                 "quota_exceeded",
-                retry_after_s=routed.retry_after_s,
+                retry_after_s=routed.decision.retry_after_s,
             )
         if decision.replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): let Envoy
