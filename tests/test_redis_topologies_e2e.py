@@ -118,6 +118,7 @@ def assert_shared(used: list[set[str]], per_processor: list[Counter[str]], statu
 def test_tls_redis_shared_by_two_processors(tmp_path: Any) -> None:
     require_binary("envoy")
     require_binary("redis-server")
+    require_binary("openssl")
     certs = make_certificates(tmp_path / "certs")
     gw = gateway("placeholder")
     server = LocalRedis(gw.procs, gw.dir, name="redis-tls", tls=certs)
