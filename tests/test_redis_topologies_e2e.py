@@ -43,8 +43,9 @@ TLS_ROOMY = "connect_timeout=2&socket_timeout=0.5"
 ROOMY = "connect_timeout=0.5&socket_timeout=0.5"
 # Pins are written behind the decision; a user's next turn comes seconds later, not within the
 # write's latency (a Cluster's first write to a node loads the script there): a pause between
-# turns, or a turn could race the write of the one before it on the other processor.
-THINK_S = 0.1
+# turns, or a turn could race the write of the one before it on the other processor. 0.1 s was
+# too short for the Cluster at a load average of about 8 (2 of 5 runs had a conversation move).
+THINK_S = 0.3
 
 
 def gateway(store_url: str) -> LocalGateway:
