@@ -34,13 +34,12 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     tok = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
     sockets = tmp_path_factory.mktemp("kv")
     labels, replica_args = {}, {}
-    for i, name in enumerate(REPLICAS):
+    for name in REPLICAS:
         pub, replay = f"ipc://{sockets}/{name}.pub", f"ipc://{sockets}/{name}.replay"
         labels[name] = {"kv_events": pub, "kv_replay": replay}
         encoding = "array" if name == "replica-1" else "map"
         replica_args[name] = ("--tokenizer", str(tok), "--kv-events", pub, "--kv-replay", replay,
                               "--kv-events-encoding", encoding)  # fmt: skip
-        assert i >= 0
     gw = LocalGateway(
         replicas=len(REPLICAS),
         time_scale=0.02,
