@@ -324,3 +324,17 @@ async def test_odd_bodies_are_routed_on_what_is_known(tokenizer_dir: Path, messa
     finally:
         await kv.close()
     assert routed.decision.replica is not None
+
+
+_piece = st.sampled_from(["hello", " world", "\n", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "cache", "  ", "é"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(_piece, max_size=8).map("".join), min_size=1, max_size=6))
+def test_incremental_tokenizing_equals_full_on_any_turns(tokenizer_dir: Path, contents: list[str]) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs: list[dict[str, str]] = []
+    for i, content in enumerate(contents):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+        got = tok.chat_ids(msgs, session="s")
+        assert got.ids == tuple(tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids)
