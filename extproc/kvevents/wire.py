@@ -91,7 +91,7 @@ def split_message(frames: Sequence[bytes]) -> Message:
 def _hashes(value: Any) -> tuple[int, ...] | None:
     if not isinstance(value, list | tuple):
         return None
-    out = []
+    out: list[int] = []
     append = out.append
     for v in value:
         if type(v) is int and v >= 0:  # the common case, kept cheap: 200,000 blocks/s is the aim
