@@ -4,12 +4,12 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -e ./lab
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,9 +21,13 @@ demo: $(STAMP)
 os-deps:
 	@bash scripts/install-os-deps.sh
 
+# examples/router.yaml is generated from the config schema; tests/test_config.py keeps it equal.
+example-config: $(STAMP)
+	$(PY) -c "from extproc.config_schema import example_yaml; print(example_yaml(), end='')" > examples/router.yaml
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check extproc tests benchmarks fuzz envoy
-	$(VENV)/bin/ruff format --check extproc tests benchmarks fuzz envoy
+	$(VENV)/bin/ruff check extproc lab tests benchmarks fuzz envoy
+	$(VENV)/bin/ruff format --check extproc lab tests benchmarks fuzz envoy
 	$(VENV)/bin/mypy
 
 test: $(STAMP) os-deps lint

@@ -1,4 +1,4 @@
-"""Does the gRPC path alone grow? The do-nothing ext_proc server (``extproc.bench.bare_processor``)
+"""Does the gRPC path alone grow? The do-nothing ext_proc server (``extproc_lab.bench.bare_processor``)
 behind real Envoy at a paced rate, its resident memory sampled every 10 s.
 
 The soak (benchmarks/soak.md) saw our processor's RSS grow ~120 bytes a request after warm-up with
@@ -17,10 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-from extproc.bench.overhead import BARE, Wrk, swap_in_bare_processor
-from extproc.demo.fault_matrix import rss_bytes
-from extproc.demo.gateway import LocalGateway
-from extproc.demo.soak import least_squares_slope
+from extproc_lab.bench.overhead import BARE, Wrk, swap_in_bare_processor
+from extproc_lab.demo.fault_matrix import rss_bytes
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.soak import least_squares_slope
 
 MIB = 2**20
 

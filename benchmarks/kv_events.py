@@ -40,9 +40,9 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.index import ModelIndex
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import BlockRemoved, BlockStored, decode_batch, encode_batch
-from extproc.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 from extproc.router import Router
 from extproc.routing.model import Replica
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 
 MODEL = "m"
 

@@ -18,12 +18,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from extproc.bench.policies import KV_EVENTS, KV_EVENTS_DELAY_S, policy_profile, scrape_interval
-from extproc.bench.workloads import WorkloadSpec
 from extproc.config import Config
-from extproc.replica.timing import get_profile
-from extproc.sim.figures import figures
-from extproc.sim.simulator import Simulation
+from extproc_lab.bench.policies import KV_EVENTS, KV_EVENTS_DELAY_S, policy_profile, scrape_interval
+from extproc_lab.bench.workloads import WorkloadSpec
+from extproc_lab.replica.timing import get_profile
+from extproc_lab.sim.figures import figures
+from extproc_lab.sim.simulator import Simulation
 
 POLICIES = ("extproc", "kv_events", "kv_events, pins kept", "dynamo_kv")
 

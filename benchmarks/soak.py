@@ -1,7 +1,7 @@
 """The soak: ten minutes (by default) at a fixed rate through real Envoy, sessions coming and going,
 the processor's resident memory (``/proc/<pid>/status``) and its bounded structures (its /metrics
 page: ``extproc_sessions``, ``extproc_prefix_index_blocks``, ``extproc_session_ledger_*``) sampled
-every few seconds. See :mod:`extproc.demo.soak` for what is run and why the bounds are scaled down.
+every few seconds. See :mod:`extproc_lab.demo.soak` for what is run and why the bounds are scaled down.
 
     .venv/bin/python benchmarks/soak.py [--minutes 10] [--rate 40] [--warmup 120]
         [--out benchmarks/soak.md] [--json soak.json]
@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from extproc.demo.soak import SoakReport, SoakSettings, run_soak
+from extproc_lab.demo.soak import SoakReport, SoakSettings, run_soak
 
 MIB = 2**20
 

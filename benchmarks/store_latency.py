@@ -42,9 +42,6 @@ from pathlib import Path
 import redis
 
 from extproc.config import Config
-from extproc.demo.processes import ProcessGroup
-from extproc.demo.redis_server import LocalRedis, redis_binary
-from extproc.demo.workload import multi_turn
 from extproc.router import Router
 from extproc.routing.model import Replica
 from extproc.state import AffinityStore, MemoryStore
@@ -52,6 +49,9 @@ from extproc.state.factory import open_store
 from extproc.state.redis_keys import KeySpace
 from extproc.state.redis_scripts import RECORD, pack_hashes
 from extproc.state.redis_store import RedisStore
+from extproc_lab.demo.processes import ProcessGroup
+from extproc_lab.demo.redis_server import LocalRedis, redis_binary
+from extproc_lab.demo.workload import multi_turn
 
 MODEL = "demo-model"
 REPLICAS = tuple(Replica(f"replica-{i}", f"10.0.0.{i + 1}:8000") for i in range(4))
@@ -192,7 +192,7 @@ def render(args: argparse.Namespace, results: list[Result], per_session: float, 
         f"## Decision latency (`Router.route`, {args.sessions} sessions x {args.turns} turns, first turn of each "
         "session excluded as warm-up)",
         "",
-        f"Bodies are the multi-turn chat workload (`extproc.demo.workload.multi_turn`): system prompt, a "
+        f"Bodies are the multi-turn chat workload (`extproc_lab.demo.workload.multi_turn`): system prompt, a "
         f"1,500-token document, follow-ups; {len(base.samples)} decisions per row.",
         "",
         "| store | p50 (us) | p90 (us) | p99 (us) | mean (us) | added at p50 (us) | Redis lookups | near-cache hits |",

@@ -1,4 +1,9 @@
-"""The ``extproc`` command line: serve, replica, envoy-config, check-config, demo, bench."""
+"""The ``extproc`` command line: serve, envoy-config, check-config.
+
+Installed packages add sub-commands through the ``extproc.commands`` entry point group (a
+function given the sub-parsers, setting ``run`` on each parser it adds): the lab adds ``replica``,
+``demo`` and ``bench``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,10 @@ import asyncio
 import contextlib
 import gc
 import logging
-import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from importlib.metadata import entry_points
 
 from extproc.config import (
     Config,
@@ -24,6 +28,8 @@ from extproc.config import (
 )
 from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
 from extproc.logs import setup_logging
+
+COMMANDS_GROUP = "extproc.commands"
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,31 +64,6 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
     add_kv_event_flags(p)
-
-
-def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("replica", help="run a fake vLLM replica (OpenAI API, /metrics, prefix cache)")
-    p.add_argument("--name", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--profile", default="demo")
-    p.add_argument("--model", default="demo-model")
-    p.add_argument("--time-scale", type=float, default=None, help="1.0 real time, 0.1 ten times faster")
-    p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
-    p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
-    p.add_argument(
-        "--no-lora-on-demand",
-        dest="lora_on_demand",
-        action="store_false",
-        help="answer 404 for adapters not in --lora-adapters instead of loading them by name",
-    )
-    p.add_argument(
-        "--tokenizer", metavar="DIR", help="tokenize prompts as vLLM does; cache keyed by vLLM's block hashes"
-    )
-    p.add_argument("--kv-events", metavar="ENDPOINT", help="publish KV events here, as vLLM (binds * and ipc://)")
-    p.add_argument("--kv-replay", metavar="ENDPOINT", help="answer event replays here (a ROUTER socket)")
-    p.add_argument("--kv-events-encoding", choices=["map", "array"], default="map", help="vLLM 0.33 maps, or arrays")
-    p.add_argument("--prefix-caching-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256")
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -176,10 +157,11 @@ async def _serve(cfg: Config) -> None:
     from extproc.discovery import run_discovery
     from extproc.health.scraper import Scraper
     from extproc.metrics import RouterMetrics
-    from extproc.metrics_http import start_metrics_server
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
+    from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all
     from extproc.state.factory import open_store
+    from extproc.telemetry import export
 
     metrics = RouterMetrics()
     try:
@@ -211,12 +193,24 @@ async def _serve(cfg: Config) -> None:
     except ValueError as exc:  # an unreadable certificate or key file
         await store.close()
         raise ConfigError(str(exc)) from None
-    runner = None
+    except BaseException:  # a gRPC port that does not bind (BindError)
+        await store.close()
+        raise
+    # Every other listener binds now, before the health service says SERVING (server.start()).
+    listeners: list[Listener] = []
     if cfg.metrics_listen:
-        runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, router.collect)
+        listeners.append(MetricsListener(router.metrics.registry, cfg.metrics_listen, export(router)))
+    try:
+        await bind_all(listeners)
+    except BaseException:
+        await store.close()
+        raise
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
-    discovering = asyncio.create_task(run_discovery(cfg, router, router.metrics), name="discovery")
+    discovering = asyncio.create_task(
+        run_discovery(cfg.discovery, router, router.metrics, static=cfg.replicas, cluster_mode=cfg.mode == "cluster"),
+        name="discovery",
+    )
     # What is alive now (modules, config, the router) lives as long as the process: take it out of
     # the collector's sight, so that a full collection walks only what requests create. Measured
     # here: a full collection went from ~60 ms (a stall every request in flight waits out) to ~2 ms.
@@ -233,21 +227,10 @@ async def _serve(cfg: Config) -> None:
             await scraping
         with contextlib.suppress(asyncio.CancelledError):
             await discovering
-        if runner is not None:
-            await runner.cleanup()
+        await close_all(listeners)
         if kv_events is not None:
             await kv_events.close()
         await store.close()  # idempotent: a graceful stop has closed it already
-
-
-async def _until_signalled(work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` until it ends or SIGTERM/SIGINT arrives, then cancel it (its cleanup runs)."""
-    task = asyncio.ensure_future(work)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,14 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    _replica_parser(sub)
     _envoy_parser(sub)
     _check_parser(sub)
-    from extproc.bench.cli import add_bench_parser
-    from extproc.demo.cli import add_demo_parser
-
-    add_demo_parser(sub)
-    add_bench_parser(sub)
+    for entry in entry_points(group=COMMANDS_GROUP):
+        try:
+            register = entry.load()
+        except ImportError as exc:  # a plugin half-installed must not take the router's commands down
+            print(f"extproc: sub-commands {entry.value!r} not loaded: {exc}", file=sys.stderr)
+            continue
+        register(sub)
     args = parser.parse_args(argv)
     quiet = args.command in ("demo", "bench")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
@@ -273,33 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(
                     "serve: no replicas (give --replica NAME=HOST:PORT, or a config file with replicas or discovery)"
                 )
-            asyncio.run(_serve(cfg))
-        elif args.command == "replica":
-            from extproc.replica import serve_replica
+            from extproc.server.listeners import BindError
 
-            adapters = tuple(a for a in args.lora_adapters.split(",") if a)
-            if args.max_lora is not None and (args.max_lora < 0 or (adapters and args.max_lora == 0)):
-                parser.error("replica: --max-lora must be >= 1 with --lora-adapters, and never negative")
-            asyncio.run(
-                _until_signalled(
-                    serve_replica(
-                        args.name,
-                        args.host,
-                        args.port,
-                        args.profile,
-                        args.model,
-                        args.time_scale,
-                        lora_adapters=adapters,
-                        max_lora=args.max_lora,
-                        lora_on_demand=args.lora_on_demand,
-                        tokenizer_dir=args.tokenizer,
-                        kv_events=args.kv_events,
-                        kv_replay=args.kv_replay,
-                        kv_events_encoding=args.kv_events_encoding,
-                        hash_algo=args.prefix_caching_hash_algo,
-                    )
-                )
-            )
+            try:
+                asyncio.run(_serve(cfg))
+            except BindError as exc:
+                # Nothing was reported SERVING: a port in use stops the start, naming the address.
+                print(f"extproc: {exc}", file=sys.stderr)
+                return 3
         elif args.command == "envoy-config":
             from extproc.envoy_config import run_envoy_config
 
@@ -308,14 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_config(args.file)
             source = "static" if cfg.discovery.is_static else cfg.discovery.source.type
             print(f"{args.file}: ok (mode {cfg.mode}, {len(cfg.replicas)} replicas, discovery {source})")
-        elif args.command == "demo":
-            from extproc.demo.cli import run_demo_command
-
-            return run_demo_command(args)
-        elif args.command == "bench":
-            from extproc.bench.cli import run_bench_command
-
-            return run_bench_command(args)
+        else:
+            run: Callable[[argparse.Namespace], int] = args.run
+            return run(args)
     except ConfigError as exc:
         print(f"extproc: config error: {exc}", file=sys.stderr)
         return 2

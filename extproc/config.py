@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import yaml
 
+import extproc.config_schema as schema
 from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, parse_discovery
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
@@ -26,9 +27,9 @@ from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.state.store_url import parse_store_url
 from extproc.tenancy import TenantPolicy, TenantSettings
+from extproc.upstream_timeouts import UpstreamTimeouts
 
 Mode = Literal["cluster", "endpoint"]
-ROUTING_HEADERS = ("x-target-cluster", "x-gateway-destination-endpoint")
 
 
 class ConfigError(ValueError):
@@ -83,12 +84,13 @@ class Config:
     # A plaintext listener that serves only the gRPC health service (kubelet's gRPC probes speak
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
+    upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     kv_events: KvEventSettings = field(default_factory=KvEventSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
         """Headers a client must never set itself."""
-        return (self.target_cluster_header, self.destination_endpoint_header)
+        return (self.target_cluster_header, self.destination_endpoint_header, self.upstream.stream_header)
 
 
 def parse_replica(spec: str) -> Replica:
@@ -113,31 +115,6 @@ def _check_address(address: str, where: str) -> None:
         raise ConfigError(f"{where}: expected HOST:PORT, got {address!r}")
 
 
-def _get(section: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any) -> Any:
-    if key not in section:
-        return default
-    value = section[key]
-    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else ()):
-        raise ConfigError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got a boolean")
-    if not isinstance(value, kind):
-        raise ConfigError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
-    return value
-
-
-def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = raw.get(key) or {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{key}: expected a mapping")
-    return value
-
-
-def _number(section: Mapping[str, Any], key: str, where: str, default: float, minimum: float = 0.0) -> float:
-    value = float(_get(section, key, (int, float), where, default))
-    if value < minimum:
-        raise ConfigError(f"{where}.{key}: expected a number >= {minimum:g}, got {value:g}")
-    return value
-
-
 def checked_sample_rate(rate: float, where: str) -> float:
     """``health.response_sample_rate`` (or the flag ``where`` names), checked: a share from 0 to 1."""
     if not 0.0 <= rate <= 1.0:
@@ -145,93 +122,44 @@ def checked_sample_rate(rate: float, where: str) -> float:
     return rate
 
 
-def _health_settings(raw: Mapping[str, Any]) -> HealthSettings:
-    d = HealthSettings()
-    weights = _section(raw, "weights") if "weights" in raw else {}
-    limits = _section(raw, "limits") if "limits" in raw else {}
-    where = "health"
-    rotation = RotationPolicy(
-        eject_below=_number(raw, "eject_below", where, d.rotation.eject_below),
-        eject_after=int(_number(raw, "eject_after", where, d.rotation.eject_after, 1)),
-        readmit_above=_number(raw, "readmit_above", where, d.rotation.readmit_above),
-        readmit_after=int(_number(raw, "readmit_after", where, d.rotation.readmit_after, 1)),
-        cooldown_s=_number(raw, "cooldown_s", where, d.rotation.cooldown_s),
-    )
-    if rotation.readmit_above < rotation.eject_below:
+def _health_settings(raw: schema.Health) -> HealthSettings:
+    if raw.readmit_above < raw.eject_below:
         raise ConfigError("health.readmit_above: must not be below health.eject_below (hysteresis)")
     return HealthSettings(
-        response_sample_rate=checked_sample_rate(
-            _number(raw, "response_sample_rate", where, d.response_sample_rate), "health.response_sample_rate"
+        response_sample_rate=raw.response_sample_rate,
+        scrape_interval_s=raw.scrape_interval_s,
+        scrape_timeout_s=raw.scrape_timeout_s,
+        stale_after_s=raw.stale_after_s,
+        metrics_path=raw.metrics_path,
+        weights=HealthWeights(**raw.weights.model_dump()),
+        limits=HealthLimits(**raw.limits.model_dump()),
+        rotation=RotationPolicy(
+            eject_below=raw.eject_below,
+            eject_after=raw.eject_after,
+            readmit_above=raw.readmit_above,
+            readmit_after=raw.readmit_after,
+            cooldown_s=raw.cooldown_s,
         ),
-        scrape_interval_s=_number(raw, "scrape_interval_s", where, d.scrape_interval_s, 0.01),
-        scrape_timeout_s=_number(raw, "scrape_timeout_s", where, d.scrape_timeout_s, 0.001),
-        stale_after_s=_number(raw, "stale_after_s", where, d.stale_after_s, 0.01),
-        metrics_path=str(_get(raw, "metrics_path", str, where, d.metrics_path)),
-        weights=HealthWeights(
-            **{
-                k: _number(weights, k, "health.weights", getattr(d.weights, k))
-                for k in HealthWeights.__dataclass_fields__
-            }
-        ),
-        limits=HealthLimits(
-            queue_full=int(_number(limits, "queue_full", "health.limits", d.limits.queue_full, 1)),
-            kv_start=_number(limits, "kv_start", "health.limits", d.limits.kv_start),
-            ttft_slo_s=_number(limits, "ttft_slo_s", "health.limits", d.limits.ttft_slo_s, 0.001),
-            error_rate_full=_number(limits, "error_rate_full", "health.limits", d.limits.error_rate_full, 0.001),
-            unreachable_after=int(_number(limits, "unreachable_after", "health.limits", d.limits.unreachable_after, 1)),
-        ),
-        rotation=rotation,
-        upstream_fail_after=int(_number(raw, "upstream_fail_after", where, d.upstream_fail_after, 1)),
-        ttft_window_s=_number(raw, "ttft_window_s", where, d.ttft_window_s, 1.0),
+        upstream_fail_after=raw.upstream_fail_after,
+        ttft_window_s=raw.ttft_window_s,
     )
 
 
-TENANT_KEYS = {"header", "api_keys", "api_keys_file", "replica_capacity", "per_replica", "overflow_pool", "definitions"}
-
-
-def _tenant_settings(raw: Mapping[str, Any]) -> TenantSettings:
-    d = TenantSettings()
-    unknown = set(raw) - TENANT_KEYS
-    if unknown:
-        raise ConfigError(f"tenants: unknown keys {', '.join(sorted(unknown))}")
-    definitions: dict[str, TenantPolicy] = {}
-    defs = _section(raw, "definitions") if "definitions" in raw else {}
-    for name, spec in defs.items():
-        where = f"tenants.definitions.{name}"
-        if not isinstance(spec, Mapping):
-            raise ConfigError(f"{where}: expected a mapping")
-        over = spec.get("over_quota", "reject")
-        if over not in ("reject", "overflow"):
-            raise ConfigError(f"{where}.over_quota: expected 'reject' or 'overflow', got {over!r}")
-        max_concurrent = spec.get("max_concurrent")
-        share = spec.get("max_share")
-        if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
-            raise ConfigError(f"{where}.max_concurrent: expected an integer >= 1")
-        if share is not None and (not isinstance(share, int | float) or not 0 < share <= 1):
-            raise ConfigError(f"{where}.max_share: expected a fraction in (0, 1]")
-        definitions[str(name)] = TenantPolicy(
-            max_concurrent=max_concurrent,
-            max_share=float(share) if share is not None else None,
-            shard_size=int(_number(spec, "shard_size", where, 0)),
-            over_quota=over,
-            retry_after_s=int(_number(spec, "retry_after_s", where, 1, 1)),
-        )
-    pool = _get(raw, "overflow_pool", Mapping, "tenants", d.overflow_pool)
+def _tenant_settings(raw: schema.Tenants) -> TenantSettings:
     return TenantSettings(
-        definitions=definitions,
-        replica_capacity=int(_number(raw, "replica_capacity", "tenants", d.replica_capacity, 1)),
-        per_replica=int(_number(raw, "per_replica", "tenants", d.per_replica, 1)),
-        overflow_pool={str(k): str(v) for k, v in pool.items()},
+        definitions={name: TenantPolicy(**spec.model_dump()) for name, spec in raw.definitions.items()},
+        replica_capacity=raw.replica_capacity,
+        per_replica=raw.per_replica,
+        overflow_pool=dict(raw.overflow_pool),
     )
 
 
-def _api_keys(raw: Mapping[str, Any]) -> dict[str, str]:
+def _api_keys(raw: schema.Tenants) -> dict[str, str]:
     """API-key digests -> tenant, inline or from a YAML/JSON file (``api_keys_file``)."""
-    keys: dict[str, Any] = dict(_get(raw, "api_keys", Mapping, "tenants", {}))
-    path = raw.get("api_keys_file")
-    if path:
+    keys: dict[str, Any] = dict(raw.api_keys)
+    if raw.api_keys_file:
         try:
-            loaded = yaml.safe_load(Path(str(path)).read_text()) or {}
+            loaded = yaml.safe_load(Path(raw.api_keys_file).read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"tenants.api_keys_file: {exc}") from None
         if not isinstance(loaded, Mapping):
@@ -243,93 +171,52 @@ def _api_keys(raw: Mapping[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in keys.items()}
 
 
-def _class_rules(raw: Any, profiles: Mapping[str, Any]) -> tuple[ClassRule, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ConfigError("classes: expected a list of rules")
+def _class_rules(raw: Sequence[schema.ClassRuleSection], profiles: Mapping[str, Any]) -> tuple[ClassRule, ...]:
     rules = []
     for i, item in enumerate(raw):
-        where = f"classes[{i}]"
-        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
-            raise ConfigError(f"{where}: expected a mapping with a name")
-        match = _section(item, "match") if "match" in item else {}
-        unknown = set(match) - {"min_tokens", "max_tokens", "stream", "media", "headers", "models"}
-        if unknown:
-            raise ConfigError(f"{where}.match: unknown keys {', '.join(sorted(unknown))}")
-        profile = item.get("profile")
-        if profile is not None and profile not in profiles:
-            raise ConfigError(f"{where}.profile: no profile {profile!r} under profiles:")
-        models = match.get("models", [])
+        if item.profile is not None and item.profile not in profiles:
+            raise ConfigError(f"classes[{i}].profile: no profile {item.profile!r} under profiles:")
+        match = item.match
+        models = match.models if isinstance(match.models, list) else [match.models]
         rules.append(
             ClassRule(
-                name=item["name"],
-                min_tokens=_get(match, "min_tokens", int, f"{where}.match", None),
-                max_tokens=_get(match, "max_tokens", int, f"{where}.match", None),
-                stream=_get(match, "stream", bool, f"{where}.match", None),
-                media=_get(match, "media", bool, f"{where}.match", None),
-                headers={str(k).lower(): str(v) for k, v in _get(match, "headers", Mapping, where, {}).items()},
-                models=tuple(str(m) for m in (models if isinstance(models, list) else [models])),
-                pool={str(k): str(v) for k, v in _get(item, "pool", Mapping, where, {}).items()},
-                profile=profile,
+                name=item.name,
+                min_tokens=match.min_tokens,
+                max_tokens=match.max_tokens,
+                stream=match.stream,
+                media=match.media,
+                headers={k.lower(): v for k, v in match.headers.items()},
+                models=tuple(models),
+                pool=dict(item.pool),
+                profile=item.profile,
             )
         )
     return tuple(rules)
 
 
-def _profiles(raw: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    out = {}
+def _profile_mapping(spec: schema.ProfileSpec) -> dict[str, Any]:
+    return spec.model_dump(exclude_none=True)
+
+
+def _profiles(raw: Mapping[str, schema.ProfileSpec]) -> dict[str, Mapping[str, Any]]:
+    out: dict[str, Mapping[str, Any]] = {}
     for name, spec in raw.items():
+        mapping = _profile_mapping(spec)
         try:
-            build_profile(spec)
+            build_profile(mapping)
         except ProfileError as exc:
             raise ConfigError(f"profiles.{name}: {exc}") from None
-        out[str(name)] = spec
+        out[name] = mapping
     return out
 
 
-def _rebalance_settings(raw: Mapping[str, Any]) -> RebalanceSettings:
-    d = RebalanceSettings()
-    where = "rebalance"
-    pw = _section(raw, "prewarm") if "prewarm" in raw else {}
-    fraction = _number(raw, "shed_fraction", where, d.shed_fraction)
-    if fraction > 1:
-        raise ConfigError("rebalance.shed_fraction: expected a fraction in [0, 1]")
-    return RebalanceSettings(
-        enabled=bool(_get(raw, "enabled", bool, where, d.enabled)),
-        move_on_join=bool(_get(raw, "move_on_join", bool, where, d.move_on_join)),
-        session_cooldown_s=_number(raw, "session_cooldown_s", where, d.session_cooldown_s),
-        hot_kv=_number(raw, "hot_kv", where, d.hot_kv),
-        hot_queue=int(_number(raw, "hot_queue", where, d.hot_queue)),
-        hot_for_s=_number(raw, "hot_for_s", where, d.hot_for_s),
-        shed_fraction=fraction,
-        replica_cooldown_s=_number(raw, "replica_cooldown_s", where, d.replica_cooldown_s),
-        ledger_sessions=int(_number(raw, "ledger_sessions", where, d.ledger_sessions, 1)),
-        ledger_bytes=int(_number(raw, "ledger_bytes", where, d.ledger_bytes, 1)),
-        prewarm=PrewarmSettings(
-            enabled=bool(_get(pw, "enabled", bool, "rebalance.prewarm", d.prewarm.enabled)),
-            rate_per_s=_number(pw, "rate_per_s", "rebalance.prewarm", d.prewarm.rate_per_s, 0.001),
-            burst=int(_number(pw, "burst", "rebalance.prewarm", d.prewarm.burst, 1)),
-            queue=int(_number(pw, "queue", "rebalance.prewarm", d.prewarm.queue, 1)),
-            timeout_s=_number(pw, "timeout_s", "rebalance.prewarm", d.prewarm.timeout_s, 0.001),
-        ),
-    )
+def _rebalance_settings(raw: schema.Rebalance) -> RebalanceSettings:
+    fields = raw.model_dump(exclude={"prewarm"})
+    return RebalanceSettings(**fields, prewarm=PrewarmSettings(**raw.prewarm.model_dump()))
 
 
-def _listener_tls(grpc: Mapping[str, Any]) -> ListenerTls | None:
-    if "tls" not in grpc:
-        return None
-    raw = grpc["tls"]
-    if not isinstance(raw, Mapping):
-        raise ConfigError("grpc.tls: expected a mapping with cert_file and key_file")
-    unknown = set(raw) - {"cert_file", "key_file", "client_ca_file"}
-    if unknown:
-        raise ConfigError(f"grpc.tls: unknown keys {', '.join(sorted(unknown))} (PEM is read from files only)")
-    cert = _get(raw, "cert_file", str, "grpc.tls", None)
-    key = _get(raw, "key_file", str, "grpc.tls", None)
-    if not cert or not key:
-        raise ConfigError("grpc.tls: cert_file and key_file are both required")
-    return ListenerTls(cert, key, _get(raw, "client_ca_file", str, "grpc.tls", None) or None)
+def _upstream_timeouts(raw: schema.Upstream) -> UpstreamTimeouts:
+    return UpstreamTimeouts(**{**raw.model_dump(), "stream_header": raw.stream_header.lower()})
 
 
 def _discovery_settings(raw: Any) -> DiscoverySettings:
@@ -339,118 +226,65 @@ def _discovery_settings(raw: Any) -> DiscoverySettings:
         raise ConfigError(str(exc)) from None
 
 
-KNOWN_KEYS = {
-    "listen",
-    "mode",
-    "headers",
-    "replicas",
-    "discovery",
-    "store",
-    "sessions",
-    "prefix",
-    "request",
-    "profile",
-    "ring",
-    "metrics",
-    "grpc",
-    "health",
-    "spillover",
-    "rebalance",
-    "tenants",
-    "classes",
-    "profiles",
-    "kv_events",
-}
-
-
 def config_from_mapping(raw: Mapping[str, Any]) -> Config:
-    """Validate a parsed YAML mapping into a :class:`Config`."""
+    """Validate a parsed YAML mapping into a :class:`Config` (the schema: :mod:`extproc.config_schema`)."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config: expected a mapping at the top level")
-    unknown = set(raw) - KNOWN_KEYS
-    if unknown:
-        raise ConfigError(f"unknown top-level keys: {', '.join(sorted(unknown))}")
-    base = Config()
-    mode = raw.get("mode", base.mode)
-    if mode not in ("cluster", "endpoint"):
-        raise ConfigError(f"mode: expected 'cluster' or 'endpoint', got {mode!r}")
-    headers = _section(raw, "headers")
+    try:
+        file = schema.parse_file(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     replicas: list[Replica] = []
-    for i, item in enumerate(raw.get("replicas") or []):
-        where = f"replicas[{i}]"
-        if not isinstance(item, Mapping):
-            raise ConfigError(f"{where}: expected a mapping with name and address")
-        name = _get(item, "name", str, where, None)
-        address = _get(item, "address", str, where, None)
-        if not name or not address:
-            raise ConfigError(f"{where}: name and address are required")
-        _check_address(address, f"{where}.address")
-        weight = float(_get(item, "weight", (int, float), where, 1.0))
-        if weight <= 0:
-            raise ConfigError(f"{where}.weight: expected a number > 0")
-        labels = _get(item, "labels", Mapping, where, {})
-        replicas.append(Replica(name, address, weight, {str(k): str(v) for k, v in labels.items()}))
+    for i, item in enumerate(file.replicas):
+        _check_address(item.address, f"replicas[{i}].address")
+        replicas.append(Replica(item.name, item.address, item.weight, dict(item.labels)))
     names = [r.name for r in replicas]
     if len(set(names)) != len(names):
         raise ConfigError("replicas: names must be unique")
-    sessions = _section(raw, "sessions")
-    prefix = _section(raw, "prefix")
-    request = _section(raw, "request")
-    ring = _section(raw, "ring")
-    metrics = _section(raw, "metrics")
-    grpc = _section(raw, "grpc")
-    health = _section(raw, "health")
-    sources_raw: Sequence[Any] = _get(request, "session_sources", list, "request", None) or []
     try:
-        sources = tuple(SessionSource.parse(str(s)) for s in sources_raw)
+        sources = tuple(SessionSource.parse(s) for s in file.request.session_sources)
     except ValueError as exc:
         raise ConfigError(f"request.session_sources: {exc}") from None
-    fdefault = FeatureSettings()
+    profiles = _profiles(file.profiles)
     features = FeatureSettings(
-        session_sources=sources or fdefault.session_sources,
-        tenant_header=str(
-            _get(_section(raw, "tenants"), "header", str, "tenants", None)
-            or _get(request, "tenant_header", str, "request", fdefault.tenant_header)
-        ).lower(),
-        block_chars=int(_get(prefix, "block_chars", int, "prefix", fdefault.block_chars)),
-        max_blocks=int(_get(prefix, "max_blocks", int, "prefix", fdefault.max_blocks)),
-        max_body_bytes=int(_get(request, "max_body_bytes", int, "request", fdefault.max_body_bytes)),
-        api_keys=_api_keys(_section(raw, "tenants")),
-        classes=_class_rules(raw.get("classes"), _section(raw, "profiles")),
+        session_sources=sources,
+        tenant_header=file.tenants.header.lower(),
+        block_chars=file.prefix.block_chars,
+        max_blocks=file.prefix.max_blocks,
+        max_body_bytes=file.request.max_body_bytes,
+        api_keys=_api_keys(file.tenants),
+        classes=_class_rules(file.classes, profiles),
     )
-    if features.block_chars < 1 or features.max_blocks < 1:
-        raise ConfigError("prefix.block_chars and prefix.max_blocks: expected integers >= 1")
-    profile = _section(raw, "profile") or DEFAULT_PROFILE
+    tls = file.grpc.tls
     cfg = Config(
-        listen=str(_get(raw, "listen", str, "config", base.listen)),
-        mode=mode,
-        target_cluster_header=str(_get(headers, "target_cluster", str, "headers", base.target_cluster_header)).lower(),
-        destination_endpoint_header=str(
-            _get(headers, "destination_endpoint", str, "headers", base.destination_endpoint_header)
-        ).lower(),
+        listen=file.listen,
+        mode=file.mode,
+        target_cluster_header=file.headers.target_cluster.lower(),
+        destination_endpoint_header=file.headers.destination_endpoint.lower(),
         replicas=tuple(replicas),
-        discovery=_discovery_settings(raw.get("discovery")),
-        store=str(_get(raw, "store", str, "config", base.store)),
-        session_ttl_s=float(_get(sessions, "ttl_s", (int, float), "sessions", base.session_ttl_s)),
-        max_sessions=int(_get(sessions, "max_sessions", int, "sessions", base.max_sessions)),
-        blocks_per_replica=int(_get(prefix, "blocks_per_replica", int, "prefix", base.blocks_per_replica)),
+        discovery=_discovery_settings(file.discovery),
+        store=file.store,
+        session_ttl_s=file.sessions.ttl_s,
+        max_sessions=file.sessions.max_sessions,
+        blocks_per_replica=file.prefix.blocks_per_replica,
         features=features,
-        profile=profile,
-        vnodes=int(_get(ring, "vnodes", int, "ring", base.vnodes)),
-        ring_key_blocks=int(_get(ring, "key_blocks", int, "ring", base.ring_key_blocks)),
-        metrics_listen=metrics.get("listen", base.metrics_listen) if metrics.get("enabled", True) else None,
-        max_message_bytes=int(_get(grpc, "max_message_bytes", int, "grpc", base.max_message_bytes)),
-        grpc_tls=_listener_tls(grpc),
-        health_listen=_get(grpc, "health_listen", str, "grpc", None),
-        health=_health_settings(health),
-        rebalance=_rebalance_settings(_section(raw, "rebalance")),
-        tenants=_tenant_settings(_section(raw, "tenants")),
-        profiles=_profiles(_section(raw, "profiles")),
-        spillover_repin=bool(_get(_section(raw, "spillover"), "repin", bool, "spillover", base.spillover_repin)),
-        kv_events=_kv_events(raw.get("kv_events")),
+        profile=_profile_mapping(file.profile) if file.profile is not None else DEFAULT_PROFILE,
+        vnodes=file.ring.vnodes,
+        ring_key_blocks=file.ring.key_blocks,
+        metrics_listen=file.metrics.listen if file.metrics.enabled else None,
+        max_message_bytes=file.grpc.max_message_bytes,
+        grpc_tls=ListenerTls(tls.cert_file, tls.key_file, tls.client_ca_file) if tls is not None else None,
+        health_listen=file.grpc.health_listen,
+        health=_health_settings(file.health),
+        rebalance=_rebalance_settings(file.rebalance),
+        tenants=_tenant_settings(file.tenants),
+        profiles=profiles,
+        spillover_repin=file.spillover.repin,
+        upstream=UpstreamTimeouts(
+            **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
+        ),
+        kv_events=_kv_events(file.kv_events),
     )
-    if cfg.session_ttl_s <= 0 or cfg.max_sessions < 1:
-        raise ConfigError("sessions.ttl_s and sessions.max_sessions: expected positive values")
     try:
         parse_store_url(cfg.store)  # the form only: Redis may well be down while we start
     except ValueError as exc:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench.overhead import BARE, OURS, ROUTERS, OverheadSetup, format_table, parse_wrk, run_overhead
-from extproc.bench.peer_routers import PEER_ROUTERS, default_peers_dir
+from extproc_lab.bench.overhead import BARE, OURS, ROUTERS, OverheadSetup, format_table, parse_wrk, run_overhead
+from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir
 from tests.conftest import IN_CI, require_binary
 
 WRK_OUTPUT = """Running 5s test @ http://127.0.0.1:1

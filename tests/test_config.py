@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import main
-from extproc.config import ConfigError, config_from_mapping, load_config, parse_replica
+from extproc.config import Config, ConfigError, config_from_mapping, load_config, parse_replica
 
 GOOD = {
     "mode": "endpoint",
@@ -66,11 +66,75 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "mode" in capsys.readouterr().err
 
 
-def test_example_config_loads() -> None:
+def test_example_config_is_generated_from_the_schema_and_loads() -> None:
+    from extproc.config_schema import example_yaml
+    from extproc.routing.registry import DEFAULT_PROFILE, build_profile
     from tests.conftest import ROOT
 
-    cfg = load_config(ROOT / "examples" / "router.yaml")
+    path = ROOT / "examples" / "router.yaml"
+    assert path.read_text() == example_yaml(), "run `make example-config`"
+    cfg = load_config(path)
     assert len(cfg.replicas) == 3 and cfg.replicas[2].weight == 2
+    # Every default it spells out is the default: the example's profile builds the shipped one.
+    assert build_profile(cfg.profile) == build_profile(DEFAULT_PROFILE)
+    assert cfg.health == Config().health and cfg.rebalance == Config().rebalance
+
+
+def _plugin(section: str, kind: str, type_: str, **parameters: object) -> dict[str, object]:
+    return {section: {kind: [{"type": type_, "parameters": parameters}]}}
+
+
+# One typo per section of the file, and plugin parameters of the wrong type or name.
+SECTION_TYPOS = [
+    ({"headers": {"target_clustr": "x"}}, "headers.target_clustr"),
+    ({"replicas": [{"name": "a", "address": "h:1", "wieght": 2}]}, "replicas[0].wieght"),
+    ({"sessions": {"ttl": 60}}, "sessions.ttl"),
+    ({"request": {"max_body": 1}}, "request.max_body"),
+    ({"prefix": {"block_char": 64}}, "prefix.block_char"),
+    ({"ring": {"vnode": 1}}, "ring.vnode"),
+    ({"metrics": {"listn": "x"}}, "metrics.listn"),
+    ({"grpc": {"max_message": 1}}, "grpc.max_message"),
+    ({"grpc": {"tls": {"cert_file": "/c", "key_file": "/k", "ca": "/x"}}}, "grpc.tls.ca"),
+    ({"health": {"eject_s": 5}}, "health.eject_s"),
+    ({"health": {"weights": {"queues": 1}}}, "health.weights.queues"),
+    ({"health": {"limits": {"queue": 1}}}, "health.limits.queue"),
+    ({"spillover": {"re_pin": True}}, "spillover.re_pin"),
+    ({"rebalance": {"enable": False}}, "rebalance.enable"),
+    ({"rebalance": {"prewarm": {"rate": 1}}}, "rebalance.prewarm.rate"),
+    ({"tenants": {"per_replicas": 1}}, "tenants.per_replicas"),
+    ({"tenants": {"definitions": {"t": {"max_concurent": 1}}}}, "tenants.definitions.t.max_concurent"),
+    ({"classes": [{"name": "x", "match": {"colour": "red"}}]}, "classes[0].match.colour"),
+    ({"classes": [{"name": "x", "pol": {}}]}, "classes[0].pol"),
+    ({"profile": {"scorer": []}}, "profile.scorer"),
+    ({"profiles": {"p": {"filters": [{"type": "pool", "params": {}}]}}}, "profiles.p.filters[0].params"),
+    ({"discovery": {"type": "dns", "name": "x", "port": 80, "intervl_s": 1}}, "discovery.intervl_s"),
+    ({"sessions": {"ttl_s": True}}, "sessions.ttl_s"),
+    ({"health": {"eject_after": 0}}, "health.eject_after"),
+    (
+        {"profile": {"filters": [{"type": "overload", "parameters": {"kv_threshold": "high"}}]}},
+        "profile.filters[0].parameters.kv_threshold",
+    ),
+    (
+        {"profile": {"scorers": [{"type": "load", "parameters": {"work_weigth": 1}}]}},
+        "profile.scorers[0].parameters.work_weigth",
+    ),
+    (
+        {"profiles": {"p": {"scorers": [{"type": "ring", "parameters": {"load_factor": "x"}}]}}},
+        "profiles.p: profile.scorers[0].parameters.load_factor",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "path"), SECTION_TYPOS)
+def test_check_config_names_the_path_of_a_typo_in_every_section(
+    raw: dict[str, object], path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    file = tmp_path / "router.yaml"
+    file.write_text(yaml.safe_dump(raw))
+    assert main(["check-config", str(file)]) == 2
+    assert f"{path}:" in capsys.readouterr().err
 
 
 def test_classes_and_tenants_example_loads(tmp_path: Path) -> None:

@@ -205,7 +205,7 @@ async def test_loop_keeps_static_replicas_and_survives_a_failing_source() -> Non
 async def test_static_source_yields_the_config_once() -> None:
     source = StaticDiscovery(fleet("a", "b"))
     assert [[r.name for r in lst] async for lst in source.updates()] == [["a", "b"]]
-    await run_discovery(make_config(), RecordingRouter())  # static: returns at once
+    await run_discovery(make_config().discovery, RecordingRouter())  # static: returns at once
 
 
 # --- DNS --------------------------------------------------------------------------------------------
@@ -638,7 +638,7 @@ async def test_serve_wiring_kubeconfig_and_config(
     cfg = config_from_mapping({"mode": "cluster", "discovery": section})
     target = RecordingRouter()
     with caplog.at_level(logging.WARNING, logger="extproc.discovery"):
-        async with running(run_discovery(cfg, target)):
+        async with running(run_discovery(cfg.discovery, target, static=cfg.replicas, cluster_mode=True)):
             await eventually(lambda: members(target.router) == {"vllm-0": "127.0.1.1:8000"}, "vllm-0")
     assert "cluster mode" in caplog.text
 

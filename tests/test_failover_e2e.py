@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.demo.gateway import LocalGateway
+from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

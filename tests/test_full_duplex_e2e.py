@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from extproc.demo.gateway import LocalGateway
+from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -20,13 +21,12 @@ from extproc.health import (
     parse_vllm_metrics,
     step,
 )
+from extproc.health.replicas import ReplicaBook
 from extproc.health.scraper import ScrapeError, Scraper
 from extproc.health.vllm_metrics import bucket_delta, histogram_quantile
 from extproc.routing import Replica
-from extproc.state.replicas import ReplicaBook
-from tests.conftest import SHARED
 
-SAMPLE_PATH = SHARED / "vllm" / "metrics_sample.txt"  # ../shared beside the checkout, as in CI
+SAMPLE_PATH = Path(__file__).parent / "data" / "vllm_metrics_sample.txt"
 
 
 def page(running: int = 0, waiting: int = 0, kv: float = 0.0, legacy: bool = False) -> str:
@@ -183,8 +183,8 @@ async def test_scraper_tolerates_timeouts_and_garbage_for_a_while() -> None:
 async def test_scraper_reads_a_real_fake_replica() -> None:
     import asyncio
 
-    from extproc.demo.processes import free_port
-    from extproc.replica import serve_replica
+    from extproc_lab.demo.processes import free_port
+    from extproc_lab.replica import serve_replica
 
     port = free_port()
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.demo.gateway import LocalGateway
-from extproc.replica.tokenizer_dir import build_tokenizer_dir, sample_text
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e
@@ -227,7 +227,7 @@ async def test_restarted_routers_refind_live_conversations_from_replayed_events(
 def test_replicas_connecting_to_one_bound_endpoint(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The other layout: the processor binds ``--kv-events-listen`` and the engines connect to it
     (vLLM connects when its endpoint names a host), the topic naming the replica."""
-    from extproc.demo.processes import free_port
+    from extproc_lab.demo.processes import free_port
 
     require_binary("envoy")
     tok = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))

@@ -14,7 +14,7 @@ import zmq
 from extproc.kvevents.feed import KvEventSource, ReplayError
 from extproc.kvevents.subscriber import Subscriptions, ZmqReplayer
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
-from extproc.replica.kv_publisher import KvEventPublisher
+from extproc_lab.replica.kv_publisher import KvEventPublisher
 
 
 def stored(*hashes: int) -> BlockStored:

@@ -15,10 +15,10 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
 from extproc.kvevents.settings import KvEventSettings, kv_event_settings
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
-from extproc.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.router import Router
 from extproc.routing.model import AffinityView
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 from tests.conftest import make_config
 
 BS = 16

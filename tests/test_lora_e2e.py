@@ -8,7 +8,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from extproc.demo.gateway import LocalGateway
+from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from extproc.health.replicas import LoadReport
 from extproc.rebalance import (
     LedgerEntry,
     Prewarmer,
@@ -21,7 +22,6 @@ from extproc.rebalance import (
 )
 from extproc.router import Router
 from extproc.routing import HashRing, Replica, ReplicaState
-from extproc.state.replicas import LoadReport
 from tests.conftest import chat_body, make_config
 
 

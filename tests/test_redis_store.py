@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from extproc.demo.processes import ProcessGroup
-from extproc.demo.redis_server import LocalRedis, LocalSentinel
 from extproc.metrics import RouterMetrics
 from extproc.router import Router
 from extproc.routing.model import Reason
@@ -24,6 +22,8 @@ from extproc.state.factory import open_store
 from extproc.state.near_cache import NearCache
 from extproc.state.redis_keys import KeySpace
 from extproc.state.redis_store import RedisStore
+from extproc_lab.demo.processes import ProcessGroup
+from extproc_lab.demo.redis_server import LocalRedis, LocalSentinel
 from tests.conftest import chat_body, make_config, require_binary
 
 _namespaces = itertools.count()

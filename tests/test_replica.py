@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.replica import (
+from extproc_lab.replica import (
     PROFILES,
     REPLICA_HEADER,
     PrefixCache,

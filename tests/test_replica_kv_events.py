@@ -16,12 +16,12 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.feed import KvEventSource
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.subscriber import Subscriptions
-from extproc.replica import ReplicaEngine, build_app, get_profile
-from extproc.replica.kv_events import TokenBlocks
-from extproc.replica.kv_publisher import KvEventPublisher
-from extproc.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 from extproc.request.features import extract_features
 from extproc.request.tokenizer import PromptTokenizer
+from extproc_lab.replica import ReplicaEngine, build_app, get_profile
+from extproc_lab.replica.kv_events import TokenBlocks
+from extproc_lab.replica.kv_publisher import KvEventPublisher
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 
 MODEL = "m"
 

@@ -12,8 +12,8 @@ import pytest
 from aiohttp import ClientSession, test_utils
 
 from extproc.health.vllm_metrics import parse_vllm_metrics
-from extproc.replica import REPLICA_HEADER, ReplicaEngine, build_app, get_profile, serve_replica
-from extproc.replica.lora import LoraSlots
+from extproc_lab.replica import REPLICA_HEADER, ReplicaEngine, build_app, get_profile, serve_replica
+from extproc_lab.replica.lora import LoraSlots
 
 MODEL = "demo-model"
 FAST = 0.01

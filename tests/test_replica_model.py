@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.replica import PROFILES, KVPool, ReplicaModel, ReplicaProfile, Seq
+from extproc_lab.replica import PROFILES, KVPool, ReplicaModel, ReplicaProfile, Seq
 
 LLAMA = PROFILES["llama-8b-h100"]
 DEMO = PROFILES["demo"]

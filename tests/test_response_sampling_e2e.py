@@ -11,7 +11,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from extproc.demo.gateway import LocalGateway
+from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
 from tests.test_e2e import chat, post
 

@@ -28,15 +28,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.cli import main
 from extproc.config import Config, ConfigError, ListenerTls, config_from_mapping
-from extproc.demo.gateway import LocalGateway
-from extproc.demo.load import chat_body, read_metrics, send, total
-from extproc.demo.processes import ProcessGroup, free_port, wait_for_port
 from extproc.envoy_config import GatewaySpec, ProcessorTls, render_yaml
 from extproc.router import Router
 from extproc.routing import Replica
 from extproc.server import ProcessorServer
 from extproc.state.factory import open_store
 from extproc.state.redis_store import RedisStore
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.load import chat_body, read_metrics, send, total
+from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_port
 from tests.conftest import body_message, headers_message, make_config, require_binary, set_headers
 from tests.conftest import chat_body as stream_chat_body
 from tests.test_envoy_config import validate
@@ -260,9 +260,9 @@ async def test_tls_settings_come_from_files_and_errors_name_the_field(pki: Pki, 
     )
     assert cfg.grpc_tls == ListenerTls("/c.pem", "/k.pem", "/ca.pem") and cfg.grpc_tls.mutual
     for tls, message in (
-        ({"cert_file": "/c.pem"}, "cert_file and key_file are both required"),
-        ({"cert_file": "/c.pem", "key_file": "/k.pem", "key": "-----BEGIN"}, "PEM is read from files only"),
-        ("yes", "expected a mapping"),
+        ({"cert_file": "/c.pem"}, r"grpc\.tls\.key_file: Field required"),
+        ({"cert_file": "/c.pem", "key_file": "/k.pem", "key": "-----BEGIN"}, r"grpc\.tls\.key: unknown key"),
+        ("yes", r"grpc\.tls: Input should be .*ListenerTlsFiles"),
     ):
         with pytest.raises(ConfigError, match=message):
             config_from_mapping({"grpc": {"tls": tls}})

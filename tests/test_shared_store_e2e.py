@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.demo.gateway import LocalGateway
-from extproc.demo.processes import free_port
-from extproc.demo.redis_server import LocalRedis
-from extproc.demo.workload import Conversation, multi_turn
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.processes import free_port
+from extproc_lab.demo.redis_server import LocalRedis
+from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench.cli import run_bench_command
-from extproc.bench.policies import ALL, policy_profile
-from extproc.bench.routing import BenchSetup, format_table, run_bench, verdict
-from extproc.bench.workloads import WorkloadSpec
 from extproc.cli import main
 from extproc.config import Config
-from extproc.replica import PROFILES
 from extproc.routing.registry import DEFAULT_PROFILE
-from extproc.sim import generators
-from extproc.sim.ceilings import ceilings
-from extproc.sim.figures import figures, hit_ratio_series, load_series
-from extproc.sim.simulator import Simulation, run_sync
+from extproc_lab.bench.cli import run_bench_command
+from extproc_lab.bench.policies import ALL, policy_profile
+from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
+from extproc_lab.bench.workloads import WorkloadSpec
+from extproc_lab.replica import PROFILES
+from extproc_lab.sim import generators
+from extproc_lab.sim.ceilings import ceilings
+from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
+from extproc_lab.sim.simulator import Simulation, run_sync
 
 LLAMA = PROFILES["llama-8b-h100"]
 SMALL = WorkloadSpec("multi-turn", rate=1.0, seed=3, limit=250)

@@ -13,18 +13,18 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.bench.policies import policy_profile
 from extproc.config import Config
-from extproc.demo.gateway import LocalGateway
-from extproc.demo.run import reset_caches
-from extproc.replica import PROFILES, REPLICA_HEADER
 from extproc.routing.model import ReplicaState
 from extproc.routing.pipeline import Profile
 from extproc.routing.plugins import CycleState
-from extproc.sim.figures import figures
-from extproc.sim.generators import multi_turn
-from extproc.sim.simulator import SimCacheProbe, Simulation
-from extproc.sim.workload import Workload
+from extproc_lab.bench.policies import policy_profile
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.run import reset_caches
+from extproc_lab.replica import PROFILES, REPLICA_HEADER
+from extproc_lab.sim.figures import figures
+from extproc_lab.sim.generators import multi_turn
+from extproc_lab.sim.simulator import SimCacheProbe, Simulation
+from extproc_lab.sim.workload import Workload
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

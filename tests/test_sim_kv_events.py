@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from extproc.bench.policies import KV_EVENTS, policy_profile
-from extproc.bench.workloads import WorkloadSpec
 from extproc.config import Config
-from extproc.replica.timing import PROFILES
-from extproc.sim.figures import figures
-from extproc.sim.simulator import Simulation
+from extproc_lab.bench.policies import KV_EVENTS, policy_profile
+from extproc_lab.bench.workloads import WorkloadSpec
+from extproc_lab.replica.timing import PROFILES
+from extproc_lab.sim.figures import figures
+from extproc_lab.sim.simulator import Simulation
 
 LLAMA = PROFILES["llama-8b-h100"]
 SMALL = WorkloadSpec("multi-turn", rate=1.0, seed=3, limit=250)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.demo.soak import SHORT, run_soak
+from extproc_lab.demo.soak import SHORT, run_soak
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.demo.fault_matrix import FAST_HEALTH, FaultyGateway
+from extproc_lab.demo.fault_matrix import FAST_HEALTH, FaultyGateway
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e

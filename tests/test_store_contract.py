@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.demo.redis_server import LocalRedis
 from extproc.state import AffinityStore, MemoryStore
 from extproc.state.factory import open_store
 from extproc.state.redis_store import RedisStore
+from extproc_lab.demo.redis_server import LocalRedis
 
 _namespaces = itertools.count()
 TTL_S = 0.4  # short, because Redis expires by the wall clock

@@ -78,9 +78,23 @@ async def test_the_seed_classes_go_to_their_pools(headers: dict[str, str], body:
 
 
 async def test_an_empty_pool_falls_back_to_the_fleet() -> None:
-    cfg = fleet_config(classes=[{"name": "gpu-x", "match": {}, "pool": {"pool": "nonexistent"}}])
-    routed = await Router(config_from_mapping(cfg)).route(CHAT, chat_body("x"))
-    assert routed.decision.replica is not None
+    # One router, two classes: a pool that exists confines its requests, one that matches no
+    # replica lets them use the whole fleet rather than fail.
+    classes = [
+        {"name": "gpu-x", "match": {"headers": {"x-request-class": "x"}}, "pool": {"pool": "nonexistent"}},
+        {"name": "batch", "match": {"headers": {"x-request-class": "batch"}}, "pool": {"pool": "batch"}},
+    ]
+    router = Router(config_from_mapping(fleet_config(classes=classes)))
+    used: dict[str, set[str]] = {"x": set(), "batch": set()}
+    for i in range(60):
+        for cls, replicas in used.items():
+            headers = {**CHAT, "x-request-class": cls, "x-session-id": f"{cls}{i}"}
+            routed = await router.route(headers, chat_body(f"{i}"))
+            assert routed.decision.replica is not None
+            replicas.add(routed.decision.replica.name)
+            router.release(routed)
+    assert used["batch"] == {"r5"}
+    assert len(used["x"]) > len(POOLS) // 2  # the fleet, spread by load (r5 is busy with batch)
 
 
 async def test_a_tenant_is_confined_to_its_shard() -> None:

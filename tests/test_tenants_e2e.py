@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.demo.gateway import LocalGateway
+from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
 from tests.test_tenants import SEED_CLASSES
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench.workloads import WorkloadSpec
-from extproc.replica.engine import filler_text
+from extproc.cli import main
 from extproc.request.features import FeatureSettings, extract_features
 from extproc.request.prefix import block_hashes, model_seed
-from extproc.sim import generators
-from extproc.sim.traces import (
+from extproc_lab.bench.workloads import WorkloadSpec
+from extproc_lab.replica.engine import filler_text
+from extproc_lab.sim import generators
+from extproc_lab.sim.traces import (
     TRACE_FILES,
     TRACES_ENV,
     BlockText,
@@ -25,14 +26,12 @@ from extproc.sim.traces import (
     mooncake_workload,
     traces_dir,
 )
-from tests.conftest import SHARED
 
 SETTINGS = FeatureSettings()
-TRACES = SHARED / "traces"
-needs_traces = pytest.mark.skipif(not (TRACES / TRACE_FILES["mooncake-conversation"]).exists(), reason="no traces")
+TRACES = Path(__file__).resolve().parents[1] / "lab" / "extproc_lab" / "sim" / "data" / "traces"
 
 
-def test_traces_dir_is_beside_the_repo_and_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_traces_ship_in_the_package_and_are_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(TRACES_ENV, raising=False)
     assert traces_dir().resolve() == TRACES.resolve()
     monkeypatch.setenv(TRACES_ENV, str(tmp_path))
@@ -40,7 +39,16 @@ def test_traces_dir_is_beside_the_repo_and_overridable(monkeypatch: pytest.Monke
     assert traces_dir("/elsewhere") == Path("/elsewhere")
 
 
-@needs_traces
+def test_a_missing_trace_says_where_it_was_looked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(FileNotFoundError) as err:
+        WorkloadSpec("mooncake-synthetic", traces=str(tmp_path), limit=10).build()
+    message = str(err.value)
+    assert str(tmp_path / TRACE_FILES["mooncake-synthetic"]) in message and "--traces-dir" in message
+    code = main(["bench", "routing", "--workload", "azure-code", "--traces-dir", str(tmp_path), "--quiet"])
+    assert code == 2
+    assert str(tmp_path / TRACE_FILES["azure-code"]) in capsys.readouterr().err
+
+
 def test_mooncake_conversation_trace_loads_with_its_documented_shape() -> None:
     records = load_mooncake(TRACES / TRACE_FILES["mooncake-conversation"], limit=500)
     assert len(records) == 500
@@ -80,7 +88,6 @@ def test_trace_keys_cover_full_blocks_only(tmp_path: Path) -> None:
     assert third.output_tokens == 1 and [r.arrival_s for r in wl.requests] == [0.0, 0.5, 0.9]
 
 
-@needs_traces
 def test_azure_trace_loads_arrivals_and_lengths_with_nothing_shared() -> None:
     records = load_azure(TRACES / TRACE_FILES["azure-conv"], limit=300)
     assert records[0].t_s == 0.0 and all(b.t_s >= a.t_s for a, b in itertools.pairwise(records))

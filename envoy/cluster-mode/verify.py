@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.demo.scenario import Checks, ScenarioGateway, probe_fails_open, probe_forged_headers, probe_sticky
+from extproc_lab.demo.scenario import Checks, ScenarioGateway, probe_fails_open, probe_forged_headers, probe_sticky
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.demo.scenario import (
+from extproc_lab.demo.scenario import (
     Checks,
     ScenarioGateway,
     probe_fails_open,

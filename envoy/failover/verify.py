@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from extproc.demo.scenario import (
+from extproc_lab.demo.scenario import (
     Answer,
     Checks,
     ScenarioGateway,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from extproc.discovery.dns import DnsDiscovery
 from extproc.discovery.kubernetes_watch import KubernetesDiscovery
@@ -13,9 +12,6 @@ from extproc.discovery.settings import DiscoverySettings, DnsSource, KubernetesS
 from extproc.discovery.source import Discovery, StaticDiscovery
 from extproc.metrics import RouterMetrics
 from extproc.routing.model import Replica
-
-if TYPE_CHECKING:
-    from extproc.config import Config
 
 log = logging.getLogger("extproc.discovery")
 
@@ -39,23 +35,29 @@ def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = (
     return StaticDiscovery(replicas)
 
 
-async def run_discovery(config: Config, target: MembershipTarget, metrics: RouterMetrics | None = None) -> None:
-    """Keep ``target``'s membership in line with ``config.discovery`` until cancelled. With the
-    static source there is nothing to follow: the router starts with the config's replicas."""
-    settings = config.discovery
+async def run_discovery(
+    settings: DiscoverySettings,
+    target: MembershipTarget,
+    metrics: RouterMetrics | None = None,
+    *,
+    static: Sequence[Replica] = (),
+    cluster_mode: bool = False,
+) -> None:
+    """Keep ``target``'s membership in line with ``settings`` until cancelled; ``static`` replicas
+    stay members. With the static source there is nothing to follow: the router starts with them."""
     if settings.is_static:
         return
-    if config.mode == "cluster":
+    if cluster_mode:
         # Discovered replicas are named after pods (or addresses): in cluster mode these names
         # are the Envoy clusters the router answers with, so Envoy must define them.
         log.warning("discovery in cluster mode: Envoy needs a cluster named after each discovered replica")
-    source = build_discovery(settings, config.replicas)
+    source = build_discovery(settings, static)
     loop = DiscoveryLoop(
         source,
         target,
         settings.debounce_s,
         settings.max_delay_s,
-        static=config.replicas,
+        static=static,
         metrics=metrics,
     )
     await loop.run()

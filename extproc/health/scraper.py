@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from extproc.health.replicas import ReplicaBook, Transition
 from extproc.health.settings import HealthSettings
 from extproc.health.vllm_metrics import MetricsPageError, parse_vllm_metrics
 from extproc.metrics import RouterMetrics
-from extproc.state.replicas import ReplicaBook, Transition
 
 log = logging.getLogger("extproc.health")
 

@@ -1,6 +1,6 @@
 """What a vLLM replica's ``/metrics`` page says, parsed with prometheus_client's parser.
 
-Names are vLLM's (V1 engine, 0.33; ../shared/vllm/README.md), with the older
+Names are vLLM's (V1 engine, 0.33; a sample page is tests/data/vllm_metrics_sample.txt), with the older
 ``vllm:gpu_cache_usage_perc`` read when ``vllm:kv_cache_usage_perc`` is absent. Series of several
 engines (data parallel) or models are summed (queues, counters) or maxed (KV usage).
 """

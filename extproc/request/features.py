@@ -45,6 +45,7 @@ class RequestFeatures:
     prompt_chars: int = 0
     prefix_hashes: tuple[int, ...] = ()
     stream: bool = False
+    max_output_tokens: int | None = None
     has_media: bool = False
     body_error: str | None = None
     request_id: str = ""
@@ -60,11 +61,6 @@ class RequestFeatures:
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens where known, else an estimate: about four characters a token."""
         return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN
-
-    @property
-    def is_inference(self) -> bool:
-        """Whether this is a completion request that lands on a model's KV cache."""
-        return self.path in INFERENCE_PATHS
 
 
 def request_path(headers: Mapping[str, str]) -> str:
@@ -112,6 +108,7 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
         prompt_chars=len(parsed.prompt),
         prefix_hashes=hashes,
         stream=parsed.stream,
+        max_output_tokens=parsed.max_output_tokens,
         has_media=parsed.has_media,
         request_id=request_id,
     )

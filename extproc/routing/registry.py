@@ -1,15 +1,22 @@
 """Plugins by name, and profiles assembled from the config's ``profile:`` section.
 
-The one place that knows every plugin type: a new plugin is registered here and nowhere else.
+:data:`REGISTRY` holds the router's own plugins: a new production plugin is registered there and
+nowhere else. Others extend it without touching it (:meth:`PluginRegistry.extended`): the lab adds
+the peer routers' policies for its simulator, and a profile built from the extended registry is
+handed to the router.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.routing.candidates import CANDIDATE_SCORERS
-from extproc.routing.peers import PEER_PICKERS, PEER_SCORERS
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
 from extproc.routing.pipeline import Profile, WeightedScorer
 from extproc.routing.plugins import (
     Filter,
@@ -30,32 +37,58 @@ from extproc.routing.plugins import (
     TenantShardFilter,
 )
 
-FILTERS: dict[str, Callable[..., Filter]] = {
-    "in_rotation": InRotationFilter,
-    "overload": OverloadFilter,
-    "pool": PoolFilter,
-    "tenant_shard": TenantShardFilter,
-    "lora": LoraFilter,
-}
-SCORERS: dict[str, Callable[..., Scorer]] = {
-    "session_affinity": SessionAffinityScorer,
-    "prefix": PrefixScorer,
-    "load": LoadScorer,
-    "ring": RingScorer,
-    "tenant_headroom": TenantHeadroomScorer,
-    "lora": LoraScorer,
-    "prefill_cost": PrefillCostScorer,
-}
-PICKERS: dict[str, Callable[..., Picker]] = {
-    "max_score": MaxScorePicker,
-}
-# Other routers' policies (extproc/routing/peers.py), for the routing benchmark and for trying
-# them behind Envoy: round_robin, random, least_request, power_of_two, consistent_hash,
-# sglang_cache_aware, gie_*, dynamo_kv, oracle.
-SCORERS.update(PEER_SCORERS)
-PICKERS.update(PEER_PICKERS)
-# Scorers proposed for the default profile (extproc/routing/candidates.py), unused unless named.
-SCORERS.update(CANDIDATE_SCORERS)
+
+@dataclass(frozen=True)
+class PluginRegistry:
+    """Filter, scorer and picker factories by the ``type:`` a profile names them with."""
+
+    filters: Mapping[str, Callable[..., Filter]] = field(default_factory=dict)
+    scorers: Mapping[str, Callable[..., Scorer]] = field(default_factory=dict)
+    pickers: Mapping[str, Callable[..., Picker]] = field(default_factory=dict)
+
+    def extended(
+        self,
+        *,
+        filters: Mapping[str, Callable[..., Filter]] | None = None,
+        scorers: Mapping[str, Callable[..., Scorer]] | None = None,
+        pickers: Mapping[str, Callable[..., Picker]] | None = None,
+    ) -> PluginRegistry:
+        """A new registry with these plugins added; a name already registered is an error."""
+        for kind, mine, theirs in (
+            ("filter", self.filters, filters),
+            ("scorer", self.scorers, scorers),
+            ("picker", self.pickers, pickers),
+        ):
+            clash = sorted(set(mine) & set(theirs or {}))
+            if clash:
+                raise ValueError(f"{kind} already registered: {', '.join(clash)}")
+        return PluginRegistry(
+            {**self.filters, **(filters or {})},
+            {**self.scorers, **(scorers or {})},
+            {**self.pickers, **(pickers or {})},
+        )
+
+
+REGISTRY = PluginRegistry(
+    filters={
+        "in_rotation": InRotationFilter,
+        "overload": OverloadFilter,
+        "pool": PoolFilter,
+        "tenant_shard": TenantShardFilter,
+        "lora": LoraFilter,
+    },
+    scorers={
+        "session_affinity": SessionAffinityScorer,
+        "prefix": PrefixScorer,
+        "load": LoadScorer,
+        "ring": RingScorer,
+        "tenant_headroom": TenantHeadroomScorer,
+        "lora": LoraScorer,
+        "prefill_cost": PrefillCostScorer,
+    },
+    pickers={"max_score": MaxScorePicker},
+)
+"""The router's own plugins: what a config file may name."""
 
 # Weights: a live pin outweighs everything else together. Prefix overlap and load are weighed in
 # one unit by the prefill-cost scorer (work already sent there plus the part of this prompt it
@@ -91,6 +124,29 @@ class ProfileError(ValueError):
     """A profile in the config names an unknown plugin or gives it bad parameters."""
 
 
+@functools.cache
+def _parameters_model(factory: Callable[..., Any]) -> type[BaseModel] | None:
+    """A strict model of a dataclass plugin's fields, to check ``parameters`` before building it."""
+    if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
+        return None
+    try:
+        hints = typing.get_type_hints(factory)
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(factory):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                fields[f.name] = (hints[f.name], f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                fields[f.name] = (hints[f.name], Field(default_factory=f.default_factory))
+            else:
+                fields[f.name] = (hints[f.name], ...)
+        config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
+        return create_model(f"{factory.__name__}Parameters", __config__=config, **fields)
+    except Exception:  # a field type pydantic cannot check (a protocol): the factory checks itself
+        return None
+
+
 def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str, Any], where: str) -> Any:
     if not isinstance(spec, Mapping) or "type" not in spec:
         raise ProfileError(f"{where}: expected a mapping with 'type'")
@@ -98,14 +154,29 @@ def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str,
     if factory is None:
         raise ProfileError(f"{where}: unknown {kind} {spec['type']!r} (known: {', '.join(sorted(table))})")
     params = spec.get("parameters") or {}
+    model = _parameters_model(factory)
+    if model is not None:
+        try:
+            model.model_validate(params)
+        except ValidationError as exc:
+            errors = []
+            for err in exc.errors():
+                field_ = ".".join(str(p) for p in err["loc"])
+                message = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
+                got = "" if err["type"] in ("extra_forbidden", "missing") else f", got {err['input']!r}"
+                errors.append(f"{where}.parameters.{field_}: {message}{got} ({spec['type']!r})")
+            raise ProfileError("; ".join(errors)) from None
     try:
         return factory(**params)
     except TypeError as exc:
         raise ProfileError(f"{where}: bad parameters for {spec['type']!r}: {exc}") from None
 
 
-def build_profile(spec: Mapping[str, Any] | None = None, **ring: Any) -> Profile:
-    """Build a :class:`Profile` from a config mapping (``DEFAULT_PROFILE`` when None)."""
+def build_profile(
+    spec: Mapping[str, Any] | None = None, *, registry: PluginRegistry = REGISTRY, **ring: Any
+) -> Profile:
+    """Build a :class:`Profile` from a config mapping (``DEFAULT_PROFILE`` when None), its plugins
+    taken from ``registry``."""
     spec = DEFAULT_PROFILE if spec is None else spec
     filters: Sequence[Mapping[str, Any]] = spec.get("filters", DEFAULT_PROFILE["filters"])
     scorers: Sequence[Mapping[str, Any]] = spec.get("scorers", DEFAULT_PROFILE["scorers"])
@@ -115,11 +186,11 @@ def build_profile(spec: Mapping[str, Any] | None = None, **ring: Any) -> Profile
         weight = s.get("weight", 1) if isinstance(s, Mapping) else 1
         if not isinstance(weight, int | float) or weight < 0:
             raise ProfileError(f"profile.scorers[{i}].weight: expected a number >= 0")
-        weighted.append(WeightedScorer(_make("scorer", SCORERS, s, f"profile.scorers[{i}]"), float(weight)))
+        weighted.append(WeightedScorer(_make("scorer", registry.scorers, s, f"profile.scorers[{i}]"), float(weight)))
     return Profile(
-        filters=[_make("filter", FILTERS, f, f"profile.filters[{i}]") for i, f in enumerate(filters)],
+        filters=[_make("filter", registry.filters, f, f"profile.filters[{i}]") for i, f in enumerate(filters)],
         scorers=weighted,
-        picker=_make("picker", PICKERS, picker, "profile.picker"),
+        picker=_make("picker", registry.pickers, picker, "profile.picker"),
         name=str(spec.get("name", "default")),
         **ring,
     )

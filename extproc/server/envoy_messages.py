@@ -39,22 +39,25 @@ def mutation(set_headers: Iterable[tuple[str, str]], remove: Iterable[str] = ())
     return pb.HeaderMutation(set_headers=[_set(k, v) for k, v in set_headers], remove_headers=list(remove))
 
 
-def continue_headers(remove: Iterable[str] = (), skip_response_headers: int | None = None) -> pb.ProcessingResponse:
+def continue_headers(
+    remove: Iterable[str] = (), mode_override: pm.ProcessingMode | None = None
+) -> pb.ProcessingResponse:
     """Let request headers through, stripping the routing headers a client may have set.
 
-    With ``skip_response_headers`` (the stream's request body mode), the answer also asks Envoy
-    not to send this request's response headers (a ``mode_override``; Envoy applies it only when
-    its filter has ``allow_mode_override``, as the rendered configs do, and only in this answer).
+    With ``mode_override`` (e.g. :func:`without_response_headers`), the answer also changes what
+    Envoy sends next on this stream; Envoy applies it only when its filter has
+    ``allow_mode_override``, as the rendered configs do, and only in this answer.
     """
     common = pb.CommonResponse(header_mutation=mutation((), remove)) if remove else pb.CommonResponse()
     response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
-    if skip_response_headers is not None:
-        response.mode_override.CopyFrom(_without_response_headers(skip_response_headers))
+    if mode_override is not None:
+        response.mode_override.CopyFrom(mode_override)
     return response
 
 
 @functools.cache
-def _without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
+def without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
+    """The processing mode that skips this request's response headers, its body mode unchanged."""
     # Envoy replaces the whole mode with an override: everything else repeats the rendered config.
     # Built once per body mode (the caller copies it into each answer).
     return pm.ProcessingMode(
@@ -73,9 +76,15 @@ def continue_response_headers() -> pb.ProcessingResponse:
 
 
 def routing_mutation(
-    decision: Decision, mode: str, cluster_header: str, endpoint_header: str, remove: Iterable[str]
+    decision: Decision,
+    mode: str,
+    cluster_header: str,
+    endpoint_header: str,
+    remove: Iterable[str],
+    extra: Iterable[tuple[str, str]] = (),
 ) -> tuple[pb.CommonResponse, struct_pb2.Struct | None]:
-    """The header mutation (and, in endpoint mode, ``envoy.lb`` metadata) that carries a decision."""
+    """The header mutation (and, in endpoint mode, ``envoy.lb`` metadata) that carries a decision;
+    ``extra`` headers (the request's per-try timeouts) go with it."""
     replica = decision.replica
     assert replica is not None
     metadata = None
@@ -86,6 +95,7 @@ def routing_mutation(
         metadata.get_or_create_struct(LB_NAMESPACE)[endpoint_header] = chain
     else:
         headers = [(cluster_header, replica.name)]
+    headers.extend(extra)
     removals = [h for h in remove if h not in dict(headers)]
     common = pb.CommonResponse(header_mutation=mutation(headers, removals), clear_route_cache=True)
     return common, metadata

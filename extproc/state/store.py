@@ -48,7 +48,12 @@ class AffinityStore(Protocol):
         ...
 
     async def forget_replica(self, replica: str) -> None:
-        """Drop a replica's prefix entries (it left, or its cache is gone); pins move lazily."""
+        """Drop a replica's prefix entries (it left, or its cache is gone).
+
+        Pins to it may outlive this (the memory store drops them too; Redis keeps them until their
+        TTL): a pin to a replica that is not a candidate is passed over at decision time, and the
+        session's next request pins it anew.
+        """
         ...
 
     def stats(self) -> StoreStats:

@@ -1,0 +1,266 @@
+"""What the gateway knows about each replica: in-flight work it sent there, what the replica's
+/metrics page said, what real traffic showed (status codes, time to first byte), and whether it is
+in rotation.
+
+In-flight counts change at decision time, not after the next scrape, so a burst of new sessions
+spreads over replicas instead of herding onto the one that looked idle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from extproc.health.rotation import Rotation, step
+from extproc.health.score import HealthSignals, health_score
+from extproc.health.settings import HealthSettings
+from extproc.health.vllm_metrics import ReplicaMetrics, bucket_delta, histogram_quantile
+from extproc.routing.model import Replica, ReplicaState, Snapshot
+
+ERROR_EWMA_ALPHA = 0.1
+MIN_TTFT_SAMPLES = 20
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """A replica's load as the replica itself reports it (a simulator's direct report)."""
+
+    queue: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A replica entered or left the rotation."""
+
+    replica: str
+    in_rotation: bool
+    score: float
+
+
+@dataclass(slots=True)
+class ReplicaRecord:
+    """Mutable per-replica bookkeeping behind a :class:`ReplicaState`."""
+
+    replica: Replica
+    inflight: int = 0
+    pending_prefill_tokens: int = 0
+    recent: float = 0.0
+    recent_at: float = 0.0
+    queue: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    scraped_at: float = float("-inf")
+    scrape_failures: int = 0
+    refused: bool = False
+    metrics: ReplicaMetrics | None = None
+    ttft_history: deque[tuple[float, tuple[tuple[float, float], ...]]] = field(default_factory=lambda: deque(maxlen=64))
+    observed_ttfb: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))
+    error_rate: float = 0.0
+    upstream_failures: int = 0
+    rotation: Rotation = field(default_factory=Rotation)
+    health: float = 1.0
+    requests: int = 0
+    errors: int = 0
+
+
+class ReplicaBook:
+    """All replicas' records; produces the immutable :class:`Snapshot` each decision reads."""
+
+    def __init__(self, replicas: Iterable[Replica], settings: HealthSettings | None = None) -> None:
+        self.settings = settings or HealthSettings()
+        self._records: dict[str, ReplicaRecord] = {r.name: ReplicaRecord(r) for r in replicas}
+        # Ejections decided between evaluations (upstream failures seen by Envoy), reported by the
+        # next evaluate() so that they are counted and their sessions moved like any other.
+        self._unreported: list[Transition] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def records(self) -> list[ReplicaRecord]:
+        """All records (for metrics and the scraper)."""
+        return list(self._records.values())
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def join(self, replica: Replica) -> bool:
+        """Add a replica (or update its address/weight); True if it is new."""
+        rec = self._records.get(replica.name)
+        if rec is None:
+            self._records[replica.name] = ReplicaRecord(replica)
+            return True
+        rec.replica = replica
+        return False
+
+    def leave(self, name: str) -> bool:
+        """Remove a replica; True if it was a member."""
+        return self._records.pop(name, None) is not None
+
+    # --- the decision's view --------------------------------------------------------------------
+
+    def _decayed(self, rec: ReplicaRecord, now: float) -> float:
+        if rec.recent == 0.0 or now <= rec.recent_at:
+            return rec.recent
+        return float(rec.recent * 0.5 ** ((now - rec.recent_at) / self.settings.recent_half_life_s))
+
+    def snapshot(self, now: float, tenant_inflight: Mapping[tuple[str, str], int] | None = None) -> Snapshot:
+        """Every replica's state at ``now``. Scraped load older than ``stale_after_s`` is not
+        trusted: a replica whose page broke while it was busy must not look busy forever."""
+        stale_before = now - self.settings.stale_after_s
+        states = []
+        for r in self._records.values():
+            fresh = r.scraped_at >= stale_before
+            lora = r.metrics.lora if r.metrics is not None else None
+            states.append(
+                ReplicaState(
+                    replica=r.replica,
+                    in_rotation=r.rotation.in_rotation,
+                    health=r.health,
+                    inflight=r.inflight,
+                    pending_prefill_tokens=r.pending_prefill_tokens,
+                    recent_requests=self._decayed(r, now),
+                    queue=r.queue if fresh else 0,
+                    running=r.running if fresh else 0,
+                    kv_usage=r.kv_usage if fresh else 0.0,
+                    adapters=frozenset(lora.running) if lora else frozenset(),
+                    adapters_waiting=frozenset(lora.waiting) if lora else frozenset(),
+                    max_lora=lora.max_lora if lora else 0,
+                    models=frozenset(r.metrics.models) if r.metrics is not None else frozenset(),
+                )
+            )
+        return Snapshot(tuple(states), tenant_inflight or {})
+
+    # --- what the decision changes ----------------------------------------------------------------
+
+    def begin(self, name: str, now: float, prefill_tokens: int = 0) -> None:
+        """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there."""
+        rec = self._records.get(name)
+        if rec is not None:
+            rec.recent = self._decayed(rec, now) + 1.0
+            rec.recent_at = now
+            rec.inflight += 1
+            rec.requests += 1
+            rec.pending_prefill_tokens += prefill_tokens
+
+    def prefilled(self, name: str, prefill_tokens: int) -> None:
+        """The first byte came back: that request's prefill is done."""
+        rec = self._records.get(name)
+        if rec is not None:
+            rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
+
+    def end(self, name: str, prefill_tokens: int = 0) -> None:
+        """A request to ``name`` finished (or was abandoned); ``prefill_tokens`` still pending are dropped."""
+        rec = self._records.get(name)
+        if rec is not None and rec.inflight > 0:
+            rec.inflight -= 1
+            rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
+
+    # --- what the world says -------------------------------------------------------------------
+
+    def apply_report(self, name: str, report: LoadReport, now: float = math.inf) -> None:
+        """Take in a replica's own report of its load (a simulator, or a test). Without ``now``
+        the report counts as fresh until the next one, as for a simulator that reports on change."""
+        rec = self._records.get(name)
+        if rec is not None:
+            rec.queue, rec.running, rec.kv_usage = report.queue, report.running, report.kv_usage
+            rec.scraped_at = now
+            rec.scrape_failures = 0
+            rec.refused = False
+
+    def apply_scrape(self, name: str, metrics: ReplicaMetrics, now: float) -> None:
+        """Take in one successful scrape of the replica's /metrics page."""
+        rec = self._records.get(name)
+        if rec is None:
+            return
+        rec.queue, rec.running, rec.kv_usage = metrics.waiting, metrics.running, metrics.kv_usage
+        rec.metrics = metrics
+        rec.scraped_at = now
+        rec.scrape_failures = 0
+        rec.refused = False
+        if metrics.ttft_buckets:
+            rec.ttft_history.append((now, metrics.ttft_buckets))
+
+    def scrape_failed(self, name: str, refused: bool) -> None:
+        """A scrape failed: timed out, broken page, or (``refused``) nothing listening."""
+        rec = self._records.get(name)
+        if rec is not None:
+            rec.scrape_failures += 1
+            rec.refused = refused
+
+    def observe(self, name: str, status: int, ttfb_s: float | None, now: float) -> None:
+        """Learn from a response seen by Envoy: its status and its time to first byte."""
+        rec = self._records.get(name)
+        if rec is None:
+            return
+        failed = status == 0 or status in (502, 503, 504)
+        rec.error_rate += ERROR_EWMA_ALPHA * ((1.0 if failed or status >= 500 else 0.0) - rec.error_rate)
+        if failed:
+            rec.errors += 1
+            rec.upstream_failures += 1
+        else:
+            rec.upstream_failures = 0
+            if ttfb_s is not None:
+                rec.observed_ttfb.append((now, ttfb_s))
+        if rec.upstream_failures >= self.settings.upstream_fail_after:
+            # Envoy saw this replica fail several times in a row: do not wait for the next evaluation.
+            transition = self._evaluate_one(rec, now, hard_failure=True)
+            if transition is not None:
+                self._unreported.append(transition)
+            rec.upstream_failures = 0
+
+    # --- judging ------------------------------------------------------------------------------
+
+    def ttft_p99(self, rec: ReplicaRecord, now: float) -> float | None:
+        """Recent TTFT p99: the worse of the replica's own histogram (delta over the window) and
+        the time to first byte Envoy saw. Either needs enough samples: one slow request is noise."""
+        window_start = now - self.settings.ttft_window_s
+        candidates = []
+        history = [h for h in rec.ttft_history if h[0] >= window_start]
+        if len(history) >= 2:
+            delta = bucket_delta(history[-1][1], history[0][1])
+            q = histogram_quantile(delta, 0.99, MIN_TTFT_SAMPLES)
+            if q is not None:
+                candidates.append(q)
+        observed = sorted(t for at, t in rec.observed_ttfb if at >= window_start)
+        if len(observed) >= MIN_TTFT_SAMPLES:
+            candidates.append(observed[min(len(observed) - 1, math.ceil(0.99 * len(observed)) - 1)])
+        return max(candidates) if candidates else None
+
+    def signals(self, rec: ReplicaRecord, now: float) -> HealthSignals:
+        """The inputs of a replica's health score."""
+        fresh = rec.scraped_at >= now - self.settings.stale_after_s
+        return HealthSignals(
+            queue=rec.queue if fresh else 0,
+            kv_usage=rec.kv_usage if fresh else 0.0,
+            ttft_p99_s=self.ttft_p99(rec, now),
+            error_rate=rec.error_rate,
+            scrape_failures=rec.scrape_failures,
+        )
+
+    def _evaluate_one(self, rec: ReplicaRecord, now: float, hard_failure: bool = False) -> Transition | None:
+        s = self.settings
+        rec.health = health_score(self.signals(rec, now), s.weights, s.limits)
+        before = rec.rotation.in_rotation
+        rec.rotation = step(rec.rotation, rec.health, now, s.rotation, hard_failure=hard_failure or rec.refused)
+        if rec.rotation.in_rotation != before:
+            if not rec.rotation.in_rotation:
+                # Its sessions move away: the recent traffic that stood for them no longer applies,
+                # and it must not keep the replica looking busy when it comes back.
+                rec.recent = 0.0
+            return Transition(rec.replica.name, rec.rotation.in_rotation, rec.health)
+        return None
+
+    def evaluate(self, now: float) -> list[Transition]:
+        """Score every replica and step its rotation state; returns the replicas that changed."""
+        out, self._unreported = self._unreported, []
+        for rec in self._records.values():
+            t = self._evaluate_one(rec, now)
+            if t is not None:
+                out.append(t)
+        return out

@@ -1,0 +1,171 @@
+"""``extproc bench``: ``routing`` (our routing against the peers' policies, in the simulator) and
+``overhead`` (Envoy with our processor beside the real peer routers, on loopback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from extproc_lab.bench.policies import ALL
+from extproc_lab.bench.workloads import WORKLOADS, WorkloadSpec
+from extproc_lab.sim.traces import TRACES_ENV
+
+
+def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` and its ``routing`` and ``overhead`` sub-commands."""
+    bench = sub.add_parser("bench", help="benchmarks (routing policies in the simulator; router overhead)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    p = kinds.add_parser(
+        "routing",
+        help="replay a workload or trace through our routing and the peers' policies, in the simulator",
+        description="Every policy routes the same requests, through the router's own pipeline, to replica "
+        "models on a virtual clock; one table, a JSON file and PNG plots.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=WORKLOADS, default="multi-turn")
+    src.add_argument("--trace", help="a Mooncake JSONL or Azure CSV trace file (gzipped or not)")
+    p.add_argument("--traces-dir", help=f"where the named traces are (default: the packaged copy, or ${TRACES_ENV})")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--profile", default="llama-8b-h100", help="replica profile (llama-8b-h100, demo, instant)")
+    p.add_argument("--rate", type=float, default=1.0, help="arrival-rate factor (2.0: twice the load)")
+    p.add_argument(
+        "--policies", default=",".join(ALL), help=f"comma-separated, in table order (default: {','.join(ALL)})"
+    )
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--config", dest="router_config", help="router YAML config: its profile is the 'extproc' policy")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="an extra policy from a YAML profile (or a router config's profile:), to try weights",
+    )
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies simulated at once")
+    p.add_argument("--json", dest="json_path", help="write the figures here")
+    p.add_argument("--plots", dest="plots_dir", help="write PNG plots here (default: beside --json, else bench-out/)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_overhead_parser(kinds)
+    return bench  # type: ignore[no-any-return]
+
+
+def _add_overhead_parser(kinds: Any) -> None:
+    from extproc_lab.bench.overhead import ROUTERS
+    from extproc_lab.bench.peer_routers import PEERS_DIR_ENV
+
+    p = kinds.add_parser(
+        "overhead",
+        help="Envoy alone, Envoy with our processor, sglang-router and vllm-router, in front of the same replicas",
+        description="Throughput and latency of each router in turn, driven by wrk on this machine. The peer "
+        "routers are pip-installed into venvs of their own on first use.",
+    )
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each measured run")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring each router")
+    p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--prompt-kb", type=int, default=8)
+    p.add_argument("--large-kb", type=int, default=200, help="prompt size of the large-body run")
+    p.add_argument("--rate", type=float, default=1000.0, help="requests/s of the paced latency run")
+    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated (default: {','.join(ROUTERS)})")
+    p.add_argument("--peers-dir", help=f"where the peer routers' venvs live (default: ${PEERS_DIR_ENV} or ~/.cache)")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install missing peer routers")
+    p.add_argument(
+        "--no-observe", action="store_true", help="our processor skips the response-headers phase (see README)"
+    )
+    p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
+    p.add_argument("--json", dest="json_path", help="write the figures here")
+
+
+def run_overhead_command(args: argparse.Namespace) -> int:
+    """Run ``extproc bench overhead``."""
+    from extproc_lab.bench.overhead import OverheadSetup, format_table, run_overhead
+    from extproc_lab.bench.peer_routers import default_peers_dir
+
+    setup = OverheadSetup(
+        seconds=args.seconds,
+        warmup_s=args.warmup,
+        connections=args.connections,
+        prompt_kb=args.prompt_kb,
+        large_kb=args.large_kb,
+        rate=args.rate,
+        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        peers_dir=Path(args.peers_dir) if args.peers_dir else default_peers_dir(),
+        install=not args.no_install,
+        processor_args=tuple(args.processor_arg),
+        observe_responses=not args.no_observe,
+    )
+    try:
+        result = run_overhead(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"extproc bench: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"figures written to {args.json_path}")
+    failed = [name for name, r in result["routers"].items() if "error" in r]
+    if failed:
+        print(f"extproc bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """Run ``extproc bench routing`` or ``extproc bench overhead``."""
+    if getattr(args, "bench_command", "routing") == "overhead":
+        return run_overhead_command(args)
+    from extproc_lab.bench.plots import write_plots
+    from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
+
+    variants = []
+    for item in args.variant:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            print(f"extproc bench: --variant {item!r}: expected NAME=FILE", file=sys.stderr)
+            return 2
+        variants.append((name, path))
+    spec = WorkloadSpec(
+        name=args.workload, trace=args.trace, rate=args.rate, seed=args.seed, limit=args.limit, traces=args.traces_dir
+    )
+    setup = BenchSetup(spec, args.replicas, args.profile, args.seed, args.router_config, tuple(variants))
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies += [n for n, _ in variants if n not in policies]
+    try:
+        result = run_bench(setup, policies, jobs=args.jobs, show_progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"extproc bench: {exc}", file=sys.stderr)
+        return 2
+    w = result.workload
+    print(
+        f"\n{w['name']}: {w['requests']} requests, {w['sessions']} sessions, mean prompt {w['mean_prompt_tokens']:.0f} "
+        f"tokens, mean output {w['mean_output_tokens']:.0f}; {args.replicas} x {args.profile}, rate x{args.rate:g}, "
+        f"seed {args.seed} ({result.wall_s:.0f}s)\n"
+    )
+    print(format_table(result, markdown=args.markdown))
+    for line in verdict(result):
+        print(f"  {line}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        print(f"figures written to {args.json_path}")
+    if not args.no_plots:
+        directory = (
+            Path(args.plots_dir)
+            if args.plots_dir
+            else Path(args.json_path).parent
+            if args.json_path
+            else Path("bench-out")
+        )
+        stem = Path(args.json_path).stem if args.json_path else spec.label
+        paths = write_plots(result, directory, stem)
+        if paths:
+            print("plots: " + ", ".join(str(p) for p in paths))
+        else:
+            print("plots skipped: matplotlib is not installed (pip install 'extproc-router[bench]')")
+    return 0

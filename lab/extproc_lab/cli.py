@@ -1,0 +1,92 @@
+"""The lab's sub-commands of ``extproc``: ``replica``, ``demo`` and ``bench``.
+
+The router's command line finds them through the ``extproc.commands`` entry point this package
+declares, so they exist exactly when the lab is installed; the router never imports the lab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from extproc_lab.bench.cli import add_bench_parser, run_bench_command
+from extproc_lab.demo.cli import add_demo_parser, run_demo_command
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the lab's sub-commands; each sets ``run``, the function that carries it out."""
+    _replica_parser(sub).set_defaults(run=run_replica_command)
+    add_demo_parser(sub).set_defaults(run=run_demo_command)
+    add_bench_parser(sub).set_defaults(run=run_bench_command)
+
+
+def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = sub.add_parser("replica", help="run a fake vLLM replica (OpenAI API, /metrics, prefix cache)")
+    p.add_argument("--name", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--profile", default="demo")
+    p.add_argument("--model", default="demo-model")
+    p.add_argument("--time-scale", type=float, default=None, help="1.0 real time, 0.1 ten times faster")
+    p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
+    p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
+    p.add_argument(
+        "--no-lora-on-demand",
+        dest="lora_on_demand",
+        action="store_false",
+        help="answer 404 for adapters not in --lora-adapters instead of loading them by name",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="tokenize prompts as vLLM does; cache keyed by vLLM's block hashes"
+    )
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="publish KV events here, as vLLM (binds * and ipc://)")
+    p.add_argument("--kv-replay", metavar="ENDPOINT", help="answer event replays here (a ROUTER socket)")
+    p.add_argument("--kv-events-encoding", choices=["map", "array"], default="map", help="vLLM 0.33 maps, or arrays")
+    p.add_argument("--prefix-caching-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256")
+    return p
+
+
+def run_replica_command(args: argparse.Namespace) -> int:
+    """Run ``extproc replica`` until SIGTERM/SIGINT."""
+    from extproc_lab.replica import serve_replica
+
+    adapters = tuple(a for a in args.lora_adapters.split(",") if a)
+    if args.max_lora is not None and (args.max_lora < 0 or (adapters and args.max_lora == 0)):
+        print("extproc replica: --max-lora must be >= 1 with --lora-adapters, and never negative", file=sys.stderr)
+        return 2
+    asyncio.run(
+        _until_signalled(
+            serve_replica(
+                args.name,
+                args.host,
+                args.port,
+                args.profile,
+                args.model,
+                args.time_scale,
+                lora_adapters=adapters,
+                max_lora=args.max_lora,
+                lora_on_demand=args.lora_on_demand,
+                tokenizer_dir=args.tokenizer,
+                kv_events=args.kv_events,
+                kv_replay=args.kv_replay,
+                kv_events_encoding=args.kv_events_encoding,
+                hash_algo=args.prefix_caching_hash_algo,
+            )
+        )
+    )
+    return 0
+
+
+async def _until_signalled(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` until it ends or SIGTERM/SIGINT arrives, then cancel it (its cleanup runs)."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,202 @@
+"""A local gateway on loopback: fake replicas, the processor and real Envoy, as processes."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from extproc.envoy_config import GatewaySpec, render_yaml
+from extproc.routing.model import Replica
+from extproc_lab.demo.processes import ProcessGroup, envoy_binary, free_port, wait_for_http, wait_for_port
+
+HOST = "127.0.0.1"
+
+
+def replica_flag(replica: Replica) -> str:
+    """``NAME=HOST:PORT[,LABEL=VALUE...]`` as ``extproc serve --replica`` takes it."""
+    labels = "".join(f",{k}={v}" for k, v in replica.labels.items())
+    return f"{replica.name}={replica.address}{labels}"
+
+
+@dataclass
+class LocalGateway:
+    """Start with ``with LocalGateway(replicas=4) as gw:``; ``gw.url`` goes through our routing,
+    ``gw.round_robin_url`` through Envoy's own round robin over the same replicas."""
+
+    replicas: int = 4
+    mode: str = "cluster"
+    profile: str = "demo"
+    time_scale: float | None = None
+    processor_args: tuple[str, ...] = ()
+    observe_responses: bool = True
+    full_duplex: bool = False
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    log_dir: Path | None = None
+    members: list[Replica] = field(default_factory=list)
+    processors: int = 1  # several share one Redis store (pass --store in processor_args)
+    # More GatewaySpec fields for Envoy (route_timeout_s, processor_tls, ...), for fault and TLS tests.
+    envoy_options: dict[str, Any] = field(default_factory=dict)
+    # More `extproc replica` flags per replica name, e.g. {"replica-0": ("--lora-adapters", "a,b")}.
+    replica_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
+        self.dir = self.log_dir or Path(self._tmp.name if self._tmp else ".")
+        self.procs = ProcessGroup(self.dir)
+        self.envoy_port = free_port()
+        self.round_robin_port = free_port()
+        self.admin_port = free_port()
+        self.processor_port = free_port()
+        self.metrics_port = free_port()
+        # (gRPC port, metrics port) of processors 1.. ; processor 0 uses the two above.
+        self.extra_processor_ports = [(free_port(), free_port()) for _ in range(self.processors - 1)]
+        self.members = [
+            Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
+            for i in range(self.replicas)
+        ]
+
+    @property
+    def url(self) -> str:
+        """Base URL through Envoy with our processor."""
+        return f"http://{HOST}:{self.envoy_port}"
+
+    @property
+    def round_robin_url(self) -> str:
+        """Base URL through Envoy's plain round robin (no processor)."""
+        return f"http://{HOST}:{self.round_robin_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The processor's /metrics."""
+        return f"http://{HOST}:{self.metrics_port}/metrics"
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """Every processor's /metrics, processor 0 first."""
+        ports = [self.metrics_port, *(m for _, m in self.extra_processor_ports)]
+        return [f"http://{HOST}:{p}/metrics" for p in ports]
+
+    def processor_name(self, index: int = 0) -> str:
+        """The process name of processor ``index`` (``processor``, ``processor-1``, ...)."""
+        return "processor" if index == 0 else f"processor-{index}"
+
+    def replica_url(self, name: str) -> str:
+        """A replica's own base URL (bypassing Envoy)."""
+        for r in self.members:
+            if r.name == name:
+                return f"http://{r.address}"
+        raise KeyError(name)
+
+    def start_replica(self, replica: Replica) -> None:
+        """Start (or restart) one fake replica and wait for /health."""
+        port = replica.address.rpartition(":")[2]
+        argv = [
+            sys.executable,
+            "-m",
+            "extproc",
+            "replica",
+            "--name",
+            replica.name,
+            "--port",
+            port,
+            "--profile",
+            self.profile,
+        ]
+        if self.time_scale is not None:
+            argv += ["--time-scale", str(self.time_scale)]
+        argv += self.replica_args.get(replica.name, ())
+        self.procs.start(replica.name, argv)
+        wait_for_http(f"http://{replica.address}/health")
+
+    def start_processor(self, index: int = 0) -> None:
+        """Start (or restart) processor ``index`` and wait for its port."""
+        port, metrics_port = (
+            (self.processor_port, self.metrics_port) if index == 0 else self.extra_processor_ports[index - 1]
+        )
+        name = self.processor_name(index)
+        argv = [
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--listen",
+            f"{HOST}:{port}",
+            "--mode",
+            self.mode,
+            "--metrics-listen",
+            f"{HOST}:{metrics_port}",
+            *[f"--replica={replica_flag(r)}" for r in self.members],
+            *self.processor_args,
+        ]
+        proc = self.procs.start(name, argv)
+        try:
+            wait_for_port(HOST, port, proc=proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}\n{self.procs.log_tail(name)}") from None
+
+    def start_envoy(self) -> None:
+        """Start Envoy with a config rendered for these replicas and wait for its listeners."""
+        spec = GatewaySpec(
+            replicas=self.members,
+            processor=f"{HOST}:{self.processor_port}",
+            mode=self.mode,
+            listen=f"{HOST}:{self.envoy_port}",
+            admin=f"{HOST}:{self.admin_port}",
+            round_robin_listen=f"{HOST}:{self.round_robin_port}",
+            observe_responses=self.observe_responses,
+            full_duplex=self.full_duplex,
+            extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
+            **self.envoy_options,
+        )
+        path = self.dir / "envoy.yaml"
+        path.write_text(render_yaml(spec))
+        argv = [
+            envoy_binary(),
+            "-c",
+            str(path),
+            "--log-level",
+            "warn",
+            "--concurrency",
+            "1",
+            # No hot restart, so no shared-memory base id that another Envoy on the host (another
+            # test run, a developer's gateway) could already hold.
+            "--disable-hot-restart",
+        ]
+        proc = self.procs.start("envoy", argv)
+        try:
+            wait_for_port(HOST, self.envoy_port, proc=proc)
+            wait_for_port(HOST, self.round_robin_port, proc=proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}\n{self.procs.log_tail('envoy')}") from None
+
+    def start(self) -> LocalGateway:
+        """Start everything."""
+        try:
+            for replica in self.members:
+                self.start_replica(replica)
+            for index in range(self.processors):
+                self.start_processor(index)
+            self.start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every process this gateway started."""
+        self.procs.stop_all()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalGateway:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

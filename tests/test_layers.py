@@ -1,0 +1,79 @@
+"""The layering of docs/architecture.md, checked on every import: the router never imports the lab,
+and within the router imports point down."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+# Higher may import lower (and its own group); see docs/architecture.md.
+RANKS = {
+    "extproc": 7,  # the package's public re-exports
+    "extproc.__main__": 7,
+    "extproc.cli": 7,
+    "extproc.server": 7,
+    "extproc.envoy_config": 7,
+    "extproc.metrics_http": 7,
+    "extproc.telemetry": 7,
+    "extproc.router": 6,
+    "extproc.config": 5,
+    "extproc.config_schema": 5,
+    "extproc.health": 4,
+    "extproc.discovery": 4,
+    "extproc.rebalance": 4,
+    "extproc.kvevents": 4,
+    "extproc.state": 3,
+    "extproc.tenancy": 3,
+    "extproc.metrics": 2,
+    "extproc.routing": 1,
+    "extproc.request": 0,
+    "extproc.logs": 0,
+    "extproc.upstream_timeouts": 0,
+}
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def _imports(package_dir: Path) -> Iterator[tuple[str, str, str]]:
+    """(importing module, imported module, file) for every absolute import under ``package_dir``."""
+    base = package_dir.parent
+    for path in sorted(package_dir.rglob("*.py")):
+        if "_proto" in path.parts:
+            continue
+        module = ".".join(path.relative_to(base).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield module, alias.name, str(path.relative_to(ROOT))
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                yield module, node.module, str(path.relative_to(ROOT))
+
+
+def test_the_router_never_imports_the_lab() -> None:
+    offenders = [
+        f"{where}: {target}" for _, target, where in _imports(ROOT / "extproc") if target.startswith("extproc_lab")
+    ]
+    assert offenders == []
+
+
+def test_router_imports_point_down() -> None:
+    upward: set[tuple[str, str]] = set()
+    unranked: set[str] = set()
+    for module, target, _ in _imports(ROOT / "extproc"):
+        if not target.startswith("extproc") or target.startswith("extproc_lab"):
+            continue
+        src, dst = _group(module), _group(target)
+        if src == dst:
+            continue
+        if src not in RANKS or dst not in RANKS:
+            unranked |= {g for g in (src, dst) if g not in RANKS}
+        elif RANKS[dst] > RANKS[src]:
+            upward.add((src, dst))
+    assert unranked == set(), "place new modules in RANKS and docs/architecture.md"
+    assert upward == set(), "an import points up a layer"
