@@ -6,7 +6,8 @@ estimate (``extproc``), the same profile fed by the replica models' KV events af
     .venv/bin/python benchmarks/kv_events_pressure.py [--requests 6000] [--seed 11] \\
         [--blocks 3000,6000] [--workloads multi-turn,mooncake-conversation]
 
-The mooncake workloads read the traces shipped with the lab (``extproc_lab/sim/data/traces``; ``$EXTPROC_TRACES_DIR`` overrides).
+The mooncake workloads read the traces shipped with the lab (``extproc_lab/sim/data/traces``;
+``$EXTPROC_TRACES_DIR`` overrides).
 Results go to ``benchmarks/kv_events_pressure.md`` (``--out``).
 """
 
