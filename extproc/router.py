@@ -12,14 +12,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from extproc.config import Config
+from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.metrics import ReplicaReport, ReplicaReportCollector, RouterMetrics
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
-from extproc.routing.model import AffinityView, Decision, Reason, Replica
+from extproc.routing.model import AffinityView, Decision, Reason, Replica, Snapshot
 from extproc.routing.pipeline import Profile, decide
 from extproc.routing.plugins import TenantShardFilter
 from extproc.routing.registry import build_profile
+from extproc.routing.trace import DecisionTrace, Explanation
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
@@ -91,6 +93,8 @@ class Router:
             self._index_hashes,
             session_ttl_s=config.session_ttl_s,
         )
+        self.cordons: dict[str, str] = {}  # the store's cordons as last read (refresh_cordons)
+        self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
 
     async def route(self, headers: Mapping[str, str], body: bytes | None) -> Routed:
         """Decide where a request goes and record the decision (pin, prefix index, in-flight)."""
@@ -129,7 +133,7 @@ class Router:
         else:
             profile = self.profiles.get(features.profile or "", self.profile)
             snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
-            decision = decide(features, snapshot, view, start, profile)
+            decision = decide(features, snapshot, view, start, profile, cordons=self.cordons)
         replica = decision.replica
         prefill_tokens = 0
         if replica is not None:
@@ -153,6 +157,8 @@ class Router:
             m.prefix_blocks_matched.inc(decision.matched_blocks)
             if view.prefix_matches and len(self.replicas):
                 m.prefix_blocks_round_robin.inc(sum(view.prefix_matches.values()) / len(self.replicas))
+        if self.feed.watched:
+            self.feed.publish(decision, features.model, now - start)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "decision request_id=%s replica=%s reason=%s matched=%d/%d",
@@ -175,6 +181,71 @@ class Router:
             )
         retry_after = policy.retry_after_s if policy is not None and decision.reason is Reason.QUOTA else None
         return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted, retry_after_s=retry_after)
+
+    async def explain(self, headers: Mapping[str, str], body: bytes | None) -> Explanation:
+        """The decision :meth:`route` would make for this request now, with its trace, and
+        without side effects: nothing is pinned, counted, indexed or refreshed."""
+        now = self.clock()
+        features = extract_features(headers, body, self.config.features)
+        try:
+            view = await self.store.peek(features.session_key, features.prefix_hashes, now, model=features.model)
+        except Exception as exc:  # as route(): without the store, the decision hashes
+            log.debug("store peek failed: %s", exc)
+            view = AffinityView()
+        trace = DecisionTrace()
+        snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
+        policy = self.tenants.policy(features.tenant)
+        if (
+            policy is not None
+            and policy.over_quota != "overflow"
+            and self.tenants.over_quota(features.tenant, len(self.replicas))
+        ):
+            decision = Decision(replica=None, reason=Reason.QUOTA)
+        else:
+            if policy is not None and self.tenants.over_quota(features.tenant, len(self.replicas)):
+                features = replace(features, pool=tuple(sorted(self.config.tenants.overflow_pool.items())))
+            profile = self.profiles.get(features.profile or "", self.profile)
+            decision = decide(features, snapshot, view, now, profile, cordons=self.cordons, trace=trace)
+        uncached = {
+            s.name: self._uncached_tokens(features, view.prefix_matches.get(s.name, 0)) for s in snapshot.replicas
+        }
+        return Explanation(features, decision, trace, view, snapshot, uncached, dict(self.cordons))
+
+    async def refresh_cordons(self) -> dict[str, str]:
+        """Read the cordons from the store (every gateway's, with Redis). A replica newly drained
+        elsewhere has the sessions this gateway knows moved off it here too."""
+        try:
+            found = await self.store.cordons()
+        except Exception as exc:
+            self.metrics.store_errors.labels("lookup").inc()
+            log.debug("reading cordons failed: %s", exc)
+            return self.cordons
+        newly_drained = [n for n, s in found.items() if s == "drained" and self.cordons.get(n) != "drained"]
+        self.cordons = found
+        for name in newly_drained:
+            await self._move_sessions_off(name)
+        return found
+
+    async def set_cordon(self, name: str, state: str | None) -> int:
+        """Cordon (``"cordoned"``), drain (``"drained"``) or release (None) replica ``name`` for
+        every gateway of the store; returns how many sessions a drain moved from this gateway."""
+        await self.store.set_cordon(name, state)
+        drained = state == "drained" and self.cordons.get(name) != "drained"
+        cordons = dict(self.cordons)
+        if state is None:
+            cordons.pop(name, None)
+        else:
+            cordons[name] = state
+        self.cordons = cordons
+        log.info("replica %s: %s", name, state or "uncordoned")
+        return await self._move_sessions_off(name) if drained else 0
+
+    async def _move_sessions_off(self, name: str) -> int:
+        now = self.clock()
+        full = self.replicas.snapshot(now)
+        # Moves land on replicas open to new sessions only.
+        open_ = Snapshot(tuple(s for s in full.replicas if s.name == name or s.name not in self.cordons))
+        return await self.rebalancer.on_leave(name, self.profile.ring_for(full), open_)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
         cached_chars = matched_blocks * self.config.features.block_chars
@@ -244,6 +315,7 @@ class Router:
         """After each health round: move the sessions of replicas that left the rotation, and shed
         sessions from replicas that have run hot for a while."""
         snapshot = self.replicas.snapshot(self.clock())
+        await self.refresh_cordons()
         for t in transitions:
             if not t.in_rotation:
                 await self.rebalancer.on_leave(t.replica, self.profile.ring_for(snapshot), snapshot)
