@@ -53,6 +53,16 @@ class ListenerTls:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """The admin API's listener (config ``admin:``, ``--admin-listen``); ``listen`` None: off."""
+
+    listen: str | None = "127.0.0.1:9191"
+    token_file: str | None = None
+    tls: ListenerTls | None = None
+    watch_sample_rate: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Validated router configuration."""
 
@@ -82,6 +92,7 @@ class Config:
     # A plaintext listener that serves only the gRPC health service (kubelet's gRPC probes speak
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
+    admin: AdminSettings = field(default_factory=AdminSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -218,6 +229,16 @@ def _discovery_settings(raw: Any) -> DiscoverySettings:
         raise ConfigError(str(exc)) from None
 
 
+def _admin_settings(raw: schema.Admin) -> AdminSettings:
+    tls = raw.tls
+    return AdminSettings(
+        listen=raw.listen if raw.enabled else None,
+        token_file=raw.token_file,
+        tls=ListenerTls(tls.cert_file, tls.key_file, tls.client_ca_file) if tls is not None else None,
+        watch_sample_rate=raw.watch_sample_rate,
+    )
+
+
 def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     """Validate a parsed YAML mapping into a :class:`Config` (the schema: :mod:`extproc.config_schema`)."""
     if not isinstance(raw, Mapping):
@@ -272,6 +293,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         tenants=_tenant_settings(file.tenants),
         profiles=profiles,
         spillover_repin=file.spillover.repin,
+        admin=_admin_settings(file.admin),
     )
     try:
         parse_store_url(cfg.store)  # the form only: Redis may well be down while we start
