@@ -192,7 +192,11 @@ async def _serve(cfg: Config) -> None:
         await admin.start()
     runner = None
     if cfg.metrics_listen:
-        runner = await start_metrics_server(router.metrics.registry, cfg.metrics_listen, router.collect)
+        from extproc.admin.console import install as install_console
+
+        runner = await start_metrics_server(
+            router.metrics.registry, cfg.metrics_listen, router.collect, lambda app: install_console(app, router)
+        )
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
     discovering = asyncio.create_task(
