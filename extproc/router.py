@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -29,6 +30,7 @@ from extproc.tenancy import TenantLedger
 log = logging.getLogger("extproc.router")
 
 Clock = Callable[[], float]
+CORDON_GAUGE = {"cordoned": 1, "drained": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +343,7 @@ class Router:
     def collect(self) -> None:
         """Refresh gauges from current state (called before each metrics scrape)."""
         m = self.metrics
+        pinned = Counter(e.replica for e in self.rebalancer.ledger.live(self.clock()))
         for rec in self.replicas.records():
             name = rec.replica.name
             m.replica_seen(name)
@@ -349,6 +352,8 @@ class Router:
             m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
             m.replica_queue.labels(name).set(rec.queue)
             m.replica_kv_usage.labels(name).set(rec.kv_usage)
+            m.replica_sessions.labels(name).set(pinned.get(name, 0))
+            m.replica_cordon.labels(name).set(CORDON_GAUGE.get(self.cordons.get(name, ""), 0))
         stats = self.store.stats()
         m.sessions.set(stats.sessions)
         m.prefix_index_blocks.set(stats.prefix_blocks)
