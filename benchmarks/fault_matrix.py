@@ -55,12 +55,17 @@ NOTES = """## Reading the table
   allow 1,024. Streams already flowing from the killed replica cannot be retried: they end with
   an error the client sees (aiohttp's `ClientPayloadError`) about a second after the kill
   (Envoy's delayed-close timeout), and their next turn goes elsewhere.
-- **Replica hung** (SIGSTOP: it accepts connections and never answers): the requests sent to it
-  before the processor ejects it (its /metrics scrapes time out; about a second) wait for Envoy's
-  route timeout and get a 504. The tests and this run set that timeout to a few seconds; the
-  rendered configs keep 300 s, because a generation may legitimately run that long, so in
-  production such a client waits up to 300 s (or its own timeout). Envoy does not retry timeouts.
-  Every other client is unaffected, and nothing is sent to it once it is out of rotation.
+- **Replica hung** (SIGSTOP: it accepts connections and never answers), with streams flowing
+  from it when it stops: every try that had nothing back from it meets the first-byte timeout
+  (`upstream.first_byte_s`, 0.5 s in this run and the tests, 8 s by default) and Envoy retries it
+  on another replica, so no request that had not started streaming is lost; the processor ejects
+  the replica from those failed tries (`x-envoy-attempt-count` on the response) and its scrapes
+  timing out. The streams that already had their headers cannot be retried: Envoy's idle timeout
+  (`upstream.stream_idle_s`, 1.6 s here, 25 s by default; it must outlast three first-byte tries,
+  as the timer also runs before the headers) ends them, and the client sees the error about a
+  second later (Envoy's delayed close). Before this, every request sent to it waited for the route
+  timeout (300 s in the rendered configs) and got a 504. The demo replica runs in real time in
+  this case, so the streams are still flowing when it stops.
 - **/metrics broken**: a page that hangs or is not a Prometheus exposition fails the scrape, and
   the replica is ejected within about a second (its own requests still succeed: it serves, it
   just cannot be judged); an impossible load (queue 10^12) keeps it out of new work through the

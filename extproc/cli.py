@@ -25,6 +25,7 @@ from extproc.config import (
     parse_replica,
     with_overrides,
 )
+from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
 from extproc.logs import setup_logging
 
 COMMANDS_GROUP = "extproc.commands"
@@ -65,6 +66,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--admin-listen", metavar="HOST:PORT", help="the admin API (default 127.0.0.1:9191), 'off' to disable"
     )
     p.add_argument("--admin-token-file", metavar="FILE", help="bearer token for the admin API's mutating calls")
+    add_kv_event_flags(p)
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -127,6 +129,11 @@ def _build_config(args: argparse.Namespace) -> Config:
     cfg = with_overrides(cfg, **changes)
     if getattr(args, "metrics_listen", None) == "off":
         cfg = replace(cfg, metrics_listen=None)
+    if hasattr(args, "kv_events_listen"):
+        try:
+            cfg = replace(cfg, kv_events=kv_event_overrides(cfg.kv_events, args))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if getattr(args, "health_listen", None):
         cfg = replace(cfg, health_listen=args.health_listen)
     rate = getattr(args, "response_sample_rate", None)
@@ -162,17 +169,31 @@ async def _serve(cfg: Config) -> None:
     from extproc.discovery import run_discovery
     from extproc.health.scraper import Scraper
     from extproc.metrics import RouterMetrics
-    from extproc.metrics_http import start_metrics_server
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
+    from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all
     from extproc.state.factory import open_store
+    from extproc.telemetry import export
 
     metrics = RouterMetrics()
     try:
         store = open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
     except ValueError as exc:  # e.g. an unreadable password file
         raise ConfigError(f"store: {exc}") from None
-    router = Router(cfg, store=store, metrics=metrics)
+    kv_events = None
+    kv = cfg.kv_events
+    if kv.enabled or kv.listen or any("kv_events" in r.labels for r in cfg.replicas):
+        from extproc.kvevents.cache_state import EventCacheState
+        from extproc.request.tokenizer import TokenizerError
+
+        try:
+            kv_events = EventCacheState(kv, registry=metrics.registry, max_blocks=cfg.features.max_blocks)
+        except TokenizerError as exc:
+            await store.close()
+            raise ConfigError(f"kv_events.tokenizers: {exc}") from None
+    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events)
+    if kv_events is not None:
+        kv_events.start(cfg.replicas)
     try:
         server = ProcessorServer(
             router, cfg.listen, cfg.max_message_bytes, tls=cfg.grpc_tls, health_listen=cfg.health_listen
@@ -180,23 +201,32 @@ async def _serve(cfg: Config) -> None:
     except ValueError as exc:  # an unreadable certificate or key file
         await store.close()
         raise ConfigError(str(exc)) from None
-    admin = None
+    except BaseException:  # a gRPC port that does not bind (BindError)
+        await store.close()
+        raise
+    # Every other listener binds now, before the health service says SERVING (server.start()).
+    listeners: list[Listener] = []
+    if cfg.metrics_listen:
+        from extproc.admin.console import install as install_console
+
+        listeners.append(
+            MetricsListener(
+                router.metrics.registry, cfg.metrics_listen, export(router), lambda app: install_console(app, router)
+            )
+        )
     if cfg.admin.listen:
         from extproc.admin.server import AdminServer
 
         try:
-            admin = AdminServer(router, cfg.admin)
+            listeners.append(AdminServer(router, cfg.admin))
         except ValueError as exc:  # the token file, a certificate, or the ext_proc address again
             await store.close()
             raise ConfigError(str(exc)) from None
-        await admin.start()
-    runner = None
-    if cfg.metrics_listen:
-        from extproc.admin.console import install as install_console
-
-        runner = await start_metrics_server(
-            router.metrics.registry, cfg.metrics_listen, router.collect, lambda app: install_console(app, router)
-        )
+    try:
+        await bind_all(listeners)
+    except BaseException:
+        await store.close()
+        raise
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
     discovering = asyncio.create_task(
@@ -219,10 +249,9 @@ async def _serve(cfg: Config) -> None:
             await scraping
         with contextlib.suppress(asyncio.CancelledError):
             await discovering
-        if runner is not None:
-            await runner.cleanup()
-        if admin is not None:
-            await admin.stop(0.5)
+        await close_all(listeners)
+        if kv_events is not None:
+            await kv_events.close()
         await store.close()  # idempotent: a graceful stop has closed it already
 
 
@@ -253,7 +282,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(
                     "serve: no replicas (give --replica NAME=HOST:PORT, or a config file with replicas or discovery)"
                 )
-            asyncio.run(_serve(cfg))
+            from extproc.server.listeners import BindError
+
+            try:
+                asyncio.run(_serve(cfg))
+            except BindError as exc:
+                # Nothing was reported SERVING: a port in use stops the start, naming the address.
+                print(f"extproc: {exc}", file=sys.stderr)
+                return 3
         elif args.command == "envoy-config":
             from extproc.envoy_config import run_envoy_config
 

@@ -17,6 +17,7 @@ from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, 
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.kvevents.settings import KvEventSettings, kv_event_settings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.classes import ClassRule
@@ -26,6 +27,7 @@ from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.state.store_url import parse_store_url
 from extproc.tenancy import TenantPolicy, TenantSettings
+from extproc.upstream_timeouts import UpstreamTimeouts
 
 Mode = Literal["cluster", "endpoint"]
 
@@ -92,12 +94,14 @@ class Config:
     # A plaintext listener that serves only the gRPC health service (kubelet's gRPC probes speak
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
+    upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
+    kv_events: KvEventSettings = field(default_factory=KvEventSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
         """Headers a client must never set itself."""
-        return (self.target_cluster_header, self.destination_endpoint_header)
+        return (self.target_cluster_header, self.destination_endpoint_header, self.upstream.stream_header)
 
 
 def parse_replica(spec: str) -> Replica:
@@ -222,6 +226,10 @@ def _rebalance_settings(raw: schema.Rebalance) -> RebalanceSettings:
     return RebalanceSettings(**fields, prewarm=PrewarmSettings(**raw.prewarm.model_dump()))
 
 
+def _upstream_timeouts(raw: schema.Upstream) -> UpstreamTimeouts:
+    return UpstreamTimeouts(**{**raw.model_dump(), "stream_header": raw.stream_header.lower()})
+
+
 def _discovery_settings(raw: Any) -> DiscoverySettings:
     try:
         return parse_discovery(raw)
@@ -293,6 +301,10 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         tenants=_tenant_settings(file.tenants),
         profiles=profiles,
         spillover_repin=file.spillover.repin,
+        upstream=UpstreamTimeouts(
+            **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
+        ),
+        kv_events=_kv_events(file.kv_events),
         admin=_admin_settings(file.admin),
     )
     try:
@@ -304,6 +316,13 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     except ProfileError as exc:
         raise ConfigError(str(exc)) from None
     return cfg
+
+
+def _kv_events(raw: Any) -> KvEventSettings:
+    try:
+        return kv_event_settings(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path) -> Config:

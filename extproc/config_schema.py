@@ -24,10 +24,11 @@ from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.features import FeatureSettings
 from extproc.routing.registry import DEFAULT_PROFILE, REGISTRY
 from extproc.tenancy import TenantPolicy, TenantSettings
+from extproc.upstream_timeouts import UpstreamTimeouts
 
 _HEALTH, _WEIGHTS, _LIMITS, _ROTATION = HealthSettings(), HealthWeights(), HealthLimits(), RotationPolicy()
 _REBALANCE, _PREWARM, _TENANTS, _TENANT = RebalanceSettings(), PrewarmSettings(), TenantSettings(), TenantPolicy()
-_FEATURES = FeatureSettings()
+_FEATURES, _UPSTREAM = FeatureSettings(), UpstreamTimeouts()
 
 
 class Section(BaseModel):
@@ -173,6 +174,23 @@ class Health(Section):
     limits: HealthLimitsSection = _doc(HealthLimitsSection(), "where each penalty starts and is full")
 
 
+class Upstream(Section):
+    """``upstream:``: per-try bounds, shared with ``extproc envoy-config`` (README: hung replicas)."""
+
+    first_byte_s: float = _doc(
+        _UPSTREAM.first_byte_s, "a try without response headers by then is retried on another replica", ge=0.001
+    )
+    stream_idle_s: float = _doc(
+        _UPSTREAM.stream_idle_s, "a stream silent this long is ended (must exceed 3 x first_byte_s)", ge=0.001
+    )
+    unary_s_per_output_token: float = _doc(
+        _UPSTREAM.unary_s_per_output_token, "a non-streaming try waits first_byte_s + this x max_tokens", ge=0
+    )
+    stream_header: str = _doc(
+        _UPSTREAM.stream_header, "marks streaming requests for Envoy's idle-timeout route", min_length=1
+    )
+
+
 class Spillover(Section):
     """``spillover:``: requests of an overloaded replica's sessions go elsewhere."""
 
@@ -293,6 +311,10 @@ class RouterFile(Section):
     admin: Admin = _doc(Admin(), "the admin API, on its own listener")
     health: Health = _doc(Health(), "replica health and rotation")
     spillover: Spillover = _doc(Spillover(), "overloaded replicas")
+    upstream: Upstream = _doc(Upstream(), "how long Envoy waits for a replica")
+    kv_events: dict[str, Any] | None = _doc(
+        None, "vLLM's KV-cache events: listen, port, replay_port, hash_algo, tokenizers, ...; see README"
+    )
     rebalance: Rebalance = _doc(Rebalance(), "moving sessions")
     tenants: Tenants = _doc(Tenants(), "tenants and quotas")
     classes: list[ClassRuleSection] = _doc([], "request classes, first match wins")
@@ -308,21 +330,21 @@ def error_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def describe(exc: ValidationError, prefix: str = "") -> str:
+def describe(exc: ValidationError) -> str:
     """One line per error, each naming the full path of its field."""
     lines = []
     for err in exc.errors():
-        # Union members add their type names to the location; they tell a user nothing.
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
-        path = error_path(loc) or "config"
-        where = f"{prefix}.{path}" if prefix and path != "config" else (prefix or path)
+        loc = err["loc"]
+        if err["type"] != "extra_forbidden":
+            # The members of a union add their type names to the location: noise to a user.
+            loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
         message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         got = "" if err["type"] in ("extra_forbidden", "missing") else f", got {err['input']!r}"
-        lines.append(f"{where}: {message}{got}")
+        lines.append(f"{error_path(loc) or 'config'}: {message}{got}")
     return "; ".join(dict.fromkeys(lines))
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def parse_file(raw: Mapping[str, Any]) -> RouterFile:

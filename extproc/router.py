@@ -8,29 +8,31 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
-from extproc.metrics import ReplicaReport, ReplicaReportCollector, RouterMetrics
+from extproc.metrics import RouterMetrics
+from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
-from extproc.routing.model import AffinityView, Decision, Reason, Replica, Snapshot
-from extproc.routing.pipeline import Profile, decide
-from extproc.routing.plugins import TenantShardFilter
+from extproc.routing.model import AffinityView, Decision, Replica, Snapshot
+from extproc.routing.pipeline import Profile, Profiles, decide
 from extproc.routing.registry import build_profile
 from extproc.routing.trace import DecisionTrace, Explanation
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
 
+if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
+    from extproc.kvevents.cache_state import EventCacheState
+
 log = logging.getLogger("extproc.router")
 
 Clock = Callable[[], float]
-CORDON_GAUGE = {"cordoned": 1, "drained": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,18 @@ class Routed:
     prefill_tokens: int = 0
     released: bool = False
     tenant_counted: bool = False
-    retry_after_s: int | None = None
+
+
+def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
+    """The config's profiles (its default one replaced by ``default`` when given), with its ring
+    and re-pin settings."""
+    options: dict[str, Any] = {
+        "vnodes": config.vnodes,
+        "ring_key_blocks": config.ring_key_blocks,
+        "repin_on_spillover": config.spillover_repin,
+    }
+    named = {name: build_profile(spec, **options) for name, spec in config.profiles.items()}
+    return Profiles(default or build_profile(config.profile, **options), named)
 
 
 class Router:
@@ -64,39 +77,41 @@ class Router:
         clock: Clock = time.monotonic,
         metrics: RouterMetrics | None = None,
         profile: Profile | None = None,
+        *,
+        replicas: ReplicaBook | None = None,
+        tenants: TenantLedger | None = None,
+        prewarmer: Prewarmer | None = None,
+        kv_events: EventCacheState | None = None,
     ) -> None:
+        """Wire the collaborators: each is built from ``config`` unless given (tests and the
+        simulator give their own store, clock, default profile or pre-warmer)."""
         self.config = config
+        self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._sampled = 0.0  # response_sample_rate accumulated: a request is observed at each whole one
         self.store: AffinityStore = store or MemoryStore(
             config.session_ttl_s, config.max_sessions, config.blocks_per_replica
         )
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
-        self.profile = profile or build_profile(
-            config.profile, vnodes=config.vnodes, ring_key_blocks=config.ring_key_blocks
-        )
-        self.profiles = {
-            name: build_profile(spec, vnodes=config.vnodes, ring_key_blocks=config.ring_key_blocks)
-            for name, spec in config.profiles.items()
-        }
-        self.tenants = TenantLedger(config.tenants)
-        shard_sizes = {name: p.shard_size for name, p in config.tenants.definitions.items() if p.shard_size}
-        for profile_ in (self.profile, *self.profiles.values()):
-            for flt in profile_.filters:
-                if isinstance(flt, TenantShardFilter) and not flt.shard_sizes:
-                    flt.shard_sizes = shard_sizes
-        self.replicas = ReplicaBook(config.replicas, config.health)
-        self.metrics.registry.register(ReplicaReportCollector(self._replica_reports))
+        self.profiles = build_profiles(config, profile)
+        self.tenants = tenants or TenantLedger(config.tenants)
+        self.replicas = replicas or ReplicaBook(config.replicas, config.health)
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
             clock,
             self.metrics,
             self._index_hashes,
+            prewarmer,
             session_ttl_s=config.session_ttl_s,
         )
         self.cordons: dict[str, str] = {}  # the store's cordons as last read (refresh_cordons)
         self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
+
+    @property
+    def profile(self) -> Profile:
+        """The default profile (request classes may choose others: :attr:`profiles`)."""
+        return self.profiles.default
 
     async def route(self, headers: Mapping[str, str], body: bytes | None) -> Routed:
         """Decide where a request goes and record the decision (pin, prefix index, in-flight)."""
@@ -104,6 +119,8 @@ class Router:
         features = extract_features(headers, body, self.config.features)
         if features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
+        if self.kv_events is not None:
+            features = await self.kv_events.tokenized(features, body)
         routed = await self.route_features(features, start)
         replica = routed.decision.replica
         if features.session_key and body and replica is not None and features.body_error is None:
@@ -123,29 +140,29 @@ class Router:
             self.metrics.store_errors.labels("lookup").inc()
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
-        policy = self.tenants.policy(features.tenant)
-        tenant_counted = rejected = False
-        if policy is not None and self.tenants.over_quota(features.tenant, len(self.replicas)):
-            if policy.over_quota == "overflow":
-                features = replace(features, pool=tuple(sorted(self.config.tenants.overflow_pool.items())))
-            else:
-                rejected = True
-        if rejected:
-            decision = Decision(replica=None, reason=Reason.QUOTA)
-        else:
-            profile = self.profiles.get(features.profile or "", self.profile)
-            snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
-            decision = decide(features, snapshot, view, start, profile, cordons=self.cordons)
+        if self.kv_events is not None:
+            view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
+        terms = self.tenants.terms(features.tenant, len(self.replicas))
+        snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
+        profile = self.profiles.for_request(features)
+        decision = decide(features, snapshot, view, start, profile, terms, cordons=self.cordons)
         replica = decision.replica
         prefill_tokens = 0
+        tenant_counted = False
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             self.replicas.begin(replica.name, start, prefill_tokens)
+            if self.kv_events is not None:
+                self.kv_events.decided(features, replica.name, decision.matched_blocks, start)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
-            pin = decision.reason != Reason.SPILLOVER or self.config.spillover_repin
             try:
                 await self.store.record(
-                    features.session_key, replica.name, features.prefix_hashes, start, pin, model=features.model
+                    features.session_key,
+                    replica.name,
+                    features.prefix_hashes,
+                    start,
+                    decision.pin,
+                    model=features.model,
                 )
             except Exception as exc:
                 self.metrics.store_errors.labels("record").inc()
@@ -181,8 +198,7 @@ class Router:
                     "decision_ms": round((now - start) * 1000, 3),
                 },
             )
-        retry_after = policy.retry_after_s if policy is not None and decision.reason is Reason.QUOTA else None
-        return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted, retry_after_s=retry_after)
+        return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted)
 
     async def explain(self, headers: Mapping[str, str], body: bytes | None) -> Explanation:
         """The decision :meth:`route` would make for this request now, with its trace, and
@@ -194,24 +210,22 @@ class Router:
         except Exception as exc:  # as route(): without the store, the decision hashes
             log.debug("store peek failed: %s", exc)
             view = AffinityView()
+        members = [r.replica.name for r in self.replicas.records()]
+        sources = dict.fromkeys(view.prefix_matches, "estimate")
+        if self.kv_events is not None:
+            view = self.kv_events.view(view, features, members, now)
+            if features.tokens_per_block and features.prefix_hashes:
+                live = set(self.kv_events.source.live(members, now))
+                sources = {r: "kv_events" if r in live else "estimate" for r in view.prefix_matches}
         trace = DecisionTrace()
         snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
-        policy = self.tenants.policy(features.tenant)
-        if (
-            policy is not None
-            and policy.over_quota != "overflow"
-            and self.tenants.over_quota(features.tenant, len(self.replicas))
-        ):
-            decision = Decision(replica=None, reason=Reason.QUOTA)
-        else:
-            if policy is not None and self.tenants.over_quota(features.tenant, len(self.replicas)):
-                features = replace(features, pool=tuple(sorted(self.config.tenants.overflow_pool.items())))
-            profile = self.profiles.get(features.profile or "", self.profile)
-            decision = decide(features, snapshot, view, now, profile, cordons=self.cordons, trace=trace)
+        terms = self.tenants.terms(features.tenant, len(self.replicas))
+        profile = self.profiles.for_request(features)
+        decision = decide(features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace)
         uncached = {
             s.name: self._uncached_tokens(features, view.prefix_matches.get(s.name, 0)) for s in snapshot.replicas
         }
-        return Explanation(features, decision, trace, view, snapshot, uncached, dict(self.cordons))
+        return Explanation(features, decision, trace, view, snapshot, uncached, dict(self.cordons), sources)
 
     async def refresh_cordons(self) -> dict[str, str]:
         """Read the cordons from the store (every gateway's, with Redis). A replica newly drained
@@ -250,6 +264,8 @@ class Router:
         return await self.rebalancer.on_leave(name, self.profile.ring_for(full), open_)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
+        if features.tokens_per_block:
+            return max(0, features.prompt_tokens - matched_blocks * features.tokens_per_block)
         cached_chars = matched_blocks * self.config.features.block_chars
         return max(0, features.prompt_chars - cached_chars) // CHARS_PER_TOKEN
 
@@ -269,13 +285,15 @@ class Router:
             return True
         return False
 
-    def observe_response(self, routed: Routed, status: int) -> None:
-        """Learn from the response headers Envoy saw: status and time to first byte."""
+    def observe_response(self, routed: Routed, status: int, attempts: int = 1) -> None:
+        """Learn from the response headers Envoy saw: status, time to first byte, and whether the
+        chosen replica's try failed (``attempts`` > 1: Envoy retried elsewhere after a connect
+        failure, a reset or a first-byte timeout, so this answer is not the chosen replica's)."""
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
         if replica is not None:
             now = self.clock()
-            self.replicas.observe(replica.name, status, now - routed.decided_at, now)
+            self.replicas.observe(replica.name, 0 if attempts > 1 else status, now - routed.decided_at, now)
             self.replicas.prefilled(replica.name, routed.prefill_tokens)
             routed.prefill_tokens = 0
 
@@ -309,6 +327,8 @@ class Router:
         snapshot = self.replicas.snapshot(now)
         for name in joined:
             await self.rebalancer.on_join(name, self.profile.ring_for(snapshot), snapshot)
+        if self.kv_events is not None:
+            self.kv_events.sync([rec.replica for rec in self.replicas.records()])
         if joined or left:
             log.info("membership: joined %s, left %s", joined or "-", left or "-")
         return Membership(tuple(joined), tuple(left))
@@ -322,40 +342,3 @@ class Router:
             if not t.in_rotation:
                 await self.rebalancer.on_leave(t.replica, self.profile.ring_for(snapshot), snapshot)
         await self.rebalancer.check_hot(snapshot)
-
-    def _replica_reports(self) -> list[ReplicaReport]:
-        # The router's clock is monotonic; the exported timestamp must be wall time.
-        offset = time.time() - self.clock()
-        rows = []
-        for rec in self.replicas.records():
-            m = rec.metrics
-            scraped = rec.scraped_at + offset if rec.scraped_at != float("-inf") and m is not None else None
-            rows.append(
-                ReplicaReport(
-                    rec.replica.name,
-                    m.prefix_hits if m is not None else None,
-                    m.prefix_queries if m is not None else None,
-                    scraped,
-                )
-            )
-        return rows
-
-    def collect(self) -> None:
-        """Refresh gauges from current state (called before each metrics scrape)."""
-        m = self.metrics
-        pinned = Counter(e.replica for e in self.rebalancer.ledger.live(self.clock()))
-        for rec in self.replicas.records():
-            name = rec.replica.name
-            m.replica_seen(name)
-            m.replica_inflight.labels(name).set(rec.inflight)
-            m.replica_health.labels(name).set(rec.health)
-            m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
-            m.replica_queue.labels(name).set(rec.queue)
-            m.replica_kv_usage.labels(name).set(rec.kv_usage)
-            m.replica_sessions.labels(name).set(pinned.get(name, 0))
-            m.replica_cordon.labels(name).set(CORDON_GAUGE.get(self.cordons.get(name, ""), 0))
-        stats = self.store.stats()
-        m.sessions.set(stats.sessions)
-        m.prefix_index_blocks.set(stats.prefix_blocks)
-        m.ledger_sessions.set(len(self.rebalancer.ledger))
-        m.ledger_bytes.set(self.rebalancer.ledger.size_bytes)

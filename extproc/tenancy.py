@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from extproc.routing.model import NO_TERMS, TenantTerms
+
 OverQuota = Literal["reject", "overflow"]
 
 
@@ -47,6 +49,20 @@ class TenantLedger:
     def policy(self, tenant: str) -> TenantPolicy | None:
         """The tenant's policy, if it has one."""
         return self.settings.definitions.get(tenant) if tenant else None
+
+    def terms(self, tenant: str, replicas: int) -> TenantTerms:
+        """What the decision must know of ``tenant`` now: its shard, and whether one more request
+        would put it over its quota (and what happens then)."""
+        policy = self.policy(tenant)
+        if policy is None:
+            return NO_TERMS
+        return TenantTerms(
+            over_quota=self.over_quota(tenant, replicas),
+            over_quota_action=policy.over_quota,
+            overflow_pool=tuple(sorted(self.settings.overflow_pool.items())),
+            retry_after_s=policy.retry_after_s,
+            shard_size=policy.shard_size,
+        )
 
     def over_quota(self, tenant: str, replicas: int) -> bool:
         """Whether one more request would put ``tenant`` over its concurrency or share limit."""

@@ -26,7 +26,7 @@ MUTATIONS = ("ForgetSession", "Cordon", "Uncordon", "Drain")
 
 async def _admin(router: Router, settings: AdminSettings) -> AdminServer:
     server = AdminServer(router, replace(settings, listen="127.0.0.1:0"))
-    await server.start()
+    await server.bind()
     return server
 
 
@@ -41,7 +41,7 @@ async def with_token(router: Router, tmp_path: Path) -> AsyncIterator[AdminServe
     token_file.write_text(TOKEN + "\n")
     server = await _admin(router, AdminSettings(token_file=str(token_file)))
     yield server
-    await server.stop(0)
+    await server.close(0)
 
 
 def _mutation(stub: pb_grpc.AdminStub, name: str) -> tuple[object, object]:
@@ -65,7 +65,7 @@ async def test_without_a_token_configured_every_mutation_is_refused(router: Rout
             replies = await stub.ListReplicas(pb.ListReplicasRequest())  # reading stays open
             assert [r.name for r in replies.replicas] == ["r0", "r1", "r2"]
     finally:
-        await server.stop(0)
+        await server.close(0)
 
 
 async def test_a_missing_or_wrong_token_is_refused_and_the_right_one_works(

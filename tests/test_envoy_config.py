@@ -84,7 +84,12 @@ def test_client_routing_headers_are_stripped_before_ext_proc() -> None:
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
     removed = hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
-    assert removed == [{"remove": "x-target-cluster"}, {"remove": "x-gateway-destination-endpoint"}]
+    assert removed == [
+        {"remove": "x-target-cluster"},
+        {"remove": "x-gateway-destination-endpoint"},
+        {"remove": "x-extproc-stream"},
+        {"remove": "x-envoy-upstream-rq-per-try-timeout-ms"},
+    ]
     ext_proc = hcm["http_filters"][1]["typed_config"]
     assert ext_proc["failure_mode_allow"] is True
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"

@@ -653,3 +653,101 @@ def test_the_wheel_installs_the_extproc_command(tmp_path: Path) -> None:
     checked = _run([str(venv / "bin" / "extproc"), "check-config", str(K8S / "base" / "router.yaml")], env, tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "ok (mode endpoint" in checked.stdout
+
+
+# --- NetworkPolicy around the gateway pods -----------------------------------------------------
+
+GATEWAY_POD = {"app.kubernetes.io/name": "extproc", "app.kubernetes.io/component": "gateway"}
+PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus"}
+STRANGER = {"app": "curl"}
+
+
+def _selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    # matchLabels only: the policies here use nothing else (asserted below).
+    assert selector is None or set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in (selector or {}).get("matchLabels", {}).items())
+
+
+def _peer_matches(peer: dict[str, Any], labels: dict[str, str], namespace: dict[str, str]) -> bool:
+    if "ipBlock" in peer:
+        return False  # pods are matched by selectors; ipBlocks are for the API server
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], namespace):
+            return False
+    elif namespace.get("kubernetes.io/metadata.name") != "llm":
+        return False  # a podSelector alone means the policy's own namespace
+    return _selects(peer.get("podSelector"), labels)
+
+
+def _allows(rules: list[dict[str, Any]], key: str, labels: dict[str, str], port: int, namespace: str = "llm") -> bool:
+    """Whether one of ``rules`` (ingress ``from`` or egress ``to``) admits a pod with ``labels`` in
+    ``namespace`` on TCP ``port``."""
+    ns_labels = {"kubernetes.io/metadata.name": namespace}
+    for rule in rules:
+        ports = [p["port"] for p in rule.get("ports", []) if p.get("protocol", "TCP") == "TCP"]
+        if ports and port not in ports:
+            continue
+        peers = rule.get(key)
+        if not peers or any(_peer_matches(p, labels, ns_labels) for p in peers):
+            return True
+    return False
+
+
+def _gateway_policy(target: str) -> dict[str, Any]:
+    policy = one(target, "NetworkPolicy", "extproc")
+    assert policy["spec"]["podSelector"]["matchLabels"] == GATEWAY_POD
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    return policy
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_network_policy_selects_the_gateway_pods_and_admits_only_their_peers(target: str) -> None:
+    spec = _gateway_policy(target)["spec"]
+    ingress = spec["ingress"]
+    # Prometheus, from any namespace, on the metrics ports; nobody else there.
+    for port in (9190, 9902):
+        assert _allows(ingress, "from", PROMETHEUS_POD, port, namespace="monitoring")
+        assert not _allows(ingress, "from", STRANGER, port)
+        assert not _allows(ingress, "from", GATEWAY_POD, port, namespace="other")
+    # ext_proc: only the Envoy that calls it.
+    assert not _allows(ingress, "from", STRANGER, 9002)
+    assert not _allows(ingress, "from", PROMETHEUS_POD, 9002, namespace="monitoring")
+    envoy = {
+        "base": (GATEWAY_POD, "llm"),
+        "istio": ({"istio": "ingressgateway"}, "istio-system"),
+        "inference-pool": ({"gateway.networking.k8s.io/gateway-name": "inference-gateway"}, "llm"),
+    }[target]
+    assert _allows(ingress, "from", envoy[0], 9002, namespace=envoy[1])
+    # Client traffic reaches Envoy's listener; nothing else is open to everyone.
+    assert _allows(ingress, "from", STRANGER, 8080)
+    assert [r for r in ingress if not r.get("from")] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
+
+
+def test_network_policy_ports_are_the_ports_the_gateway_pod_serves() -> None:
+    deployment = one("base", "Deployment", "extproc")
+    served = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    assert deployment["spec"]["template"]["metadata"]["labels"].items() >= GATEWAY_POD.items()
+    ingress_ports = {p["port"] for r in _gateway_policy("base")["spec"]["ingress"] for p in r["ports"]}
+    assert ingress_ports == served
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_network_policy_lets_the_processor_reach_only_replicas_redis_dns_and_the_api_server(target: str) -> None:
+    egress = _gateway_policy("base" if target == "base" else target)["spec"]["egress"]
+    router = config_from_mapping(yaml.safe_load(config_map_data("base", "extproc-router")["router.yaml"]))
+    source = router.discovery.source
+    assert isinstance(source, KubernetesSource) and source.port is not None
+    pool = one("inference-pool", "InferencePool", "vllm")["spec"]["selector"]["matchLabels"]
+    redis = one("base", "Service", "extproc-redis")["spec"]
+    assert _allows(egress, "to", pool, source.port)
+    assert _allows(egress, "to", redis["selector"], redis["ports"][0]["port"])
+    assert not _allows(egress, "to", pool, redis["ports"][0]["port"])
+    assert not _allows(egress, "to", redis["selector"], source.port)
+    assert not _allows(egress, "to", STRANGER, source.port)
+    dns = [r for r in egress if {p["port"] for p in r["ports"]} == {53}]
+    assert len(dns) == 1 and {p["protocol"] for p in dns[0]["ports"]} == {"UDP", "TCP"}
+    assert _allows(egress, "to", {"k8s-app": "kube-dns"}, 53, namespace="kube-system")
+    api = [r for r in egress if any("ipBlock" in peer for peer in r["to"])]
+    assert len(api) == 1 and {p["port"] for p in api[0]["ports"]} == {443, 6443}
+    extra = {"istio": 1}.get(target, 0)  # the mesh's sidecar also talks to istiod
+    assert len(egress) == 4 + extra

@@ -18,12 +18,14 @@ RANKS = {
     "extproc.envoy_config": 7,
     "extproc.metrics_http": 7,
     "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
+    "extproc.telemetry": 7,
     "extproc.router": 6,
     "extproc.config": 5,
     "extproc.config_schema": 5,
     "extproc.health": 4,
     "extproc.discovery": 4,
     "extproc.rebalance": 4,
+    "extproc.kvevents": 4,
     "extproc.state": 3,
     "extproc.tenancy": 3,
     "extproc.metrics": 2,
@@ -32,6 +34,7 @@ RANKS = {
     "extproc.request": 0,
     "extproc.logs": 0,
     "extproc._proto": 0,  # generated from proto/ (scripts/gen_proto.py)
+    "extproc.upstream_timeouts": 0,
 }
 
 

@@ -19,6 +19,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from extproc.router import Router
+from extproc.telemetry import export
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_http
 from tests.conftest import ROOT, chat_body, make_config, require_binary
@@ -50,7 +51,7 @@ async def test_metrics_page_for_a_known_sequence_of_decisions() -> None:
         ({**chat, "x-request-id": "r1"}, b"{not json"),  # fallback
     ]:
         router.release(await router.route(headers, payload))
-    router.collect()
+    export(router)()
     text = generate_latest(router.metrics.registry).decode()
     expected = [
         'extproc_decisions_total{model="m",reason="new_session"} 1.0',

@@ -23,7 +23,7 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
     d, trace, view = ex.decision, ex.trace, ex.view
     removed = trace.removed_by()
     rank = {name: i for i, name in enumerate(trace.order)}
-    sources = getattr(view, "prefix_sources", None) or {}
+    sources = ex.match_sources
     replicas = []
     for state in ex.snapshot.replicas:
         name = state.name

@@ -73,6 +73,9 @@ class ReplicaBook:
     def __init__(self, replicas: Iterable[Replica], settings: HealthSettings | None = None) -> None:
         self.settings = settings or HealthSettings()
         self._records: dict[str, ReplicaRecord] = {r.name: ReplicaRecord(r) for r in replicas}
+        # Ejections decided between evaluations (upstream failures seen by Envoy), reported by the
+        # next evaluate() so that they are counted and their sessions moved like any other.
+        self._unreported: list[Transition] = []
 
     def __contains__(self, name: str) -> bool:
         return name in self._records
@@ -206,7 +209,9 @@ class ReplicaBook:
                 rec.observed_ttfb.append((now, ttfb_s))
         if rec.upstream_failures >= self.settings.upstream_fail_after:
             # Envoy saw this replica fail several times in a row: do not wait for the next evaluation.
-            self._evaluate_one(rec, now, hard_failure=True)
+            transition = self._evaluate_one(rec, now, hard_failure=True)
+            if transition is not None:
+                self._unreported.append(transition)
             rec.upstream_failures = 0
 
     # --- judging ------------------------------------------------------------------------------
@@ -253,7 +258,7 @@ class ReplicaBook:
 
     def evaluate(self, now: float) -> list[Transition]:
         """Score every replica and step its rotation state; returns the replicas that changed."""
-        out = []
+        out, self._unreported = self._unreported, []
         for rec in self._records.values():
             t = self._evaluate_one(rec, now)
             if t is not None:

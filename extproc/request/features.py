@@ -45,17 +45,22 @@ class RequestFeatures:
     prompt_chars: int = 0
     prefix_hashes: tuple[int, ...] = ()
     stream: bool = False
+    max_output_tokens: int | None = None
     has_media: bool = False
     body_error: str | None = None
     request_id: str = ""
     request_class: str = "default"
     pool: tuple[tuple[str, str], ...] = ()
     profile: str | None = None
+    prompt_tokens: int = 0
+    """The prompt's length in the model's tokens, where a tokenizer is configured (else 0)."""
+    tokens_per_block: int = 0
+    """Set when ``prefix_hashes`` are over the model's tokens (the engine's KV blocks), not characters."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
-        """A tokenizer-free estimate: about four characters a token."""
-        return self.prompt_chars // CHARS_PER_TOKEN
+        """The prompt's tokens where known, else an estimate: about four characters a token."""
+        return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN
 
 
 def request_path(headers: Mapping[str, str]) -> str:
@@ -103,6 +108,7 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
         prompt_chars=len(parsed.prompt),
         prefix_hashes=hashes,
         stream=parsed.stream,
+        max_output_tokens=parsed.max_output_tokens,
         has_media=parsed.has_media,
         request_id=request_id,
     )

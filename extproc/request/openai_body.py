@@ -32,6 +32,17 @@ class OpenAIRequest:
     user: str | None
     body: dict[str, Any]
     has_media: bool = False
+    max_output_tokens: int | None = None
+
+
+def max_output_tokens(body: dict[str, Any]) -> int | None:
+    """``max_completion_tokens`` (the chat API's newer name) or ``max_tokens``; None when neither is
+    a non-negative integer (the server then generates up to the model's context)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
 
 
 def _part_text(part: Any) -> tuple[str, bool]:
@@ -130,4 +141,12 @@ def parse_request_body(path: str, raw: bytes) -> OpenAIRequest:
         prompt, media = render_chat(messages, body.get("tools"))
     else:
         prompt = render_completion_prompt(body.get("prompt"))
-    return OpenAIRequest(model=model, prompt=prompt, stream=stream, user=user, body=body, has_media=media)
+    return OpenAIRequest(
+        model=model,
+        prompt=prompt,
+        stream=stream,
+        user=user,
+        body=body,
+        has_media=media,
+        max_output_tokens=max_output_tokens(body),
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,25 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantTerms:
+    """What the tenant ledger says of a request's tenant, as an input of the decision.
+
+    The ledger counts (it has state); the decision applies the terms (it has none): a tenant over
+    its quota is refused or sent to the overflow pool, one with a shard is confined to it.
+    """
+
+    over_quota: bool = False
+    over_quota_action: Literal["reject", "overflow"] = "reject"
+    overflow_pool: tuple[tuple[str, str], ...] = ()
+    retry_after_s: int = 1
+    shard_size: int = 0
+
+
+NO_TERMS = TenantTerms()
+"""A tenant without a policy: no quota, no shard."""
+
+
+@dataclass(frozen=True, slots=True)
 class AffinityView:
     """What the affinity store knows for one request."""
 
@@ -93,3 +113,8 @@ class Decision:
     matched_blocks: int = 0
     total_blocks: int = 0
     scores: Mapping[str, float] = field(default_factory=dict)
+    pin: bool = True
+    """Whether the session is (re-)pinned to ``replica``: not after a spillover, unless the profile
+    re-pins them."""
+    retry_after_s: int | None = None
+    """For a refusal (``quota``): when the client may try again."""

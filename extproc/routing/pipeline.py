@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from extproc.request.features import RequestFeatures
 from extproc.routing.cordon import CordonFilter
-from extproc.routing.model import AffinityView, Decision, Reason, ReplicaState, Snapshot
+from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
 from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass, why_removed
@@ -35,6 +35,7 @@ class Profile:
     ring_key_blocks: int = 32
     max_fallbacks: int = 2
     name: str = "default"
+    repin_on_spillover: bool = False
     _ring: HashRing | None = field(default=None, repr=False)
     _ring_members: tuple[tuple[str, float], ...] = field(default=(), repr=False)
 
@@ -62,6 +63,22 @@ class Profile:
         return None, "none"
 
 
+@dataclass(slots=True)
+class Profiles:
+    """The default profile and the named ones request classes choose."""
+
+    default: Profile
+    named: Mapping[str, Profile] = field(default_factory=dict)
+
+    def for_request(self, features: RequestFeatures) -> Profile:
+        """The profile of the request's class (``features.profile``), else the default."""
+        return self.named.get(features.profile or "", self.default)
+
+    def __iter__(self) -> Iterator[Profile]:
+        yield self.default
+        yield from self.named.values()
+
+
 def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
@@ -72,6 +89,7 @@ def decide(
     view: AffinityView,
     now: float,
     profile: Profile,
+    tenant: TenantTerms = NO_TERMS,
     *,
     cordons: Mapping[str, str] | None = None,
     trace: DecisionTrace | None = None,
@@ -79,10 +97,16 @@ def decide(
     """Choose a replica for a request.
 
     ``snapshot`` is the replicas' health and load as last known, ``view`` what the affinity
-    store returned for this request, ``now`` the clock's value, ``cordons`` the replicas an
-    operator cordoned or drained (:mod:`extproc.routing.cordon`). Nothing here performs I/O.
-    Given a ``trace``, the decision records its steps there (the admin API's Explain).
+    store returned for this request, ``now`` the clock's value, ``tenant`` the terms of the
+    request's tenant (quota, shard), ``cordons`` the replicas an operator cordoned or drained
+    (:mod:`extproc.routing.cordon`). Nothing here performs I/O. Given a ``trace``, the decision
+    records its steps there (the admin API's Explain).
     """
+    # Admission: a tenant over its quota is refused, or confined to the overflow pool.
+    if tenant.over_quota:
+        if tenant.over_quota_action == "reject":
+            return Decision(replica=None, reason=Reason.QUOTA, pin=False, retry_after_s=tenant.retry_after_s)
+        features = replace(features, pool=tenant.overflow_pool)
     if not snapshot.replicas:
         return Decision(replica=None, reason=Reason.NO_REPLICA)
     ring_key, key_source = profile.ring_key(features)
@@ -94,6 +118,7 @@ def decide(
         ring=profile.ring_for(snapshot),
         ring_key=ring_key,
         key_source=key_source,
+        tenant=tenant,
     )
     candidates: list[ReplicaState] = list(snapshot.replicas)
     if trace is not None:
@@ -127,9 +152,11 @@ def decide(
     if trace is not None:
         trace.totals = dict(totals)
         trace.order = [s.name for s in ordered]
+    reason = _reason(cycle, chosen, matched)
     return Decision(
         replica=chosen.replica,
-        reason=_reason(cycle, chosen, matched),
+        reason=reason,
+        pin=reason is not Reason.SPILLOVER or profile.repin_on_spillover,
         fallbacks=tuple(s.replica for s in ordered[1 : 1 + profile.max_fallbacks]),
         matched_blocks=matched,
         total_blocks=len(features.prefix_hashes),

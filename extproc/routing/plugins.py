@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from extproc.request.features import RequestFeatures
-from extproc.routing.model import AffinityView, ReplicaState, Snapshot
+from extproc.routing.model import NO_TERMS, AffinityView, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.ring import HashRing
 
 
@@ -29,6 +29,7 @@ class CycleState:
     ring: HashRing
     ring_key: str | int | None
     key_source: str = "none"
+    tenant: TenantTerms = NO_TERMS
     scratch: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,15 +126,14 @@ class PoolFilter:
 
 @dataclass(slots=True)
 class TenantShardFilter:
-    """Confines a tenant to its shard: the first ``shard_size`` replicas on the ring from the
-    tenant's name (stable as replicas come and go). Tenants without a shard size use the fleet."""
+    """Confines a tenant to its shard: the first ``shard_size`` replicas (its terms) on the ring
+    from the tenant's name (stable as replicas come and go). Tenants without one use the fleet."""
 
-    shard_sizes: Mapping[str, int] = field(default_factory=dict)
     name: str = "tenant_shard"
 
     def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
         """Drop replicas outside the tenant's shard."""
-        size = self.shard_sizes.get(cycle.features.tenant, 0)
+        size = cycle.tenant.shard_size
         if size <= 0:
             return candidates
         shard = set(cycle.ring.preference(f"tenant\x1f{cycle.features.tenant}", size))

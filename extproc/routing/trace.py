@@ -86,3 +86,5 @@ class Explanation:
     uncached_tokens: Mapping[str, int]
     """Per replica: prompt tokens it would have to prefill (the prompt minus its matched blocks)."""
     cordons: Mapping[str, str]
+    match_sources: Mapping[str, str] = field(default_factory=dict)
+    """Per replica with matches: "kv_events" (its engine's events) or "estimate" (what was sent there)."""

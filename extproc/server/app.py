@@ -16,12 +16,24 @@ from grpc_reflection.v1alpha import reflection
 
 from extproc.config import ListenerTls
 from extproc.router import Router
+from extproc.server.listeners import BindError
 from extproc.server.servicer import ExternalProcessor
 from extproc.server.tls import CertificateFiles, server_credentials
 
 log = logging.getLogger("extproc.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def _bind(role: str, address: str, add_port: Callable[[], int]) -> int:
+    """Bind one gRPC port now (grpc binds in add_*_port); :class:`BindError` names the address."""
+    try:
+        port = add_port()
+    except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+        raise BindError(role, address, "address already in use or not available") from exc
+    if port == 0 and not address.startswith("unix:"):
+        raise BindError(role, address, "address already in use or not available")
+    return port
 
 
 class ProcessorServer:
@@ -56,16 +68,15 @@ class ProcessorServer:
         )
         if tls is not None:
             credentials, self.certificates = server_credentials(tls)  # ValueError names a bad file
-            self.port = self.server.add_secure_port(listen, credentials)
+            self.port = _bind("ext_proc", listen, lambda: self.server.add_secure_port(listen, credentials))
         else:
-            self.port = self.server.add_insecure_port(listen)
+            self.port = _bind("ext_proc", listen, lambda: self.server.add_insecure_port(listen))
             host = listen.rpartition(":")[0]
             if not listen.startswith("unix:") and host not in LOOPBACK_HOSTS:
                 # Anything that reaches a plaintext listener can have requests routed and hold
                 # in-flight slots; off loopback that wants TLS or a network policy in front.
                 log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
-        if self.port == 0 and not listen.startswith("unix:"):
-            raise OSError(f"cannot listen on {listen}")
+
         # Health alone, in plaintext: the same servicer, so both ports report the same status.
         self._readiness: asyncio.Task[None] | None = None
         self.health_server: grpc.aio.Server | None = None
@@ -73,9 +84,8 @@ class ProcessorServer:
         if health_listen is not None:
             self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(health_listen)
-            if self.health_port == 0 and not health_listen.startswith("unix:"):
-                raise OSError(f"cannot listen on {health_listen}")
+            server = self.health_server
+            self.health_port = _bind("gRPC health", health_listen, lambda: server.add_insecure_port(health_listen))
 
     @property
     def address(self) -> str:

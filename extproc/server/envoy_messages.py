@@ -76,9 +76,15 @@ def continue_response_headers() -> pb.ProcessingResponse:
 
 
 def routing_mutation(
-    decision: Decision, mode: str, cluster_header: str, endpoint_header: str, remove: Iterable[str]
+    decision: Decision,
+    mode: str,
+    cluster_header: str,
+    endpoint_header: str,
+    remove: Iterable[str],
+    extra: Iterable[tuple[str, str]] = (),
 ) -> tuple[pb.CommonResponse, struct_pb2.Struct | None]:
-    """The header mutation (and, in endpoint mode, ``envoy.lb`` metadata) that carries a decision."""
+    """The header mutation (and, in endpoint mode, ``envoy.lb`` metadata) that carries a decision;
+    ``extra`` headers (the request's per-try timeouts) go with it."""
     replica = decision.replica
     assert replica is not None
     metadata = None
@@ -89,6 +95,7 @@ def routing_mutation(
         metadata.get_or_create_struct(LB_NAMESPACE)[endpoint_header] = chain
     else:
         headers = [(cluster_header, replica.name)]
+    headers.extend(extra)
     removals = [h for h in remove if h not in dict(headers)]
     common = pb.CommonResponse(header_mutation=mutation(headers, removals), clear_route_cache=True)
     return common, metadata

@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.router import Routed, Router
 from extproc.routing.model import Reason
 from extproc.server import envoy_messages as msg
+from extproc.upstream_timeouts import ATTEMPT_COUNT_HEADER, attempts
 
 log = logging.getLogger("extproc.stream")
 
@@ -99,8 +100,10 @@ class RequestStream:
             return await self._decide(data, in_body=True)
         if kind == "response_headers":
             if self.routed is not None:
-                status = msg.header_map(request.response_headers).get(":status", "0")
-                self.router.observe_response(self.routed, int(status) if status.isdigit() else 0)
+                response = msg.header_map(request.response_headers)
+                status = response.get(":status", "0")
+                tries = attempts(response.get(ATTEMPT_COUNT_HEADER))
+                self.router.observe_response(self.routed, int(status) if status.isdigit() else 0, tries)
             return msg.continue_response_headers()
         log.debug("message %s in phase %s let through", kind, self.phase.value)
         return msg.passthrough(kind or "")
@@ -154,15 +157,21 @@ class RequestStream:
                 429,
                 "this tenant is over its quota of concurrent requests; retry later",
                 "quota_exceeded",
-                retry_after_s=routed.retry_after_s,
+                retry_after_s=routed.decision.retry_after_s,
             )
         if decision.replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): let Envoy
             # route it on its own (the default route); Envoy answers 503 itself if it has none.
             return msg.continue_body() if in_body else msg.continue_headers(self.remove)
         cfg = self.router.config
+        features = routed.features
         common, metadata = msg.routing_mutation(
-            decision, self.mode, cfg.target_cluster_header, cfg.destination_endpoint_header, self.remove
+            decision,
+            self.mode,
+            cfg.target_cluster_header,
+            cfg.destination_endpoint_header,
+            self.remove,
+            cfg.upstream.request_headers(features.stream, features.max_output_tokens),
         )
         if in_body:
             return msg.routed_body_response(common, metadata)

@@ -68,7 +68,10 @@ class Scale:
     warm_s: float = 1.0  # load before the fault
     fault_s: float = 1.5  # how long the fault lasts (at least)
     after_s: float = 1.0  # load after recovery
-    route_timeout_s: int = 2  # Envoy's route timeout in the hung-replica case (the gateway's default: 300)
+    route_timeout_s: int = 30  # Envoy's route timeout in the hung-replica case (the gateway's default: 300)
+    first_byte_s: float = 0.5  # the hung-replica case's upstream.first_byte_s (default 8 s)
+    stream_idle_s: float = 1.6  # and its upstream.stream_idle_s (> 3 tries x first_byte_s; default 25 s)
+    hung_streams: int = 4  # streams flowing from the replica when it hangs
     sessions: int = 2000  # the many-sessions case
     session_bound: int = 1000  # its sessions.max_sessions
     revisits: int = 200  # sessions of that case sent a second turn
@@ -84,7 +87,7 @@ LARGE = Scale(
     warm_s=3.0,
     fault_s=5.0,
     after_s=3.0,
-    route_timeout_s=5,
+    hung_streams=8,
     sessions=10_000,
     session_bound=100_000,
     revisits=1000,
@@ -458,19 +461,32 @@ async def streams_on_a_killed_replica(scale: Scale = SMALL) -> CaseResult:
 
 
 async def replica_hung(scale: Scale = SMALL) -> CaseResult:
-    """SIGSTOP the replica holding most sessions under load: it accepts connections (the kernel
-    completes handshakes into its backlog) and never answers, then SIGCONT after the fault.
+    """SIGSTOP the replica holding most sessions under load, with ``hung_streams`` streams
+    flowing from it: it accepts connections (the kernel completes handshakes into its backlog)
+    and never answers, then SIGCONT after the fault. The demo replica runs in real time here, so
+    those streams (300 tokens, ~1.5 s) are still flowing when it stops.
 
-    What a client sees depends on where its request went. Requests already sent to it, and the
-    next turns of sessions pinned to it until the processor ejects it (its /metrics scrapes time
-    out after 200 ms; two failures make its score 0, three evaluations under 0.5 eject it), wait
-    for Envoy's route timeout and get a 504: Envoy retries only connect failures and resets, not
-    timeouts, since a generation may legitimately run long. Everyone else is unaffected.
-    ``recover_s``: from the hang to the replica out of rotation."""
-    gw = LocalGateway(replicas=3, time_scale=TIME_SCALE, envoy_options={"route_timeout_s": scale.route_timeout_s})
+    A request that had nothing back from it yet meets the first-byte timeout of its try
+    (``upstream.first_byte_s``) and Envoy retries it on another replica: nothing is lost. A
+    stream that already had its headers cannot be retried (the client has bytes); it ends with
+    an error when Envoy's idle timeout (``upstream.stream_idle_s``) fires, instead of at the
+    route timeout. The processor ejects the replica from those failed tries (Envoy's
+    ``x-envoy-attempt-count``) and its scrapes timing out. ``recover_s``: from the hang to the
+    replica out of rotation."""
+    envoy = {
+        "route_timeout_s": scale.route_timeout_s,
+        "first_byte_timeout_s": scale.first_byte_s,
+        "stream_idle_timeout_s": scale.stream_idle_s,
+    }
+    upstream = (
+        f"upstream:\n  first_byte_s: {scale.first_byte_s}\n  stream_idle_s: {scale.stream_idle_s}\n"
+        "  unary_s_per_output_token: 0.05\n"
+    )
+    gw = LocalGateway(replicas=3, time_scale=1.0, envoy_options=envoy)
     paused_pid = 0
+    streams: list[Outcome] = []
     try:
-        with_config(gw, FAST_HEALTH).start()
+        with_config(gw, FAST_HEALTH + upstream).start()
         async with (
             client() as http,
             MetricWatch(http, gw.metrics_url) as watch,
@@ -478,18 +494,35 @@ async def replica_hung(scale: Scale = SMALL) -> CaseResult:
         ):
             await asyncio.sleep(scale.warm_s)
             victim = holder_of_most_sessions(outcomes)
-            pinned = {o.session for o in outcomes if o.ok and o.replica == victim}
+            pinned = sorted({o.session for o in outcomes if o.ok and o.replica == victim})
+            flowing: asyncio.Queue[str] = asyncio.Queue()
+            stream_tasks = [
+                asyncio.create_task(
+                    send_stream(
+                        http,
+                        gw.url,
+                        session,
+                        _long_stream_body(i),
+                        timeout_s=scale.route_timeout_s + 10.0,
+                        on_headers=lambda _s, replica: flowing.put_nowait(replica),
+                    )
+                )
+                for i, session in enumerate((pinned * scale.hung_streams)[: scale.hung_streams])
+            ]
+            for _ in stream_tasks:  # each has its headers: flowing from the victim (its session is pinned there)
+                await asyncio.wait_for(flowing.get(), 10.0)
             paused_pid = gw.procs.procs[victim].pid
             paused = time.monotonic()
             os.kill(paused_pid, signal.SIGSTOP)
             ejected = await watch.until(out_of_rotation(victim), paused, 10.0)
-            # Hold the hang until every request stuck on it has met the route timeout, the last
-            # ones routed to it just before its ejection included (else one of them is answered
-            # by the resumed replica after ~2 s and counts as a slow "other" request).
-            hold_until = paused + max(scale.fault_s, scale.route_timeout_s + 1.0)
+            # Hold the hang past every bound a request on it can meet: all its tries, or the idle
+            # timeout of a stream, after the last request routed to it just before its ejection.
+            bound = scale.first_byte_s * (1 + 2) + scale.stream_idle_s + 1.0
+            hold_until = paused + max(scale.fault_s, bound)
             if ejected is not None:
-                hold_until = max(hold_until, ejected + scale.route_timeout_s + 1.0)
+                hold_until = max(hold_until, ejected + bound)
             await asyncio.sleep(max(0.0, hold_until - time.monotonic()))
+            streams = list(await asyncio.gather(*stream_tasks))
             os.kill(paused_pid, signal.SIGCONT)
             paused_pid = 0
             resumed = time.monotonic()
@@ -500,33 +533,54 @@ async def replica_hung(scale: Scale = SMALL) -> CaseResult:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(paused_pid, signal.SIGCONT)
         gw.stop()
-    failed = lost(outcomes)
+    unary_lost = lost(outcomes)
+    # Non-streaming requests in flight when it hung or sent to it before its ejection: they met
+    # the first-byte timeout and were answered by another replica (nothing else takes that long).
+    retried = [o for o in outcomes if o.ok and o.latency_s >= 0.9 * scale.first_byte_s]
+    cut = [o for o in streams if not o.ok]
     others = [o for o in outcomes if o.started >= paused and o.session not in pinned and o.ok]
-    late_failures = [o for o in failed if ejected is not None and o.started > ejected]
     return CaseResult(
         "replica hung (SIGSTOP: accepts, never answers)",
-        len(outcomes),
-        len(failed),
+        len(outcomes) + len(streams),
+        len(unary_lost) + len(cut),
         ejected - paused if ejected is not None else None,
         "hang to the replica out of rotation",
-        f"the {len(failed)} lost were requests on it or routed to it before ejection: each got Envoy's "
-        f"504 after the {scale.route_timeout_s} s route timeout (300 s by default); "
-        f"{len(late_failures)} failures started after ejection; other sessions p99 "
-        f"{_ms(percentile((o.latency_s for o in others), 0.99))} ms",
+        f"{len(unary_lost)} lost of the requests that had not started streaming: {len(retried)} met the "
+        f"{scale.first_byte_s:g} s first-byte timeout and were retried on another replica (slowest "
+        f"{_ms(max((o.latency_s for o in retried), default=0.0))} ms); the {len(cut)} lost were the "
+        f"{len(streams)} streams flowing from it, each ended with an error "
+        f"{max((o.ended - paused for o in cut), default=0.0):.2f} s after the hang at the latest "
+        f"(idle timeout {scale.stream_idle_s:g} s, then Envoy's 1 s delayed close); "
+        f"the route timeout ({scale.route_timeout_s} s) never met; "
+        f"other sessions p99 {_ms(percentile((o.latency_s for o in others), 0.99))} ms",
         {
             "victim": victim,
-            "statuses": dict(Counter(o.status for o in failed)),
-            "lost_latency_s": sorted({round(o.latency_s, 1) for o in failed}),
-            # Turns of sessions pinned to it, and first turns of sessions it drew before ejection.
-            "lost_pinned_sessions": sum(o.session in pinned for o in failed),
-            "lost_new_sessions": sum(o.session not in pinned for o in failed),
-            "failures_after_ejection": len(late_failures),
+            "unary_lost": len(unary_lost),
+            "unary_statuses": dict(Counter(o.status for o in unary_lost)),
+            "retried": len(retried),
+            "retried_max_s": round(max((o.latency_s for o in retried), default=0.0), 3),
+            "streams": len(streams),
+            "streams_cut": len(cut),
+            "streams_cut_after_s": sorted(round(o.ended - paused, 2) for o in cut),
             "others_p99_ms": _ms(percentile((o.latency_s for o in others), 0.99)),
-            "others_max_ms": _ms(max((o.latency_s for o in others), default=0.0)),
             "readmit_s": round(readmitted - resumed, 2) if readmitted is not None else None,
+            "first_byte_s": scale.first_byte_s,
+            "stream_idle_s": scale.stream_idle_s,
             "route_timeout_s": scale.route_timeout_s,
         },
     )
+
+
+def _long_stream_body(index: int) -> bytes:
+    return json.dumps(
+        {
+            "model": "demo-model",
+            "stream": True,
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"hung {index}: tell me a long story"}],
+        }
+    ).encode()
 
 
 async def metrics_faults(

@@ -171,8 +171,9 @@ class LocalGateway:
             "warn",
             "--concurrency",
             "1",
-            "--base-id",
-            str(self.admin_port),
+            # No hot restart, so no shared-memory base id that another Envoy on the host (another
+            # test run, a developer's gateway) could already hold.
+            "--disable-hot-restart",
         ]
         proc = self.procs.start("envoy", argv)
         try:

@@ -160,7 +160,7 @@ class ScenarioGateway(LocalGateway):
         path = self.dir / "envoy.yaml"
         path.write_text(yaml.safe_dump(relocate(shipped, ports, pipes), sort_keys=False))
         argv = [envoy_binary(), "-c", str(path), "--log-level", "warn", "--concurrency", "1"]
-        argv += ["--base-id", str(self.admin_port)]
+        argv.append("--disable-hot-restart")  # no shared-memory base id to collide with another Envoy
         proc = self.procs.start("envoy", argv)
         try:
             wait_for_port(HOST, self.envoy_port, proc=proc)

@@ -122,14 +122,16 @@ class DynamicSimulation(Simulation):
     """A :class:`Simulation` whose fleet changes at ``changes`` (``(at_s, replica_count)``)."""
 
     def __init__(self, *args: Any, changes: Sequence[tuple[float, int]] = (), **kwargs: Any) -> None:
+        self._wakes: list[float] = []
         super().__init__(*args, **kwargs)
         self.changes = sorted(changes)
         self.replica_profile = self.models[0].profile
-        self._wakes: list[float] = []
-        rebalancer = self.router.rebalancer
-        rebalancer.prewarmer = SimPrewarmer(rebalancer.settings.prewarm, self.clock, self._send, self._wakes.append)
         self._warm_submit: Callable[[int, Seq], None] = lambda m, seq: None
         self.prewarms_sent = 0
+
+    def _prewarmer(self) -> Prewarmer:
+        """Pre-warms delivered to the replica models on the virtual clock."""
+        return SimPrewarmer(self.config.rebalance.prewarm, self.clock, self._send, self._wakes.append)
 
     async def _send(self, address: str, path: str, body: bytes, timeout_s: float) -> int:
         index = int(address.rsplit(":", 1)[1])

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from extproc.config import Config
 from extproc.health.replicas import LoadReport
+from extproc.rebalance.prewarm import Prewarmer
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
 from extproc.routing.model import Replica
@@ -35,6 +36,7 @@ from extproc.routing.pipeline import Profile
 from extproc.state.memory import MemoryStore
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.replica.timing import ReplicaProfile
+from extproc_lab.sim.kv_feed import SimKvFeed
 from extproc_lab.sim.workload import Workload
 
 T = TypeVar("T")
@@ -184,6 +186,7 @@ class Simulation:
         scrape_interval_s: float | None = None,
         window_s: float | None = None,
         max_run_steps: int = 1 << 20,
+        kv_events_delay_s: float | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -198,8 +201,20 @@ class Simulation:
         self.routing: Seq | None = None
         routing_profile = make_profile(self.probe)
         store = MemoryStore(self.config.session_ttl_s, self.config.max_sessions, self.config.blocks_per_replica)
-        self.router = Router(self.config, store=store, clock=self.clock, profile=routing_profile)
         self.models = [ReplicaModel(profile) for _ in range(replicas)]
+        # The kv_events policy: the models' stores and evictions reach the router as KV events.
+        self.kv_feed = (
+            None if kv_events_delay_s is None else SimKvFeed(self.names, self.models, self.clock, kv_events_delay_s)
+        )
+        kv_events = self.kv_feed.state if self.kv_feed is not None else None
+        self.router = Router(
+            self.config,
+            store=store,
+            clock=self.clock,
+            profile=routing_profile,
+            prewarmer=self._prewarmer(),
+            kv_events=kv_events,
+        )
         self.scrape_interval_s = scrape_interval_s or self.config.health.scrape_interval_s
         # The health evaluation only matters to profiles that filter on rotation.
         self._evaluate = any(getattr(f, "name", "") == "in_rotation" for f in routing_profile.filters)
@@ -207,6 +222,10 @@ class Simulation:
         nominal = workload.nominal_order()
         span = max((r.arrival_s for r in nominal if r.after < 0), default=0.0)
         self.window_s = window_s or max(1.0, span / 60)
+
+    def _prewarmer(self) -> Prewarmer | None:
+        """The router's pre-warmer (None: the router's own, which sends HTTP)."""
+        return None
 
     # --- the event loop ----------------------------------------------------------------------
 
@@ -299,7 +318,11 @@ class Simulation:
                     handle=a,
                 )
                 self.routing = seq
-                decision = run_sync(router.route_features(req.features(settings), now))
+                features = req.features(settings)
+                if self.kv_feed is not None:
+                    self.kv_feed.deliver(now)
+                    features = self.kv_feed.features(features, req, settings.max_blocks)
+                decision = run_sync(router.route_features(features, now))
                 self.routing = None
                 chosen = decision.decision.replica
                 if chosen is None:

@@ -1,0 +1,115 @@
+"""The Istio ``EnvoyFilter`` that inserts the same filters into an Istio ingress gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from envoy_data_plane.envoy.config.cluster.v3 import Cluster
+from envoy_data_plane.envoy.config.listener.v3 import Listener
+
+from extproc.envoy_config.bootstrap import ext_proc_filter, header_mutation_filter, override_host_policy
+from extproc.envoy_config.rendering import to_dict
+from extproc.envoy_config.spec import BUFFER_LIMIT, HCM_FILTER, ROUTER_FILTER, GatewaySpec
+
+
+def dns_address(service: str, namespace: str, port: int) -> str:
+    """A Kubernetes Service's cluster DNS name and port."""
+    return f"{service}.{namespace}.svc.cluster.local:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class IstioSpec:
+    """What the Istio ``EnvoyFilter`` needs: where our processor and the model servers are."""
+
+    processor_service: str  # HOST:PORT of our processor's Service (port appProtocol grpc)
+    replicas_service: str  # HOST of the model servers' Service, as Istio names its clusters
+    replicas_port: int
+    namespace: str = "istio-system"
+    name: str = "extproc-router"
+    gateway_labels: Mapping[str, str] = field(default_factory=lambda: {"istio": "ingressgateway"})
+    endpoint_header: str = "x-gateway-destination-endpoint"
+    cluster_header: str = "x-target-cluster"
+    message_timeout_ms: int = 1000
+    observe_responses: bool = True
+
+    @property
+    def processor_cluster(self) -> str:
+        """The cluster Istio generates for our processor's Service port."""
+        host, _, port = self.processor_service.rpartition(":")
+        return f"outbound|{port}||{host}"
+
+
+def istio_envoy_filter(spec: IstioSpec) -> dict[str, Any]:
+    """An Istio ``EnvoyFilter`` that makes an ingress gateway route through our processor.
+
+    Built with the same typed builders as the bootstrap (the MERGE values are partial typed
+    messages too). The patches: the header_mutation and ext_proc filters inserted before the
+    router; the ``override_host`` policy merged into Istio's cluster for the model servers, so the
+    pod the processor names is used and round robin is the fallback; and the 16 MiB buffer limit
+    of the standalone gateway on the gateway's listeners. The processor runs in endpoint mode.
+
+    The ext_proc filter calls the cluster Istio generates for our processor's Service
+    (``outbound|9002||extproc...``) rather than a cluster added by the patch: Istio's cluster
+    carries the mesh's mTLS, so the call also works where PeerAuthentication is STRICT, and is
+    HTTP/2 because the Service port declares ``appProtocol: grpc``.
+    """
+    gateway = GatewaySpec(
+        replicas=(),
+        mode="endpoint",
+        endpoint_header=spec.endpoint_header,
+        cluster_header=spec.cluster_header,
+        message_timeout_ms=spec.message_timeout_ms,
+        observe_responses=spec.observe_responses,
+    )
+    before_router = {
+        "context": "GATEWAY",
+        "listener": {"filterChain": {"filter": {"name": HCM_FILTER, "subFilter": {"name": ROUTER_FILTER}}}},
+    }
+    patches = [
+        # Two INSERT_BEFORE the router, applied in order: header_mutation, ext_proc, router.
+        {
+            "applyTo": "HTTP_FILTER",
+            "match": before_router,
+            "patch": {"operation": "INSERT_BEFORE", "value": to_dict(header_mutation_filter(gateway))},
+        },
+        {
+            "applyTo": "HTTP_FILTER",
+            "match": before_router,
+            "patch": {"operation": "INSERT_BEFORE", "value": to_dict(ext_proc_filter(gateway, spec.processor_cluster))},
+        },
+        {
+            "applyTo": "CLUSTER",
+            "match": {
+                "context": "GATEWAY",
+                "cluster": {"service": spec.replicas_service, "portNumber": spec.replicas_port},
+            },
+            "patch": {
+                "operation": "MERGE",
+                "value": to_dict(
+                    Cluster(
+                        per_connection_buffer_limit_bytes=BUFFER_LIMIT,
+                        load_balancing_policy=override_host_policy(gateway),
+                    )
+                ),
+            },
+        },
+        # Istio's gateway listeners buffer far less than a long prompt: BUFFERED bodies above the
+        # limit get 413, so raise it to what the standalone gateway allows.
+        {
+            "applyTo": "LISTENER",
+            "match": {"context": "GATEWAY"},
+            "patch": {"operation": "MERGE", "value": to_dict(Listener(per_connection_buffer_limit_bytes=BUFFER_LIMIT))},
+        },
+    ]
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": spec.name, "namespace": spec.namespace},
+        "spec": {"workloadSelector": {"labels": dict(spec.gateway_labels)}, "configPatches": patches},
+    }
+
+
+# The ``extproc envoy-config`` command (its arguments are declared in extproc.cli, which imports
+# this module only for that command, so ``extproc serve`` never loads envoy_data_plane).

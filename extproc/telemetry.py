@@ -1,0 +1,67 @@
+"""The router's state as metrics: gauges refreshed before each scrape, and the prefix-cache
+counters each replica last reported, with the time of that report.
+
+Kept apart from the router so that the facade wires and decides, and what is exported is
+decided here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from extproc.metrics import ReplicaReport, ReplicaReportCollector
+from extproc.router import Router
+
+CORDON_GAUGE = {"cordoned": 1, "drained": 2}
+
+
+def export(router: Router) -> Callable[[], None]:
+    """Register the router's per-replica report collector on its registry; returns the function
+    that refreshes the gauges, to call before each scrape."""
+    router.metrics.registry.register(ReplicaReportCollector(lambda: replica_reports(router)))
+    return lambda: collect(router)
+
+
+def replica_reports(router: Router) -> list[ReplicaReport]:
+    """Each replica's prefix-cache counters as last scraped, stamped with wall time."""
+    # The router's clock is monotonic; the exported timestamp must be wall time.
+    offset = time.time() - router.clock()
+    rows = []
+    for rec in router.replicas.records():
+        m = rec.metrics
+        scraped = rec.scraped_at + offset if rec.scraped_at != float("-inf") and m is not None else None
+        rows.append(
+            ReplicaReport(
+                rec.replica.name,
+                m.prefix_hits if m is not None else None,
+                m.prefix_queries if m is not None else None,
+                scraped,
+            )
+        )
+    return rows
+
+
+def collect(router: Router) -> None:
+    """Refresh the gauges from the router's current state."""
+    m = router.metrics
+    pinned = Counter(e.replica for e in router.rebalancer.ledger.live(router.clock()))
+    for rec in router.replicas.records():
+        name = rec.replica.name
+        m.replica_seen(name)
+        m.replica_inflight.labels(name).set(rec.inflight)
+        m.replica_health.labels(name).set(rec.health)
+        m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
+        m.replica_queue.labels(name).set(rec.queue)
+        m.replica_kv_usage.labels(name).set(rec.kv_usage)
+        m.replica_sessions.labels(name).set(pinned.get(name, 0))
+        m.replica_cordon.labels(name).set(CORDON_GAUGE.get(router.cordons.get(name, ""), 0))
+    stats = router.store.stats()
+    m.sessions.set(stats.sessions)
+    m.prefix_index_blocks.set(stats.prefix_blocks)
+    m.ledger_sessions.set(len(router.rebalancer.ledger))
+    m.ledger_bytes.set(router.rebalancer.ledger.size_bytes)
+    if router.kv_events is not None:
+        hits = {r.replica.name: r.metrics.prefix_hits for r in router.replicas.records() if r.metrics is not None}
+        router.kv_events.collect(hits)

@@ -1,0 +1,128 @@
+"""A hung replica (accepts connections, never answers) through real Envoy, the processor and fake
+replicas: requests that had nothing back yet are retried on another replica after the first-byte
+timeout, a stream that stalls after its headers ends with an error after the idle timeout, and the
+processor takes the replica out of the rotation from the tries that timed out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from extproc_lab.demo.fault_matrix import with_config
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.load import Outcome, chat_body, send, send_stream
+from tests.conftest import require_binary
+
+pytestmark = pytest.mark.e2e
+FIRST_BYTE_S = 0.5
+STREAM_IDLE_S = 1.6  # > 3 tries x 0.5 s: the idle timer also runs before the headers
+ROUTE_TIMEOUT_S = 30  # far above what the per-try bounds allow, so a request that waited for it shows
+# Slack for a loaded 2-core machine; still far below the route timeout the bounds replace.
+SLACK_S = 3.0
+CONFIG = (
+    "health:\n  cooldown_s: 1.0\n"
+    f"upstream:\n  first_byte_s: {FIRST_BYTE_S}\n  stream_idle_s: {STREAM_IDLE_S}\n"
+    "  unary_s_per_output_token: 0.01\n"
+)
+
+
+async def in_rotation(http: aiohttp.ClientSession, url: str, replica: str) -> bool:
+    async with http.get(url) as resp:
+        return f'extproc_replica_in_rotation{{replica="{replica}"}} 1.0' in await resp.text()
+
+
+@pytest.mark.parametrize("mode", ["cluster", "endpoint"])
+def test_hung_replica_costs_the_first_byte_timeout_not_the_route_timeout(mode: str) -> None:
+    require_binary("envoy")
+    gw = LocalGateway(
+        replicas=3,
+        mode=mode,
+        # Real time: a 400-token stream lasts about 2 s, long enough to stall it in the middle.
+        time_scale=1.0,
+        envoy_options={
+            "route_timeout_s": ROUTE_TIMEOUT_S,
+            "first_byte_timeout_s": FIRST_BYTE_S,
+            "stream_idle_timeout_s": STREAM_IDLE_S,
+        },
+    )
+    with_config(gw, CONFIG)
+    stopped = 0
+    try:
+        gw.start()
+        stopped, unary, streams, stopped_at, ejected = asyncio.run(_scenario(gw))
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        gw.stop()
+    victim = streams[0].replica
+    # Non-streaming turns of sessions pinned to the hung replica: nothing came back from it, so
+    # Envoy retried each on another replica after the first-byte timeout; none was lost.
+    assert unary and all(o.ok for o in unary), [(o.status, o.error) for o in unary]
+    assert all(o.replica != victim for o in unary)
+    assert all(FIRST_BYTE_S * 0.9 <= o.latency_s < FIRST_BYTE_S + SLACK_S for o in unary), [
+        round(o.latency_s, 2) for o in unary
+    ]
+    # Streams flowing from it when it hung: they cannot be retried (the client has bytes), so they
+    # end with an error soon after the idle timeout instead of at the route timeout.
+    assert all(not o.ok and o.status == 200 for o in streams), [(o.status, o.error) for o in streams]
+    assert all(o.ended - stopped_at < STREAM_IDLE_S + SLACK_S for o in streams), [
+        round(o.ended - stopped_at, 2) for o in streams
+    ]
+    assert ejected is not None and ejected - stopped_at < SLACK_S + 2.0
+
+
+async def _scenario(gw: LocalGateway) -> tuple[int, list[Outcome], list[Outcome], float, float | None]:
+    async with aiohttp.ClientSession() as http:
+        warm = await asyncio.gather(*(send(http, gw.url, f"s{i}", 0, chat_body(f"hello {i}")) for i in range(12)))
+        assert all(o.ok for o in warm)
+        victim = warm[0].replica
+        pinned = [o.session for o in warm if o.replica == victim]
+        started: asyncio.Queue[str] = asyncio.Queue()
+        body = json.dumps(
+            {
+                "model": "demo-model",
+                "stream": True,
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "tell me a long story"}],
+            }
+        ).encode()
+        streams = [
+            asyncio.create_task(
+                send_stream(
+                    http,
+                    gw.url,
+                    session,
+                    body,
+                    timeout_s=ROUTE_TIMEOUT_S + 5,
+                    on_headers=lambda s, r: started.put_nowait(r),
+                )
+            )
+            for session in pinned[:2]
+        ]
+        # Both streams have their headers (from the victim: their sessions are pinned there).
+        for _ in streams:
+            await asyncio.wait_for(started.get(), 10.0)
+        pid = gw.procs.procs[victim].pid
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        unary = await asyncio.gather(
+            *(send(http, gw.url, s, 1, chat_body(f"hello {s} again"), timeout_s=ROUTE_TIMEOUT_S + 5) for s in pinned)
+        )
+        done = await asyncio.gather(*streams)
+        ejected = None
+        deadline = stopped_at + 10.0
+        while time.monotonic() < deadline:
+            if not await in_rotation(http, gw.metrics_url, victim):
+                ejected = time.monotonic()
+                break
+            await asyncio.sleep(0.05)
+        return pid, list(unary), list(done), stopped_at, ejected

@@ -1,0 +1,239 @@
+"""Shared state on the Redis deployments people run, each with the active-active e2e of
+``test_shared_store_e2e``: Envoy round-robins ext_proc streams over two processors that share
+Redis, so a conversation's turns alternate processors and must stay on one replica.
+
+- TLS: ``rediss://`` to a redis-server serving TLS only, with a CA made for the test.
+- Sentinel: a master, its replica and a Sentinel; the master is SIGKILLed mid-replay, the
+  Sentinel promotes the replica, and the processors find the new master through it.
+- Cluster: three shards; conversations of several models, whose hash tags land on every shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from redis.crc import key_slot
+
+from extproc.state.redis_keys import KeySpace
+from extproc_lab.demo.certificates import make_certificates
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.redis_server import LocalCluster, LocalRedis, LocalSentinel
+from extproc_lab.demo.workload import Conversation, multi_turn
+from tests.conftest import require_binary
+from tests.test_shared_store_e2e import metrics_of
+
+pytestmark = pytest.mark.e2e
+CHAT = "/v1/chat/completions"
+NAMESPACE = "topo"
+# The first burst of requests opens a connection each: over TLS, Python's handshakes on two busy
+# cores outlast the 50 ms default timeouts (measured: lookups timed out, the store routed on local
+# state for 0.1 s and 4 of 10 conversations changed replica), as does a Cluster's slot discovery.
+# A deployment over TLS should give itself the same room (README).
+ROOMY = "connect_timeout=0.5&socket_timeout=0.5"
+# Pins are written behind the decision; a user's next turn comes seconds later, not within the
+# write's latency (a Cluster's first write to a node loads the script there): a pause between
+# turns, or a turn could race the write of the one before it on the other processor.
+THINK_S = 0.1
+
+
+def gateway(store_url: str) -> LocalGateway:
+    return LocalGateway(replicas=3, time_scale=0.02, processors=2, processor_args=("--store", store_url))
+
+
+@contextmanager
+def running(gw: LocalGateway, *redis: LocalRedis) -> Iterator[LocalGateway]:
+    try:
+        for server in redis:
+            server.start()
+        yield gw
+    finally:
+        gw.stop()  # the Redis processes are in the gateway's process group: stopped by PID
+
+
+async def decisions(http: aiohttp.ClientSession, gw: LocalGateway) -> list[Counter[str]]:
+    """Decisions by reason per processor, summed over models."""
+    out = []
+    for url in gw.metrics_urls:
+        counts: Counter[str] = Counter()
+        for key, value in (await metrics_of(http, url)).items():
+            if key.startswith("extproc_decisions_total{"):
+                counts[key.split("reason=")[1].split(",")[0].rstrip("}")] += int(value)
+        out.append(counts)
+    return out
+
+
+async def send_turn(
+    http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int, model: str = "demo-model"
+) -> tuple[int, str]:
+    body = {"model": model, "messages": conv.next_messages(turn), "max_tokens": 2}
+    async with http.post(url + CHAT, data=json.dumps(body), headers={"x-session-id": conv.session_id}) as resp:
+        payload: Any = await resp.read()
+        if resp.status == 200:
+            conv.add_answer(json.loads(payload)["choices"][0]["message"]["content"])
+        return resp.status, resp.headers.get("x-replica-name", "")
+
+
+async def replay(
+    gw: LocalGateway, convs: list[Conversation], turns: int, models: list[str] | None = None
+) -> tuple[list[set[str]], list[Counter[str]], Counter[int]]:
+    """Every conversation's turns in order, all conversations at once; returns the replicas each
+    used, the decisions per processor during the replay, and the statuses."""
+    statuses: Counter[int] = Counter()
+    async with aiohttp.ClientSession() as http:
+        before = await decisions(http, gw)
+
+        async def converse(index: int, conv: Conversation) -> set[str]:
+            used = set()
+            for t in range(turns):
+                model = models[index % len(models)] if models else "demo-model"
+                status, replica = await send_turn(http, gw.url, conv, t, model)
+                statuses[status] += 1
+                used.add(replica)
+                await asyncio.sleep(THINK_S)
+            return used
+
+        used = await asyncio.gather(*(converse(i, c) for i, c in enumerate(convs)))
+        after = await decisions(http, gw)
+    return list(used), [after[i] - before[i] for i in range(2)], statuses
+
+
+def assert_shared(used: list[set[str]], per_processor: list[Counter[str]], statuses: Counter[int], turns: int) -> None:
+    total = len(used) * turns
+    assert statuses == {200: total}, statuses
+    assert all(len(u) == 1 for u in used), used
+    # Both processors decided, and every turn after the first found the pin the other one wrote.
+    assert min(sum(c.values()) for c in per_processor) >= total // 4, per_processor
+    assert sum(c["sticky"] for c in per_processor) == total - len(used), per_processor
+
+
+def test_tls_redis_shared_by_two_processors(tmp_path: Any) -> None:
+    require_binary("envoy")
+    require_binary("redis-server")
+    certs = make_certificates(tmp_path / "certs")
+    gw = gateway("placeholder")
+    server = LocalRedis(gw.procs, gw.dir, name="redis-tls", tls=certs)
+    gw.processor_args = ("--store", f"{server.url}&namespace={NAMESPACE}&{ROOMY}")
+    with running(gw, server):
+        gw.start()
+        convs = multi_turn(10, 6, seed=5, system_tokens=100, document_tokens=300, run_id="tls")
+        used, per_processor, statuses = asyncio.run(replay(gw, convs, 6))
+        with server.client() as c:  # over TLS too: the plain port is off
+            pins = list(c.scan_iter(match=f"ext:{{{NAMESPACE}/*}}:s:*", count=1000))
+    assert_shared(used, per_processor, statuses, 6)
+    assert len(pins) == 10
+
+
+def test_sentinel_failover_mid_replay_loses_no_request_and_keeps_the_pins() -> None:
+    require_binary("envoy")
+    require_binary("redis-server")
+    gw = gateway("placeholder")
+    master = LocalRedis(gw.procs, gw.dir, name="redis-master")
+    replica = LocalRedis(gw.procs, gw.dir, name="redis-replica", replica_of=master)
+    sentinel = LocalSentinel(gw.procs, gw.dir, master, down_after_ms=1000)
+    gw.processor_args = ("--store", f"{sentinel.url}?namespace={NAMESPACE}")
+    with running(gw, master, replica):
+        sentinel.start()
+        gw.start()
+        result = asyncio.run(_failover(gw, master, replica, sentinel))
+    statuses, used, promoted_s, pins, last_replica, available = result
+    assert statuses == {200: 8 * 12}, statuses
+    assert promoted_s is not None and promoted_s < 15, promoted_s
+    # Both processors found the promoted master through the Sentinel and write to it again.
+    assert available == [1.0, 1.0]
+    # The new master holds every conversation's pin, naming the replica its last turn used.
+    assert pins == last_replica
+    # Turns before the kill were replicated: the sessions kept their replica across the failover.
+    assert sum(len(u) == 1 for u in used) >= 7, used
+
+
+async def _failover(
+    gw: LocalGateway, master: LocalRedis, replica: LocalRedis, sentinel: LocalSentinel
+) -> tuple[Counter[int], list[set[str]], float | None, dict[str, str], dict[str, str], list[float]]:
+    convs = multi_turn(8, 12, seed=6, system_tokens=100, document_tokens=300, run_id="sentinel")
+    statuses: Counter[int] = Counter()
+    done = 0
+    progress = asyncio.Event()
+    last: dict[str, str] = {}
+
+    async with aiohttp.ClientSession() as http:
+
+        async def converse(conv: Conversation) -> set[str]:
+            nonlocal done
+            used = set()
+            for t in range(12):
+                status, name = await send_turn(http, gw.url, conv, t)
+                statuses[status] += 1
+                used.add(name)
+                last[conv.session_id] = name
+                done += 1
+                progress.set()
+                await asyncio.sleep(THINK_S)
+            return used
+
+        async def at(count: int) -> None:
+            while done < count:
+                progress.clear()
+                await progress.wait()
+
+        running_replay = asyncio.gather(*(converse(c) for c in convs))
+        await at(8 * 12 // 4)
+        master.kill()
+        killed = time.monotonic()
+        promoted = None
+        while time.monotonic() - killed < 20:
+            if await asyncio.to_thread(sentinel.master_address) == ("127.0.0.1", replica.port):
+                promoted = time.monotonic() - killed
+                break
+            await asyncio.sleep(0.1)
+        used = await running_replay
+        available = []
+        for url in gw.metrics_urls:
+            deadline = time.monotonic() + 10
+            while (value := (await metrics_of(http, url))["extproc_store_available{}"]) != 1.0:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            available.append(value)
+    keys = KeySpace(NAMESPACE)
+    with replica.client() as c:
+        pins = {conv.session_id: (c.get(keys.session("demo-model", conv.session_id)) or b"").decode() for conv in convs}
+    return statuses, used, promoted, pins, last, available
+
+
+def _models_on_every_shard(cluster: LocalCluster, keys: KeySpace) -> list[str]:
+    """Model names whose hash tags land on each shard in turn (the slots are split evenly)."""
+    shards = len(cluster.nodes)
+    found: dict[int, str] = {}
+    for i in range(1000):
+        model = f"model-{i}"
+        shard = key_slot(keys.session(model, "x").encode()) * shards // 16384
+        found.setdefault(shard, model)
+        if len(found) == shards:
+            break
+    return [found[s] for s in range(shards)]
+
+
+def test_three_shard_cluster_shared_by_two_processors() -> None:
+    require_binary("envoy")
+    require_binary("redis-server")
+    gw = gateway("placeholder")
+    cluster = LocalCluster(gw.procs, gw.dir, shards=3)
+    gw.processor_args = ("--store", f"{cluster.url}?namespace={NAMESPACE}&{ROOMY}")
+    keys = KeySpace(NAMESPACE)
+    models = _models_on_every_shard(cluster, keys)
+    with running(gw):
+        cluster.start()
+        gw.start()
+        convs = multi_turn(12, 5, seed=7, system_tokens=100, document_tokens=300, run_id="cluster")
+        used, per_processor, statuses = asyncio.run(replay(gw, convs, 5, models))
+        per_shard = cluster.keys_per_node(f"ext:{{{NAMESPACE}/*}}:s:*")
+    assert_shared(used, per_processor, statuses, 5)
+    assert sum(per_shard) == 12 and all(n == 4 for n in per_shard), per_shard

@@ -1,0 +1,136 @@
+"""Per-try bounds: what the processor tells Envoy per request, what the rendered config holds,
+and how a try that failed on the chosen replica counts against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.config import ConfigError, config_from_mapping
+from extproc.envoy_config import GatewaySpec, render
+from extproc.health.replicas import ReplicaBook
+from extproc.request.openai_body import max_output_tokens
+from extproc.router import Router
+from extproc.routing.model import Replica
+from extproc.server.stream import RequestStream
+from extproc.upstream_timeouts import PER_TRY_TIMEOUT_HEADER, UpstreamTimeouts, attempts
+from tests.conftest import body_message, headers_message, make_config, set_headers
+
+
+def test_streams_are_marked_and_non_streaming_requests_get_a_bound_from_max_tokens() -> None:
+    t = UpstreamTimeouts(first_byte_s=8.0, unary_s_per_output_token=0.3)
+    assert t.request_headers(stream=True, max_output_tokens=500) == [("x-extproc-stream", "1")]
+    assert t.request_headers(stream=False, max_output_tokens=100) == [(PER_TRY_TIMEOUT_HEADER, "38000")]
+    # Without max_tokens the answer may run to the model's context: only the route timeout bounds it.
+    assert t.request_headers(stream=False, max_output_tokens=None) == [(PER_TRY_TIMEOUT_HEADER, "0")]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"max_tokens": 7}, 7),
+        ({"max_completion_tokens": 9, "max_tokens": 7}, 9),
+        ({"max_tokens": True}, None),
+        ({"max_tokens": -1}, None),
+        ({"max_tokens": "12"}, None),
+        ({}, None),
+    ],
+)
+def test_max_output_tokens_reads_only_sane_integers(body: dict[str, object], expected: int | None) -> None:
+    assert max_output_tokens(body) == expected
+
+
+def test_attempt_count_header_parsing() -> None:
+    assert [attempts(v) for v in (None, "", "1", "2", "x", "0")] == [1, 1, 1, 2, 1, 1]
+
+
+def test_upstream_section_is_validated_naming_the_field() -> None:
+    cfg = config_from_mapping({"upstream": {"first_byte_s": 2, "stream_idle_s": 7, "stream_header": "X-S"}})
+    assert (cfg.upstream.first_byte_s, cfg.upstream.stream_idle_s, cfg.upstream.stream_header) == (2.0, 7.0, "x-s")
+    assert "x-s" in cfg.routing_headers  # a client never sets it itself
+    with pytest.raises(ConfigError, match=r"upstream\.first_byte: unknown key"):
+        config_from_mapping({"upstream": {"first_byte": 2}})
+    with pytest.raises(ConfigError, match=r"upstream\.first_byte_s"):
+        config_from_mapping({"upstream": {"first_byte_s": 0}})
+
+
+def _decide(body: dict[str, object]) -> dict[str, str]:
+    async def run() -> pb.ProcessingResponse:
+        stream = RequestStream(Router(make_config()))
+        await stream.answer(headers_message({":path": "/v1/chat/completions", "x-session-id": "a"}))
+        return await stream.answer(body_message(json.dumps(body).encode()))
+
+    return set_headers(asyncio.run(run()).request_body.response.header_mutation)
+
+
+def test_the_decision_carries_the_per_try_bound() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    streamed = _decide({"model": "m", "stream": True, "messages": messages})
+    assert streamed["x-extproc-stream"] == "1" and PER_TRY_TIMEOUT_HEADER not in streamed
+    unary = _decide({"model": "m", "max_tokens": 10, "messages": messages})
+    assert unary[PER_TRY_TIMEOUT_HEADER] == "11000" and "x-extproc-stream" not in unary
+
+
+def test_rendered_routes_bound_each_try_and_idle_streams() -> None:
+    spec = GatewaySpec(replicas=[Replica("a", "127.0.0.1:1"), Replica("b", "127.0.0.1:2")])
+    hcm = render(spec)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    assert vhost["include_attempt_count_in_response"] is True
+    stream_route, routed, default = vhost["routes"]
+    assert [h["name"] for h in stream_route["match"]["headers"]] == ["x-target-cluster", "x-extproc-stream"]
+    assert stream_route["route"]["idle_timeout"] == "25s"
+    assert stream_route["route"]["retry_policy"]["per_try_timeout"] == "8s"
+    assert routed["route"]["retry_policy"]["per_try_timeout"] == "8s" and "idle_timeout" not in routed["route"]
+    # Unrouted (the processor down): nothing known about the request, only the route timeout.
+    assert "per_try_timeout" not in default["route"]["retry_policy"]
+    ext_proc = hcm["http_filters"][1]["typed_config"]
+    assert ext_proc["mutation_rules"] == {"allow_envoy": True}
+
+
+def test_an_idle_timeout_shorter_than_the_tries_before_the_headers_is_refused() -> None:
+    spec = GatewaySpec(replicas=[Replica("a", "127.0.0.1:1")], first_byte_timeout_s=5, stream_idle_timeout_s=15)
+    with pytest.raises(ValueError, match="stream_idle_timeout_s"):
+        render(spec)
+
+
+def _response_headers(status: int, attempt_count: int) -> pb.ProcessingRequest:
+    hv = [
+        base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
+        base_pb2.HeaderValue(key="x-envoy-attempt-count", raw_value=str(attempt_count).encode()),
+    ]
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv)))
+
+
+def test_answers_that_needed_a_retry_eject_the_chosen_replica() -> None:
+    router = Router(make_config())
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+
+    async def one(attempt_count: int) -> str:
+        stream = RequestStream(router)
+        await stream.answer(headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}))
+        await stream.answer(body_message(body))
+        assert stream.routed is not None and stream.routed.decision.replica is not None
+        await stream.answer(_response_headers(200, attempt_count))
+        router.release(stream.routed)
+        return stream.routed.decision.replica.name
+
+    async def run() -> tuple[str, list[str]]:
+        first = await one(1)
+        for _ in range(3):  # a 200 that another replica gave after the chosen one failed its try
+            assert await one(2) == first
+        return first, [t.replica for t in router.replicas.evaluate(router.clock()) if not t.in_rotation]
+
+    chosen, ejected = asyncio.run(run())
+    assert ejected == [chosen]  # reported by the next evaluation: counted and its sessions moved
+    assert not next(r for r in router.replicas.records() if r.replica.name == chosen).rotation.in_rotation
+
+
+def test_one_retried_answer_does_not_eject() -> None:
+    book = ReplicaBook([Replica("a", "127.0.0.1:1")])
+    book.observe("a", 0, None, 0.0)
+    book.observe("a", 200, 0.1, 0.1)
+    assert all(r.rotation.in_rotation for r in book.records())
