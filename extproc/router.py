@@ -205,6 +205,8 @@ class Router:
         without side effects: nothing is pinned, counted, indexed or refreshed."""
         now = self.clock()
         features = extract_features(headers, body, self.config.features)
+        if self.kv_events is not None:  # the prompt's blocks as route() hashes them (a memo, no state)
+            features = await self.kv_events.tokenized(features, body)
         try:
             view = await self.store.peek(features.session_key, features.prefix_hashes, now, model=features.model)
         except Exception as exc:  # as route(): without the store, the decision hashes

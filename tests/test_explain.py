@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from extproc.request.features import RequestFeatures
 from extproc.router import Router
 from extproc.routing import AffinityView, Reason, Replica, ReplicaState, Snapshot, build_profile, decide
@@ -105,3 +107,31 @@ async def test_drain_moves_the_sessions_it_knows_and_stops_new_work() -> None:
     assert await router.store.cordons() == {victim: "drained"}
     await router.set_cordon(victim, None)
     assert router.cordons == {}
+
+
+async def test_explain_names_kv_events_as_the_source_where_a_feed_is_live(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from extproc.admin.fleet import fleet
+    from extproc.admin.service import explanation_message
+    from extproc.request.tokenizer import PromptTokenizer
+    from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir
+    from tests.test_kvevents_routing import Clock, chat, conversation, feed, make_router, stored_event
+
+    tokenizer_dir = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(3, seed=7)
+    await feed(kv, "r0", 0, stored_event(tok, conversation(1, seed=31)))  # live, unrelated blocks
+    await feed(kv, "r2", 0, stored_event(tok, msgs))  # live, holds the prompt
+    explained = await router.explain(*chat(msgs))
+    reply = explanation_message(explained)
+    by_name = {r.replica: r for r in reply.replicas}
+    assert reply.replica == "r2" and by_name["r2"].match_source == "kv_events"
+    assert by_name["r2"].matched_blocks == reply.total_blocks > 0
+    assert by_name["r2"].predicted_uncached_tokens < by_name["r1"].predicted_uncached_tokens
+    states = {r.name: r.kv_events for r in fleet(router)}
+    assert states == {"r0": "live", "r1": "none", "r2": "live"}
+    routed = await router.route(*chat(msgs))
+    assert routed.decision.replica is not None and routed.decision.replica.name == reply.replica

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from extproc.health.score import penalties
+from extproc.kvevents.feed import KvEventSource
 from extproc.router import Router
 
 
@@ -34,6 +35,7 @@ def fleet(router: Router) -> list[ReplicaRow]:
     now = router.clock()
     pinned = Counter(e.replica for e in router.rebalancer.ledger.live(now))
     limits = router.replicas.settings.limits
+    feeds = router.kv_events.source if router.kv_events is not None else None
     rows = []
     for rec in sorted(router.replicas.records(), key=lambda r: r.replica.name):
         name = rec.replica.name
@@ -56,6 +58,17 @@ def fleet(router: Router) -> list[ReplicaRow]:
                 sessions_pinned=pinned.get(name, 0),
                 pending_prefill_tokens=rec.pending_prefill_tokens,
                 scrape_failures=rec.scrape_failures,
+                kv_events=_feed_state(feeds, name, now),
             )
         )
     return rows
+
+
+def _feed_state(source: KvEventSource | None, replica: str, now: float) -> str:
+    """The replica's KV-event stream: none, connecting (no message yet), live, or stale."""
+    feed = source.feeds.get(replica) if source is not None else None
+    if source is None or feed is None:
+        return "none"
+    if source.is_live(replica, now):
+        return "live"
+    return "stale" if feed.synced else "connecting"
