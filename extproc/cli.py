@@ -166,6 +166,10 @@ def _with_tls_flags(cfg: Config, args: argparse.Namespace) -> Config:
 
 
 async def _serve(cfg: Config) -> None:
+    # Imported before the gRPC port binds: a client that sees that port accepting finds the other
+    # listeners (bound right after it) without waiting on these imports.
+    from extproc.admin.console import install as install_console
+    from extproc.admin.server import AdminServer
     from extproc.discovery import run_discovery
     from extproc.health.scraper import Scraper
     from extproc.metrics import RouterMetrics
@@ -207,16 +211,12 @@ async def _serve(cfg: Config) -> None:
     # Every other listener binds now, before the health service says SERVING (server.start()).
     listeners: list[Listener] = []
     if cfg.metrics_listen:
-        from extproc.admin.console import install as install_console
-
         listeners.append(
             MetricsListener(
                 router.metrics.registry, cfg.metrics_listen, export(router), lambda app: install_console(app, router)
             )
         )
     if cfg.admin.listen:
-        from extproc.admin.server import AdminServer
-
         try:
             listeners.append(AdminServer(router, cfg.admin))
         except ValueError as exc:  # the token file, a certificate, or the ext_proc address again
