@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -197,6 +198,10 @@ async def _serve(cfg: Config) -> None:
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None
     router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events)
     if kv_events is not None:
+        if not kv.enabled:
+            logging.getLogger("extproc.kvevents").warning(
+                "kv events: no --tokenizer (kv_events.tokenizers): events are indexed but no request matches them"
+            )
         kv_events.start(cfg.replicas)
     try:
         server = ProcessorServer(

@@ -8,11 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-import extproc.config_schema as schema
 from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, parse_discovery
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
@@ -28,6 +27,9 @@ from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profil
 from extproc.state.store_url import parse_store_url
 from extproc.tenancy import TenantPolicy, TenantSettings
 from extproc.upstream_timeouts import UpstreamTimeouts
+
+if TYPE_CHECKING:
+    import extproc.config_schema as schema
 
 Mode = Literal["cluster", "endpoint"]
 
@@ -251,6 +253,9 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     """Validate a parsed YAML mapping into a :class:`Config` (the schema: :mod:`extproc.config_schema`)."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config: expected a mapping at the top level")
+    # Imported here: pydantic and the schema cost a start without a config file ~0.3 s.
+    import extproc.config_schema as schema
+
     try:
         file = schema.parse_file(raw)
     except ValueError as exc:

@@ -288,14 +288,23 @@ class Router:
         return False
 
     def observe_response(self, routed: Routed, status: int, attempts: int = 1) -> None:
-        """Learn from the response headers Envoy saw: status, time to first byte, and whether the
-        chosen replica's try failed (``attempts`` > 1: Envoy retried elsewhere after a connect
-        failure, a reset or a first-byte timeout, so this answer is not the chosen replica's)."""
+        """Learn from the response headers Envoy saw: status and time to first byte.
+
+        With ``attempts`` > 1 Envoy retried elsewhere, so the answer is not the chosen replica's.
+        When it came after the first-byte timeout, the chosen replica's try met it: a failure of
+        that replica (three in a row eject it). A quick retry (connection refused or reset) is
+        not counted: the scraper sees a replica that refuses connections for itself, and a burst
+        that overflows a listen backlog for a moment must not eject a healthy replica.
+        """
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
         if replica is not None:
             now = self.clock()
-            self.replicas.observe(replica.name, 0 if attempts > 1 else status, now - routed.decided_at, now)
+            waited = now - routed.decided_at
+            if attempts <= 1:
+                self.replicas.observe(replica.name, status, waited, now)
+            elif waited >= self.config.upstream.first_byte_s:
+                self.replicas.observe(replica.name, 0, None, now)
             self.replicas.prefilled(replica.name, routed.prefill_tokens)
             routed.prefill_tokens = 0
 

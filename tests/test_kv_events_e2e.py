@@ -34,13 +34,12 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     tok = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
     sockets = tmp_path_factory.mktemp("kv")
     labels, replica_args = {}, {}
-    for i, name in enumerate(REPLICAS):
+    for name in REPLICAS:
         pub, replay = f"ipc://{sockets}/{name}.pub", f"ipc://{sockets}/{name}.replay"
         labels[name] = {"kv_events": pub, "kv_replay": replay}
         encoding = "array" if name == "replica-1" else "map"
         replica_args[name] = ("--tokenizer", str(tok), "--kv-events", pub, "--kv-replay", replay,
                               "--kv-events-encoding", encoding)  # fmt: skip
-        assert i >= 0
     gw = LocalGateway(
         replicas=len(REPLICAS),
         time_scale=0.02,
@@ -223,3 +222,56 @@ async def test_restarted_routers_refind_live_conversations_from_replayed_events(
         for session, (messages, replica) in sessions.items():
             next_turn = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
             assert await post(http, gateway.url, next_turn, **{"x-session-id": session}) == replica, session
+
+
+def test_replicas_connecting_to_one_bound_endpoint(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The other layout: the processor binds ``--kv-events-listen`` and the engines connect to it
+    (vLLM connects when its endpoint names a host), the topic naming the replica."""
+    from extproc_lab.demo.processes import free_port
+
+    require_binary("envoy")
+    tok = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replica_args = {name: ("--tokenizer", str(tok), "--kv-events", endpoint) for name in REPLICAS}
+    gw = LocalGateway(
+        replicas=len(REPLICAS),
+        time_scale=0.02,
+        replica_args=replica_args,
+        processor_args=("--tokenizer", f"{MODEL}={tok}", "--kv-events-listen", endpoint),
+    )
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            fresh = iter(range(100, 200))
+
+            async def connected() -> bool:
+                # The engines connect a moment after the processor binds, and what they publish
+                # before that is lost (no replay in this layout): probe with fresh prompts.
+                for name in ("replica-0", "replica-2"):
+                    await seed(http, gw, name, conversation(next(fresh), 1))
+                page = (await metrics(http, gw))[0]
+                return all(
+                    (scrape(page, "extproc_kv_index_blocks", replica=n) or 0) > 0 for n in ("replica-0", "replica-2")
+                )
+
+            await wait_until(connected, step_s=0.2)
+            full = conversation(7, 2)
+            await seed(http, gw, "replica-0", conversation(7, 1))
+            await seed(http, gw, "replica-2", full)
+
+            async def applied() -> bool:
+                page = (await metrics(http, gw))[0]
+                for name in ("replica-0", "replica-2"):
+                    async with http.get(gw.replica_url(name) + "/kv_events") as resp:
+                        if (
+                            scrape(page, "extproc_kv_feed_last_seq", replica=name)
+                            != (await resp.json())["next_seq"] - 1
+                        ):
+                            return False
+                return True
+
+            await wait_until(applied)
+            assert await routed(http, gw, full) == {"replica-2"}
+
+    with gw:
+        asyncio.run(scenario())

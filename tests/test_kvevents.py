@@ -141,7 +141,9 @@ def test_bad_events_are_counted_and_the_rest_kept() -> None:
              ["BlockStored", [1], None, [-1], 1], ["BlockStored", [1], None, [1], 0], ["AllBlocksCleared"]]]
     )  # fmt: skip
     batch = decode_batch(payload)
-    assert batch.dropped == 6 and batch.events == (AllBlocksCleared(),)
+    # A negative token id passes the decoder (only the content-hash mode reads token ids, and
+    # refuses it there: see test_content_mode_refuses_token_ids_that_are_not_uint32).
+    assert batch.dropped == 5 and batch.events[-1] == AllBlocksCleared() and len(batch.events) == 2
 
 
 @pytest.mark.parametrize(
@@ -225,6 +227,13 @@ def test_content_mode_keys_by_token_ids_and_maps_removals() -> None:
     assert idx.matches(keys, 0.0) == {"a": 1.0}
     result = idx.apply("a", [BlockStored((200,), 999, tokens[:4], 4)])  # parent never seen
     assert result.orphans == 1
+
+
+def test_content_mode_refuses_token_ids_that_are_not_uint32() -> None:
+    idx = ModelIndex(HashAlgo.CONTENT)
+    for tokens in ([-1, 2], [1.5, 2], ["a", "b"], [2**40, 1]):
+        result = idx.apply("a", [BlockStored((7,), None, tokens, 2)])
+        assert result.orphans == 1 and idx.blocks("a") == 0
 
 
 def test_speculative_credit_expires_and_yields_to_removal() -> None:

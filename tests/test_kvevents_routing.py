@@ -8,6 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
@@ -299,3 +301,40 @@ async def test_a_pin_whose_replica_lost_the_conversation_is_dropped(tokenizer_di
     assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned is None
     kv.settings = replace(kv.settings, unpin_below=0.0)  # pins always kept
     assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned == pinned
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda c: (
+        st.lists(c, max_size=4)
+        | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "x"]), c, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=_json, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+async def test_odd_bodies_are_routed_on_what_is_known(tokenizer_dir: Path, messages: object, path: str) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock)
+    body = json.dumps({"model": "m", "messages": messages, "prompt": messages}).encode()
+    try:
+        routed = await router.route({":path": path}, body)
+    finally:
+        await kv.close()
+    assert routed.decision.replica is not None
+
+
+_piece = st.sampled_from(["hello", " world", "\n", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "cache", "  ", "é"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(_piece, max_size=8).map("".join), min_size=1, max_size=6))
+def test_incremental_tokenizing_equals_full_on_any_turns(tokenizer_dir: Path, contents: list[str]) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs: list[dict[str, str]] = []
+    for i, content in enumerate(contents):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+        got = tok.chat_ids(msgs, session="s")
+        assert got.ids == tuple(tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids)

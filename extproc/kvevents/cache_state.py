@@ -103,7 +103,7 @@ class EventCacheState:
         loop = asyncio.get_running_loop()
         try:
             keys, tokens = await loop.run_in_executor(self._executor, self.block_keys, tok, features, body)
-        except (TokenizerError, ValueError, TypeError) as exc:
+        except Exception as exc:  # bad input gets character blocks, never a failed decision
             self.tokenize_errors.inc()
             log.debug("not tokenized (%s): routed on character blocks", exc)
             return features

@@ -147,7 +147,11 @@ class ModelIndex:
                 return ()
             parent = known
         n = min(len(ev.block_hashes), len(ev.token_ids) // ev.block_size)
-        keys = content_chain(ev.token_ids, ev.block_size, parent, n, extra=ev.lora_name or "")
+        try:
+            keys = content_chain(ev.token_ids, ev.block_size, parent, n, extra=ev.lora_name or "")
+        except (TypeError, OverflowError, ValueError):  # token ids that are not uint32
+            result.orphans += len(ev.block_hashes)
+            return ()
         for engine_hash, key in zip(ev.block_hashes, keys, strict=False):
             mapping[engine_hash] = key
         return keys

@@ -15,7 +15,6 @@ only the rest is encoded again.
 
 from __future__ import annotations
 
-import bisect
 import json
 import threading
 from collections import OrderedDict
@@ -37,11 +36,10 @@ class TokenizerError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Tokenized:
-    """A prompt's token ids, and where each token ends in the rendered text (for reuse)."""
+    """A prompt's rendered text and token ids."""
 
     text: str
     ids: tuple[int, ...]
-    ends: tuple[int, ...]
     reused: int = 0
     """How many leading tokens came from the session's previous turn."""
 
@@ -107,7 +105,12 @@ class PromptTokenizer:
             raise TokenizerError(f"{path}: chat template does not compile ({exc})") from None
         # Boundaries that are safe to cut at: special added tokens that do not eat whitespace.
         decoder = self.tokenizer.get_added_tokens_decoder()
-        self._cut_tokens = [t.content for t in decoder.values() if t.special and not t.lstrip and not t.rstrip]
+        self._cut_ids = {
+            i: t.content
+            for i, t in decoder.items()
+            if t.special and not t.lstrip and not t.rstrip and not t.single_word and not t.normalized
+        }
+        self._cut_tokens = sorted(set(self._cut_ids.values()))
         self._sessions: OrderedDict[str, Tokenized] = OrderedDict()
         self._session_cap = session_cache
         self._lock = threading.Lock()
@@ -139,7 +142,7 @@ class PromptTokenizer:
         if session is not None:
             with self._lock:
                 previous = self._sessions.get(session)
-        result = self._encode_from(text, add_special_tokens, previous, keep_ends=session is not None)
+        result = self._encode_from(text, add_special_tokens, previous)
         if session is not None:
             with self._lock:
                 self._sessions[session] = result
@@ -148,34 +151,34 @@ class PromptTokenizer:
                     self._sessions.popitem(last=False)
         return result
 
-    def _encode_from(
-        self, text: str, add_special_tokens: bool, previous: Tokenized | None, keep_ends: bool = True
-    ) -> Tokenized:
-        cut = self._safe_cut(previous, text) if previous is not None and not add_special_tokens else 0
+    def _encode_from(self, text: str, add_special_tokens: bool, previous: Tokenized | None) -> Tokenized:
+        cut, token = self._safe_cut(previous, text) if previous is not None and not add_special_tokens else (0, "")
         if cut and previous is not None:
-            n = bisect.bisect_right(previous.ends, cut)
-            if n and previous.ends[n - 1] == cut:
+            # The special token ending at ``cut`` is the last special id of the previous ids (a
+            # literal special token is always split out as one): everything up to it is reused.
+            ids = previous.ids
+            n = len(ids)
+            cut_ids = self._cut_ids
+            while n and ids[n - 1] not in cut_ids:
+                n -= 1
+            if n and cut_ids[ids[n - 1]] == token:
                 rest = self.tokenizer.encode(text[cut:], add_special_tokens=False)
-                ids = previous.ids[:n] + tuple(rest.ids)
-                ends = previous.ends[:n] + tuple(cut + e for _, e in rest.offsets)
-                return Tokenized(text, ids, ends, reused=n)
+                return Tokenized(text, ids[:n] + tuple(rest.ids), reused=n)
         enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        # Offsets cost as much as a third of encoding a long prompt: only a session reuses them.
-        ends = tuple(e for _, e in enc.offsets) if keep_ends else ()
-        return Tokenized(text, tuple(enc.ids), ends)
+        return Tokenized(text, tuple(enc.ids))
 
-    def _safe_cut(self, previous: Tokenized, text: str) -> int:
-        """The end of the last special token of the previous text, if the new text shares all
-        of the previous text before it; 0 otherwise."""
+    def _safe_cut(self, previous: Tokenized, text: str) -> tuple[int, str]:
+        """The end of the last special token of the previous text and that token, if the new
+        text shares all of the previous text before it; (0, "") otherwise."""
         old = previous.text
-        cut = 0
-        for token in self._cut_tokens:
-            at = old.rfind(token)
-            if at >= 0:
-                cut = max(cut, at + len(token))
+        cut, token = 0, ""
+        for candidate in self._cut_tokens:
+            at = old.rfind(candidate)
+            if at >= 0 and at + len(candidate) > cut:
+                cut, token = at + len(candidate), candidate
         if cut and text.startswith(old[:cut]):
-            return cut
-        return 0
+            return cut, token
+        return 0, ""
 
     def chat_ids(self, messages: Sequence[Any], tools: Any = None, session: str | None = None) -> Tokenized:
         """``/v1/chat/completions``: the rendered template, without extra special tokens."""
@@ -184,7 +187,7 @@ class PromptTokenizer:
     def completion_ids(self, prompt: Any) -> Tokenized:
         """``/v1/completions``: a string encoded with special tokens, or token ids as given."""
         if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-            return Tokenized("", tuple(prompt), ())
+            return Tokenized("", tuple(prompt))
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
