@@ -354,7 +354,7 @@ class RedisStore:
             return local
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                raw = await self.client.get(self.keys.session(model, session_key))
+                raw = await _async(self.client.get(self.keys.session(model, session_key)))
         except UNAVAILABLE as exc:
             self._failed("lookup", exc)
             return local
@@ -370,7 +370,7 @@ class RedisStore:
             return dropped
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                return bool(await self.client.delete(skey)) or dropped
+                return bool(await _async(self.client.delete(skey))) or dropped
         except UNAVAILABLE as exc:
             self._failed("forget", exc)
             return dropped
@@ -381,7 +381,7 @@ class RedisStore:
             return await self.local.cordons()
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                raw = await self.client.hgetall(self.keys.cordons_key)
+                raw = await _async(self.client.hgetall(self.keys.cordons_key))
         except UNAVAILABLE as exc:
             self._failed("lookup", exc)
             return await self.local.cordons()
@@ -397,9 +397,9 @@ class RedisStore:
         not reach the other gateways)."""
         async with asyncio.timeout(self.op_timeout_s * 4):
             if state is None:
-                await self.client.hdel(self.keys.cordons_key, replica)
+                await _async(self.client.hdel(self.keys.cordons_key, replica))
             else:
-                await self.client.hset(self.keys.cordons_key, replica, state)
+                await _async(self.client.hset(self.keys.cordons_key, replica, state))
         await self.local.set_cordon(replica, state)
 
     def stats(self) -> StoreStats:
