@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint example-config os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config proto os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ os-deps:
 # examples/router.yaml is generated from the config schema; tests/test_config.py keeps it equal.
 example-config: $(STAMP)
 	$(PY) -c "from extproc.config_schema import example_yaml; print(example_yaml(), end='')" > examples/router.yaml
+
+# The admin API's Python code, generated from proto/ and committed (tests/test_proto.py compares).
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check extproc lab tests benchmarks fuzz envoy

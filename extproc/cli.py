@@ -63,6 +63,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
+    p.add_argument(
+        "--admin-listen", metavar="HOST:PORT", help="the admin API (default 127.0.0.1:9191), 'off' to disable"
+    )
+    p.add_argument("--admin-token-file", metavar="FILE", help="bearer token for the admin API's mutating calls")
     add_kv_event_flags(p)
 
 
@@ -137,7 +141,16 @@ def _build_config(args: argparse.Namespace) -> Config:
     if rate is not None:
         rate = checked_sample_rate(rate, "--response-sample-rate")
         cfg = replace(cfg, health=replace(cfg.health, response_sample_rate=rate))
-    return _with_tls_flags(cfg, args)
+    return _with_admin_flags(_with_tls_flags(cfg, args), args)
+
+
+def _with_admin_flags(cfg: Config, args: argparse.Namespace) -> Config:
+    listen, token = getattr(args, "admin_listen", None), getattr(args, "admin_token_file", None)
+    if listen:
+        cfg = replace(cfg, admin=replace(cfg.admin, listen=None if listen == "off" else listen))
+    if token:
+        cfg = replace(cfg, admin=replace(cfg.admin, token_file=token))
+    return cfg
 
 
 def _with_tls_flags(cfg: Config, args: argparse.Namespace) -> Config:
@@ -154,6 +167,10 @@ def _with_tls_flags(cfg: Config, args: argparse.Namespace) -> Config:
 
 
 async def _serve(cfg: Config) -> None:
+    # Imported before the gRPC port binds: a client that sees that port accepting finds the other
+    # listeners (bound right after it) without waiting on these imports.
+    from extproc.admin.console import install as install_console
+    from extproc.admin.server import AdminServer
     from extproc.discovery import run_discovery
     from extproc.health.scraper import Scraper
     from extproc.metrics import RouterMetrics
@@ -199,7 +216,17 @@ async def _serve(cfg: Config) -> None:
     # Every other listener binds now, before the health service says SERVING (server.start()).
     listeners: list[Listener] = []
     if cfg.metrics_listen:
-        listeners.append(MetricsListener(router.metrics.registry, cfg.metrics_listen, export(router)))
+        listeners.append(
+            MetricsListener(
+                router.metrics.registry, cfg.metrics_listen, export(router), lambda app: install_console(app, router)
+            )
+        )
+    if cfg.admin.listen:
+        try:
+            listeners.append(AdminServer(router, cfg.admin))
+        except ValueError as exc:  # the token file, a certificate, or the ext_proc address again
+            await store.close()
+            raise ConfigError(str(exc)) from None
     try:
         await bind_all(listeners)
     except BaseException:
@@ -240,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_parser(sub)
     _envoy_parser(sub)
     _check_parser(sub)
+    from extproc.admin.client import add_parser as _admin_parser
+
+    _admin_parser(sub)
     for entry in entry_points(group=COMMANDS_GROUP):
         try:
             register = entry.load()
@@ -248,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         register(sub)
     args = parser.parse_args(argv)
-    quiet = args.command in ("demo", "bench")
+    quiet = args.command in ("demo", "bench", "admin")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
     try:
         if args.command == "serve":

@@ -57,6 +57,16 @@ class ListenerTls:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """The admin API's listener (config ``admin:``, ``--admin-listen``); ``listen`` None: off."""
+
+    listen: str | None = "127.0.0.1:9191"
+    token_file: str | None = None
+    tls: ListenerTls | None = None
+    watch_sample_rate: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Validated router configuration."""
 
@@ -88,6 +98,7 @@ class Config:
     health_listen: str | None = None
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     kv_events: KvEventSettings = field(default_factory=KvEventSettings)
+    admin: AdminSettings = field(default_factory=AdminSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -228,6 +239,16 @@ def _discovery_settings(raw: Any) -> DiscoverySettings:
         raise ConfigError(str(exc)) from None
 
 
+def _admin_settings(raw: schema.Admin) -> AdminSettings:
+    tls = raw.tls
+    return AdminSettings(
+        listen=raw.listen if raw.enabled else None,
+        token_file=raw.token_file,
+        tls=ListenerTls(tls.cert_file, tls.key_file, tls.client_ca_file) if tls is not None else None,
+        watch_sample_rate=raw.watch_sample_rate,
+    )
+
+
 def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     """Validate a parsed YAML mapping into a :class:`Config` (the schema: :mod:`extproc.config_schema`)."""
     if not isinstance(raw, Mapping):
@@ -289,6 +310,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
             **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
         ),
         kv_events=_kv_events(file.kv_events),
+        admin=_admin_settings(file.admin),
     )
     try:
         parse_store_url(cfg.store)  # the form only: Redis may well be down while we start

@@ -169,6 +169,18 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.replica_sessions = Gauge(
+            "extproc_replica_sessions_pinned",
+            "Sessions this gateway has seen pinned to the replica within the session TTL.",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_cordon = Gauge(
+            "extproc_replica_cordon_state",
+            "The operator's cordon: 0 none, 1 cordoned (no new sessions), 2 drained (no requests).",
+            ["replica"],
+            registry=r,
+        )
         self.sessions_moved = Counter(
             "extproc_sessions_moved", "Sessions moved to another replica, by reason.", ["reason"], registry=r
         )

@@ -9,9 +9,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 
 async def start_metrics_server(
-    registry: CollectorRegistry, listen: str, before_scrape: Callable[[], None] | None = None
+    registry: CollectorRegistry,
+    listen: str,
+    before_scrape: Callable[[], None] | None = None,
+    extra: Callable[[web.Application], object] | None = None,
 ) -> web.AppRunner:
-    """Serve ``/metrics`` (and ``/healthz``) on ``listen`` (HOST:PORT); returns the runner to clean up."""
+    """Serve ``/metrics`` (and ``/healthz``) on ``listen`` (HOST:PORT); returns the runner to clean up.
+
+    ``extra`` adds more read-only routes to the same listener (the console)."""
 
     async def metrics(_: web.Request) -> web.Response:
         if before_scrape is not None:
@@ -24,6 +29,8 @@ async def start_metrics_server(
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    if extra is not None:
+        extra(app)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, _, port = listen.rpartition(":")

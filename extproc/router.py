@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from extproc.config import Config
+from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.metrics import RouterMetrics
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
-from extproc.routing.model import AffinityView, Decision, Replica
+from extproc.routing.model import AffinityView, Decision, Replica, Snapshot
 from extproc.routing.pipeline import Profile, Profiles, decide
 from extproc.routing.registry import build_profile
+from extproc.routing.trace import DecisionTrace, Explanation
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
@@ -103,6 +105,8 @@ class Router:
             prewarmer,
             session_ttl_s=config.session_ttl_s,
         )
+        self.cordons: dict[str, str] = {}  # the store's cordons as last read (refresh_cordons)
+        self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
 
     @property
     def profile(self) -> Profile:
@@ -140,7 +144,8 @@ class Router:
             view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
-        decision = decide(features, snapshot, view, start, self.profiles.for_request(features), terms)
+        profile = self.profiles.for_request(features)
+        decision = decide(features, snapshot, view, start, profile, terms, cordons=self.cordons)
         replica = decision.replica
         prefill_tokens = 0
         tenant_counted = False
@@ -171,6 +176,8 @@ class Router:
             m.prefix_blocks_matched.inc(decision.matched_blocks)
             if view.prefix_matches and len(self.replicas):
                 m.prefix_blocks_round_robin.inc(sum(view.prefix_matches.values()) / len(self.replicas))
+        if self.feed.watched:
+            self.feed.publish(decision, features.model, now - start)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "decision request_id=%s replica=%s reason=%s matched=%d/%d",
@@ -192,6 +199,71 @@ class Router:
                 },
             )
         return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted)
+
+    async def explain(self, headers: Mapping[str, str], body: bytes | None) -> Explanation:
+        """The decision :meth:`route` would make for this request now, with its trace, and
+        without side effects: nothing is pinned, counted, indexed or refreshed."""
+        now = self.clock()
+        features = extract_features(headers, body, self.config.features)
+        if self.kv_events is not None:  # the prompt's blocks as route() hashes them (a memo, no state)
+            features = await self.kv_events.tokenized(features, body)
+        try:
+            view = await self.store.peek(features.session_key, features.prefix_hashes, now, model=features.model)
+        except Exception as exc:  # as route(): without the store, the decision hashes
+            log.debug("store peek failed: %s", exc)
+            view = AffinityView()
+        members = [r.replica.name for r in self.replicas.records()]
+        sources = dict.fromkeys(view.prefix_matches, "estimate")
+        if self.kv_events is not None:
+            view = self.kv_events.view(view, features, members, now)
+            if features.tokens_per_block and features.prefix_hashes:
+                live = set(self.kv_events.source.live(members, now))
+                sources = {r: "kv_events" if r in live else "estimate" for r in view.prefix_matches}
+        trace = DecisionTrace()
+        snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
+        terms = self.tenants.terms(features.tenant, len(self.replicas))
+        profile = self.profiles.for_request(features)
+        decision = decide(features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace)
+        uncached = {
+            s.name: self._uncached_tokens(features, view.prefix_matches.get(s.name, 0)) for s in snapshot.replicas
+        }
+        return Explanation(features, decision, trace, view, snapshot, uncached, dict(self.cordons), sources)
+
+    async def refresh_cordons(self) -> dict[str, str]:
+        """Read the cordons from the store (every gateway's, with Redis). A replica newly drained
+        elsewhere has the sessions this gateway knows moved off it here too."""
+        try:
+            found = await self.store.cordons()
+        except Exception as exc:
+            self.metrics.store_errors.labels("lookup").inc()
+            log.debug("reading cordons failed: %s", exc)
+            return self.cordons
+        newly_drained = [n for n, s in found.items() if s == "drained" and self.cordons.get(n) != "drained"]
+        self.cordons = found
+        for name in newly_drained:
+            await self._move_sessions_off(name)
+        return found
+
+    async def set_cordon(self, name: str, state: str | None) -> int:
+        """Cordon (``"cordoned"``), drain (``"drained"``) or release (None) replica ``name`` for
+        every gateway of the store; returns how many sessions a drain moved from this gateway."""
+        await self.store.set_cordon(name, state)
+        drained = state == "drained" and self.cordons.get(name) != "drained"
+        cordons = dict(self.cordons)
+        if state is None:
+            cordons.pop(name, None)
+        else:
+            cordons[name] = state
+        self.cordons = cordons
+        log.info("replica %s: %s", name, state or "uncordoned")
+        return await self._move_sessions_off(name) if drained else 0
+
+    async def _move_sessions_off(self, name: str) -> int:
+        now = self.clock()
+        full = self.replicas.snapshot(now)
+        # Moves land on replicas open to new sessions only.
+        open_ = Snapshot(tuple(s for s in full.replicas if s.name == name or s.name not in self.cordons))
+        return await self.rebalancer.on_leave(name, self.profile.ring_for(full), open_)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
         if features.tokens_per_block:
@@ -276,6 +348,7 @@ class Router:
         """After each health round: move the sessions of replicas that left the rotation, and shed
         sessions from replicas that have run hot for a while."""
         snapshot = self.replicas.snapshot(self.clock())
+        await self.refresh_cordons()
         for t in transitions:
             if not t.in_rotation:
                 await self.rebalancer.on_leave(t.replica, self.profile.ring_for(snapshot), snapshot)

@@ -8,10 +8,13 @@ decided here.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from extproc.metrics import ReplicaReport, ReplicaReportCollector
 from extproc.router import Router
+
+CORDON_GAUGE = {"cordoned": 1, "drained": 2}
 
 
 def export(router: Router) -> Callable[[], None]:
@@ -43,6 +46,7 @@ def replica_reports(router: Router) -> list[ReplicaReport]:
 def collect(router: Router) -> None:
     """Refresh the gauges from the router's current state."""
     m = router.metrics
+    pinned = Counter(e.replica for e in router.rebalancer.ledger.live(router.clock()))
     for rec in router.replicas.records():
         name = rec.replica.name
         m.replica_seen(name)
@@ -51,6 +55,8 @@ def collect(router: Router) -> None:
         m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
         m.replica_queue.labels(name).set(rec.queue)
         m.replica_kv_usage.labels(name).set(rec.kv_usage)
+        m.replica_sessions.labels(name).set(pinned.get(name, 0))
+        m.replica_cordon.labels(name).set(CORDON_GAUGE.get(router.cordons.get(name, ""), 0))
     stats = router.store.stats()
     m.sessions.set(stats.sessions)
     m.prefix_index_blocks.set(stats.prefix_blocks)

@@ -13,6 +13,9 @@ command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
 # wrk drives `extproc bench overhead` (and its short run in the suite).
 command -v wrk >/dev/null 2>&1 || need+=(wrk)
+# Debian's chromium: tests/test_console.py drives it headless through Playwright (which never
+# downloads a browser of its own here).
+[ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

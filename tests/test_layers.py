@@ -17,6 +17,7 @@ RANKS = {
     "extproc.server": 7,
     "extproc.envoy_config": 7,
     "extproc.metrics_http": 7,
+    "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
     "extproc.telemetry": 7,
     "extproc.router": 6,
     "extproc.config": 5,
@@ -28,9 +29,11 @@ RANKS = {
     "extproc.state": 3,
     "extproc.tenancy": 3,
     "extproc.metrics": 2,
+    "extproc.decisions": 2,  # the sampled feed of decisions (WatchDecisions, the console)
     "extproc.routing": 1,
     "extproc.request": 0,
     "extproc.logs": 0,
+    "extproc._proto": 0,  # generated from proto/ (scripts/gen_proto.py)
     "extproc.upstream_timeouts": 0,
 }
 

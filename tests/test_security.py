@@ -419,3 +419,39 @@ async def test_info_logs_hold_no_prompt_key_session_or_password(tmp_path: Path) 
     assert '"level": "warning"' in log  # the JSON run logged too
     for secret in (CANARY, API_KEY, SESSION, PASSWORD, digest):
         assert secret not in log, secret
+
+
+# --- the admin API -------------------------------------------------------------------------------
+
+
+async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: Pki) -> None:
+    from extproc._proto.admin.v1 import admin_pb2 as admin_pb
+    from extproc._proto.admin.v1 import admin_pb2_grpc as admin_grpc
+    from extproc.admin.server import AdminServer
+    from extproc.config import AdminSettings
+
+    router = Router(make_config())
+    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
+    admin = AdminServer(router, AdminSettings(listen="127.0.0.1:0", tls=tls))
+    await admin.bind()
+    try:
+        async with grpc.aio.secure_channel(admin.address, credentials(pki, "client")) as channel:
+            reply = await admin_grpc.AdminStub(channel).Cordon(admin_pb.ReplicaRequest(replica="r0"), timeout=3)
+            assert reply.cordon == "cordoned" and router.cordons == {"r0": "cordoned"}
+        for creds in (credentials(pki), credentials(pki, "stranger")):  # no certificate, or the wrong CA's
+            async with grpc.aio.secure_channel(admin.address, creds) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await admin_grpc.AdminStub(channel).Drain(admin_pb.ReplicaRequest(replica="r1"), timeout=3)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert router.cordons == {"r0": "cordoned"}
+    finally:
+        await admin.close(0)
+
+
+def test_the_admin_listener_defaults_to_loopback_and_refuses_mutations() -> None:
+    from extproc.admin.auth import MutationPolicy
+
+    cfg = Config()
+    assert cfg.admin.listen == "127.0.0.1:9191" and cfg.admin.token_file is None and cfg.admin.tls is None
+    verdict = MutationPolicy().check([("authorization", "Bearer anything")])
+    assert not verdict.allowed and "disabled" in verdict.refused_because

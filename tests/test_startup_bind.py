@@ -33,6 +33,8 @@ def serve_argv(port: int, metrics_port: int, *extra: str) -> list[str]:
         f"{HOST}:{metrics_port}",
         "--replica",
         "r0=127.0.0.1:9",
+        "--admin-listen",  # not the default 9191: suites run side by side on one host
+        f"{HOST}:{free_port()}",
         *extra,
     ]
 
@@ -95,6 +97,22 @@ def test_the_health_port_in_use_stops_the_start_too() -> None:
         taken.close()
     assert done.returncode not in (0, None)
     assert health in done.stderr and "health" in done.stderr, done.stderr
+
+
+def test_the_admin_port_in_use_stops_the_start_too() -> None:
+    taken = socket.socket()
+    taken.bind((HOST, 0))
+    taken.listen()
+    try:
+        admin = f"{HOST}:{taken.getsockname()[1]}"
+        port = free_port()
+        done = run_to_exit(serve_argv(port, free_port(), "--admin-listen", admin))
+    finally:
+        taken.close()
+    assert done.returncode not in (0, None)
+    assert admin in done.stderr and "admin" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert refused(port)
 
 
 def test_serving_is_reported_only_with_every_listener_bound() -> None:

@@ -139,3 +139,27 @@ async def test_a_next_turn_extends_what_the_replica_holds(harness: Harness) -> N
     assert await harness.lookup("c", [1, 2, 3, 4, 5, 6, 7]) == ("r", {"r": 6})
     await harness.record(None, "s", [1, 2, 8])  # another replica learns a branch of the same prefix
     assert await harness.lookup(None, [1, 2, 8, 9]) == (None, {"r": 2, "s": 3})
+
+
+async def test_peek_sees_the_pin_without_keeping_the_session_alive(harness: Harness) -> None:
+    await harness.record("s", "r1", [1, 2, 3])
+    await harness.advance(TTL_S * 0.6)
+    view = await harness.reader.peek("s", [1, 2, 3], harness.now, model="m")
+    assert view.pinned == "r1"
+    await harness.advance(TTL_S * 0.6)  # a lookup instead of the peek would have slid the TTL
+    assert (await harness.lookup("s", []))[0] is None
+
+
+async def test_a_forgotten_session_is_routed_as_new(harness: Harness) -> None:
+    await harness.record("s", "r1", [])
+    assert await harness.store.forget_session("s", model="m")
+    assert (await harness.lookup("s", []))[0] is None
+    assert not await harness.store.forget_session("never-pinned", model="m")
+
+
+async def test_cordons_reach_every_reader_until_released(harness: Harness) -> None:
+    await harness.store.set_cordon("r1", "cordoned")
+    await harness.store.set_cordon("r2", "drained")
+    assert await harness.reader.cordons() == {"r1": "cordoned", "r2": "drained"}
+    await harness.store.set_cordon("r1", None)
+    assert await harness.reader.cordons() == {"r2": "drained"}

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from extproc.request.features import RequestFeatures
+from extproc.routing.cordon import CordonFilter
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
+from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass, why_removed
 
 KeySource = Literal["session", "prefix", "request", "none"]
 
@@ -88,12 +90,17 @@ def decide(
     now: float,
     profile: Profile,
     tenant: TenantTerms = NO_TERMS,
+    *,
+    cordons: Mapping[str, str] | None = None,
+    trace: DecisionTrace | None = None,
 ) -> Decision:
     """Choose a replica for a request.
 
     ``snapshot`` is the replicas' health and load as last known, ``view`` what the affinity
     store returned for this request, ``now`` the clock's value, ``tenant`` the terms of the
-    request's tenant (quota, shard). Nothing here performs I/O.
+    request's tenant (quota, shard), ``cordons`` the replicas an operator cordoned or drained
+    (:mod:`extproc.routing.cordon`). Nothing here performs I/O. Given a ``trace``, the decision
+    records its steps there (the admin API's Explain).
     """
     # Admission: a tenant over its quota is refused, or confined to the overflow pool.
     if tenant.over_quota:
@@ -114,16 +121,37 @@ def decide(
         tenant=tenant,
     )
     candidates: list[ReplicaState] = list(snapshot.replicas)
+    if trace is not None:
+        trace.profile, trace.key_source = profile.name, key_source
+    if cordons:
+        # Before the profile's filters, whatever the profile: a cordon is the operator's word.
+        cordon = CordonFilter(cordons)
+        kept = [c for c in candidates if cordon.keeps(c, view.pinned)]
+        if trace is not None:
+            step = FilterPass(cordon.name, failed_open=not kept)
+            step.removed = [(c.name, cordon.why(c)) for c in candidates if not cordon.keeps(c, view.pinned)]
+            trace.filters.append(step)
+        candidates = kept or candidates
     for flt in profile.filters:
-        candidates = flt.filter(cycle, candidates)
+        candidates = flt.filter(cycle, candidates) if trace is None else _traced_filter(flt, cycle, candidates, trace)
     totals: dict[str, float] = {c.name: 0.0 for c in candidates}
     for weighted in profile.scorers:
-        for name, score in weighted.scorer.score(cycle, candidates).items():
+        scores = weighted.scorer.score(cycle, candidates)
+        if trace is not None:
+            trace.scorers.append(
+                ScorerPass(
+                    weighted.scorer.name, weighted.weight, {n: _clamp(v) for n, v in scores.items() if n in totals}
+                )
+            )
+        for name, score in scores.items():
             if name in totals:
                 totals[name] += weighted.weight * _clamp(score)
     ordered = profile.picker.pick(cycle, candidates, totals)
     chosen = ordered[0]
     matched = view.prefix_matches.get(chosen.name, 0)
+    if trace is not None:
+        trace.totals = dict(totals)
+        trace.order = [s.name for s in ordered]
     reason = _reason(cycle, chosen, matched)
     return Decision(
         replica=chosen.replica,
@@ -134,6 +162,21 @@ def decide(
         total_blocks=len(features.prefix_hashes),
         scores=totals,
     )
+
+
+def _traced_filter(
+    flt: Filter, cycle: CycleState, candidates: list[ReplicaState], trace: DecisionTrace
+) -> list[ReplicaState]:
+    kept = flt.filter(cycle, candidates)
+    names = {c.name for c in kept}
+    step = FilterPass(flt.name)
+    params = {k: getattr(flt, k) for k in ("kv_threshold", "queue_threshold") if hasattr(flt, k)}
+    why = getattr(flt, "why", None)
+    for c in candidates:
+        if c.name not in names:
+            step.removed.append((c.name, why(c) if callable(why) else why_removed(flt.name, params, c)))
+    trace.filters.append(step)
+    return kept
 
 
 def _reason(cycle: CycleState, chosen: ReplicaState, matched: int) -> Reason:

@@ -8,7 +8,8 @@ address and what it was for, which ``extproc serve`` prints before exiting non-z
 
 The gRPC listeners (ext_proc and the plaintext health port) bind when
 :class:`~extproc.server.app.ProcessorServer` is built; the others are :class:`Listener` objects
-handed to :func:`bind_all` (the metrics endpoint today; an admin API would be one more).
+handed to :func:`bind_all` (the metrics endpoint with the console, and the admin API:
+:class:`extproc.admin.server.AdminServer`).
 """
 
 from __future__ import annotations
@@ -52,16 +53,23 @@ class MetricsListener:
 
     role = "metrics"
 
-    def __init__(self, registry: CollectorRegistry, address: str, before_scrape: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        address: str,
+        before_scrape: Callable[[], None],
+        extra: Callable[[web.Application], object] | None = None,
+    ) -> None:
         self.registry = registry
         self.address = address
         self.before_scrape = before_scrape
+        self.extra = extra  # more read-only routes on the same port (the console)
         self._runner: web.AppRunner | None = None
 
     async def bind(self) -> None:
         """Start the HTTP server on :attr:`address`."""
         try:
-            self._runner = await start_metrics_server(self.registry, self.address, self.before_scrape)
+            self._runner = await start_metrics_server(self.registry, self.address, self.before_scrape, self.extra)
         except (OSError, ValueError) as exc:
             raise BindError(self.role, self.address, _reason(exc)) from None
 

@@ -33,6 +33,15 @@ class SessionMap:
         self._entries.move_to_end(key)
         return replica
 
+    def peek(self, key: str, now: float) -> str | None:
+        """The pinned replica, leaving the TTL and the LRU order as they are."""
+        entry = self._entries.get(key)
+        return entry[0] if entry is not None and entry[1] > now else None
+
+    def discard(self, key: str) -> bool:
+        """Unpin ``key``; True if it was pinned."""
+        return self._entries.pop(key, None) is not None
+
     def put(self, key: str, replica: str, now: float) -> None:
         """Pin ``key`` to ``replica``; evicts expired entries and then the least recently used."""
         self._entries[key] = (replica, now + self.ttl_s)
@@ -156,6 +165,7 @@ class MemoryStore:
     def __init__(self, ttl_s: float = 600.0, max_sessions: int = 100_000, blocks_per_replica: int = 31_250) -> None:
         self.sessions = SessionMap(ttl_s, max_sessions)
         self.prefixes = PrefixIndex(blocks_per_replica)
+        self._cordons: dict[str, str] = {}
 
     async def lookup(
         self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
@@ -184,6 +194,28 @@ class MemoryStore:
         """Drop the replica's prefix entries and pins."""
         self.prefixes.drop_replica(replica)
         self.sessions.drop_replica(replica)
+
+    async def peek(
+        self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
+    ) -> AffinityView:
+        """Pinned replica and prefix holders, without refreshing anything."""
+        pinned = self.sessions.peek(_per_model(model, session_key), now) if session_key else None
+        return AffinityView(pinned=pinned, prefix_matches=self.prefixes.matches(prefix_hashes))
+
+    async def forget_session(self, session_key: str, *, model: str = "") -> bool:
+        """Unpin the session."""
+        return self.sessions.discard(_per_model(model, session_key))
+
+    async def cordons(self) -> dict[str, str]:
+        """Cordoned and drained replicas."""
+        return dict(self._cordons)
+
+    async def set_cordon(self, replica: str, state: str | None) -> None:
+        """Cordon, drain or release."""
+        if state is None:
+            self._cordons.pop(replica, None)
+        else:
+            self._cordons[replica] = state
 
     def stats(self) -> StoreStats:
         """Sessions held and prefix blocks indexed."""

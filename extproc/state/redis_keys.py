@@ -13,6 +13,7 @@ Keys (``T`` is the tag)::
     ext:{T}:r                 zset     replica -> when it was last routed to (ms): who to search
     ext:{T}:p:<replica>       zset     8-byte block hash -> when last routed there (ms), bounded
     ext:{namespace}:models    set      models seen, so forget_replica can find every index
+    ext:{namespace}:cordons   hash     replica -> "cordoned" or "drained" (an operator's; no TTL)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class KeySpace:
             raise ValueError("namespace: expected a non-empty string")
         self.namespace = namespace
         self.models_key = f"{PREFIX}{{{_tag_part(namespace)}}}:models"
+        self.cordons_key = f"{PREFIX}{{{_tag_part(namespace)}}}:cordons"
         self._tags: dict[str, str] = {}
 
     def tag(self, model: str) -> str:

@@ -102,6 +102,10 @@ class _Write:
     pin: bool
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class RedisStore:
     """:class:`~extproc.state.store.AffinityStore` on Redis with a near-cache and a local mirror."""
 
@@ -339,6 +343,64 @@ class RedisStore:
                 await pipe.execute()
         except UNAVAILABLE as exc:
             self._failed("forget", exc)
+
+    async def peek(
+        self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
+    ) -> AffinityView:
+        """The pin as Redis holds it (a plain GET: no TTL slides, no cache fills) and prefix matches
+        from the local mirror (the search in Redis refreshes what it reads)."""
+        local = await self.local.peek(session_key, prefix_hashes, now, model=model)
+        if not session_key or self.outage.down or self._closed:
+            return local
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                raw = await _async(self.client.get(self.keys.session(model, session_key)))
+        except UNAVAILABLE as exc:
+            self._failed("lookup", exc)
+            return local
+        pinned = raw.decode() if isinstance(raw, bytes) else raw
+        return AffinityView(pinned=pinned or local.pinned, prefix_matches=local.prefix_matches)
+
+    async def forget_session(self, session_key: str, *, model: str = "") -> bool:
+        """Unpin here and in Redis."""
+        skey = self.keys.session(model, session_key)
+        self.near.discard(skey)
+        dropped = await self.local.forget_session(session_key, model=model)
+        if self.outage.down or self._closed:
+            return dropped
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                return bool(await _async(self.client.delete(skey))) or dropped
+        except UNAVAILABLE as exc:
+            self._failed("forget", exc)
+            return dropped
+
+    async def cordons(self) -> dict[str, str]:
+        """The deployment's cordons from Redis; this gateway's last known ones while it is away."""
+        if self.outage.down or self._closed:
+            return await self.local.cordons()
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                raw = await _async(self.client.hgetall(self.keys.cordons_key))
+        except UNAVAILABLE as exc:
+            self._failed("lookup", exc)
+            return await self.local.cordons()
+        found = {_text(k): _text(v) for k, v in raw.items()}
+        for name in set(await self.local.cordons()) - set(found):
+            await self.local.set_cordon(name, None)
+        for name, state in found.items():
+            await self.local.set_cordon(name, state)
+        return found
+
+    async def set_cordon(self, replica: str, state: str | None) -> None:
+        """Write the cordon to Redis (raises when Redis is away: an operator must know it did
+        not reach the other gateways)."""
+        async with asyncio.timeout(self.op_timeout_s * 4):
+            if state is None:
+                await _async(self.client.hdel(self.keys.cordons_key, replica))
+            else:
+                await _async(self.client.hset(self.keys.cordons_key, replica, state))
+        await self.local.set_cordon(replica, state)
 
     def stats(self) -> StoreStats:
         """Sizes of the local mirror (this gateway's view; Redis holds the whole deployment's)."""

@@ -56,6 +56,26 @@ class AffinityStore(Protocol):
         """
         ...
 
+    async def peek(
+        self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
+    ) -> AffinityView:
+        """What :meth:`lookup` would return, without refreshing a TTL or touching any cache (the
+        admin API's Explain and GetSession). Redis answers prefix matches from this gateway's mirror."""
+        ...
+
+    async def forget_session(self, session_key: str, *, model: str = "") -> bool:
+        """Unpin a session; True if it was pinned."""
+        ...
+
+    async def cordons(self) -> dict[str, str]:
+        """Replicas an operator cordoned or drained: name -> "cordoned" or "drained" (shared by every
+        gateway of the store)."""
+        ...
+
+    async def set_cordon(self, replica: str, state: str | None) -> None:
+        """Cordon (``"cordoned"``), drain (``"drained"``) or release (None) a replica."""
+        ...
+
     def stats(self) -> StoreStats:
         """Current sizes."""
         ...

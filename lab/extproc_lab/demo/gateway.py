@@ -54,6 +54,8 @@ class LocalGateway:
         self.metrics_port = free_port()
         # (gRPC port, metrics port) of processors 1.. ; processor 0 uses the two above.
         self.extra_processor_ports = [(free_port(), free_port()) for _ in range(self.processors - 1)]
+        # Each processor's admin API on a port of its own (the default, 9191, would clash).
+        self.admin_api_ports = [free_port() for _ in range(self.processors)]
         self.members = [
             Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
             for i in range(self.replicas)
@@ -79,6 +81,11 @@ class LocalGateway:
         """Every processor's /metrics, processor 0 first."""
         ports = [self.metrics_port, *(m for _, m in self.extra_processor_ports)]
         return [f"http://{HOST}:{p}/metrics" for p in ports]
+
+    @property
+    def admin_addresses(self) -> list[str]:
+        """Every processor's admin API (``extproc admin --server``), processor 0 first."""
+        return [f"{HOST}:{p}" for p in self.admin_api_ports]
 
     def processor_name(self, index: int = 0) -> str:
         """The process name of processor ``index`` (``processor``, ``processor-1``, ...)."""
@@ -129,6 +136,8 @@ class LocalGateway:
             self.mode,
             "--metrics-listen",
             f"{HOST}:{metrics_port}",
+            "--admin-listen",
+            self.admin_addresses[index],
             *[f"--replica={replica_flag(r)}" for r in self.members],
             *self.processor_args,
         ]

@@ -133,6 +133,7 @@ class ScenarioGateway(LocalGateway):
             Path(self.socket_path).unlink()
         argv = [sys.executable, "-m", "extproc", "serve", "--listen", f"unix:{self.socket_path}"]
         argv += ["--mode", self.mode, "--metrics-listen", f"{HOST}:{self.metrics_port}"]
+        argv += ["--admin-listen", self.admin_addresses[index]]
         argv += [f"--replica={r.name}={r.address}" for r in self.members]
         argv += list(self.processor_args)
         proc = self.procs.start(self.processor_name(index), argv)

@@ -1,0 +1,220 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Header(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("headers", "body")
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    headers: _containers.RepeatedCompositeFieldContainer[Header]
+    body: bytes
+    def __init__(self, headers: _Optional[_Iterable[_Union[Header, _Mapping]]] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class FilterStep(_message.Message):
+    __slots__ = ("filter", "removed", "failed_open")
+    FILTER_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_OPEN_FIELD_NUMBER: _ClassVar[int]
+    filter: str
+    removed: _containers.RepeatedCompositeFieldContainer[RemovedReplica]
+    failed_open: bool
+    def __init__(self, filter: _Optional[str] = ..., removed: _Optional[_Iterable[_Union[RemovedReplica, _Mapping]]] = ..., failed_open: _Optional[bool] = ...) -> None: ...
+
+class RemovedReplica(_message.Message):
+    __slots__ = ("replica", "why")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    why: str
+    def __init__(self, replica: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
+
+class ScorePart(_message.Message):
+    __slots__ = ("scorer", "raw", "weight", "contribution")
+    SCORER_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    scorer: str
+    raw: float
+    weight: float
+    contribution: float
+    def __init__(self, scorer: _Optional[str] = ..., raw: _Optional[float] = ..., weight: _Optional[float] = ..., contribution: _Optional[float] = ...) -> None: ...
+
+class ReplicaExplanation(_message.Message):
+    __slots__ = ("replica", "candidate", "removed_by", "removed_why", "scores", "total", "matched_blocks", "match_source", "predicted_uncached_tokens", "rank")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BY_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_WHY_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    candidate: bool
+    removed_by: str
+    removed_why: str
+    scores: _containers.RepeatedCompositeFieldContainer[ScorePart]
+    total: float
+    matched_blocks: int
+    match_source: str
+    predicted_uncached_tokens: int
+    rank: int
+    def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    KEY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BODY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    reason: str
+    order: _containers.RepeatedScalarFieldContainer[str]
+    fallbacks: _containers.RepeatedScalarFieldContainer[str]
+    filters: _containers.RepeatedCompositeFieldContainer[FilterStep]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaExplanation]
+    total_blocks: int
+    matched_blocks: int
+    predicted_uncached_tokens: int
+    pinned: str
+    key_source: str
+    profile: str
+    model: str
+    body_error: str
+    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("name", "address", "health", "health_penalties", "in_rotation", "rotation_state", "cordon", "inflight", "queue", "kv_usage", "sessions_pinned", "kv_events", "pending_prefill_tokens", "scrape_failures")
+    class HealthPenaltiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_PENALTIES_FIELD_NUMBER: _ClassVar[int]
+    IN_ROTATION_FIELD_NUMBER: _ClassVar[int]
+    ROTATION_STATE_FIELD_NUMBER: _ClassVar[int]
+    CORDON_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCRAPE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    health: float
+    health_penalties: _containers.ScalarMap[str, float]
+    in_rotation: bool
+    rotation_state: str
+    cordon: str
+    inflight: int
+    queue: int
+    kv_usage: float
+    sessions_pinned: int
+    kv_events: str
+    pending_prefill_tokens: int
+    scrape_failures: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[float] = ..., health_penalties: _Optional[_Mapping[str, float]] = ..., in_rotation: _Optional[bool] = ..., rotation_state: _Optional[str] = ..., cordon: _Optional[str] = ..., inflight: _Optional[int] = ..., queue: _Optional[int] = ..., kv_usage: _Optional[float] = ..., sessions_pinned: _Optional[int] = ..., kv_events: _Optional[str] = ..., pending_prefill_tokens: _Optional[int] = ..., scrape_failures: _Optional[int] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session_key", "model")
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    session_key: str
+    model: str
+    def __init__(self, session_key: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("session_key", "model", "replica", "forgotten")
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    session_key: str
+    model: str
+    replica: str
+    forgotten: bool
+    def __init__(self, session_key: _Optional[str] = ..., model: _Optional[str] = ..., replica: _Optional[str] = ..., forgotten: _Optional[bool] = ...) -> None: ...
+
+class ReplicaRequest(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    def __init__(self, replica: _Optional[str] = ...) -> None: ...
+
+class CordonReply(_message.Message):
+    __slots__ = ("replica", "cordon", "sessions_moved")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CORDON_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    cordon: str
+    sessions_moved: int
+    def __init__(self, replica: _Optional[str] = ..., cordon: _Optional[str] = ..., sessions_moved: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("sample_rate",)
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: float
+    def __init__(self, sample_rate: _Optional[float] = ...) -> None: ...
+
+class DecisionEvent(_message.Message):
+    __slots__ = ("time", "replica", "reason", "model", "matched_blocks", "total_blocks", "decision_ms", "skipped")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_MS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    replica: str
+    reason: str
+    model: str
+    matched_blocks: int
+    total_blocks: int
+    decision_ms: float
+    skipped: int
+    def __init__(self, time: _Optional[float] = ..., replica: _Optional[str] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., decision_ms: _Optional[float] = ..., skipped: _Optional[int] = ...) -> None: ...

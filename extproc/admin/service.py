@@ -1,0 +1,175 @@
+"""The admin API's servicer: translates between its messages and the router's methods."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from extproc._proto.admin.v1 import admin_pb2 as pb
+from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.admin.auth import MutationPolicy
+from extproc.admin.fleet import fleet
+from extproc.router import Router
+from extproc.routing.trace import Explanation
+
+log = logging.getLogger("extproc.admin")
+
+
+def explanation_message(ex: Explanation) -> pb.ExplainResponse:
+    """An :class:`Explanation` as the API returns it."""
+    d, trace, view = ex.decision, ex.trace, ex.view
+    removed = trace.removed_by()
+    rank = {name: i for i, name in enumerate(trace.order)}
+    sources = ex.match_sources
+    replicas = []
+    for state in ex.snapshot.replicas:
+        name = state.name
+        by, why = removed.get(name, ("", ""))
+        parts = [
+            pb.ScorePart(
+                scorer=s.scorer, raw=s.raw.get(name, 0.0), weight=s.weight, contribution=s.weight * s.raw.get(name, 0.0)
+            )
+            for s in trace.scorers
+            if name in trace.totals
+        ]
+        replicas.append(
+            pb.ReplicaExplanation(
+                replica=name,
+                candidate=name in trace.totals,
+                removed_by=by,
+                removed_why=why,
+                scores=parts,
+                total=trace.totals.get(name, 0.0),
+                matched_blocks=view.prefix_matches.get(name, 0),
+                match_source=sources.get(name, "estimate"),
+                predicted_uncached_tokens=ex.uncached_tokens.get(name, 0),
+                rank=rank.get(name, -1),
+            )
+        )
+    chosen = d.replica.name if d.replica is not None else ""
+    return pb.ExplainResponse(
+        replica=chosen,
+        reason=d.reason.value,
+        order=trace.order,
+        fallbacks=[r.name for r in d.fallbacks],
+        filters=[
+            pb.FilterStep(
+                filter=f.filter,
+                removed=[pb.RemovedReplica(replica=n, why=w) for n, w in f.removed],
+                failed_open=f.failed_open,
+            )
+            for f in trace.filters
+        ],
+        replicas=replicas,
+        total_blocks=d.total_blocks,
+        matched_blocks=d.matched_blocks,
+        predicted_uncached_tokens=ex.uncached_tokens.get(chosen, 0),
+        pinned=view.pinned or "",
+        key_source=trace.key_source,
+        profile=trace.profile,
+        model=ex.features.model,
+        body_error=ex.features.body_error or "",
+    )
+
+
+class AdminService(pb_grpc.AdminServicer):
+    """Explain, replicas, sessions, cordons and the decision feed of one router."""
+
+    def __init__(self, router: Router, policy: MutationPolicy, default_sample_rate: float = 0.1) -> None:
+        self.router = router
+        self.policy = policy
+        self.default_sample_rate = default_sample_rate
+
+    async def _authorise(self, context: Any, call: str) -> None:
+        verdict = self.policy.check(context.invocation_metadata() or ())
+        if not verdict.allowed:
+            log.warning("admin %s refused: %s", call, verdict.refused_because)
+            code = grpc.StatusCode.UNAUTHENTICATED if verdict.unauthenticated else grpc.StatusCode.PERMISSION_DENIED
+            await context.abort(code, verdict.refused_because)
+
+    async def _known(self, context: Any, name: str) -> None:
+        if name not in self.router.replicas:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica named {name!r}")
+
+    async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
+        """The decision for a request, without side effects."""
+        headers = {h.key.lower(): h.value for h in request.headers}
+        headers.setdefault(":path", "/v1/chat/completions")
+        explanation = await self.router.explain(headers, request.body or None)
+        return explanation_message(explanation)
+
+    async def ListReplicas(self, request: pb.ListReplicasRequest, context: Any) -> pb.ListReplicasResponse:
+        """Every replica's state."""
+        return pb.ListReplicasResponse(
+            replicas=[
+                pb.ReplicaInfo(
+                    name=r.name,
+                    address=r.address,
+                    health=r.health,
+                    health_penalties=r.health_penalties,
+                    in_rotation=r.in_rotation,
+                    rotation_state=r.rotation_state,
+                    cordon=r.cordon,
+                    inflight=r.inflight,
+                    queue=r.queue,
+                    kv_usage=r.kv_usage,
+                    sessions_pinned=r.sessions_pinned,
+                    kv_events=r.kv_events,
+                    pending_prefill_tokens=r.pending_prefill_tokens,
+                    scrape_failures=r.scrape_failures,
+                )
+                for r in fleet(self.router)
+            ]
+        )
+
+    async def GetSession(self, request: pb.SessionRequest, context: Any) -> pb.SessionReply:
+        """Where the session is pinned."""
+        view = await self.router.store.peek(request.session_key, (), self.router.clock(), model=request.model)
+        return pb.SessionReply(session_key=request.session_key, model=request.model, replica=view.pinned or "")
+
+    async def ForgetSession(self, request: pb.SessionRequest, context: Any) -> pb.SessionReply:
+        """Unpin the session."""
+        await self._authorise(context, "ForgetSession")
+        forgotten = await self.router.store.forget_session(request.session_key, model=request.model)
+        return pb.SessionReply(session_key=request.session_key, model=request.model, forgotten=forgotten)
+
+    async def _set(self, request: pb.ReplicaRequest, context: Any, call: str, state: str | None) -> pb.CordonReply:
+        await self._authorise(context, call)
+        await self._known(context, request.replica)
+        try:
+            moved = await self.router.set_cordon(request.replica, state)
+        except Exception as exc:  # the shared store is away: say so rather than pretend
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store did not take it: {exc}")
+        return pb.CordonReply(
+            replica=request.replica, cordon=self.router.cordons.get(request.replica, ""), sessions_moved=moved
+        )
+
+    async def Cordon(self, request: pb.ReplicaRequest, context: Any) -> pb.CordonReply:
+        """No new sessions or prefixes to the replica."""
+        return await self._set(request, context, "Cordon", "cordoned")
+
+    async def Uncordon(self, request: pb.ReplicaRequest, context: Any) -> pb.CordonReply:
+        """Back to normal."""
+        return await self._set(request, context, "Uncordon", None)
+
+    async def Drain(self, request: pb.ReplicaRequest, context: Any) -> pb.CordonReply:
+        """Move its sessions away, then take nothing."""
+        return await self._set(request, context, "Drain", "drained")
+
+    async def WatchDecisions(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.DecisionEvent]:
+        """Sampled decisions as they are made."""
+        rate = request.sample_rate if 0 < request.sample_rate <= 1 else self.default_sample_rate
+        async for s in self.router.feed.watch(rate):
+            yield pb.DecisionEvent(
+                time=s.time,
+                replica=s.replica,
+                reason=s.reason,
+                model=s.model,
+                matched_blocks=s.matched_blocks,
+                total_blocks=s.total_blocks,
+                decision_ms=s.decision_ms,
+                skipped=s.skipped,
+            )

@@ -1,0 +1,41 @@
+"""Cordons: replicas an operator took out of new work.
+
+A *cordoned* replica receives no new session and no new prefix, but the sessions pinned to it keep
+going there (their KV cache is there). A *drained* replica receives nothing: its sessions have
+been moved to their next replica (by the rebalancer) and a request of one still pinned there fails
+over. The set comes from the affinity store (shared by every gateway with Redis) and is passed
+into the decision, which stays pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from extproc.routing.model import ReplicaState
+
+CordonState = Literal["cordoned", "drained"]
+CORDON_STATES: tuple[CordonState, ...] = ("cordoned", "drained")
+
+
+@dataclass(slots=True)
+class CordonFilter:
+    """Drops cordoned replicas (except for the session pinned there) and drained ones.
+
+    Fails open like the rotation filter: with every candidate cordoned, they all stay (an operator
+    who cordons the whole fleet gets routing as before, not a 503).
+    """
+
+    cordons: Mapping[str, str] = field(default_factory=dict)
+    name: str = "cordon"
+
+    def keeps(self, state: ReplicaState, pinned: str | None) -> bool:
+        """Whether the replica may take this request."""
+        mark = self.cordons.get(state.name)
+        return mark is None or (mark == "cordoned" and state.name == pinned)
+
+    def why(self, state: ReplicaState) -> str:
+        """Why it was dropped."""
+        mark = self.cordons.get(state.name)
+        return "drained" if mark == "drained" else "cordoned (no new sessions or prefixes)"

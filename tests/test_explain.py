@@ -1,0 +1,137 @@
+"""Explain (a decision with its trace, without side effects), cordons and drains, in process."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.request.features import RequestFeatures
+from extproc.router import Router
+from extproc.routing import AffinityView, Reason, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.routing.trace import DecisionTrace
+from tests.conftest import chat_body, make_config
+
+CHAT = "/v1/chat/completions"
+
+
+def _headers(session: str) -> dict[str, str]:
+    return {":path": CHAT, "x-session-id": session}
+
+
+def _snapshot(n: int = 4, **states: dict[str, object]) -> Snapshot:
+    return Snapshot(
+        tuple(ReplicaState(Replica(f"r{i}", f"127.0.0.1:{9000 + i}"), **states.get(f"r{i}", {})) for i in range(n))  # type: ignore[arg-type]
+    )
+
+
+def test_the_trace_adds_up_to_the_decision() -> None:
+    snap = _snapshot(4, r1={"in_rotation": False, "health": 0.2}, r3={"kv_usage": 0.99})
+    features = RequestFeatures(path=CHAT, model="m", session_key="s", prefix_hashes=tuple(range(10)))
+    view = AffinityView(prefix_matches={"r2": 6})
+    profile = build_profile()
+    trace = DecisionTrace()
+    traced = decide(features, snap, view, 0.0, profile, trace=trace)
+    plain = decide(features, snap, view, 0.0, profile)
+    assert traced == plain
+    removed = trace.removed_by()
+    assert removed["r1"][0] == "in_rotation" and "health 0.20" in removed["r1"][1]
+    assert removed["r3"][0] == "overload" and "kv usage 0.99" in removed["r3"][1]
+    assert trace.order[0] == plain.replica.name == "r2"  # type: ignore[union-attr]
+    for name, total in trace.totals.items():
+        parts = sum(s.weight * s.raw.get(name, 0.0) for s in trace.scorers)
+        assert abs(parts - total) < 1e-9
+        assert all(0.0 <= s.raw.get(name, 0.0) <= 1.0 for s in trace.scorers)
+
+
+def test_a_cordoned_replica_keeps_its_pinned_session_and_takes_no_new_one() -> None:
+    snap, profile = _snapshot(2), build_profile()
+    pinned = RequestFeatures(path=CHAT, model="m", session_key="old")
+    fresh = [RequestFeatures(path=CHAT, model="m", session_key=f"new-{i}") for i in range(50)]
+    cordons = {"r0": "cordoned"}
+    assert decide(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons=cordons).replica.name == "r0"  # type: ignore[union-attr]
+    assert {decide(f, snap, AffinityView(), 0.0, profile).replica.name for f in fresh} == {"r0", "r1"}  # type: ignore[union-attr]
+    assert {decide(f, snap, AffinityView(), 0.0, profile, cordons=cordons).replica.name for f in fresh} == {"r1"}  # type: ignore[union-attr]
+    prefix = AffinityView(prefix_matches={"r0": 9})
+    assert decide(fresh[0], snap, prefix, 0.0, profile, cordons=cordons).replica.name == "r1"  # type: ignore[union-attr]
+
+
+def test_a_drained_replica_loses_even_its_pinned_sessions_and_all_cordoned_fails_open() -> None:
+    snap, profile = _snapshot(2), build_profile()
+    pinned = RequestFeatures(path=CHAT, model="m", session_key="old")
+    d = decide(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons={"r0": "drained"})
+    assert d.replica.name == "r1" and d.reason is Reason.FAILOVER  # type: ignore[union-attr]
+    everything = {"r0": "cordoned", "r1": "cordoned"}
+    trace = DecisionTrace()
+    assert decide(pinned, snap, AffinityView(), 0.0, profile, cordons=everything, trace=trace).replica is not None
+    assert trace.filters[0].filter == "cordon" and trace.filters[0].failed_open
+
+
+async def test_explain_pins_counts_and_indexes_nothing() -> None:
+    router = Router(make_config())
+    body = chat_body("a long shared system prompt " * 40)
+    await router.route(_headers("warm"), body)  # a prefix to match, a pin to read
+    sessions, blocks = router.store.stats(), router.metrics.prefix_blocks._value.get()
+    inflight = [r.inflight for r in router.replicas.records()]
+    ledger = len(router.rebalancer.ledger)
+    decisions = sum(s.value for m in router.metrics.decisions.collect() for s in m.samples)
+    explained = await router.explain(_headers("new-session"), body)
+    assert explained.decision.replica is not None
+    assert router.store.stats() == sessions
+    assert router.metrics.prefix_blocks._value.get() == blocks
+    assert [r.inflight for r in router.replicas.records()] == inflight
+    assert len(router.rebalancer.ledger) == ledger
+    assert sum(s.value for m in router.metrics.decisions.collect() for s in m.samples) == decisions
+    assert (await router.store.peek("new-session", (), router.clock(), model="m")).pinned is None
+    # ... and it agrees with where the request then goes.
+    routed = await router.route(_headers("new-session"), body)
+    assert routed.decision.replica == explained.decision.replica
+    assert explained.decision.matched_blocks > 0 and explained.trace.order[0] == routed.decision.replica.name  # type: ignore[union-attr]
+    holder = routed.decision.replica.name  # type: ignore[union-attr]
+    assert explained.uncached_tokens[holder] < max(explained.uncached_tokens.values())
+
+
+async def test_drain_moves_the_sessions_it_knows_and_stops_new_work() -> None:
+    router = Router(make_config())
+    targets = {}
+    for i in range(12):
+        routed = await router.route(_headers(f"s{i}"), chat_body(f"conversation {i}"))
+        targets[f"s{i}"] = routed.decision.replica.name  # type: ignore[union-attr]
+        router.release(routed)
+    victim = max(set(targets.values()), key=list(targets.values()).count)
+    moved = await router.set_cordon(victim, "drained")
+    assert moved == list(targets.values()).count(victim)
+    for session, before in targets.items():
+        again = await router.route(_headers(session), chat_body(f"conversation {session[1:]}"))
+        assert again.decision.replica.name != victim  # type: ignore[union-attr]
+        if before != victim:
+            assert again.decision.reason is Reason.STICKY
+    assert await router.store.cordons() == {victim: "drained"}
+    await router.set_cordon(victim, None)
+    assert router.cordons == {}
+
+
+async def test_explain_names_kv_events_as_the_source_where_a_feed_is_live(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from extproc.admin.fleet import fleet
+    from extproc.admin.service import explanation_message
+    from extproc.request.tokenizer import PromptTokenizer
+    from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir
+    from tests.test_kvevents_routing import Clock, chat, conversation, feed, make_router, stored_event
+
+    tokenizer_dir = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(3, seed=7)
+    await feed(kv, "r0", 0, stored_event(tok, conversation(1, seed=31)))  # live, unrelated blocks
+    await feed(kv, "r2", 0, stored_event(tok, msgs))  # live, holds the prompt
+    explained = await router.explain(*chat(msgs))
+    reply = explanation_message(explained)
+    by_name = {r.replica: r for r in reply.replicas}
+    assert reply.replica == "r2" and by_name["r2"].match_source == "kv_events"
+    assert by_name["r2"].matched_blocks == reply.total_blocks > 0
+    assert by_name["r2"].predicted_uncached_tokens < by_name["r1"].predicted_uncached_tokens
+    states = {r.name: r.kv_events for r in fleet(router)}
+    assert states == {"r0": "live", "r1": "none", "r2": "live"}
+    routed = await router.route(*chat(msgs))
+    assert routed.decision.replica is not None and routed.decision.replica.name == reply.replica
