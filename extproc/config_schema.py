@@ -271,6 +271,32 @@ class ProfileSpec(Section):
     picker: PluginSpec | None = _doc(None, "chooses among the scored candidates")
 
 
+class SplitMatch(Section):
+    """``splits[].match:``: every condition given must hold."""
+
+    model: str | None = _doc(None, "model name glob")
+    headers: dict[str, str] = _doc({}, "header values (exact)")
+    cookies: dict[str, str] = _doc({}, "cookie values (exact)")
+    query: dict[str, str] = _doc({}, "query parameter values (exact)")
+
+
+class SplitTargetSection(Section):
+    """One arm of a split: the model name written into the request body."""
+
+    model: str = Field(description="the model (or adapter) served to this arm", min_length=1)
+    weight: float = _doc(1.0, "its share, relative to the rule's other targets", ge=0)
+    pool: str | None = _doc(None, "confine the arm to replicas labelled pool=LABEL")
+
+
+class SplitRuleSection(Section):
+    """One item of ``splits:``, first match wins; the arm is hashed on the session (else user, else request)."""
+
+    name: str | None = _doc(None, "as metrics name it (default: split-INDEX)")
+    match: SplitMatch = _doc(SplitMatch(), "which requests it takes")
+    targets: list[SplitTargetSection] = Field(description="weighted arms", min_length=1)
+    pin_header: str = _doc("x-canary", "a request naming a target model here is pinned to that arm", min_length=1)
+
+
 class RouterFile(Section):
     """The whole file. Every key is optional: ``extproc serve --replica ...`` runs without one."""
 
@@ -300,6 +326,7 @@ class RouterFile(Section):
     classes: list[ClassRuleSection] = _doc([], "request classes, first match wins")
     profile: ProfileSpec | None = _doc(None, "the routing profile (default: the shipped one)")
     profiles: dict[str, ProfileSpec] = _doc({}, "named profiles that classes may use")
+    splits: list[SplitRuleSection] = _doc([], "canary and A/B splits with model rewrites, first match wins")
 
 
 def error_path(loc: tuple[int | str, ...]) -> str:

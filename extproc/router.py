@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from extproc.config import Config
@@ -18,6 +18,7 @@ from extproc.metrics import RouterMetrics
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
+from extproc.request.splits import Arm, body_user, choose_arm, rewrite_model
 from extproc.routing.model import AffinityView, Decision, Replica
 from extproc.routing.pipeline import Profile, Profiles, decide
 from extproc.routing.registry import build_profile
@@ -48,6 +49,10 @@ class Routed:
     prefill_tokens: int = 0
     released: bool = False
     tenant_counted: bool = False
+    arm: Arm | None = None
+    """The split arm the request landed in, if a ``splits:`` rule took it."""
+    body: bytes | None = None
+    """The body rewritten for its arm (its model replaced), to send instead of the client's."""
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -110,11 +115,37 @@ class Router:
         features = extract_features(headers, body, self.config.features)
         if features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
+        arm, rewritten = None, None
+        if self.config.splits and body is not None and features.body_error is None:
+            features, arm, rewritten = self._split(headers, body, features)
+            if rewritten is not None:
+                body = rewritten
         routed = await self.route_features(features, start)
+        routed.arm, routed.body = arm, rewritten
+        if arm is not None:
+            self.metrics.split_requests.labels(arm.rule, arm.label).inc()
         replica = routed.decision.replica
         if features.session_key and body and replica is not None and features.body_error is None:
             self.rebalancer.note(features.session_key, features.model, replica.name, features.path, body, start)
         return routed
+
+    def _split(
+        self, headers: Mapping[str, str], body: bytes, features: RequestFeatures
+    ) -> tuple[RequestFeatures, Arm | None, bytes | None]:
+        """The request's split arm; its body rewritten to the arm's model and its features taken
+        again from that body, so the prefix hashes are seeded with the model actually served."""
+        key = features.session_key or body_user(body) or features.request_id or None
+        arm = choose_arm(self.config.splits, features.model, headers, key)
+        if arm is None:
+            return features, None, None
+        rewritten = None
+        if arm.target.model != features.model:
+            rewritten = rewrite_model(body, arm.target.model)
+            if rewritten is not None:
+                features = extract_features(headers, rewritten, self.config.features)
+        if arm.target.pool is not None:
+            features = replace(features, pool=(("pool", arm.target.pool),))
+        return features, arm, rewritten
 
     def _index_hashes(self, path: str, body: bytes) -> tuple[int, ...]:
         return extract_features({":path": path}, body, self.config.features).prefix_hashes
@@ -194,7 +225,7 @@ class Router:
         stream open until the HTTP request is over) and its prefill counts as pending until then.
         """
         rate = self.config.health.response_sample_rate
-        if rate >= 1.0:
+        if rate >= 1.0 or self.config.splits:  # a canary is judged on every response of its arms
             return True
         self._sampled += rate
         if self._sampled >= 1.0:
@@ -208,6 +239,11 @@ class Router:
         failure, a reset or a first-byte timeout, so this answer is not the chosen replica's)."""
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
+        if routed.arm is not None:
+            labels = (routed.arm.rule, routed.arm.label)
+            self.metrics.split_ttft_seconds.labels(*labels).observe(self.clock() - routed.decided_at)
+            if status == 0 or status >= 500:
+                self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
             now = self.clock()
             self.replicas.observe(replica.name, 0 if attempts > 1 else status, now - routed.decided_at, now)
