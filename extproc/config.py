@@ -17,6 +17,7 @@ from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, 
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.queueing.settings import QueueClass, QueueSettings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.classes import ClassRule
@@ -86,6 +87,7 @@ class Config:
     health_listen: str | None = None
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     splits: tuple[SplitRule, ...] = ()
+    queueing: QueueSettings = field(default_factory=QueueSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -220,6 +222,14 @@ def _split_rules(raw: Sequence[schema.SplitRuleSection]) -> tuple[SplitRule, ...
     return tuple(rules)
 
 
+def _queue_settings(raw: schema.Queueing) -> QueueSettings:
+    return QueueSettings(
+        **raw.model_dump(exclude={"default", "classes"}),
+        default=QueueClass(**raw.default.model_dump()),
+        classes={name: QueueClass(**c.model_dump()) for name, c in raw.classes.items()},
+    )
+
+
 def _profile_mapping(spec: schema.ProfileSpec) -> dict[str, Any]:
     return spec.model_dump(exclude_none=True)
 
@@ -307,6 +317,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         profiles=profiles,
         spillover_repin=file.spillover.repin,
         splits=_split_rules(file.splits),
+        queueing=_queue_settings(file.queueing),
         upstream=UpstreamTimeouts(
             **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
         ),

@@ -225,6 +225,26 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        # Queueing: priorities and request classes come from the config, so bounded.
+        self.queue_waiting = Gauge(
+            "extproc_queue_waiting",
+            "Requests held while every candidate is saturated, by priority.",
+            ["priority"],
+            registry=r,
+        )
+        self.queue_outcomes = Counter(
+            "extproc_queue_outcomes",
+            "Held requests by class and outcome (dispatched, timeout, full, gone).",
+            ["request_class", "outcome"],
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "extproc_queue_wait_seconds",
+            "Time held in the queue, by request class.",
+            ["request_class"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         for kind in STREAM_ERROR_KINDS:
             self.stream_errors.labels(kind)
         for operation in STORE_OPERATIONS:

@@ -15,11 +15,12 @@ from typing import Any
 from extproc.config import Config
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.metrics import RouterMetrics
+from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
 from extproc.request.splits import Arm, body_user, choose_arm, rewrite_model
-from extproc.routing.model import AffinityView, Decision, Replica
+from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Profile, Profiles, decide
 from extproc.routing.registry import build_profile
 from extproc.state.memory import MemoryStore
@@ -53,6 +54,8 @@ class Routed:
     """The split arm the request landed in, if a ``splits:`` rule took it."""
     body: bytes | None = None
     """The body rewritten for its arm (its model replaced), to send instead of the client's."""
+    refusal: Refusal | None = None
+    """Held while the fleet was full and refused (queue full, or waited past its class's limit)."""
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -94,6 +97,9 @@ class Router:
         self.profiles = build_profiles(config, profile)
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
+        self.queue: FairQueue | None = None
+        if config.queueing.enabled:
+            self.queue = FairQueue(config.queueing, self._saturated, self.metrics)
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
@@ -120,7 +126,18 @@ class Router:
             features, arm, rewritten = self._split(headers, body, features)
             if rewritten is not None:
                 body = rewritten
-        routed = await self.route_features(features, start)
+        ticket = None
+        if self.queue is not None:
+            held = await self.queue.admit(features.request_class, features.tenant, features.pool)
+            if isinstance(held, Refusal):
+                return Routed(features, Decision(None, Reason.NO_REPLICA), self.clock(), arm=arm, refusal=held)
+            ticket = held
+            start = self.clock()  # the decision is made now, on the load as it is now
+        try:
+            routed = await self.route_features(features, start)
+        finally:
+            if ticket is not None:
+                ticket.settle()
         routed.arm, routed.body = arm, rewritten
         if arm is not None:
             self.metrics.split_requests.labels(arm.rule, arm.label).inc()
@@ -146,6 +163,9 @@ class Router:
         if arm.target.pool is not None:
             features = replace(features, pool=(("pool", arm.target.pool),))
         return features, arm, rewritten
+
+    def _saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
+        return saturated(self.replicas.snapshot(self.clock()), pool, self.config.queueing)
 
     def _index_hashes(self, path: str, body: bytes) -> tuple[int, ...]:
         return extract_features({":path": path}, body, self.config.features).prefix_hashes
@@ -259,6 +279,8 @@ class Router:
         if routed.tenant_counted:
             self.tenants.end(routed.features.tenant, routed.decision.replica.name)
         routed.prefill_tokens = 0
+        if self.queue is not None:
+            self.queue.wake()  # a slot freed: the head of the queue may go
 
     async def set_replicas(self, replicas: Sequence[Replica]) -> Membership:
         """Make ``replicas`` the membership (from discovery or a reload): new names join and take
@@ -287,6 +309,8 @@ class Router:
     async def after_scrape(self, transitions: Sequence[Transition]) -> None:
         """After each health round: move the sessions of replicas that left the rotation, and shed
         sessions from replicas that have run hot for a while."""
+        if self.queue is not None:
+            self.queue.wake()  # fresh load figures: headroom may have appeared
         snapshot = self.replicas.snapshot(self.clock())
         for t in transitions:
             if not t.in_rotation:

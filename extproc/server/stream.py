@@ -154,6 +154,9 @@ class RequestStream:
         routed = await self.router.route(self.headers, body)
         self.routed = routed
         decision = routed.decision
+        if routed.refusal is not None:
+            refusal = routed.refusal
+            return msg.immediate(refusal.status, refusal.message, refusal.kind, retry_after_s=refusal.retry_after_s)
         if decision.reason is Reason.QUOTA:
             return msg.immediate(
                 429,

@@ -1,0 +1,7 @@
+"""Priority and fair queueing: requests held while every candidate replica is saturated."""
+
+from extproc.queueing.fair_queue import FairQueue, Refusal, Ticket
+from extproc.queueing.saturation import saturated
+from extproc.queueing.settings import QueueClass, QueueSettings
+
+__all__ = ["FairQueue", "QueueClass", "QueueSettings", "Refusal", "Ticket", "saturated"]
