@@ -15,8 +15,9 @@ def replica_saturated(state: ReplicaState, settings: QueueSettings) -> bool:
 
 def saturated(snapshot: Snapshot, pool: tuple[tuple[str, str], ...], settings: QueueSettings) -> bool:
     """Whether every in-rotation replica of the pool (the whole rotation when the pool has none,
-    as the pool filter does) is saturated. No replica at all is not saturation: the decision
-    answers that one."""
-    live = [s for s in snapshot.replicas if s.in_rotation]
+    as the pool filter does; every replica when none is in rotation) is saturated. No replica at
+    all is not saturation: the decision answers that one."""
+    # With the whole fleet out of rotation the decision still routes over all of it: so do we.
+    live = [s for s in snapshot.replicas if s.in_rotation] or list(snapshot.replicas)
     candidates = [s for s in live if all(s.replica.labels.get(k) == v for k, v in pool)] or live
     return bool(candidates) and all(replica_saturated(s, settings) for s in candidates)
