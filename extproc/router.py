@@ -99,7 +99,7 @@ class Router:
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
-            self.queue = FairQueue(config.queueing, self._saturated, self.metrics)
+            self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics)
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
@@ -164,7 +164,8 @@ class Router:
             features = replace(features, pool=(("pool", arm.target.pool),))
         return features, arm, rewritten
 
-    def _saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
+    def fleet_saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
+        """Whether every candidate of ``pool`` is saturated now (``queueing:`` thresholds)."""
         return saturated(self.replicas.snapshot(self.clock()), pool, self.config.queueing)
 
     def _index_hashes(self, path: str, body: bytes) -> tuple[int, ...]:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extproc.metrics import RouterMetrics
+from extproc.queueing.levels import PriorityLevels
 from extproc.queueing.settings import QueueSettings
 
 log = logging.getLogger("extproc.queueing")
@@ -55,42 +55,6 @@ class Ticket:
         self.settled.set()
 
 
-class _Level:
-    """The waiters of one priority, by tenant, served round robin."""
-
-    def __init__(self) -> None:
-        self.tenants: OrderedDict[str, deque[Ticket]] = OrderedDict()
-        self.size = 0
-
-    def push(self, ticket: Ticket) -> None:
-        self.tenants.setdefault(ticket.tenant, deque()).append(ticket)
-        self.size += 1
-
-    def peek(self) -> Ticket | None:
-        for waiting in self.tenants.values():
-            return waiting[0]
-        return None
-
-    def pop(self) -> Ticket:
-        tenant, waiting = next(iter(self.tenants.items()))
-        ticket = waiting.popleft()
-        del self.tenants[tenant]
-        if waiting:
-            self.tenants[tenant] = waiting  # to the back of the round
-        self.size -= 1
-        return ticket
-
-    def remove(self, ticket: Ticket) -> bool:
-        waiting = self.tenants.get(ticket.tenant)
-        if waiting is None or ticket not in waiting:
-            return False
-        waiting.remove(ticket)
-        if not waiting:
-            del self.tenants[ticket.tenant]
-        self.size -= 1
-        return True
-
-
 class FairQueue:
     """Priority queues, fair by tenant, drained as the candidates of their head have headroom."""
 
@@ -101,39 +65,34 @@ class FairQueue:
         self.settings = settings
         self.saturated = saturated
         self.metrics = metrics
-        self._levels: dict[int, _Level] = {}
+        self._levels: PriorityLevels[Ticket] = PriorityLevels()
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
-        return sum(level.size for level in self._levels.values())
+        return len(self._levels)
 
     def waiting(self, priority: int) -> int:
         """Requests waiting at ``priority``."""
-        level = self._levels.get(priority)
-        return level.size if level else 0
+        return self._levels.waiting(priority)
 
     def wake(self) -> None:
         """Something changed (a scrape, a request ended): look at the head again."""
         self._wake.set()
 
-    def _ahead(self, priority: int) -> bool:
-        return any(level.size for p, level in self._levels.items() if p >= priority)
-
     async def admit(self, request_class: str, tenant: str, pool: Pool) -> Refusal | Ticket | None:
         """Wait until the request may be routed. None: it went straight on; a :class:`Ticket`: it
         waited and was released (settle it once routed); a :class:`Refusal`: answer it with that."""
         terms = self.settings.for_class(request_class)
-        if not self._ahead(terms.priority) and not self.saturated(pool):
+        if not self._levels.ahead(terms.priority) and not self.saturated(pool):
             return None
-        level = self._levels.setdefault(terms.priority, _Level())
-        if level.size >= terms.max_queued:
+        if self._levels.waiting(terms.priority) >= terms.max_queued:
             self._count(request_class, "full")
             return Refusal(
                 terms.status, terms.retry_after_s, "every replica is saturated and the queue is full", "queue_full"
             )
         ticket = Ticket(tenant, pool, terms.priority, asyncio.get_running_loop().create_future())
-        level.push(ticket)
+        self._levels.push(terms.priority, tenant, ticket)
         self._gauge(terms.priority)
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run(), name="extproc-queue-pump")
@@ -160,8 +119,7 @@ class FairQueue:
         return ticket
 
     def _leave(self, ticket: Ticket, request_class: str, outcome: str) -> None:
-        level = self._levels.get(ticket.priority)
-        if level is not None and level.remove(ticket):
+        if self._levels.remove(ticket.priority, ticket.tenant, ticket):
             self._gauge(ticket.priority)
             self._count(request_class, outcome)
         else:
@@ -169,26 +127,17 @@ class FairQueue:
         if not ticket.granted.done():
             ticket.granted.cancel()
 
-    def _head(self) -> tuple[_Level, Ticket] | None:
-        for priority in sorted(self._levels, reverse=True):
-            level = self._levels[priority]
-            ticket = level.peek()
-            if ticket is not None:
-                return level, ticket
-        return None
-
     async def _run(self) -> None:
         while True:
-            head = self._head()
-            if head is None:
+            ticket = self._levels.head()
+            if ticket is None:
                 return
-            level, ticket = head
             if self.saturated(ticket.pool):
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), TICK_S)
                 continue
-            level.pop()
+            self._levels.pop()
             self._gauge(ticket.priority)
             ticket.granted.set_result(None)
             try:
