@@ -76,3 +76,23 @@ def test_the_config_builds_rules() -> None:
     )
     (rule,) = cfg.splits
     assert rule.headers == {"x-team": "a"} and rule.pin_header == "x-arm" and rule.targets[1].pool == "canary"
+
+
+async def test_the_router_rewrites_the_body_and_hashes_the_served_model() -> None:
+    from extproc.request.features import extract_features
+    from extproc.router import Router
+    from tests.conftest import chat_body, make_config
+
+    rule = SplitRule("c", (SplitTarget("m-v2", 1, pool="canary"),), model="m")
+    router = Router(make_config(splits=(rule,)))
+    body = chat_body("a prompt long enough to fill a few blocks of sixty-four characters " * 4)
+    routed = await router.route({":path": "/v1/chat/completions", "x-session-id": "s"}, body)
+    assert routed.arm is not None and routed.arm.target.model == "m-v2"
+    assert routed.body is not None and json.loads(routed.body)["model"] == "m-v2"
+    served = extract_features({":path": "/v1/chat/completions"}, routed.body, router.config.features)
+    assert routed.features.model == "m-v2" and routed.features.prefix_hashes == served.prefix_hashes
+    original = extract_features({":path": "/v1/chat/completions"}, body, router.config.features)
+    assert routed.features.prefix_hashes != original.prefix_hashes
+    assert routed.features.pool == (("pool", "canary"),)
+    untouched = await router.route({":path": "/v1/chat/completions"}, chat_body("x", model="other"))
+    assert untouched.arm is None and untouched.body is None
