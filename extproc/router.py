@@ -19,6 +19,7 @@ from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
+from extproc.request.openai_body import INFERENCE_PATHS
 from extproc.request.splits import Arm, body_user, choose_arm, rewrite_model
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Profile, Profiles, decide
@@ -127,7 +128,7 @@ class Router:
             if rewritten is not None:
                 body = rewritten
         ticket = None
-        if self.queue is not None:
+        if self.queue is not None and features.path in INFERENCE_PATHS:  # /v1/models is never held
             held = await self.queue.admit(features.request_class, features.tenant, features.pool)
             if isinstance(held, Refusal):
                 return Routed(features, Decision(None, Reason.NO_REPLICA), self.clock(), arm=arm, refusal=held)
