@@ -314,7 +314,9 @@ class Queueing(Section):
 
     enabled: bool = _doc(_QUEUEING.enabled, "hold requests instead of sending them to saturated replicas")
     kv_threshold: float = _doc(_QUEUEING.kv_threshold, "KV usage over which a replica is saturated", ge=0, le=1)
-    queue_threshold: int = _doc(_QUEUEING.queue_threshold, "queued requests over which it is saturated", ge=0)
+    queue_threshold: int = _doc(
+        _QUEUEING.queue_threshold, "queued requests over which it is saturated (sent since the last scrape count)", ge=0
+    )
     max_inflight_per_replica: int = _doc(
         _QUEUEING.max_inflight_per_replica,
         "requests in flight from this router at which it is saturated (0: off)",

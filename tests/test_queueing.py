@@ -98,6 +98,10 @@ def test_saturation_is_every_candidate_of_the_pool() -> None:
     busy = Snapshot((a, ReplicaState(b.replica, inflight=2)))
     assert saturated(busy, (), settings)
     assert not saturated(Snapshot(()), (), settings)
+    # Sent since the last scrape (in flight beyond what it was running): queued there by now.
+    fresh = QueueSettings(enabled=True, queue_threshold=4)
+    assert saturated(Snapshot((ReplicaState(b.replica, inflight=9, running=4),)), (), fresh)
+    assert not saturated(Snapshot((ReplicaState(b.replica, inflight=8, running=4),)), (), fresh)
 
 
 def test_envoy_waits_longer_than_the_longest_hold() -> None:

@@ -8,7 +8,10 @@ from extproc.routing.model import ReplicaState, Snapshot
 
 def replica_saturated(state: ReplicaState, settings: QueueSettings) -> bool:
     """Whether one replica should take no new work now."""
-    if state.kv_usage > settings.kv_threshold or state.queue > settings.queue_threshold:
+    # Requests sent since the last scrape are not in its queue yet: what this router has in flight
+    # beyond what the replica was running is a lower bound of its queue now.
+    waiting = max(state.queue, state.inflight - state.running)
+    if state.kv_usage > settings.kv_threshold or waiting > settings.queue_threshold:
         return True
     return 0 < settings.max_inflight_per_replica <= state.inflight
 
