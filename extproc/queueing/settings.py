@@ -29,8 +29,8 @@ class QueueSettings:
     A replica is saturated when its KV usage is over ``kv_threshold`` (as scraped), its queue
     over ``queue_threshold`` (as scraped, or, when larger, this router's requests in flight beyond
     what it was running at the scrape: sent since, so queued there by now), or, with
-    ``max_inflight_per_replica``, when the router has that many requests in flight on it. Classes not named in ``classes`` get ``default``
-    (interactive: above batch).
+    ``max_inflight_per_replica``, when the router has that many requests in flight on it.
+    Classes not named in ``classes`` get ``default`` (interactive: above batch).
     """
 
     enabled: bool = False
