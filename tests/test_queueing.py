@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import pytest
+import yaml
+
+from extproc.cli import main
 from extproc.config import config_from_mapping
 from extproc.envoy_config import GatewaySpec, render_yaml
 from extproc.queueing import FairQueue, QueueClass, QueueSettings, Refusal, Ticket, saturated
@@ -104,8 +109,16 @@ def test_saturation_is_every_candidate_of_the_pool() -> None:
     assert not saturated(Snapshot((ReplicaState(b.replica, inflight=8, running=4),)), (), fresh)
 
 
-def test_envoy_waits_longer_than_the_longest_hold() -> None:
-    cfg = config_from_mapping({"queueing": {"enabled": True, "classes": {"batch": {"priority": 0, "max_wait_s": 45}}}})
+def test_envoy_waits_longer_than_the_longest_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    queueing = {"enabled": True, "classes": {"batch": {"priority": 0, "max_wait_s": 45}}}
+    cfg = config_from_mapping({"queueing": queueing})
     assert cfg.queueing.longest_wait_s == 45
+    assert config_from_mapping({"queueing": {**queueing, "enabled": False}}).queueing.longest_wait_s == 0
     rendered = render_yaml(GatewaySpec(replicas=[Replica("r", "127.0.0.1:1")], queue_wait_s=45))
     assert "message_timeout: 46s" in rendered, rendered
+    # `extproc envoy-config --config` takes it from the router's config: message and route timeouts.
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"replicas": [{"name": "a", "address": "10.0.0.1:8000"}], "queueing": queueing}))
+    assert main(["envoy-config", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "message_timeout: 46s" in out and "timeout: 345s" in out
