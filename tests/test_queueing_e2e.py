@@ -21,7 +21,7 @@ NAMES = ("replica-0", "replica-1")
 PROMPT = "a long prompt to keep the replica busy " * 150  # ~1,500 tokens: about 0.15 s of prefill
 
 
-def gateway(tmp_path: Path, queueing: dict[str, Any], wait_s: float) -> FaultyGateway:
+def gateway(tmp_path: Path, queueing: dict[str, Any], wait_s: float, full_duplex: bool = False) -> FaultyGateway:
     config = {
         "classes": [{"name": "batch", "match": {"headers": {"x-request-class": "batch"}}}],
         "queueing": {"enabled": True, **queueing},
@@ -34,6 +34,7 @@ def gateway(tmp_path: Path, queueing: dict[str, Any], wait_s: float) -> FaultyGa
         faulty=NAMES,
         processor_args=("--config", str(path)),
         envoy_options={"queue_wait_s": wait_s},
+        full_duplex=full_duplex,
     )
 
 
@@ -145,13 +146,16 @@ async def _at_least(http: aiohttp.ClientSession, gw: FaultyGateway, priority: in
     return await waiting(http, gw, priority) >= n
 
 
-async def test_a_wait_past_the_limit_gets_429_and_a_departed_client_frees_its_place(tmp_path: Path) -> None:
+@pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full-duplex"])
+async def test_a_wait_past_the_limit_gets_429_and_a_departed_client_frees_its_place(
+    tmp_path: Path, full_duplex: bool
+) -> None:
     require_binary("envoy")
     queueing = {
         "default": {"max_wait_s": 1.0, "retry_after_s": 3},
         "classes": {"batch": {"priority": 0, "max_wait_s": 10}},
     }
-    with gateway(tmp_path, queueing, wait_s=10) as gw:
+    with gateway(tmp_path, queueing, wait_s=10, full_duplex=full_duplex) as gw:
         async with aiohttp.ClientSession() as http:
             client = Client(http, gw)
             await saturate(http, gw, "overloaded")
