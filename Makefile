@@ -52,6 +52,7 @@ bench-soak: $(STAMP)
 fuzz: $(STAMP)
 	$(PY) fuzz/fuzz_request.py -runs=200000 -max_len=65536 -seed=1
 	$(PY) fuzz/fuzz_stream.py -runs=50000 -max_len=16384 -seed=1
+	$(PY) fuzz/fuzz_kvevents.py -runs=200000 -max_len=16384 -seed=1
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

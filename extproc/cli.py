@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -25,6 +26,7 @@ from extproc.config import (
     parse_replica,
     with_overrides,
 )
+from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
 from extproc.logs import setup_logging
 
 COMMANDS_GROUP = "extproc.commands"
@@ -61,6 +63,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
+    add_kv_event_flags(p)
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -123,6 +126,11 @@ def _build_config(args: argparse.Namespace) -> Config:
     cfg = with_overrides(cfg, **changes)
     if getattr(args, "metrics_listen", None) == "off":
         cfg = replace(cfg, metrics_listen=None)
+    if hasattr(args, "kv_events_listen"):
+        try:
+            cfg = replace(cfg, kv_events=kv_event_overrides(cfg.kv_events, args))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if getattr(args, "health_listen", None):
         cfg = replace(cfg, health_listen=args.health_listen)
     rate = getattr(args, "response_sample_rate", None)
@@ -160,7 +168,24 @@ async def _serve(cfg: Config) -> None:
         store = open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
     except ValueError as exc:  # e.g. an unreadable password file
         raise ConfigError(f"store: {exc}") from None
-    router = Router(cfg, store=store, metrics=metrics)
+    kv_events = None
+    kv = cfg.kv_events
+    if kv.enabled or kv.listen or any("kv_events" in r.labels for r in cfg.replicas):
+        from extproc.kvevents.cache_state import EventCacheState
+        from extproc.request.tokenizer import TokenizerError
+
+        try:
+            kv_events = EventCacheState(kv, registry=metrics.registry, max_blocks=cfg.features.max_blocks)
+        except TokenizerError as exc:
+            await store.close()
+            raise ConfigError(f"kv_events.tokenizers: {exc}") from None
+    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events)
+    if kv_events is not None:
+        if not kv.enabled:
+            logging.getLogger("extproc.kvevents").warning(
+                "kv events: no --tokenizer (kv_events.tokenizers): events are indexed but no request matches them"
+            )
+        kv_events.start(cfg.replicas)
     try:
         server = ProcessorServer(
             router, cfg.listen, cfg.max_message_bytes, tls=cfg.grpc_tls, health_listen=cfg.health_listen
@@ -203,6 +228,8 @@ async def _serve(cfg: Config) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await discovering
         await close_all(listeners)
+        if kv_events is not None:
+            await kv_events.close()
         await store.close()  # idempotent: a graceful stop has closed it already
 
 

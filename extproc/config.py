@@ -8,15 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-import extproc.config_schema as schema
 from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, parse_discovery
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.kvevents.settings import KvEventSettings, kv_event_settings
 from extproc.queueing.settings import QueueClass, QueueSettings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
@@ -29,6 +29,9 @@ from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profil
 from extproc.state.store_url import parse_store_url
 from extproc.tenancy import TenantPolicy, TenantSettings
 from extproc.upstream_timeouts import UpstreamTimeouts
+
+if TYPE_CHECKING:
+    import extproc.config_schema as schema
 
 Mode = Literal["cluster", "endpoint"]
 
@@ -88,6 +91,7 @@ class Config:
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     splits: tuple[SplitRule, ...] = ()
     queueing: QueueSettings = field(default_factory=QueueSettings)
+    kv_events: KvEventSettings = field(default_factory=KvEventSettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -266,6 +270,9 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     """Validate a parsed YAML mapping into a :class:`Config` (the schema: :mod:`extproc.config_schema`)."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config: expected a mapping at the top level")
+    # Imported here: pydantic and the schema cost a start without a config file ~0.3 s.
+    import extproc.config_schema as schema
+
     try:
         file = schema.parse_file(raw)
     except ValueError as exc:
@@ -321,6 +328,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         upstream=UpstreamTimeouts(
             **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
         ),
+        kv_events=_kv_events(file.kv_events),
     )
     try:
         parse_store_url(cfg.store)  # the form only: Redis may well be down while we start
@@ -331,6 +339,13 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     except ProfileError as exc:
         raise ConfigError(str(exc)) from None
     return cfg
+
+
+def _kv_events(raw: Any) -> KvEventSettings:
+    try:
+        return kv_event_settings(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path) -> Config:

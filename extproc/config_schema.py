@@ -353,6 +353,9 @@ class RouterFile(Section):
     health: Health = _doc(Health(), "replica health and rotation")
     spillover: Spillover = _doc(Spillover(), "overloaded replicas")
     upstream: Upstream = _doc(Upstream(), "how long Envoy waits for a replica")
+    kv_events: dict[str, Any] | None = _doc(
+        None, "vLLM's KV-cache events: listen, port, replay_port, hash_algo, tokenizers, ...; see README"
+    )
     rebalance: Rebalance = _doc(Rebalance(), "moving sessions")
     tenants: Tenants = _doc(Tenants(), "tenants and quotas")
     classes: list[ClassRuleSection] = _doc([], "request classes, first match wins")
@@ -370,21 +373,21 @@ def error_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def describe(exc: ValidationError, prefix: str = "") -> str:
+def describe(exc: ValidationError) -> str:
     """One line per error, each naming the full path of its field."""
     lines = []
     for err in exc.errors():
-        # Union members add their type names to the location; they tell a user nothing.
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
-        path = error_path(loc) or "config"
-        where = f"{prefix}.{path}" if prefix and path != "config" else (prefix or path)
+        loc = err["loc"]
+        if err["type"] != "extra_forbidden":
+            # The members of a union add their type names to the location: noise to a user.
+            loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
         message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         got = "" if err["type"] in ("extra_forbidden", "missing") else f", got {err['input']!r}"
-        lines.append(f"{where}: {message}{got}")
+        lines.append(f"{error_path(loc) or 'config'}: {message}{got}")
     return "; ".join(dict.fromkeys(lines))
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def parse_file(raw: Mapping[str, Any]) -> RouterFile:

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc.config import Config
 from extproc.health.replicas import ReplicaBook, Transition
@@ -27,6 +27,9 @@ from extproc.routing.registry import build_profile
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
+
+if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
+    from extproc.kvevents.cache_state import EventCacheState
 
 log = logging.getLogger("extproc.router")
 
@@ -85,10 +88,12 @@ class Router:
         replicas: ReplicaBook | None = None,
         tenants: TenantLedger | None = None,
         prewarmer: Prewarmer | None = None,
+        kv_events: EventCacheState | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer)."""
         self.config = config
+        self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._sampled = 0.0  # response_sample_rate accumulated: a request is observed at each whole one
         self.store: AffinityStore = store or MemoryStore(
             config.session_ttl_s, config.max_sessions, config.blocks_per_replica
@@ -127,6 +132,8 @@ class Router:
             features, arm, rewritten = self._split(headers, body, features)
             if rewritten is not None:
                 body = rewritten
+        if self.kv_events is not None:
+            features = await self.kv_events.tokenized(features, body)
         ticket = None
         if self.queue is not None and features.path in INFERENCE_PATHS:  # /v1/models is never held
             held = await self.queue.admit(features.request_class, features.tenant, features.pool)
@@ -182,6 +189,8 @@ class Router:
             self.metrics.store_errors.labels("lookup").inc()
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
+        if self.kv_events is not None:
+            view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
         decision = decide(features, snapshot, view, start, self.profiles.for_request(features), terms)
@@ -191,6 +200,8 @@ class Router:
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             self.replicas.begin(replica.name, start, prefill_tokens)
+            if self.kv_events is not None:
+                self.kv_events.decided(features, replica.name, decision.matched_blocks, start)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
             try:
                 await self.store.record(
@@ -236,6 +247,8 @@ class Router:
         return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
+        if features.tokens_per_block:
+            return max(0, features.prompt_tokens - matched_blocks * features.tokens_per_block)
         cached_chars = matched_blocks * self.config.features.block_chars
         return max(0, features.prompt_chars - cached_chars) // CHARS_PER_TOKEN
 
@@ -256,9 +269,14 @@ class Router:
         return False
 
     def observe_response(self, routed: Routed, status: int, attempts: int = 1) -> None:
-        """Learn from the response headers Envoy saw: status, time to first byte, and whether the
-        chosen replica's try failed (``attempts`` > 1: Envoy retried elsewhere after a connect
-        failure, a reset or a first-byte timeout, so this answer is not the chosen replica's)."""
+        """Learn from the response headers Envoy saw: status and time to first byte.
+
+        With ``attempts`` > 1 Envoy retried elsewhere, so the answer is not the chosen replica's.
+        When it came after the first-byte timeout, the chosen replica's try met it: a failure of
+        that replica (three in a row eject it). A quick retry (connection refused or reset) is
+        not counted: the scraper sees a replica that refuses connections for itself, and a burst
+        that overflows a listen backlog for a moment must not eject a healthy replica.
+        """
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
         if routed.arm is not None:
@@ -268,7 +286,11 @@ class Router:
                 self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
             now = self.clock()
-            self.replicas.observe(replica.name, 0 if attempts > 1 else status, now - routed.decided_at, now)
+            waited = now - routed.decided_at
+            if attempts <= 1:
+                self.replicas.observe(replica.name, status, waited, now)
+            elif waited >= self.config.upstream.first_byte_s:
+                self.replicas.observe(replica.name, 0, None, now)
             self.replicas.prefilled(replica.name, routed.prefill_tokens)
             routed.prefill_tokens = 0
 
@@ -304,6 +326,8 @@ class Router:
         snapshot = self.replicas.snapshot(now)
         for name in joined:
             await self.rebalancer.on_join(name, self.profile.ring_for(snapshot), snapshot)
+        if self.kv_events is not None:
+            self.kv_events.sync([rec.replica for rec in self.replicas.records()])
         if joined or left:
             log.info("membership: joined %s, left %s", joined or "-", left or "-")
         return Membership(tuple(joined), tuple(left))

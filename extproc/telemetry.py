@@ -56,3 +56,6 @@ def collect(router: Router) -> None:
     m.prefix_index_blocks.set(stats.prefix_blocks)
     m.ledger_sessions.set(len(router.rebalancer.ledger))
     m.ledger_bytes.set(router.rebalancer.ledger.size_bytes)
+    if router.kv_events is not None:
+        hits = {r.replica.name: r.metrics.prefix_hits for r in router.replicas.records() if r.metrics is not None}
+        router.kv_events.collect(hits)

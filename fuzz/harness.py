@@ -125,3 +125,23 @@ def check_stream(router: Router, data: bytes) -> None:
     stats = router.store.stats()
     assert stats.sessions <= MAX_SESSIONS
     assert stats.prefix_blocks <= 500 * 3
+
+
+def check_kv_events(data: bytes) -> None:
+    """A KV-event message from arbitrary bytes: decoded or refused with WireError, and whatever
+    decodes applies to an index without raising."""
+    from extproc.kvevents.index import ModelIndex
+    from extproc.kvevents.wire import WireError, decode_batch, split_message
+
+    parts = data.split(b"\x00\x00\x00", 2)
+    try:
+        msg = split_message(parts)
+        batch = decode_batch(msg.payload)
+    except WireError:
+        try:
+            batch = decode_batch(data)
+        except WireError:
+            return
+    index = ModelIndex()
+    index.apply("r", batch.events)
+    assert index.blocks("r") >= 0

@@ -5,6 +5,8 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 # Sentinel failover in tests/test_redis_topologies.py (Debian's redis-sentinel: the same binary).
 command -v redis-sentinel >/dev/null 2>&1 || need+=(redis-sentinel)
+# Throwaway certificates for the TLS Redis test (extproc_lab/demo/certificates.py).
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # kubectl renders k8s/ (kubectl kustomize). The machine image ships kubectl 1.32 (kustomize v5);
 # Debian's kubernetes-client is the fallback, and k8s/ needs kustomize v4+ (kubectl 1.21+).

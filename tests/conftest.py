@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hypothesis import settings
 
 from extproc.config import Config
 from extproc.routing import Replica
@@ -20,6 +21,11 @@ from extproc_lab.demo.processes import ProcessGroup
 from extproc_lab.demo.redis_server import LocalRedis
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Hypothesis' per-example deadline (200 ms) measures how busy this 2-core machine is, not the code:
+# property tests bound their own work (max_examples, sizes) and assert behaviour, not speed.
+settings.register_profile("extproc", deadline=None)
+settings.load_profile("extproc")
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -58,3 +58,18 @@ def test_atheris_harnesses_run_clean() -> None:
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"Done {runs} runs" in result.stderr
+
+
+def test_kv_event_decoder_harness_runs_clean() -> None:
+    from fuzz.harness import check_kv_events
+
+    check_kv_events(b"")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "fuzz" / "fuzz_kvevents.py"), "-runs=3000", "-max_len=4096", "-seed=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Done 3000 runs" in result.stderr

@@ -126,3 +126,41 @@ async def _scenario(gw: LocalGateway) -> tuple[int, list[Outcome], list[Outcome]
                 break
             await asyncio.sleep(0.05)
         return pid, list(unary), list(done), stopped_at, ejected
+
+
+def test_a_long_non_streaming_answer_is_not_cut_at_the_first_byte_timeout() -> None:
+    """Its first byte is its last: the processor's per-request bound (max_tokens x the per-token
+    budget) replaces the route's first-byte timeout, so a healthy replica's long answer is neither
+    cut nor sent twice."""
+    require_binary("envoy")
+    gw = LocalGateway(
+        replicas=2,
+        time_scale=1.0,  # 400 tokens at the demo profile's 5 ms: about 2 s, four first-byte timeouts
+        envoy_options={"first_byte_timeout_s": FIRST_BYTE_S, "stream_idle_timeout_s": STREAM_IDLE_S},
+    )
+    with_config(gw, CONFIG)
+    body = json.dumps(
+        {
+            "model": "demo-model",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "a long answer, not streamed"}],
+        }
+    ).encode()
+
+    async def scenario() -> tuple[Outcome, float]:
+        async with aiohttp.ClientSession() as http:
+            outcome = await send(http, gw.url, "long", 0, body, timeout_s=30)
+            prefills = 0.0
+            for replica in gw.members:
+                async with http.get(f"http://{replica.address}/metrics") as resp:
+                    for line in (await resp.text()).splitlines():
+                        if line.startswith("vllm:time_to_first_token_seconds_count"):
+                            prefills += float(line.rsplit(" ", 1)[1])
+            return outcome, prefills
+
+    with gw:
+        outcome, prefills = asyncio.run(scenario())
+    assert outcome.ok, outcome
+    assert outcome.latency_s > 4 * FIRST_BYTE_S  # it did outlast the route's first-byte timeout
+    assert prefills == 1  # one try: no replica was asked a second time

@@ -105,24 +105,37 @@ def _response_headers(status: int, attempt_count: int) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv)))
 
 
-def test_answers_that_needed_a_retry_eject_the_chosen_replica() -> None:
-    router = Router(make_config())
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_answers_retried_after_the_first_byte_timeout_eject_the_chosen_replica() -> None:
+    clock = Clock()
+    router = Router(make_config(), clock=clock)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
 
-    async def one(attempt_count: int) -> str:
+    async def one(attempt_count: int, waited_s: float = 0.01) -> str:
         stream = RequestStream(router)
         await stream.answer(headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}))
         await stream.answer(body_message(body))
         assert stream.routed is not None and stream.routed.decision.replica is not None
+        clock.now += waited_s
         await stream.answer(_response_headers(200, attempt_count))
         router.release(stream.routed)
         return stream.routed.decision.replica.name
 
     async def run() -> tuple[str, list[str]]:
         first = await one(1)
-        for _ in range(3):  # a 200 that another replica gave after the chosen one failed its try
+        for _ in range(5):  # quick retries (connection refused, reset): the scraper judges those
             assert await one(2) == first
-        return first, [t.replica for t in router.replicas.evaluate(router.clock()) if not t.in_rotation]
+        assert router.replicas.evaluate(clock.now) == []
+        for _ in range(3):  # a 200 another replica gave after the chosen one's try met the timeout
+            assert await one(2, waited_s=router.config.upstream.first_byte_s + 0.1) == first
+        return first, [t.replica for t in router.replicas.evaluate(clock.now) if not t.in_rotation]
 
     chosen, ejected = asyncio.run(run())
     assert ejected == [chosen]  # reported by the next evaluation: counted and its sessions moved

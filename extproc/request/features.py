@@ -52,11 +52,15 @@ class RequestFeatures:
     request_class: str = "default"
     pool: tuple[tuple[str, str], ...] = ()
     profile: str | None = None
+    prompt_tokens: int = 0
+    """The prompt's length in the model's tokens, where a tokenizer is configured (else 0)."""
+    tokens_per_block: int = 0
+    """Set when ``prefix_hashes`` are over the model's tokens (the engine's KV blocks), not characters."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
-        """A tokenizer-free estimate: about four characters a token."""
-        return self.prompt_chars // CHARS_PER_TOKEN
+        """The prompt's tokens where known, else an estimate: about four characters a token."""
+        return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN
 
 
 def request_path(headers: Mapping[str, str]) -> str:

@@ -13,11 +13,12 @@ import functools
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from typing import TYPE_CHECKING, Any
 
 from extproc.routing.pipeline import Profile, WeightedScorer
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 from extproc.routing.plugins import (
     Filter,
     InRotationFilter,
@@ -129,6 +130,9 @@ def _parameters_model(factory: Callable[..., Any]) -> type[BaseModel] | None:
     """A strict model of a dataclass plugin's fields, to check ``parameters`` before building it."""
     if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
         return None
+    # Imported here: a profile without parameters (the default one) is built without pydantic.
+    from pydantic import ConfigDict, Field, create_model
+
     try:
         hints = typing.get_type_hints(factory)
         fields: dict[str, Any] = {}
@@ -154,8 +158,10 @@ def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str,
     if factory is None:
         raise ProfileError(f"{where}: unknown {kind} {spec['type']!r} (known: {', '.join(sorted(table))})")
     params = spec.get("parameters") or {}
-    model = _parameters_model(factory)
+    model = _parameters_model(factory) if params else None
     if model is not None:
+        from pydantic import ValidationError
+
         try:
             model.model_validate(params)
         except ValidationError as exc:

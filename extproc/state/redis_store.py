@@ -51,7 +51,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
@@ -70,6 +70,15 @@ log = logging.getLogger("extproc.state")
 # What a lost or slow Redis raises (redis-py's ConnectionError and TimeoutError are RedisErrors;
 # the rest come from sockets and from asyncio.timeout).
 UNAVAILABLE = (RedisError, OSError, TimeoutError)
+
+
+T = TypeVar("T")
+
+
+def _async(reply: Awaitable[T] | T) -> Awaitable[T]:
+    """An async client's command, typed as what it is: redis-py types some commands for its sync
+    and async clients at once (``Awaitable[X] | X``), depending on its version."""
+    return cast("Awaitable[T]", reply)
 
 
 @dataclass(slots=True)
@@ -194,9 +203,9 @@ class RedisStore:
         start = time.perf_counter()
         async with asyncio.timeout(self.op_timeout_s):
             try:
-                reply = await self.client.evalsha(LOOKUP_SHA, 2, *keys, *args)
+                reply = await _async(self.client.evalsha(LOOKUP_SHA, 2, *keys, *args))
             except NoScriptError:  # a restarted or failed-over Redis forgot it: EVAL caches it again
-                reply = await self.client.eval(LOOKUP, 2, *keys, *args)
+                reply = await _async(self.client.eval(LOOKUP, 2, *keys, *args))
         if self.observer is not None:
             self.observer.store_latency("lookup", time.perf_counter() - start)
         return reply
@@ -305,12 +314,12 @@ class RedisStore:
         # each to the node owning its model's slot, which costs about one round trip as well.
         async def one(call: tuple[Any, ...]) -> Any:
             try:
-                return await self.client.evalsha(RECORD_SHA, *call)
+                return await _async(self.client.evalsha(RECORD_SHA, *call))
             except NoScriptError:
-                return await self.client.eval(RECORD, *call)
+                return await _async(self.client.eval(RECORD, *call))
 
         jobs: list[Awaitable[Any]] = [one(call) for call in calls]
-        jobs += [self.client.sadd(self.keys.models_key, model) for model in new_models]
+        jobs += [_async(self.client.sadd(self.keys.models_key, model)) for model in new_models]
         return list(await asyncio.gather(*jobs, return_exceptions=True))
 
     async def forget_replica(self, replica: str) -> None:
@@ -321,7 +330,7 @@ class RedisStore:
             return  # its index expires after prefix_ttl_s; a gone replica is filtered out anyway
         try:
             async with asyncio.timeout(self.op_timeout_s * 4):
-                members = await self.client.smembers(self.keys.models_key)
+                members = await _async(self.client.smembers(self.keys.models_key))
                 models = self._models | {m.decode() if isinstance(m, bytes) else str(m) for m in members}
                 pipe = self.client.pipeline(transaction=False)
                 for model in models:
@@ -383,7 +392,7 @@ class RedisStore:
             await asyncio.sleep(self.outage.next_delay())
             try:
                 async with asyncio.timeout(self.op_timeout_s):
-                    await self.client.ping()
+                    await _async(self.client.ping())
             except UNAVAILABLE as exc:
                 self._error("probe", exc)
                 continue

@@ -41,6 +41,13 @@ def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_false",
         help="answer 404 for adapters not in --lora-adapters instead of loading them by name",
     )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="tokenize prompts as vLLM does; cache keyed by vLLM's block hashes"
+    )
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="publish KV events here, as vLLM (binds * and ipc://)")
+    p.add_argument("--kv-replay", metavar="ENDPOINT", help="answer event replays here (a ROUTER socket)")
+    p.add_argument("--kv-events-encoding", choices=["map", "array"], default="map", help="vLLM 0.33 maps, or arrays")
+    p.add_argument("--prefix-caching-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256")
     return p
 
 
@@ -64,6 +71,11 @@ def run_replica_command(args: argparse.Namespace) -> int:
                 lora_adapters=adapters,
                 max_lora=args.max_lora,
                 lora_on_demand=args.lora_on_demand,
+                tokenizer_dir=args.tokenizer,
+                kv_events=args.kv_events,
+                kv_replay=args.kv_replay,
+                kv_events_encoding=args.kv_events_encoding,
+                hash_algo=args.prefix_caching_hash_algo,
             )
         )
     )

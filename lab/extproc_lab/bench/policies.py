@@ -31,6 +31,10 @@ PEERS = (
 )
 CEILINGS = ("pooled", "ideal")
 ALL = (OURS, *PEERS, *CEILINGS)
+KV_EVENTS = "kv_events"
+"""Our profile with vLLM's KV events as the cache state (a tokenizer per model): asked by name."""
+EXTRA = (KV_EVENTS,)
+KV_EVENTS_DELAY_S = 0.05
 
 GIE_SCRAPE_INTERVAL_S = 0.05
 """GIE's endpoint picker scrapes vLLM's metrics every 50 ms (its documented default)."""
@@ -108,7 +112,7 @@ def policy_profile(
     variants: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Profile:
     """The routing profile of policy ``name`` (``extproc``, a peer, or a variant's profile)."""
-    if name == OURS:
+    if name in (OURS, KV_EVENTS):
         spec: Mapping[str, Any] = config.profile
     elif variants and name in variants:
         spec = variants[name]

@@ -21,7 +21,17 @@ from typing import Any
 import yaml
 
 from extproc.config import Config, load_config
-from extproc_lab.bench.policies import ALL, CEILINGS, OURS, PEERS, policy_profile, scrape_interval
+from extproc_lab.bench.policies import (
+    ALL,
+    CEILINGS,
+    EXTRA,
+    KV_EVENTS,
+    KV_EVENTS_DELAY_S,
+    OURS,
+    PEERS,
+    policy_profile,
+    scrape_interval,
+)
 from extproc_lab.bench.progress import ProgressBar
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica.timing import get_profile
@@ -107,6 +117,7 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
         config=config,
         scrape_interval_s=scrape_interval(policy),
         window_s=setup.window_s,
+        kv_events_delay_s=KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
     )
     run = sim.run(on_progress)
     return PolicyResult(
@@ -164,9 +175,9 @@ def run_bench(
     """Run every policy (ceilings included) and collect the results, in ``policies`` order."""
     started = time.monotonic()
     variants = setup.variant_profiles()
-    unknown = [p for p in policies if p not in ALL and p not in variants]
+    unknown = [p for p in policies if p not in ALL and p not in EXTRA and p not in variants]
     if unknown:
-        raise ValueError(f"unknown policies: {', '.join(unknown)}; known: {', '.join([*ALL, *variants])}")
+        raise ValueError(f"unknown policies: {', '.join(unknown)}; known: {', '.join([*ALL, *EXTRA, *variants])}")
     workload = setup.workload.build()
     replica = get_profile(setup.profile)
     routed = [p for p in policies if p not in CEILINGS]

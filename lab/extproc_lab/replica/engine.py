@@ -14,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from extproc.kvevents.wire import Event
 from extproc.request.prefix import block_hashes, model_seed
 from extproc_lab.replica.cache import count_tokens
+from extproc_lab.replica.kv_events import KvEventRecorder, TokenBlocks
 from extproc_lab.replica.model import (
     E2E_BUCKETS,
     FINISHED_REASONS,
@@ -121,13 +123,29 @@ class ReplicaEngine:
     in profile seconds: a replica run ten times faster still reports the profile's figures.
     """
 
-    def __init__(self, profile: ReplicaProfile, *, clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        profile: ReplicaProfile,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        token_blocks: TokenBlocks | None = None,
+        publish: Callable[[Sequence[Event]], object] | None = None,
+    ) -> None:
         self.profile = profile
         self.model = ReplicaModel(profile)
         self._clock = clock
         self._sleep = sleep
         self._stepper: asyncio.Task[None] | None = None
         self._ids = itertools.count()
+        # With token ids (a tokenizer) the cache is keyed by vLLM's block hashes; with ``publish``
+        # each step's stores and evictions go out as KV events when the step ends.
+        self.token_blocks = token_blocks
+        self._publish = publish
+        self._recorder: KvEventRecorder | None = None
+        if publish is not None:
+            self._recorder = KvEventRecorder(token_blocks)
+            self.model.pool.listener = self._recorder
 
     # vLLM's gauges and counters, read from the model.
 
@@ -174,6 +192,11 @@ class ReplicaEngine:
     def reset_prefix_cache(self) -> None:
         """Drop every cached block no request uses (the counters keep their totals)."""
         self.model.reset_prefix_cache()
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        if self._recorder is not None and self._publish is not None and self._recorder.pending:
+            self._publish(self._recorder.drain())
 
     def hashes_for(self, prompt: str, model: str) -> tuple[int, ...]:
         """The prefix keys of ``prompt``'s full blocks: the router's block hashes, so what the
@@ -193,6 +216,7 @@ class ReplicaEngine:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         on_token: OnToken | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> Generation:
         """Serve one request: queue, prefill, then decode in the shared batch, calling
         ``on_token`` per token.
@@ -203,11 +227,16 @@ class ReplicaEngine:
         count, reason = output_budget(self.profile.default_output_tokens, max_tokens, min_tokens, ignore_eos)
         bs = self.profile.block_size
         tokens: asyncio.Queue[int] = asyncio.Queue()
+        if token_ids is not None and self.token_blocks is not None:
+            prompt_tokens = len(token_ids)
+            keys = self.token_blocks.keys(token_ids, self.profile.num_gpu_blocks)
+        else:
+            prompt_tokens, keys = count_tokens(prompt), self.hashes_for(prompt, model)
         seq = Seq(
             request_id=str(next(self._ids)),
-            prompt_tokens=count_tokens(prompt),
+            prompt_tokens=prompt_tokens,
             output_tokens=count,
-            keys=self.hashes_for(prompt, model),
+            keys=keys,
             key_span=bs,
             tail_span=bs,
             finish_reason=reason,
@@ -254,6 +283,7 @@ class ReplicaEngine:
                 await self._sleep(duration * scale)
                 for seq in model.end_step().emitted:
                     seq.handle.put_nowait(seq.generated - 1)
+                self._flush_events()
                 # Let the requests see their tokens before the next step starts (matters on a
                 # virtual clock, where the next sleep moves time at once).
                 await asyncio.sleep(0)

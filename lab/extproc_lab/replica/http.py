@@ -19,8 +19,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from extproc.kvevents.hashing import HashAlgo
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, parse_request_body
+from extproc.request.tokenizer import PromptTokenizer, TokenizerError
 from extproc_lab.replica.engine import Generation, ReplicaEngine
+from extproc_lab.replica.kv_events import TokenBlocks
+from extproc_lab.replica.kv_publisher import KvEventPublisher
 from extproc_lab.replica.lora import LoraSlots
 from extproc_lab.replica.timing import get_profile
 
@@ -90,11 +94,33 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class _ReplicaApi:
     """Request handlers bound to one engine, replica name and served model."""
 
-    def __init__(self, engine: ReplicaEngine, name: str, model: str, lora: LoraSlots | None = None) -> None:
+    def __init__(
+        self,
+        engine: ReplicaEngine,
+        name: str,
+        model: str,
+        lora: LoraSlots | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        publisher: KvEventPublisher | None = None,
+    ) -> None:
         self.engine = engine
         self.name = name
         self.model = model
         self.lora = lora
+        self.tokenizer = tokenizer
+        self.publisher = publisher
+
+    def _token_ids(self, chat: bool, body: dict[str, Any]) -> tuple[int, ...] | None:
+        """The prompt's token ids as vLLM builds them, with a tokenizer (else None: text blocks)."""
+        if self.tokenizer is None:
+            return None
+        try:
+            if chat:
+                return self.tokenizer.chat_ids(body.get("messages") or [], body.get("tools")).ids
+            return self.tokenizer.completion_ids(body.get("prompt")).ids
+        except TokenizerError as exc:
+            log.debug("not tokenized (%s): text blocks", exc)
+            return None
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming or not."""
@@ -117,14 +143,18 @@ class _ReplicaApi:
             "model": model,
             "system_fingerprint": self.name,
         }
+        token_ids = self._token_ids(chat, parsed.body)
         if parsed.stream:
-            return await self._stream(request, parsed.prompt, model, sampling=sampling, head=head, chat=chat)
+            return await self._stream(
+                request, parsed.prompt, model, sampling=sampling, head=head, chat=chat, token_ids=token_ids
+            )
         gen = await self.engine.generate(
             parsed.prompt,
             model,
             max_tokens=sampling.max_tokens,
             min_tokens=sampling.min_tokens,
             ignore_eos=sampling.ignore_eos,
+            token_ids=token_ids,
         )
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if chat:
@@ -143,6 +173,7 @@ class _ReplicaApi:
         sampling: _Sampling,
         head: dict[str, Any],
         chat: bool,
+        token_ids: tuple[int, ...] | None = None,
     ) -> web.StreamResponse:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -169,6 +200,7 @@ class _ReplicaApi:
                 min_tokens=sampling.min_tokens,
                 ignore_eos=sampling.ignore_eos,
                 on_token=on_token,
+                token_ids=token_ids,
             )
             await response.write(chunk({} if chat else "", gen.finish_reason))
             if sampling.include_usage:
@@ -211,11 +243,33 @@ class _ReplicaApi:
         log.info("prefix cache of %s reset", self.name)
         return web.Response(status=200)
 
+    async def drop_kv_events(self, request: web.Request) -> web.Response:
+        """``POST /kv_events/drop?n=N`` (fake replica only): the next N event batches are buffered
+        for replay but not sent, as if lost on the way."""
+        if self.publisher is None:
+            return _error(404, "this replica publishes no KV events", "NotFoundError")
+        self.publisher.drop_next += max(0, int(request.query.get("n", "1")))
+        return web.Response(status=200)
 
-def build_app(engine: ReplicaEngine, name: str, model: str, lora: LoraSlots | None = None) -> web.Application:
+    async def kv_events_state(self, request: web.Request) -> web.Response:
+        """``GET /kv_events`` (fake replica only): the next sequence number and what the replay buffer holds."""
+        if self.publisher is None:
+            return _error(404, "this replica publishes no KV events", "NotFoundError")
+        return web.json_response({"next_seq": self.publisher.seq, "buffered": len(self.publisher.buffer)})
+
+
+def build_app(
+    engine: ReplicaEngine,
+    name: str,
+    model: str,
+    lora: LoraSlots | None = None,
+    tokenizer: PromptTokenizer | None = None,
+    publisher: KvEventPublisher | None = None,
+) -> web.Application:
     """The aiohttp application of one fake replica called ``name`` serving ``model`` (and, with
-    ``lora``, its LoRA adapters)."""
-    api = _ReplicaApi(engine, name, model, lora)
+    ``lora``, its LoRA adapters; with ``tokenizer``, prompts in tokens; with ``publisher``, KV
+    events)."""
+    api = _ReplicaApi(engine, name, model, lora, tokenizer, publisher)
     app = web.Application(client_max_size=_MAX_BODY_BYTES)
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
@@ -229,6 +283,8 @@ def build_app(engine: ReplicaEngine, name: str, model: str, lora: LoraSlots | No
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
+    app.router.add_post("/kv_events/drop", api.drop_kv_events)
+    app.router.add_get("/kv_events", api.kv_events_state)
     return app
 
 
@@ -245,6 +301,11 @@ async def serve_replica(
     lora_adapters: Sequence[str] = (),
     max_lora: int | None = None,
     lora_on_demand: bool = True,
+    tokenizer_dir: str | None = None,
+    kv_events: str | None = None,
+    kv_replay: str | None = None,
+    kv_events_encoding: str = "map",
+    hash_algo: str = "sha256",
 ) -> None:
     """Serve one fake replica on ``host:port`` until cancelled, then shut the server down cleanly.
 
@@ -255,15 +316,29 @@ async def serve_replica(
     ``lora_adapters`` are loaded at start into ``max_lora`` slots (default: one per adapter, and
     LoRA off without adapters); ``lora_on_demand`` loads other adapter names on their first
     request, else they are a 404 (:mod:`extproc_lab.replica.lora`).
+
+    With ``tokenizer_dir`` prompts are tokenized as vLLM does and the cache is keyed by vLLM's
+    block hashes (``hash_algo``, PYTHONHASHSEED honoured); with ``kv_events`` every store,
+    eviction and reset is published there (topic ``kv@<name>@<model>``), ``kv_replay`` answering
+    replays.
     """
+    publisher = None
     try:
-        engine = ReplicaEngine(get_profile(profile_name, time_scale))
+        profile = get_profile(profile_name, time_scale)
+        tokenizer = PromptTokenizer(tokenizer_dir) if tokenizer_dir else None
+        blocks = TokenBlocks(profile.block_size, HashAlgo(hash_algo)) if tokenizer is not None else None
+        if kv_events:
+            publisher = KvEventPublisher(kv_events, kv_replay, f"kv@{name}@{model}", kv_events_encoding)
+            publisher.start()
+        engine = ReplicaEngine(profile, token_blocks=blocks, publish=publisher.publish if publisher else None)
         slots = len(lora_adapters) if max_lora is None else max_lora
         lora = LoraSlots(slots, lora_adapters, on_demand=lora_on_demand) if slots or lora_adapters else None
-        app = build_app(engine, name, model, lora)
+        app = build_app(engine, name, model, lora, tokenizer, publisher)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
         await runner.setup()
     except BaseException as exc:
+        if publisher is not None:
+            await publisher.close()
         _fail(ready, exc)
         raise
     try:
@@ -279,6 +354,8 @@ async def serve_replica(
         raise
     finally:
         await runner.cleanup()
+        if publisher is not None:
+            await publisher.close()
 
 
 def _fail(ready: asyncio.Future[int] | None, exc: BaseException) -> None:

@@ -38,7 +38,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from extproc_lab.replica.timing import ReplicaProfile
 
@@ -132,6 +132,22 @@ class LatencyHistogram:
         return out
 
 
+class PoolListener(Protocol):
+    """Told of the pool's cache changes (the fake replica's KV events)."""
+
+    def stored(self, key: int) -> None:
+        """An entry was cached."""
+        ...
+
+    def evicted(self, key: int) -> None:
+        """An entry was evicted."""
+        ...
+
+    def cleared(self) -> None:
+        """Every entry was evicted."""
+        ...
+
+
 class KVPool:
     """The replica's KV blocks: cached prefix entries (shared, reference counted) and private blocks.
 
@@ -147,6 +163,7 @@ class KVPool:
         "block_size",
         "cached_blocks",
         "free_cached_blocks",
+        "listener",
         "num_blocks",
         "private_blocks",
     )
@@ -163,6 +180,8 @@ class KVPool:
         self.cached_blocks = 0
         self.free_cached_blocks = 0
         self.private_blocks = 0
+        # Told of every store, eviction and reset (the fake replica publishes them as KV events).
+        self.listener: PoolListener | None = None
 
     def __len__(self) -> int:
         """Blocks holding cached prefix entries (referenced or free)."""
@@ -238,6 +257,8 @@ class KVPool:
             self.cached_blocks -= size
             self.free_cached_blocks -= size
             empty += size
+            if self.listener is not None:
+                self.listener.evicted(key)
         return True
 
     def insert(self, key: int, blocks: int) -> bool:
@@ -247,6 +268,8 @@ class KVPool:
         self._refs[key] = 1
         self._size[key] = blocks
         self.cached_blocks += blocks
+        if self.listener is not None:
+            self.listener.stored(key)
         return True
 
     def grow_private(self, blocks: int) -> bool:
@@ -260,13 +283,21 @@ class KVPool:
         """Evict every free entry (vLLM's ``/reset_prefix_cache``; referenced entries stay until
         released). Returns the blocks evicted."""
         evicted = 0
+        keys = []
         while self._free:
             key, _ = self._free.popitem(last=False)
             size = self._size.pop(key)
             del self._refs[key]
             evicted += size
+            keys.append(key)
         self.cached_blocks -= evicted
         self.free_cached_blocks -= evicted
+        if self.listener is not None:
+            if not self._refs:
+                self.listener.cleared()
+            else:  # entries in use stay: what went is told block by block
+                for key in keys:
+                    self.listener.evicted(key)
         return evicted
 
 

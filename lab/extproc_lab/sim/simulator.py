@@ -36,6 +36,7 @@ from extproc.routing.pipeline import Profile
 from extproc.state.memory import MemoryStore
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.replica.timing import ReplicaProfile
+from extproc_lab.sim.kv_feed import SimKvFeed
 from extproc_lab.sim.workload import Workload
 
 T = TypeVar("T")
@@ -185,6 +186,7 @@ class Simulation:
         scrape_interval_s: float | None = None,
         window_s: float | None = None,
         max_run_steps: int = 1 << 20,
+        kv_events_delay_s: float | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -199,10 +201,20 @@ class Simulation:
         self.routing: Seq | None = None
         routing_profile = make_profile(self.probe)
         store = MemoryStore(self.config.session_ttl_s, self.config.max_sessions, self.config.blocks_per_replica)
-        self.router = Router(
-            self.config, store=store, clock=self.clock, profile=routing_profile, prewarmer=self._prewarmer()
-        )
         self.models = [ReplicaModel(profile) for _ in range(replicas)]
+        # The kv_events policy: the models' stores and evictions reach the router as KV events.
+        self.kv_feed = (
+            None if kv_events_delay_s is None else SimKvFeed(self.names, self.models, self.clock, kv_events_delay_s)
+        )
+        kv_events = self.kv_feed.state if self.kv_feed is not None else None
+        self.router = Router(
+            self.config,
+            store=store,
+            clock=self.clock,
+            profile=routing_profile,
+            prewarmer=self._prewarmer(),
+            kv_events=kv_events,
+        )
         self.scrape_interval_s = scrape_interval_s or self.config.health.scrape_interval_s
         # The health evaluation only matters to profiles that filter on rotation.
         self._evaluate = any(getattr(f, "name", "") == "in_rotation" for f in routing_profile.filters)
@@ -306,7 +318,11 @@ class Simulation:
                     handle=a,
                 )
                 self.routing = seq
-                decision = run_sync(router.route_features(req.features(settings), now))
+                features = req.features(settings)
+                if self.kv_feed is not None:
+                    self.kv_feed.deliver(now)
+                    features = self.kv_feed.features(features, req, settings.max_blocks)
+                decision = run_sync(router.route_features(features, now))
                 self.routing = None
                 chosen = decision.decision.replica
                 if chosen is None:

@@ -119,6 +119,7 @@ class SimRequest:
             prompt_chars=prompt_chars,
             prefix_hashes=hashes,
             request_id=self.request_id,
+            max_output_tokens=self.output_tokens,
         )
 
 

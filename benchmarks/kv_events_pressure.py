@@ -1,0 +1,80 @@
+"""Routing on KV events under KV-cache pressure, in the simulator: our default profile on its
+estimate (``extproc``), the same profile fed by the replica models' KV events after 50 ms
+(``kv_events``; also with ``unpin_below: 0``, pins always kept), and Dynamo's KV router
+(``dynamo_kv``), on 8 replicas of ``llama-8b-h100`` with their KV cache cut to ``--blocks``.
+
+    .venv/bin/python benchmarks/kv_events_pressure.py [--requests 6000] [--seed 11] \\
+        [--blocks 3000,6000] [--workloads multi-turn,mooncake-conversation]
+
+The mooncake workloads read the traces shipped with the lab (``extproc_lab/sim/data/traces``; ``$EXTPROC_TRACES_DIR`` overrides).
+Results go to ``benchmarks/kv_events_pressure.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from extproc.config import Config
+from extproc_lab.bench.policies import KV_EVENTS, KV_EVENTS_DELAY_S, policy_profile, scrape_interval
+from extproc_lab.bench.workloads import WorkloadSpec
+from extproc_lab.replica.timing import get_profile
+from extproc_lab.sim.figures import figures
+from extproc_lab.sim.simulator import Simulation
+
+POLICIES = ("extproc", "kv_events", "kv_events, pins kept", "dynamo_kv")
+
+
+def run(workload: str, blocks: int, requests: int, seed: int, label: str) -> dict[str, float]:
+    policy = KV_EVENTS if label.startswith(KV_EVENTS) else label
+    profile = replace(get_profile("llama-8b-h100"), num_gpu_blocks=blocks)
+    cfg = Config()
+    sim = Simulation(
+        WorkloadSpec(workload, seed=seed, limit=requests).build(),
+        profile,
+        8,
+        lambda probe: policy_profile(policy, probe, seed, profile, cfg),
+        policy=policy,
+        config=cfg,
+        scrape_interval_s=scrape_interval(policy),
+        kv_events_delay_s=KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
+    )
+    if label.endswith("pins kept") and sim.kv_feed is not None:
+        sim.kv_feed.state.settings = replace(sim.kv_feed.state.settings, unpin_below=0.0)
+    f = figures(sim.run())
+    return {"hit": f["hit_ratio"], "p50": f["ttft_p50_s"], "p99": f["ttft_p99_s"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=6000)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--blocks", default="3000,6000")
+    ap.add_argument("--workloads", default="multi-turn,mooncake-conversation")
+    ap.add_argument("--out", default=str(Path(__file__).with_suffix(".md")))
+    args = ap.parse_args()
+    lines = [
+        "# KV events under KV-cache pressure (simulator)",
+        "",
+        f"`.venv/bin/python benchmarks/kv_events_pressure.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+        f"({time.strftime('%Y-%m-%d')}): 8 replicas of llama-8b-h100, {args.requests:,} requests, seed {args.seed};",
+        "TTFT in simulated seconds; hit ratio = cached prompt tokens over prompt tokens.",
+        "",
+        "| workload | blocks/replica | policy | hit ratio | TTFT p50 s | TTFT p99 s |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for workload in args.workloads.split(","):
+        for blocks in (int(b) for b in args.blocks.split(",")):
+            for label in POLICIES:
+                f = run(workload, blocks, args.requests, args.seed, label)
+                row = f"| {workload} | {blocks:,} | {label} | {f['hit']:.3f} | {f['p50']:.3f} | {f['p99']:.3f} |"
+                print(row, flush=True)
+                lines.append(row)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The KV events as a cache-state source of the router: tokenize, match, credit, subscribe.
+
+The router asks three things, none of which blocks its event loop:
+
+- :meth:`EventCacheState.tokenized` (before the decision): for a model with a tokenizer, the
+  request's prefix hashes become the engine's own block hashes over the model's tokens (or our
+  content hashes in ``content`` mode), computed in a worker thread (``tokenizers`` and hashlib
+  release the GIL);
+- :meth:`EventCacheState.view` (the decision's input): replicas whose feed is live get their
+  matches from the event index, the others keep the estimate's;
+- :meth:`EventCacheState.decided` (after it): the chosen replica gets speculative credit for the
+  prompt's blocks, and its feed is expected to speak.
+
+The decision itself stays pure: it sees an :class:`AffinityView` like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+
+from extproc.kvevents.feed import KvEventSource
+from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain, low64
+from extproc.kvevents.index import KvIndex
+from extproc.kvevents.metrics import KvEventMetrics
+from extproc.kvevents.settings import KvEventSettings
+from extproc.request.features import RequestFeatures
+from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
+from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
+from extproc.routing.model import AffinityView, Replica
+
+log = logging.getLogger("extproc.kvevents")
+
+
+def replica_endpoints(replica: Replica, settings: KvEventSettings) -> tuple[str | None, str | None]:
+    """A replica's publisher and replay endpoints: its ``kv_events``/``kv_replay`` labels, else
+    its host with the configured ports (discovery)."""
+    pub = replica.labels.get("kv_events")
+    replay = replica.labels.get("kv_replay")
+    host = replica.address.rpartition(":")[0]
+    if pub is None and settings.port and host:
+        pub = f"tcp://{host}:{settings.port}"
+    if replay is None and settings.replay_port and host and pub is not None:
+        replay = f"tcp://{host}:{settings.replay_port}"
+    return pub, replay
+
+
+class EventCacheState:
+    """KV events, the index they fill, and the tokenizers that make requests comparable to it."""
+
+    def __init__(
+        self,
+        settings: KvEventSettings,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+        tokenizers: TokenizerRegistry | None = None,
+        max_blocks: int = 2048,
+        hash_sessions: int = 4096,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.metrics = KvEventMetrics(registry)
+        index = KvIndex(
+            default_algo=settings.hash_algo,
+            max_blocks_per_replica=settings.max_blocks_per_replica,
+            speculative_ttl_s=settings.speculative_ttl_s,
+        )
+        self.source = KvEventSource(index, clock, self.metrics, settings.stale_after_s)
+        self.tokenizers = tokenizers if tokenizers is not None else TokenizerRegistry(settings.tokenizers)
+        self.chain = (
+            None if settings.hash_algo is HashAlgo.CONTENT else EngineChain(settings.hash_algo, settings.hash_seed)
+        )
+        self.max_blocks = max_blocks
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._hashes: OrderedDict[str, tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
+        self._hash_cap = hash_sessions
+        self._lock = threading.Lock()
+        self.tokenize_errors = Counter(
+            "extproc_tokenize_errors",
+            "Requests routed on character blocks: not tokenizable",
+            registry=self.metrics.registry,
+        )
+        self.subscriptions: Any = None  # extproc.kvevents.subscriber.Subscriptions, made by start()
+        self._members: list[Replica] = []
+        self._hits: dict[str, float] = {}
+
+    # -- before the decision ----------------------------------------------------------------
+    async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
+        """``features`` with prefix hashes over the model's tokens, when it has a tokenizer."""
+        tok = self.tokenizers.get(features.model)
+        if tok is None or not body or features.body_error is not None or features.has_media:
+            return features
+        loop = asyncio.get_running_loop()
+        try:
+            keys, tokens = await loop.run_in_executor(self._executor, self.block_keys, tok, features, body)
+        except Exception as exc:  # bad input gets character blocks, never a failed decision
+            self.tokenize_errors.inc()
+            log.debug("not tokenized (%s): routed on character blocks", exc)
+            return features
+        return replace(
+            features, prefix_hashes=keys, prompt_tokens=tokens, tokens_per_block=self.settings.block_size
+        )  # fmt: skip
+
+    def block_keys(self, tok: PromptTokenizer, features: RequestFeatures, body: bytes) -> tuple[tuple[int, ...], int]:
+        """The request's block keys and prompt length in tokens (runs in a worker thread)."""
+        parsed = orjson.loads(body)
+        if features.path.startswith(CHAT_PATH):
+            t = tok.chat_ids(parsed.get("messages") or [], parsed.get("tools"), session=features.session_key)
+        elif features.path.startswith(COMPLETIONS_PATH):
+            t = tok.completion_ids(parsed.get("prompt"))
+        else:
+            raise TokenizerError(f"no prompt on {features.path}")
+        ids = t.ids
+        bs = self.settings.block_size
+        if self.chain is None:
+            return tuple(content_chain(ids, bs, max_blocks=self.max_blocks)), len(ids)
+        return tuple(low64(d) for d in self._digests(ids, features.session_key)), len(ids)
+
+    def _digests(self, ids: tuple[int, ...], session: str | None) -> list[bytes]:
+        """The engine chain's digests, reusing a session's previous turn's leading blocks."""
+        assert self.chain is not None
+        bs = self.settings.block_size
+        reuse: list[bytes] = []
+        if session is not None:
+            with self._lock:
+                prev = self._hashes.get(session)
+            if prev is not None:
+                prev_ids, prev_digests = prev
+                k = min(len(prev_digests), len(ids) // bs)
+                while k and ids[: k * bs] != prev_ids[: k * bs]:
+                    k //= 2  # a turn that rewrote history: find a shorter shared run, cheaply
+                reuse = prev_digests[:k]
+        n = min(len(ids) // bs, self.max_blocks)
+        tail = self.chain.digests(ids[len(reuse) * bs : n * bs], bs, parent=reuse[-1] if reuse else None)
+        digests = (reuse + tail)[:n]
+        if session is not None:
+            with self._lock:
+                self._hashes[session] = (ids, digests)
+                self._hashes.move_to_end(session)
+                while len(self._hashes) > self._hash_cap:
+                    self._hashes.popitem(last=False)
+        return digests
+
+    # -- the decision's input and after -----------------------------------------------------
+    def view(self, view: AffinityView, features: RequestFeatures, members: Sequence[str], now: float) -> AffinityView:
+        """Matches from the events for replicas whose feed is live; the estimate's elsewhere."""
+        if not features.tokens_per_block or not features.prefix_hashes:
+            return view
+        live = self.source.live(members, now)
+        if not live:
+            return view
+        from_events = self.source.matches(features.model, features.prefix_hashes, live, now)
+        matches = {r: n for r, n in view.prefix_matches.items() if r not in live}
+        for replica, blocks in from_events.items():
+            if blocks >= 1:
+                matches[replica] = int(blocks)
+        pinned = view.pinned
+        # A pin is worth its cache: when the pinned replica's own events show it lost most of the
+        # conversation (evicted under pressure), the session is routed as new, on what is cached
+        # where and on load, rather than held to a replica that must recompute it anyway.
+        held = matches.get(pinned, 0) if pinned is not None else 0
+        if pinned in live and held < self.settings.unpin_below * len(features.prefix_hashes):
+            pinned = None
+        return AffinityView(pinned=pinned, prefix_matches=matches)
+
+    def decided(self, features: RequestFeatures, replica: str, matched_blocks: int, now: float) -> None:
+        """Credit the chosen replica and expect its feed to speak."""
+        if not features.tokens_per_block:
+            return
+        if self.source.is_live(replica, now):
+            self.metrics.predicted_tokens.labels(replica).inc(matched_blocks * features.tokens_per_block)
+        self.source.credit(features.model, replica, features.prefix_hashes, now)
+        self.source.note_routed(replica, now)
+
+    # -- subscriptions ----------------------------------------------------------------------
+    def start(self, replicas: Sequence[Replica]) -> None:
+        """Subscribe (needs a running loop): each replica's publisher, and ``listen`` if set."""
+        from extproc.kvevents.subscriber import Subscriptions
+
+        self.subscriptions = Subscriptions(self.source, self.settings.replay_timeout_s)
+        self._members = list(replicas)
+        if self.settings.listen:
+            self.subscriptions.listen(self.settings.listen, self.resolve)
+        self.sync(replicas)
+
+    def sync(self, replicas: Sequence[Replica]) -> None:
+        """Follow the replicas that publish, stop following those that left."""
+        self._members = list(replicas)
+        subs = self.subscriptions
+        if subs is None:
+            return
+        names = set()
+        for r in replicas:
+            names.add(r.name)
+            pub, replay = replica_endpoints(r, self.settings)
+            if pub:
+                subs.follow(r.name, pub, replay)
+        for name in subs.following():
+            if name not in names:
+                subs.unfollow(name)
+        for name in list(self.source.feeds):
+            if name not in names:
+                self.source.remove_feed(name)
+
+    def resolve(self, who: str) -> str | None:
+        """A topic's replica part (a name, an address, or a host) as a member's name."""
+        for r in self._members:
+            if who in (r.name, r.address, r.address.rpartition(":")[0]):
+                return r.name
+        return None
+
+    def collect(self, reported_hits: Mapping[str, float | None] | None = None) -> None:
+        """Refresh gauges before a scrape. ``reported_hits``: each replica's
+        ``vllm:prefix_cache_hits_total`` as last scraped; its growth while the replica's feed is
+        live counts as reported cached tokens, beside the tokens the index predicted."""
+        self.source.collect()
+        now = self.clock()
+        for replica, hits in (reported_hits or {}).items():
+            if hits is None:
+                continue
+            before = self._hits.get(replica)
+            self._hits[replica] = hits
+            if before is not None and hits >= before and self.source.is_live(replica, now):
+                self.metrics.reported_tokens.labels(replica).inc(hits - before)
+
+    async def close(self) -> None:
+        """Stop the subscribers and the tokenizing threads."""
+        if self.subscriptions is not None:
+            await self.subscriptions.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)

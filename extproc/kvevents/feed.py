@@ -1,0 +1,328 @@
+"""What the router asks of the KV events: per replica, whether its feed is live, and its matches.
+
+:class:`KvEventSource` owns the index and one :class:`FeedState` per replica, and applies messages
+in sequence order. It performs no I/O of its own: replays go through a :data:`Replayer` passed in
+(the ZMQ one in :mod:`.subscriber`, a fake in tests), and time comes from the clocks passed in.
+
+Never silently wrong:
+- a gap in the sequence asks the replayer for what was missed; if that cannot be had, the
+  replica's entries are dropped (the estimate answers for it until its next stores);
+- a sequence that goes backwards is an engine restart: its entries are dropped;
+- a payload that does not decode is counted and dropped, and treated as a missed batch;
+- a replica that is sent traffic while its feed stays silent for ``stale_after_s`` is stale: its
+  matches come from the estimate until the feed speaks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from extproc.kvevents.index import KvIndex
+from extproc.kvevents.metrics import KvEventMetrics
+from extproc.kvevents.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Message,
+    WireError,
+    decode_batch,
+)
+
+log = logging.getLogger("extproc.kvevents")
+
+Replayer = Callable[[int], Awaitable[Sequence[Message]]]
+"""Asks a publisher for its buffered messages with seq >= start; raises :class:`ReplayError`."""
+
+
+class ReplayError(Exception):
+    """A replay that could not be had (no answer, a broken answer)."""
+
+
+@dataclass(slots=True)
+class FeedState:
+    """One replica's feed."""
+
+    replica: str
+    model: str = ""
+    replayer: Replayer | None = None
+    last_seq: int | None = None
+    synced: bool = False
+    """The index holds this replica's state: caught up by a replay, or a message seen."""
+    replayed_through: int = -1
+    """Messages up to here came from a replay: the same seqs arriving live are duplicates."""
+    last_message_at: float = float("-inf")
+    routed_since: float | None = None
+    """The first request sent there since its last message (for staleness)."""
+    last_digest: int = 0
+    """A hash of the last applied payload: after a reconnect, tells the same engine from a new one."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def topic_parts(topic: str) -> tuple[str | None, str]:
+    """(replica, model) from ``kv@<replica>@<model>``; (None, "") for another topic."""
+    parts = topic.split("@", 2)
+    if len(parts) == 3 and parts[0] == "kv" and parts[1]:
+        return parts[1], parts[2]
+    return None, ""
+
+
+class KvEventSource:
+    """The KV-event index and the feeds that fill it."""
+
+    def __init__(
+        self,
+        index: KvIndex | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: KvEventMetrics | None = None,
+        stale_after_s: float = 5.0,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.index = index if index is not None else KvIndex()
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.metrics = metrics if metrics is not None else KvEventMetrics()
+        self.stale_after_s = stale_after_s
+        self.feeds: dict[str, FeedState] = {}
+
+    # -- feeds ------------------------------------------------------------------------------
+    def add_feed(self, replica: str, replayer: Replayer | None = None, model: str = "") -> FeedState:
+        """Register ``replica``'s feed (idempotent: a known feed keeps its state, takes the new replayer)."""
+        state = self.feeds.get(replica)
+        if state is None:
+            state = self.feeds[replica] = FeedState(replica, model, replayer)
+            m = self.metrics
+            for series in (m.batches, m.dropped, m.gaps, m.restarts):
+                series.labels(replica)
+        elif replayer is not None:
+            state.replayer = replayer
+        return state
+
+    def remove_feed(self, replica: str) -> None:
+        """``replica`` left the fleet: its feed and entries go."""
+        self.feeds.pop(replica, None)
+        self.index.drop_replica(replica)
+
+    def is_live(self, replica: str, now: float) -> bool:
+        """Whether ``replica``'s matches come from its events (else from the estimate)."""
+        state = self.feeds.get(replica)
+        if state is None or not state.synced:
+            return False
+        return state.routed_since is None or now - state.routed_since <= self.stale_after_s
+
+    def live(self, replicas: Iterable[str], now: float) -> list[str]:
+        """The live ones among ``replicas``."""
+        return [r for r in replicas if self.is_live(r, now)]
+
+    def note_routed(self, replica: str, now: float) -> None:
+        """A request went to ``replica`` (its feed should speak soon)."""
+        state = self.feeds.get(replica)
+        if state is not None and state.routed_since is None:
+            state.routed_since = now
+
+    # -- lookups ----------------------------------------------------------------------------
+    def matches(self, model: str, keys: Sequence[int], replicas: Iterable[str], now: float) -> dict[str, float]:
+        """Longest cached prefix of ``keys`` on each of ``replicas`` (live ones only), in blocks."""
+        idx = self.index.for_request(model)
+        if idx is None or not keys:
+            return {}
+        return idx.matches(keys, now, replicas)
+
+    def credit(self, model: str, replica: str, keys: Sequence[int], now: float) -> None:
+        """Speculative credit for the replica a request was just sent to."""
+        if replica in self.feeds and keys:
+            idx = self.index.for_request(model)
+            if idx is None:
+                idx = self.index.model(self.feeds[replica].model)
+            idx.credit(replica, keys, now)
+
+    def apply_events(self, replica: str, events: Sequence[Event], model: str = "") -> None:
+        """Apply decoded events of ``replica`` directly, with no sequence tracking (a source that
+        cannot lose messages: the simulator's replicas)."""
+        state = self.feeds.get(replica) or self.add_feed(replica, model=model)
+        state.synced = True
+        state.last_message_at = self.clock()
+        state.routed_since = None
+        self.index.model(model or state.model).apply(replica, events)
+
+    # -- messages ---------------------------------------------------------------------------
+    async def catch_up(self, replica: str) -> bool:
+        """Replay everything the publisher still buffers (a router that starts next to a running
+        engine re-finds its cache); True when the replica's state is now known."""
+        state = self.feeds[replica]
+        if state.replayer is None:
+            return False
+        async with state.lock:
+            return await self._catch_up(state)
+
+    async def _catch_up(self, state: FeedState) -> bool:
+        ok = await self._replay(state, 0, None)
+        if ok:
+            state.synced = True
+            if state.last_seq is None:
+                state.last_seq = -1  # nothing published yet: the first message must be seq 0
+            state.replayed_through = state.last_seq
+        return ok
+
+    async def receive(self, msg: Message, replica: str | None = None) -> None:
+        """Apply one message, from ``replica`` (else the replica its topic names)."""
+        topic_replica, model = topic_parts(msg.topic)
+        name = replica or topic_replica
+        if name is None:
+            self.metrics.dropped.labels("unknown").inc()
+            return
+        state = self.feeds.get(name) or self.add_feed(name, model=model)
+        if model:
+            state.model = model
+        async with state.lock:
+            await self._receive(state, msg)
+
+    async def reconnected(self, replica: str) -> None:
+        """The connection to ``replica``'s publisher came back: messages may have been lost
+        meanwhile (a PUB drops what it sends while no subscriber is connected), and the engine
+        may be a new one. Ask its buffer from the last seq applied: the same engine still has
+        that batch, and gives what followed; a new one does not, and is a restart."""
+        state = self.feeds.get(replica)
+        if state is None or state.replayer is None or state.last_seq is None or state.last_seq < 0:
+            return
+        async with state.lock:
+            last = state.last_seq
+            try:
+                messages = sorted(await state.replayer(last), key=lambda x: x.seq)
+            except ReplayError as exc:
+                self.metrics.replays.labels(replica, "failed").inc()
+                log.info("kv events: replay after reconnecting to %s failed: %s", replica, exc)
+                return
+            same = any(m.seq == last and xxhash.xxh3_64_intdigest(m.payload) == state.last_digest for m in messages)
+            if same:
+                for m in messages:
+                    if m.seq == state.last_seq + 1:
+                        self._apply(state, m)
+                self.metrics.replays.labels(replica, "ok").inc()
+                return
+            self.metrics.restarts.labels(replica).inc()
+            self._clear(state, "restart")
+            log.info("kv events: %s is a new engine (reconnected): its entries are dropped", replica)
+            state.last_seq = None
+            await self._catch_up(state)
+
+    async def _receive(self, state: FeedState, msg: Message) -> None:
+        name = state.replica
+        state.last_message_at = self.clock()
+        state.routed_since = None
+        m = self.metrics
+        last = state.last_seq
+        if last is None or msg.seq == last + 1:
+            if self._apply(state, msg):
+                state.replayed_through = -1  # the live stream has caught up with the replay
+        elif msg.seq <= last:
+            if msg.seq <= state.replayed_through:
+                return  # queued while we replayed: already applied
+            m.restarts.labels(name).inc()
+            self._clear(state, "restart")
+            log.info("kv events: %s restarted (seq %d after %d): its entries are dropped", name, msg.seq, last)
+            state.replayed_through = -1
+            if msg.seq > 0 and state.replayer is not None:
+                # What the new engine published before this message may not have reached us.
+                await self._replay(state, 0, msg.seq)
+            self._apply(state, msg)
+        else:
+            m.gaps.labels(name).inc()
+            ok = state.replayer is not None and await self._replay(state, last + 1, msg.seq)
+            if not ok:
+                self._clear(state, "gap")
+                log.info("kv events: %s lost seq %d..%d: its entries are dropped", name, last + 1, msg.seq - 1)
+            self._apply(state, msg)
+        state.synced = True
+
+    async def _replay(self, state: FeedState, start: int, before: int | None) -> bool:
+        """Apply the replayed messages ``start <= seq < before``; False if any is missing."""
+        assert state.replayer is not None
+        label = state.replica
+        try:
+            messages = await state.replayer(start)
+        except ReplayError as exc:
+            self.metrics.replays.labels(label, "failed").inc()
+            log.info("kv events: replay from %s for %s failed: %s", start, label, exc)
+            return False
+        expected = start
+        for msg in sorted(messages, key=lambda x: x.seq):
+            if msg.seq < expected:
+                continue
+            if before is None:
+                # Catching up at start: a buffer that begins after ``start`` lacks only old stores
+                # and the removals of those same blocks, so what it has is still right.
+                self._apply(state, msg)
+            elif msg.seq >= before:
+                break
+            elif msg.seq != expected or not self._apply(state, msg):
+                self.metrics.replays.labels(label, "incomplete").inc()
+                return False
+            expected = msg.seq + 1
+        if before is not None and expected != before:
+            self.metrics.replays.labels(label, "incomplete").inc()
+            return False
+        self.metrics.replays.labels(label, "ok").inc()
+        return True
+
+    def _apply(self, state: FeedState, msg: Message) -> bool:
+        m = self.metrics
+        name = state.replica
+        try:
+            batch = decode_batch(msg.payload)
+        except WireError as exc:
+            m.dropped.labels(name).inc()
+            log.debug("kv events: undecodable batch %d from %s: %s", msg.seq, name, exc)
+            return False  # its seq is not taken: the next message shows the gap
+        if batch.dropped:
+            m.dropped.labels(name).inc(batch.dropped)
+        topic_model = topic_parts(msg.topic)[1]
+        idx = self.index.model(topic_model or state.model)
+        result = idx.apply(name, batch.events)
+        state.last_seq = msg.seq
+        state.last_digest = xxhash.xxh3_64_intdigest(msg.payload)
+        state.last_message_at = self.clock()
+        state.routed_since = None  # the feed works, replayed or live
+        m.batches.labels(name).inc()
+        lag = self.wall_clock() - batch.ts
+        if 0 <= lag < 3600:
+            m.lag.labels(name).observe(lag)
+        kinds = {"stored": 0, "removed": 0, "cleared": 0}
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                kinds["stored"] += 1
+            elif isinstance(ev, BlockRemoved):
+                kinds["removed"] += 1
+            elif isinstance(ev, AllBlocksCleared):
+                kinds["cleared"] += 1
+        for kind, n in kinds.items():
+            if n:
+                m.events.labels(name, kind).inc(n)
+        if result.stored:
+            m.blocks.labels(name, "stored").inc(result.stored)
+        if result.removed:
+            m.blocks.labels(name, "removed").inc(result.removed)
+        if result.overflow:
+            m.clears.labels(name, "overflow").inc()
+        return True
+
+    def _clear(self, state: FeedState, cause: str) -> None:
+        self.index.clear_replica(state.replica)
+        self.metrics.clears.labels(state.replica, cause).inc()
+
+    def collect(self) -> None:
+        """Refresh the gauges (before a metrics scrape)."""
+        now = self.clock()
+        m = self.metrics
+        for name in self.feeds:
+            m.index_blocks.labels(name).set(self.index.blocks(name))
+            m.live.labels(name).set(1 if self.is_live(name, now) else 0)
+            last = self.feeds[name].last_seq
+            m.last_seq.labels(name).set(-1 if last is None else last)
+        m.index_keys.set(len(self.index))

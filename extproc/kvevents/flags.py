@@ -1,0 +1,50 @@
+"""The ``serve`` flags of the KV events (over the config file's ``kv_events:`` section)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from extproc.kvevents.hashing import HashAlgo
+from extproc.kvevents.settings import KvEventSettings
+
+
+def add_kv_event_flags(p: argparse.ArgumentParser) -> None:
+    """``--tokenizer``, ``--kv-events-listen``, ``--kv-events-port``, ``--kv-hash-algo``, ``--kv-hash-seed``."""
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="tokenize MODEL's prompts with DIR (tokenizer.json, tokenizer_config.json): its requests match vLLM's "
+        "KV events (replicas publish with --replica NAME=HOST:PORT,kv_events=tcp://H:P[,kv_replay=tcp://H:P])",
+    )
+    p.add_argument("--kv-events-listen", metavar="ENDPOINT", help="bind one SUB endpoint replicas connect to")
+    p.add_argument("--kv-events-port", type=int, metavar="PORT", help="discovered replicas publish on this port")
+    p.add_argument("--kv-replay-port", type=int, metavar="PORT", help="discovered replicas answer replays here")
+    p.add_argument("--kv-hash-algo", choices=[a.value for a in HashAlgo], help="the engines' prefix hash (sha256)")
+    p.add_argument("--kv-hash-seed", metavar="SEED", help="the engines' PYTHONHASHSEED, if set")
+
+
+def kv_event_overrides(settings: KvEventSettings, args: argparse.Namespace) -> KvEventSettings:
+    """The config's section with the flags applied; ValueError names a bad flag."""
+    tokenizers = dict(settings.tokenizers)
+    for spec in getattr(args, "tokenizer", None) or []:
+        model, sep, directory = spec.partition("=")
+        if not sep or not model or not directory:
+            raise ValueError(f"--tokenizer: expected MODEL=DIR, got {spec!r}")
+        tokenizers[model] = directory
+    changes: dict[str, object] = {"tokenizers": tokenizers}
+    for flag, key in (
+        ("kv_events_listen", "listen"),
+        ("kv_events_port", "port"),
+        ("kv_replay_port", "replay_port"),
+        ("kv_hash_seed", "hash_seed"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            changes[key] = value
+    algo = getattr(args, "kv_hash_algo", None)
+    if algo:
+        changes["hash_algo"] = HashAlgo(algo)
+    return replace(settings, **changes)  # type: ignore[arg-type]

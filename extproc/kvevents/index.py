@@ -1,0 +1,331 @@
+"""The prefix index fed by KV events: which replica holds which block, on which tier.
+
+One :class:`ModelIndex` per model. A block is keyed by the engine's hash (int form) when the fleet's
+hash is reproducible, else by our content hash of its token ids, with each replica's engine hashes
+mapped to ours for removals. All replicas share one dict ``key -> holders``, the holders being an
+int with two bits per replica slot (bit ``2s``: on the GPU, bit ``2s + 1``: on another tier), so:
+
+- an entry costs one dict slot, one int key and (past four replicas) one small int: about 100 bytes
+  (measured by ``benchmarks/kv_events.py``), plus one more dict entry per replica in content mode;
+- the longest cached prefix of every replica comes from one walk down the request's chain that
+  stops where the last replica's run ends: no scan of the index;
+- a replica's removal touches only its blocks; clearing a replica (reset, restart, lost events)
+  walks the index once, which happens rarely.
+
+Speculative credit: between a decision and the replica's ``BlockStored``, the chosen replica is
+credited with the prompt's blocks for a short TTL, so a burst of one prefix does not scatter.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from extproc.kvevents.hashing import CONTENT_SEED, HashAlgo, content_chain
+from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+GPU = "GPU"
+OFFLOAD_WEIGHT = 0.8
+"""A block on a slower tier (CPU, disk) is worth this much of one on the GPU (llm-d's weights)."""
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """What applying a batch did, for metrics."""
+
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    orphans: int = 0
+    """Stored blocks whose parent is unknown in content mode (cannot be keyed)."""
+    overflow: bool = False
+    """The replica went over ``max_blocks_per_replica`` and was cleared."""
+
+
+class ModelIndex:
+    """Blocks per replica for one model (see the module's docstring)."""
+
+    def __init__(
+        self,
+        algo: HashAlgo = HashAlgo.SHA256,
+        max_blocks_per_replica: int = 1_000_000,
+        speculative_ttl_s: float = 2.0,
+    ) -> None:
+        self.algo = algo
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self.speculative_ttl_s = speculative_ttl_s
+        self._holders: dict[int, int] = {}
+        self._slots: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._counts: dict[str, int] = {}
+        self._engine_keys: dict[str, dict[int, int]] = {}  # content mode: engine hash -> our key
+        self._spec: dict[int, int] = {}  # key -> slot bits credited speculatively
+        self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
+
+    # -- replicas ---------------------------------------------------------------------------
+    def _slot(self, replica: str) -> int:
+        slot = self._slots.get(replica)
+        if slot is None:
+            used = set(self._names)
+            slot = next(i for i in range(len(used) + 1) if i not in used)
+            self._slots[replica] = slot
+            self._names[slot] = replica
+            self._counts[replica] = 0
+            self._engine_keys[replica] = {}
+        return slot
+
+    def blocks(self, replica: str) -> int:
+        """How many (key, tier) entries ``replica`` has."""
+        return self._counts.get(replica, 0)
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def clear_replica(self, replica: str) -> int:
+        """Forget everything ``replica`` holds (its cache was reset, or we lost track); returns the
+        number of entries dropped."""
+        slot = self._slots.get(replica)
+        if slot is None:
+            return 0
+        mask = ~(3 << (2 * slot))
+        holders = self._holders
+        for key in [k for k, v in holders.items() if v >> (2 * slot) & 3]:
+            rest = holders[key] & mask
+            if rest:
+                holders[key] = rest
+            else:
+                del holders[key]
+        self._clear_spec(slot, None)
+        dropped = self._counts[replica]
+        self._counts[replica] = 0
+        self._engine_keys[replica] = {}
+        return dropped
+
+    def drop_replica(self, replica: str) -> None:
+        """``replica`` left the fleet: clear it and free its slot."""
+        if replica in self._slots:
+            self.clear_replica(replica)
+            slot = self._slots.pop(replica)
+            del self._names[slot]
+            del self._counts[replica]
+            del self._engine_keys[replica]
+
+    def replicas(self) -> list[str]:
+        """The replicas this index has heard of."""
+        return list(self._slots)
+
+    # -- events -----------------------------------------------------------------------------
+    def apply(self, replica: str, events: Iterable[Event]) -> ApplyResult:
+        """Apply one batch of ``replica``'s events, in order."""
+        result = ApplyResult()
+        slot = self._slot(replica)
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._store(replica, slot, ev, result)
+            elif isinstance(ev, BlockRemoved):
+                self._remove(replica, slot, ev, result)
+            elif isinstance(ev, AllBlocksCleared):
+                result.cleared += self.clear_replica(replica)
+        if self._counts[replica] > self.max_blocks_per_replica:
+            # More than any engine holds: removals were lost. An index that cannot be trusted is
+            # worse than none (the estimate takes over until the replica's next stores).
+            self.clear_replica(replica)
+            result.overflow = True
+        return result
+
+    def _keys_for_store(self, replica: str, ev: BlockStored, result: ApplyResult) -> Sequence[int]:
+        if self.algo is not HashAlgo.CONTENT:
+            return ev.block_hashes
+        mapping = self._engine_keys[replica]
+        if ev.parent is None:
+            parent = CONTENT_SEED
+        else:
+            known = mapping.get(ev.parent)
+            if known is None:
+                result.orphans += len(ev.block_hashes)
+                return ()
+            parent = known
+        n = min(len(ev.block_hashes), len(ev.token_ids) // ev.block_size)
+        try:
+            keys = content_chain(ev.token_ids, ev.block_size, parent, n, extra=ev.lora_name or "")
+        except (TypeError, OverflowError, ValueError):  # token ids that are not uint32
+            result.orphans += len(ev.block_hashes)
+            return ()
+        for engine_hash, key in zip(ev.block_hashes, keys, strict=False):
+            mapping[engine_hash] = key
+        return keys
+
+    def _store(self, replica: str, slot: int, ev: BlockStored, result: ApplyResult) -> None:
+        bit = 1 << (2 * slot + (0 if ev.medium == GPU else 1))
+        holders = self._holders
+        added = 0
+        for key in self._keys_for_store(replica, ev, result):
+            old = holders.get(key, 0)
+            if not old & bit:
+                holders[key] = old | bit
+                added += 1
+        self._counts[replica] += added
+        result.stored += added
+
+    def _remove(self, replica: str, slot: int, ev: BlockRemoved, result: ApplyResult) -> None:
+        bit = 1 << (2 * slot + (0 if ev.medium == GPU else 1))
+        holders = self._holders
+        mapping = self._engine_keys[replica] if self.algo is HashAlgo.CONTENT else None
+        removed = 0
+        spec_keys = []
+        for engine_hash in ev.block_hashes:
+            if mapping is not None:
+                key = mapping.get(engine_hash)
+                if key is None:
+                    continue
+                if ev.medium == GPU:
+                    del mapping[engine_hash]
+            else:
+                key = engine_hash
+            old = holders.get(key, 0)
+            if old & bit:
+                removed += 1
+                if old & ~bit:
+                    holders[key] = old & ~bit
+                else:
+                    del holders[key]
+            spec_keys.append(key)
+        self._counts[replica] -= removed
+        result.removed += removed
+        if self._spec:
+            self._clear_spec(slot, spec_keys)
+
+    # -- speculative credit -----------------------------------------------------------------
+    def credit(self, replica: str, keys: Sequence[int], now: float) -> None:
+        """Count ``keys`` as held on the GPU of ``replica`` until ``now + speculative_ttl_s`` (or
+        until the replica removes them)."""
+        if not keys or self.speculative_ttl_s <= 0:
+            return
+        self._expire(now)
+        bit = 1 << (2 * self._slot(replica))
+        spec = self._spec
+        for key in keys:
+            spec[key] = spec.get(key, 0) | bit
+        self._spec_queue.append((now + self.speculative_ttl_s, bit, tuple(keys)))
+
+    def _expire(self, now: float) -> None:
+        queue, spec = self._spec_queue, self._spec
+        while queue and queue[0][0] <= now:
+            _, bit, keys = queue.popleft()
+            for key in keys:
+                v = spec.get(key, 0) & ~bit
+                if v:
+                    spec[key] = v
+                else:
+                    spec.pop(key, None)
+
+    def _clear_spec(self, slot: int, keys: Sequence[int] | None) -> None:
+        bit = 1 << (2 * slot)
+        spec = self._spec
+        for key in list(spec) if keys is None else keys:
+            v = spec.get(key)
+            if v is not None and v & bit:
+                if v & ~bit:
+                    spec[key] = v & ~bit
+                else:
+                    del spec[key]
+
+    # -- lookups ----------------------------------------------------------------------------
+    def matches(self, keys: Sequence[int], now: float, replicas: Iterable[str] | None = None) -> dict[str, float]:
+        """Per replica, its longest run of ``keys`` from the first, in GPU-block equivalents (a
+        block held only on a slower tier counts :data:`OFFLOAD_WEIGHT`). Only ``replicas`` (default:
+        all known) are considered; replicas without a match are left out."""
+        self._expire(now)
+        wanted = self._slots if replicas is None else {r: self._slots[r] for r in replicas if r in self._slots}
+        open_ = 0
+        for slot in wanted.values():
+            open_ |= 1 << (2 * slot)
+        if not open_:
+            return {}
+        even = open_  # the GPU bits of the replicas asked about
+        holders_get, spec_get = self._holders.get, self._spec.get
+        has_spec = bool(self._spec)
+        ends: dict[int, int] = {}
+        offload: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            bits = holders_get(key, 0)
+            if has_spec:
+                bits |= spec_get(key, 0)
+            gpu = bits & even
+            present = (gpu | (bits >> 1)) & open_
+            if present != open_:
+                gone = open_ & ~present
+                for slot in _slots_of(gone):
+                    ends[slot] = i
+                open_ = present
+                if not open_:
+                    break
+            slow = open_ & ~gpu
+            if slow:
+                for slot in _slots_of(slow):
+                    offload[slot] = offload.get(slot, 0) + 1
+        else:
+            for slot in _slots_of(open_):
+                ends[slot] = len(keys)
+        out: dict[str, float] = {}
+        for slot, length in ends.items():
+            if length:
+                out[self._names[slot]] = length - (1.0 - OFFLOAD_WEIGHT) * offload.get(slot, 0)
+        return out
+
+
+def _slots_of(bits: int) -> Iterable[int]:
+    """The replica slots whose GPU bit is set in ``bits`` (even bit positions)."""
+    while bits:
+        low = bits & -bits
+        yield (low.bit_length() - 1) // 2
+        bits ^= low
+
+
+class KvIndex:
+    """The index of every model; the model a topic names (``kv@<replica>@<model>``), else ``""``."""
+
+    def __init__(
+        self,
+        algos: Mapping[str, HashAlgo] | None = None,
+        default_algo: HashAlgo = HashAlgo.SHA256,
+        max_blocks_per_replica: int = 1_000_000,
+        speculative_ttl_s: float = 2.0,
+    ) -> None:
+        self._algos = dict(algos or {})
+        self.default_algo = default_algo
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self.speculative_ttl_s = speculative_ttl_s
+        self.models: dict[str, ModelIndex] = {}
+
+    def model(self, model: str) -> ModelIndex:
+        """The index of ``model`` (created on first use)."""
+        idx = self.models.get(model)
+        if idx is None:
+            algo = self._algos.get(model, self.default_algo)
+            idx = ModelIndex(algo, self.max_blocks_per_replica, self.speculative_ttl_s)
+            self.models[model] = idx
+        return idx
+
+    def for_request(self, model: str) -> ModelIndex | None:
+        """The index that answers for requests to ``model``: its own, else the one events that
+        name no model feed."""
+        idx = self.models.get(model)
+        return idx if idx is not None else self.models.get("")
+
+    def clear_replica(self, replica: str) -> int:
+        """Forget ``replica`` in every model."""
+        return sum(idx.clear_replica(replica) for idx in self.models.values())
+
+    def drop_replica(self, replica: str) -> None:
+        """``replica`` left: forget it everywhere."""
+        for idx in self.models.values():
+            idx.drop_replica(replica)
+
+    def blocks(self, replica: str) -> int:
+        """Entries held by ``replica`` over all models."""
+        return sum(idx.blocks(replica) for idx in self.models.values())
+
+    def __len__(self) -> int:
+        return sum(len(idx) for idx in self.models.values())

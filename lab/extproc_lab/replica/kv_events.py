@@ -1,0 +1,81 @@
+"""The fake replica's prefix cache in vLLM's terms: token blocks keyed by vLLM's block hashes,
+and every store, eviction and reset turned into the events vLLM publishes.
+
+:class:`TokenBlocks` turns a prompt's token ids into the pool's keys (the engine chain's int
+forms, one per full block) and remembers each key's parent and tokens while it may be cached.
+:class:`KvEventRecorder` is the pool's listener: it collects the events of one engine step, merged
+as vLLM merges them (consecutive blocks of one chain in one ``BlockStored``), for the engine to
+publish when the step ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from extproc.kvevents.hashing import EngineChain, HashAlgo, low64
+from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+
+class TokenBlocks:
+    """Keys of token blocks, hashed as the engine hashes them (``PYTHONHASHSEED`` honoured)."""
+
+    def __init__(self, block_size: int, algo: HashAlgo = HashAlgo.SHA256, seed: str | None = None) -> None:
+        self.block_size = block_size
+        self.chain = EngineChain(algo, seed if seed is not None else os.environ.get("PYTHONHASHSEED"))
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        """key -> (parent key, token ids), for keys that may be cached (dropped on eviction)."""
+
+    def keys(self, token_ids: Sequence[int], max_blocks: int) -> tuple[int, ...]:
+        """The prompt's block keys; remembers what a ``BlockStored`` of each must carry."""
+        bs = self.block_size
+        digests = self.chain.digests(token_ids, bs, max_blocks=max_blocks)
+        out = []
+        parent: int | None = None
+        for i, d in enumerate(digests):
+            key = low64(d)
+            if key not in self.blocks:
+                self.blocks[key] = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            out.append(key)
+            parent = key
+        return tuple(out)
+
+
+class KvEventRecorder:
+    """A :class:`~extproc_lab.replica.model.KVPool` listener collecting one step's events."""
+
+    def __init__(self, blocks: TokenBlocks | None = None) -> None:
+        self.blocks = blocks
+        self.pending: list[Event] = []
+
+    def stored(self, key: int) -> None:
+        """A block entered the cache."""
+        if self.blocks is None:
+            return
+        parent, tokens = self.blocks.blocks.get(key, (None, ()))
+        last = self.pending[-1] if self.pending else None
+        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+            self.pending[-1] = BlockStored(
+                (*last.block_hashes, key), last.parent, [*last.token_ids, *tokens], last.block_size
+            )
+        else:
+            self.pending.append(BlockStored((key,), parent, list(tokens), self.blocks.block_size))
+
+    def evicted(self, key: int) -> None:
+        """A block left the cache."""
+        if self.blocks is not None:
+            self.blocks.blocks.pop(key, None)
+        last = self.pending[-1] if self.pending else None
+        if isinstance(last, BlockRemoved):
+            self.pending[-1] = BlockRemoved((*last.block_hashes, key))
+        else:
+            self.pending.append(BlockRemoved((key,)))
+
+    def cleared(self) -> None:
+        """The whole cache was reset."""
+        self.pending.append(AllBlocksCleared())
+
+    def drain(self) -> list[Event]:
+        """The events collected since the last drain."""
+        out, self.pending = self.pending, []
+        return out

@@ -1,0 +1,275 @@
+"""KV-event feeds: sequence tracking, replay, restarts, staleness; and the ZMQ transport against
+the fake replica's publisher (ipc:// and tcp://127.0.0.1, both layouts)."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import zmq
+
+from extproc.kvevents.feed import KvEventSource, ReplayError
+from extproc.kvevents.subscriber import Subscriptions, ZmqReplayer
+from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
+from extproc_lab.replica.kv_publisher import KvEventPublisher
+
+
+def stored(*hashes: int) -> BlockStored:
+    return BlockStored(tuple(hashes), None, list(range(4 * len(hashes))), 4)
+
+
+def msg(seq: int, *events, topic: str = "kv@a@m", encoding: str = "map") -> Message:
+    return Message(topic, seq, encode_batch(1.0, events, 0, encoding))
+
+
+class FakeReplayer:
+    """Answers replays from a list of messages it was given; records the starts asked for."""
+
+    def __init__(self, messages: Sequence[Message] = (), fail: bool = False) -> None:
+        self.messages = list(messages)
+        self.fail = fail
+        self.asked: list[int] = []
+
+    async def __call__(self, start: int) -> Sequence[Message]:
+        self.asked.append(start)
+        if self.fail:
+            raise ReplayError("down")
+        return [m for m in self.messages if m.seq >= start]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def matches(source: KvEventSource, *keys: int) -> dict[str, float]:
+    return source.matches("m", list(keys), ["a", "b"], 0.0)
+
+
+async def test_in_order_messages_apply_and_make_the_feed_live() -> None:
+    source = KvEventSource()
+    source.add_feed("a")
+    assert not source.is_live("a", 0.0)
+    await source.receive(msg(0, stored(1, 2)))
+    await source.receive(msg(1, stored(3)))
+    assert source.is_live("a", 0.0)
+    assert matches(source, 1, 2) == {"a": 2.0}
+
+
+async def test_a_gap_is_filled_by_replay() -> None:
+    history = [msg(0, stored(1)), msg(1, stored(2)), msg(2, BlockRemoved((1,))), msg(3, stored(9))]
+    replayer = FakeReplayer(history)
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    await source.receive(history[0])
+    await source.receive(history[3])  # 1 and 2 were lost
+    assert replayer.asked == [1]
+    assert matches(source, 1) == {} and source.index.model("m").blocks("a") == 2  # 2 and 9; 1 removed
+    assert source.metrics.gaps.labels("a")._value.get() == 1
+    assert source.metrics.replays.labels("a", "ok")._value.get() == 1
+
+
+@pytest.mark.parametrize("replayer", [None, FakeReplayer(fail=True), FakeReplayer([msg(2, stored(5))])])
+async def test_a_gap_that_cannot_be_filled_clears_the_replica(replayer) -> None:
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    await source.receive(msg(0, stored(1, 2)))
+    await source.receive(msg(3, stored(7)))  # seq 1 and 2 lost; the replay (if any) lacks seq 1
+    assert matches(source, 1) == {}
+    assert matches(source, 7) == {"a": 1.0}
+    assert source.metrics.clears.labels("a", "gap")._value.get() == 1
+
+
+async def test_sequence_going_back_is_a_restart() -> None:
+    source = KvEventSource()
+    await source.receive(msg(0, stored(1)))
+    await source.receive(msg(1, stored(2)))
+    await source.receive(msg(0, stored(5)))  # a new engine process
+    assert source.index.model("m").blocks("a") == 1 and matches(source, 5) == {"a": 1.0}
+    assert source.metrics.restarts.labels("a")._value.get() == 1
+
+
+async def test_undecodable_payload_counts_and_shows_as_a_gap() -> None:
+    source = KvEventSource()
+    await source.receive(msg(0, stored(1)))
+    await source.receive(Message("kv@a@m", 1, b"\xc1garbage"))
+    assert source.feeds["a"].last_seq == 0
+    await source.receive(msg(2, stored(2)))  # no replayer: the lost batch clears the replica
+    assert source.metrics.dropped.labels("a")._value.get() == 1
+    assert matches(source, 1) == {} and matches(source, 2) == {"a": 1.0}
+
+
+async def test_catch_up_replays_from_zero_and_skips_duplicates() -> None:
+    history = [msg(0, stored(1)), msg(1, stored(2)), msg(2, AllBlocksCleared()), msg(3, stored(1))]
+    source = KvEventSource()
+    source.add_feed("a", FakeReplayer(history))
+    assert await source.catch_up("a")
+    assert source.is_live("a", 0.0) and matches(source, 1, 2) == {"a": 1.0}
+    await source.receive(history[3])  # queued in the socket during the replay
+    assert source.metrics.restarts.labels("a")._value.get() == 0
+    await source.receive(msg(4, stored(2), topic="kv@a@m"))
+    assert matches(source, 1, 2) == {"a": 2.0}
+
+
+async def test_silent_feed_of_a_serving_replica_goes_stale() -> None:
+    clock = Clock()
+    source = KvEventSource(clock=clock, stale_after_s=5.0)
+    await source.receive(msg(0, stored(1)))
+    source.note_routed("a", clock.now)
+    clock.now += 4.0
+    assert source.is_live("a", clock.now)
+    clock.now += 2.0
+    assert not source.is_live("a", clock.now)
+    await source.receive(msg(1, stored(2)))
+    assert source.is_live("a", clock.now)
+
+
+async def test_topic_without_replica_is_dropped_when_no_replica_given() -> None:
+    source = KvEventSource()
+    await source.receive(Message("other", 0, encode_batch(1.0, [stored(1)])))
+    assert source.feeds == {}
+
+
+# -- over ZMQ ----------------------------------------------------------------------------------
+
+
+async def wait_for(predicate, within_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def ipc_dir():
+    with tempfile.TemporaryDirectory(prefix="kv-") as d:
+        yield Path(d)
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+async def test_connect_layout_over_ipc_with_replay_of_a_lost_message(ipc_dir: Path, encoding: str) -> None:
+    pub_ep, replay_ep = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
+    publisher = KvEventPublisher(pub_ep, replay_ep, topic="kv@replica-0@m", encoding=encoding)
+    publisher.start()
+    publisher.publish([stored(1)])  # before the router starts: found again by the catch-up replay
+    source = KvEventSource()
+    subs = Subscriptions(source)
+    try:
+        subs.follow("replica-0", pub_ep, replay_ep)
+        await wait_for(lambda: source.is_live("replica-0", 0.0))
+        assert source.matches("m", [1], ["replica-0"], 0.0) == {"replica-0": 1.0}
+        await asyncio.sleep(0.1)  # the SUB connection is up (slow joiner)
+        publisher.drop_next = 1
+        publisher.publish([stored(2)])  # lost
+        publisher.publish([stored(3)])
+        await wait_for(lambda: source.index.model("m").blocks("replica-0") == 3)
+        assert source.metrics.gaps.labels("replica-0")._value.get() == 1
+        publisher.publish([BlockRemoved((1,))])
+        await wait_for(lambda: source.matches("m", [1], ["replica-0"], 0.0) == {})
+    finally:
+        await subs.close()
+        await publisher.close()
+
+
+async def test_listen_layout_over_tcp_names_replicas_by_topic() -> None:
+    ctx = zmq.Context()
+    probe = ctx.socket(zmq.SUB)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(0)
+    ctx.term()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    source = KvEventSource()
+    subs = Subscriptions(source)
+    names = {"replica-0": "replica-0", "10.0.0.2:8000": "replica-1"}
+    subs.listen(endpoint, names.get)
+    publishers = [
+        KvEventPublisher(endpoint, topic="kv@replica-0@m"),
+        KvEventPublisher(endpoint, topic="kv@10.0.0.2:8000@m", encoding="array"),
+        KvEventPublisher(endpoint, topic="kv@stranger@m"),
+    ]
+    try:
+        await asyncio.sleep(0.3)  # connections up
+        for i, p in enumerate(publishers):
+            p.publish([stored(10 + i)])
+        await wait_for(lambda: len(source.feeds) == 2)
+        assert source.matches("m", [10], ["replica-0", "replica-1"], 0.0) == {"replica-0": 1.0}
+        assert source.matches("m", [11], ["replica-0", "replica-1"], 0.0) == {"replica-1": 1.0}
+        assert source.metrics.dropped.labels("unknown")._value.get() == 1
+    finally:
+        for p in publishers:
+            await p.close()
+        await subs.close()
+
+
+async def test_replayer_times_out_on_a_silent_endpoint(ipc_dir: Path) -> None:
+    subs = Subscriptions(KvEventSource())
+    try:
+        with pytest.raises(ReplayError):
+            await ZmqReplayer(subs.ctx, f"ipc://{ipc_dir}/nobody", timeout_s=0.2)(0)
+    finally:
+        await subs.close()
+
+
+async def test_garbage_frames_never_stop_the_subscriber(ipc_dir: Path) -> None:
+    pub_ep = f"ipc://{ipc_dir}/pub"
+    publisher = KvEventPublisher(pub_ep, topic="kv@a@m")
+    source = KvEventSource()
+    subs = Subscriptions(source)
+    try:
+        subs.follow("a", pub_ep)
+        await asyncio.sleep(0.2)
+        publisher.pub.send_multipart([b"kv@a@m", b"short", b"x"])
+        publisher.pub.send_multipart([b"one frame"])
+        publisher.publish([stored(4)])
+        await wait_for(lambda: source.matches("m", [4], ["a"], 0.0) == {"a": 1.0})
+        assert source.metrics.dropped.labels("a")._value.get() == 2
+    finally:
+        await subs.close()
+        await publisher.close()
+
+
+async def test_reconnect_to_the_same_engine_fills_what_was_missed() -> None:
+    history = [msg(0, stored(1)), msg(1, stored(2)), msg(2, stored(3))]
+    replayer = FakeReplayer(history)
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    await source.receive(history[0])
+    await source.receive(history[1])
+    await source.reconnected("a")  # seq 2 was sent while we were disconnected
+    assert replayer.asked == [1] and source.feeds["a"].last_seq == 2
+    assert matches(source, 1, 2, 3) == {"a": 3.0}
+    assert source.metrics.restarts.labels("a")._value.get() == 0
+
+
+async def test_reconnect_to_a_new_engine_is_a_restart_and_catches_up() -> None:
+    replayer = FakeReplayer([msg(0, stored(1)), msg(1, stored(2))])
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    await source.receive(replayer.messages[0])
+    await source.receive(replayer.messages[1])
+    replayer.messages = [msg(0, stored(7))]  # a new process: its own seq 0, never received live
+    await source.reconnected("a")
+    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert matches(source, 1) == {} and matches(source, 7) == {"a": 1.0}
+    await source.receive(replayer.messages[0])  # queued live copy: a duplicate, not a restart
+    await source.receive(msg(1, stored(8)))
+    assert source.metrics.restarts.labels("a")._value.get() == 1 and source.feeds["a"].last_seq == 1
+
+
+async def test_restart_after_a_catch_up_is_not_taken_for_duplicates() -> None:
+    replayer = FakeReplayer([msg(i, stored(i + 1)) for i in range(5)])
+    source = KvEventSource()
+    source.add_feed("a", replayer)
+    assert await source.catch_up("a")
+    await source.receive(msg(5, stored(9)))  # live, after the replay
+    await source.receive(msg(0, stored(20)))  # a new engine, seq 0 again
+    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert matches(source, 20) == {"a": 1.0} and matches(source, 1) == {}

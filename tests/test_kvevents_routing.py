@@ -1,0 +1,340 @@
+"""Routing on KV events: tokenizing as vLLM does, the event index feeding the decision, the
+fallback to the estimate, speculative credit."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extproc.kvevents.cache_state import EventCacheState
+from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
+from extproc.kvevents.settings import KvEventSettings, kv_event_settings
+from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
+from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
+from extproc.router import Router
+from extproc.routing.model import AffinityView
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
+from tests.conftest import make_config
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def conversation(turns: int, seed: int = 0) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": sample_text(120, seed)}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": sample_text(40, seed * 100 + t)})
+        if t < turns - 1:
+            msgs.append({"role": "assistant", "content": sample_text(20, seed * 1000 + t)})
+    return msgs
+
+
+def chat(messages: list[dict[str, str]], session: str | None = None) -> tuple[dict[str, str], bytes]:
+    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    if session:
+        headers["x-session-id"] = session
+    return headers, json.dumps({"model": "m", "messages": messages}).encode()
+
+
+# -- tokenizing --------------------------------------------------------------------------------
+
+
+def test_chat_is_the_rendered_template_without_extra_special_tokens(tokenizer_dir: Path) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = [{"role": "user", "content": "hello there"}]
+    text = tok.render_chat(msgs)
+    assert text == "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.chat_ids(msgs).ids == tuple(tok.tokenizer.encode(text, add_special_tokens=False).ids)
+    completion = tok.completion_ids("hello there")
+    assert completion.ids[0] == tok.tokenizer.token_to_id("<|endoftext|>")  # with special tokens
+    assert tok.completion_ids([5, 6, 7]).ids == (5, 6, 7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_turns_equal_full_tokenization(tokenizer_dir: Path, seed: int) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    reused = 0
+    for turns in range(1, 6):
+        msgs = conversation(turns, seed)
+        got = tok.chat_ids(msgs, session="s")
+        full = tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids
+        assert got.ids == tuple(full)
+        reused += got.reused
+    assert reused > 0  # later turns reused earlier ones
+    # A session whose history changed is tokenized from scratch, still right.
+    changed = conversation(3, seed + 50)
+    assert tok.chat_ids(changed, session="s").ids == tuple(
+        tok.tokenizer.encode(tok.render_chat(changed), add_special_tokens=False).ids
+    )
+
+
+def test_bad_tokenizer_directory_and_media_are_refused(tmp_path: Path, tokenizer_dir: Path) -> None:
+    with pytest.raises(TokenizerError):
+        PromptTokenizer(tmp_path)
+    tok = PromptTokenizer(tokenizer_dir)
+    with pytest.raises(TokenizerError):
+        tok.chat_ids([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+# -- routing -----------------------------------------------------------------------------------
+
+
+def make_router(tokenizer_dir: Path, clock: Clock, **settings: object) -> tuple[Router, EventCacheState]:
+    kv = EventCacheState(
+        KvEventSettings(tokenizers={"m": str(tokenizer_dir)}, **settings),  # type: ignore[arg-type]
+        clock=clock,
+        tokenizers=TokenizerRegistry({"m": str(tokenizer_dir)}),
+    )
+    return Router(make_config(), clock=clock, kv_events=kv), kv
+
+
+def stored_event(tok: PromptTokenizer, messages: list[dict[str, str]], algo: HashAlgo = HashAlgo.SHA256) -> BlockStored:
+    """What vLLM would publish after prefilling ``messages``: its full blocks, hashed its way."""
+    ids = tok.chat_ids(messages).ids
+    n = len(ids) // BS
+    hashes = EngineChain(algo).hashes(ids, BS) if algo is not HashAlgo.CONTENT else list(range(500, 500 + n))
+    return BlockStored(tuple(hashes), None, list(ids[: n * BS]), BS)
+
+
+async def feed(kv: EventCacheState, replica: str, seq: int, *events: object) -> None:
+    await kv.source.receive(Message(f"kv@{replica}@m", seq, encode_batch(1.0, events)), replica)  # type: ignore[arg-type]
+
+
+async def test_tokenized_features_carry_vllm_block_hashes(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, _ = make_router(tokenizer_dir, clock)
+    msgs = conversation(2)
+    routed = await router.route(*chat(msgs))
+    tok = PromptTokenizer(tokenizer_dir)
+    ids = tok.chat_ids(msgs).ids
+    assert routed.features.prompt_tokens == len(ids)
+    assert routed.features.tokens_per_block == BS
+    assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256).hashes(ids, BS)
+
+
+@pytest.mark.parametrize("algo", [HashAlgo.SHA256, HashAlgo.SHA256_CBOR, HashAlgo.CONTENT])
+async def test_a_prompt_goes_where_events_say_its_blocks_are(tokenizer_dir: Path, algo: HashAlgo) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, hash_algo=algo)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(3, seed=7)
+    for i, name in enumerate(("r0", "r1", "r2")):
+        await feed(kv, name, 0, stored_event(tok, conversation(1, seed=30 + i), algo))  # unrelated blocks
+    await feed(kv, "r2", 1, stored_event(tok, msgs, algo))
+    routed = await router.route(*chat(msgs))
+    assert routed.decision.replica is not None and routed.decision.replica.name == "r2"
+    assert routed.decision.matched_blocks == routed.decision.total_blocks > 0
+    if algo is not HashAlgo.CONTENT:
+        assert routed.features.prefix_hashes == stored_event(tok, msgs, algo).block_hashes
+    else:
+        assert list(routed.features.prefix_hashes) == content_chain(tok.chat_ids(msgs).ids, BS, max_blocks=2048)
+
+
+async def test_removal_reset_and_restart_end_the_attraction(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(3, seed=9)
+    ev = stored_event(tok, msgs)
+    for name in ("r0", "r1", "r2"):
+        await feed(kv, name, 0)
+    seqs = {"r0": 1, "r1": 1, "r2": 1}
+
+    async def send(name: str, *events: object) -> None:
+        await feed(kv, name, seqs[name], *events)
+        seqs[name] += 1
+
+    async def matched() -> dict[str, int]:
+        features = (await router.route(*chat(msgs))).features
+        estimate = await router.store.lookup(None, features.prefix_hashes, clock.now)
+        view = kv.view(estimate, features, ["r0", "r1", "r2"], clock.now)
+        return {k: v for k, v in view.prefix_matches.items() if v}
+
+    await send("r1", ev)
+    assert (await matched()) == {"r1": len(ev.block_hashes)}
+    await send("r1", BlockRemoved(ev.block_hashes[:1]))
+    assert (await matched()) == {}  # without its first block nothing of the prefix is usable
+    await send("r1", ev)
+    await send("r1", AllBlocksCleared())
+    assert (await matched()) == {}
+    await send("r1", ev)
+    await feed(kv, "r1", 0)  # the engine restarted: seq back to 0
+    assert (await matched()) == {}
+
+
+@pytest.mark.parametrize("ttl", [2.0, 0.0])
+async def test_speculative_credit_keeps_a_burst_together_until_events_arrive(tokenizer_dir: Path, ttl: float) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=ttl)
+    for name in ("r0", "r1", "r2"):
+        await feed(kv, name, 0)
+    msgs = conversation(2, seed=11)
+    chosen = []
+    for session in ("s1", "s2", "s3", "s4", "s5"):  # new sessions sharing one long prompt
+        routed = await router.route(*chat(msgs, session=session))
+        router.release(routed)
+        chosen.append((routed.decision.replica.name, routed.decision.matched_blocks))  # type: ignore[union-attr]
+        clock.now += 0.1
+    total = len(routed.features.prefix_hashes)
+    if ttl:
+        assert chosen == [(chosen[0][0], 0)] + [(chosen[0][0], total)] * 4
+        clock.now += ttl  # no BlockStored came: the credit lapses
+        view = kv.view(AffinityView(), routed.features, ["r0", "r1", "r2"], clock.now)
+        assert view.prefix_matches == {}
+    else:  # without credit the live feeds know nothing yet: the sessions spread
+        assert len({name for name, _ in chosen}) > 1 and all(m == 0 for _, m in chosen)
+
+
+async def test_stale_or_silent_replicas_fall_back_to_the_estimate(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, stale_after_s=5.0, speculative_ttl_s=0.0)
+    msgs = conversation(2, seed=13)
+    routed = await router.route(*chat(msgs, session="s1"))  # no feed is live: the estimate indexes it
+    chosen = routed.decision.replica.name  # type: ignore[union-attr]
+    features = routed.features
+    view = await router.store.lookup(None, features.prefix_hashes, clock.now)
+    assert kv.view(view, features, ["r0", "r1", "r2"], clock.now).prefix_matches[chosen] == len(features.prefix_hashes)
+    await feed(kv, chosen, 0)  # live now, and its events say nothing about this prompt
+    assert chosen not in kv.view(view, features, ["r0", "r1", "r2"], clock.now).prefix_matches
+    kv.decided(features, chosen, 0, clock.now)
+    clock.now += 6.0  # sent traffic, silent: stale, the estimate answers again
+    assert kv.view(view, features, ["r0", "r1", "r2"], clock.now).prefix_matches[chosen] == len(features.prefix_hashes)
+
+
+async def test_models_without_tokenizer_keep_character_blocks(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, _ = make_router(tokenizer_dir, clock)
+    headers, _ = chat([])
+    body = json.dumps({"model": "other", "messages": [{"role": "user", "content": "x" * 500}]}).encode()
+    routed = await router.route(headers, body)
+    assert routed.features.tokens_per_block == 0 and len(routed.features.prefix_hashes) > 0
+
+
+def test_settings_validation_names_the_field() -> None:
+    assert kv_event_settings({"hash_algo": "sha256_cbor", "port": 5557}).port == 5557
+    for raw, field in (({"hash_algo": "md5"}, "hash_algo"), ({"port": 0}, "port"), ({"nope": 1}, "unknown")):
+        with pytest.raises(ValueError, match=field):
+            kv_event_settings(raw)
+
+
+def test_discovered_replicas_publish_on_the_configured_ports() -> None:
+    from extproc.kvevents.cache_state import replica_endpoints
+    from extproc.routing.model import Replica
+
+    settings = KvEventSettings(port=5557, replay_port=5558)
+    assert replica_endpoints(Replica("pod-a", "10.1.2.3:8000"), settings) == (
+        "tcp://10.1.2.3:5557",
+        "tcp://10.1.2.3:5558",
+    )
+    labelled = Replica("r", "10.1.2.4:8000", labels={"kv_events": "ipc:///x"})
+    assert replica_endpoints(labelled, KvEventSettings()) == ("ipc:///x", None)
+    assert replica_endpoints(Replica("pod-b", "10.1.2.5:8000"), KvEventSettings()) == (None, None)
+
+
+async def test_membership_changes_follow_and_unfollow_publishers(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from extproc.routing.model import Replica
+
+    members = [
+        Replica(f"r{i}", f"127.0.0.1:{9000 + i}", labels={"kv_events": f"ipc://{tmp_path}/r{i}"}) for i in range(3)
+    ]
+    kv = EventCacheState(KvEventSettings(tokenizers={"m": str(tokenizer_dir)}))
+    router = Router(make_config(replicas=tuple(members)), kv_events=kv)
+    kv.start(members)
+    try:
+        assert sorted(kv.subscriptions.following()) == ["r0", "r1", "r2"]
+        assert kv.resolve("127.0.0.1:9001") == "r1" and kv.resolve("r2") == "r2" and kv.resolve("x") is None
+        await router.set_replicas(members[:2])
+        assert sorted(kv.subscriptions.following()) == ["r0", "r1"]
+    finally:
+        await kv.close()
+
+
+async def test_predicted_and_reported_cached_tokens_are_counted_for_live_replicas(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(2, seed=21)
+    await feed(kv, "r1", 0, stored_event(tok, msgs))
+    kv.collect({"r1": 1000.0, "r2": 50.0})
+    routed = await router.route(*chat(msgs))
+    assert routed.decision.replica is not None and routed.decision.replica.name == "r1"
+    predicted = kv.metrics.predicted_tokens.labels("r1")._value.get()
+    assert predicted == routed.decision.matched_blocks * BS > 0
+    kv.collect({"r1": 1000.0 + predicted, "r2": 80.0})  # r2 has no live feed: not counted
+    assert kv.metrics.reported_tokens.labels("r1")._value.get() == predicted
+    assert kv.metrics.reported_tokens.labels("r2")._value.get() == 0
+
+
+async def test_a_pin_whose_replica_lost_the_conversation_is_dropped(tokenizer_dir: Path) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(2, seed=23)
+    ev = stored_event(tok, msgs)
+    for name in ("r0", "r1", "r2"):
+        await feed(kv, name, 0)
+    first = await router.route(*chat(msgs, session="s"))
+    pinned = first.decision.replica.name  # type: ignore[union-attr]
+    await feed(kv, pinned, 1, ev)
+    again = await router.route(*chat(msgs, session="s"))
+    assert again.decision.reason.value == "sticky"
+    await feed(kv, pinned, 2, BlockRemoved(ev.block_hashes[len(ev.block_hashes) // 3 :]))  # evicted: a third left
+    estimate = await router.store.lookup("s", again.features.prefix_hashes, clock.now, model="m")
+    assert estimate.pinned == pinned
+    assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned is None
+    kv.settings = replace(kv.settings, unpin_below=0.0)  # pins always kept
+    assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned == pinned
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda c: (
+        st.lists(c, max_size=4)
+        | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "x"]), c, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=_json, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+async def test_odd_bodies_are_routed_on_what_is_known(tokenizer_dir: Path, messages: object, path: str) -> None:
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock)
+    body = json.dumps({"model": "m", "messages": messages, "prompt": messages}).encode()
+    try:
+        routed = await router.route({":path": path}, body)
+    finally:
+        await kv.close()
+    assert routed.decision.replica is not None
+
+
+_piece = st.sampled_from(["hello", " world", "\n", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "cache", "  ", "é"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(_piece, max_size=8).map("".join), min_size=1, max_size=6))
+def test_incremental_tokenizing_equals_full_on_any_turns(tokenizer_dir: Path, contents: list[str]) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs: list[dict[str, str]] = []
+    for i, content in enumerate(contents):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+        got = tok.chat_ids(msgs, session="s")
+        assert got.ids == tuple(tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids)

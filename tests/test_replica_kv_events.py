@@ -1,0 +1,123 @@
+"""The fake replica publishes KV events as vLLM: token blocks keyed by vLLM's hashes, stores,
+evictions and resets, and a router's index built from them agrees with its own hashing."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from aiohttp import test_utils
+
+from extproc.kvevents.cache_state import EventCacheState
+from extproc.kvevents.feed import KvEventSource
+from extproc.kvevents.settings import KvEventSettings
+from extproc.kvevents.subscriber import Subscriptions
+from extproc.request.features import extract_features
+from extproc.request.tokenizer import PromptTokenizer
+from extproc_lab.replica import ReplicaEngine, build_app, get_profile
+from extproc_lab.replica.kv_events import TokenBlocks
+from extproc_lab.replica.kv_publisher import KvEventPublisher
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
+
+MODEL = "m"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+async def wait_for(predicate, within_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+class Rig:
+    def __init__(self, client: test_utils.TestClient, source: KvEventSource, publisher: KvEventPublisher, state):
+        self.client, self.source, self.publisher, self.state = client, source, publisher, state
+
+    async def chat(self, messages: list[dict[str, str]]) -> dict:
+        resp = await self.client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}
+        )
+        assert resp.status == 200
+        return await resp.json()
+
+    async def keys(self, messages: list[dict[str, str]]) -> tuple[int, ...]:
+        import json
+
+        body = json.dumps({"model": MODEL, "messages": messages}).encode()
+        features = extract_features({":path": "/v1/chat/completions"}, body, self.state_features)
+        return (await self.state.tokenized(features, body)).prefix_hashes
+
+
+@pytest.fixture(params=["map", "array"])
+async def rig(request, tokenizer_dir: Path) -> AsyncIterator[Rig]:
+    from extproc.request.features import FeatureSettings
+
+    with tempfile.TemporaryDirectory(prefix="kvr-") as d:
+        pub, replay = f"ipc://{d}/pub", f"ipc://{d}/replay"
+        publisher = KvEventPublisher(pub, replay, f"kv@replica-a@{MODEL}", request.param)
+        publisher.start()
+        profile = replace(get_profile("demo", 0.01), num_gpu_blocks=64)
+        engine = ReplicaEngine(profile, token_blocks=TokenBlocks(profile.block_size), publish=publisher.publish)
+        app = build_app(engine, "replica-a", MODEL, tokenizer=PromptTokenizer(tokenizer_dir), publisher=publisher)
+        state = EventCacheState(KvEventSettings(tokenizers={MODEL: str(tokenizer_dir)}))
+        subs = Subscriptions(state.source)
+        subs.follow("replica-a", pub, replay)
+        async with test_utils.TestClient(test_utils.TestServer(app, host="127.0.0.1")) as client:
+            r = Rig(client, state.source, publisher, state)
+            r.state_features = FeatureSettings()
+            await wait_for(lambda: state.source.is_live("replica-a", 0.0))
+            yield r
+        await subs.close()
+        await publisher.close()
+        await state.close()
+
+
+def convo(seed: int, turns: int = 1) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": sample_text(60, seed)}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": sample_text(30, seed * 10 + t)})
+    return msgs
+
+
+async def test_stores_match_the_routers_hashes_and_cached_tokens(rig: Rig) -> None:
+    msgs = convo(1)
+    keys = await rig.keys(msgs)
+    first = await rig.chat(msgs)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    await wait_for(lambda: rig.source.matches(MODEL, keys, ["replica-a"], 0.0).get("replica-a") == len(keys))
+    again = await rig.chat(msgs)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(keys) * 16
+
+
+async def test_evictions_and_reset_are_published(rig: Rig) -> None:
+    msgs = convo(2)
+    keys = await rig.keys(msgs)
+    await rig.chat(msgs)
+    await wait_for(lambda: rig.source.matches(MODEL, keys, ["replica-a"], 0.0).get("replica-a") == len(keys))
+    for seed in range(10, 30):  # 64 blocks: other prompts evict it
+        await rig.chat(convo(seed))
+    await wait_for(lambda: rig.source.matches(MODEL, keys, ["replica-a"], 0.0).get("replica-a", 0) < len(keys))
+    assert rig.source.index.model(MODEL).blocks("replica-a") <= 64
+    await rig.client.post("/reset_prefix_cache")
+    await wait_for(lambda: rig.source.index.model(MODEL).blocks("replica-a") == 0)
+
+
+async def test_a_dropped_batch_is_replayed(rig: Rig) -> None:
+    await rig.client.post("/kv_events/drop?n=1")
+    msgs = convo(3)
+    keys = await rig.keys(msgs)
+    await rig.chat(msgs)  # its stores are lost on the way...
+    await rig.chat(convo(4))  # ...and the next batch shows the gap
+    await wait_for(lambda: rig.source.matches(MODEL, keys, ["replica-a"], 0.0).get("replica-a") == len(keys))
+    assert rig.source.metrics.replays.labels("replica-a", "ok")._value.get() >= 2  # catch-up, then the gap
