@@ -17,11 +17,13 @@ from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
 from extproc.kvevents.settings import KvEventSettings, kv_event_settings
+from extproc.queueing.settings import QueueClass, QueueSettings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.classes import ClassRule
 from extproc.request.features import FeatureSettings
 from extproc.request.session import SessionSource
+from extproc.request.splits import SplitRule, SplitTarget
 from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.state.store_url import parse_store_url
@@ -97,6 +99,8 @@ class Config:
     # plaintext, so with grpc.tls they need one); None: health is served on `listen` only.
     health_listen: str | None = None
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
+    splits: tuple[SplitRule, ...] = ()
+    queueing: QueueSettings = field(default_factory=QueueSettings)
     kv_events: KvEventSettings = field(default_factory=KvEventSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
 
@@ -207,6 +211,40 @@ def _class_rules(raw: Sequence[schema.ClassRuleSection], profiles: Mapping[str, 
     return tuple(rules)
 
 
+def _split_rules(raw: Sequence[schema.SplitRuleSection]) -> tuple[SplitRule, ...]:
+    rules = []
+    for i, item in enumerate(raw):
+        if sum(t.weight for t in item.targets) <= 0:
+            raise ConfigError(f"splits[{i}].targets: the weights must not all be zero")
+        models = [t.model for t in item.targets]
+        if len(set(models)) != len(models):
+            raise ConfigError(f"splits[{i}].targets: each target names a different model")
+        match = item.match
+        rules.append(
+            SplitRule(
+                name=item.name or f"split-{i}",
+                targets=tuple(SplitTarget(t.model, t.weight, t.pool) for t in item.targets),
+                model=match.model,
+                headers={k.lower(): v for k, v in match.headers.items()},
+                cookies=dict(match.cookies),
+                query=dict(match.query),
+                pin_header=item.pin_header.lower(),
+            )
+        )
+    names = [r.name for r in rules]
+    if len(set(names)) != len(names):
+        raise ConfigError("splits: rule names must be unique")
+    return tuple(rules)
+
+
+def _queue_settings(raw: schema.Queueing) -> QueueSettings:
+    return QueueSettings(
+        **raw.model_dump(exclude={"default", "classes"}),
+        default=QueueClass(**raw.default.model_dump()),
+        classes={name: QueueClass(**c.model_dump()) for name, c in raw.classes.items()},
+    )
+
+
 def _profile_mapping(spec: schema.ProfileSpec) -> dict[str, Any]:
     return spec.model_dump(exclude_none=True)
 
@@ -306,6 +344,8 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         tenants=_tenant_settings(file.tenants),
         profiles=profiles,
         spillover_repin=file.spillover.repin,
+        splits=_split_rules(file.splits),
+        queueing=_queue_settings(file.queueing),
         upstream=UpstreamTimeouts(
             **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
         ),

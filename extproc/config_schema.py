@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.queueing.settings import QueueClass, QueueSettings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.features import FeatureSettings
@@ -29,6 +30,7 @@ from extproc.upstream_timeouts import UpstreamTimeouts
 _HEALTH, _WEIGHTS, _LIMITS, _ROTATION = HealthSettings(), HealthWeights(), HealthLimits(), RotationPolicy()
 _REBALANCE, _PREWARM, _TENANTS, _TENANT = RebalanceSettings(), PrewarmSettings(), TenantSettings(), TenantPolicy()
 _FEATURES, _UPSTREAM = FeatureSettings(), UpstreamTimeouts()
+_QUEUEING, _QUEUE_CLASS = QueueSettings(), QueueClass()
 
 
 class Section(BaseModel):
@@ -287,6 +289,62 @@ class ProfileSpec(Section):
     picker: PluginSpec | None = _doc(None, "chooses among the scored candidates")
 
 
+class SplitMatch(Section):
+    """``splits[].match:``: every condition given must hold."""
+
+    model: str | None = _doc(None, "model name glob")
+    headers: dict[str, str] = _doc({}, "header values (exact)")
+    cookies: dict[str, str] = _doc({}, "cookie values (exact)")
+    query: dict[str, str] = _doc({}, "query parameter values (exact)")
+
+
+class SplitTargetSection(Section):
+    """One arm of a split: the model name written into the request body."""
+
+    model: str = Field(description="the model (or adapter) served to this arm", min_length=1)
+    weight: float = _doc(1.0, "its share, relative to the rule's other targets", ge=0)
+    pool: str | None = _doc(None, "confine the arm to replicas labelled pool=LABEL")
+
+
+class SplitRuleSection(Section):
+    """One item of ``splits:``, first match wins; the arm is hashed on the session (else user, else request)."""
+
+    name: str | None = _doc(None, "as metrics name it (default: split-INDEX)")
+    match: SplitMatch = _doc(SplitMatch(), "which requests it takes")
+    targets: list[SplitTargetSection] = Field(description="weighted arms", min_length=1)
+    pin_header: str = _doc("x-canary", "a request naming a target model here is pinned to that arm", min_length=1)
+
+
+class QueueClassSection(Section):
+    """A request class's terms while the fleet is full (``queueing.default``, ``queueing.classes.NAME``)."""
+
+    priority: int = _doc(_QUEUE_CLASS.priority, "higher is released first and never waits behind lower")
+    max_wait_s: float = _doc(_QUEUE_CLASS.max_wait_s, "held at most this long, then refused", gt=0)
+    max_queued: int = _doc(_QUEUE_CLASS.max_queued, "requests of its priority held at most", ge=1)
+    status: Literal[429, 503] = _doc(_QUEUE_CLASS.status, "the refusal's status (with Retry-After)")
+    retry_after_s: int = _doc(_QUEUE_CLASS.retry_after_s, "the refusal's Retry-After", ge=1)
+
+
+class Queueing(Section):
+    """``queueing:``: hold requests while every candidate replica is saturated (off by default)."""
+
+    enabled: bool = _doc(_QUEUEING.enabled, "hold requests instead of sending them to saturated replicas")
+    kv_threshold: float = _doc(_QUEUEING.kv_threshold, "KV usage over which a replica is saturated", ge=0, le=1)
+    queue_threshold: int = _doc(
+        _QUEUEING.queue_threshold, "queued requests over which it is saturated (sent since the last scrape count)", ge=0
+    )
+    max_inflight_per_replica: int = _doc(
+        _QUEUEING.max_inflight_per_replica,
+        "requests in flight from this router at which it is saturated (0: off)",
+        ge=0,
+    )
+    default: QueueClassSection = _doc(QueueClassSection(), "classes not named below (interactive)")
+    classes: dict[str, QueueClassSection] = _doc(
+        {name: QueueClassSection(**dataclasses.asdict(c)) for name, c in _QUEUEING.classes.items()},
+        "terms by request class (classes:)",
+    )
+
+
 class RouterFile(Section):
     """The whole file. Every key is optional: ``extproc serve --replica ...`` runs without one."""
 
@@ -320,6 +378,8 @@ class RouterFile(Section):
     classes: list[ClassRuleSection] = _doc([], "request classes, first match wins")
     profile: ProfileSpec | None = _doc(None, "the routing profile (default: the shipped one)")
     profiles: dict[str, ProfileSpec] = _doc({}, "named profiles that classes may use")
+    splits: list[SplitRuleSection] = _doc([], "canary and A/B splits with model rewrites, first match wins")
+    queueing: Queueing = _doc(Queueing(), "priority and fair queueing when the fleet is full")
 
 
 def error_path(loc: tuple[int | str, ...]) -> str:
@@ -414,6 +474,10 @@ def _lines(model: type[Section], indent: str, overrides: Mapping[str, Any]) -> I
                     yield from (f"{indent}    - {_scalar(item)}" for item in value)
                 else:
                     yield f"{indent}  {key}: {_scalar(value)}"
+        elif isinstance(default, dict) and default and all(isinstance(v, Section) for v in default.values()):
+            yield _commented(f"{indent}{name}:", doc)
+            for key, value in default.items():
+                yield f"{indent}  {key}: {_scalar(value.model_dump())}"
         elif isinstance(default, dict) and default and all(isinstance(v, dict) for v in default.values()):
             yield _commented(f"{indent}{name}:", doc)
             for key, value in default.items():

@@ -18,6 +18,7 @@ from extproc.routing.model import Reason
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 MAX_MODEL_LABELS = 32
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class BoundedLabel:
@@ -219,6 +220,43 @@ class RouterMetrics:
             "extproc_store_available", "1 while the affinity store is reachable, 0 during an outage.", registry=r
         )
         self.store_up.set(1)
+        # Splits (canaries): labels are the config's rule names and target models, so bounded.
+        self.split_requests = Counter(
+            "extproc_split_requests", "Requests by split rule and arm (its target model).", ["rule", "arm"], registry=r
+        )
+        self.split_errors = Counter(
+            "extproc_split_errors",
+            "Responses of 5xx (or none) by split rule and arm, as Envoy saw them.",
+            ["rule", "arm"],
+            registry=r,
+        )
+        self.split_ttft_seconds = Histogram(
+            "extproc_split_ttft_seconds",
+            "Time from the decision to the response headers (first token when streaming), by rule and arm.",
+            ["rule", "arm"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        # Queueing: priorities and request classes come from the config, so bounded.
+        self.queue_waiting = Gauge(
+            "extproc_queue_waiting",
+            "Requests held while every candidate is saturated, by priority.",
+            ["priority"],
+            registry=r,
+        )
+        self.queue_outcomes = Counter(
+            "extproc_queue_outcomes",
+            "Held requests by class and outcome (dispatched, timeout, full, gone).",
+            ["request_class", "outcome"],
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "extproc_queue_wait_seconds",
+            "Time held in the queue, by request class.",
+            ["request_class"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         for kind in STREAM_ERROR_KINDS:
             self.stream_errors.labels(kind)
         for operation in STORE_OPERATIONS:

@@ -9,17 +9,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.metrics import RouterMetrics
+from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
-from extproc.routing.model import AffinityView, Decision, Replica, Snapshot
+from extproc.request.openai_body import INFERENCE_PATHS
+from extproc.request.splits import Arm, body_user, choose_arm, rewrite_model
+from extproc.routing.model import AffinityView, Decision, Reason, Replica, Snapshot
 from extproc.routing.pipeline import Profile, Profiles, decide
 from extproc.routing.registry import build_profile
 from extproc.routing.trace import DecisionTrace, Explanation
@@ -53,6 +56,12 @@ class Routed:
     prefill_tokens: int = 0
     released: bool = False
     tenant_counted: bool = False
+    arm: Arm | None = None
+    """The split arm the request landed in, if a ``splits:`` rule took it."""
+    body: bytes | None = None
+    """The body rewritten for its arm (its model replaced), to send instead of the client's."""
+    refusal: Refusal | None = None
+    """Held while the fleet was full and refused (queue full, or waited past its class's limit)."""
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -96,6 +105,9 @@ class Router:
         self.profiles = build_profiles(config, profile)
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
+        self.queue: FairQueue | None = None
+        if config.queueing.enabled:
+            self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics)
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
@@ -119,13 +131,54 @@ class Router:
         features = extract_features(headers, body, self.config.features)
         if features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
+        arm, rewritten = None, None
+        if self.config.splits and body is not None and features.body_error is None:
+            features, arm, rewritten = self._split(headers, body, features)
+            if rewritten is not None:
+                body = rewritten
         if self.kv_events is not None:
             features = await self.kv_events.tokenized(features, body)
-        routed = await self.route_features(features, start)
+        ticket = None
+        if self.queue is not None and features.path in INFERENCE_PATHS:  # /v1/models is never held
+            held = await self.queue.admit(features.request_class, features.tenant, features.pool)
+            if isinstance(held, Refusal):
+                return Routed(features, Decision(None, Reason.NO_REPLICA), self.clock(), arm=arm, refusal=held)
+            ticket = held
+            start = self.clock()  # the decision is made now, on the load as it is now
+        try:
+            routed = await self.route_features(features, start)
+        finally:
+            if ticket is not None:
+                ticket.settle()
+        routed.arm, routed.body = arm, rewritten
+        if arm is not None:
+            self.metrics.split_requests.labels(arm.rule, arm.label).inc()
         replica = routed.decision.replica
         if features.session_key and body and replica is not None and features.body_error is None:
             self.rebalancer.note(features.session_key, features.model, replica.name, features.path, body, start)
         return routed
+
+    def _split(
+        self, headers: Mapping[str, str], body: bytes, features: RequestFeatures
+    ) -> tuple[RequestFeatures, Arm | None, bytes | None]:
+        """The request's split arm; its body rewritten to the arm's model and its features taken
+        again from that body, so the prefix hashes are seeded with the model actually served."""
+        key = features.session_key or body_user(body) or features.request_id or None
+        arm = choose_arm(self.config.splits, features.model, headers, key)
+        if arm is None:
+            return features, None, None
+        rewritten = None
+        if arm.target.model != features.model:
+            rewritten = rewrite_model(body, arm.target.model)
+            if rewritten is not None:
+                features = extract_features(headers, rewritten, self.config.features)
+        if arm.target.pool is not None:
+            features = replace(features, pool=(("pool", arm.target.pool),))
+        return features, arm, rewritten
+
+    def fleet_saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
+        """Whether every candidate of ``pool`` is saturated now (``queueing:`` thresholds)."""
+        return saturated(self.replicas.snapshot(self.clock()), pool, self.config.queueing)
 
     def _index_hashes(self, path: str, body: bytes) -> tuple[int, ...]:
         return extract_features({":path": path}, body, self.config.features).prefix_hashes
@@ -279,7 +332,7 @@ class Router:
         stream open until the HTTP request is over) and its prefill counts as pending until then.
         """
         rate = self.config.health.response_sample_rate
-        if rate >= 1.0:
+        if rate >= 1.0 or self.config.splits:  # a canary is judged on every response of its arms
             return True
         self._sampled += rate
         if self._sampled >= 1.0:
@@ -298,6 +351,11 @@ class Router:
         """
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
+        if routed.arm is not None:
+            labels = (routed.arm.rule, routed.arm.label)
+            self.metrics.split_ttft_seconds.labels(*labels).observe(self.clock() - routed.decided_at)
+            if status == 0 or status >= 500:
+                self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
             now = self.clock()
             waited = now - routed.decided_at
@@ -317,6 +375,8 @@ class Router:
         if routed.tenant_counted:
             self.tenants.end(routed.features.tenant, routed.decision.replica.name)
         routed.prefill_tokens = 0
+        if self.queue is not None:
+            self.queue.wake()  # a slot freed: the head of the queue may go
 
     async def set_replicas(self, replicas: Sequence[Replica]) -> Membership:
         """Make ``replicas`` the membership (from discovery or a reload): new names join and take
@@ -347,6 +407,8 @@ class Router:
     async def after_scrape(self, transitions: Sequence[Transition]) -> None:
         """After each health round: move the sessions of replicas that left the rotation, and shed
         sessions from replicas that have run hot for a while."""
+        if self.queue is not None:
+            self.queue.wake()  # fresh load figures: headroom may have appeared
         snapshot = self.replicas.snapshot(self.clock())
         await self.refresh_cordons()
         for t in transitions:

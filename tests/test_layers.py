@@ -25,6 +25,7 @@ RANKS = {
     "extproc.health": 4,
     "extproc.discovery": 4,
     "extproc.rebalance": 4,
+    "extproc.queueing": 4,
     "extproc.kvevents": 4,
     "extproc.state": 3,
     "extproc.tenancy": 3,

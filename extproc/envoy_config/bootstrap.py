@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,7 +169,7 @@ def ext_proc_filter(spec: GatewaySpec, cluster: str = PROCESSOR_CLUSTER) -> Http
     processor = ExternalProcessor(
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster)),
         failure_mode_allow=True,
-        message_timeout=datetime.timedelta(milliseconds=spec.message_timeout_ms),
+        message_timeout=datetime.timedelta(milliseconds=spec.message_timeout_ms + math.ceil(spec.queue_wait_s * 1000)),
         # The processor may skip a request's response headers (health.response_sample_rate).
         allow_mode_override=True,
         # The processor sets x-envoy-upstream-rq-per-try-timeout-ms (a non-streaming request's
@@ -196,7 +197,7 @@ def _router_filter() -> HttpFilter:
 
 
 def _routes(spec: GatewaySpec, with_processor: bool) -> list[Route]:
-    timeout = _seconds(spec.route_timeout_s)
+    timeout = _seconds(spec.route_timeout_s + spec.queue_wait_s)
     default_route = Route(
         match=RouteMatch(prefix="/"),
         route=RouteAction(

@@ -80,6 +80,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         first_byte_timeout_s=cfg.upstream.first_byte_s,
         stream_idle_timeout_s=cfg.upstream.stream_idle_s,
         stream_header=cfg.upstream.stream_header,
+        queue_wait_s=cfg.queueing.longest_wait_s,
     )
 
 

@@ -54,6 +54,10 @@ class GatewaySpec:
     round_robin_listen: str | None = None
     message_timeout_ms: int = 1000
     route_timeout_s: int = 300
+    # The longest a processor may hold a request while the fleet is full (config
+    # ``queueing:``): added to the ext_proc message timeout, which would otherwise fail the held
+    # request open to round robin, and to the route timeout.
+    queue_wait_s: float = 0.0
     retries: int = 2
     # Per try (config ``upstream:``): a try without response headers after first_byte_timeout_s is
     # retried on another replica; a stream silent for stream_idle_timeout_s is ended. The

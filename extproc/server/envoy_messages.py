@@ -111,6 +111,27 @@ def routed_body_response(common: pb.CommonResponse, metadata: struct_pb2.Struct 
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
+def rewritten(response: pb.ProcessingResponse, body: bytes, in_body: bool) -> pb.ProcessingResponse:
+    """``response`` (a request headers or body answer) carrying a rewritten request body.
+
+    The new length goes in ``content-length`` in both modes: in buffered mode the body answer's
+    header mutation still applies (the headers wait with the body), and in full-duplex mode the
+    headers answer was held back until the body was complete. In buffered mode the body replaces
+    Envoy's buffer here; in full-duplex mode the caller streams it after this answer.
+    """
+    if in_body and response.WhichOneof("response") == "request_headers":
+        # A continue-headers answer given in the body phase: the same mutation, as a body answer.
+        response = pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=response.request_headers.response),
+            dynamic_metadata=response.dynamic_metadata if response.HasField("dynamic_metadata") else None,
+        )
+    common = response.request_body.response if in_body else response.request_headers.response
+    common.header_mutation.set_headers.append(_set("content-length", str(len(body))))
+    if in_body:
+        common.body_mutation.body = body
+    return response
+
+
 STREAMED_CHUNK = 62 * 1024  # as the Inference Extension's picker: well under any message limit
 
 

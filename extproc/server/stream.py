@@ -134,6 +134,8 @@ class RequestStream:
         first = await self._decide(parse, in_body=False)
         if first.WhichOneof("response") == "immediate_response":
             return [first]
+        if self.routed is not None and self.routed.body is not None:
+            data = self.routed.body  # rewritten for its split arm; content-length set in `first`
         out = [first, *msg.streamed_body(data)]
         if trailers:
             out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
@@ -152,6 +154,9 @@ class RequestStream:
         routed = await self.router.route(self.headers, body)
         self.routed = routed
         decision = routed.decision
+        if routed.refusal is not None:
+            refusal = routed.refusal
+            return msg.immediate(refusal.status, refusal.message, refusal.kind, retry_after_s=refusal.retry_after_s)
         if decision.reason is Reason.QUOTA:
             return msg.immediate(
                 429,
@@ -162,6 +167,8 @@ class RequestStream:
         if decision.replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): let Envoy
             # route it on its own (the default route); Envoy answers 503 itself if it has none.
+            if routed.body is not None:
+                return msg.rewritten(msg.continue_headers(self.remove), routed.body, in_body)
             return msg.continue_body() if in_body else msg.continue_headers(self.remove)
         cfg = self.router.config
         features = routed.features
@@ -174,5 +181,7 @@ class RequestStream:
             cfg.upstream.request_headers(features.stream, features.max_output_tokens),
         )
         if in_body:
-            return msg.routed_body_response(common, metadata)
-        return msg.routed_headers_response(common, metadata)
+            response = msg.routed_body_response(common, metadata)
+        else:
+            response = msg.routed_headers_response(common, metadata)
+        return response if routed.body is None else msg.rewritten(response, routed.body, in_body)

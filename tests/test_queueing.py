@@ -1,0 +1,124 @@
+"""The fair queue alone: priorities, round robin by tenant, limits, departures."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.cli import main
+from extproc.config import config_from_mapping
+from extproc.envoy_config import GatewaySpec, render_yaml
+from extproc.queueing import FairQueue, QueueClass, QueueSettings, Refusal, Ticket, saturated
+from extproc.routing.model import Replica, ReplicaState, Snapshot
+
+SETTINGS = QueueSettings(
+    enabled=True,
+    default=QueueClass(priority=1, max_wait_s=5),
+    classes={"batch": QueueClass(priority=0, max_wait_s=5, max_queued=50, status=503, retry_after_s=7)},
+)
+
+
+class Fleet:
+    """A switchable saturation and a record of the order requests were released in."""
+
+    def __init__(self) -> None:
+        self.full = True
+        self.order: list[str] = []
+
+    def __call__(self, pool: object) -> bool:
+        return self.full
+
+
+async def _request(queue: FairQueue, fleet: Fleet, name: str, cls: str, tenant: str) -> Refusal | Ticket | None:
+    held = await queue.admit(cls, tenant, ())
+    if not isinstance(held, Refusal):
+        fleet.order.append(name)
+    if isinstance(held, Ticket):
+        held.settle()
+    return held
+
+
+async def test_interactive_goes_before_every_queued_batch_and_tenants_take_turns() -> None:
+    fleet = Fleet()
+    queue = FairQueue(SETTINGS, fleet)
+    tasks = [asyncio.create_task(_request(queue, fleet, f"a{i}", "batch", "a")) for i in range(6)]
+    tasks += [asyncio.create_task(_request(queue, fleet, f"b{i}", "batch", "b")) for i in range(3)]
+    await asyncio.sleep(0.01)
+    tasks += [asyncio.create_task(_request(queue, fleet, f"i{i}", "default", "c")) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert queue.waiting(0) == 9 and queue.waiting(1) == 3 and fleet.order == []
+    fleet.full = False
+    queue.wake()
+    await asyncio.gather(*tasks)
+    assert fleet.order[:3] == ["i0", "i1", "i2"]
+    assert fleet.order[3:9] == ["a0", "b0", "a1", "b1", "a2", "b2"]  # round robin while both wait
+    assert fleet.order[9:] == ["a3", "a4", "a5"]
+    await queue.close()
+
+
+async def test_with_headroom_and_nobody_ahead_a_request_goes_straight_on() -> None:
+    fleet = Fleet()
+    fleet.full = False
+    queue = FairQueue(SETTINGS, fleet)
+    assert await queue.admit("batch", "t", ()) is None
+
+
+async def test_past_the_limit_a_request_is_refused_and_leaves() -> None:
+    fleet = Fleet()
+    settings = QueueSettings(enabled=True, classes={"batch": QueueClass(0, max_wait_s=0.1, max_queued=2, status=503)})
+    queue = FairQueue(settings, fleet)
+    waiting = [asyncio.create_task(queue.admit("batch", "t", ())) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    full = await queue.admit("batch", "t", ())
+    assert isinstance(full, Refusal) and full.kind == "queue_full" and full.status == 503
+    timed_out = await asyncio.gather(*waiting)
+    assert all(isinstance(r, Refusal) and r.kind == "queue_timeout" for r in timed_out)
+    assert len(queue) == 0
+    await queue.close()
+
+
+async def test_a_cancelled_waiter_frees_its_place() -> None:
+    fleet = Fleet()
+    queue = FairQueue(SETTINGS, fleet)
+    task = asyncio.create_task(queue.admit("batch", "t", ()))
+    await asyncio.sleep(0.01)
+    assert len(queue) == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert len(queue) == 0
+    await queue.close()
+
+
+def test_saturation_is_every_candidate_of_the_pool() -> None:
+    settings = QueueSettings(enabled=True, max_inflight_per_replica=2)
+    a = ReplicaState(Replica("a", "h:1", labels={"pool": "x"}), kv_usage=0.95)
+    b = ReplicaState(Replica("b", "h:2", labels={"pool": "y"}), queue=3)
+    snap = Snapshot((a, b))
+    assert saturated(snap, (("pool", "x"),), settings)
+    assert not saturated(snap, (("pool", "y"),), settings)
+    assert not saturated(snap, (), settings)
+    busy = Snapshot((a, ReplicaState(b.replica, inflight=2)))
+    assert saturated(busy, (), settings)
+    assert not saturated(Snapshot(()), (), settings)
+    # Sent since the last scrape (in flight beyond what it was running): queued there by now.
+    fresh = QueueSettings(enabled=True, queue_threshold=4)
+    assert saturated(Snapshot((ReplicaState(b.replica, inflight=9, running=4),)), (), fresh)
+    assert not saturated(Snapshot((ReplicaState(b.replica, inflight=8, running=4),)), (), fresh)
+
+
+def test_envoy_waits_longer_than_the_longest_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    queueing = {"enabled": True, "classes": {"batch": {"priority": 0, "max_wait_s": 45}}}
+    cfg = config_from_mapping({"queueing": queueing})
+    assert cfg.queueing.longest_wait_s == 45
+    assert config_from_mapping({"queueing": {**queueing, "enabled": False}}).queueing.longest_wait_s == 0
+    rendered = render_yaml(GatewaySpec(replicas=[Replica("r", "127.0.0.1:1")], queue_wait_s=45))
+    assert "message_timeout: 46s" in rendered, rendered
+    # `extproc envoy-config --config` takes it from the router's config: message and route timeouts.
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"replicas": [{"name": "a", "address": "10.0.0.1:8000"}], "queueing": queueing}))
+    assert main(["envoy-config", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "message_timeout: 46s" in out and "timeout: 345s" in out
