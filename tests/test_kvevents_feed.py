@@ -273,3 +273,16 @@ async def test_restart_after_a_catch_up_is_not_taken_for_duplicates() -> None:
     await source.receive(msg(0, stored(20)))  # a new engine, seq 0 again
     assert source.metrics.restarts.labels("a")._value.get() == 1
     assert matches(source, 20) == {"a": 1.0} and matches(source, 1) == {}
+
+
+async def test_a_new_engine_seq_the_replay_covered_is_a_restart_not_a_duplicate() -> None:
+    # The router caught up on the old engine's only batch (seq 0); the new engine's first batch is
+    # seq 0 again, arriving live before any other: the same seq, another payload.
+    source = KvEventSource()
+    source.add_feed("a", FakeReplayer([msg(0, stored(1))]))
+    assert await source.catch_up("a")
+    await source.receive(msg(0, stored(1)))  # the replayed batch itself, queued live: a duplicate
+    assert source.metrics.restarts.labels("a")._value.get() == 0
+    await source.receive(msg(0, stored(20)))
+    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert matches(source, 20) == {"a": 1.0} and matches(source, 1) == {}

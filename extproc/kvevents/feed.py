@@ -57,12 +57,20 @@ class FeedState:
     """The index holds this replica's state: caught up by a replay, or a message seen."""
     replayed_through: int = -1
     """Messages up to here came from a replay: the same seqs arriving live are duplicates."""
+    replayed_digests: dict[int, int] = field(default_factory=dict)
+    """Seq -> payload hash of what the replay applied: a live message with a replayed seq is a
+    duplicate only if it is the same batch (a new engine restarts its seqs at 0)."""
     last_message_at: float = float("-inf")
     routed_since: float | None = None
     """The first request sent there since its last message (for staleness)."""
     last_digest: int = 0
     """A hash of the last applied payload: after a reconnect, tells the same engine from a new one."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _replay_done(state: FeedState) -> None:
+    state.replayed_through = -1
+    state.replayed_digests.clear()
 
 
 def topic_parts(topic: str) -> tuple[str | None, str]:
@@ -220,14 +228,15 @@ class KvEventSource:
         last = state.last_seq
         if last is None or msg.seq == last + 1:
             if self._apply(state, msg):
-                state.replayed_through = -1  # the live stream has caught up with the replay
+                _replay_done(state)  # the live stream has caught up with the replay
         elif msg.seq <= last:
-            if msg.seq <= state.replayed_through:
+            replayed = state.replayed_digests.get(msg.seq) if msg.seq <= state.replayed_through else None
+            if replayed is not None and replayed == xxhash.xxh3_64_intdigest(msg.payload):
                 return  # queued while we replayed: already applied
             m.restarts.labels(name).inc()
             self._clear(state, "restart")
             log.info("kv events: %s restarted (seq %d after %d): its entries are dropped", name, msg.seq, last)
-            state.replayed_through = -1
+            _replay_done(state)
             if msg.seq > 0 and state.replayer is not None:
                 # What the new engine published before this message may not have reached us.
                 await self._replay(state, 0, msg.seq)
@@ -258,7 +267,8 @@ class KvEventSource:
             if before is None:
                 # Catching up at start: a buffer that begins after ``start`` lacks only old stores
                 # and the removals of those same blocks, so what it has is still right.
-                self._apply(state, msg)
+                if self._apply(state, msg):
+                    state.replayed_digests[msg.seq] = state.last_digest
             elif msg.seq >= before:
                 break
             elif msg.seq != expected or not self._apply(state, msg):
