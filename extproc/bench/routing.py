@@ -8,6 +8,7 @@ main process on the workload's nominal request order.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -24,9 +25,10 @@ from extproc.bench.policies import ALL, CEILINGS, OURS, PEERS, policy_profile, s
 from extproc.bench.progress import ProgressBar
 from extproc.bench.workloads import WorkloadSpec
 from extproc.config import Config, load_config
-from extproc.replica.timing import get_profile
+from extproc.replica.timing import ReplicaProfile, get_profile
 from extproc.sim.ceilings import ceilings
 from extproc.sim.figures import figures, hit_ratio_series, load_series
+from extproc.sim.pressure import working_set
 from extproc.sim.simulator import Simulation
 from extproc.sim.workload import Workload
 
@@ -42,6 +44,13 @@ class BenchSetup:
     router_config: str | None = None
     variants: tuple[tuple[str, str], ...] = ()
     window_s: float | None = None
+    kv_blocks: int | None = None
+    """KV blocks per replica (the profile's ``num_gpu_blocks``); None keeps the profile's."""
+
+    def replica_profile(self) -> ReplicaProfile:
+        """The replica profile, with ``kv_blocks`` blocks if given."""
+        profile = get_profile(self.profile)
+        return dataclasses.replace(profile, num_gpu_blocks=self.kv_blocks) if self.kv_blocks else profile
 
     def config(self) -> Config:
         """The router's config (its ``profile:`` is the ``extproc`` policy)."""
@@ -89,7 +98,7 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
     """Simulate one policy over the setup's workload."""
     started = time.monotonic()
     workload = _workload(setup.workload)
-    replica = get_profile(setup.profile)
+    replica = setup.replica_profile()
     config = setup.config()
     variants = setup.variant_profiles()
     progress = _WORKER.get("progress")
@@ -138,6 +147,7 @@ class BenchResult:
             "setup": {
                 "replicas": s.replicas,
                 "replica_profile": s.profile,
+                "kv_blocks": s.kv_blocks,
                 "seed": s.seed,
                 "rate": s.workload.rate,
                 "router_config": s.router_config,
@@ -168,7 +178,7 @@ def run_bench(
     if unknown:
         raise ValueError(f"unknown policies: {', '.join(unknown)}; known: {', '.join([*ALL, *variants])}")
     workload = setup.workload.build()
-    replica = get_profile(setup.profile)
+    replica = setup.replica_profile()
     routed = [p for p in policies if p not in CEILINGS]
     results: dict[str, PolicyResult] = {}
     total = len(workload) * len(routed)
@@ -208,7 +218,14 @@ def run_bench(
             )
         else:
             ordered[name] = results[name]
-    return BenchResult(setup, workload.summary(), ordered, time.monotonic() - started)
+    pressure = working_set(workload, setup.replicas, replica.num_gpu_blocks, replica.block_size)
+    summary = {
+        **workload.summary(),
+        "kv_blocks_per_replica": replica.num_gpu_blocks,
+        "working_set_ratio": round(pressure.mean_ratio, 4),
+        "working_set_peak_ratio": round(pressure.peak_ratio, 4),
+    }
+    return BenchResult(setup, summary, ordered, time.monotonic() - started)
 
 
 def _run_spawned(
@@ -264,6 +281,7 @@ COLUMNS = (
     ("CV busy", 8),
     ("CV prefill", 10),
     ("stayed", 7),
+    ("preempt", 8),
 )
 
 
@@ -281,7 +299,7 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
         f = r.figures
         label = f"{name} *" if name == OURS else name
         if "ttft_p50_s" not in f:
-            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f")] + ["-"] * 9)
+            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f")] + ["-"] * 10)
             continue
         rows.append(
             [
@@ -297,6 +315,7 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
                 _cell(f["load_cv_busy"], ".3f"),
                 _cell(f["load_cv_prefill"], ".3f"),
                 _cell(f["sticky_stayed"], ".0%"),
+                _cell(f.get("preemptions"), "d"),
             ]
         )
     heads = [h for h, _ in COLUMNS]
