@@ -19,6 +19,7 @@ from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Profile, decide
 from extproc.routing.plugins import TenantShardFilter
 from extproc.routing.registry import build_profile
+from extproc.state.cache_estimate import CacheEstimate
 from extproc.state.memory import MemoryStore
 from extproc.state.replicas import ReplicaBook, Transition
 from extproc.state.store import AffinityStore
@@ -82,6 +83,8 @@ class Router:
                 if isinstance(flt, TenantShardFilter) and not flt.shard_sizes:
                     flt.shard_sizes = shard_sizes
         self.replicas = ReplicaBook(config.replicas, config.health)
+        # Capacity and trust of the prefix index per replica, from the replicas' own metrics.
+        self.cache_estimate = CacheEstimate(config.features.block_chars // CHARS_PER_TOKEN)
         self.metrics.registry.register(ReplicaReportCollector(self._replica_reports))
         self.rebalancer = Rebalancer(
             config.rebalance,
@@ -117,6 +120,8 @@ class Router:
             self.metrics.store_errors.labels("lookup").inc()
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
+        self.cache_estimate.sync(self.replicas, self.store)
+        claims, view = view.prefix_matches, self.cache_estimate.adjust(view)
         policy = self.tenants.policy(features.tenant)
         tenant_counted = rejected = False
         if policy is not None and self.tenants.over_quota(features.tenant, len(self.replicas)):
@@ -134,6 +139,8 @@ class Router:
         prefill_tokens = 0
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
+            raw_uncached = self._uncached_tokens(features, claims.get(replica.name, 0))
+            self.cache_estimate.claimed(replica.name, features.prompt_chars // CHARS_PER_TOKEN - raw_uncached)
             self.replicas.begin(replica.name, start, prefill_tokens)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
             pin = decision.reason != Reason.SPILLOVER or self.config.spillover_repin

@@ -3,6 +3,8 @@ model of what a replica of a given capacity still holds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from extproc.bench.pressure import format_sweep, parse_levels, run_sweep
 from extproc.bench.routing import BenchSetup
 from extproc.bench.workloads import WorkloadSpec
@@ -46,3 +48,141 @@ def test_a_sweep_runs_each_level_with_its_capacity() -> None:
     assert hit[0]["round_robin"] < hit[1]["round_robin"]
     table = format_sweep(results)
     assert "| 200 |" in table and "| 4,000 |" in table
+
+
+# --- the estimate against the replica model -------------------------------------------------
+
+import random  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from extproc.replica.model import ReplicaModel, Seq  # noqa: E402
+from extproc.replica.timing import get_profile  # noqa: E402
+from extproc.routing.model import AffinityView  # noqa: E402
+from extproc.state.cache_estimate import CacheEstimate  # noqa: E402
+from extproc.state.memory import PrefixIndex  # noqa: E402
+
+
+def _chain(parent: int, n: int, salt: int) -> list[int]:
+    """``n`` chained block keys after ``parent``: a key names its whole prefix, as vLLM's do."""
+    out = []
+    for i in range(n):
+        parent = hash((parent, salt, i)) & ((1 << 62) - 1)
+        out.append(parent)
+    return out
+
+
+def _stream(rng: random.Random, requests: int) -> list[tuple[int, ...]]:
+    """Prompts as block keys: conversations that grow turn by turn, some opening with one of a
+    few shared system prompts, and one-off prompts."""
+    systems = [_chain(0, rng.randint(4, 30), s) for s in range(3)]
+    sessions: list[list[int]] = []
+    out = []
+    for k in range(requests):
+        roll = rng.random()
+        if sessions and roll < 0.6:
+            conv = rng.choice(sessions)
+            conv.extend(_chain(conv[-1], rng.randint(2, 12), k))
+            out.append(tuple(conv))
+        elif roll < 0.85:
+            base = list(rng.choice(systems)) if rng.random() < 0.7 else []
+            conv = base + _chain(base[-1] if base else k + 1, rng.randint(5, 60), k)
+            sessions.append(conv)
+            if len(sessions) > 40:
+                sessions.pop(0)
+            out.append(tuple(conv))
+        else:
+            out.append(tuple(_chain(k + 7, rng.randint(3, 80), -k)))
+    return out
+
+
+def _run_until_idle(model: ReplicaModel, now: float) -> float:
+    while True:
+        duration = model.begin_step(now, 1 << 20)
+        if duration is None:
+            return now
+        now += duration
+        model.end_step()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(800, 3000),
+    concurrency=st.integers(1, 4),
+    output_tokens=st.integers(1, 200),
+)
+def test_the_estimate_forgets_what_a_replica_of_its_capacity_must_have_evicted(
+    seed: int, num_blocks: int, concurrency: int, output_tokens: int
+) -> None:
+    """Random request streams through the replica model and, as the router records them, into
+    the prefix index bounded by the capacity the replica reports: the index never claims more
+    blocks than the replica holds, and at least 90% of what it claims is really cached. (The
+    estimate keeps 10% of the cache for what running requests hold privately: up to 4 requests
+    of 200 output tokens here, under 10% of 800 blocks.)"""
+    rng = random.Random(seed)
+    profile = dataclasses.replace(get_profile("llama-8b-h100"), num_gpu_blocks=num_blocks)
+    model = ReplicaModel(profile)
+    estimate = CacheEstimate(block_tokens=16)
+    index = PrefixIndex(blocks_per_replica=10**9)  # unbounded unless the estimate says otherwise
+    index.set_capacity("r", estimate.capacity_blocks(profile.num_gpu_blocks, profile.block_size))
+    stream = _stream(rng, 300)
+    now = 0.0
+    checks = 0
+    for start in range(0, len(stream), concurrency):
+        for j, keys in enumerate(stream[start : start + concurrency]):
+            if 16 * (len(keys) + 1) + output_tokens > 16 * num_blocks:
+                continue  # vLLM refuses a request longer than its whole cache
+            model.submit(Seq(f"q{start + j}", 16 * len(keys) + 5, output_tokens, keys), now)
+            index.add("r", keys)
+        now = _run_until_idle(model, now)
+        claimed = index.held_blocks("r")
+        assert len(claimed) <= num_blocks
+        if len(claimed) >= num_blocks // 2:  # once the cache has filled enough to evict
+            held = sum(1 for h in claimed if h in model.pool)
+            assert held >= 0.9 * len(claimed), (held, len(claimed))
+            checks += 1
+    assert checks > 0 or sum(len(k) for k in stream) < num_blocks
+
+
+def test_a_replica_whose_hit_counters_disagree_is_trusted_less() -> None:
+    estimate = CacheEstimate(block_tokens=16, min_claimed_tokens=1000, decay=0.5)
+    for r in ("honest", "liar"):
+        estimate.observe(r, 0.0, num_gpu_blocks=1000, block_size=16)
+    hits = {"honest": 0.0, "liar": 0.0}
+    for _ in range(10):
+        for r in ("honest", "liar"):
+            estimate.claimed(r, 4000)
+        hits["honest"] += 4000  # it found what the index claimed
+        hits["liar"] += 1000  # a quarter: it evicted what the index still believes it holds
+        for r, h in hits.items():
+            estimate.observe(r, h)
+    assert estimate.trust("honest") == 1.0
+    assert 0.2 < estimate.trust("liar") < 0.3
+    view = estimate.adjust(AffinityView(None, {"honest": 40, "liar": 40}))
+    assert view.prefix_matches == {"honest": 40, "liar": int(40 * estimate.trust("liar"))}
+    # A restart (counters back to zero) is a new baseline, not a collapse of trust.
+    estimate.observe("liar", 0.0)
+    assert 0.2 < estimate.trust("liar") < 0.3
+
+
+def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
+    from extproc.config import Config
+    from extproc.health.vllm_metrics import ReplicaMetrics
+    from extproc.request.features import RequestFeatures
+    from extproc.router import Router
+    from extproc.routing.model import Replica
+    from extproc.sim.simulator import run_sync
+    from extproc.state.memory import MemoryStore
+
+    config = Config(replicas=(Replica("a", "x:1"),))
+    store = MemoryStore()
+    router = Router(config, store=store)
+    router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=100, block_size=16), 1.0)
+    for i in range(10):
+        hashes = tuple(_chain(i + 1, 30, i))
+        features = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=64 * 30)
+        run_sync(router.route_features(features, 2.0 + i))
+    # 100 blocks of 16 tokens, 90% of them for prompts: 90 index blocks, the last three prompts.
+    assert store.prefixes.held("a") == 90

@@ -139,3 +139,17 @@ async def test_a_next_turn_extends_what_the_replica_holds(harness: Harness) -> N
     assert await harness.lookup("c", [1, 2, 3, 4, 5, 6, 7]) == ("r", {"r": 6})
     await harness.record(None, "s", [1, 2, 8])  # another replica learns a branch of the same prefix
     assert await harness.lookup(None, [1, 2, 8, 9]) == (None, {"r": 2, "s": 3})
+
+
+async def test_a_replica_capacity_bounds_what_it_is_believed_to_hold(harness: Harness) -> None:
+    # r1 reported a cache of 4 blocks; r2 keeps the store's default (8).
+    harness.store.set_capacity("r1", 4)
+    await harness.record(None, "r1", [1, 2, 3, 4])
+    await harness.record(None, "r2", [1, 2, 3, 4])
+    await harness.record(None, "r1", [10, 11, 12])
+    await harness.record(None, "r2", [10, 11, 12])
+    # r1 must have evicted the older prompt's tail (least recently routed first); r2 holds both.
+    _, matches = await harness.lookup(None, [1, 2, 3, 4])
+    assert matches == {"r1": 1, "r2": 4}
+    _, matches = await harness.lookup(None, [10, 11, 12])
+    assert matches == {"r1": 3, "r2": 3}

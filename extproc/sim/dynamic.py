@@ -34,9 +34,8 @@ from extproc.request.openai_body import render_chat
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.router import Routed
 from extproc.routing.model import Replica
-from extproc.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync
+from extproc.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync, scrape
 from extproc.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL
-from extproc.state.replicas import LoadReport
 
 _CONTROL, _ARRIVAL, _STEP_END, _PUMP = -1, 0, 1, 2
 
@@ -259,8 +258,7 @@ class DynamicSimulation(Simulation):
                 last_tick = tick
                 at = tick * interval
                 for i, model in enumerate(models):
-                    report = LoadReport(model.num_waiting, model.num_running, model.kv_cache_usage_perc)
-                    book.apply_report(names[i], report, at)
+                    book.apply_scrape(names[i], scrape(model), at)
                 if self._evaluate:
                     book.evaluate(at)
             if kind == _CONTROL:

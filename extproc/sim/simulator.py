@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from extproc.config import Config
+from extproc.health.vllm_metrics import ReplicaMetrics
 from extproc.replica.model import ReplicaModel, Seq
 from extproc.replica.timing import ReplicaProfile
 from extproc.request.features import RequestFeatures
@@ -35,7 +36,6 @@ from extproc.routing.model import Replica
 from extproc.routing.pipeline import Profile
 from extproc.sim.workload import Workload
 from extproc.state.memory import MemoryStore
-from extproc.state.replicas import LoadReport
 
 T = TypeVar("T")
 
@@ -51,6 +51,21 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return result
     coro.close()
     raise RuntimeError("the simulator needs a store that answers without waiting (the memory store)")
+
+
+def scrape(model: ReplicaModel) -> ReplicaMetrics:
+    """What the scraper would read from the model's /metrics page: load, prefix-cache counters
+    and the cache's size (``vllm:cache_config_info``)."""
+    return ReplicaMetrics(
+        running=model.num_running,
+        waiting=model.num_waiting,
+        kv_usage=model.kv_cache_usage_perc,
+        prefix_queries=float(model.prefix_queries_tokens),
+        prefix_hits=float(model.prefix_hits_tokens),
+        preemptions=float(model.preemptions),
+        block_size=model.profile.block_size,
+        num_gpu_blocks=model.profile.num_gpu_blocks,
+    )
 
 
 class VirtualClock:
@@ -283,8 +298,7 @@ class Simulation:
                 last_tick = tick
                 at = tick * interval
                 for i, model in enumerate(models):
-                    report = LoadReport(model.num_waiting, model.num_running, model.kv_cache_usage_perc)
-                    book.apply_report(names[i], report, at)
+                    book.apply_scrape(names[i], scrape(model), at)
                 if self._evaluate:
                     book.evaluate(at)
             if kind == _ARRIVAL:

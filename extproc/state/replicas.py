@@ -73,6 +73,8 @@ class ReplicaBook:
     def __init__(self, replicas: Iterable[Replica], settings: HealthSettings | None = None) -> None:
         self.settings = settings or HealthSettings()
         self._records: dict[str, ReplicaRecord] = {r.name: ReplicaRecord(r) for r in replicas}
+        self.scrapes = 0
+        """Successful scrapes taken in so far (readers of ``metrics`` check it for news)."""
 
     def __contains__(self, name: str) -> bool:
         return name in self._records
@@ -177,6 +179,7 @@ class ReplicaBook:
             return
         rec.queue, rec.running, rec.kv_usage = metrics.waiting, metrics.running, metrics.kv_usage
         rec.metrics = metrics
+        self.scrapes += 1
         rec.scraped_at = now
         rec.scrape_failures = 0
         rec.refused = False
