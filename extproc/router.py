@@ -141,7 +141,7 @@ class Router:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             raw_uncached = self._uncached_tokens(features, claims.get(replica.name, 0))
             self.cache_estimate.claimed(replica.name, features.prompt_chars // CHARS_PER_TOKEN - raw_uncached)
-            self.replicas.begin(replica.name, start, prefill_tokens)
+            self.replicas.begin(replica.name, start, prefill_tokens, features.estimated_prompt_tokens)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
             pin = decision.reason != Reason.SPILLOVER or self.config.spillover_repin
             try:
@@ -218,7 +218,7 @@ class Router:
         if routed.released or routed.decision.replica is None:
             return
         routed.released = True
-        self.replicas.end(routed.decision.replica.name, routed.prefill_tokens)
+        self.replicas.end(routed.decision.replica.name, routed.prefill_tokens, routed.features.estimated_prompt_tokens)
         if routed.tenant_counted:
             self.tenants.end(routed.features.tenant, routed.decision.replica.name)
         routed.prefill_tokens = 0

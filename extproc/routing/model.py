@@ -25,11 +25,15 @@ class ReplicaState:
     in_rotation: bool = True
     health: float = 1.0
     inflight: int = 0
+    inflight_tokens: int = 0
+    """Prompt tokens of the requests in flight there: the KV cache they hold while they run."""
     pending_prefill_tokens: int = 0
     recent_requests: float = 0.0
     queue: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    kv_capacity_tokens: int = 0
+    """The replica's KV cache in tokens (``vllm:cache_config_info``), 0 while unknown."""
     adapters: frozenset[str] = frozenset()
     adapters_waiting: frozenset[str] = frozenset()
     max_lora: int = 0

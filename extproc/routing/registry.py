@@ -57,15 +57,20 @@ PICKERS.update(PEER_PICKERS)
 # Scorers proposed for the default profile (extproc/routing/candidates.py), unused unless named.
 SCORERS.update(CANDIDATE_SCORERS)
 
-# Weights: a live pin outweighs everything else together. Prefix overlap and load are weighed in
-# one unit by the prefill-cost scorer (work already sent there plus the part of this prompt it
-# does not hold), so a shared prefix attracts new work only until the queue behind it costs more
-# than prefilling elsewhere; the prefix scorer adds a preference for deep matches on top, and the
-# load scorer a preference for replicas with fewer sessions and free KV cache. The ring only breaks
-# ties (weight 0.1: more overrode real load differences in the simulator), which keeps gateways
-# without shared state in agreement on an idle fleet. Overload is a filter, not a weight: no amount
-# of affinity pushes a replica that is out of KV blocks. Tuned with `extproc bench routing`
-# (benchmarks/routing.md).
+# Weights: a live pin outweighs everything else together, as far as the cache behind it is
+# still believed held (``by_cache``: under KV pressure a pin whose conversation was evicted is
+# worth no more than any other replica, and placement falls to cost and load). Prefix overlap and
+# load are weighed in one unit by the prefill-cost scorer (work already sent there plus the part
+# of this prompt it does not hold), so a shared prefix attracts new work only until the queue
+# behind it costs more than prefilling elsewhere; the KV held by requests in flight there counts
+# too (a tenth of a token each, and in full what this prompt needs beyond the cache: it would
+# queue, and evict other sessions' prefixes). The prefix scorer adds a preference for deep matches
+# on top, and the load scorer a preference for replicas with fewer sessions and free KV cache.
+# The ring only breaks ties (weight 0.1: more overrode real load differences in the simulator),
+# which keeps gateways without shared state in agreement on an idle fleet. Overload is a filter,
+# not a weight: no amount of affinity pushes a replica that is out of KV blocks (judged on the
+# fresher of the last scrape and what the router sent since). Tuned with `extproc bench routing`
+# (benchmarks/routing.md, including its KV-pressure sweep).
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [
         {"type": "pool"},
@@ -75,9 +80,9 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "overload"},
     ],
     "scorers": [
-        {"type": "session_affinity", "weight": 10},
+        {"type": "session_affinity", "weight": 10, "parameters": {"by_cache": True}},
         {"type": "prefix", "weight": 2},
-        {"type": "prefill_cost", "weight": 3},
+        {"type": "prefill_cost", "weight": 3, "parameters": {"kv_weight": 0.1, "overflow_weight": 1.0}},
         {"type": "load", "weight": 2},
         {"type": "ring", "weight": 0.1},
         {"type": "lora", "weight": 3},
