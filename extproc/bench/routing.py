@@ -337,13 +337,11 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
 def verdict(result: BenchResult, tolerance: float = 0.02) -> list[str]:
     """Where ours is not at least as good as the best peer on TTFT p99 and hit ratio (within
     ``tolerance``), and where it is strictly better; one line each. Peers are the other routers'
-    policies (not the oracle, the ceilings or ``--variant`` profiles)."""
+    policies (not the ceilings or ``--variant`` profiles)."""
     ours = result.results.get(OURS)
     if ours is None:
         return []
-    peers = {
-        n: r.figures for n, r in result.results.items() if n in PEERS and n != "oracle" and "ttft_p99_s" in r.figures
-    }
+    peers = {n: r.figures for n, r in result.results.items() if n in PEERS and "ttft_p99_s" in r.figures}
     if not peers:
         return []
     f = ours.figures
