@@ -4,12 +4,24 @@ model of what a replica of a given capacity still holds."""
 from __future__ import annotations
 
 import dataclasses
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.bench.pressure import format_sweep, parse_levels, run_sweep
 from extproc.bench.routing import BenchSetup
 from extproc.bench.workloads import WorkloadSpec
+from extproc.replica.model import ReplicaModel, Seq
+from extproc.replica.timing import get_profile
+from extproc.request.features import RequestFeatures
+from extproc.routing.model import AffinityView, Replica, ReplicaState, Snapshot
+from extproc.routing.plugins import CycleState, OverloadFilter, PrefillCostScorer
+from extproc.routing.ring import HashRing
 from extproc.sim.pressure import working_set
 from extproc.sim.workload import SimRequest, Workload
+from extproc.state.cache_estimate import CacheEstimate
+from extproc.state.memory import PrefixIndex
 
 
 def _req(i: int, keys: tuple[int, ...]) -> SimRequest:
@@ -51,17 +63,6 @@ def test_a_sweep_runs_each_level_with_its_capacity() -> None:
 
 
 # --- the estimate against the replica model -------------------------------------------------
-
-import random  # noqa: E402
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from extproc.replica.model import ReplicaModel, Seq  # noqa: E402
-from extproc.replica.timing import get_profile  # noqa: E402
-from extproc.routing.model import AffinityView  # noqa: E402
-from extproc.state.cache_estimate import CacheEstimate  # noqa: E402
-from extproc.state.memory import PrefixIndex  # noqa: E402
 
 
 def _chain(parent: int, n: int, salt: int) -> list[int]:
@@ -170,9 +171,7 @@ def test_a_replica_whose_hit_counters_disagree_is_trusted_less() -> None:
 def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
     from extproc.config import Config
     from extproc.health.vllm_metrics import ReplicaMetrics
-    from extproc.request.features import RequestFeatures
     from extproc.router import Router
-    from extproc.routing.model import Replica
     from extproc.sim.simulator import run_sync
     from extproc.state.memory import MemoryStore
 
@@ -186,3 +185,40 @@ def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
         run_sync(router.route_features(features, 2.0 + i))
     # 100 blocks of 16 tokens, 90% of them for prompts: 90 index blocks, the last three prompts.
     assert store.prefixes.held("a") == 90
+
+
+# --- decisions under pressure -----------------------------------------------------------------
+
+
+def _state(name: str, **kw: object) -> ReplicaState:
+    return ReplicaState(Replica(name, f"h:{name}"), kv_capacity_tokens=48_000, **kw)  # type: ignore[arg-type]
+
+
+def test_a_burst_does_not_herd_onto_the_one_replica_a_stale_scrape_shows_below_the_threshold() -> None:
+    # The last scrape saw b at 80% and a at 95%; since then the router sent b prompts filling it
+    # past its cache. b is overloaded too: neither is dropped, the scorers choose.
+    flt = OverloadFilter()
+    a = _state("a", kv_usage=0.95, inflight_tokens=40_000)
+    b = _state("b", kv_usage=0.80, inflight_tokens=60_000)
+    cycle = CycleState(
+        RequestFeatures(path="/v1/completions"), Snapshot((a, b)), AffinityView(), 0.0, HashRing(()), None
+    )
+    assert flt.filter(cycle, [a, b]) == [a, b]
+    # Without what was sent since, b alone would have been kept.
+    b_scraped_only = _state("b", kv_usage=0.80)
+    assert flt.filter(cycle, [a, b_scraped_only]) == [b_scraped_only]
+
+
+def test_prefill_cost_counts_the_kv_a_prompt_needs_beyond_the_cache() -> None:
+    scorer = PrefillCostScorer(kv_weight=0.1, overflow_weight=1.0)
+    hashes = tuple(range(100))
+    f = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=4 * 6400)
+    # a holds the whole prompt but its cache is full of running requests; b holds nothing, idle.
+    a = _state("a", inflight_tokens=47_000)
+    b = _state("b")
+    view = AffinityView(prefix_matches={"a": 100})
+    cycle = CycleState(f, Snapshot((a, b)), view, 0.0, HashRing(()), None)
+    scores = scorer.score(cycle, [a, b])
+    assert scores["b"] > scores["a"]
+    # Without the KV terms the cached prompt wins.
+    assert PrefillCostScorer().score(cycle, [a, b])["a"] > PrefillCostScorer().score(cycle, [a, b])["b"]
