@@ -49,6 +49,8 @@ class Routed:
     released: bool = False
     tenant_counted: bool = False
     retry_after_s: int | None = None
+    kv_tokens: int = 0
+    """KV tokens the request was counted as holding on its replica while in flight."""
 
 
 class Router:
@@ -141,7 +143,9 @@ class Router:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             raw_uncached = self._uncached_tokens(features, claims.get(replica.name, 0))
             self.cache_estimate.claimed(replica.name, features.prompt_chars // CHARS_PER_TOKEN - raw_uncached)
-            self.replicas.begin(replica.name, start, prefill_tokens, features.estimated_prompt_tokens)
+            # What it adds to the replica's KV: the part not believed cached (a shared prefix is held
+            # once, however many requests use it).
+            self.replicas.begin(replica.name, start, prefill_tokens, prefill_tokens)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
             pin = decision.reason != Reason.SPILLOVER or self.config.spillover_repin
             try:
@@ -181,7 +185,15 @@ class Router:
                 },
             )
         retry_after = policy.retry_after_s if policy is not None and decision.reason is Reason.QUOTA else None
-        return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted, retry_after_s=retry_after)
+        return Routed(
+            features,
+            decision,
+            now,
+            prefill_tokens,
+            tenant_counted=tenant_counted,
+            retry_after_s=retry_after,
+            kv_tokens=prefill_tokens,
+        )
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
         cached_chars = matched_blocks * self.config.features.block_chars
@@ -218,7 +230,7 @@ class Router:
         if routed.released or routed.decision.replica is None:
             return
         routed.released = True
-        self.replicas.end(routed.decision.replica.name, routed.prefill_tokens, routed.features.estimated_prompt_tokens)
+        self.replicas.end(routed.decision.replica.name, routed.prefill_tokens, routed.kv_tokens)
         if routed.tenant_counted:
             self.tenants.end(routed.features.tenant, routed.decision.replica.name)
         routed.prefill_tokens = 0

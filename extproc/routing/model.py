@@ -26,7 +26,7 @@ class ReplicaState:
     health: float = 1.0
     inflight: int = 0
     inflight_tokens: int = 0
-    """Prompt tokens of the requests in flight there: the KV cache they hold while they run."""
+    """KV the requests in flight there added: their prompts' parts not believed cached before."""
     pending_prefill_tokens: int = 0
     recent_requests: float = 0.0
     queue: int = 0
