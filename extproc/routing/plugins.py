@@ -97,9 +97,10 @@ class OverloadFilter:
     def overloaded(self, state: ReplicaState) -> bool:
         """Whether a replica should take no new work now.
 
-        KV usage is the higher of the last scrape's and the prompts the router has in flight
-        there over the cache's size: a scrape is up to an interval old, and in a burst the one
-        replica that looked below the threshold would otherwise take every request until the next.
+        KV usage is the higher of the last scrape's and the KV the router's requests in flight
+        there added (their prompts' uncached parts) over the cache's size: a scrape is up to an
+        interval old, and in a burst the one replica that looked below the threshold would
+        otherwise take every request until the next.
         """
         kv = state.kv_usage
         if state.kv_capacity_tokens:
@@ -309,8 +310,8 @@ class PrefillCostScorer:
             held = matches.get(c.name, 0) / total if total else 0.0
             cost[c.name] = float(c.pending_prefill_tokens) + tokens * (1.0 - held)
             if self.kv_weight or self.overflow_weight:
-                # KV held by running requests (what the router sent, or what the replica last
-                # reported if more): beyond the cache, this request queues until some finish,
+                # KV held by running requests (what the router's requests in flight added, or what
+                # the replica last reported if more): beyond the cache, this request queues until some finish,
                 # and whatever it takes evicts other sessions' prefixes.
                 held = max(float(c.inflight_tokens), min(1.0, max(0.0, c.kv_usage)) * c.kv_capacity_tokens)
                 cost[c.name] += self.kv_weight * held

@@ -63,8 +63,9 @@ SCORERS.update(CANDIDATE_SCORERS)
 # load are weighed in one unit by the prefill-cost scorer (work already sent there plus the part
 # of this prompt it does not hold), so a shared prefix attracts new work only until the queue
 # behind it costs more than prefilling elsewhere; the KV held by requests in flight there counts
-# too (a tenth of a token each, and in full what this prompt needs beyond the cache: it would
-# queue, and evict other sessions' prefixes). The prefix scorer adds a preference for deep matches
+# too (the uncached parts they added, or the last scrape's usage if more: a tenth of a token
+# each, and in full what this prompt needs beyond the cache: it would queue, and evict other
+# sessions' prefixes). The prefix scorer adds a preference for deep matches
 # on top, and the load scorer a preference for replicas with fewer sessions and free KV cache.
 # The ring only breaks ties (weight 0.1: more overrode real load differences in the simulator),
 # which keeps gateways without shared state in agreement on an idle fleet. Overload is a filter,
