@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from extproc.cache_estimate import CacheEstimate
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
@@ -62,6 +63,8 @@ class Routed:
     """The body rewritten for its arm (its model replaced), to send instead of the client's."""
     refusal: Refusal | None = None
     """Held while the fleet was full and refused (queue full, or waited past its class's limit)."""
+    kv_tokens: int = 0
+    """KV tokens the request was counted as holding on its replica while in flight."""
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -105,6 +108,8 @@ class Router:
         self.profiles = build_profiles(config, profile)
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
+        # Capacity and trust of the prefix index per replica, from the replicas' own metrics.
+        self.cache_estimate = CacheEstimate(config.features.block_chars // CHARS_PER_TOKEN)
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
             self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics)
@@ -193,6 +198,8 @@ class Router:
             self.metrics.store_errors.labels("lookup").inc()
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
+        self.cache_estimate.sync(self.replicas, self.store)
+        claims, view = view.prefix_matches, self.cache_estimate.adjust(view)
         if self.kv_events is not None:
             view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
@@ -204,7 +211,11 @@ class Router:
         tenant_counted = False
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
-            self.replicas.begin(replica.name, start, prefill_tokens)
+            raw_uncached = self._uncached_tokens(features, claims.get(replica.name, 0))
+            self.cache_estimate.claimed(replica.name, features.prompt_chars // CHARS_PER_TOKEN - raw_uncached)
+            # What it adds to the replica's KV: the part not believed cached (a shared prefix is held
+            # once, however many requests use it).
+            self.replicas.begin(replica.name, start, prefill_tokens, prefill_tokens)
             if self.kv_events is not None:
                 self.kv_events.decided(features, replica.name, decision.matched_blocks, start)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
@@ -251,7 +262,7 @@ class Router:
                     "decision_ms": round((now - start) * 1000, 3),
                 },
             )
-        return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted)
+        return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted, kv_tokens=prefill_tokens)
 
     async def explain(self, headers: Mapping[str, str], body: bytes | None) -> Explanation:
         """The decision :meth:`route` would make for this request now, with its trace, and
@@ -266,6 +277,7 @@ class Router:
             log.debug("store peek failed: %s", exc)
             view = AffinityView()
         members = [r.replica.name for r in self.replicas.records()]
+        view = self.cache_estimate.adjust(view)  # as route() weighs the estimate (without syncing it)
         sources = dict.fromkeys(view.prefix_matches, "estimate")
         if self.kv_events is not None:
             view = self.kv_events.view(view, features, members, now)
@@ -371,7 +383,7 @@ class Router:
         if routed.released or routed.decision.replica is None:
             return
         routed.released = True
-        self.replicas.end(routed.decision.replica.name, routed.prefill_tokens)
+        self.replicas.end(routed.decision.replica.name, routed.prefill_tokens, routed.kv_tokens)
         if routed.tenant_counted:
             self.tenants.end(routed.features.tenant, routed.decision.replica.name)
         routed.prefill_tokens = 0

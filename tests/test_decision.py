@@ -41,9 +41,24 @@ def test_pinned_session_is_sticky() -> None:
 
 
 def test_pin_outweighs_a_full_prefix_match_elsewhere() -> None:
-    view = AffinityView(pinned="r2", prefix_matches={"r1": 10})
-    d = decide(features("s1", tuple(range(10))), snapshot(), view, 0.0, build_profile())
+    view = AffinityView(pinned="r2", prefix_matches={"r1": 10, "r2": 10})
+    d = decide(
+        features("s1", tuple(range(10))), snapshot(r1={"inflight": 0}, r2={"inflight": 5}), view, 0.0, build_profile()
+    )
     assert d.replica is not None and d.replica.name == "r2"
+
+
+def test_a_pin_whose_cache_was_evicted_holds_no_more_than_any_replica() -> None:
+    # Under KV pressure the index no longer believes r2 holds the conversation: the pin alone
+    # does not send the next turn back onto a loaded replica.
+    view = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 2, "r3": 2, "r0": 2})
+    snap = snapshot(r2={"inflight": 8, "pending_prefill_tokens": 20_000})
+    d = decide(features("s1", tuple(range(40))), snap, view, 0.0, build_profile())
+    assert d.replica is not None and d.replica.name != "r2"
+    # Still held there: it stays.
+    view = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 40, "r3": 2, "r0": 2})
+    d = decide(features("s1", tuple(range(40))), snap, view, 0.0, build_profile())
+    assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
 
 
 def test_overloaded_pinned_replica_spills_over() -> None:
@@ -173,7 +188,7 @@ replica_loads = st.lists(
 
 @settings(max_examples=150)
 @given(replica_loads, st.integers(0, 9), st.dictionaries(st.integers(0, 9), st.integers(1, 40)), st.text(min_size=1))
-def test_a_session_keeps_its_replica_while_it_is_healthy_and_not_overloaded(
+def test_a_session_keeps_its_replica_while_it_is_healthy_not_overloaded_and_its_cache_held(
     loads: list[tuple[int, int, float, int]], pinned: int, matches: dict[int, int], session: str
 ) -> None:
     pinned %= len(loads)
@@ -183,7 +198,9 @@ def test_a_session_keeps_its_replica_while_it_is_healthy_and_not_overloaded(
             for i, (inf, q, kv, rec) in enumerate(loads)
         )
     )
-    view = AffinityView(pinned=f"r{pinned}", prefix_matches={f"r{k % len(loads)}": v for k, v in matches.items()})
+    held = {f"r{k % len(loads)}": v for k, v in matches.items()}
+    held[f"r{pinned}"] = 40  # its conversation is still believed cached there
+    view = AffinityView(pinned=f"r{pinned}", prefix_matches=held)
     d = decide(features(session, tuple(range(40))), snap, view, 0.0, build_profile())
     assert d.replica is not None and d.replica.name == f"r{pinned}" and d.reason is Reason.STICKY
 

@@ -27,6 +27,7 @@ RANKS = {
     "extproc.rebalance": 4,
     "extproc.queueing": 4,
     "extproc.kvevents": 4,
+    "extproc.cache_estimate": 4,
     "extproc.state": 3,
     "extproc.tenancy": 3,
     "extproc.metrics": 2,

@@ -73,9 +73,9 @@ def test_sticky_routing_beats_round_robin_and_stays_under_the_ceilings() -> None
     assert rr["load_cv"] < 0.01  # round robin is perfectly even in requests
 
 
-def test_oracle_reads_the_replicas_true_caches() -> None:
+def test_llmd_precise_reads_the_replicas_true_caches() -> None:
     spec = WorkloadSpec("sglang-shared-prefix", rate=0.25, limit=120)
-    sim = simulate("oracle", spec)
+    sim = simulate("llmd_precise", spec)
     seen: list[dict[str, int]] = []
     probe = sim.probe
     original = probe.cached_tokens
@@ -86,9 +86,9 @@ def test_oracle_reads_the_replicas_true_caches() -> None:
         return got
 
     probe.cached_tokens = spy  # type: ignore[method-assign]
-    oracle = figures(sim.run())
+    precise = figures(sim.run())
     rr = figures(simulate("round_robin", spec).run())
-    assert oracle["hit_ratio"] > rr["hit_ratio"]
+    assert precise["hit_ratio"] > rr["hit_ratio"]
     assert len(seen) == 120 and any(max(v.values(), default=0) >= 2048 for v in seen)
 
 

@@ -163,3 +163,17 @@ async def test_cordons_reach_every_reader_until_released(harness: Harness) -> No
     assert await harness.reader.cordons() == {"r1": "cordoned", "r2": "drained"}
     await harness.store.set_cordon("r1", None)
     assert await harness.reader.cordons() == {"r2": "drained"}
+
+
+async def test_a_replica_capacity_bounds_what_it_is_believed_to_hold(harness: Harness) -> None:
+    # r1 reported a cache of 4 blocks; r2 keeps the store's default (8).
+    harness.store.set_capacity("r1", 4)
+    await harness.record(None, "r1", [1, 2, 3, 4])
+    await harness.record(None, "r2", [1, 2, 3, 4])
+    await harness.record(None, "r1", [10, 11, 12])
+    await harness.record(None, "r2", [10, 11, 12])
+    # r1 must have evicted the older prompt's tail (least recently routed first); r2 holds both.
+    _, matches = await harness.lookup(None, [1, 2, 3, 4])
+    assert matches == {"r1": 1, "r2": 4}
+    _, matches = await harness.lookup(None, [10, 11, 12])
+    assert matches == {"r1": 3, "r2": 3}

@@ -47,6 +47,7 @@ class ReplicaRecord:
 
     replica: Replica
     inflight: int = 0
+    inflight_tokens: int = 0
     pending_prefill_tokens: int = 0
     recent: float = 0.0
     recent_at: float = 0.0
@@ -67,6 +68,12 @@ class ReplicaRecord:
     errors: int = 0
 
 
+def _kv_tokens(metrics: ReplicaMetrics | None) -> int:
+    if metrics is None or not metrics.num_gpu_blocks or not metrics.block_size:
+        return 0
+    return metrics.num_gpu_blocks * metrics.block_size
+
+
 class ReplicaBook:
     """All replicas' records; produces the immutable :class:`Snapshot` each decision reads."""
 
@@ -76,6 +83,8 @@ class ReplicaBook:
         # Ejections decided between evaluations (upstream failures seen by Envoy), reported by the
         # next evaluate() so that they are counted and their sessions moved like any other.
         self._unreported: list[Transition] = []
+        self.scrapes = 0
+        """Successful scrapes taken in so far (readers of ``metrics`` check it for news)."""
 
     def __contains__(self, name: str) -> bool:
         return name in self._records
@@ -123,11 +132,13 @@ class ReplicaBook:
                     in_rotation=r.rotation.in_rotation,
                     health=r.health,
                     inflight=r.inflight,
+                    inflight_tokens=r.inflight_tokens,
                     pending_prefill_tokens=r.pending_prefill_tokens,
                     recent_requests=self._decayed(r, now),
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
                     kv_usage=r.kv_usage if fresh else 0.0,
+                    kv_capacity_tokens=_kv_tokens(r.metrics),
                     adapters=frozenset(lora.running) if lora else frozenset(),
                     adapters_waiting=frozenset(lora.waiting) if lora else frozenset(),
                     max_lora=lora.max_lora if lora else 0,
@@ -138,13 +149,15 @@ class ReplicaBook:
 
     # --- what the decision changes ----------------------------------------------------------------
 
-    def begin(self, name: str, now: float, prefill_tokens: int = 0) -> None:
-        """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there."""
+    def begin(self, name: str, now: float, prefill_tokens: int = 0, kv_tokens: int = 0) -> None:
+        """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there
+        and ``kv_tokens`` it will hold in the KV cache while it runs (its whole prompt)."""
         rec = self._records.get(name)
         if rec is not None:
             rec.recent = self._decayed(rec, now) + 1.0
             rec.recent_at = now
             rec.inflight += 1
+            rec.inflight_tokens += kv_tokens
             rec.requests += 1
             rec.pending_prefill_tokens += prefill_tokens
 
@@ -154,11 +167,13 @@ class ReplicaBook:
         if rec is not None:
             rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
 
-    def end(self, name: str, prefill_tokens: int = 0) -> None:
-        """A request to ``name`` finished (or was abandoned); ``prefill_tokens`` still pending are dropped."""
+    def end(self, name: str, prefill_tokens: int = 0, kv_tokens: int = 0) -> None:
+        """A request to ``name`` finished (or was abandoned); ``prefill_tokens`` still pending are
+        dropped and the ``kv_tokens`` it held are freed."""
         rec = self._records.get(name)
         if rec is not None and rec.inflight > 0:
             rec.inflight -= 1
+            rec.inflight_tokens = max(0, rec.inflight_tokens - kv_tokens)
             rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
 
     # --- what the world says -------------------------------------------------------------------
@@ -180,6 +195,7 @@ class ReplicaBook:
             return
         rec.queue, rec.running, rec.kv_usage = metrics.waiting, metrics.running, metrics.kv_usage
         rec.metrics = metrics
+        self.scrapes += 1
         rec.scraped_at = now
         rec.scrape_failures = 0
         rec.refused = False

@@ -26,11 +26,15 @@ class ReplicaState:
     in_rotation: bool = True
     health: float = 1.0
     inflight: int = 0
+    inflight_tokens: int = 0
+    """KV the requests in flight there added: their prompts' parts not believed cached before."""
     pending_prefill_tokens: int = 0
     recent_requests: float = 0.0
     queue: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    kv_capacity_tokens: int = 0
+    """The replica's KV cache in tokens (``vllm:cache_config_info``), 0 while unknown."""
     adapters: frozenset[str] = frozenset()
     adapters_waiting: frozenset[str] = frozenset()
     max_lora: int = 0

@@ -95,8 +95,17 @@ class OverloadFilter:
     name: str = "overload"
 
     def overloaded(self, state: ReplicaState) -> bool:
-        """Whether a replica should take no new work now."""
-        return state.kv_usage > self.kv_threshold or state.queue > self.queue_threshold
+        """Whether a replica should take no new work now.
+
+        KV usage is the higher of the last scrape's and the KV the router's requests in flight
+        there added (their prompts' uncached parts) over the cache's size: a scrape is up to an
+        interval old, and in a burst the one replica that looked below the threshold would
+        otherwise take every request until the next.
+        """
+        kv = state.kv_usage
+        if state.kv_capacity_tokens:
+            kv = max(kv, state.inflight_tokens / state.kv_capacity_tokens)
+        return kv > self.kv_threshold or state.queue > self.queue_threshold
 
     def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
         """Drop overloaded replicas."""
@@ -177,14 +186,29 @@ class LoraFilter:
 
 @dataclass(slots=True)
 class SessionAffinityScorer:
-    """1 for the replica the session is pinned to, 0 elsewhere."""
+    """1 for the replica the session is pinned to, 0 elsewhere.
 
+    With ``by_cache`` (the default), the pin is worth what the replica is still believed to hold of the prompt
+    (its prefix match over the prompt's blocks, at least ``floor``): a pin is only worth keeping
+    for the cache behind it, and under KV pressure a replica that must have evicted the
+    conversation's earlier turns is no better a place for it than any other, so placement falls
+    to the cost and load scorers instead of piling pinned sessions onto a full replica.
+    """
+
+    by_cache: bool = True
+    floor: float = 0.0
     name: str = "session_affinity"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
         """Score the pinned replica."""
         pinned = cycle.view.pinned
-        return {pinned: 1.0} if pinned else {}
+        if not pinned:
+            return {}
+        total = len(cycle.features.prefix_hashes)
+        if not self.by_cache or not total:
+            return {pinned: 1.0}
+        held = cycle.view.prefix_matches.get(pinned, 0) / total
+        return {pinned: max(self.floor, held)}
 
 
 @dataclass(slots=True)
@@ -267,6 +291,8 @@ class PrefillCostScorer:
     """
 
     floor_tokens: int = 2048
+    kv_weight: float = 0.0
+    overflow_weight: float = 0.0
     name: str = "prefill_cost"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
@@ -281,6 +307,14 @@ class PrefillCostScorer:
         for c in candidates:
             held = matches.get(c.name, 0) / total if total else 0.0
             cost[c.name] = float(c.pending_prefill_tokens) + tokens * (1.0 - held)
+            if self.kv_weight or self.overflow_weight:
+                # KV held by running requests (what the router's requests in flight added, or what
+                # the replica last reported if more): beyond the cache, this request queues until some finish,
+                # and whatever it takes evicts other sessions' prefixes.
+                held = max(float(c.inflight_tokens), min(1.0, max(0.0, c.kv_usage)) * c.kv_capacity_tokens)
+                cost[c.name] += self.kv_weight * held
+                if c.kv_capacity_tokens:
+                    cost[c.name] += self.overflow_weight * max(0.0, held + tokens - c.kv_capacity_tokens)
         return _relative(cost, float(self.floor_tokens))
 
 

@@ -91,15 +91,21 @@ REGISTRY = PluginRegistry(
 )
 """The router's own plugins: what a config file may name."""
 
-# Weights: a live pin outweighs everything else together. Prefix overlap and load are weighed in
-# one unit by the prefill-cost scorer (work already sent there plus the part of this prompt it
-# does not hold), so a shared prefix attracts new work only until the queue behind it costs more
-# than prefilling elsewhere; the prefix scorer adds a preference for deep matches on top, and the
-# load scorer a preference for replicas with fewer sessions and free KV cache. The ring only breaks
-# ties (weight 0.1: more overrode real load differences in the simulator), which keeps gateways
-# without shared state in agreement on an idle fleet. Overload is a filter, not a weight: no amount
-# of affinity pushes a replica that is out of KV blocks. Tuned with `extproc bench routing`
-# (benchmarks/routing.md).
+# Weights: a live pin outweighs everything else together, as far as the cache behind it is
+# still believed held (``by_cache``: under KV pressure a pin whose conversation was evicted is
+# worth no more than any other replica, and placement falls to cost and load). Prefix overlap and
+# load are weighed in one unit by the prefill-cost scorer (work already sent there plus the part
+# of this prompt it does not hold), so a shared prefix attracts new work only until the queue
+# behind it costs more than prefilling elsewhere. (Its ``kv_weight`` and ``overflow_weight``,
+# which also count the KV held there, are off: in the KV-pressure sweep they spread shared-prefix
+# groups, 29% against 36% hit ratio at 6,000 blocks, and gained nothing on multi-turn.) The
+# prefix scorer adds a preference for deep matches on top, and the load scorer a preference for
+# replicas with fewer sessions and free KV cache. The ring only breaks ties (weight 0.1: more
+# overrode real load differences in the simulator), which keeps gateways without shared state in
+# agreement on an idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a
+# replica that is out of KV blocks (judged on the fresher of the last scrape and what the router
+# sent since). Tuned with `extproc bench routing` (benchmarks/routing.md, including its
+# KV-pressure sweep).
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [
         {"type": "pool"},

@@ -65,8 +65,10 @@ class SessionMap:
 class PrefixIndex:
     """Approximate prefix index: block hash -> replicas believed to hold it.
 
-    Learned from the router's own decisions. Each replica keeps at most ``blocks_per_replica``
-    blocks, least recently routed evicted first, as its real cache would.
+    Learned from the router's own decisions. Each replica keeps at most its capacity in blocks
+    (``blocks_per_replica``, or what :meth:`set_capacity` gave it: the replica's own KV cache as it
+    reports it), least recently routed evicted first, as its real cache would: what was sent there
+    most recently survives, and a prefix the replica must have evicted is no longer claimed.
 
     The holders of a block are a bitmask (an int, one bit a replica) rather than a set: a full
     index holds hundreds of thousands of blocks, and sets are objects the garbage collector walks
@@ -80,6 +82,33 @@ class PrefixIndex:
         self._bit: dict[str, int] = {}  # replica -> its bit
         self._free_bits: list[int] = []
         self._next_bit = 1
+        self._capacity: dict[str, int] = {}
+
+    def capacity(self, replica: str) -> int:
+        """How many blocks ``replica`` is believed able to hold."""
+        return self._capacity.get(replica, self.blocks_per_replica)
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Bound what ``replica`` is believed to hold to ``blocks`` (its least recent go now)."""
+        self._capacity[replica] = max(1, blocks)
+        lru = self._per_replica.get(replica)
+        bit = self._bit.get(replica)
+        if lru is not None and bit is not None:
+            self._trim(lru, bit, self._capacity[replica])
+
+    def held(self, replica: str) -> int:
+        """Blocks ``replica`` is believed to hold now."""
+        lru = self._per_replica.get(replica)
+        return len(lru) if lru is not None else 0
+
+    def held_blocks(self, replica: str) -> list[int]:
+        """The hashes ``replica`` is believed to hold, least recently used first."""
+        return list(self._per_replica.get(replica, ()))
+
+    def _trim(self, lru: OrderedDict[int, None], bit: int, capacity: int) -> None:
+        while len(lru) > capacity:
+            old, _ = lru.popitem(last=False)
+            self._unset(old, bit)
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -128,9 +157,7 @@ class PrefixIndex:
                 continue
             lru[h] = None
             owners[h] = owners.get(h, 0) | bit
-        while len(lru) > self.blocks_per_replica:
-            old, _ = lru.popitem(last=False)
-            self._unset(old, bit)
+        self._trim(lru, bit, self._capacity.get(replica, self.blocks_per_replica))
 
     def _take_bit(self) -> int:
         bit, self._next_bit = self._next_bit, self._next_bit << 1
@@ -189,6 +216,10 @@ class MemoryStore:
             self.sessions.put(_per_model(model, session_key), replica, now)
         if prefix_hashes:
             self.prefixes.add(replica, prefix_hashes)
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Bound the blocks ``replica`` is believed to hold (its KV cache, in prefix blocks)."""
+        self.prefixes.set_capacity(replica, blocks)
 
     async def forget_replica(self, replica: str) -> None:
         """Drop the replica's prefix entries and pins."""

@@ -133,6 +133,7 @@ class RedisStore:
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.prefix_ttl_ms = max(1, round((prefix_ttl_s or ttl_s) * 1000))
         self.blocks_per_replica = blocks_per_replica
+        self.capacities: dict[str, int] = {}
         self.local = MemoryStore(ttl_s, max_sessions, blocks_per_replica)
         self.near = NearCache(min(near_cache_ttl_s, ttl_s), near_cache_size)
         # Whole-operation bound on top of the socket timeouts (a connect plus a read, or a
@@ -272,7 +273,7 @@ class RedisStore:
             self.ttl_ms if w.session else 0,
             self.prefix_ttl_ms,
             w.replica,
-            self.blocks_per_replica,
+            self.capacities.get(w.replica, self.blocks_per_replica),
             pack_hashes(w.hashes),
             1 if w.pin else 0,  # unpinned (a spillover), the session was still used: its TTL slides
             self.prefix_ttl_ms // 8,
@@ -325,6 +326,12 @@ class RedisStore:
         jobs: list[Awaitable[Any]] = [one(call) for call in calls]
         jobs += [_async(self.client.sadd(self.keys.models_key, model)) for model in new_models]
         return list(await asyncio.gather(*jobs, return_exceptions=True))
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Bound what ``replica`` is believed to hold, here and in Redis (each write trims the
+        replica's index to it)."""
+        self.capacities[replica] = max(1, blocks)
+        self.local.set_capacity(replica, blocks)
 
     async def forget_replica(self, replica: str) -> None:
         """Drop the replica's prefix entries here and, for every model, in Redis."""

@@ -47,6 +47,11 @@ class AffinityStore(Protocol):
         """Remember a decision: pin the session (when ``pin``) and index the prefix on ``replica``."""
         ...
 
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Bound how many prefix blocks ``replica`` is believed to hold: its KV cache as it
+        reports it. Beyond it, the least recently routed blocks are no longer claimed."""
+        ...
+
     async def forget_replica(self, replica: str) -> None:
         """Drop a replica's prefix entries (it left, or its cache is gone).
 

@@ -18,7 +18,14 @@ published benchmarks), not from their code:
   API Inference Extension's default profile: queue 2, kv-cache 2, prefix 3; ties broken at random).
 - ``dynamo_kv`` (NVIDIA Dynamo's KV router): lowest ``overlap_weight x prefill blocks + decode
   blocks``, the overlap taken from the replicas' real caches (KV events) when a probe is given.
-- ``oracle``: the longest prefix the replicas *really* hold (a reference, not a router).
+- ``llmd_precise`` (llm-d's precise prefix-cache routing): ``llmd_precise_prefix`` (the longest
+  prefix each replica really holds, from KV events, over the best candidate's), ``llmd_load_aware``
+  (waiting requests, 0.5 when none, falling to 0 at a threshold of 128) and GIE's kv-cache
+  utilization scorer; the benchmark's ``llmd_precise`` weighs precise prefix 2, kv-cache
+  utilization 1 and queue 1, as llm-d's precise-prefix-cache guide configures them.
+- ``oracle``: the longest prefix the replicas *really* hold, greedy (no longer in the benchmark:
+  it herded everything onto one replica; ``dynamo_kv`` and ``llmd_precise`` read the true cache
+  and load instead).
 
 Pickers of other routers keep the state those routers keep (a round-robin counter, an
 approximate tree) and update it when they pick: they stand for a whole router, not for one
@@ -408,7 +415,52 @@ class OraclePicker:
         return sorted(candidates, key=lambda c: (-cached.get(c.name, 0), c.inflight, c.name))
 
 
+# --- llm-d ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PrecisePrefixScorer:
+    """llm-d's precise prefix-cache scorer: each replica's longest cached prefix of the prompt, as
+    its KV events report it (here: the probe of the replicas' real caches), in blocks, min-max
+    normalised over the replicas that hold any (all of them 1 when they hold the same; 0 for a
+    replica holding none), as llm-d normalises its indexed scores."""
+
+    probe: CacheProbe | None = None
+    block_size: int = 16
+    name: str = "llmd_precise_prefix"
+
+    def __post_init__(self) -> None:
+        if self.probe is None:
+            raise ValueError("llmd_precise_prefix needs the replicas' cache state (a probe)")
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Matched blocks, min-max normalised over the holders."""
+        assert self.probe is not None
+        cached = self.probe.cached_tokens(cycle.features)
+        blocks = {c.name: n for c in candidates if (n := cached.get(c.name, 0) // self.block_size) > 0}
+        if not blocks:
+            return {}
+        lo, hi = min(blocks.values()), max(blocks.values())
+        return {name: 1.0 if hi == lo else (n - lo) / (hi - lo) for name, n in blocks.items()}
+
+
+@dataclass(slots=True)
+class LoadAwareScorer:
+    """llm-d's load-aware scorer: 0.5 for a replica with no waiting requests, falling linearly to
+    0 at ``threshold`` waiting (as last scraped)."""
+
+    threshold: int = 128
+    name: str = "llmd_load_aware"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Half a point for an empty queue, less as it fills."""
+        cap = max(1, self.threshold)
+        return {c.name: 0.5 * (1.0 - min(c.queue, cap) / cap) for c in candidates}
+
+
 PEER_SCORERS: dict[str, Callable[..., Scorer]] = {
+    "llmd_precise_prefix": PrecisePrefixScorer,
+    "llmd_load_aware": LoadAwareScorer,
     "gie_queue": QueueScorer,
     "gie_kv_cache": KVCacheUtilizationScorer,
     "gie_prefix": MatchFractionScorer,

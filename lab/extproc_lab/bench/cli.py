@@ -36,6 +36,13 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "--policies", default=",".join(ALL), help=f"comma-separated, in table order (default: {','.join(ALL)})"
     )
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (the profile's num_gpu_blocks)")
+    p.add_argument(
+        "--kv-blocks-sweep",
+        default=None,
+        metavar="N,N,...",
+        help="run at each of these KV block counts per replica (e.g. 3000,6000,12000,27545); one table across levels",
+    )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument("--config", dest="router_config", help="router YAML config: its profile is the 'extproc' policy")
     p.add_argument(
@@ -133,9 +140,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     spec = WorkloadSpec(
         name=args.workload, trace=args.trace, rate=args.rate, seed=args.seed, limit=args.limit, traces=args.traces_dir
     )
-    setup = BenchSetup(spec, args.replicas, args.profile, args.seed, args.router_config, tuple(variants))
+    setup = BenchSetup(
+        spec, args.replicas, args.profile, args.seed, args.router_config, tuple(variants), kv_blocks=args.kv_blocks
+    )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     policies += [n for n, _ in variants if n not in policies]
+    if args.kv_blocks_sweep:
+        return _run_sweep_command(args, setup, policies)
     try:
         result = run_bench(setup, policies, jobs=args.jobs, show_progress=not args.quiet)
     except (ValueError, FileNotFoundError) as exc:
@@ -168,4 +179,32 @@ def run_bench_command(args: argparse.Namespace) -> int:
             print("plots: " + ", ".join(str(p) for p in paths))
         else:
             print("plots skipped: matplotlib is not installed (pip install 'extproc-router[bench]')")
+    return 0
+
+
+def _run_sweep_command(args: argparse.Namespace, setup: Any, policies: list[str]) -> int:
+    """``--kv-blocks-sweep``: one run per level, one table across levels, the targets per level."""
+    from extproc_lab.bench.pressure import format_sweep, parse_levels, run_sweep, sweep_verdict
+
+    try:
+        levels = parse_levels(args.kv_blocks_sweep)
+        results = run_sweep(setup, levels, policies, jobs=args.jobs, show_progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"extproc bench: {exc}", file=sys.stderr)
+        return 2
+    w = results[0].workload
+    walls = ", ".join(f"{r.workload['kv_blocks_per_replica']}: {r.wall_s:.0f}s" for r in results)
+    print(
+        f"\n{w['name']}: {w['requests']} requests, {w['sessions']} sessions, mean prompt {w['mean_prompt_tokens']:.0f} "
+        f"tokens; {args.replicas} x {args.profile}, rate x{args.rate:g}, seed {args.seed} (wall {walls})\n"
+    )
+    print(format_sweep(results))
+    for r in results:
+        for line in sweep_verdict(r):
+            print(f"  {line}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        payload = {"levels": [{"kv_blocks": lv, **r.to_json()} for lv, r in zip(levels, results, strict=True)]}
+        Path(args.json_path).write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"figures written to {args.json_path}")
     return 0

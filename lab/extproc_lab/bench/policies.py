@@ -27,7 +27,7 @@ PEERS = (
     "sglang_cache_aware",
     "gie_default",
     "dynamo_kv",
-    "oracle",
+    "llmd_precise",
 )
 CEILINGS = ("pooled", "ideal")
 ALL = (OURS, *PEERS, *CEILINGS)
@@ -98,7 +98,24 @@ PEER_DEFS: dict[str, PolicyDef] = {
             "Dynamo: min overlap x prefill + decode blocks, KV events",
             lambda p, s, r: _picker("dynamo_kv", probe=p, num_gpu_blocks=r.num_gpu_blocks, block_size=r.block_size),
         ),
-        PolicyDef("oracle", "longest true cached prefix (greedy)", lambda p, s, r: _picker("oracle", probe=p)),
+        PolicyDef(
+            "llmd_precise",
+            "llm-d: precise prefix (KV events) 2, kv-cache 1, queue 1",
+            lambda p, s, r: {
+                "filters": [],
+                "scorers": [
+                    {
+                        "type": "llmd_precise_prefix",
+                        "weight": 2,
+                        "parameters": {"probe": p, "block_size": r.block_size},
+                    },
+                    {"type": "gie_kv_cache", "weight": 1},
+                    {"type": "gie_queue", "weight": 1},
+                ],
+                "picker": {"type": "gie_max_score", "parameters": {"seed": s}},
+            },
+            GIE_SCRAPE_INTERVAL_S,
+        ),
     )
 }
 

@@ -8,6 +8,7 @@ main process on the workload's nominal request order.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -34,9 +35,10 @@ from extproc_lab.bench.policies import (
 )
 from extproc_lab.bench.progress import ProgressBar
 from extproc_lab.bench.workloads import WorkloadSpec
-from extproc_lab.replica.timing import get_profile
+from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.ceilings import ceilings
 from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
+from extproc_lab.sim.pressure import working_set
 from extproc_lab.sim.simulator import Simulation
 from extproc_lab.sim.workload import Workload
 
@@ -52,6 +54,13 @@ class BenchSetup:
     router_config: str | None = None
     variants: tuple[tuple[str, str], ...] = ()
     window_s: float | None = None
+    kv_blocks: int | None = None
+    """KV blocks per replica (the profile's ``num_gpu_blocks``); None keeps the profile's."""
+
+    def replica_profile(self) -> ReplicaProfile:
+        """The replica profile, with ``kv_blocks`` blocks if given."""
+        profile = get_profile(self.profile)
+        return dataclasses.replace(profile, num_gpu_blocks=self.kv_blocks) if self.kv_blocks else profile
 
     def config(self) -> Config:
         """The router's config (its ``profile:`` is the ``extproc`` policy)."""
@@ -99,7 +108,7 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
     """Simulate one policy over the setup's workload."""
     started = time.monotonic()
     workload = _workload(setup.workload)
-    replica = get_profile(setup.profile)
+    replica = setup.replica_profile()
     config = setup.config()
     variants = setup.variant_profiles()
     progress = _WORKER.get("progress")
@@ -149,6 +158,7 @@ class BenchResult:
             "setup": {
                 "replicas": s.replicas,
                 "replica_profile": s.profile,
+                "kv_blocks": s.kv_blocks,
                 "seed": s.seed,
                 "rate": s.workload.rate,
                 "router_config": s.router_config,
@@ -179,7 +189,7 @@ def run_bench(
     if unknown:
         raise ValueError(f"unknown policies: {', '.join(unknown)}; known: {', '.join([*ALL, *EXTRA, *variants])}")
     workload = setup.workload.build()
-    replica = get_profile(setup.profile)
+    replica = setup.replica_profile()
     routed = [p for p in policies if p not in CEILINGS]
     results: dict[str, PolicyResult] = {}
     total = len(workload) * len(routed)
@@ -219,7 +229,14 @@ def run_bench(
             )
         else:
             ordered[name] = results[name]
-    return BenchResult(setup, workload.summary(), ordered, time.monotonic() - started)
+    pressure = working_set(workload, setup.replicas, replica.num_gpu_blocks, replica.block_size)
+    summary = {
+        **workload.summary(),
+        "kv_blocks_per_replica": replica.num_gpu_blocks,
+        "working_set_ratio": round(pressure.mean_ratio, 4),
+        "working_set_peak_ratio": round(pressure.peak_ratio, 4),
+    }
+    return BenchResult(setup, summary, ordered, time.monotonic() - started)
 
 
 def _run_spawned(
@@ -275,6 +292,7 @@ COLUMNS = (
     ("CV busy", 8),
     ("CV prefill", 10),
     ("stayed", 7),
+    ("preempt", 8),
 )
 
 
@@ -292,7 +310,7 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
         f = r.figures
         label = f"{name} *" if name == OURS else name
         if "ttft_p50_s" not in f:
-            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f")] + ["-"] * 9)
+            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f")] + ["-"] * 10)
             continue
         rows.append(
             [
@@ -308,6 +326,7 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
                 _cell(f["load_cv_busy"], ".3f"),
                 _cell(f["load_cv_prefill"], ".3f"),
                 _cell(f["sticky_stayed"], ".0%"),
+                _cell(f.get("preemptions"), "d"),
             ]
         )
     heads = [h for h, _ in COLUMNS]
@@ -329,13 +348,11 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
 def verdict(result: BenchResult, tolerance: float = 0.02) -> list[str]:
     """Where ours is not at least as good as the best peer on TTFT p99 and hit ratio (within
     ``tolerance``), and where it is strictly better; one line each. Peers are the other routers'
-    policies (not the oracle, the ceilings or ``--variant`` profiles)."""
+    policies (not the ceilings or ``--variant`` profiles)."""
     ours = result.results.get(OURS)
     if ours is None:
         return []
-    peers = {
-        n: r.figures for n, r in result.results.items() if n in PEERS and n != "oracle" and "ttft_p99_s" in r.figures
-    }
+    peers = {n: r.figures for n, r in result.results.items() if n in PEERS and "ttft_p99_s" in r.figures}
     if not peers:
         return []
     f = ours.figures

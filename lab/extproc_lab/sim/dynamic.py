@@ -26,7 +26,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from extproc.health.replicas import LoadReport
 from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
 from extproc.request.openai_body import render_chat
 from extproc.request.prefix import block_hashes, model_seed
@@ -34,7 +33,7 @@ from extproc.router import Routed
 from extproc.routing.model import Replica
 from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.model import ReplicaModel, Seq
-from extproc_lab.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync
+from extproc_lab.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync, scrape
 from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL
 from extproc_lab.stats import percentile
 
@@ -261,8 +260,7 @@ class DynamicSimulation(Simulation):
                 last_tick = tick
                 at = tick * interval
                 for i, model in enumerate(models):
-                    report = LoadReport(model.num_waiting, model.num_running, model.kv_cache_usage_perc)
-                    book.apply_report(names[i], report, at)
+                    book.apply_scrape(names[i], scrape(model), at)
                 if self._evaluate:
                     book.evaluate(at)
             if kind == _CONTROL:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from extproc.config import Config
-from extproc.health.replicas import LoadReport
+from extproc.health.vllm_metrics import ReplicaMetrics
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
@@ -53,6 +53,21 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return result
     coro.close()
     raise RuntimeError("the simulator needs a store that answers without waiting (the memory store)")
+
+
+def scrape(model: ReplicaModel) -> ReplicaMetrics:
+    """What the scraper would read from the model's /metrics page: load, prefix-cache counters
+    and the cache's size (``vllm:cache_config_info``)."""
+    return ReplicaMetrics(
+        running=model.num_running,
+        waiting=model.num_waiting,
+        kv_usage=model.kv_cache_usage_perc,
+        prefix_queries=float(model.prefix_queries_tokens),
+        prefix_hits=float(model.prefix_hits_tokens),
+        preemptions=float(model.preemptions),
+        block_size=model.profile.block_size,
+        num_gpu_blocks=model.profile.num_gpu_blocks,
+    )
 
 
 class VirtualClock:
@@ -302,8 +317,7 @@ class Simulation:
                 last_tick = tick
                 at = tick * interval
                 for i, model in enumerate(models):
-                    report = LoadReport(model.num_waiting, model.num_running, model.kv_cache_usage_perc)
-                    book.apply_report(names[i], report, at)
+                    book.apply_scrape(names[i], scrape(model), at)
                 if self._evaluate:
                     book.evaluate(at)
             if kind == _ARRIVAL:

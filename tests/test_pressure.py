@@ -1,0 +1,224 @@
+"""KV pressure: the working-set figure, the bench's ``--kv-blocks`` levels, and the prefix index's
+model of what a replica of a given capacity still holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.cache_estimate import CacheEstimate
+from extproc.request.features import RequestFeatures
+from extproc.routing.model import AffinityView, Replica, ReplicaState, Snapshot
+from extproc.routing.plugins import CycleState, OverloadFilter, PrefillCostScorer
+from extproc.routing.ring import HashRing
+from extproc.state.memory import PrefixIndex
+from extproc_lab.bench.pressure import format_sweep, parse_levels, run_sweep
+from extproc_lab.bench.routing import BenchSetup
+from extproc_lab.bench.workloads import WorkloadSpec
+from extproc_lab.replica.model import ReplicaModel, Seq
+from extproc_lab.replica.timing import get_profile
+from extproc_lab.sim.pressure import working_set
+from extproc_lab.sim.workload import SimRequest, Workload
+
+
+def _req(i: int, keys: tuple[int, ...]) -> SimRequest:
+    return SimRequest(index=i, arrival_s=float(i), prompt_tokens=16 * len(keys), output_tokens=1, keys=keys)
+
+
+def test_working_set_counts_blocks_from_first_to_last_use() -> None:
+    # Block 1 is used by requests 0..2 (live at 3 requests), block 2 by 0..1 (2), block 3 once (0).
+    wl = Workload("w", [_req(0, (1, 2, 3)), _req(1, (1, 2)), _req(2, (1,)), _req(3, (9,))])
+    p = working_set(wl, replicas=2, num_gpu_blocks=1)
+    assert p.capacity_tokens == 32
+    assert p.peak_live_tokens == 32
+    assert p.mean_live_tokens == (32 + 32 + 16 + 0) / 4
+    assert p.mean_ratio == 80 / 4 / 32
+
+
+def test_parse_levels_rejects_nonsense() -> None:
+    assert parse_levels("3000, 6000") == [3000, 6000]
+    for bad in ("", "0", "-5,100"):
+        try:
+            parse_levels(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} accepted")
+
+
+def test_a_sweep_runs_each_level_with_its_capacity() -> None:
+    setup = BenchSetup(WorkloadSpec("multi-turn", limit=300), replicas=4)
+    results = run_sweep(setup, [200, 4000], ["round_robin", "pooled"], show_progress=False)
+    small, large = (r.workload for r in results)
+    assert (small["kv_blocks_per_replica"], large["kv_blocks_per_replica"]) == (200, 4000)
+    assert abs(small["working_set_ratio"] - 20 * large["working_set_ratio"]) < 0.01
+    # Less cache, fewer hits, for the ceiling and for a real policy.
+    hit = [{n: r.figures["hit_ratio"] for n, r in res.results.items()} for res in results]
+    assert hit[0]["pooled"] < hit[1]["pooled"]
+    assert hit[0]["round_robin"] < hit[1]["round_robin"]
+    table = format_sweep(results)
+    assert "| 200 |" in table and "| 4,000 |" in table
+
+
+# --- the estimate against the replica model -------------------------------------------------
+
+
+def _chain(parent: int, n: int, salt: int) -> list[int]:
+    """``n`` chained block keys after ``parent``: a key names its whole prefix, as vLLM's do."""
+    out = []
+    for i in range(n):
+        parent = hash((parent, salt, i)) & ((1 << 62) - 1)
+        out.append(parent)
+    return out
+
+
+def _stream(rng: random.Random, requests: int) -> list[tuple[int, ...]]:
+    """Prompts as block keys: conversations that grow turn by turn, some opening with one of a
+    few shared system prompts, and one-off prompts."""
+    systems = [_chain(0, rng.randint(4, 30), s) for s in range(3)]
+    sessions: list[list[int]] = []
+    out = []
+    for k in range(requests):
+        roll = rng.random()
+        if sessions and roll < 0.6:
+            conv = rng.choice(sessions)
+            conv.extend(_chain(conv[-1], rng.randint(2, 12), k))
+            out.append(tuple(conv))
+        elif roll < 0.85:
+            base = list(rng.choice(systems)) if rng.random() < 0.7 else []
+            conv = base + _chain(base[-1] if base else k + 1, rng.randint(5, 60), k)
+            sessions.append(conv)
+            if len(sessions) > 40:
+                sessions.pop(0)
+            out.append(tuple(conv))
+        else:
+            out.append(tuple(_chain(k + 7, rng.randint(3, 80), -k)))
+    return out
+
+
+def _run_until_idle(model: ReplicaModel, now: float) -> float:
+    while True:
+        duration = model.begin_step(now, 1 << 20)
+        if duration is None:
+            return now
+        now += duration
+        model.end_step()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(800, 3000),
+    concurrency=st.integers(1, 4),
+    output_tokens=st.integers(1, 200),
+)
+def test_the_estimate_forgets_what_a_replica_of_its_capacity_must_have_evicted(
+    seed: int, num_blocks: int, concurrency: int, output_tokens: int
+) -> None:
+    """Random request streams through the replica model and, as the router records them, into
+    the prefix index bounded by the capacity the replica reports: the index never claims more
+    blocks than the replica holds, and at least 90% of what it claims is really cached. (The
+    estimate keeps 10% of the cache for what running requests hold privately: up to 4 requests
+    of 200 output tokens here, under 10% of 800 blocks.)"""
+    rng = random.Random(seed)
+    profile = dataclasses.replace(get_profile("llama-8b-h100"), num_gpu_blocks=num_blocks)
+    model = ReplicaModel(profile)
+    estimate = CacheEstimate(block_tokens=16)
+    index = PrefixIndex(blocks_per_replica=10**9)  # unbounded unless the estimate says otherwise
+    index.set_capacity("r", estimate.capacity_blocks(profile.num_gpu_blocks, profile.block_size))
+    stream = _stream(rng, 300)
+    now = 0.0
+    checks = 0
+    for start in range(0, len(stream), concurrency):
+        for j, keys in enumerate(stream[start : start + concurrency]):
+            if 16 * (len(keys) + 1) + output_tokens > 16 * num_blocks:
+                continue  # vLLM refuses a request longer than its whole cache
+            model.submit(Seq(f"q{start + j}", 16 * len(keys) + 5, output_tokens, keys), now)
+            index.add("r", keys)
+        now = _run_until_idle(model, now)
+        claimed = index.held_blocks("r")
+        assert len(claimed) <= num_blocks
+        if len(claimed) >= num_blocks // 2:  # once the cache has filled enough to evict
+            held = sum(1 for h in claimed if h in model.pool)
+            assert held >= 0.9 * len(claimed), (held, len(claimed))
+            checks += 1
+    assert checks > 0 or sum(len(k) for k in stream) < num_blocks
+
+
+def test_a_replica_whose_hit_counters_disagree_is_trusted_less() -> None:
+    estimate = CacheEstimate(block_tokens=16, min_claimed_tokens=1000, decay=0.5)
+    for r in ("honest", "liar"):
+        estimate.observe(r, 0.0, num_gpu_blocks=1000, block_size=16)
+    hits = {"honest": 0.0, "liar": 0.0}
+    for _ in range(10):
+        for r in ("honest", "liar"):
+            estimate.claimed(r, 4000)
+        hits["honest"] += 4000  # it found what the index claimed
+        hits["liar"] += 1000  # a quarter: it evicted what the index still believes it holds
+        for r, h in hits.items():
+            estimate.observe(r, h)
+    assert estimate.trust("honest") == 1.0
+    assert 0.2 < estimate.trust("liar") < 0.3
+    view = estimate.adjust(AffinityView(None, {"honest": 40, "liar": 40}))
+    assert view.prefix_matches == {"honest": 40, "liar": int(40 * estimate.trust("liar"))}
+    # A restart (counters back to zero) is a new baseline, not a collapse of trust.
+    estimate.observe("liar", 0.0)
+    assert 0.2 < estimate.trust("liar") < 0.3
+
+
+def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
+    from extproc.config import Config
+    from extproc.health.vllm_metrics import ReplicaMetrics
+    from extproc.router import Router
+    from extproc.state.memory import MemoryStore
+    from extproc_lab.sim.simulator import run_sync
+
+    config = Config(replicas=(Replica("a", "x:1"),))
+    store = MemoryStore()
+    router = Router(config, store=store)
+    router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=100, block_size=16), 1.0)
+    for i in range(10):
+        hashes = tuple(_chain(i + 1, 30, i))
+        features = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=64 * 30)
+        run_sync(router.route_features(features, 2.0 + i))
+    # 100 blocks of 16 tokens, 90% of them for prompts: 90 index blocks, the last three prompts.
+    assert store.prefixes.held("a") == 90
+
+
+# --- decisions under pressure -----------------------------------------------------------------
+
+
+def _state(name: str, **kw: object) -> ReplicaState:
+    return ReplicaState(Replica(name, f"h:{name}"), kv_capacity_tokens=48_000, **kw)  # type: ignore[arg-type]
+
+
+def test_a_burst_does_not_herd_onto_the_one_replica_a_stale_scrape_shows_below_the_threshold() -> None:
+    # The last scrape saw b at 80% and a at 95%; since then the router sent b prompts filling it
+    # past its cache. b is overloaded too: neither is dropped, the scorers choose.
+    flt = OverloadFilter()
+    a = _state("a", kv_usage=0.95, inflight_tokens=40_000)
+    b = _state("b", kv_usage=0.80, inflight_tokens=60_000)
+    cycle = CycleState(
+        RequestFeatures(path="/v1/completions"), Snapshot((a, b)), AffinityView(), 0.0, HashRing(()), None
+    )
+    assert flt.filter(cycle, [a, b]) == [a, b]
+    # Without what was sent since, b alone would have been kept.
+    b_scraped_only = _state("b", kv_usage=0.80)
+    assert flt.filter(cycle, [a, b_scraped_only]) == [b_scraped_only]
+
+
+def test_prefill_cost_counts_the_kv_a_prompt_needs_beyond_the_cache() -> None:
+    scorer = PrefillCostScorer(kv_weight=0.1, overflow_weight=1.0)
+    hashes = tuple(range(100))
+    f = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=4 * 6400)
+    # a holds the whole prompt but its cache is full of running requests; b holds nothing, idle.
+    a = _state("a", inflight_tokens=47_000)
+    b = _state("b")
+    view = AffinityView(prefix_matches={"a": 100})
+    cycle = CycleState(f, Snapshot((a, b)), view, 0.0, HashRing(()), None)
+    scores = scorer.score(cycle, [a, b])
+    assert scores["b"] > scores["a"]
+    # Without the KV terms the cached prompt wins.
+    assert PrefillCostScorer().score(cycle, [a, b])["a"] > PrefillCostScorer().score(cycle, [a, b])["b"]
