@@ -89,8 +89,9 @@ class PrefixIndex:
         return self._capacity.get(replica, self.blocks_per_replica)
 
     def set_capacity(self, replica: str, blocks: int) -> None:
-        """Bound what ``replica`` is believed to hold to ``blocks`` (its least recent go now)."""
-        self._capacity[replica] = max(1, blocks)
+        """Bound what ``replica`` is believed to hold to ``blocks`` (its least recent go now), never
+        above ``blocks_per_replica``: that is the index's memory bound, whatever a replica reports."""
+        self._capacity[replica] = max(1, min(blocks, self.blocks_per_replica))
         lru = self._per_replica.get(replica)
         bit = self._bit.get(replica)
         if lru is not None and bit is not None:

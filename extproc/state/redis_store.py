@@ -330,8 +330,8 @@ class RedisStore:
     def set_capacity(self, replica: str, blocks: int) -> None:
         """Bound what ``replica`` is believed to hold, here and in Redis (each write trims the
         replica's index to it)."""
-        self.capacities[replica] = max(1, blocks)
         self.local.set_capacity(replica, blocks)
+        self.capacities[replica] = self.local.prefixes.capacity(replica)  # bounded as the local index
 
     async def forget_replica(self, replica: str) -> None:
         """Drop the replica's prefix entries here and, for every model, in Redis."""
