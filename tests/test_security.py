@@ -318,9 +318,10 @@ async def test_envoy_routes_through_a_processor_that_requires_mtls(pki: Pki) -> 
         envoy_options={"processor_tls": envoy_tls},
     ) as gw:
         async with aiohttp.ClientSession() as http:
-            outcomes = [
-                await send(http, gw.url, "mtls-session", t, chat_body(f"mtls turn {t} " * 30)) for t in range(6)
-            ]
+            # One conversation: each turn resends the last one's prompt and adds to it (a pin is worth
+            # the cache behind it, so turns that shared nothing would not have to stay).
+            prompts = ["mtls conversation " * 30 + " ".join(f"turn {i}" for i in range(t + 1)) for t in range(6)]
+            outcomes = [await send(http, gw.url, "mtls-session", t, chat_body(p)) for t, p in enumerate(prompts)]
             decided = total(await read_metrics(http, gw.metrics_url), "extproc_decisions_total")
         log = (gw.dir / "processor.log").read_text()
     assert all(o.ok for o in outcomes) and len({o.replica for o in outcomes}) == 1, outcomes
