@@ -89,7 +89,10 @@ async def follow_replica(
         watching: asyncio.Task[None] | None = None
         try:
             if replayer is not None:
-                watching = asyncio.create_task(_watch_reconnects(sock, source, replica))
+                # The monitor is attached before connecting, so the first connection is the first
+                # event it sees: attached later, it could miss it and take a reconnect for it.
+                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                watching = asyncio.create_task(_watch_reconnects(sock, monitor, source, replica))
             sock.connect(endpoint)
             if replayer is not None:
                 # Subscribed first, so what is published during the replay waits in the socket.
@@ -111,10 +114,11 @@ async def follow_replica(
             sock.close(0)
 
 
-async def _watch_reconnects(sock: zmq.asyncio.Socket, source: KvEventSource, replica: str) -> None:
+async def _watch_reconnects(
+    sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, source: KvEventSource, replica: str
+) -> None:
     """On every connection after the first, let the feed check what it missed (see
     :meth:`KvEventSource.reconnected`)."""
-    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     connects = 0
     try:
         while True:
