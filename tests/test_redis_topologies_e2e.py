@@ -136,7 +136,7 @@ def test_tls_redis_shared_by_two_processors(tmp_path: Any) -> None:
     assert len(pins) == 10
 
 
-SENTINEL_TURNS = 16
+SENTINEL_TURNS = 24  # conversations outlast the promotion and the stores' recovery with turns to spare
 SENTINEL_THINK_S = 0.4  # the replay spans the kill, the promotion (~2 s) and turns after it
 
 
