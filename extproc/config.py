@@ -346,9 +346,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         spillover_repin=file.spillover.repin,
         splits=_split_rules(file.splits),
         queueing=_queue_settings(file.queueing),
-        upstream=UpstreamTimeouts(
-            **{**file.upstream.model_dump(), "stream_header": file.upstream.stream_header.lower()}
-        ),
+        upstream=_upstream_timeouts(file.upstream),
         kv_events=_kv_events(file.kv_events),
         admin=_admin_settings(file.admin),
     )
