@@ -26,6 +26,7 @@ from extproc.request.features import FeatureSettings
 from extproc.routing.registry import DEFAULT_PROFILE, REGISTRY
 from extproc.tenancy import TenantPolicy, TenantSettings
 from extproc.upstream_timeouts import UpstreamTimeouts
+from extproc.validation import describe
 
 _HEALTH, _WEIGHTS, _LIMITS, _ROTATION = HealthSettings(), HealthWeights(), HealthLimits(), RotationPolicy()
 _REBALANCE, _PREWARM, _TENANTS, _TENANT = RebalanceSettings(), PrewarmSettings(), TenantSettings(), TenantPolicy()
@@ -380,31 +381,6 @@ class RouterFile(Section):
     profiles: dict[str, ProfileSpec] = _doc({}, "named profiles that classes may use")
     splits: list[SplitRuleSection] = _doc([], "canary and A/B splits with model rewrites, first match wins")
     queueing: Queueing = _doc(Queueing(), "priority and fair queueing when the fleet is full")
-
-
-def error_path(loc: tuple[int | str, ...]) -> str:
-    """``("replicas", 0, "address")`` -> ``replicas[0].address``."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def describe(exc: ValidationError) -> str:
-    """One line per error, each naming the full path of its field."""
-    lines = []
-    for err in exc.errors():
-        loc = err["loc"]
-        if err["type"] != "extra_forbidden":
-            # The members of a union add their type names to the location: noise to a user.
-            loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
-        message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        got = "" if err["type"] in ("extra_forbidden", "missing") else f", got {err['input']!r}"
-        lines.append(f"{error_path(loc) or 'config'}: {message}{got}")
-    return "; ".join(dict.fromkeys(lines))
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def parse_file(raw: Mapping[str, Any]) -> RouterFile:

@@ -37,6 +37,7 @@ RANKS = {
     "extproc.logs": 0,
     "extproc._proto": 0,  # generated from proto/ (scripts/gen_proto.py)
     "extproc.upstream_timeouts": 0,
+    "extproc.validation": 0,
 }
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from extproc.routing.pipeline import Profile, WeightedScorer
+from extproc.validation import describe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -171,13 +172,10 @@ def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str,
         try:
             model.model_validate(params)
         except ValidationError as exc:
-            errors = []
-            for err in exc.errors():
-                field_ = ".".join(str(p) for p in err["loc"])
-                message = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
-                got = "" if err["type"] in ("extra_forbidden", "missing") else f", got {err['input']!r}"
-                errors.append(f"{where}.parameters.{field_}: {message}{got} ({spec['type']!r})")
-            raise ProfileError("; ".join(errors)) from None
+            detail = describe(
+                exc, prefix=f"{where}.parameters", unknown="unknown parameter", suffix=f" ({spec['type']!r})"
+            )
+            raise ProfileError(detail) from None
     try:
         return factory(**params)
     except TypeError as exc:
