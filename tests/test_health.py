@@ -205,3 +205,22 @@ async def test_scraper_reads_a_real_fake_replica() -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_replica_ejected_for_failures_is_readmitted_on_what_it_shows_afterwards() -> None:
+    # Out of rotation it gets no traffic, so what traffic showed of it could never improve: the
+    # slow answers and failures that ejected it must not keep it out once it answers well again
+    # (the TTFT window is a minute, and the error rate only moves with new responses).
+    book = ReplicaBook([Replica("a", "h:1")], HealthSettings(rotation=RotationPolicy(cooldown_s=1.0)))
+    for i in range(30):  # it slowed down (first bytes after 5 s, twice the TTFT SLO)...
+        book.observe("a", 200, 5.0, now=0.001 * i)
+    for i in range(12):  # ...then its tries met the first-byte timeout, enough to eject it
+        book.observe("a", 0, None, now=0.1 + 0.01 * i)
+    assert not book.snapshot(0.2).replicas[0].in_rotation
+    for i in range(4):
+        book.apply_scrape("a", parse_vllm_metrics(page()), now=2.0 + i * 0.25)
+        book.evaluate(2.0 + i * 0.25)
+    assert book.snapshot(3.0).replicas[0].in_rotation
+    for i in range(3):  # and failing again puts it straight back out
+        book.observe("a", 0, None, now=3.1 + 0.01 * i)
+    assert not book.snapshot(3.2).replicas[0].in_rotation

@@ -269,6 +269,14 @@ class ReplicaBook:
                 # Its sessions move away: the recent traffic that stood for them no longer applies,
                 # and it must not keep the replica looking busy when it comes back.
                 rec.recent = 0.0
+                # Out of rotation it gets no traffic, so what traffic showed of it (errors, slow
+                # first bytes) could never improve and would keep it out for good: the ejection
+                # has judged that; readmission is judged on what it shows from now on. A replica
+                # still failing once back is ejected again by its first failures in a row.
+                rec.error_rate = 0.0
+                rec.upstream_failures = 0
+                rec.observed_ttfb.clear()
+                rec.ttft_history.clear()
             return Transition(rec.replica.name, rec.rotation.in_rotation, rec.health)
         return None
 
