@@ -760,7 +760,10 @@ async def session_burst(scale: Scale = SMALL, replicas: int = 4, shared_system_p
     on one replica, and every later one then sees a replica holding 90% of its prompt. Whether
     load outweighs that pull is what this variant shows."""
     system = "You are a careful assistant for the harbor authority. " * 40
-    with LocalGateway(replicas=replicas, time_scale=TIME_SCALE) as gw:
+    # The replicas run in real time: at the matrix's 50x speed a request was over before the
+    # later ones of the burst were decided, so they met idle replicas (and, with the shared
+    # prompt, one holding it): not a burst, and the busiest share varied from 1.0x to 1.5x.
+    with LocalGateway(replicas=replicas, time_scale=1.0) as gw:
         async with client() as http:
             bodies = []
             for i in range(scale.burst):
