@@ -32,8 +32,10 @@ from extproc.rebalance.prewarm import Prewarmer
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
 from extproc.routing.model import Replica
-from extproc.routing.pipeline import Profile
+from extproc.routing.pipeline import Decider, Profile, decide
+from extproc.routing.registry import build_profile
 from extproc.state.memory import MemoryStore
+from extproc_lab.peers import PeerDecision, PeerPolicy
 from extproc_lab.replica.model import ReplicaModel, Seq, StepResult
 from extproc_lab.replica.timing import ReplicaProfile
 from extproc_lab.sim.kv_feed import SimKvFeed
@@ -160,8 +162,8 @@ class RouteTally:
 
 
 class SimCacheProbe:
-    """What every replica model holds of the request being routed (the oracle's and Dynamo's
-    KV-event view). Only answers for the request the simulator is routing."""
+    """What every replica model holds of the request being routed (Dynamo's and llm-d's KV-event
+    view). Only answers for the request the simulator is routing."""
 
     def __init__(self, sim: Simulation) -> None:
         self._sim = sim
@@ -178,14 +180,19 @@ class SimCacheProbe:
         return {name: m.pool.used_blocks for name, m in zip(self._sim.names, self._sim.models, strict=True)}
 
 
-ProfileFactory = Callable[[SimCacheProbe], Profile | None]
+ProfileFactory = Callable[[SimCacheProbe], Profile | PeerPolicy | None]
+"""What a run routes with, given the probe: a profile of our pipeline (None: the config's), or a
+peer router's policy, which the run then owns."""
 
 
 class Simulation:
     """One policy over one workload on ``replicas`` model replicas of ``profile``: the event loop.
 
     ``make_profile`` builds the routing profile (it is given a probe of the replicas' true
-    caches, for Dynamo's and llm-d's KV-event view; None: the config's profile). ``config`` is
+    caches, for Dynamo's and llm-d's KV-event view; None: the config's profile), or a peer
+    router's policy (:class:`~extproc_lab.peers.PeerPolicy`): the run keeps it as ``peer``, the
+    router decides through it (:class:`~extproc_lab.peers.PeerDecision`) and the run tells it
+    where each request went. ``config`` is
     the router's (replicas are set here); ``scrape_interval_s`` defaults to its health settings'
     interval.
 
@@ -226,7 +233,20 @@ class Simulation:
         self.clock = VirtualClock()
         self.probe = SimCacheProbe(self)
         self.routing: Seq | None = None
-        routing_profile = make_profile(self.probe)
+        routing = make_profile(self.probe)
+        self.peer: PeerPolicy | None = None
+        decider: Decider = decide
+        if routing is None or isinstance(routing, Profile):
+            routing_profile = routing
+        else:
+            self.peer, decider = routing, PeerDecision(routing)
+            # Only what the decision states from the request (the key source, the fallbacks):
+            # the peer ranks the replicas itself.
+            routing_profile = build_profile(
+                {"filters": [], "scorers": [], "picker": {"type": "max_score"}, "name": routing.name},
+                vnodes=self.config.vnodes,
+                ring_key_blocks=self.config.ring_key_blocks,
+            )
         store = MemoryStore(self.config.session_ttl_s, self.config.max_sessions, self.config.blocks_per_replica)
         self.models = [ReplicaModel(profile) for _ in range(replicas)]
         # The kv_events policy: the models' stores and evictions reach the router as KV events.
@@ -241,6 +261,7 @@ class Simulation:
             profile=routing_profile,
             prewarmer=self._prewarmer(),
             kv_events=kv_events,
+            decider=decider,
         )
         self.scrape_interval_s = scrape_interval_s or self.config.health.scrape_interval_s
         # The health evaluation only matters to profiles that filter on rotation.
@@ -357,6 +378,8 @@ class Simulation:
         if chosen is None:
             self._refused(i, decision, now)
             return
+        if self.peer is not None:
+            self.peer.observe(features, chosen.name)
         m = self.index_of[chosen.name]
         self._seqs[i] = seq
         self._routed[i] = decision
