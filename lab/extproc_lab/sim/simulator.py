@@ -10,7 +10,9 @@ interval). Replicas are :class:`~extproc_lab.replica.model.ReplicaModel` instanc
 the fake HTTP replica.
 
 Events are arrivals (open loop at their time, closed loop a think time after what they follow)
-and ends of replica steps. Two things keep a replay of hours of traffic fast:
+and ends of replica steps; the variants (:mod:`~extproc_lab.sim.dynamic`,
+:mod:`~extproc_lab.sim.priority`) add their own kinds and hooks to this one loop. Two things keep a
+replay of hours of traffic fast:
 
 - runs of identical decode steps are one event (the model's ``max_steps``), cut short at the
   next step boundary when a request arrives at that replica;
@@ -121,7 +123,7 @@ class SimRun:
 
 @dataclass(slots=True)
 class RouteTally:
-    """What both simulators note when a request is routed or finishes: requests per replica per
+    """What the event loop notes when a request is routed or finishes: requests per replica per
     window, and whether a session's turn went where its previous turn went."""
 
     window_s: float
