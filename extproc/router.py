@@ -24,7 +24,7 @@ from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_f
 from extproc.request.openai_body import INFERENCE_PATHS
 from extproc.request.splits import Arm, body_user, choose_arm, rewrite_model
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, Snapshot
-from extproc.routing.pipeline import Profile, Profiles, decide
+from extproc.routing.pipeline import Decider, Profile, Profiles, decide
 from extproc.routing.registry import build_profile
 from extproc.routing.trace import DecisionTrace, Explanation
 from extproc.state.memory import MemoryStore
@@ -94,10 +94,13 @@ class Router:
         tenants: TenantLedger | None = None,
         prewarmer: Prewarmer | None = None,
         kv_events: EventCacheState | None = None,
+        decider: Decider = decide,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
-        simulator give their own store, clock, default profile or pre-warmer)."""
+        simulator give their own store, clock, default profile or pre-warmer; the simulator's
+        peer routers their own ``decider``)."""
         self.config = config
+        self.decide = decider
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._sampled = 0.0  # response_sample_rate accumulated: a request is observed at each whole one
         self.store: AffinityStore = store or MemoryStore(
@@ -205,7 +208,7 @@ class Router:
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
         profile = self.profiles.for_request(features)
-        decision = decide(features, snapshot, view, start, profile, terms, cordons=self.cordons)
+        decision = self.decide(features, snapshot, view, start, profile, terms, cordons=self.cordons)
         replica = decision.replica
         prefill_tokens = 0
         tenant_counted = False
@@ -288,7 +291,7 @@ class Router:
         snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         profile = self.profiles.for_request(features)
-        decision = decide(features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace)
+        decision = self.decide(features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace)
         uncached = {
             s.name: self._uncached_tokens(features, view.prefix_matches.get(s.name, 0)) for s in snapshot.replicas
         }

@@ -1,4 +1,5 @@
-"""The peer routers' policies, as pipeline plugins, behave as their projects publish."""
+"""The peer routers, as simulation policies, behave as their projects publish; their state lives
+in the run's policy objects, never in the router's registry or pipeline."""
 
 from __future__ import annotations
 
@@ -9,27 +10,34 @@ from typing import Any
 
 import pytest
 
+from extproc.config import Config
 from extproc.request.features import RequestFeatures
-from extproc.routing import AffinityView, Replica, ReplicaState, Snapshot, build_profile, decide
-from extproc.routing.pipeline import Profile
-from extproc.routing.plugins import CycleState
-from extproc.routing.ring import HashRing
+from extproc.routing import AffinityView, Reason, Replica, ReplicaState, Snapshot, build_profile
+from extproc.routing.registry import REGISTRY, ProfileError
+from extproc_lab.bench.policies import PEER_DEFS, PEERS, policy_profile
+from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.peers import (
-    PEER_REGISTRY,
     ApproximateTree,
-    DynamoCostPicker,
+    ConsistentHash,
+    DynamoCost,
+    Fleet,
     KVCacheUtilizationScorer,
+    LeastRequest,
     MatchFractionScorer,
+    PeerDecision,
+    PeerPolicy,
+    PowerOfTwo,
     QueueScorer,
-    SGLangCacheAwarePicker,
+    RandomChoice,
+    RoundRobin,
+    SGLangCacheAware,
+    gie_default,
 )
+from extproc_lab.replica import PROFILES
+from extproc_lab.sim.figures import figures
+from extproc_lab.sim.simulator import Simulation
 
 NAMES = ("a", "b", "c", "d")
-
-
-def peer_profile(spec: Mapping[str, object]) -> Profile:
-    """A profile that may name the peers' plugins."""
-    return build_profile(spec, registry=PEER_REGISTRY)
 
 
 def states(**fields: Mapping[str, float]) -> tuple[ReplicaState, ...]:
@@ -52,47 +60,40 @@ def features(session: str | None = None, blocks: int = 10, request_id: str = "r1
     )
 
 
-def pick(
-    policy: str, snap: tuple[ReplicaState, ...], f: RequestFeatures, view: AffinityView | None = None, **params: object
-) -> str:
-    profile = peer_profile({"filters": [], "scorers": [], "picker": {"type": policy, "parameters": params}})
-    d = decide(f, Snapshot(snap), view or AffinityView(), 0.0, profile)
-    assert d.replica is not None
-    return d.replica.name
-
-
-def cycle(snap: tuple[ReplicaState, ...], f: RequestFeatures, view: AffinityView | None = None) -> CycleState:
-    ring = HashRing([(n, 1.0) for n in NAMES])
-    return CycleState(f, Snapshot(snap), view or AffinityView(), 0.0, ring, f.session_key)
+def route(peer: PeerPolicy, snap: tuple[ReplicaState, ...], f: RequestFeatures) -> str:
+    """What the simulator does for one request: the peer chooses, then learns where it went."""
+    chosen = peer.choose(f, Fleet(snap))[0].name
+    peer.observe(f, chosen)
+    return chosen
 
 
 def test_round_robin_cycles_through_replicas_in_order() -> None:
-    profile = peer_profile({"filters": [], "scorers": [], "picker": {"type": "round_robin"}})
-    chosen = [decide(features(), Snapshot(states()), AffinityView(), 0.0, profile).replica for _ in range(8)]
-    assert [r.name for r in chosen if r] == list("abcdabcd")
+    peer = RoundRobin()
+    assert [route(peer, states(), features()) for _ in range(8)] == list("abcdabcd")
+    # Choosing alone moves nothing: the turn passes when a request is sent.
+    assert [peer.choose(features(), Fleet(states()))[0].name for _ in range(3)] == ["a", "a", "a"]
 
 
-@pytest.mark.parametrize("policy", ["random", "least_request", "power_of_two"])
-def test_randomised_pickers_are_seeded_not_clock_driven(policy: str) -> None:
+@pytest.mark.parametrize("kind", [RandomChoice, LeastRequest, PowerOfTwo])
+def test_randomised_peers_are_seeded_not_clock_driven(kind: type[RandomChoice | LeastRequest | PowerOfTwo]) -> None:
     def run(seed: int) -> list[str]:
-        profile = peer_profile({"filters": [], "scorers": [], "picker": {"type": policy, "parameters": {"seed": seed}}})
-        return [str(decide(features(), Snapshot(states()), AffinityView(), 0.0, profile).replica) for _ in range(20)]
+        peer = kind(seed=seed)
+        return [route(peer, states(), features()) for _ in range(20)]
 
     assert run(3) == run(3)
     assert len(set(run(3))) > 1  # ties and draws spread over replicas
-    rng = random.Random(5)
-    assert pick(policy, states(), features(), rng=rng) in NAMES
+    assert route(kind(rng=random.Random(5)), states(), features()) in NAMES
 
 
 def test_least_request_and_power_of_two_avoid_the_busy() -> None:
     busy = states(inflight={"a": 9, "b": 9, "c": 0, "d": 9}, running={"a": 9, "b": 9, "c": 0, "d": 9})
-    assert all(pick("least_request", busy, features(), seed=s) == "c" for s in range(10))
+    assert all(route(LeastRequest(seed=s), busy, features()) == "c" for s in range(10))
     # Power of two never picks the busier of its two draws (the draws recorded as they are made).
     loads = {"a": 9, "b": 5, "c": 0, "d": 7}
     spread = states(inflight=loads, running=loads)
     for seed in range(60):
         rng = RecordingRandom(seed)
-        chosen = pick("power_of_two", spread, features(), rng=rng)
+        chosen = route(PowerOfTwo(rng=rng), spread, features())
         (pair,) = rng.draws
         assert chosen == min(pair, key=loads.__getitem__), (pair, chosen)
 
@@ -111,34 +112,37 @@ class RecordingRandom(random.Random):
 
 
 def test_consistent_hash_is_sticky_without_a_load_bound() -> None:
+    peer = ConsistentHash()
     overloaded = states(inflight={"a": 500, "b": 500, "c": 500, "d": 500})
-    first = pick("consistent_hash", states(), features("s-1"))
-    assert all(pick("consistent_hash", overloaded, features("s-1", request_id=f"x{i}")) == first for i in range(5))
-    spread = Counter(pick("consistent_hash", states(), features(f"s-{i}")) for i in range(200))
+    first = route(peer, states(), features("s-1"))
+    assert all(route(peer, overloaded, features("s-1", request_id=f"x{i}")) == first for i in range(5))
+    spread = Counter(route(peer, states(), features(f"s-{i}")) for i in range(200))
     assert len(spread) == 4 and min(spread.values()) > 20
     # Without a session key the request id is the key: requests spread.
-    assert len({pick("consistent_hash", states(), features(None, request_id=f"q{i}")) for i in range(50)}) > 1
+    assert len({route(peer, states(), features(None, request_id=f"q{i}")) for i in range(50)}) > 1
 
 
 def test_sglang_cache_aware_thresholds() -> None:
-    picker = SGLangCacheAwarePicker()
+    peer = SGLangCacheAware()
     snap = states()
     doc = features(blocks=20)
-    first = picker.pick(cycle(snap, doc), snap, {})[0].name
+    first = peer.choose(doc, Fleet(snap))[0].name
+    assert peer.tree.size(first) == 0  # the tree learns when the request is sent, not when chosen
+    peer.observe(doc, first)
     # Smallest tree for a prompt it has never seen; then the holder of a prefix matching > 30%.
-    assert picker.tree.size(first) == 20
+    assert peer.tree.size(first) == 20
     again = features(blocks=20, request_id="r2")
-    assert picker.pick(cycle(snap, again), snap, {})[0].name == first
+    assert route(peer, snap, again) == first
     short_match = RequestFeatures(
         path="/v1/chat/completions", prompt_chars=100 * 64, prefix_hashes=(1, 2, 3, *range(500, 597)), request_id="r3"
     )
-    assert picker.pick(cycle(snap, short_match), snap, {})[0].name != first  # 3% match: smallest tree
+    assert peer.choose(short_match, Fleet(snap))[0].name != first  # 3% match: smallest tree
     # A spread of 50 in flight is under the absolute threshold (64): the cache still decides.
     mild = states(inflight={n: 10 if n != first else 60 for n in NAMES})
-    assert picker.pick(cycle(mild, again), mild, {})[0].name == first
+    assert peer.choose(again, Fleet(mild))[0].name == first
     # Imbalance over both thresholds: the least loaded, whatever the cache says.
     skewed = states(inflight={n: 10 if n == "c" else 100 for n in NAMES})
-    assert picker.pick(cycle(skewed, again), skewed, {})[0].name == "c"
+    assert peer.choose(again, Fleet(skewed))[0].name == "c"
 
 
 def test_approximate_tree_counts_leading_blocks_per_replica_and_evicts() -> None:
@@ -154,25 +158,16 @@ def test_approximate_tree_counts_leading_blocks_per_replica_and_evicts() -> None
 def test_gie_scorers_and_default_profile() -> None:
     snap = states(queue={"a": 0, "b": 4, "c": 8, "d": 8}, kv_usage={"a": 0.9, "b": 0.1, "c": 0.5, "d": 0.0})
     f = features(blocks=300)
-    view = AffinityView(prefix_matches={"c": 128, "d": 300})
-    c = cycle(snap, f, view)
-    assert QueueScorer().score(c, snap) == {"a": 1.0, "b": 0.5, "c": 0.0, "d": 0.0}
-    assert KVCacheUtilizationScorer().score(c, snap)["a"] == pytest.approx(0.1)
-    assert MatchFractionScorer().score(c, snap) == {"a": 0.0, "b": 0.0, "c": 0.5, "d": 1.0}
-    assert QueueScorer().score(c, states()) == dict.fromkeys(NAMES, 1.0)
-    profile = peer_profile(
-        {
-            "filters": [],
-            "scorers": [
-                {"type": "gie_queue", "weight": 2},
-                {"type": "gie_kv_cache", "weight": 2},
-                {"type": "gie_prefix", "weight": 3},
-            ],
-            "picker": {"type": "gie_max_score", "parameters": {"seed": 1}},
-        }
-    )
-    d = decide(f, Snapshot(snap), view, 0.0, profile)
-    assert d.replica is not None and d.replica.name == "d"  # 0 + 2 + 3 beats a's 2 + 0.2 + 0
+    fleet = Fleet(snap, {"c": 128, "d": 300})
+    assert QueueScorer().score(f, fleet) == {"a": 1.0, "b": 0.5, "c": 0.0, "d": 0.0}
+    assert KVCacheUtilizationScorer().score(f, fleet)["a"] == pytest.approx(0.1)
+    assert MatchFractionScorer().score(f, fleet) == {"a": 0.0, "b": 0.0, "c": 0.5, "d": 1.0}
+    assert QueueScorer().score(f, Fleet(states())) == dict.fromkeys(NAMES, 1.0)
+    gie = gie_default(seed=1)
+    assert gie.totals(f, fleet)["a"] == pytest.approx(2 + 2 * 0.1 + 0)
+    assert gie.choose(f, fleet)[0].name == "d"  # 0 + 2 + 3 beats a's 2 + 0.2 + 0
+    # Equal totals: drawn at random (seeded), not always the first by name.
+    assert len({gie_default(seed=s).choose(f, Fleet(states()))[0].name for s in range(20)}) > 1
 
 
 class FixedProbe:
@@ -188,24 +183,56 @@ class FixedProbe:
 
 def test_dynamo_cost_trades_prefill_saved_against_decode_load() -> None:
     f = features(blocks=400)  # 6,400 tokens: 400 blocks of 16
-    snap = states()
+    fleet = Fleet(states())
     probe = FixedProbe({"a": 6400}, {"a": 300, "b": 0, "c": 0, "d": 0})
-    picker = DynamoCostPicker(probe=probe)
-    costs = picker.costs(cycle(snap, f), snap)
+    peer = DynamoCost(probe=probe)
+    costs = peer.costs(f, fleet)
     assert costs["a"] == pytest.approx(0 + 300 + 400)
     assert costs["b"] == pytest.approx(400 + 0 + 400)
-    assert picker.pick(cycle(snap, f), snap, {})[0].name == "a"
+    assert peer.choose(f, fleet)[0].name == "a"
     busy = FixedProbe({"a": 6400}, {"a": 900, "b": 0, "c": 0, "d": 0})
-    assert DynamoCostPicker(probe=busy).pick(cycle(snap, f), snap, {})[0].name == "b"
+    assert DynamoCost(probe=busy).choose(f, fleet)[0].name == "b"
     # Without KV events: the store's approximate index and the scraped KV usage.
-    approx = DynamoCostPicker(num_gpu_blocks=1000)
-    view = AffinityView(prefix_matches={"c": 400})
-    kv = states(kv_usage={"a": 0.0, "b": 0.0, "c": 0.2, "d": 0.0})
-    assert approx.pick(cycle(kv, f, view), kv, {})[0].name == "c"
+    approx = DynamoCost(num_gpu_blocks=1000)
+    kv = Fleet(states(kv_usage={"a": 0.0, "b": 0.0, "c": 0.2, "d": 0.0}), {"c": 400})
+    assert approx.choose(f, kv)[0].name == "c"
 
 
-def test_oracle_follows_the_true_cache_and_needs_a_probe() -> None:
-    probe = FixedProbe({"b": 320, "c": 640}, {})
-    assert pick("oracle", states(), features(), probe=probe) == "c"
-    with pytest.raises(ValueError, match="oracle"):
-        peer_profile({"filters": [], "scorers": [], "picker": {"type": "oracle"}})
+def test_a_peer_decision_states_what_ours_would() -> None:
+    decide = PeerDecision(RoundRobin())
+    profile = build_profile({"filters": [], "scorers": [], "picker": {"type": "max_score"}})
+    snap = Snapshot(states())
+    pinned = AffinityView(pinned="a", prefix_matches={"a": 4})
+    d = decide(features("s-1"), snap, pinned, 0.0, profile)
+    assert d.replica is not None and d.replica.name == "a" and d.reason is Reason.STICKY and d.pin
+    assert d.matched_blocks == 4 and [r.name for r in d.fallbacks] == ["b", "c"]
+    decide.peer.observe(features("s-1"), "a")
+    d = decide(features("s-1"), snap, pinned, 0.0, profile)
+    assert d.replica is not None and d.replica.name == "b" and d.reason is Reason.FAILOVER
+    assert decide(features(), snap, AffinityView(), 0.0, profile).reason is Reason.NEW_SESSION
+    assert decide(features(), Snapshot(()), AffinityView(), 0.0, profile).reason is Reason.NO_REPLICA
+
+
+def test_the_routers_registry_names_no_peer() -> None:
+    ours = set(REGISTRY.filters) | set(REGISTRY.scorers) | set(REGISTRY.pickers)
+    assert not ours & {*PEERS, "gie_max_score", "gie_queue", "llmd_precise_prefix", "oracle"}
+    with pytest.raises(ProfileError, match="round_robin"):
+        build_profile({"filters": [], "scorers": [], "picker": {"type": "round_robin"}})
+    assert "oracle" not in PEER_DEFS
+
+
+def test_a_peers_state_belongs_to_its_run() -> None:
+    cfg, llama = Config(), PROFILES["llama-8b-h100"]
+    wl = WorkloadSpec("multi-turn", rate=1.0, seed=3, limit=120).build()
+
+    def run(policy: str) -> tuple[Simulation, dict[str, Any]]:
+        sim = Simulation(wl, llama, 4, lambda probe: policy_profile(policy, probe, 7, llama, cfg), config=cfg)
+        return sim, figures(sim.run())
+
+    first, a = run("sglang_cache_aware")
+    second, b = run("sglang_cache_aware")
+    assert isinstance(first.peer, SGLangCacheAware) and first.peer is not second.peer
+    assert a == b  # a fresh tree each run: the second run does not start from the first one's
+    assert first.peer.tree.size("replica-0") > 0  # it learned from where its requests went
+    rr, _ = run("round_robin")
+    assert isinstance(rr.peer, RoundRobin) and rr.peer._next == len(wl)

@@ -17,6 +17,7 @@ from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica import PROFILES
 from extproc_lab.sim import generators
 from extproc_lab.sim.ceilings import ceilings
+from extproc_lab.sim.dynamic import DynamicSimulation
 from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
 from extproc_lab.sim.simulator import Simulation, run_sync
 
@@ -186,3 +187,19 @@ def test_generated_workloads_run_through_the_simulator() -> None:
 def test_multi_turn_default_is_sized_for_eight_replicas() -> None:
     wl = generators.multi_turn()
     assert 10_000 < len(wl) < 13_000 and len({r.session for r in wl.requests}) == 1500
+
+
+def test_the_dynamic_simulation_without_changes_is_the_plain_one() -> None:
+    # One event loop: the fleet-change variant adds events and hooks, so without changes (and
+    # without a rebalancer that pre-warms) it replays the workload exactly as the plain simulation.
+    cfg = Config()
+    wl = WorkloadSpec("multi-turn", rate=1.0, seed=3, limit=150).build()
+    plain = Simulation(wl, LLAMA, 3, lambda p: policy_profile("extproc", p, 7, LLAMA, cfg), config=cfg).run()
+    dynamic = DynamicSimulation(
+        wl, LLAMA, 3, lambda p: policy_profile("extproc", p, 7, LLAMA, cfg), config=cfg
+    ).run_dynamic()
+    assert dynamic.run.outcomes == plain.outcomes and len(plain.outcomes) == 150
+    assert dynamic.run.decisions == plain.decisions and dynamic.run.events == plain.events
+    assert dynamic.run.requests_series == plain.requests_series
+    assert dynamic.run.tokens_series == plain.tokens_series
+    assert dynamic.changes == [] and dynamic.prewarms_sent == 0 and not dynamic.refused

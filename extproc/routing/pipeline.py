@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from extproc.request.features import RequestFeatures
 from extproc.routing.cordon import CordonFilter
@@ -147,12 +147,62 @@ def decide(
             if name in totals:
                 totals[name] += weighted.weight * _clamp(score)
     ordered = profile.picker.pick(cycle, candidates, totals)
-    chosen = ordered[0]
-    matched = view.prefix_matches.get(chosen.name, 0)
     if trace is not None:
         trace.totals = dict(totals)
         trace.order = [s.name for s in ordered]
-    reason = _reason(cycle, chosen, matched)
+    overloaded: set[str] = cycle.scratch.get("overloaded", set())
+    return _conclude(features, view, profile, ordered, totals, key_source, overloaded)
+
+
+class Decider(Protocol):
+    """The decision step the router calls: :func:`decide`, or a stand-in with its signature
+    (the lab's simulated peer routers, which choose by their own rules)."""
+
+    def __call__(
+        self,
+        features: RequestFeatures,
+        snapshot: Snapshot,
+        view: AffinityView,
+        now: float,
+        profile: Profile,
+        tenant: TenantTerms = NO_TERMS,
+        *,
+        cordons: Mapping[str, str] | None = None,
+        trace: DecisionTrace | None = None,
+    ) -> Decision:
+        """Choose a replica for a request (see :func:`decide`)."""
+        ...
+
+
+def ranked_decision(
+    features: RequestFeatures,
+    view: AffinityView,
+    profile: Profile,
+    ordered: Sequence[ReplicaState],
+    totals: Mapping[str, float] | None = None,
+) -> Decision:
+    """The decision for replicas ranked outside the pipeline (``ordered``, the choice first):
+    reason, pin, fallbacks and matched blocks as :func:`decide` states them, no replica having
+    been judged overloaded."""
+    if not ordered:
+        return Decision(replica=None, reason=Reason.NO_REPLICA)
+    _, key_source = profile.ring_key(features)
+    scores = dict(totals) if totals is not None else {s.name: 0.0 for s in ordered}
+    return _conclude(features, view, profile, ordered, scores, key_source, set())
+
+
+def _conclude(
+    features: RequestFeatures,
+    view: AffinityView,
+    profile: Profile,
+    ordered: Sequence[ReplicaState],
+    totals: Mapping[str, float],
+    key_source: KeySource,
+    overloaded: set[str],
+) -> Decision:
+    chosen = ordered[0]
+    matched = view.prefix_matches.get(chosen.name, 0)
+    reason = _reason(view, key_source, overloaded, chosen, matched)
     return Decision(
         replica=chosen.replica,
         reason=reason,
@@ -179,9 +229,9 @@ def _traced_filter(
     return kept
 
 
-def _reason(cycle: CycleState, chosen: ReplicaState, matched: int) -> Reason:
-    view = cycle.view
-    overloaded: set[str] = cycle.scratch.get("overloaded", set())
+def _reason(
+    view: AffinityView, key_source: KeySource, overloaded: set[str], chosen: ReplicaState, matched: int
+) -> Reason:
     if view.pinned:
         if chosen.name == view.pinned:
             return Reason.STICKY
@@ -192,6 +242,6 @@ def _reason(cycle: CycleState, chosen: ReplicaState, matched: int) -> Reason:
             return Reason.SPILLOVER
     if matched > 0:
         return Reason.PREFIX
-    if cycle.key_source in ("session", "prefix"):
+    if key_source in ("session", "prefix"):
         return Reason.NEW_SESSION
     return Reason.FALLBACK

@@ -1,9 +1,8 @@
 """Plugins by name, and profiles assembled from the config's ``profile:`` section.
 
 :data:`REGISTRY` holds the router's own plugins: a new production plugin is registered there and
-nowhere else. Others extend it without touching it (:meth:`PluginRegistry.extended`): the lab adds
-the peer routers' policies for its simulator, and a profile built from the extended registry is
-handed to the router.
+nowhere else. The lab's peer routers are not plugins: each is a simulation policy that decides in
+place of the pipeline (:class:`~extproc.routing.pipeline.Decider`, ``extproc_lab.peers``).
 """
 
 from __future__ import annotations
@@ -47,28 +46,6 @@ class PluginRegistry:
     filters: Mapping[str, Callable[..., Filter]] = field(default_factory=dict)
     scorers: Mapping[str, Callable[..., Scorer]] = field(default_factory=dict)
     pickers: Mapping[str, Callable[..., Picker]] = field(default_factory=dict)
-
-    def extended(
-        self,
-        *,
-        filters: Mapping[str, Callable[..., Filter]] | None = None,
-        scorers: Mapping[str, Callable[..., Scorer]] | None = None,
-        pickers: Mapping[str, Callable[..., Picker]] | None = None,
-    ) -> PluginRegistry:
-        """A new registry with these plugins added; a name already registered is an error."""
-        for kind, mine, theirs in (
-            ("filter", self.filters, filters),
-            ("scorer", self.scorers, scorers),
-            ("picker", self.pickers, pickers),
-        ):
-            clash = sorted(set(mine) & set(theirs or {}))
-            if clash:
-                raise ValueError(f"{kind} already registered: {', '.join(clash)}")
-        return PluginRegistry(
-            {**self.filters, **(filters or {})},
-            {**self.scorers, **(scorers or {})},
-            {**self.pickers, **(pickers or {})},
-        )
 
 
 REGISTRY = PluginRegistry(

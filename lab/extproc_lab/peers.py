@@ -1,11 +1,28 @@
-"""Other routers' policies as plugins of our pipeline, so a benchmark compares them fairly: same
-request features, same replica snapshots, same store, only the choice differs.
+"""Other routers as simulation policies, so a benchmark compares them fairly: same request
+features, same replica load, same store, same replica models; only the choice differs.
+
+A peer router is a :class:`PeerPolicy`: given the request and the :class:`Fleet` (the replicas
+as the router tracks and last scraped them, the store's approximate prefix index), it ranks the
+replicas (:meth:`~PeerPolicy.choose`, the choice first), and it is told where the request went
+(:meth:`~PeerPolicy.observe`). Whatever a peer remembers (a round-robin counter, an approximate
+tree, a seeded generator, a ring) lives in the policy object, and the object belongs to one
+simulation run: the simulator builds it, hands the router a :class:`PeerDecision` in place of
+:func:`~extproc.routing.pipeline.decide` (``Router(decider=...)``), and calls ``observe`` after
+each routed request. The router's plugin registry and its pipeline know nothing of peers, and no
+config file can name one.
+
+All of them are policies, the scorer combinations (GIE's default profile, llm-d's precise
+prefix-cache profile) included, rather than profiles of our pipeline: their max-score picker
+draws ties from a seeded generator (state), llm-d's prefix scorer reads the replicas' true caches
+through the simulator's probe (an object no config can give), and one kind of peer keeps the
+production registry free of the lab. :class:`MaxScorePolicy` weighs their scorers the way the
+pipeline does (each score clamped to [0, 1], weighted, summed) and breaks ties at random.
 
 Each is written from its project's published behaviour (the projects' documentation and
 published benchmarks), not from their code:
 
 - ``round_robin``, ``random``, ``least_request``, ``power_of_two`` (vllm-router, sglang-router,
-  Envoy): pickers over the candidates. Randomness comes from a generator seeded by the profile
+  Envoy): over all replicas. Randomness comes from a generator seeded by the benchmark
   (``seed``) or passed in (``rng``), never from the clock.
 - ``consistent_hash`` (vllm-router, vLLM production-stack): a ring of 160 virtual nodes per
   replica on the session key (else the request id, as vllm-router falls back to a hash of the
@@ -14,22 +31,17 @@ published benchmarks), not from their code:
   in-flight spread is over ``balance_abs_threshold`` and ``balance_rel_threshold`` times the
   least, the least loaded; else the best match if its match rate is over ``cache_threshold``,
   else the replica with the smallest tree.
-- ``gie_queue`` / ``gie_kv_cache`` / ``gie_prefix`` scorers and ``gie_max_score`` picker (Gateway
-  API Inference Extension's default profile: queue 2, kv-cache 2, prefix 3; ties broken at random).
+- ``gie_default`` (Gateway API Inference Extension's default profile): queue 2, kv-cache 2,
+  prefix 3, highest total, ties broken at random.
 - ``dynamo_kv`` (NVIDIA Dynamo's KV router): lowest ``overlap_weight x prefill blocks + decode
   blocks``, the overlap taken from the replicas' real caches (KV events) when a probe is given.
-- ``llmd_precise`` (llm-d's precise prefix-cache routing): ``llmd_precise_prefix`` (the longest
-  prefix each replica really holds, from KV events, over the best candidate's), ``llmd_load_aware``
-  (waiting requests, 0.5 when none, falling to 0 at a threshold of 128) and GIE's kv-cache
-  utilization scorer; the benchmark's ``llmd_precise`` weighs precise prefix 2, kv-cache
-  utilization 1 and queue 1, as llm-d's precise-prefix-cache guide configures them.
-- ``oracle``: the longest prefix the replicas *really* hold, greedy (no longer in the benchmark:
-  it herded everything onto one replica; ``dynamo_kv`` and ``llmd_precise`` read the true cache
-  and load instead).
+- ``llmd_precise`` (llm-d's precise prefix-cache routing): precise prefix (the longest prefix each
+  replica really holds, from KV events, over the best candidate's) 2, GIE's kv-cache utilization
+  1 and queue 1, as llm-d's precise-prefix-cache guide configures them; llm-d's load-aware scorer
+  (:class:`LoadAwareScorer`) is there to be weighed too.
 
-Pickers of other routers keep the state those routers keep (a round-robin counter, an
-approximate tree) and update it when they pick: they stand for a whole router, not for one
-stage of ours.
+(The greedy "oracle", the longest true prefix wins, is gone: it herded everything onto one
+replica, and ``dynamo_kv`` and ``llmd_precise`` read the true cache and load instead.)
 """
 
 from __future__ import annotations
@@ -37,15 +49,15 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures
-from extproc.routing.model import ReplicaState
-from extproc.routing.plugins import CycleState, Picker, Scorer
-from extproc.routing.registry import REGISTRY
+from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
+from extproc.routing.pipeline import Profile, ranked_decision
 from extproc.routing.ring import HashRing
+from extproc.routing.trace import DecisionTrace
 
 
 class CacheProbe(Protocol):
@@ -61,6 +73,68 @@ class CacheProbe(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What a peer router sees when it chooses: the replicas, with the requests this router has in
+    flight on each and their load as last scraped, and the store's approximate prefix index
+    (leading blocks of the request believed held, per replica)."""
+
+    replicas: Sequence[ReplicaState]
+    prefix_matches: Mapping[str, int] = field(default_factory=dict)
+    now: float = 0.0
+
+
+class PeerPolicy(Protocol):
+    """Another router's policy, owned by one simulation run."""
+
+    name: str
+
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
+        """The fleet's replicas ranked for ``request``, the choice first (the rest are fallbacks)."""
+        ...
+
+    def observe(self, request: RequestFeatures, replica: str) -> None:
+        """``request`` was sent to ``replica``: learn what the router would learn."""
+        ...
+
+
+class PeerScorer(Protocol):
+    """One of a scoring peer's scorers: values in [0, 1] per replica (missing: 0)."""
+
+    name: str
+
+    def score(self, request: RequestFeatures, fleet: Fleet) -> Mapping[str, float]:
+        """Scores per replica name."""
+        ...
+
+
+@dataclass(frozen=True)
+class PeerDecision:
+    """The router's decision step when ``peer`` decides (a :class:`~extproc.routing.pipeline.Decider`):
+    the peer ranks all replicas, and the decision states reason, pin and fallbacks as ours would.
+    A peer is another router: it knows nothing of our tenants' quotas or of cordons."""
+
+    peer: PeerPolicy
+
+    def __call__(
+        self,
+        features: RequestFeatures,
+        snapshot: Snapshot,
+        view: AffinityView,
+        now: float,
+        profile: Profile,
+        tenant: TenantTerms = NO_TERMS,
+        *,
+        cordons: Mapping[str, str] | None = None,
+        trace: DecisionTrace | None = None,
+    ) -> Decision:
+        """The peer's choice as a decision."""
+        if not snapshot.replicas:
+            return Decision(replica=None, reason=Reason.NO_REPLICA)
+        ordered = self.peer.choose(features, Fleet(snapshot.replicas, view.prefix_matches, now))
+        return ranked_decision(features, view, profile, ordered)
+
+
 def _rng(seed: int, rng: random.Random | None) -> random.Random:
     return rng if rng is not None else random.Random(seed)
 
@@ -74,28 +148,38 @@ def _first(chosen: ReplicaState, candidates: Sequence[ReplicaState]) -> list[Rep
     return [chosen, *(c for c in _by_name(candidates) if c is not chosen)]
 
 
-# --- load-only pickers ---------------------------------------------------------------------
+class _Stateless:
+    """A peer that learns nothing from where its requests went."""
+
+    __slots__ = ()
+
+    def observe(self, request: RequestFeatures, replica: str) -> None:
+        """Nothing to learn."""
+
+
+# --- load-only peers -------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class RoundRobinPicker:
+class RoundRobin:
     """Each request to the next replica in name order."""
 
     name: str = "round_robin"
     _next: int = 0
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """The next replica in turn."""
-        ordered = _by_name(candidates)
+        ordered = _by_name(fleet.replicas)
         i = self._next % len(ordered)
-        self._next += 1
         return ordered[i:] + ordered[:i]
+
+    def observe(self, request: RequestFeatures, replica: str) -> None:
+        """One request sent: the turn passes."""
+        self._next += 1
 
 
 @dataclass(slots=True)
-class RandomPicker:
+class RandomChoice(_Stateless):
     """A replica drawn uniformly."""
 
     seed: int = 0
@@ -105,17 +189,15 @@ class RandomPicker:
     def __post_init__(self) -> None:
         self.rng = _rng(self.seed, self.rng)
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """A uniform draw."""
         assert self.rng is not None
-        ordered = _by_name(candidates)
+        ordered = _by_name(fleet.replicas)
         return _first(ordered[self.rng.randrange(len(ordered))], ordered)
 
 
 @dataclass(slots=True)
-class LeastRequestPicker:
+class LeastRequest(_Stateless):
     """The replica with the fewest requests in flight from this router; ties drawn at random."""
 
     seed: int = 0
@@ -125,19 +207,17 @@ class LeastRequestPicker:
     def __post_init__(self) -> None:
         self.rng = _rng(self.seed, self.rng)
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """The least busy."""
         assert self.rng is not None
-        ordered = _by_name(candidates)
+        ordered = _by_name(fleet.replicas)
         least = min(c.inflight for c in ordered)
         ties = [c for c in ordered if c.inflight == least]
         return _first(ties[self.rng.randrange(len(ties))], ordered)
 
 
 @dataclass(slots=True)
-class PowerOfTwoPicker:
+class PowerOfTwo(_Stateless):
     """Two replicas drawn at random, the less loaded wins: load as the replicas last reported it
     (running + waiting, as vllm-router polls it), then the in-flight count."""
 
@@ -148,12 +228,10 @@ class PowerOfTwoPicker:
     def __post_init__(self) -> None:
         self.rng = _rng(self.seed, self.rng)
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """The lighter of two."""
         assert self.rng is not None
-        ordered = _by_name(candidates)
+        ordered = _by_name(fleet.replicas)
         if len(ordered) == 1:
             return ordered
         a, b = self.rng.sample(ordered, 2)
@@ -162,7 +240,7 @@ class PowerOfTwoPicker:
 
 
 @dataclass(slots=True)
-class ConsistentHashPicker:
+class ConsistentHash(_Stateless):
     """vllm-router's ``consistent_hash``: the session key (else the request id) on a ring of
     ``vnodes`` virtual nodes per replica; no load bound."""
 
@@ -171,19 +249,16 @@ class ConsistentHashPicker:
     _ring: HashRing | None = None
     _members: tuple[str, ...] = ()
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """The key's owner on the ring."""
-        members = tuple(sorted(c.name for c in candidates))
+        members = tuple(sorted(c.name for c in fleet.replicas))
         if self._ring is None or members != self._members:
             self._ring = HashRing(((m, 1.0) for m in members), self.vnodes)
             self._members = members
-        f = cycle.features
+        f = request
         key = f.session_key or f.request_id or str(f.prefix_hashes[-1] if f.prefix_hashes else "")
-        by_name = {c.name: c for c in candidates}
-        order = self._ring.preference(key)
-        return [by_name[n] for n in order if n in by_name]
+        by_name = {c.name: c for c in fleet.replicas}
+        return [by_name[n] for n in self._ring.preference(key) if n in by_name]
 
 
 # --- SGLang ----------------------------------------------------------------------------------
@@ -239,12 +314,13 @@ class ApproximateTree:
 
 
 @dataclass(slots=True)
-class SGLangCacheAwarePicker:
+class SGLangCacheAware:
     """sglang-router's ``cache_aware`` policy with its default thresholds.
 
     Load is this router's in-flight count per replica. Its tree holds characters; here it holds
     64-character blocks (the request's prefix hashes), so a match is counted in whole blocks.
-    ``max_tree_chars`` (2**26, its default) bounds each replica's share of the tree.
+    ``max_tree_chars`` (2**26, its default) bounds each replica's share of the tree, which learns
+    what was sent where when it is observed.
     """
 
     cache_threshold: float = 0.3
@@ -258,12 +334,10 @@ class SGLangCacheAwarePicker:
     def __post_init__(self) -> None:
         self.tree = ApproximateTree(max(1, self.max_tree_chars // self.block_chars))
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """Shortest queue when imbalanced, else best match above the threshold, else smallest tree."""
-        ordered = _by_name(candidates)
-        f = cycle.features
+        ordered = _by_name(fleet.replicas)
+        f = request
         loads = [c.inflight for c in ordered]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
@@ -274,82 +348,18 @@ class SGLangCacheAwarePicker:
             rate = matched[best.name] * self.block_chars / f.prompt_chars if f.prompt_chars else 0.0
             # Below the threshold: where the tree is smallest (the most room for new prefixes).
             chosen = best if rate > self.cache_threshold else min(ordered, key=lambda c: self.tree.size(c.name))
-        self.tree.insert(chosen.name, f.prefix_hashes)
         return _first(chosen, ordered)
 
+    def observe(self, request: RequestFeatures, replica: str) -> None:
+        """The prompt's blocks are now believed held by ``replica``."""
+        self.tree.insert(replica, request.prefix_hashes)
 
-# --- GIE -------------------------------------------------------------------------------------
 
-
-@dataclass(slots=True)
-class QueueScorer:
-    """GIE's queue scorer: waiting requests as last scraped, min-max normalised (1 when all equal)."""
-
-    name: str = "gie_queue"
-
-    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
-        """(max - queue) / (max - min)."""
-        queues = [c.queue for c in candidates]
-        lo, hi = min(queues, default=0), max(queues, default=0)
-        if hi == lo:
-            return {c.name: 1.0 for c in candidates}
-        return {c.name: (hi - c.queue) / (hi - lo) for c in candidates}
+# --- Dynamo ----------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class KVCacheUtilizationScorer:
-    """GIE's kv-cache utilization scorer: 1 - KV usage as last scraped."""
-
-    name: str = "gie_kv_cache"
-
-    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
-        """Free KV cache."""
-        return {c.name: 1.0 - min(1.0, max(0.0, c.kv_usage)) for c in candidates}
-
-
-@dataclass(slots=True)
-class MatchFractionScorer:
-    """GIE's prefix-cache scorer: matched blocks over the request's blocks, both capped at
-    ``max_blocks`` (256), from the approximate index of its own decisions (the store's)."""
-
-    max_blocks: int = 256
-    name: str = "gie_prefix"
-
-    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
-        """Match fraction."""
-        total = min(len(cycle.features.prefix_hashes), self.max_blocks)
-        if not total:
-            return {}
-        matches = cycle.view.prefix_matches
-        return {c.name: min(matches.get(c.name, 0), self.max_blocks) / total for c in candidates}
-
-
-@dataclass(slots=True)
-class RandomTieMaxScorePicker:
-    """GIE's max-score picker: highest total first, equal totals in random order."""
-
-    seed: int = 0
-    rng: random.Random | None = None
-    name: str = "gie_max_score"
-
-    def __post_init__(self) -> None:
-        self.rng = _rng(self.seed, self.rng)
-
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
-        """Shuffle, then a stable sort by score."""
-        assert self.rng is not None
-        ordered = _by_name(candidates)
-        self.rng.shuffle(ordered)
-        return sorted(ordered, key=lambda c: -totals.get(c.name, 0.0))
-
-
-# --- Dynamo and the oracle -------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class DynamoCostPicker:
+class DynamoCost(_Stateless):
     """NVIDIA Dynamo's KV router cost: ``overlap_weight x prefill blocks + decode blocks``, lowest
     wins (temperature 0).
 
@@ -368,9 +378,9 @@ class DynamoCostPicker:
     router_block_chars: int = 64
     name: str = "dynamo_kv"
 
-    def costs(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> dict[str, float]:
-        """Each candidate's cost."""
-        f = cycle.features
+    def costs(self, request: RequestFeatures, fleet: Fleet) -> dict[str, float]:
+        """Each replica's cost."""
+        f = request
         prompt = f.estimated_prompt_tokens
         active: Mapping[str, int] | None = None
         if self.probe is not None:
@@ -378,11 +388,11 @@ class DynamoCostPicker:
             active = self.probe.active_blocks()
         else:
             per_block = self.router_block_chars // CHARS_PER_TOKEN
-            cached = {n: m * per_block for n, m in cycle.view.prefix_matches.items()}
+            cached = {n: m * per_block for n, m in fleet.prefix_matches.items()}
         bs = self.block_size
         request_blocks = math.ceil(prompt / bs)
         out = {}
-        for c in candidates:
+        for c in fleet.replicas:
             overlap = min(prompt, cached.get(c.name, 0)) // bs * bs
             prefill_blocks = (c.pending_prefill_tokens + prompt - overlap) / bs
             held = active.get(c.name, 0) if active is not None else c.kv_usage * self.num_gpu_blocks
@@ -390,32 +400,56 @@ class DynamoCostPicker:
             out[c.name] = self.overlap_weight * prefill_blocks + decode_blocks
         return out
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """Lowest cost first."""
-        costs = self.costs(cycle, candidates)
-        return sorted(candidates, key=lambda c: (costs[c.name], c.name))
+        costs = self.costs(request, fleet)
+        return sorted(fleet.replicas, key=lambda c: (costs[c.name], c.name))
+
+
+# --- scoring peers: GIE and llm-d ------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class OraclePicker:
-    """The replica that really holds the longest prefix of the prompt; ties to the fewest in
-    flight. Greedy on the cache alone, so not an upper bound: it can strand replicas that never
-    get a hit."""
+class QueueScorer:
+    """GIE's queue scorer: waiting requests as last scraped, min-max normalised (1 when all equal)."""
 
-    probe: CacheProbe
-    name: str = "oracle"
+    name: str = "gie_queue"
 
-    def pick(
-        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
-    ) -> list[ReplicaState]:
-        """Longest true match first."""
-        cached = self.probe.cached_tokens(cycle.features)
-        return sorted(candidates, key=lambda c: (-cached.get(c.name, 0), c.inflight, c.name))
+    def score(self, request: RequestFeatures, fleet: Fleet) -> Mapping[str, float]:
+        """(max - queue) / (max - min)."""
+        queues = [c.queue for c in fleet.replicas]
+        lo, hi = min(queues, default=0), max(queues, default=0)
+        if hi == lo:
+            return {c.name: 1.0 for c in fleet.replicas}
+        return {c.name: (hi - c.queue) / (hi - lo) for c in fleet.replicas}
 
 
-# --- llm-d ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class KVCacheUtilizationScorer:
+    """GIE's kv-cache utilization scorer: 1 - KV usage as last scraped."""
+
+    name: str = "gie_kv_cache"
+
+    def score(self, request: RequestFeatures, fleet: Fleet) -> Mapping[str, float]:
+        """Free KV cache."""
+        return {c.name: 1.0 - min(1.0, max(0.0, c.kv_usage)) for c in fleet.replicas}
+
+
+@dataclass(slots=True)
+class MatchFractionScorer:
+    """GIE's prefix-cache scorer: matched blocks over the request's blocks, both capped at
+    ``max_blocks`` (256), from the approximate index of its own decisions (the store's)."""
+
+    max_blocks: int = 256
+    name: str = "gie_prefix"
+
+    def score(self, request: RequestFeatures, fleet: Fleet) -> Mapping[str, float]:
+        """Match fraction."""
+        total = min(len(request.prefix_hashes), self.max_blocks)
+        if not total:
+            return {}
+        matches = fleet.prefix_matches
+        return {c.name: min(matches.get(c.name, 0), self.max_blocks) / total for c in fleet.replicas}
 
 
 @dataclass(slots=True)
@@ -425,19 +459,14 @@ class PrecisePrefixScorer:
     normalised over the replicas that hold any (all of them 1 when they hold the same; 0 for a
     replica holding none), as llm-d normalises its indexed scores."""
 
-    probe: CacheProbe | None = None
+    probe: CacheProbe
     block_size: int = 16
     name: str = "llmd_precise_prefix"
 
-    def __post_init__(self) -> None:
-        if self.probe is None:
-            raise ValueError("llmd_precise_prefix needs the replicas' cache state (a probe)")
-
-    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+    def score(self, request: RequestFeatures, fleet: Fleet) -> Mapping[str, float]:
         """Matched blocks, min-max normalised over the holders."""
-        assert self.probe is not None
-        cached = self.probe.cached_tokens(cycle.features)
-        blocks = {c.name: n for c in candidates if (n := cached.get(c.name, 0) // self.block_size) > 0}
+        cached = self.probe.cached_tokens(request)
+        blocks = {c.name: n for c in fleet.replicas if (n := cached.get(c.name, 0) // self.block_size) > 0}
         if not blocks:
             return {}
         lo, hi = min(blocks.values()), max(blocks.values())
@@ -452,30 +481,63 @@ class LoadAwareScorer:
     threshold: int = 128
     name: str = "llmd_load_aware"
 
-    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+    def score(self, request: RequestFeatures, fleet: Fleet) -> Mapping[str, float]:
         """Half a point for an empty queue, less as it fills."""
         cap = max(1, self.threshold)
-        return {c.name: 0.5 * (1.0 - min(c.queue, cap) / cap) for c in candidates}
+        return {c.name: 0.5 * (1.0 - min(c.queue, cap) / cap) for c in fleet.replicas}
 
 
-PEER_SCORERS: dict[str, Callable[..., Scorer]] = {
-    "llmd_precise_prefix": PrecisePrefixScorer,
-    "llmd_load_aware": LoadAwareScorer,
-    "gie_queue": QueueScorer,
-    "gie_kv_cache": KVCacheUtilizationScorer,
-    "gie_prefix": MatchFractionScorer,
-}
-PEER_PICKERS: dict[str, Callable[..., Picker]] = {
-    "round_robin": RoundRobinPicker,
-    "random": RandomPicker,
-    "least_request": LeastRequestPicker,
-    "power_of_two": PowerOfTwoPicker,
-    "consistent_hash": ConsistentHashPicker,
-    "sglang_cache_aware": SGLangCacheAwarePicker,
-    "gie_max_score": RandomTieMaxScorePicker,
-    "dynamo_kv": DynamoCostPicker,
-    "oracle": OraclePicker,
-}
+def _clamp(value: float) -> float:
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
-PEER_REGISTRY = REGISTRY.extended(scorers=PEER_SCORERS, pickers=PEER_PICKERS)
-"""The router's plugins and the peers' policies: what the lab's profiles may name."""
+
+@dataclass(slots=True)
+class MaxScorePolicy(_Stateless):
+    """A scoring router (GIE's endpoint picker and llm-d's): each scorer's values clamped to
+    [0, 1], weighted and summed; the highest total wins, equal totals in random order (GIE's
+    max-score picker)."""
+
+    name: str
+    scorers: Sequence[tuple[PeerScorer, float]]
+    seed: int = 0
+    rng: random.Random | None = None
+
+    def __post_init__(self) -> None:
+        self.rng = _rng(self.seed, self.rng)
+
+    def totals(self, request: RequestFeatures, fleet: Fleet) -> dict[str, float]:
+        """Each replica's weighted total."""
+        totals = {c.name: 0.0 for c in fleet.replicas}
+        for scorer, weight in self.scorers:
+            for name, value in scorer.score(request, fleet).items():
+                if name in totals:
+                    totals[name] += weight * _clamp(value)
+        return totals
+
+    def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
+        """Shuffle, then a stable sort by total."""
+        assert self.rng is not None
+        totals = self.totals(request, fleet)
+        ordered = _by_name(fleet.replicas)
+        self.rng.shuffle(ordered)
+        return sorted(ordered, key=lambda c: -totals.get(c.name, 0.0))
+
+
+def gie_default(seed: int = 0) -> MaxScorePolicy:
+    """GIE's default profile: queue 2, kv-cache 2, prefix 3."""
+    scorers: list[tuple[PeerScorer, float]] = [
+        (QueueScorer(), 2.0),
+        (KVCacheUtilizationScorer(), 2.0),
+        (MatchFractionScorer(), 3.0),
+    ]
+    return MaxScorePolicy("gie_default", scorers, seed)
+
+
+def llmd_precise(probe: CacheProbe, block_size: int = 16, seed: int = 0) -> MaxScorePolicy:
+    """llm-d's precise prefix-cache profile: precise prefix 2, kv-cache utilization 1, queue 1."""
+    scorers: list[tuple[PeerScorer, float]] = [
+        (PrecisePrefixScorer(probe, block_size), 2.0),
+        (KVCacheUtilizationScorer(), 1.0),
+        (QueueScorer(), 1.0),
+    ]
+    return MaxScorePolicy("llmd_precise", scorers, seed)

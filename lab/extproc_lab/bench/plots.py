@@ -37,7 +37,7 @@ def write_plots(result: BenchResult, directory: Path, stem: str) -> list[Path]:
         ax.plot(xs, ys, style, linewidth=width, label=name)
         spans.append(xs[-1])
     if spans:
-        # A policy that collapses (the greedy oracle) can run ten times longer: keep the others readable.
+        # A policy that collapses (herding onto one replica) can run ten times longer: keep the others readable.
         spans.sort()
         ax.set_xlim(0, min(spans[-1], 1.5 * spans[len(spans) // 2]))
     ax.set_xlabel("arrival time (s)")

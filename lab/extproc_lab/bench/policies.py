@@ -1,8 +1,9 @@
-"""The policies ``extproc bench routing`` compares, by name, as profiles of our pipeline.
+"""The policies ``extproc bench routing`` compares, by name.
 
-``extproc`` is our default profile (the router config's ``profile:``); the peers are built from
-the plugins of :mod:`extproc_lab.peers`; ``pooled`` and ``ideal`` are hit-ratio ceilings
-computed without routing (:mod:`extproc_lab.sim.ceilings`).
+``extproc`` is our default profile (the router config's ``profile:``), and a variant another
+profile of our pipeline; the peers are policy objects of :mod:`extproc_lab.peers`, one per run;
+``pooled`` and ``ideal`` are hit-ratio ceilings computed without routing
+(:mod:`extproc_lab.sim.ceilings`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 from extproc.config import Config
 from extproc.routing.pipeline import Profile
 from extproc.routing.registry import build_profile
-from extproc_lab.peers import PEER_REGISTRY, CacheProbe
+from extproc_lab import peers
+from extproc_lab.peers import CacheProbe, PeerPolicy
 from extproc_lab.replica.timing import ReplicaProfile
 
 OURS = "extproc"
@@ -39,16 +41,14 @@ KV_EVENTS_DELAY_S = 0.05
 GIE_SCRAPE_INTERVAL_S = 0.05
 """GIE's endpoint picker scrapes vLLM's metrics every 50 ms (its documented default)."""
 
-Spec = Callable[[CacheProbe, int, ReplicaProfile], Mapping[str, Any]]
-
-
-def _picker(kind: str, **parameters: Any) -> dict[str, Any]:
-    return {"filters": [], "scorers": [], "picker": {"type": kind, "parameters": parameters}}
+Spec = Callable[[CacheProbe, int, ReplicaProfile], PeerPolicy]
+"""A peer's policy object for one run, from the probe of the replicas' caches, the seed and the
+replica profile."""
 
 
 @dataclass(frozen=True)
 class PolicyDef:
-    """How to build one policy's profile, and the scrape interval its router uses (None: ours)."""
+    """How to build one peer's policy, and the scrape interval its router uses (None: ours)."""
 
     name: str
     about: str
@@ -59,61 +59,39 @@ class PolicyDef:
 PEER_DEFS: dict[str, PolicyDef] = {
     d.name: d
     for d in (
-        PolicyDef("round_robin", "each request to the next replica", lambda p, s, r: _picker("round_robin")),
-        PolicyDef("random", "a uniform draw (seeded)", lambda p, s, r: _picker("random", seed=s)),
-        PolicyDef(
-            "least_request", "fewest in flight, ties at random", lambda p, s, r: _picker("least_request", seed=s)
-        ),
+        PolicyDef("round_robin", "each request to the next replica", lambda p, s, r: peers.RoundRobin()),
+        PolicyDef("random", "a uniform draw (seeded)", lambda p, s, r: peers.RandomChoice(seed=s)),
+        PolicyDef("least_request", "fewest in flight, ties at random", lambda p, s, r: peers.LeastRequest(seed=s)),
         PolicyDef(
             "power_of_two",
             "lighter of two random replicas (scraped load)",
-            lambda p, s, r: _picker("power_of_two", seed=s),
+            lambda p, s, r: peers.PowerOfTwo(seed=s),
         ),
         PolicyDef(
             "consistent_hash",
             "session key on a 160-vnode ring, no load bound",
-            lambda p, s, r: _picker("consistent_hash"),
+            lambda p, s, r: peers.ConsistentHash(),
         ),
         PolicyDef(
             "sglang_cache_aware",
             "sglang-router cache_aware (0.3 / 64 / 1.5)",
-            lambda p, s, r: _picker("sglang_cache_aware"),
+            lambda p, s, r: peers.SGLangCacheAware(),
         ),
         PolicyDef(
             "gie_default",
             "GIE: queue 2, kv-cache 2, prefix 3, max score",
-            lambda p, s, r: {
-                "filters": [],
-                "scorers": [
-                    {"type": "gie_queue", "weight": 2},
-                    {"type": "gie_kv_cache", "weight": 2},
-                    {"type": "gie_prefix", "weight": 3},
-                ],
-                "picker": {"type": "gie_max_score", "parameters": {"seed": s}},
-            },
+            lambda p, s, r: peers.gie_default(seed=s),
             GIE_SCRAPE_INTERVAL_S,
         ),
         PolicyDef(
             "dynamo_kv",
             "Dynamo: min overlap x prefill + decode blocks, KV events",
-            lambda p, s, r: _picker("dynamo_kv", probe=p, num_gpu_blocks=r.num_gpu_blocks, block_size=r.block_size),
+            lambda p, s, r: peers.DynamoCost(probe=p, num_gpu_blocks=r.num_gpu_blocks, block_size=r.block_size),
         ),
         PolicyDef(
             "llmd_precise",
             "llm-d: precise prefix (KV events) 2, kv-cache 1, queue 1",
-            lambda p, s, r: {
-                "filters": [],
-                "scorers": [
-                    {
-                        "type": "llmd_precise_prefix",
-                        "weight": 2,
-                        "parameters": {"probe": p, "block_size": r.block_size},
-                    },
-                    {"type": "gie_kv_cache", "weight": 1},
-                    {"type": "gie_queue", "weight": 1},
-                ],
-                "picker": {"type": "gie_max_score", "parameters": {"seed": s}},
-            },
+            lambda p, s, r: peers.llmd_precise(p, block_size=r.block_size, seed=s),
             GIE_SCRAPE_INTERVAL_S,
         ),
     )
@@ -127,19 +105,18 @@ def policy_profile(
     replica: ReplicaProfile,
     config: Config,
     variants: Mapping[str, Mapping[str, Any]] | None = None,
-) -> Profile:
-    """The routing profile of policy ``name`` (``extproc``, a peer, or a variant's profile)."""
+) -> Profile | PeerPolicy:
+    """What policy ``name`` routes with: a profile of our pipeline (``extproc``, ``kv_events``, a
+    variant), or a new peer policy object for one run (a peer)."""
     if name in (OURS, KV_EVENTS):
         spec: Mapping[str, Any] = config.profile
     elif variants and name in variants:
         spec = variants[name]
     elif name in PEER_DEFS:
-        spec = PEER_DEFS[name].spec(probe, seed, replica)
+        return PEER_DEFS[name].spec(probe, seed, replica)
     else:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(ALL)}")
-    return build_profile(
-        {**spec, "name": name}, registry=PEER_REGISTRY, vnodes=config.vnodes, ring_key_blocks=config.ring_key_blocks
-    )
+    return build_profile({**spec, "name": name}, vnodes=config.vnodes, ring_key_blocks=config.ring_key_blocks)
 
 
 def scrape_interval(name: str) -> float | None:

@@ -20,24 +20,22 @@ experiments need:
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
+from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import render_chat
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.router import Routed
 from extproc.routing.model import Replica
 from extproc_lab.replica.cache import count_tokens
-from extproc_lab.replica.model import ReplicaModel, Seq
-from extproc_lab.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync, scrape
+from extproc_lab.replica.model import Seq
+from extproc_lab.sim.simulator import Outcome, SimRun, Simulation, run_sync
 from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL
 from extproc_lab.stats import percentile
-
-_CONTROL, _ARRIVAL, _STEP_END, _PUMP = -1, 0, 1, 2
 
 
 class SimPrewarmer(Prewarmer):
@@ -118,14 +116,19 @@ def _warm_seq(body: bytes, handle: int) -> Seq:
 
 
 class DynamicSimulation(Simulation):
-    """A :class:`Simulation` whose fleet changes at ``changes`` (``(at_s, replica_count)``)."""
+    """A :class:`Simulation` whose fleet changes at ``changes`` (``(at_s, replica_count)``).
+
+    It extends the one event loop through its hooks: the changes are events of their own kind
+    (before an arrival at the same time), as are the pre-warmer's wake-ups (after the steps
+    ending then); a refused request is counted and dropped with its follow-ups.
+    """
+
+    CONTROL, PUMP = -1, 2
 
     def __init__(self, *args: Any, changes: Sequence[tuple[float, int]] = (), **kwargs: Any) -> None:
         self._wakes: list[float] = []
         super().__init__(*args, **kwargs)
         self.changes = sorted(changes)
-        self.replica_profile = self.models[0].profile
-        self._warm_submit: Callable[[int, Seq], None] = lambda m, seq: None
         self.prewarms_sent = 0
 
     def _prewarmer(self) -> Prewarmer:
@@ -137,7 +140,7 @@ class DynamicSimulation(Simulation):
         if index >= len(self.models):
             return 503
         self.prewarms_sent += 1
-        self._warm_submit(index, _warm_seq(body, -self.prewarms_sent))
+        self._submit_side(index, _warm_seq(body, -self.prewarms_sent))
         return 200
 
     def run(self, on_progress: Callable[[int], None] | None = None, progress_every: int = 200) -> SimRun:
@@ -146,220 +149,79 @@ class DynamicSimulation(Simulation):
 
     def run_dynamic(self) -> DynamicRun:
         """Replay the workload with the membership changes, pre-warms and refusals."""
-        reqs = self.workload.requests
-        followers = self.workload.followers()
-        heap: list[tuple[float, int, int, int, int]] = []
-        order = 0
-        for r in reqs:
-            if r.after < 0:
-                heap.append((r.arrival_s, _ARRIVAL, order, r.index, 0))
-                order += 1
-        for c, (at, _) in enumerate(self.changes):
-            heap.append((at, _CONTROL, order, c, 0))
-            order += 1
-        heapq.heapify(heap)
-        models = self.models
-        names = self.names
-        n = len(models)
-        version = [0] * n
-        step_start = [0.0] * n
-        scheduled_end = [0.0] * n
-        counts: list[list[int]] = [[] for _ in range(n)]
-        work: list[list[float]] = [[] for _ in range(n)]
-        seqs: dict[int, Seq] = {}
-        routed: dict[int, Routed] = {}
-        replica_of: dict[int, int] = {}
-        index_of = {name: i for i, name in enumerate(names)}
-        window = self.window_s
-        tally = RouteTally(window, counts)
-        interval = self.scrape_interval_s
-        last_tick = -1
-        book = self.router.replicas
-        settings = self.config.features
-        clock = self.clock
-        router = self.router
-        rebalancer = router.rebalancer
-        prewarmer = rebalancer.prewarmer
+        self._refused_counts: dict[str, int] = {}
+        self._changes_made: list[Change] = []
+        self._session_keys: dict[int, str] = {}
+        self._tenants: dict[int, str] = {}
+        self._members = len(self.router.replicas)
+        self._followers = self.workload.followers()
+        prewarmer = self.router.rebalancer.prewarmer
         assert isinstance(prewarmer, SimPrewarmer)
-        outcomes: list[Outcome] = []
-        decisions: dict[str, int] = {}
-        refused: dict[str, int] = {}
-        changes: list[Change] = []
-        session_keys: dict[int, str] = {}
-        tenants: dict[int, str] = {}
-        members = len(book)
-        events = 0
-        warm_pending = 0
-
-        def add_work(m: int, start: float, end: float, tokens: int) -> None:
-            series = work[m]
-            rate = tokens / (end - start) if end > start else 0.0
-            while start < end:
-                w = int(start // window)
-                if (w + 1) * window <= start:
-                    w += 1
-                while len(series) <= w:
-                    series.append(0.0)
-                edge = min(end, (w + 1) * window)
-                series[w] += (edge - start) * rate
-                start = edge
-
-        def start_step(m: int, now: float) -> None:
-            nonlocal order
-            duration = models[m].begin_step(now, self.max_run_steps)
-            if duration is None:
-                return
-            version[m] += 1
-            step_start[m] = now
-            scheduled_end[m] = now + duration
-            heapq.heappush(heap, (now + duration, _STEP_END, order, m, version[m]))
-            order += 1
-
-        def submit(m: int, seq: Seq, now: float) -> None:
-            nonlocal order
-            model = models[m]
-            if model.busy:
-                end = model.cut(now)
-                if end != scheduled_end[m]:
-                    version[m] += 1
-                    scheduled_end[m] = end
-                    heapq.heappush(heap, (end, _STEP_END, order, m, version[m]))
-                    order += 1
-            model.submit(seq, now)
-            if not model.busy:
-                start_step(m, now)
-
-        def warm(m: int, seq: Seq) -> None:
-            nonlocal warm_pending
-            warm_pending += 1
-            submit(m, seq, clock.now)
-
-        self._warm_submit = warm
-
-        def schedule_wakes() -> None:
-            nonlocal order
-            for at in self._wakes:
-                heapq.heappush(heap, (at, _PUMP, order, 0, 0))
-                order += 1
-            self._wakes.clear()
-
-        def drop(i: int, now: float) -> None:
-            # A refused request: its closed-loop follow-ups are never sent either.
-            for f in followers.get(i, ()):
-                refused["follow_up"] = refused.get("follow_up", 0) + 1
-                drop(f, now)
-
-        while heap:
-            now, kind, _, a, b = heapq.heappop(heap)
-            if kind == _STEP_END and version[a] != b:
-                continue
-            events += 1
-            clock.now = now
-            tick = int(now // interval)
-            if tick > last_tick:
-                last_tick = tick
-                at = tick * interval
-                for i, model in enumerate(models):
-                    book.apply_scrape(names[i], scrape(model), at)
-                if self._evaluate:
-                    book.evaluate(at)
-            if kind == _CONTROL:
-                target = self.changes[a][1]
-                while len(models) < target:
-                    i = len(models)
-                    name = f"replica-{i}"
-                    names.append(name)
-                    index_of[name] = i
-                    models.append(ReplicaModel(self.replica_profile))
-                    version.append(0)
-                    step_start.append(0.0)
-                    scheduled_end.append(0.0)
-                    counts.append([])
-                    work.append([])
-                live = sum(1 for _ in rebalancer.ledger.live(now))
-                wanted = [Replica(names[i], f"sim:{i}") for i in range(target)]
-                membership = run_sync(router.set_replicas(wanted))
-                moved = frozenset(e.session for e in rebalancer.ledger.live(now) if e.moved_at == now)
-                changes.append(
-                    Change(now, members, target, membership.joined, membership.left, live, len(moved), moved)
-                )
-                members = target
-                schedule_wakes()
-                continue
-            if kind == _PUMP:
-                prewarmer.pump()
-                schedule_wakes()
-                continue
-            if kind == _ARRIVAL:
-                req = reqs[a]
-                seq = Seq(
-                    req.request_id,
-                    req.prompt_tokens,
-                    req.output_tokens,
-                    req.keys,
-                    req.key_span,
-                    req.tail_span,
-                    handle=a,
-                )
-                self.routing = seq
-                features = req.features(settings)
-                decision = run_sync(router.route_features(features, now))
-                self.routing = None
-                reason = decision.decision.reason.value
-                decisions[reason] = decisions.get(reason, 0) + 1
-                chosen = decision.decision.replica
-                tenants[a] = req.tenant
-                if chosen is None:
-                    refused[reason] = refused.get(reason, 0) + 1
-                    drop(a, now)
-                    continue
-                m = index_of[chosen.name]
-                if features.session_key is not None:
-                    session_keys[a] = features.session_key
-                    if rebalancer.settings.enabled:
-                        body = json.dumps(req.body(), separators=(",", ":")).encode()
-                        rebalancer.note(features.session_key, features.model, chosen.name, features.path, body, now)
-                seqs[a] = seq
-                routed[a] = decision
-                replica_of[a] = m
-                tally.routed(a, m, now, req.tenant, req.session)
-                submit(m, seq, now)
-                continue
-            model = models[a]
-            result = model.end_step()
-            add_work(a, step_start[a], now, result.tokens)
-            for seq in result.first:
-                if seq.handle >= 0 and router.sample_response():
-                    router.observe_response(routed[seq.handle], 200)
-            for seq in result.finished:
-                i = seq.handle
-                if i < 0:
-                    warm_pending -= 1
-                    continue
-                router.release(routed.pop(i))
-                outcomes.append(tally.outcome(i, replica_of[i], seq, reqs[i].session))
-                del seqs[i]
-                for f in followers.get(i, ()):
-                    heapq.heappush(heap, (now + reqs[f].arrival_s, _ARRIVAL, order, f, 0))
-                    order += 1
-            start_step(a, now)
-        if seqs or warm_pending:
-            raise RuntimeError(f"{len(seqs)} requests and {warm_pending} pre-warms never finished")
-        outcomes.sort(key=lambda o: o.index)
-        run = SimRun(
-            policy=self.policy,
-            replicas=list(names),
-            outcomes=outcomes,
-            busy_s=[m.busy_s for m in models],
-            prefill_tokens=[m.prefill_tokens_computed for m in models],
-            preemptions=[m.preemptions for m in models],
-            window_s=window,
-            requests_series=counts,
-            tokens_series=work,
-            decisions=dict(sorted(decisions.items())),
-            events=events,
+        self._prewarmer_ = prewarmer
+        self._loop()
+        return DynamicRun(
+            self._sim_run(),
+            self._changes_made,
+            self.prewarms_sent,
+            dict(prewarmer.results),
+            self._refused_counts,
+            self._session_keys,
+            self._tenants,
         )
-        return DynamicRun(run, changes, self.prewarms_sent, dict(prewarmer.results), refused, session_keys, tenants)
+
+    # --- hooks of the event loop ---------------------------------------------------------------
+
+    def _initial_events(self) -> list[tuple[float, int, int]]:
+        return [(at, self.CONTROL, c) for c, (at, _) in enumerate(self.changes)]
+
+    def _decided(self, i: int, features: RequestFeatures, routed: Routed, now: float) -> None:
+        req = self.workload.requests[i]
+        self._tenants[i] = req.tenant
+        chosen = routed.decision.replica
+        if chosen is None or features.session_key is None:
+            return
+        # As Router.route does: the session's request noted in the rebalancer's ledger.
+        self._session_keys[i] = features.session_key
+        rebalancer = self.router.rebalancer
+        if rebalancer.settings.enabled:
+            body = json.dumps(req.body(), separators=(",", ":")).encode()
+            rebalancer.note(features.session_key, features.model, chosen.name, features.path, body, now)
+
+    def _refused(self, i: int, routed: Routed, now: float) -> None:
+        reason = routed.decision.reason.value
+        self._refused_counts[reason] = self._refused_counts.get(reason, 0) + 1
+        self._drop(i)
+
+    def _drop(self, i: int) -> None:
+        # A refused request: its closed-loop follow-ups are never sent either.
+        for f in self._followers.get(i, ()):
+            self._refused_counts["follow_up"] = self._refused_counts.get("follow_up", 0) + 1
+            self._drop(f)
+
+    def _on_event(self, kind: int, a: int, now: float) -> None:
+        if kind == self.CONTROL:
+            self._change(self.changes[a][1], now)
+        elif kind == self.PUMP:
+            self._prewarmer_.pump()
+        else:
+            super()._on_event(kind, a, now)
+        for at in self._wakes:
+            self._push(at, self.PUMP, 0)
+        self._wakes.clear()
+
+    def _change(self, target: int, now: float) -> None:
+        """Make ``replica-0 .. replica-{target-1}`` the membership."""
+        while len(self.models) < target:
+            self._add_replica()
+        rebalancer = self.router.rebalancer
+        live = sum(1 for _ in rebalancer.ledger.live(now))
+        wanted = [Replica(self.names[i], f"sim:{i}") for i in range(target)]
+        membership = run_sync(self.router.set_replicas(wanted))
+        moved = frozenset(e.session for e in rebalancer.ledger.live(now) if e.moved_at == now)
+        self._changes_made.append(
+            Change(now, self._members, target, membership.joined, membership.left, live, len(moved), moved)
+        )
+        self._members = target
 
 
 @dataclass(frozen=True)

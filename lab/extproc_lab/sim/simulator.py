@@ -10,7 +10,9 @@ interval). Replicas are :class:`~extproc_lab.replica.model.ReplicaModel` instanc
 the fake HTTP replica.
 
 Events are arrivals (open loop at their time, closed loop a think time after what they follow)
-and ends of replica steps. Two things keep a replay of hours of traffic fast:
+and ends of replica steps; the variants (:mod:`~extproc_lab.sim.dynamic`,
+:mod:`~extproc_lab.sim.priority`) add their own kinds and hooks to this one loop. Two things keep a
+replay of hours of traffic fast:
 
 - runs of identical decode steps are one event (the model's ``max_steps``), cut short at the
   next step boundary when a request arrives at that replica;
@@ -32,9 +34,11 @@ from extproc.rebalance.prewarm import Prewarmer
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
 from extproc.routing.model import Replica
-from extproc.routing.pipeline import Profile
+from extproc.routing.pipeline import Decider, Profile, decide
+from extproc.routing.registry import build_profile
 from extproc.state.memory import MemoryStore
-from extproc_lab.replica.model import ReplicaModel, Seq
+from extproc_lab.peers import PeerDecision, PeerPolicy
+from extproc_lab.replica.model import ReplicaModel, Seq, StepResult
 from extproc_lab.replica.timing import ReplicaProfile
 from extproc_lab.sim.kv_feed import SimKvFeed
 from extproc_lab.sim.workload import Workload
@@ -119,7 +123,7 @@ class SimRun:
 
 @dataclass(slots=True)
 class RouteTally:
-    """What both simulators note when a request is routed or finishes: requests per replica per
+    """What the event loop notes when a request is routed or finishes: requests per replica per
     window, and whether a session's turn went where its previous turn went."""
 
     window_s: float
@@ -160,8 +164,8 @@ class RouteTally:
 
 
 class SimCacheProbe:
-    """What every replica model holds of the request being routed (the oracle's and Dynamo's
-    KV-event view). Only answers for the request the simulator is routing."""
+    """What every replica model holds of the request being routed (Dynamo's and llm-d's KV-event
+    view). Only answers for the request the simulator is routing."""
 
     def __init__(self, sim: Simulation) -> None:
         self._sim = sim
@@ -178,16 +182,33 @@ class SimCacheProbe:
         return {name: m.pool.used_blocks for name, m in zip(self._sim.names, self._sim.models, strict=True)}
 
 
-ProfileFactory = Callable[[SimCacheProbe], Profile]
+ProfileFactory = Callable[[SimCacheProbe], Profile | PeerPolicy | None]
+"""What a run routes with, given the probe: a profile of our pipeline (None: the config's), or a
+peer router's policy, which the run then owns."""
 
 
 class Simulation:
-    """One policy over one workload on ``replicas`` model replicas of ``profile``.
+    """One policy over one workload on ``replicas`` model replicas of ``profile``: the event loop.
 
     ``make_profile`` builds the routing profile (it is given a probe of the replicas' true
-    caches, for the oracle and for Dynamo's KV events). ``config`` is the router's (replicas are
-    set here); ``scrape_interval_s`` defaults to its health settings' interval.
+    caches, for Dynamo's and llm-d's KV-event view; None: the config's profile), or a peer
+    router's policy (:class:`~extproc_lab.peers.PeerPolicy`): the run keeps it as ``peer``, the
+    router decides through it (:class:`~extproc_lab.peers.PeerDecision`) and the run tells it
+    where each request went. ``config`` is
+    the router's (replicas are set here); ``scrape_interval_s`` defaults to its health settings'
+    interval.
+
+    The loop is the only one of the lab: its variants extend it through hooks, not copies.
+    :class:`~extproc_lab.sim.dynamic.DynamicSimulation` adds scheduled fleet changes and
+    pre-warms (:meth:`_initial_events`, :meth:`_on_event`, :meth:`_add_replica`,
+    :meth:`_submit_side`) and refusals (:meth:`_decided`, :meth:`_refused`);
+    :class:`~extproc_lab.sim.priority.PrioritySimulation` holds requests before they are routed
+    (:meth:`_arrive`, :meth:`_dispatch`, :meth:`_scrape`, :meth:`_after_step`) and records its
+    own outcomes (:meth:`_finished`). Event kinds ``ARRIVAL`` and ``STEP_END`` are the loop's;
+    a variant's own kinds go below (before an arrival at the same time) or above them.
     """
+
+    ARRIVAL, STEP_END = _ARRIVAL, _STEP_END
 
     def __init__(
         self,
@@ -214,7 +235,20 @@ class Simulation:
         self.clock = VirtualClock()
         self.probe = SimCacheProbe(self)
         self.routing: Seq | None = None
-        routing_profile = make_profile(self.probe)
+        routing = make_profile(self.probe)
+        self.peer: PeerPolicy | None = None
+        decider: Decider = decide
+        if routing is None or isinstance(routing, Profile):
+            routing_profile = routing
+        else:
+            self.peer, decider = routing, PeerDecision(routing)
+            # Only what the decision states from the request (the key source, the fallbacks):
+            # the peer ranks the replicas itself.
+            routing_profile = build_profile(
+                {"filters": [], "scorers": [], "picker": {"type": "max_score"}, "name": routing.name},
+                vnodes=self.config.vnodes,
+                ring_key_blocks=self.config.ring_key_blocks,
+            )
         store = MemoryStore(self.config.session_ttl_s, self.config.max_sessions, self.config.blocks_per_replica)
         self.models = [ReplicaModel(profile) for _ in range(replicas)]
         # The kv_events policy: the models' stores and evictions reach the router as KV events.
@@ -229,174 +263,256 @@ class Simulation:
             profile=routing_profile,
             prewarmer=self._prewarmer(),
             kv_events=kv_events,
+            decider=decider,
         )
         self.scrape_interval_s = scrape_interval_s or self.config.health.scrape_interval_s
         # The health evaluation only matters to profiles that filter on rotation.
-        self._evaluate = any(getattr(f, "name", "") == "in_rotation" for f in routing_profile.filters)
+        filters = routing_profile.filters if routing_profile is not None else ()
+        self._evaluate = any(getattr(f, "name", "") == "in_rotation" for f in filters)
         self.max_run_steps = max_run_steps
         nominal = workload.nominal_order()
         span = max((r.arrival_s for r in nominal if r.after < 0), default=0.0)
         self.window_s = window_s or max(1.0, span / 60)
+        self.index_of = {name: i for i, name in enumerate(self.names)}
+        self._reset()
 
     def _prewarmer(self) -> Prewarmer | None:
         """The router's pre-warmer (None: the router's own, which sends HTTP)."""
         return None
 
+    # --- the loop's state and the moves its hooks may make -----------------------------------
+
+    def _reset(self) -> None:
+        n = len(self.models)
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._order = 0
+        self._version = [0] * n
+        self._step_start = [0.0] * n
+        self._scheduled_end = [0.0] * n
+        self._counts: list[list[int]] = [[] for _ in range(n)]
+        self._work: list[list[float]] = [[] for _ in range(n)]
+        self._tally = RouteTally(self.window_s, self._counts)
+        self._seqs: dict[int, Seq] = {}
+        self._routed: dict[int, Routed] = {}
+        self._replica_of: dict[int, int] = {}
+        self._outcomes: list[Outcome] = []
+        self._decisions: dict[str, int] = {}
+        self._side_pending = 0
+        self._events = 0
+
+    def _push(self, at: float, kind: int, a: int, b: int = 0) -> None:
+        """Schedule an event; at equal times the lower kind, then the earlier push, goes first."""
+        heapq.heappush(self._heap, (at, kind, self._order, a, b))
+        self._order += 1
+
+    def _start_step(self, m: int, now: float) -> None:
+        duration = self.models[m].begin_step(now, self.max_run_steps)
+        if duration is None:
+            return
+        self._version[m] += 1
+        self._step_start[m] = now
+        self._scheduled_end[m] = now + duration
+        self._push(now + duration, _STEP_END, m, self._version[m])
+
+    def _submit(self, m: int, seq: Seq, now: float) -> None:
+        """Hand ``seq`` to replica model ``m`` at ``now``."""
+        model = self.models[m]
+        if model.busy:
+            end = model.cut(now)
+            if end != self._scheduled_end[m]:
+                # The run now ends sooner: its old end event is stale.
+                self._version[m] += 1
+                self._scheduled_end[m] = end
+                self._push(end, _STEP_END, m, self._version[m])
+        model.submit(seq, now)
+        if not model.busy:
+            self._start_step(m, now)
+
+    def _submit_side(self, m: int, seq: Seq) -> None:
+        """Work that is not the workload's (a pre-warm; ``seq.handle`` < 0) on model ``m`` now:
+        it loads the replica and is awaited at the end, and produces no outcome."""
+        self._side_pending += 1
+        self._submit(m, seq, self.clock.now)
+
+    def _add_replica(self) -> int:
+        """A new replica model (named ``replica-<index>``) in the loop; returns its index."""
+        i = len(self.models)
+        name = f"replica-{i}"
+        self.names.append(name)
+        self.index_of[name] = i
+        self.models.append(ReplicaModel(self.models[0].profile))
+        self._version.append(0)
+        self._step_start.append(0.0)
+        self._scheduled_end.append(0.0)
+        self._counts.append([])
+        self._work.append([])
+        return i
+
+    def _add_work(self, m: int, start: float, end: float, tokens: int) -> None:
+        # Tokens computed per window, spread evenly over the step (or run) that computed them.
+        window = self.window_s
+        series = self._work[m]
+        rate = tokens / (end - start) if end > start else 0.0
+        while start < end:
+            w = int(start // window)
+            if (w + 1) * window <= start:
+                w += 1  # start sits on a window edge that floor division put one window early
+            while len(series) <= w:
+                series.append(0.0)
+            edge = min(end, (w + 1) * window)
+            series[w] += (edge - start) * rate
+            start = edge
+
+    def _dispatch(self, i: int, features: RequestFeatures, now: float) -> None:
+        """Route workload request ``i`` now and hand it to the replica chosen."""
+        req = self.workload.requests[i]
+        seq = Seq(req.request_id, req.prompt_tokens, req.output_tokens, req.keys, req.key_span, req.tail_span, handle=i)
+        self.routing = seq
+        if self.kv_feed is not None:
+            self.kv_feed.deliver(now)
+            features = self.kv_feed.features(features, req, self.config.features.max_blocks)
+        decision = run_sync(self.router.route_features(features, now))
+        self.routing = None
+        reason = decision.decision.reason.value
+        self._decisions[reason] = self._decisions.get(reason, 0) + 1
+        self._decided(i, features, decision, now)
+        chosen = decision.decision.replica
+        if chosen is None:
+            self._refused(i, decision, now)
+            return
+        if self.peer is not None:
+            self.peer.observe(features, chosen.name)
+        m = self.index_of[chosen.name]
+        self._seqs[i] = seq
+        self._routed[i] = decision
+        self._replica_of[i] = m
+        self._tally.routed(i, m, now, req.tenant, req.session)
+        self._submit(m, seq, now)
+
+    # --- hooks -------------------------------------------------------------------------------
+
+    def _initial_events(self) -> list[tuple[float, int, int]]:
+        """Events known before the run, ``(at, kind, a)``, after the open-loop arrivals."""
+        return []
+
+    def _scrape(self, at: float, now: float) -> None:
+        """What a scrape at ``at`` would have read (nothing changed since): into the replica book."""
+        book = self.router.replicas
+        for name, model in zip(self.names, self.models, strict=True):
+            book.apply_scrape(name, scrape(model), at)
+        if self._evaluate:
+            book.evaluate(at)
+
+    def _arrive(self, i: int, now: float) -> None:
+        """Workload request ``i`` arrives: routed at once."""
+        self._dispatch(i, self.workload.requests[i].features(self.config.features), now)
+
+    def _decided(self, i: int, features: RequestFeatures, routed: Routed, now: float) -> None:
+        """The router decided on request ``i`` (it may have refused it)."""
+
+    def _refused(self, i: int, routed: Routed, now: float) -> None:
+        """The router chose no replica for request ``i``."""
+        raise RuntimeError("the router chose no replica")
+
+    def _finished(self, i: int, seq: Seq) -> None:
+        """Workload request ``i`` finished: its outcome."""
+        self._outcomes.append(self._tally.outcome(i, self._replica_of[i], seq, self.workload.requests[i].session))
+
+    def _after_step(self, result: StepResult, now: float) -> None:
+        """After a replica's step ended and its next began."""
+
+    def _on_event(self, kind: int, a: int, now: float) -> None:
+        """An event of a variant's own kind."""
+        raise RuntimeError(f"unknown event kind {kind}")
+
     # --- the event loop ----------------------------------------------------------------------
 
-    def run(self, on_progress: Callable[[int], None] | None = None, progress_every: int = 200) -> SimRun:
+    def _loop(self, on_progress: Callable[[int], None] | None = None, progress_every: int = 200) -> None:
         """Replay the workload to its end; ``on_progress(n)`` is called with requests finished."""
+        self._reset()
         reqs = self.workload.requests
         followers = self.workload.followers()
-        heap: list[tuple[float, int, int, int, int]] = []
-        order = 0
+        heap = self._heap
         for r in reqs:
             if r.after < 0:
-                heap.append((r.arrival_s, _ARRIVAL, order, r.index, 0))
-                order += 1
+                heap.append((r.arrival_s, _ARRIVAL, self._order, r.index, 0))
+                self._order += 1
+        for at, kind, a in self._initial_events():
+            heap.append((at, kind, self._order, a, 0))
+            self._order += 1
         heapq.heapify(heap)
-        n = len(self.models)
-        version = [0] * n
-        seqs: dict[int, Seq] = {}
-        routed: dict[int, Routed] = {}
-        replica_of: dict[int, int] = {}
-        step_start = [0.0] * n
-        scheduled_end = [0.0] * n
-        counts: list[list[int]] = [[] for _ in range(n)]
-        work: list[list[float]] = [[] for _ in range(n)]
-        window = self.window_s
-        tally = RouteTally(window, counts)
+        version = self._version
+        models = self.models
+        routed = self._routed
         interval = self.scrape_interval_s
         last_tick = -1
-        book = self.router.replicas
-        models = self.models
-        names = self.names
-        index_of = {name: i for i, name in enumerate(names)}
-        settings = self.config.features
         clock = self.clock
         router = self.router
-        outcomes: list[Outcome] = []
-        decisions: dict[str, int] = {}
-        events = 0
+        push = self._push
         done = 0
-
-        def add_work(m: int, start: float, end: float, tokens: int) -> None:
-            # Tokens computed per window, spread evenly over the step (or run) that computed them.
-            series = work[m]
-            rate = tokens / (end - start) if end > start else 0.0
-            while start < end:
-                w = int(start // window)
-                if (w + 1) * window <= start:
-                    w += 1  # start sits on a window edge that floor division put one window early
-                while len(series) <= w:
-                    series.append(0.0)
-                edge = min(end, (w + 1) * window)
-                series[w] += (edge - start) * rate
-                start = edge
-
-        def start_step(m: int, now: float) -> None:
-            nonlocal order
-            duration = models[m].begin_step(now, self.max_run_steps)
-            if duration is None:
-                return
-            version[m] += 1
-            step_start[m] = now
-            scheduled_end[m] = now + duration
-            heapq.heappush(heap, (now + duration, _STEP_END, order, m, version[m]))
-            order += 1
-
         while heap:
             now, kind, _, a, b = heapq.heappop(heap)
             if kind == _STEP_END and version[a] != b:
                 continue  # a run that was cut short: its new end is in the heap
-            events += 1
+            self._events += 1
             clock.now = now
             tick = int(now // interval)
             if tick > last_tick:
-                # What a scrape at that tick would have read: nothing changed since.
                 last_tick = tick
-                at = tick * interval
-                for i, model in enumerate(models):
-                    book.apply_scrape(names[i], scrape(model), at)
-                if self._evaluate:
-                    book.evaluate(at)
+                self._scrape(tick * interval, now)
             if kind == _ARRIVAL:
-                req = reqs[a]
-                seq = Seq(
-                    req.request_id,
-                    req.prompt_tokens,
-                    req.output_tokens,
-                    req.keys,
-                    req.key_span,
-                    req.tail_span,
-                    handle=a,
-                )
-                self.routing = seq
-                features = req.features(settings)
-                if self.kv_feed is not None:
-                    self.kv_feed.deliver(now)
-                    features = self.kv_feed.features(features, req, settings.max_blocks)
-                decision = run_sync(router.route_features(features, now))
-                self.routing = None
-                chosen = decision.decision.replica
-                if chosen is None:
-                    raise RuntimeError("the router chose no replica")
-                m = index_of[chosen.name]
-                reason = decision.decision.reason.value
-                decisions[reason] = decisions.get(reason, 0) + 1
-                seqs[a] = seq
-                routed[a] = decision
-                replica_of[a] = m
-                tally.routed(a, m, now, req.tenant, req.session)
-                model = models[m]
-                if model.busy:
-                    end = model.cut(now)
-                    if end != scheduled_end[m]:
-                        # The run now ends sooner: its old end event is stale.
-                        version[m] += 1
-                        scheduled_end[m] = end
-                        heapq.heappush(heap, (end, _STEP_END, order, m, version[m]))
-                        order += 1
-                model.submit(seq, now)
-                if not model.busy:
-                    start_step(m, now)
+                self._arrive(a, now)
+                continue
+            if kind != _STEP_END:
+                self._on_event(kind, a, now)
                 continue
             # The end of a step (or of a run of decode steps) on replica a.
             model = models[a]
             result = model.end_step()
-            add_work(a, step_start[a], now, result.tokens)
+            self._add_work(a, self._step_start[a], now, result.tokens)
             for seq in result.first:
-                if router.sample_response():  # as the processor asks Envoy for response headers
+                if seq.handle >= 0 and router.sample_response():  # as the processor asks Envoy
                     router.observe_response(routed[seq.handle], 200)
             for seq in result.finished:
                 i = seq.handle
+                if i < 0:
+                    self._side_pending -= 1
+                    continue
                 router.release(routed.pop(i))
-                outcomes.append(tally.outcome(i, replica_of[i], seq, reqs[i].session))
-                del seqs[i]
+                self._finished(i, seq)
+                del self._seqs[i]
                 for f in followers.get(i, ()):
-                    heapq.heappush(heap, (now + reqs[f].arrival_s, _ARRIVAL, order, f, 0))
-                    order += 1
+                    push(now + reqs[f].arrival_s, _ARRIVAL, f)
                 done += 1
                 if on_progress is not None and done % progress_every == 0:
                     on_progress(done)
-            start_step(a, now)
+            self._start_step(a, now)
+            self._after_step(result, now)
         if on_progress is not None:
             on_progress(done)
-        if seqs:
-            raise RuntimeError(f"{len(seqs)} requests never finished")
-        outcomes.sort(key=lambda o: o.index)
+        if self._seqs or self._side_pending:
+            raise RuntimeError(f"{len(self._seqs)} requests and {self._side_pending} side requests never finished")
+
+    def run(self, on_progress: Callable[[int], None] | None = None, progress_every: int = 200) -> SimRun:
+        """Replay the workload to its end; ``on_progress(n)`` is called with requests finished."""
+        self._loop(on_progress, progress_every)
+        return self._sim_run()
+
+    def _sim_run(self) -> SimRun:
+        outcomes = sorted(self._outcomes, key=lambda o: o.index)
+        models = self.models
         return SimRun(
             policy=self.policy,
-            replicas=list(names),
+            replicas=list(self.names),
             outcomes=outcomes,
             busy_s=[m.busy_s for m in models],
             prefill_tokens=[m.prefill_tokens_computed for m in models],
             preemptions=[m.preemptions for m in models],
-            window_s=window,
-            requests_series=counts,
-            tokens_series=work,
-            decisions=dict(sorted(decisions.items())),
-            events=events,
+            window_s=self.window_s,
+            requests_series=self._counts,
+            tokens_series=self._work,
+            decisions=dict(sorted(self._decisions.items())),
+            events=self._events,
         )
 
 
