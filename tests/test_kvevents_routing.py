@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
-from extproc.kvevents.settings import KvEventSettings, kv_event_settings
+from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.router import Router
@@ -228,10 +228,20 @@ async def test_models_without_tokenizer_keep_character_blocks(tokenizer_dir: Pat
 
 
 def test_settings_validation_names_the_field() -> None:
-    assert kv_event_settings({"hash_algo": "sha256_cbor", "port": 5557}).port == 5557
-    for raw, field in (({"hash_algo": "md5"}, "hash_algo"), ({"port": 0}, "port"), ({"nope": 1}, "unknown")):
-        with pytest.raises(ValueError, match=field):
-            kv_event_settings(raw)
+    from extproc.config import ConfigError, config_from_mapping
+    from extproc.kvevents.hashing import HashAlgo
+
+    kv = config_from_mapping({"kv_events": {"hash_algo": "sha256_cbor", "port": 5557, "hash_seed": 0}}).kv_events
+    assert (kv.port, kv.hash_algo, kv.hash_seed) == (5557, HashAlgo.SHA256_CBOR, "0")
+    for raw, field in (
+        ({"hash_algo": "md5"}, "kv_events.hash_algo"),
+        ({"port": 0}, "kv_events.port"),
+        ({"nope": 1}, "kv_events.nope"),
+        ({"listen": "0.0.0.0:5557"}, "kv_events.listen"),
+        ({"tokenizers": {"m": 3}}, "kv_events.tokenizers.m"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            config_from_mapping({"kv_events": raw})
 
 
 def test_discovered_replicas_publish_on_the_configured_ports() -> None:
