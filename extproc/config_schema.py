@@ -367,6 +367,7 @@ class KvEvents(Section):
     max_blocks_per_replica: int = _doc(_KV.max_blocks_per_replica, "indexed blocks kept per replica", ge=1)
     unpin_below: float = _doc(_KV.unpin_below, "a pin holds while its replica has this share of blocks", ge=0, le=1)
     tokenizers: dict[str, str] = _doc({}, "model name -> directory with tokenizer.json, tokenizer_config.json")
+    lora_adapters: dict[str, str] = _doc({}, "LoRA adapter name -> its base model (hashed with the name, as vLLM)")
 
 
 class RouterFile(Section):

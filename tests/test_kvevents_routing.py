@@ -244,6 +244,22 @@ def test_settings_validation_names_the_field() -> None:
             config_from_mapping({"kv_events": raw})
 
 
+def test_lora_adapters_from_the_file_and_flags() -> None:
+    import argparse
+
+    from extproc.config import config_from_mapping
+    from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
+
+    kv = config_from_mapping({"kv_events": {"lora_adapters": {"sql-lora": "m"}}}).kv_events
+    parser = argparse.ArgumentParser()
+    add_kv_event_flags(parser)
+    kv = kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora=m"]))
+    assert kv.resolve("sql-lora") == ("m", "sql-lora") and kv.resolve("poem-lora") == ("m", "poem-lora")
+    assert kv.resolve("m") == ("m", None)
+    with pytest.raises(ValueError, match="--lora-adapter"):
+        kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora"]))
+
+
 def test_discovered_replicas_publish_on_the_configured_ports() -> None:
     from extproc.kvevents.cache_state import replica_endpoints
     from extproc.routing.model import Replica

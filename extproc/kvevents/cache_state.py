@@ -97,7 +97,7 @@ class EventCacheState:
     # -- before the decision ----------------------------------------------------------------
     async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
         """``features`` with prefix hashes over the model's tokens, when it has a tokenizer."""
-        tok = self.tokenizers.get(features.model)
+        tok = self.tokenizers.get(self.settings.resolve(features.model)[0])
         if tok is None or not body or features.body_error is not None or features.has_media:
             return features
         loop = asyncio.get_running_loop()
@@ -122,16 +122,23 @@ class EventCacheState:
             raise TokenizerError(f"no prompt on {features.path}")
         ids = t.ids
         bs = self.settings.block_size
+        lora = self.settings.resolve(features.model)[1]
         if self.chain is None:
-            return tuple(content_chain(ids, bs, max_blocks=self.max_blocks)), len(ids)
-        return tuple(low64(d) for d in self._digests(ids, features.session_key)), len(ids)
+            return tuple(content_chain(ids, bs, max_blocks=self.max_blocks, extra=lora or "")), len(ids)
+        return tuple(low64(d) for d in self._digests(ids, features.session_key, lora)), len(ids)
 
-    def _digests(self, ids: tuple[int, ...], session: str | None) -> list[bytes]:
-        """The engine chain's digests, reusing a session's previous turn's leading blocks."""
+    def _digests(self, ids: tuple[int, ...], session: str | None, lora: str | None = None) -> list[bytes]:
+        """The engine chain's digests, reusing a session's previous turn's leading blocks.
+
+        A LoRA adapter's name is every block's extra key, as vLLM's
+        ``generate_block_hash_extra_keys`` puts it: the same tokens under two adapters (or an adapter
+        and its base) never share a block."""
         assert self.chain is not None
         bs = self.settings.block_size
+        extra = (lora,) if lora else None
         reuse: list[bytes] = []
         if session is not None:
+            session = f"{lora}\0{session}" if lora else session  # another adapter: another chain
             with self._lock:
                 prev = self._hashes.get(session)
             if prev is not None:
@@ -141,7 +148,7 @@ class EventCacheState:
                     k //= 2  # a turn that rewrote history: find a shorter shared run, cheaply
                 reuse = prev_digests[:k]
         n = min(len(ids) // bs, self.max_blocks)
-        tail = self.chain.digests(ids[len(reuse) * bs : n * bs], bs, parent=reuse[-1] if reuse else None)
+        tail = self.chain.digests(ids[len(reuse) * bs : n * bs], bs, extra, parent=reuse[-1] if reuse else None)
         digests = (reuse + tail)[:n]
         if session is not None:
             with self._lock:
@@ -159,7 +166,7 @@ class EventCacheState:
         live = self.source.live(members, now)
         if not live:
             return view
-        from_events = self.source.matches(features.model, features.prefix_hashes, live, now)
+        from_events = self.source.matches(self.settings.resolve(features.model)[0], features.prefix_hashes, live, now)
         matches = {r: n for r, n in view.prefix_matches.items() if r not in live}
         for replica, blocks in from_events.items():
             if blocks >= 1:
@@ -179,7 +186,7 @@ class EventCacheState:
             return
         if self.source.is_live(replica, now):
             self.metrics.predicted_tokens.labels(replica).inc(matched_blocks * features.tokens_per_block)
-        self.source.credit(features.model, replica, features.prefix_hashes, now)
+        self.source.credit(self.settings.resolve(features.model)[0], replica, features.prefix_hashes, now)
         self.source.note_routed(replica, now)
 
     # -- subscriptions ----------------------------------------------------------------------

@@ -36,6 +36,15 @@ class KvEventSettings:
     the prompt's blocks (0: pins are always kept)."""
     tokenizers: Mapping[str, str] = field(default_factory=dict)
     """Model name -> a directory with tokenizer.json and tokenizer_config.json."""
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)
+    """LoRA adapter name (as requests name it) -> its base model. vLLM puts the adapter's name into
+    every block's hash, so its requests are tokenized with the base's tokenizer, hashed with the
+    name as extra key and matched in the base model's index."""
+
+    def resolve(self, model: str) -> tuple[str, str | None]:
+        """A requested model as (the model whose tokenizer and index serve it, its LoRA name or None)."""
+        base = self.lora_adapters.get(model)
+        return (model, None) if base is None else (base, model)
 
     @property
     def enabled(self) -> bool:

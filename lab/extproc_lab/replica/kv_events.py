@@ -23,19 +23,21 @@ class TokenBlocks:
     def __init__(self, block_size: int, algo: HashAlgo = HashAlgo.SHA256, seed: str | None = None) -> None:
         self.block_size = block_size
         self.chain = EngineChain(algo, seed if seed is not None else os.environ.get("PYTHONHASHSEED"))
-        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-        """key -> (parent key, token ids), for keys that may be cached (dropped on eviction)."""
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...], str | None]] = {}
+        """key -> (parent key, token ids, LoRA name), for keys that may be cached (dropped on eviction)."""
 
-    def keys(self, token_ids: Sequence[int], max_blocks: int) -> tuple[int, ...]:
-        """The prompt's block keys; remembers what a ``BlockStored`` of each must carry."""
+    def keys(self, token_ids: Sequence[int], max_blocks: int, lora_name: str | None = None) -> tuple[int, ...]:
+        """The prompt's block keys; remembers what a ``BlockStored`` of each must carry.
+
+        Under a LoRA adapter every block's extra keys are ``(lora_name,)``, as vLLM hashes them."""
         bs = self.block_size
-        digests = self.chain.digests(token_ids, bs, max_blocks=max_blocks)
+        digests = self.chain.digests(token_ids, bs, (lora_name,) if lora_name else None, max_blocks)
         out = []
         parent: int | None = None
         for i, d in enumerate(digests):
             key = low64(d)
             if key not in self.blocks:
-                self.blocks[key] = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+                self.blocks[key] = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), lora_name)
             out.append(key)
             parent = key
         return tuple(out)
@@ -52,14 +54,14 @@ class KvEventRecorder:
         """A block entered the cache."""
         if self.blocks is None:
             return
-        parent, tokens = self.blocks.blocks.get(key, (None, ()))
+        parent, tokens, lora = self.blocks.blocks.get(key, (None, (), None))
         last = self.pending[-1] if self.pending else None
         if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
             self.pending[-1] = BlockStored(
-                (*last.block_hashes, key), last.parent, [*last.token_ids, *tokens], last.block_size
+                (*last.block_hashes, key), last.parent, [*last.token_ids, *tokens], last.block_size, lora_name=lora
             )
         else:
-            self.pending.append(BlockStored((key,), parent, list(tokens), self.blocks.block_size))
+            self.pending.append(BlockStored((key,), parent, list(tokens), self.blocks.block_size, lora_name=lora))
 
     def evicted(self, key: int) -> None:
         """A block left the cache."""
