@@ -361,6 +361,9 @@ class KvEvents(Section):
     )
     hash_seed: str | int | None = _doc(None, "the engines' PYTHONHASHSEED, if they set one")
     block_size: int = _doc(_KV.block_size, "the engines' block size in tokens", ge=1)
+    data_parallel_size: int = _doc(
+        _KV.data_parallel_size, "engines per replica (--data-parallel-size): rank r publishes on port + r", ge=1
+    )
     stale_after_s: float = _doc(_KV.stale_after_s, "a feed silent this long while serving falls back", ge=0.01)
     speculative_ttl_s: float = _doc(_KV.speculative_ttl_s, "a decision credits its blocks this long", ge=0)
     replay_timeout_s: float = _doc(_KV.replay_timeout_s, "an unanswered replay fails: the replica is cleared", ge=0.01)

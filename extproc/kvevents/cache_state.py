@@ -42,6 +42,31 @@ from extproc.routing.model import AffinityView, Replica
 log = logging.getLogger("extproc.kvevents")
 
 
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Where data-parallel ``rank`` publishes, given rank 0's endpoint: vLLM offsets a tcp port by
+    the rank and suffixes other endpoints with ``_dp<rank>``."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        return f"{head}:{int(port) + rank}" if port.isdigit() else None
+    return f"{endpoint}_dp{rank}"
+
+
+def rank_endpoints(replica: Replica, settings: KvEventSettings) -> list[tuple[str, str | None]]:
+    """Each data-parallel rank's (publisher, replay) endpoints: ``kv_dp`` ranks (its label, else
+    ``data_parallel_size``) from :func:`replica_endpoints`' rank 0."""
+    pub, replay = replica_endpoints(replica, settings)
+    label = replica.labels.get("kv_dp", "")
+    size = int(label) if label.isdigit() and int(label) >= 1 else settings.data_parallel_size
+    out = []
+    for rank in range(size if pub else 0):
+        rank_pub = rank_endpoint(pub, rank)
+        if rank_pub is not None:
+            out.append((rank_pub, rank_endpoint(replay, rank)))
+    return out
+
+
 def replica_endpoints(replica: Replica, settings: KvEventSettings) -> tuple[str | None, str | None]:
     """A replica's publisher and replay endpoints: its ``kv_events``/``kv_replay`` labels, else
     its host with the configured ports (discovery)."""
@@ -209,9 +234,12 @@ class EventCacheState:
         names = set()
         for r in replicas:
             names.add(r.name)
-            pub, replay = replica_endpoints(r, self.settings)
-            if pub:
-                subs.follow(r.name, pub, replay)
+            ranks = rank_endpoints(r, self.settings)
+            for rank, (pub, replay) in enumerate(ranks):
+                subs.follow(r.name, pub, replay, rank=rank)
+            for rank in subs.ranks(r.name):
+                if rank >= len(ranks):
+                    subs.unfollow(r.name, rank)  # fewer ranks now: the index keeps what the others hold
         for name in subs.following():
             if name not in names:
                 subs.unfollow(name)

@@ -144,6 +144,13 @@ class KvEventSource:
         self.feeds.pop(replica, None)
         self.index.drop_replica(replica)
 
+    def remove_rank(self, replica: str, rank: int) -> None:
+        """``replica`` runs fewer engines: ``rank``'s stream and entries go."""
+        state = self.feeds.get(replica)
+        if state is not None:
+            state.ranks.pop(rank, None)
+        self.index.clear_replica(replica, rank)
+
     def is_live(self, replica: str, now: float) -> bool:
         """Whether ``replica``'s matches come from its events (else from the estimate)."""
         state = self.feeds.get(replica)

@@ -27,6 +27,9 @@ class KvEventSettings:
     hash_seed: str | None = None
     """The engines' PYTHONHASHSEED, if they set one."""
     block_size: int = 16
+    data_parallel_size: int = 1
+    """Engines behind each replica's address (vLLM ``--data-parallel-size``): rank r publishes on the
+    kv_events port + r (a replica's ``kv_dp`` label overrides it)."""
     stale_after_s: float = 5.0
     speculative_ttl_s: float = 2.0
     replay_timeout_s: float = 1.0
