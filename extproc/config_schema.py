@@ -368,6 +368,9 @@ class KvEvents(Section):
     speculative_ttl_s: float = _doc(_KV.speculative_ttl_s, "a decision credits its blocks this long", ge=0)
     replay_timeout_s: float = _doc(_KV.replay_timeout_s, "an unanswered replay fails: the replica is cleared", ge=0.01)
     max_blocks_per_replica: int = _doc(_KV.max_blocks_per_replica, "indexed blocks kept per replica", ge=1)
+    check_sample_rate: float = _doc(
+        _KV.check_sample_rate, "share of responses read for usage.cached_tokens to check predictions", ge=0, le=1
+    )
     unpin_below: float = _doc(_KV.unpin_below, "a pin holds while its replica has this share of blocks", ge=0, le=1)
     tokenizers: dict[str, str] = _doc({}, "model name -> directory with tokenizer.json, tokenizer_config.json")
     lora_adapters: dict[str, str] = _doc({}, "LoRA adapter name -> its base model (hashed with the name, as vLLM)")

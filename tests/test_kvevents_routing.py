@@ -364,3 +364,66 @@ def test_incremental_tokenizing_equals_full_on_any_turns(tokenizer_dir: Path, co
         msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
         got = tok.chat_ids(msgs, session="s")
         assert got.ids == tuple(tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids)
+
+
+# -- checking predictions against response bodies ---------------------------------------------
+
+
+async def test_response_bodies_are_streamed_to_the_processor_only_for_a_checkable_prediction(
+    tokenizer_dir: Path,
+) -> None:
+    from collections.abc import AsyncIterator
+
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from extproc.server.stream import RequestStream
+    from tests.conftest import body_message, headers_message, response_headers_message
+
+    streamed = pm.ProcessingMode.STREAMED
+
+    async def run(router: Router, msgs: list[dict[str, str]], reply: bytes) -> list[pb.ProcessingResponse]:
+        headers, body = chat(msgs)
+        requests = [
+            headers_message(headers),
+            body_message(body),
+            response_headers_message(200),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[:40], end_of_stream=False)),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[40:], end_of_stream=True)),
+        ]
+
+        async def source() -> AsyncIterator[pb.ProcessingRequest]:
+            for m in requests:
+                yield m
+
+        return [r async for r in RequestStream(router).run(source())]
+
+    def body_modes(out: list[pb.ProcessingResponse]) -> list[int]:
+        return [r.mode_override.response_body_mode for r in out if r.HasField("mode_override")]
+
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(2, seed=9)
+    n = len(tok.chat_ids(msgs).ids) // BS
+    reply = json.dumps({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": n * BS}}}).encode()
+    # Without KV events, Envoy is never asked for a response body.
+    assert streamed not in body_modes(await run(Router(make_config()), msgs, reply))
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, check_sample_rate=1.0)
+    # With them but no live feed, nothing was predicted: the body is not asked for either.
+    assert streamed not in body_modes(await run(router, msgs, reply))
+    for seq, name in enumerate(("r0", "r1", "r2")):
+        await feed(kv, name, 0, stored_event(tok, conversation(1, seed=40 + seq)))
+    await feed(kv, "r1", 1, stored_event(tok, msgs))
+    out = await run(router, msgs, reply)
+    assert body_modes(out)[-1] == streamed  # asked in the response headers' answer
+    assert [r.WhichOneof("response") for r in out][-2:] == ["response_body", "response_body"]
+    checks = kv.metrics.prediction_checks
+    assert checks.labels("r1", "agree")._value.get() == 1
+    # A replica reporting nothing cached where the index predicted everything: over.
+    empty = reply.replace(f'"cached_tokens": {n * BS}'.encode(), b'"cached_tokens": 0')
+    await run(router, msgs, empty)
+    assert checks.labels("r1", "over")._value.get() == 1
+    # Sampling off: no body again.
+    router_off, kv_off = make_router(tokenizer_dir, clock, check_sample_rate=0.0)
+    await feed(kv_off, "r1", 0, stored_event(tok, msgs))
+    assert streamed not in body_modes(await run(router_off, msgs, reply))

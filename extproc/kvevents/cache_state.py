@@ -34,6 +34,7 @@ from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain, low64
 from extproc.kvevents.index import KvIndex
 from extproc.kvevents.metrics import KvEventMetrics
 from extproc.kvevents.settings import KvEventSettings
+from extproc.kvevents.usage import outcome
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
@@ -118,6 +119,7 @@ class EventCacheState:
         self.subscriptions: Any = None  # extproc.kvevents.subscriber.Subscriptions, made by start()
         self._members: list[Replica] = []
         self._hits: dict[str, float] = {}
+        self._check_credit = 0.0
 
     # -- before the decision ----------------------------------------------------------------
     async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
@@ -213,6 +215,32 @@ class EventCacheState:
             self.metrics.predicted_tokens.labels(replica).inc(matched_blocks * features.tokens_per_block)
         self.source.credit(self.settings.resolve(features.model)[0], replica, features.prefix_hashes, now)
         self.source.note_routed(replica, now)
+
+    # -- checking predictions against response bodies ----------------------------------------
+    def sample_check(self) -> bool:
+        """Whether to read this request's response body for its reported cached tokens
+        (``check_sample_rate``, deterministic: 0.25 is exactly every fourth request)."""
+        rate = self.settings.check_sample_rate
+        if rate <= 0:
+            return False
+        self._check_credit += rate
+        if self._check_credit >= 1.0:
+            self._check_credit -= 1.0
+            return True
+        return False
+
+    def predicted_tokens(self, features: RequestFeatures, replica: str, matched_blocks: int, now: float) -> int | None:
+        """The cached tokens the index predicted on ``replica`` for this request, when its events
+        answered for it (tokenized, feed live); None when there is nothing to check."""
+        if not features.tokens_per_block or not self.source.is_live(replica, now):
+            return None
+        return matched_blocks * features.tokens_per_block
+
+    def check(self, replica: str, predicted: int, reported: int | None, block_size: int) -> str:
+        """Count how a prediction compared with the replica's report (``unreported`` without one)."""
+        result = "unreported" if reported is None else outcome(predicted, reported, block_size)
+        self.metrics.prediction_checks.labels(replica, result).inc()
+        return result
 
     # -- subscriptions ----------------------------------------------------------------------
     def start(self, replicas: Sequence[Replica]) -> None:

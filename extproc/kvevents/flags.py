@@ -31,6 +31,12 @@ def add_kv_event_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-replay-port", type=int, metavar="PORT", help="discovered replicas answer replays here")
     p.add_argument("--kv-hash-algo", choices=[a.value for a in HashAlgo], help="the engines' prefix hash (sha256)")
     p.add_argument("--kv-hash-seed", metavar="SEED", help="the engines' PYTHONHASHSEED, if set")
+    p.add_argument(
+        "--kv-check-sample-rate",
+        type=float,
+        metavar="RATE",
+        help="share of responses read for usage.prompt_tokens_details.cached_tokens to check predictions",
+    )
 
 
 def kv_event_overrides(settings: KvEventSettings, args: argparse.Namespace) -> KvEventSettings:
@@ -53,10 +59,14 @@ def kv_event_overrides(settings: KvEventSettings, args: argparse.Namespace) -> K
         ("kv_events_port", "port"),
         ("kv_replay_port", "replay_port"),
         ("kv_hash_seed", "hash_seed"),
+        ("kv_check_sample_rate", "check_sample_rate"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
             changes[key] = value
+    rate = changes.get("check_sample_rate")
+    if rate is not None and not 0 <= float(rate) <= 1:  # type: ignore[arg-type]
+        raise ValueError(f"--kv-check-sample-rate: between 0 and 1, got {rate}")
     algo = getattr(args, "kv_hash_algo", None)
     if algo:
         changes["hash_algo"] = HashAlgo(algo)

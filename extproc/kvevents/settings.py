@@ -34,6 +34,9 @@ class KvEventSettings:
     speculative_ttl_s: float = 2.0
     replay_timeout_s: float = 1.0
     max_blocks_per_replica: int = 1_000_000
+    check_sample_rate: float = 0.1
+    """Share of requests whose response body is read for ``usage.prompt_tokens_details.cached_tokens``
+    to check the index's prediction (0: never; Envoy is then never asked for a response body)."""
     unpin_below: float = 0.5
     """A session stays pinned while its replica's events show it holding at least this fraction of
     the prompt's blocks (0: pins are always kept)."""
