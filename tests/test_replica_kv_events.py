@@ -44,18 +44,21 @@ class Rig:
     def __init__(self, client: test_utils.TestClient, source: KvEventSource, publisher: KvEventPublisher, state):
         self.client, self.source, self.publisher, self.state = client, source, publisher, state
 
-    async def chat(self, messages: list[dict[str, str]], model: str = MODEL) -> dict:
+    async def chat(self, messages: list[dict[str, str]], model: str = MODEL, **extra: str) -> dict:
         resp = await self.client.post(
-            "/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2}
+            "/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2, **extra}
         )
         assert resp.status == 200
         return await resp.json()
 
-    async def keys(self, messages: list[dict[str, str]], model: str = MODEL) -> tuple[int, ...]:
+    async def keys(
+        self, messages: list[dict[str, str]], model: str = MODEL, session: str | None = None, **extra: str
+    ) -> tuple[int, ...]:
         import json
 
-        body = json.dumps({"model": model, "messages": messages}).encode()
-        features = extract_features({":path": "/v1/chat/completions"}, body, self.state_features)
+        body = json.dumps({"model": model, "messages": messages, **extra}).encode()
+        headers = {":path": "/v1/chat/completions", **({"x-session-id": session} if session else {})}
+        features = extract_features(headers, body, self.state_features)
         return (await self.state.tokenized(features, body)).prefix_hashes
 
 
@@ -124,7 +127,7 @@ async def test_a_dropped_batch_is_replayed(rig: Rig) -> None:
     assert rig.source.metrics.replays.labels("replica-a", "ok")._value.get() >= 2  # catch-up, then the gap
 
 
-def vllm_chain_by_hand(ids: tuple[int, ...], extra: tuple[str, ...] | None) -> list[int]:
+def vllm_chain_by_hand(ids: tuple[int, ...], extra: tuple[str, ...] | None, salt: str | None = None) -> list[int]:
     """vLLM's sha256 chain written out from its definition, sharing no code with the router:
     ``sha256(pickle((parent, tokens, extra_keys)))``, the root ``sha256(pickle("vllm-none-hash"))``,
     the int form the digest's last 8 bytes."""
@@ -136,7 +139,8 @@ def vllm_chain_by_hand(ids: tuple[int, ...], extra: tuple[str, ...] | None) -> l
 
     parent, out = h("vllm-none-hash"), []
     for start in range(0, len(ids) - len(ids) % 16, 16):
-        parent = h((parent, tuple(ids[start : start + 16]), extra))
+        keys = (*(extra or ()), salt) if salt and start == 0 else extra  # the salt: first block only
+        parent = h((parent, tuple(ids[start : start + 16]), keys))
         out.append(int.from_bytes(parent[-8:], "big"))
     return out
 
@@ -177,3 +181,22 @@ def test_stored_events_name_the_adapter() -> None:
     (event,) = recorder.drain()
     assert isinstance(event, BlockStored)
     assert (event.block_hashes, event.lora_name, event.parent) == (keys, "sql-lora", None)
+
+
+async def test_a_cache_salt_changes_the_chain_from_its_first_block_as_vllm_does(rig: Rig, tokenizer_dir: Path) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    first, second = convo(7, turns=1), convo(7, turns=3)
+    for turn in (first, second):  # one session, two turns: the memo reuses the salted chain
+        ids = tok.chat_ids(turn).ids
+        salted = await rig.keys(turn, session="s", cache_salt="tenant-a")
+        assert list(salted) == vllm_chain_by_hand(ids, None, "tenant-a")
+        both = await rig.keys(turn, "sql-lora", session="s", cache_salt="tenant-a")
+        assert list(both) == vllm_chain_by_hand(ids, ("sql-lora",), "tenant-a")
+        assert list(await rig.keys(turn, session="s")) == vllm_chain_by_hand(ids, None)
+    salted = await rig.keys(second, cache_salt="tenant-a")
+    await rig.chat(second, cache_salt="tenant-a")
+    await wait_for(lambda: rig.source.matches(MODEL, salted, ["replica-a"], 0.0).get("replica-a") == len(salted))
+    assert (await rig.chat(second))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (await rig.chat(second, cache_salt="tenant-b"))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = await rig.chat(second, cache_salt="tenant-a")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(salted) * 16

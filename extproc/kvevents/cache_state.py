@@ -152,20 +152,28 @@ class EventCacheState:
         lora = self.settings.resolve(features.model)[1]
         if self.chain is None:
             return tuple(content_chain(ids, bs, max_blocks=self.max_blocks, extra=lora or "")), len(ids)
-        return tuple(low64(d) for d in self._digests(ids, features.session_key, lora)), len(ids)
+        salt = parsed.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        return tuple(low64(d) for d in self._digests(ids, features.session_key, lora, salt)), len(ids)
 
-    def _digests(self, ids: tuple[int, ...], session: str | None, lora: str | None = None) -> list[bytes]:
+    def _digests(
+        self, ids: tuple[int, ...], session: str | None, lora: str | None = None, salt: str | None = None
+    ) -> list[bytes]:
         """The engine chain's digests, reusing a session's previous turn's leading blocks.
 
-        A LoRA adapter's name is every block's extra key, as vLLM's
-        ``generate_block_hash_extra_keys`` puts it: the same tokens under two adapters (or an adapter
-        and its base) never share a block."""
+        Extra keys as vLLM's ``generate_block_hash_extra_keys`` builds them: a LoRA adapter's name
+        in every block (the same tokens under two adapters, or an adapter and its base, never share
+        a block), and the request's ``cache_salt`` after it in the first block only (the chain
+        carries it to the rest)."""
         assert self.chain is not None
         bs = self.settings.block_size
         extra = (lora,) if lora else None
         reuse: list[bytes] = []
+        if salt is not None and len(ids) >= bs:
+            reuse = self.chain.digests(ids[:bs], bs, (*(extra or ()), salt))
         if session is not None:
-            session = f"{lora}\0{session}" if lora else session  # another adapter: another chain
+            if lora or salt:  # another adapter or salt: another chain
+                session = f"{lora or ''}\0{salt or ''}\0{session}"
             with self._lock:
                 prev = self._hashes.get(session)
             if prev is not None:
@@ -173,7 +181,8 @@ class EventCacheState:
                 k = min(len(prev_digests), len(ids) // bs)
                 while k and ids[: k * bs] != prev_ids[: k * bs]:
                     k //= 2  # a turn that rewrote history: find a shorter shared run, cheaply
-                reuse = prev_digests[:k]
+                if k > len(reuse):
+                    reuse = prev_digests[:k]
         n = min(len(ids) // bs, self.max_blocks)
         tail = self.chain.digests(ids[len(reuse) * bs : n * bs], bs, extra, parent=reuse[-1] if reuse else None)
         digests = (reuse + tail)[:n]

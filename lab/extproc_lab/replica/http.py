@@ -147,6 +147,8 @@ class _ReplicaApi:
         # Another name than the served model is an adapter (vLLM with --enable-lora): its name goes
         # into every block's hash, so its blocks never match the base's or another adapter's.
         lora_name = model if model != self.model else None
+        salt = parsed.body.get("cache_salt")
+        cache_salt = salt if isinstance(salt, str) and salt else None
         if parsed.stream:
             return await self._stream(
                 request,
@@ -157,6 +159,7 @@ class _ReplicaApi:
                 chat=chat,
                 token_ids=token_ids,
                 lora_name=lora_name,
+                cache_salt=cache_salt,
             )
         gen = await self.engine.generate(
             parsed.prompt,
@@ -166,6 +169,7 @@ class _ReplicaApi:
             ignore_eos=sampling.ignore_eos,
             token_ids=token_ids,
             lora_name=lora_name,
+            cache_salt=cache_salt,
         )
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if chat:
@@ -186,6 +190,7 @@ class _ReplicaApi:
         chat: bool,
         token_ids: tuple[int, ...] | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> web.StreamResponse:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -214,6 +219,7 @@ class _ReplicaApi:
                 on_token=on_token,
                 token_ids=token_ids,
                 lora_name=lora_name,
+                cache_salt=cache_salt,
             )
             await response.write(chunk({} if chat else "", gen.finish_reason))
             if sampling.include_usage:

@@ -26,12 +26,20 @@ class TokenBlocks:
         self.blocks: dict[int, tuple[int | None, tuple[int, ...], str | None]] = {}
         """key -> (parent key, token ids, LoRA name), for keys that may be cached (dropped on eviction)."""
 
-    def keys(self, token_ids: Sequence[int], max_blocks: int, lora_name: str | None = None) -> tuple[int, ...]:
+    def keys(
+        self, token_ids: Sequence[int], max_blocks: int, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> tuple[int, ...]:
         """The prompt's block keys; remembers what a ``BlockStored`` of each must carry.
 
-        Under a LoRA adapter every block's extra keys are ``(lora_name,)``, as vLLM hashes them."""
+        Extra keys as vLLM's: under a LoRA adapter every block's are ``(lora_name,)``; a request's
+        ``cache_salt`` follows it in the first block's."""
         bs = self.block_size
-        digests = self.chain.digests(token_ids, bs, (lora_name,) if lora_name else None, max_blocks)
+        extra = (lora_name,) if lora_name else None
+        if cache_salt and max_blocks >= 1 and len(token_ids) >= bs:
+            head = self.chain.digests(token_ids[:bs], bs, (*(extra or ()), cache_salt))
+            digests = head + self.chain.digests(token_ids[bs:], bs, extra, max_blocks - 1, parent=head[0])
+        else:
+            digests = self.chain.digests(token_ids, bs, extra, max_blocks)
         out = []
         parent: int | None = None
         for i, d in enumerate(digests):
