@@ -9,7 +9,7 @@ new conversation whose system prompt is shared by all) one at a time. Per reques
 time to the first content chunk, the mean gap between chunks, and the total time; and, at rate 1,
 how the index's predictions compared with the cached tokens the replicas reported.
 
-    .venv/bin/python benchmarks/kv_usage_check.py [--requests 200] [--max-tokens 64]
+    .venv/bin/python benchmarks/kv_usage_check.py [--requests 200] [--max-tokens 64] [--rates 0,1]
 
 Results go to ``benchmarks/kv_usage_check.md`` (``--out``).
 """
@@ -103,12 +103,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rates", default="0,1", help="the rates, in the order run (the machine's load drifts)")
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".md")))
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvu-") as d:
         tok = build_tokenizer_dir(Path(d) / "tok")
-        for rate in (0.0, 1.0):
+        for rate in (float(r) for r in args.rates.split(",")):
             results, checks = run(rate, args.requests, args.max_tokens, tok, Path(d))
             first = [r["first_ms"] for r in results]
             gap = [r["gap_ms"] for r in results]
