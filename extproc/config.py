@@ -16,7 +16,8 @@ from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, 
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
-from extproc.kvevents.settings import KvEventSettings, kv_event_settings
+from extproc.kvevents.hashing import HashAlgo
+from extproc.kvevents.settings import KvEventSettings
 from extproc.queueing.settings import QueueClass, QueueSettings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
@@ -361,11 +362,12 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     return cfg
 
 
-def _kv_events(raw: Any) -> KvEventSettings:
-    try:
-        return kv_event_settings(raw)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+def _kv_events(raw: schema.KvEvents) -> KvEventSettings:
+    return KvEventSettings(
+        **raw.model_dump(exclude={"hash_algo", "hash_seed"}),
+        hash_algo=HashAlgo(raw.hash_algo),
+        hash_seed=None if raw.hash_seed is None else str(raw.hash_seed),
+    )
 
 
 def load_config(path: str | Path) -> Config:

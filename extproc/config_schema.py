@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.kvevents.settings import KvEventSettings
 from extproc.queueing.settings import QueueClass, QueueSettings
 from extproc.rebalance.prewarm import PrewarmSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
@@ -32,6 +33,7 @@ _HEALTH, _WEIGHTS, _LIMITS, _ROTATION = HealthSettings(), HealthWeights(), Healt
 _REBALANCE, _PREWARM, _TENANTS, _TENANT = RebalanceSettings(), PrewarmSettings(), TenantSettings(), TenantPolicy()
 _FEATURES, _UPSTREAM = FeatureSettings(), UpstreamTimeouts()
 _QUEUEING, _QUEUE_CLASS = QueueSettings(), QueueClass()
+_KV = KvEventSettings()
 
 
 class Section(BaseModel):
@@ -346,6 +348,34 @@ class Queueing(Section):
     )
 
 
+class KvEvents(Section):
+    """``kv_events:``: vLLM's KV-cache events, matched for models with a tokenizer (README: KV events)."""
+
+    listen: str | None = _doc(
+        None, "bind one SUB endpoint replicas connect to (tcp://0.0.0.0:5557, ipc://...)", pattern=r"^[a-z]+://."
+    )
+    port: int | None = _doc(None, "discovered replicas publish on this port", ge=1, le=65535)
+    replay_port: int | None = _doc(None, "discovered replicas answer replays on this port", ge=1, le=65535)
+    hash_algo: Literal["sha256", "sha256_cbor", "content"] = _doc(
+        _KV.hash_algo.value, "the engines' --prefix-caching-hash-algo; content when not reproducible (xxhash)"
+    )
+    hash_seed: str | int | None = _doc(None, "the engines' PYTHONHASHSEED, if they set one")
+    block_size: int = _doc(_KV.block_size, "the engines' block size in tokens", ge=1)
+    data_parallel_size: int = _doc(
+        _KV.data_parallel_size, "engines per replica (--data-parallel-size): rank r publishes on port + r", ge=1
+    )
+    stale_after_s: float = _doc(_KV.stale_after_s, "a feed silent this long while serving falls back", ge=0.01)
+    speculative_ttl_s: float = _doc(_KV.speculative_ttl_s, "a decision credits its blocks this long", ge=0)
+    replay_timeout_s: float = _doc(_KV.replay_timeout_s, "an unanswered replay fails: the replica is cleared", ge=0.01)
+    max_blocks_per_replica: int = _doc(_KV.max_blocks_per_replica, "indexed blocks kept per replica", ge=1)
+    check_sample_rate: float = _doc(
+        _KV.check_sample_rate, "share of responses read for usage.cached_tokens to check predictions", ge=0, le=1
+    )
+    unpin_below: float = _doc(_KV.unpin_below, "a pin holds while its replica has this share of blocks", ge=0, le=1)
+    tokenizers: dict[str, str] = _doc({}, "model name -> directory with tokenizer.json, tokenizer_config.json")
+    lora_adapters: dict[str, str] = _doc({}, "LoRA adapter name -> its base model (hashed with the name, as vLLM)")
+
+
 class RouterFile(Section):
     """The whole file. Every key is optional: ``extproc serve --replica ...`` runs without one."""
 
@@ -371,9 +401,7 @@ class RouterFile(Section):
     health: Health = _doc(Health(), "replica health and rotation")
     spillover: Spillover = _doc(Spillover(), "overloaded replicas")
     upstream: Upstream = _doc(Upstream(), "how long Envoy waits for a replica")
-    kv_events: dict[str, Any] | None = _doc(
-        None, "vLLM's KV-cache events: listen, port, replay_port, hash_algo, tokenizers, ...; see README"
-    )
+    kv_events: KvEvents = _doc(KvEvents(), "vLLM's KV-cache events")
     rebalance: Rebalance = _doc(Rebalance(), "moving sessions")
     tenants: Tenants = _doc(Tenants(), "tenants and quotas")
     classes: list[ClassRuleSection] = _doc([], "request classes, first match wins")

@@ -109,6 +109,9 @@ SECTION_TYPOS = [
     ({"profiles": {"p": {"filters": [{"type": "pool", "params": {}}]}}}, "profiles.p.filters[0].params"),
     ({"discovery": {"type": "dns", "name": "x", "port": 80, "intervl_s": 1}}, "discovery.intervl_s"),
     ({"sessions": {"ttl_s": True}}, "sessions.ttl_s"),
+    ({"kv_events": {"tokenizer": {"m": "/d"}}}, "kv_events.tokenizer"),
+    ({"kv_events": {"block_size": "16"}}, "kv_events.block_size"),
+    ({"kv_events": {"stale_after_s": "5s"}}, "kv_events.stale_after_s"),
     ({"health": {"eject_after": 0}}, "health.eject_after"),
     (
         {"profile": {"filters": [{"type": "overload", "parameters": {"kv_threshold": "high"}}]}},

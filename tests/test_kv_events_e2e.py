@@ -46,7 +46,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
         processors=2,
         labels=labels,
         replica_args=replica_args,
-        processor_args=("--tokenizer", f"{MODEL}={tok}"),
+        # Every response body is read for its cached tokens (streamed through, never held).
+        processor_args=("--tokenizer", f"{MODEL}={tok}", "--kv-check-sample-rate", "1"),
     )
     with gw:
         yield gw
@@ -222,6 +223,55 @@ async def test_restarted_routers_refind_live_conversations_from_replayed_events(
         for session, (messages, replica) in sessions.items():
             next_turn = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
             assert await post(http, gateway.url, next_turn, **{"x-session-id": session}) == replica, session
+
+
+async def prediction_checks(http: aiohttp.ClientSession, gw: LocalGateway, replica: str) -> dict[str, float]:
+    """Per outcome, the checks of predicted against reported cached tokens, over both processors."""
+    pages = await metrics(http, gw)
+    return {
+        o: sum(scrape(p, "extproc_kv_prediction_checks_total", replica=replica, outcome=o) or 0 for p in pages)
+        for o in ("agree", "over", "under", "unreported")
+    }
+
+
+async def test_predicted_hits_are_checked_against_the_cached_tokens_in_response_bodies(gateway: LocalGateway) -> None:
+    async with aiohttp.ClientSession() as http:
+        full = conversation(8, 2)
+        await seed(http, gateway, "replica-2", full)
+        await synced(http, gateway)
+        before = await prediction_checks(http, gateway, "replica-2")
+        body = {"model": MODEL, "messages": full, "max_tokens": 2}
+        async with http.post(gateway.url + CHAT, json=body) as resp:
+            assert resp.status == 200 and resp.headers["x-replica-name"] == "replica-2"
+            reply = await resp.json()  # the body read on the way reaches the client whole
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with http.post(gateway.url + CHAT, json=stream) as resp:
+            assert resp.status == 200 and resp.headers["x-replica-name"] == "replica-2"
+            text = await resp.text()
+        assert '"cached_tokens"' in text and text.rstrip().endswith("data: [DONE]")
+
+        async def agreed() -> bool:
+            now = await prediction_checks(http, gateway, "replica-2")
+            return now["agree"] == before["agree"] + 2
+
+        await wait_until(agreed, within_s=5.0)
+        # A stale index: the replica's reset never reaches the processors (its batch is lost), so
+        # they still predict the whole prompt cached there, and the replica reports nothing cached.
+        async with http.post(gateway.replica_url("replica-2") + "/kv_events/drop?n=1") as resp:
+            assert resp.status == 200
+        async with http.post(gateway.replica_url("replica-2") + "/reset_prefix_cache") as resp:
+            assert resp.status == 200
+        async with http.post(gateway.url + CHAT, json=body) as resp:
+            assert resp.headers["x-replica-name"] == "replica-2"
+            assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+        async def overpredicted() -> bool:
+            now = await prediction_checks(http, gateway, "replica-2")
+            return now["over"] == before["over"] + 1
+
+        await wait_until(overpredicted, within_s=5.0)
+        await synced(http, gateway)  # the next batch showed the gap; the replay brought the reset
 
 
 def test_replicas_connecting_to_one_bound_endpoint(tmp_path_factory: pytest.TempPathFactory) -> None:

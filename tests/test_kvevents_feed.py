@@ -286,3 +286,114 @@ async def test_a_new_engine_seq_the_replay_covered_is_a_restart_not_a_duplicate(
     await source.receive(msg(0, stored(20)))
     assert source.metrics.restarts.labels("a")._value.get() == 1
     assert matches(source, 20) == {"a": 1.0} and matches(source, 1) == {}
+
+
+# -- data-parallel ranks -----------------------------------------------------------------------
+
+
+def ranked(seq: int, rank: int, *events) -> Message:
+    """A batch of rank ``rank``'s engine: each rank numbers its own batches from 0."""
+    return Message("kv@a@m", seq, encode_batch(1.0, events, rank))
+
+
+async def test_ranks_interleave_on_one_topic_without_gaps_or_restarts() -> None:
+    source = KvEventSource()
+    for seq in range(3):  # both engines of one server, connected to one listen endpoint
+        await source.receive(ranked(seq, 0, stored(10 + seq)))
+        await source.receive(ranked(seq, 1, stored(20 + seq)))
+    m = source.metrics
+    assert m.gaps.labels("a")._value.get() == 0 and m.restarts.labels("a")._value.get() == 0
+    assert source.index.model("m").ranks("a") == [0, 1]
+    assert source.index.model("m").blocks("a") == 6 and source.index.model("m").blocks("a", 1) == 3
+    assert matches(source, 20) == {"a": 1} and matches(source, 12) == {"a": 1}
+
+
+async def test_a_replica_matches_its_best_rank() -> None:
+    source = KvEventSource()
+    await source.receive(ranked(0, 0, stored(1, 2)))
+    await source.receive(ranked(0, 1, stored(1, 2, 3)))
+    assert matches(source, 1, 2, 3, 4) == {"a": 3}
+
+
+async def test_one_ranks_removal_clear_or_restart_leaves_anothers_copy() -> None:
+    source = KvEventSource()
+    await source.receive(ranked(0, 0, stored(1, 2)))
+    await source.receive(ranked(0, 1, stored(1, 2)))
+    await source.receive(ranked(1, 1, BlockRemoved((1, 2))))
+    assert matches(source, 1, 2) == {"a": 2}  # rank 0 still holds them
+    await source.receive(ranked(2, 1, stored(5, 6)))
+    await source.receive(ranked(3, 1, AllBlocksCleared()))
+    assert matches(source, 5, 6) == {} and matches(source, 1, 2) == {"a": 2}
+    await source.receive(ranked(4, 1, stored(7)))
+    await source.receive(ranked(0, 1, stored(8)))  # rank 1's engine restarted
+    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert matches(source, 7) == {} and matches(source, 8) == {"a": 1} and matches(source, 1, 2) == {"a": 2}
+    await source.receive(ranked(1, 0, BlockRemoved((2,))))
+    assert matches(source, 1, 2) == {"a": 1}  # now no rank holds block 2
+
+
+async def test_a_gap_on_one_rank_clears_only_that_rank() -> None:
+    source = KvEventSource()  # no replayer: a lost batch cannot be had back
+    await source.receive(ranked(0, 0, stored(1)))
+    await source.receive(ranked(0, 1, stored(2)))
+    await source.receive(ranked(2, 1, stored(3)))  # rank 1 lost its seq 1
+    assert source.metrics.gaps.labels("a")._value.get() == 1
+    assert matches(source, 1) == {"a": 1} and matches(source, 2) == {} and matches(source, 3) == {"a": 1}
+
+
+def test_each_rank_publishes_on_its_own_endpoint_as_vllm_offsets_them() -> None:
+    from extproc.kvevents.cache_state import rank_endpoints
+    from extproc.kvevents.settings import KvEventSettings
+    from extproc.routing.model import Replica
+
+    labels = {"kv_events": "tcp://10.0.0.1:5557", "kv_replay": "tcp://10.0.0.1:5558", "kv_dp": "3"}
+    assert rank_endpoints(Replica("a", "10.0.0.1:8000", labels=labels), KvEventSettings()) == [
+        ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
+        ("tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559"),
+        ("tcp://10.0.0.1:5559", "tcp://10.0.0.1:5560"),
+    ]
+    discovered = Replica("b", "10.0.0.2:8000")
+    assert rank_endpoints(discovered, KvEventSettings(port=5557, data_parallel_size=2)) == [
+        ("tcp://10.0.0.2:5557", None),
+        ("tcp://10.0.0.2:5558", None),
+    ]
+    ipc = Replica("c", "127.0.0.1:8000", labels={"kv_events": "ipc:///tmp/x", "kv_dp": "2"})
+    assert rank_endpoints(ipc, KvEventSettings()) == [("ipc:///tmp/x", None), ("ipc:///tmp/x_dp1", None)]
+    assert rank_endpoints(Replica("d", "127.0.0.1:8000"), KvEventSettings(data_parallel_size=2)) == []
+
+
+async def test_connect_layout_reads_every_rank_with_its_own_replay(ipc_dir: Path) -> None:
+    from extproc.kvevents.cache_state import rank_endpoints
+    from extproc.kvevents.settings import KvEventSettings
+    from extproc.routing.model import Replica
+
+    labels = {"kv_events": f"ipc://{ipc_dir}/pub", "kv_replay": f"ipc://{ipc_dir}/replay", "kv_dp": "2"}
+    ranks = rank_endpoints(Replica("a", "127.0.0.1:8000", labels=labels), KvEventSettings())
+    publishers = [
+        KvEventPublisher(pub, replay, "kv@a@m", data_parallel_rank=r) for r, (pub, replay) in enumerate(ranks)
+    ]
+    for p in publishers:
+        p.start()
+    publishers[0].publish([stored(1, 2)])  # before the router starts: each rank's catch-up finds them
+    publishers[1].publish([stored(1, 2, 3)])
+    source = KvEventSource()
+    subs = Subscriptions(source)
+    try:
+        for rank, (pub, replay) in enumerate(ranks):
+            subs.follow("a", pub, replay, rank=rank)
+        await wait_for(lambda: matches(source, 1, 2, 3) == {"a": 3})
+        publishers[1].drop_next = 1  # rank 1 loses a batch: its own replay socket answers
+        publishers[1].publish([BlockRemoved((3,))])
+        publishers[1].publish([stored(9)])
+        publishers[0].publish([stored(7)])
+        await wait_for(lambda: matches(source, 9) == {"a": 1} and matches(source, 7) == {"a": 1})
+        assert matches(source, 1, 2, 3) == {"a": 2}  # rank 1 removed block 3; rank 0 never held it
+        assert source.metrics.gaps.labels("a")._value.get() == 1
+        assert source.metrics.restarts.labels("a")._value.get() == 0
+        assert source.metrics.clears.labels("a", "gap")._value.get() == 0
+        subs.unfollow("a", 1)  # the server now runs one engine: rank 1's entries go, rank 0's stay
+        assert matches(source, 9) == {} and matches(source, 1, 2) == {"a": 2}
+    finally:
+        for p in publishers:
+            await p.close()
+        await subs.close()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
-from extproc.kvevents.settings import KvEventSettings, kv_event_settings
+from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.router import Router
@@ -228,10 +228,36 @@ async def test_models_without_tokenizer_keep_character_blocks(tokenizer_dir: Pat
 
 
 def test_settings_validation_names_the_field() -> None:
-    assert kv_event_settings({"hash_algo": "sha256_cbor", "port": 5557}).port == 5557
-    for raw, field in (({"hash_algo": "md5"}, "hash_algo"), ({"port": 0}, "port"), ({"nope": 1}, "unknown")):
-        with pytest.raises(ValueError, match=field):
-            kv_event_settings(raw)
+    from extproc.config import ConfigError, config_from_mapping
+    from extproc.kvevents.hashing import HashAlgo
+
+    kv = config_from_mapping({"kv_events": {"hash_algo": "sha256_cbor", "port": 5557, "hash_seed": 0}}).kv_events
+    assert (kv.port, kv.hash_algo, kv.hash_seed) == (5557, HashAlgo.SHA256_CBOR, "0")
+    for raw, field in (
+        ({"hash_algo": "md5"}, "kv_events.hash_algo"),
+        ({"port": 0}, "kv_events.port"),
+        ({"nope": 1}, "kv_events.nope"),
+        ({"listen": "0.0.0.0:5557"}, "kv_events.listen"),
+        ({"tokenizers": {"m": 3}}, "kv_events.tokenizers.m"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            config_from_mapping({"kv_events": raw})
+
+
+def test_lora_adapters_from_the_file_and_flags() -> None:
+    import argparse
+
+    from extproc.config import config_from_mapping
+    from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
+
+    kv = config_from_mapping({"kv_events": {"lora_adapters": {"sql-lora": "m"}}}).kv_events
+    parser = argparse.ArgumentParser()
+    add_kv_event_flags(parser)
+    kv = kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora=m"]))
+    assert kv.resolve("sql-lora") == ("m", "sql-lora") and kv.resolve("poem-lora") == ("m", "poem-lora")
+    assert kv.resolve("m") == ("m", None)
+    with pytest.raises(ValueError, match="--lora-adapter"):
+        kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora"]))
 
 
 def test_discovered_replicas_publish_on_the_configured_ports() -> None:
@@ -338,3 +364,66 @@ def test_incremental_tokenizing_equals_full_on_any_turns(tokenizer_dir: Path, co
         msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
         got = tok.chat_ids(msgs, session="s")
         assert got.ids == tuple(tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids)
+
+
+# -- checking predictions against response bodies ---------------------------------------------
+
+
+async def test_response_bodies_are_streamed_to_the_processor_only_for_a_checkable_prediction(
+    tokenizer_dir: Path,
+) -> None:
+    from collections.abc import AsyncIterator
+
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from extproc.server.stream import RequestStream
+    from tests.conftest import body_message, headers_message, response_headers_message
+
+    streamed = pm.ProcessingMode.STREAMED
+
+    async def run(router: Router, msgs: list[dict[str, str]], reply: bytes) -> list[pb.ProcessingResponse]:
+        headers, body = chat(msgs)
+        requests = [
+            headers_message(headers),
+            body_message(body),
+            response_headers_message(200),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[:40], end_of_stream=False)),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[40:], end_of_stream=True)),
+        ]
+
+        async def source() -> AsyncIterator[pb.ProcessingRequest]:
+            for m in requests:
+                yield m
+
+        return [r async for r in RequestStream(router).run(source())]
+
+    def body_modes(out: list[pb.ProcessingResponse]) -> list[int]:
+        return [r.mode_override.response_body_mode for r in out if r.HasField("mode_override")]
+
+    tok = PromptTokenizer(tokenizer_dir)
+    msgs = conversation(2, seed=9)
+    n = len(tok.chat_ids(msgs).ids) // BS
+    reply = json.dumps({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": n * BS}}}).encode()
+    # Without KV events, Envoy is never asked for a response body.
+    assert streamed not in body_modes(await run(Router(make_config()), msgs, reply))
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock, check_sample_rate=1.0)
+    # With them but no live feed, nothing was predicted: the body is not asked for either.
+    assert streamed not in body_modes(await run(router, msgs, reply))
+    for seq, name in enumerate(("r0", "r1", "r2")):
+        await feed(kv, name, 0, stored_event(tok, conversation(1, seed=40 + seq)))
+    await feed(kv, "r1", 1, stored_event(tok, msgs))
+    out = await run(router, msgs, reply)
+    assert body_modes(out)[-1] == streamed  # asked in the response headers' answer
+    assert [r.WhichOneof("response") for r in out][-2:] == ["response_body", "response_body"]
+    checks = kv.metrics.prediction_checks
+    assert checks.labels("r1", "agree")._value.get() == 1
+    # A replica reporting nothing cached where the index predicted everything: over.
+    empty = reply.replace(f'"cached_tokens": {n * BS}'.encode(), b'"cached_tokens": 0')
+    await run(router, msgs, empty)
+    assert checks.labels("r1", "over")._value.get() == 1
+    # Sampling off: no body again.
+    router_off, kv_off = make_router(tokenizer_dir, clock, check_sample_rate=0.0)
+    await feed(kv_off, "r1", 0, stored_event(tok, msgs))
+    assert streamed not in body_modes(await run(router_off, msgs, reply))

@@ -34,12 +34,38 @@ from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain, low64
 from extproc.kvevents.index import KvIndex
 from extproc.kvevents.metrics import KvEventMetrics
 from extproc.kvevents.settings import KvEventSettings
+from extproc.kvevents.usage import outcome
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.routing.model import AffinityView, Replica
 
 log = logging.getLogger("extproc.kvevents")
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Where data-parallel ``rank`` publishes, given rank 0's endpoint: vLLM offsets a tcp port by
+    the rank and suffixes other endpoints with ``_dp<rank>``."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        return f"{head}:{int(port) + rank}" if port.isdigit() else None
+    return f"{endpoint}_dp{rank}"
+
+
+def rank_endpoints(replica: Replica, settings: KvEventSettings) -> list[tuple[str, str | None]]:
+    """Each data-parallel rank's (publisher, replay) endpoints: ``kv_dp`` ranks (its label, else
+    ``data_parallel_size``) from :func:`replica_endpoints`' rank 0."""
+    pub, replay = replica_endpoints(replica, settings)
+    label = replica.labels.get("kv_dp", "")
+    size = int(label) if label.isdigit() and int(label) >= 1 else settings.data_parallel_size
+    out = []
+    for rank in range(size if pub else 0):
+        rank_pub = rank_endpoint(pub, rank)
+        if rank_pub is not None:
+            out.append((rank_pub, rank_endpoint(replay, rank)))
+    return out
 
 
 def replica_endpoints(replica: Replica, settings: KvEventSettings) -> tuple[str | None, str | None]:
@@ -93,11 +119,12 @@ class EventCacheState:
         self.subscriptions: Any = None  # extproc.kvevents.subscriber.Subscriptions, made by start()
         self._members: list[Replica] = []
         self._hits: dict[str, float] = {}
+        self._check_credit = 0.0
 
     # -- before the decision ----------------------------------------------------------------
     async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
         """``features`` with prefix hashes over the model's tokens, when it has a tokenizer."""
-        tok = self.tokenizers.get(features.model)
+        tok = self.tokenizers.get(self.settings.resolve(features.model)[0])
         if tok is None or not body or features.body_error is not None or features.has_media:
             return features
         loop = asyncio.get_running_loop()
@@ -122,16 +149,31 @@ class EventCacheState:
             raise TokenizerError(f"no prompt on {features.path}")
         ids = t.ids
         bs = self.settings.block_size
+        lora = self.settings.resolve(features.model)[1]
         if self.chain is None:
-            return tuple(content_chain(ids, bs, max_blocks=self.max_blocks)), len(ids)
-        return tuple(low64(d) for d in self._digests(ids, features.session_key)), len(ids)
+            return tuple(content_chain(ids, bs, max_blocks=self.max_blocks, extra=lora or "")), len(ids)
+        salt = parsed.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        return tuple(low64(d) for d in self._digests(ids, features.session_key, lora, salt)), len(ids)
 
-    def _digests(self, ids: tuple[int, ...], session: str | None) -> list[bytes]:
-        """The engine chain's digests, reusing a session's previous turn's leading blocks."""
+    def _digests(
+        self, ids: tuple[int, ...], session: str | None, lora: str | None = None, salt: str | None = None
+    ) -> list[bytes]:
+        """The engine chain's digests, reusing a session's previous turn's leading blocks.
+
+        Extra keys as vLLM's ``generate_block_hash_extra_keys`` builds them: a LoRA adapter's name
+        in every block (the same tokens under two adapters, or an adapter and its base, never share
+        a block), and the request's ``cache_salt`` after it in the first block only (the chain
+        carries it to the rest)."""
         assert self.chain is not None
         bs = self.settings.block_size
+        extra = (lora,) if lora else None
         reuse: list[bytes] = []
+        if salt is not None and len(ids) >= bs:
+            reuse = self.chain.digests(ids[:bs], bs, (*(extra or ()), salt))
         if session is not None:
+            if lora or salt:  # another adapter or salt: another chain
+                session = f"{lora or ''}\0{salt or ''}\0{session}"
             with self._lock:
                 prev = self._hashes.get(session)
             if prev is not None:
@@ -139,9 +181,10 @@ class EventCacheState:
                 k = min(len(prev_digests), len(ids) // bs)
                 while k and ids[: k * bs] != prev_ids[: k * bs]:
                     k //= 2  # a turn that rewrote history: find a shorter shared run, cheaply
-                reuse = prev_digests[:k]
+                if k > len(reuse):
+                    reuse = prev_digests[:k]
         n = min(len(ids) // bs, self.max_blocks)
-        tail = self.chain.digests(ids[len(reuse) * bs : n * bs], bs, parent=reuse[-1] if reuse else None)
+        tail = self.chain.digests(ids[len(reuse) * bs : n * bs], bs, extra, parent=reuse[-1] if reuse else None)
         digests = (reuse + tail)[:n]
         if session is not None:
             with self._lock:
@@ -159,7 +202,7 @@ class EventCacheState:
         live = self.source.live(members, now)
         if not live:
             return view
-        from_events = self.source.matches(features.model, features.prefix_hashes, live, now)
+        from_events = self.source.matches(self.settings.resolve(features.model)[0], features.prefix_hashes, live, now)
         matches = {r: n for r, n in view.prefix_matches.items() if r not in live}
         for replica, blocks in from_events.items():
             if blocks >= 1:
@@ -179,8 +222,34 @@ class EventCacheState:
             return
         if self.source.is_live(replica, now):
             self.metrics.predicted_tokens.labels(replica).inc(matched_blocks * features.tokens_per_block)
-        self.source.credit(features.model, replica, features.prefix_hashes, now)
+        self.source.credit(self.settings.resolve(features.model)[0], replica, features.prefix_hashes, now)
         self.source.note_routed(replica, now)
+
+    # -- checking predictions against response bodies ----------------------------------------
+    def sample_check(self) -> bool:
+        """Whether to read this request's response body for its reported cached tokens
+        (``check_sample_rate``, deterministic: 0.25 is exactly every fourth request)."""
+        rate = self.settings.check_sample_rate
+        if rate <= 0:
+            return False
+        self._check_credit += rate
+        if self._check_credit >= 1.0:
+            self._check_credit -= 1.0
+            return True
+        return False
+
+    def predicted_tokens(self, features: RequestFeatures, replica: str, matched_blocks: int, now: float) -> int | None:
+        """The cached tokens the index predicted on ``replica`` for this request, when its events
+        answered for it (tokenized, feed live); None when there is nothing to check."""
+        if not features.tokens_per_block or not self.source.is_live(replica, now):
+            return None
+        return matched_blocks * features.tokens_per_block
+
+    def check(self, replica: str, predicted: int, reported: int | None, block_size: int) -> str:
+        """Count how a prediction compared with the replica's report (``unreported`` without one)."""
+        result = "unreported" if reported is None else outcome(predicted, reported, block_size)
+        self.metrics.prediction_checks.labels(replica, result).inc()
+        return result
 
     # -- subscriptions ----------------------------------------------------------------------
     def start(self, replicas: Sequence[Replica]) -> None:
@@ -202,9 +271,12 @@ class EventCacheState:
         names = set()
         for r in replicas:
             names.add(r.name)
-            pub, replay = replica_endpoints(r, self.settings)
-            if pub:
-                subs.follow(r.name, pub, replay)
+            ranks = rank_endpoints(r, self.settings)
+            for rank, (pub, replay) in enumerate(ranks):
+                subs.follow(r.name, pub, replay, rank=rank)
+            for rank in subs.ranks(r.name):
+                if rank >= len(ranks):
+                    subs.unfollow(r.name, rank)  # fewer ranks now: the index keeps what the others hold
         for name in subs.following():
             if name not in names:
                 subs.unfollow(name)

@@ -11,6 +11,11 @@ Never silently wrong:
 - a payload that does not decode is counted and dropped, and treated as a missed batch;
 - a replica that is sent traffic while its feed stays silent for ``stale_after_s`` is stale: its
   matches come from the estimate until the feed speaks again.
+
+Sequences are per engine: a server with data-parallel ranks runs one engine per rank, each
+numbering its batches from 0 (each on its own port in the connect layout, all on one topic when
+they connect to ``listen``). So every check above is made per (replica, ``data_parallel_rank``):
+interleaved ranks are not gaps, and a rank's gap, restart or lost replay clears that rank only.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from extproc.kvevents.wire import (
     BlockRemoved,
     BlockStored,
     Event,
+    EventBatch,
     Message,
     WireError,
     decode_batch,
@@ -46,31 +52,50 @@ class ReplayError(Exception):
 
 
 @dataclass(slots=True)
-class FeedState:
-    """One replica's feed."""
+class RankStream:
+    """One engine's sequence in a replica's feed (its data-parallel rank; 0 without DP)."""
 
-    replica: str
-    model: str = ""
     replayer: Replayer | None = None
     last_seq: int | None = None
-    synced: bool = False
-    """The index holds this replica's state: caught up by a replay, or a message seen."""
     replayed_through: int = -1
     """Messages up to here came from a replay: the same seqs arriving live are duplicates."""
     replayed_digests: dict[int, int] = field(default_factory=dict)
     """Seq -> payload hash of what the replay applied: a live message with a replayed seq is a
     duplicate only if it is the same batch (a new engine restarts its seqs at 0)."""
+    last_digest: int = 0
+    """A hash of the last applied payload: after a reconnect, tells the same engine from a new one."""
+
+
+@dataclass(slots=True)
+class FeedState:
+    """One replica's feed: one :class:`RankStream` per data-parallel rank heard of."""
+
+    replica: str
+    model: str = ""
+    ranks: dict[int, RankStream] = field(default_factory=dict)
+    synced: bool = False
+    """The index holds this replica's state: caught up by a replay, or a message seen."""
     last_message_at: float = float("-inf")
     routed_since: float | None = None
     """The first request sent there since its last message (for staleness)."""
-    last_digest: int = 0
-    """A hash of the last applied payload: after a reconnect, tells the same engine from a new one."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    def stream(self, rank: int = 0) -> RankStream:
+        """Rank ``rank``'s sequence (created on first use)."""
+        stream = self.ranks.get(rank)
+        if stream is None:
+            stream = self.ranks[rank] = RankStream()
+        return stream
 
-def _replay_done(state: FeedState) -> None:
-    state.replayed_through = -1
-    state.replayed_digests.clear()
+    @property
+    def last_seq(self) -> int | None:
+        """The lowest rank's last applied sequence number (rank 0's without DP)."""
+        return self.ranks[min(self.ranks)].last_seq if self.ranks else None
+
+
+def _replay_done(stream: RankStream) -> None:
+    stream.replayed_through = -1
+    stream.replayed_digests.clear()
 
 
 def topic_parts(topic: str) -> tuple[str | None, str]:
@@ -100,22 +125,31 @@ class KvEventSource:
         self.feeds: dict[str, FeedState] = {}
 
     # -- feeds ------------------------------------------------------------------------------
-    def add_feed(self, replica: str, replayer: Replayer | None = None, model: str = "") -> FeedState:
-        """Register ``replica``'s feed (idempotent: a known feed keeps its state, takes the new replayer)."""
+    def add_feed(self, replica: str, replayer: Replayer | None = None, model: str = "", rank: int = 0) -> FeedState:
+        """Register ``replica``'s feed, ``replayer`` answering for its ``rank`` (idempotent: a known
+        feed keeps its state, takes the new replayer)."""
         state = self.feeds.get(replica)
         if state is None:
-            state = self.feeds[replica] = FeedState(replica, model, replayer)
+            state = self.feeds[replica] = FeedState(replica, model)
             m = self.metrics
             for series in (m.batches, m.dropped, m.gaps, m.restarts):
                 series.labels(replica)
-        elif replayer is not None:
-            state.replayer = replayer
+        stream = state.stream(rank)
+        if replayer is not None:
+            stream.replayer = replayer
         return state
 
     def remove_feed(self, replica: str) -> None:
         """``replica`` left the fleet: its feed and entries go."""
         self.feeds.pop(replica, None)
         self.index.drop_replica(replica)
+
+    def remove_rank(self, replica: str, rank: int) -> None:
+        """``replica`` runs fewer engines: ``rank``'s stream and entries go."""
+        state = self.feeds.get(replica)
+        if state is not None:
+            state.ranks.pop(rank, None)
+        self.index.clear_replica(replica, rank)
 
     def is_live(self, replica: str, now: float) -> bool:
         """Whether ``replica``'s matches come from its events (else from the estimate)."""
@@ -150,32 +184,33 @@ class KvEventSource:
                 idx = self.index.model(self.feeds[replica].model)
             idx.credit(replica, keys, now)
 
-    def apply_events(self, replica: str, events: Sequence[Event], model: str = "") -> None:
+    def apply_events(self, replica: str, events: Sequence[Event], model: str = "", rank: int = 0) -> None:
         """Apply decoded events of ``replica`` directly, with no sequence tracking (a source that
         cannot lose messages: the simulator's replicas)."""
         state = self.feeds.get(replica) or self.add_feed(replica, model=model)
         state.synced = True
         state.last_message_at = self.clock()
         state.routed_since = None
-        self.index.model(model or state.model).apply(replica, events)
+        self.index.model(model or state.model).apply(replica, events, rank)
 
     # -- messages ---------------------------------------------------------------------------
-    async def catch_up(self, replica: str) -> bool:
-        """Replay everything the publisher still buffers (a router that starts next to a running
-        engine re-finds its cache); True when the replica's state is now known."""
+    async def catch_up(self, replica: str, rank: int = 0) -> bool:
+        """Replay everything ``rank``'s publisher still buffers (a router that starts next to a
+        running engine re-finds its cache); True when the replica's state is now known."""
         state = self.feeds[replica]
-        if state.replayer is None:
+        if state.stream(rank).replayer is None:
             return False
         async with state.lock:
-            return await self._catch_up(state)
+            return await self._catch_up(state, rank)
 
-    async def _catch_up(self, state: FeedState) -> bool:
-        ok = await self._replay(state, 0, None)
+    async def _catch_up(self, state: FeedState, rank: int) -> bool:
+        ok = await self._replay(state, rank, 0, None)
         if ok:
             state.synced = True
-            if state.last_seq is None:
-                state.last_seq = -1  # nothing published yet: the first message must be seq 0
-            state.replayed_through = state.last_seq
+            stream = state.stream(rank)
+            if stream.last_seq is None:
+                stream.last_seq = -1  # nothing published yet: the first message must be seq 0
+            stream.replayed_through = stream.last_seq
         return ok
 
     async def receive(self, msg: Message, replica: str | None = None) -> None:
@@ -191,71 +226,81 @@ class KvEventSource:
         async with state.lock:
             await self._receive(state, msg)
 
-    async def reconnected(self, replica: str) -> None:
+    async def reconnected(self, replica: str, rank: int = 0) -> None:
         """The connection to ``replica``'s publisher came back: messages may have been lost
         meanwhile (a PUB drops what it sends while no subscriber is connected), and the engine
         may be a new one. Ask its buffer from the last seq applied: the same engine still has
         that batch, and gives what followed; a new one does not, and is a restart."""
         state = self.feeds.get(replica)
-        if state is None or state.replayer is None or state.last_seq is None or state.last_seq < 0:
+        stream = state.ranks.get(rank) if state is not None else None
+        if state is None or stream is None or stream.replayer is None or stream.last_seq is None or stream.last_seq < 0:
             return
         async with state.lock:
-            last = state.last_seq
+            last = stream.last_seq
             try:
-                messages = sorted(await state.replayer(last), key=lambda x: x.seq)
+                messages = sorted(await stream.replayer(last), key=lambda x: x.seq)
             except ReplayError as exc:
                 self.metrics.replays.labels(replica, "failed").inc()
                 log.info("kv events: replay after reconnecting to %s failed: %s", replica, exc)
                 return
-            same = any(m.seq == last and xxhash.xxh3_64_intdigest(m.payload) == state.last_digest for m in messages)
+            same = any(m.seq == last and xxhash.xxh3_64_intdigest(m.payload) == stream.last_digest for m in messages)
             if same:
                 for m in messages:
-                    if m.seq == state.last_seq + 1:
-                        self._apply(state, m)
+                    if m.seq == stream.last_seq + 1:
+                        self._apply(state, rank, m)
                 self.metrics.replays.labels(replica, "ok").inc()
                 return
             self.metrics.restarts.labels(replica).inc()
-            self._clear(state, "restart")
+            self._clear(state, "restart", rank)
             log.info("kv events: %s is a new engine (reconnected): its entries are dropped", replica)
-            state.last_seq = None
-            await self._catch_up(state)
+            stream.last_seq = None
+            await self._catch_up(state, rank)
 
     async def _receive(self, state: FeedState, msg: Message) -> None:
         name = state.replica
         state.last_message_at = self.clock()
         state.routed_since = None
         m = self.metrics
-        last = state.last_seq
+        try:
+            batch = decode_batch(msg.payload)
+        except WireError as exc:
+            m.dropped.labels(name).inc()
+            log.debug("kv events: undecodable batch %d from %s: %s", msg.seq, name, exc)
+            return  # its seq is not taken: the next message of its engine shows the gap
+        rank = batch.data_parallel_rank or 0
+        stream = state.stream(rank)
+        last = stream.last_seq
         if last is None or msg.seq == last + 1:
-            if self._apply(state, msg):
-                _replay_done(state)  # the live stream has caught up with the replay
+            if self._apply(state, rank, msg, batch):
+                _replay_done(stream)  # the live stream has caught up with the replay
         elif msg.seq <= last:
-            replayed = state.replayed_digests.get(msg.seq) if msg.seq <= state.replayed_through else None
+            replayed = stream.replayed_digests.get(msg.seq) if msg.seq <= stream.replayed_through else None
             if replayed is not None and replayed == xxhash.xxh3_64_intdigest(msg.payload):
                 return  # queued while we replayed: already applied
             m.restarts.labels(name).inc()
-            self._clear(state, "restart")
+            self._clear(state, "restart", rank)
             log.info("kv events: %s restarted (seq %d after %d): its entries are dropped", name, msg.seq, last)
-            _replay_done(state)
-            if msg.seq > 0 and state.replayer is not None:
+            _replay_done(stream)
+            if msg.seq > 0 and stream.replayer is not None:
                 # What the new engine published before this message may not have reached us.
-                await self._replay(state, 0, msg.seq)
-            self._apply(state, msg)
+                await self._replay(state, rank, 0, msg.seq)
+            self._apply(state, rank, msg, batch)
         else:
             m.gaps.labels(name).inc()
-            ok = state.replayer is not None and await self._replay(state, last + 1, msg.seq)
+            ok = stream.replayer is not None and await self._replay(state, rank, last + 1, msg.seq)
             if not ok:
-                self._clear(state, "gap")
+                self._clear(state, "gap", rank)
                 log.info("kv events: %s lost seq %d..%d: its entries are dropped", name, last + 1, msg.seq - 1)
-            self._apply(state, msg)
+            self._apply(state, rank, msg, batch)
         state.synced = True
 
-    async def _replay(self, state: FeedState, start: int, before: int | None) -> bool:
-        """Apply the replayed messages ``start <= seq < before``; False if any is missing."""
-        assert state.replayer is not None
+    async def _replay(self, state: FeedState, rank: int, start: int, before: int | None) -> bool:
+        """Apply ``rank``'s replayed messages ``start <= seq < before``; False if any is missing."""
+        stream = state.stream(rank)
+        assert stream.replayer is not None
         label = state.replica
         try:
-            messages = await state.replayer(start)
+            messages = await stream.replayer(start)
         except ReplayError as exc:
             self.metrics.replays.labels(label, "failed").inc()
             log.info("kv events: replay from %s for %s failed: %s", start, label, exc)
@@ -267,11 +312,11 @@ class KvEventSource:
             if before is None:
                 # Catching up at start: a buffer that begins after ``start`` lacks only old stores
                 # and the removals of those same blocks, so what it has is still right.
-                if self._apply(state, msg):
-                    state.replayed_digests[msg.seq] = state.last_digest
+                if self._apply(state, rank, msg):
+                    stream.replayed_digests[msg.seq] = stream.last_digest
             elif msg.seq >= before:
                 break
-            elif msg.seq != expected or not self._apply(state, msg):
+            elif msg.seq != expected or not self._apply(state, rank, msg):
                 self.metrics.replays.labels(label, "incomplete").inc()
                 return False
             expected = msg.seq + 1
@@ -281,22 +326,25 @@ class KvEventSource:
         self.metrics.replays.labels(label, "ok").inc()
         return True
 
-    def _apply(self, state: FeedState, msg: Message) -> bool:
+    def _apply(self, state: FeedState, rank: int, msg: Message, batch: EventBatch | None = None) -> bool:
+        """Apply one of ``rank``'s messages (a replayed one is that rank's: its replay socket's)."""
         m = self.metrics
         name = state.replica
-        try:
-            batch = decode_batch(msg.payload)
-        except WireError as exc:
-            m.dropped.labels(name).inc()
-            log.debug("kv events: undecodable batch %d from %s: %s", msg.seq, name, exc)
-            return False  # its seq is not taken: the next message shows the gap
+        if batch is None:
+            try:
+                batch = decode_batch(msg.payload)
+            except WireError as exc:
+                m.dropped.labels(name).inc()
+                log.debug("kv events: undecodable batch %d from %s: %s", msg.seq, name, exc)
+                return False  # its seq is not taken: the next message shows the gap
         if batch.dropped:
             m.dropped.labels(name).inc(batch.dropped)
         topic_model = topic_parts(msg.topic)[1]
         idx = self.index.model(topic_model or state.model)
-        result = idx.apply(name, batch.events)
-        state.last_seq = msg.seq
-        state.last_digest = xxhash.xxh3_64_intdigest(msg.payload)
+        result = idx.apply(name, batch.events, rank)
+        stream = state.stream(rank)
+        stream.last_seq = msg.seq
+        stream.last_digest = xxhash.xxh3_64_intdigest(msg.payload)
         state.last_message_at = self.clock()
         state.routed_since = None  # the feed works, replayed or live
         m.batches.labels(name).inc()
@@ -322,8 +370,8 @@ class KvEventSource:
             m.clears.labels(name, "overflow").inc()
         return True
 
-    def _clear(self, state: FeedState, cause: str) -> None:
-        self.index.clear_replica(state.replica)
+    def _clear(self, state: FeedState, cause: str, rank: int | None = None) -> None:
+        self.index.clear_replica(state.replica, rank)
         self.metrics.clears.labels(state.replica, cause).inc()
 
     def collect(self) -> None:

@@ -12,6 +12,15 @@ int with two bits per replica slot (bit ``2s``: on the GPU, bit ``2s + 1``: on a
 - a replica's removal touches only its blocks; clearing a replica (reset, restart, lost events)
   walks the index once, which happens rarely.
 
+Data-parallel ranks: a vLLM server with ``--data-parallel-size`` N behind one address runs N
+engines, each with its own prefix cache and its own event stream (``data_parallel_rank`` in every
+batch), and its own load balancer picks the engine for each request: the router chooses the
+replica, never the rank. So each (replica, rank) has its own slot: a rank's ``BlockRemoved``,
+``AllBlocksCleared``, restart or lost events touch that rank's entries only, never a copy another
+rank holds, and a replica's match is its best rank's (it holds a block if any rank does). That is
+optimistic by design: whether the request lands on that rank is the server's choice, and the index
+cannot do better without choosing ranks (a server with one rank is exact).
+
 Speculative credit: between a decision and the replica's ``BlockStored``, the chosen replica is
 credited with the prompt's blocks for a short TTL, so a burst of one prefix does not scatter.
 """
@@ -56,38 +65,46 @@ class ModelIndex:
         self.max_blocks_per_replica = max_blocks_per_replica
         self.speculative_ttl_s = speculative_ttl_s
         self._holders: dict[int, int] = {}
-        self._slots: dict[str, int] = {}
-        self._names: dict[int, str] = {}
-        self._counts: dict[str, int] = {}
-        self._engine_keys: dict[str, dict[int, int]] = {}  # content mode: engine hash -> our key
+        self._slots: dict[tuple[str, int], int] = {}  # (replica, data-parallel rank) -> slot
+        self._names: dict[int, str] = {}  # slot -> replica
+        self._counts: dict[tuple[str, int], int] = {}
+        self._engine_keys: dict[tuple[str, int], dict[int, int]] = {}  # content mode: engine hash -> our key
         self._spec: dict[int, int] = {}  # key -> slot bits credited speculatively
         self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
 
     # -- replicas ---------------------------------------------------------------------------
-    def _slot(self, replica: str) -> int:
-        slot = self._slots.get(replica)
+    def _slot(self, replica: str, rank: int = 0) -> int:
+        slot = self._slots.get((replica, rank))
         if slot is None:
             used = set(self._names)
             slot = next(i for i in range(len(used) + 1) if i not in used)
-            self._slots[replica] = slot
+            self._slots[(replica, rank)] = slot
             self._names[slot] = replica
-            self._counts[replica] = 0
-            self._engine_keys[replica] = {}
+            self._counts[(replica, rank)] = 0
+            self._engine_keys[(replica, rank)] = {}
         return slot
 
-    def blocks(self, replica: str) -> int:
-        """How many (key, tier) entries ``replica`` has."""
-        return self._counts.get(replica, 0)
+    def _ranks(self, replica: str, rank: int | None = None) -> list[tuple[str, int]]:
+        return [k for k in self._slots if k[0] == replica and (rank is None or k[1] == rank)]
+
+    def blocks(self, replica: str, rank: int | None = None) -> int:
+        """How many (key, tier) entries ``replica`` has (on ``rank``, else over all its ranks)."""
+        return sum(self._counts[k] for k in self._ranks(replica, rank))
+
+    def ranks(self, replica: str) -> list[int]:
+        """The data-parallel ranks of ``replica`` heard of."""
+        return sorted(k[1] for k in self._ranks(replica))
 
     def __len__(self) -> int:
         return len(self._holders)
 
-    def clear_replica(self, replica: str) -> int:
-        """Forget everything ``replica`` holds (its cache was reset, or we lost track); returns the
-        number of entries dropped."""
-        slot = self._slots.get(replica)
-        if slot is None:
-            return 0
+    def clear_replica(self, replica: str, rank: int | None = None) -> int:
+        """Forget everything ``replica`` holds on ``rank`` (else on every rank): its cache was
+        reset, or we lost track. Returns the number of entries dropped."""
+        return sum(self._clear_slot(k) for k in self._ranks(replica, rank))
+
+    def _clear_slot(self, who: tuple[str, int]) -> int:
+        slot = self._slots[who]
         mask = ~(3 << (2 * slot))
         holders = self._holders
         for key in [k for k, v in holders.items() if v >> (2 * slot) & 3]:
@@ -97,44 +114,45 @@ class ModelIndex:
             else:
                 del holders[key]
         self._clear_spec(slot, None)
-        dropped = self._counts[replica]
-        self._counts[replica] = 0
-        self._engine_keys[replica] = {}
+        dropped = self._counts[who]
+        self._counts[who] = 0
+        self._engine_keys[who] = {}
         return dropped
 
     def drop_replica(self, replica: str) -> None:
-        """``replica`` left the fleet: clear it and free its slot."""
-        if replica in self._slots:
-            self.clear_replica(replica)
-            slot = self._slots.pop(replica)
+        """``replica`` left the fleet: clear it and free its slots."""
+        for who in self._ranks(replica):
+            self._clear_slot(who)
+            slot = self._slots.pop(who)
             del self._names[slot]
-            del self._counts[replica]
-            del self._engine_keys[replica]
+            del self._counts[who]
+            del self._engine_keys[who]
 
     def replicas(self) -> list[str]:
         """The replicas this index has heard of."""
-        return list(self._slots)
+        return list(dict.fromkeys(k[0] for k in self._slots))
 
     # -- events -----------------------------------------------------------------------------
-    def apply(self, replica: str, events: Iterable[Event]) -> ApplyResult:
-        """Apply one batch of ``replica``'s events, in order."""
+    def apply(self, replica: str, events: Iterable[Event], rank: int = 0) -> ApplyResult:
+        """Apply one batch of ``replica``'s events (from its data-parallel ``rank``), in order."""
         result = ApplyResult()
-        slot = self._slot(replica)
+        who = (replica, rank)
+        slot = self._slot(replica, rank)
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._store(replica, slot, ev, result)
+                self._store(who, slot, ev, result)
             elif isinstance(ev, BlockRemoved):
-                self._remove(replica, slot, ev, result)
+                self._remove(who, slot, ev, result)
             elif isinstance(ev, AllBlocksCleared):
-                result.cleared += self.clear_replica(replica)
-        if self._counts[replica] > self.max_blocks_per_replica:
+                result.cleared += self._clear_slot(who)
+        if self._counts[who] > self.max_blocks_per_replica:
             # More than any engine holds: removals were lost. An index that cannot be trusted is
             # worse than none (the estimate takes over until the replica's next stores).
-            self.clear_replica(replica)
+            self._clear_slot(who)
             result.overflow = True
         return result
 
-    def _keys_for_store(self, replica: str, ev: BlockStored, result: ApplyResult) -> Sequence[int]:
+    def _keys_for_store(self, replica: tuple[str, int], ev: BlockStored, result: ApplyResult) -> Sequence[int]:
         if self.algo is not HashAlgo.CONTENT:
             return ev.block_hashes
         mapping = self._engine_keys[replica]
@@ -156,7 +174,7 @@ class ModelIndex:
             mapping[engine_hash] = key
         return keys
 
-    def _store(self, replica: str, slot: int, ev: BlockStored, result: ApplyResult) -> None:
+    def _store(self, replica: tuple[str, int], slot: int, ev: BlockStored, result: ApplyResult) -> None:
         bit = 1 << (2 * slot + (0 if ev.medium == GPU else 1))
         holders = self._holders
         added = 0
@@ -168,7 +186,7 @@ class ModelIndex:
         self._counts[replica] += added
         result.stored += added
 
-    def _remove(self, replica: str, slot: int, ev: BlockRemoved, result: ApplyResult) -> None:
+    def _remove(self, replica: tuple[str, int], slot: int, ev: BlockRemoved, result: ApplyResult) -> None:
         bit = 1 << (2 * slot + (0 if ev.medium == GPU else 1))
         holders = self._holders
         mapping = self._engine_keys[replica] if self.algo is HashAlgo.CONTENT else None
@@ -199,7 +217,8 @@ class ModelIndex:
     # -- speculative credit -----------------------------------------------------------------
     def credit(self, replica: str, keys: Sequence[int], now: float) -> None:
         """Count ``keys`` as held on the GPU of ``replica`` until ``now + speculative_ttl_s`` (or
-        until the replica removes them)."""
+        until the replica removes them). Credited to rank 0: the server picks the rank, and a
+        replica's match is its best rank's."""
         if not keys or self.speculative_ttl_s <= 0:
             return
         self._expire(now)
@@ -237,9 +256,10 @@ class ModelIndex:
         block held only on a slower tier counts :data:`OFFLOAD_WEIGHT`). Only ``replicas`` (default:
         all known) are considered; replicas without a match are left out."""
         self._expire(now)
-        wanted = self._slots if replicas is None else {r: self._slots[r] for r in replicas if r in self._slots}
+        names = None if replicas is None else set(replicas)
+        wanted = [slot for (r, _), slot in self._slots.items() if names is None or r in names]
         open_ = 0
-        for slot in wanted.values():
+        for slot in wanted:
             open_ |= 1 << (2 * slot)
         if not open_:
             return {}
@@ -271,7 +291,9 @@ class ModelIndex:
         out: dict[str, float] = {}
         for slot, length in ends.items():
             if length:
-                out[self._names[slot]] = length - (1.0 - OFFLOAD_WEIGHT) * offload.get(slot, 0)
+                name = self._names[slot]
+                value = length - (1.0 - OFFLOAD_WEIGHT) * offload.get(slot, 0)
+                out[name] = max(out.get(name, 0.0), value)  # its best rank's
         return out
 
 
@@ -314,9 +336,9 @@ class KvIndex:
         idx = self.models.get(model)
         return idx if idx is not None else self.models.get("")
 
-    def clear_replica(self, replica: str) -> int:
-        """Forget ``replica`` in every model."""
-        return sum(idx.clear_replica(replica) for idx in self.models.values())
+    def clear_replica(self, replica: str, rank: int | None = None) -> int:
+        """Forget ``replica`` (its ``rank``, else all) in every model."""
+        return sum(idx.clear_replica(replica, rank) for idx in self.models.values())
 
     def drop_replica(self, replica: str) -> None:
         """``replica`` left: forget it everywhere."""

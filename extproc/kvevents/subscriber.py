@@ -78,10 +78,11 @@ async def follow_replica(
     replay_endpoint: str | None = None,
     model: str = "",
     replay_timeout_s: float = 1.0,
+    rank: int = 0,
 ) -> None:
-    """Read ``replica``'s publisher until cancelled (connect layout)."""
+    """Read ``replica``'s publisher (its data-parallel ``rank``'s) until cancelled (connect layout)."""
     replayer = ZmqReplayer(ctx, replay_endpoint, replay_timeout_s) if replay_endpoint else None
-    source.add_feed(replica, replayer, model)
+    source.add_feed(replica, replayer, model, rank)
     while True:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
@@ -92,12 +93,12 @@ async def follow_replica(
                 # The monitor is attached before connecting, so the first connection is the first
                 # event it sees: attached later, it could miss it and take a reconnect for it.
                 monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-                watching = asyncio.create_task(_watch_reconnects(sock, monitor, source, replica))
+                watching = asyncio.create_task(_watch_reconnects(sock, monitor, source, replica, rank))
             sock.connect(endpoint)
             if replayer is not None:
                 # Subscribed first, so what is published during the replay waits in the socket.
                 await asyncio.sleep(0.05)
-                await source.catch_up(replica)
+                await source.catch_up(replica, rank)
             while True:
                 frames = await sock.recv_multipart()
                 await _deliver(source, frames, replica)
@@ -115,7 +116,7 @@ async def follow_replica(
 
 
 async def _watch_reconnects(
-    sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, source: KvEventSource, replica: str
+    sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, source: KvEventSource, replica: str, rank: int = 0
 ) -> None:
     """On every connection after the first, let the feed check what it missed (see
     :meth:`KvEventSource.reconnected`)."""
@@ -129,9 +130,9 @@ async def _watch_reconnects(
                 state = source.feeds.get(replica)
                 try:
                     if state is not None and not state.synced and connects > 1:
-                        await source.catch_up(replica)  # the publisher was down when we started
+                        await source.catch_up(replica, rank)  # the publisher was down when we started
                     elif connects > 1:
-                        await source.reconnected(replica)
+                        await source.reconnected(replica, rank)
                 except Exception as exc:  # never stop the subscriber
                     log.warning("kv events: after reconnecting to %s: %s", replica, exc)
     finally:
@@ -191,33 +192,43 @@ class Subscriptions:
         self.source = source
         self.ctx = zmq.asyncio.Context()
         self.replay_timeout_s = replay_timeout_s
-        self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
+        self._tasks: dict[tuple[str, int], tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
         self._listener: asyncio.Task[None] | None = None
 
-    def follow(self, replica: str, endpoint: str, replay_endpoint: str | None = None, model: str = "") -> None:
-        """Read ``replica``'s publisher (restarted when its endpoints change)."""
+    def follow(
+        self, replica: str, endpoint: str, replay_endpoint: str | None = None, model: str = "", rank: int = 0
+    ) -> None:
+        """Read ``replica``'s publisher for data-parallel ``rank`` (restarted when its endpoints change)."""
         key = (endpoint, replay_endpoint)
-        known = self._tasks.get(replica)
+        known = self._tasks.get((replica, rank))
         if known is not None and known[0] == key:
             return
         if known is not None:
             known[1].cancel()
         task = asyncio.create_task(
-            follow_replica(self.ctx, self.source, replica, endpoint, replay_endpoint, model, self.replay_timeout_s),
-            name=f"kv-events-{replica}",
+            follow_replica(
+                self.ctx, self.source, replica, endpoint, replay_endpoint, model, self.replay_timeout_s, rank
+            ),
+            name=f"kv-events-{replica}-dp{rank}",
         )
-        self._tasks[replica] = (key, task)
+        self._tasks[(replica, rank)] = (key, task)
 
-    def unfollow(self, replica: str) -> None:
-        """Stop reading ``replica`` and forget its entries."""
-        known = self._tasks.pop(replica, None)
-        if known is not None:
-            known[1].cancel()
-        self.source.remove_feed(replica)
+    def unfollow(self, replica: str, rank: int | None = None) -> None:
+        """Stop reading ``replica`` (one ``rank``, else all, and then forget its entries)."""
+        for who in [k for k in self._tasks if k[0] == replica and (rank is None or k[1] == rank)]:
+            self._tasks.pop(who)[1].cancel()
+        if rank is None:
+            self.source.remove_feed(replica)
+        else:
+            self.source.remove_rank(replica, rank)
 
     def following(self) -> list[str]:
         """The replicas read in the connect layout."""
-        return list(self._tasks)
+        return list(dict.fromkeys(k[0] for k in self._tasks))
+
+    def ranks(self, replica: str) -> list[int]:
+        """The data-parallel ranks of ``replica`` being read."""
+        return sorted(k[1] for k in self._tasks if k[0] == replica)
 
     def listen(self, endpoint: str, resolve: Callable[[str], str | None]) -> None:
         """Bind ``endpoint`` for replicas that connect (listen layout)."""

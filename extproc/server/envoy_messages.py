@@ -70,9 +70,40 @@ def without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
     )
 
 
-def continue_response_headers() -> pb.ProcessingResponse:
-    """Let response headers through unchanged."""
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+@functools.cache
+def with_response_headers(request_body_mode: int) -> pm.ProcessingMode:
+    """The processing mode that sends this request's response headers (whatever the config says),
+    so that their answer may ask for the body (:func:`streamed_response_body`)."""
+    return pm.ProcessingMode(
+        request_header_mode=pm.ProcessingMode.SEND,
+        response_header_mode=pm.ProcessingMode.SEND,
+        request_body_mode=request_body_mode,
+        response_body_mode=pm.ProcessingMode.NONE,
+        request_trailer_mode=pm.ProcessingMode.SKIP,
+        response_trailer_mode=pm.ProcessingMode.SKIP,
+    )
+
+
+@functools.cache
+def streamed_response_body(request_body_mode: int) -> pm.ProcessingMode:
+    """The processing mode that sends this response's body in pieces as they arrive (STREAMED:
+    each piece is answered at once and goes on unchanged; nothing is buffered)."""
+    return pm.ProcessingMode(
+        request_header_mode=pm.ProcessingMode.SEND,
+        response_header_mode=pm.ProcessingMode.SEND,
+        request_body_mode=request_body_mode,
+        response_body_mode=pm.ProcessingMode.STREAMED,
+        request_trailer_mode=pm.ProcessingMode.SKIP,
+        response_trailer_mode=pm.ProcessingMode.SKIP,
+    )
+
+
+def continue_response_headers(mode_override: pm.ProcessingMode | None = None) -> pb.ProcessingResponse:
+    """Let response headers through unchanged (with ``mode_override``, change what follows)."""
+    response = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    if mode_override is not None:
+        response.mode_override.CopyFrom(mode_override)
+    return response
 
 
 def routing_mutation(

@@ -3,6 +3,8 @@
     HEADERS --(end_of_stream)--------------------------> decide in the headers answer
     HEADERS --> BODY (accumulate until end_of_stream) --> decide in the body answer
     any     --> RESPONSE_HEADERS: observe status and time to first byte
+    sampled --> RESPONSE_BODY (streamed, answered at once): the reported cached tokens checked
+                against the KV-event index's prediction (kv_events.check_sample_rate)
     stream end: the request's in-flight slot is released
 
 Every phase gets an answer, whatever arrives and in whatever order: a message out of order is
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.kvevents.usage import UsageTail
 from extproc.router import Routed, Router
 from extproc.routing.model import Reason
 from extproc.server import envoy_messages as msg
@@ -48,6 +51,10 @@ class RequestStream:
         self.size = 0
         self.routed: Routed | None = None
         self.body_mode: int = msg.BUFFERED  # Envoy says which in the first message's protocol_config
+        self.observe = True  # response headers feed health (false: asked for only to read the body)
+        self.check_usage = False  # sampled: the response body is read for its reported cached tokens
+        self.predicted: int | None = None  # cached tokens the KV-event index predicted
+        self.usage: UsageTail | None = None
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer each message of the stream; releases the request's in-flight slot at the end."""
@@ -69,6 +76,8 @@ class RequestStream:
                 for response in responses:
                     yield response
         finally:
+            if self.usage is not None:  # the body ended without end_of_stream (trailers, a reset)
+                self._check_usage()
             if self.routed is not None:
                 self.router.release(self.routed)
             self.phase = Phase.DONE
@@ -86,8 +95,15 @@ class RequestStream:
             if request.request_headers.end_of_stream:
                 return await self._decide(None, in_body=False)
             self.phase = Phase.BODY
-            if self.router.sample_response():
+            observe = self.router.sample_response()
+            kv = self.router.kv_events
+            # Mode overrides are ignored with a FULL_DUPLEX_STREAMED filter: checks need BUFFERED.
+            self.check_usage = kv is not None and self.body_mode == msg.BUFFERED and kv.sample_check()
+            if observe:
                 return msg.continue_headers(self.remove)
+            if self.check_usage:
+                self.observe = False
+                return msg.continue_headers(self.remove, msg.with_response_headers(self.body_mode))
             return msg.continue_headers(self.remove, msg.without_response_headers(self.body_mode))
         if kind == "request_body" and self.phase is Phase.BODY:
             body = request.request_body
@@ -103,8 +119,18 @@ class RequestStream:
                 response = msg.header_map(request.response_headers)
                 status = response.get(":status", "0")
                 tries = attempts(response.get(ATTEMPT_COUNT_HEADER))
-                self.router.observe_response(self.routed, int(status) if status.isdigit() else 0, tries)
+                if self.observe:
+                    self.router.observe_response(self.routed, int(status) if status.isdigit() else 0, tries)
+                # A retried request's body is another replica's answer: nothing to check.
+                if self.predicted is not None and status == "200" and tries == 1:
+                    self.usage = UsageTail()
+                    return msg.continue_response_headers(msg.streamed_response_body(self.body_mode))
             return msg.continue_response_headers()
+        if kind == "response_body" and self.usage is not None:
+            self.usage.feed(request.response_body.body)
+            if request.response_body.end_of_stream:
+                self._check_usage()
+            return msg.passthrough(kind)
         log.debug("message %s in phase %s let through", kind, self.phase.value)
         return msg.passthrough(kind or "")
 
@@ -141,6 +167,13 @@ class RequestStream:
             out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
         return out
 
+    def _check_usage(self) -> None:
+        usage, self.usage = self.usage, None
+        kv, routed = self.router.kv_events, self.routed
+        if usage is None or kv is None or routed is None or self.predicted is None or routed.decision.replica is None:
+            return
+        kv.check(routed.decision.replica.name, self.predicted, usage.cached_tokens(), routed.features.tokens_per_block)
+
     def _duplex_fallback(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """After a failure in duplex mode: release what was held back, unrouted."""
         if self.phase is Phase.BODY and request.WhichOneof("request") in ("request_body", "request_trailers"):
@@ -154,6 +187,11 @@ class RequestStream:
         routed = await self.router.route(self.headers, body)
         self.routed = routed
         decision = routed.decision
+        kv = self.router.kv_events
+        if self.check_usage and kv is not None and decision.replica is not None:
+            self.predicted = kv.predicted_tokens(
+                routed.features, decision.replica.name, decision.matched_blocks, routed.decided_at
+            )
         if routed.refusal is not None:
             refusal = routed.refusal
             return msg.immediate(refusal.status, refusal.message, refusal.kind, retry_after_s=refusal.retry_after_s)

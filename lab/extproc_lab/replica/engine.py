@@ -217,6 +217,8 @@ class ReplicaEngine:
         ignore_eos: bool = False,
         on_token: OnToken | None = None,
         token_ids: Sequence[int] | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> Generation:
         """Serve one request: queue, prefill, then decode in the shared batch, calling
         ``on_token`` per token.
@@ -229,7 +231,7 @@ class ReplicaEngine:
         tokens: asyncio.Queue[int] = asyncio.Queue()
         if token_ids is not None and self.token_blocks is not None:
             prompt_tokens = len(token_ids)
-            keys = self.token_blocks.keys(token_ids, self.profile.num_gpu_blocks)
+            keys = self.token_blocks.keys(token_ids, self.profile.num_gpu_blocks, lora_name, cache_salt)
         else:
             prompt_tokens, keys = count_tokens(prompt), self.hashes_for(prompt, model)
         seq = Seq(

@@ -144,9 +144,22 @@ class _ReplicaApi:
             "system_fingerprint": self.name,
         }
         token_ids = self._token_ids(chat, parsed.body)
+        # Another name than the served model is an adapter (vLLM with --enable-lora): its name goes
+        # into every block's hash, so its blocks never match the base's or another adapter's.
+        lora_name = model if model != self.model else None
+        salt = parsed.body.get("cache_salt")
+        cache_salt = salt if isinstance(salt, str) and salt else None
         if parsed.stream:
             return await self._stream(
-                request, parsed.prompt, model, sampling=sampling, head=head, chat=chat, token_ids=token_ids
+                request,
+                parsed.prompt,
+                model,
+                sampling=sampling,
+                head=head,
+                chat=chat,
+                token_ids=token_ids,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
             )
         gen = await self.engine.generate(
             parsed.prompt,
@@ -155,6 +168,8 @@ class _ReplicaApi:
             min_tokens=sampling.min_tokens,
             ignore_eos=sampling.ignore_eos,
             token_ids=token_ids,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
         )
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if chat:
@@ -174,6 +189,8 @@ class _ReplicaApi:
         head: dict[str, Any],
         chat: bool,
         token_ids: tuple[int, ...] | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> web.StreamResponse:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -201,6 +218,8 @@ class _ReplicaApi:
                 ignore_eos=sampling.ignore_eos,
                 on_token=on_token,
                 token_ids=token_ids,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
             )
             await response.write(chunk({} if chat else "", gen.finish_reason))
             if sampling.include_usage:

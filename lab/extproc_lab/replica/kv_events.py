@@ -23,19 +23,29 @@ class TokenBlocks:
     def __init__(self, block_size: int, algo: HashAlgo = HashAlgo.SHA256, seed: str | None = None) -> None:
         self.block_size = block_size
         self.chain = EngineChain(algo, seed if seed is not None else os.environ.get("PYTHONHASHSEED"))
-        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-        """key -> (parent key, token ids), for keys that may be cached (dropped on eviction)."""
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...], str | None]] = {}
+        """key -> (parent key, token ids, LoRA name), for keys that may be cached (dropped on eviction)."""
 
-    def keys(self, token_ids: Sequence[int], max_blocks: int) -> tuple[int, ...]:
-        """The prompt's block keys; remembers what a ``BlockStored`` of each must carry."""
+    def keys(
+        self, token_ids: Sequence[int], max_blocks: int, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> tuple[int, ...]:
+        """The prompt's block keys; remembers what a ``BlockStored`` of each must carry.
+
+        Extra keys as vLLM's: under a LoRA adapter every block's are ``(lora_name,)``; a request's
+        ``cache_salt`` follows it in the first block's."""
         bs = self.block_size
-        digests = self.chain.digests(token_ids, bs, max_blocks=max_blocks)
+        extra = (lora_name,) if lora_name else None
+        if cache_salt and max_blocks >= 1 and len(token_ids) >= bs:
+            head = self.chain.digests(token_ids[:bs], bs, (*(extra or ()), cache_salt))
+            digests = head + self.chain.digests(token_ids[bs:], bs, extra, max_blocks - 1, parent=head[0])
+        else:
+            digests = self.chain.digests(token_ids, bs, extra, max_blocks)
         out = []
         parent: int | None = None
         for i, d in enumerate(digests):
             key = low64(d)
             if key not in self.blocks:
-                self.blocks[key] = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+                self.blocks[key] = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), lora_name)
             out.append(key)
             parent = key
         return tuple(out)
@@ -52,14 +62,14 @@ class KvEventRecorder:
         """A block entered the cache."""
         if self.blocks is None:
             return
-        parent, tokens = self.blocks.blocks.get(key, (None, ()))
+        parent, tokens, lora = self.blocks.blocks.get(key, (None, (), None))
         last = self.pending[-1] if self.pending else None
         if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
             self.pending[-1] = BlockStored(
-                (*last.block_hashes, key), last.parent, [*last.token_ids, *tokens], last.block_size
+                (*last.block_hashes, key), last.parent, [*last.token_ids, *tokens], last.block_size, lora_name=lora
             )
         else:
-            self.pending.append(BlockStored((key,), parent, list(tokens), self.blocks.block_size))
+            self.pending.append(BlockStored((key,), parent, list(tokens), self.blocks.block_size, lora_name=lora))
 
     def evicted(self, key: int) -> None:
         """A block left the cache."""
