@@ -279,11 +279,11 @@ def _fresh_gateway(setup: RealStackSetup) -> LocalGateway:
 
 def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:
     """Start fresh replicas and the router ``name`` in front of them (nothing else); its URL."""
-    for replica in gw.members:
-        gw.start_replica(replica)
+    gw.start_replicas()
     if name in PEER_ROUTERS:
         return start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
     if name == OURS:
+        # After the replicas answer, so its first scrapes find them up, as a peer's first requests do.
         gw.start_processor()
     # Envoy's round-robin listener needs no processor; ours goes through the processor started above.
     gw.start_envoy()
