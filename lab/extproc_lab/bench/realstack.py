@@ -232,6 +232,20 @@ async def read_counters(gw: LocalGateway) -> dict[str, dict[str, float]]:
     return out
 
 
+async def read_decisions(url: str) -> dict[str, dict[str, float]]:
+    """Our processor's own account of the run: decisions and session moves, by reason."""
+    async with aiohttp.ClientSession() as http:
+        samples = await load.read_metrics(http, url)
+    out: dict[str, dict[str, float]] = {"decisions": {}, "sessions_moved": {}}
+    for key, value in samples.items():
+        name, _, labels = key.partition("{")
+        reason = next((kv[7:] for kv in labels.rstrip("}").split(",") if kv.startswith("reason=")), "")
+        kind = {"extproc_decisions_total": "decisions", "extproc_sessions_moved_total": "sessions_moved"}.get(name)
+        if kind and value:
+            out[kind][reason] = out[kind].get(reason, 0.0) + value
+    return out
+
+
 def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """One router's row: hit ratio from the replicas' counters, TTFT from the client, the spread."""
     delta = {name: {k: after[name][k] - before[name][k] for k in after[name]} for name in after}
@@ -303,7 +317,11 @@ def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]
         # A replica counts a request as finished just after its last byte; let the counters settle.
         time.sleep(0.2)
         after = asyncio.run(read_counters(gw))
-        return figures(setup, run, before, after)
+        row = figures(setup, run, before, after)
+        if name == OURS:
+            # Cumulative since the processor started (the one warm-up request included).
+            row["processor"] = asyncio.run(read_decisions(gw.metrics_url))
+        return row
     finally:
         gw.stop()
 
