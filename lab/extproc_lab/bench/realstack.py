@@ -232,17 +232,28 @@ async def read_counters(gw: LocalGateway) -> dict[str, dict[str, float]]:
     return out
 
 
+# Our processor's counters worth keeping beside a run: the label each is broken down by.
+_PROCESSOR_COUNTERS = {
+    "extproc_decisions_total": ("decisions", "reason"),
+    "extproc_sessions_moved_total": ("sessions_moved", "reason"),
+    "extproc_replica_ejections_total": ("ejections", "replica"),
+}
+
+
 async def read_decisions(url: str) -> dict[str, dict[str, float]]:
-    """Our processor's own account of the run: decisions and session moves, by reason."""
+    """Our processor's own account of the run: decisions and session moves by reason, and
+    replicas taken out of rotation."""
     async with aiohttp.ClientSession() as http:
         samples = await load.read_metrics(http, url)
-    out: dict[str, dict[str, float]] = {"decisions": {}, "sessions_moved": {}}
+    out: dict[str, dict[str, float]] = {kind: {} for kind, _ in _PROCESSOR_COUNTERS.values()}
     for key, value in samples.items():
         name, _, labels = key.partition("{")
-        reason = next((kv[7:] for kv in labels.rstrip("}").split(",") if kv.startswith("reason=")), "")
-        kind = {"extproc_decisions_total": "decisions", "extproc_sessions_moved_total": "sessions_moved"}.get(name)
-        if kind and value:
-            out[kind][reason] = out[kind].get(reason, 0.0) + value
+        if name not in _PROCESSOR_COUNTERS or not value:
+            continue
+        kind, label = _PROCESSOR_COUNTERS[name]
+        prefix = f"{label}="
+        by = next((kv[len(prefix) :] for kv in labels.rstrip("}").split(",") if kv.startswith(prefix)), "")
+        out[kind][by] = out[kind].get(by, 0.0) + value
     return out
 
 
