@@ -84,5 +84,8 @@ def test_tiny_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) 
         assert r["hit_ratio"] == pytest.approx(r["client_hit_ratio"], abs=0.01), name
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] < 60, name
         assert not r["timed_out"], name
-    assert result["routers"][OURS]["sessions_on_one_replica"] == 1.0
+    ours = result["routers"][OURS]
+    assert ours["sessions_on_one_replica"] == 1.0
+    # The processor decided every request (and the one warm-up request before the run).
+    assert sum(ours["processor"]["decisions"].values()) == sent + 1
     assert f"| {OURS} * |" in done.stdout and f"| {ROUND_ROBIN} |" in done.stdout
