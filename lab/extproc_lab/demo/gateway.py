@@ -123,7 +123,10 @@ class LocalGateway:
         wait_for_http(f"http://{replica.address}/health")
 
     def start_replicas(self, wait: bool = True) -> None:
-        """Start every member at once (their start-ups overlap), then, with ``wait``, :meth:`wait_replicas`."""
+        """Start every member at once (their start-ups overlap), then, with ``wait``, :meth:`wait_replicas`.
+
+        Each starts from :meth:`replica_argv`, not :meth:`start_replica`: a subclass that starts
+        some replicas differently overrides the former to have them here too."""
         for replica in self.members:
             self.procs.start(replica.name, self.replica_argv(replica))
         if wait:
