@@ -42,6 +42,11 @@ test: $(STAMP) os-deps lint
 bench-overhead: $(STAMP) os-deps
 	$(VENV)/bin/extproc bench overhead --json benchmarks/overhead.json
 
+.PHONY: bench-realstack
+bench-realstack: $(STAMP) os-deps
+	nice -n 10 $(VENV)/bin/extproc bench realstack --conversations 48 --json benchmarks/realstack/48.json
+	nice -n 10 $(VENV)/bin/extproc bench realstack --conversations 240 --kv-blocks 384 --json benchmarks/realstack/240-kv384.json
+
 bench-store: $(STAMP) os-deps
 	$(PY) benchmarks/store_latency.py
 

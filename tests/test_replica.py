@@ -508,6 +508,35 @@ async def test_serve_replica_with_the_openai_client() -> None:
     assert not _connectable(port)
 
 
+async def test_serve_replica_with_fewer_kv_blocks_reports_and_evicts_within_them() -> None:
+    """``extproc replica --kv-blocks``: the cache holds that many blocks, and says so."""
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve_replica("replica-k", "127.0.0.1", 0, time_scale=FAST, ready=ready, kv_blocks=32))
+    port = await asyncio.wait_for(ready, 5)
+
+    async def cached(http: httpx2.AsyncClient, text: str) -> int:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        answer = (await http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)).json()
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    try:
+        async with httpx2.AsyncClient(trust_env=False) as http:
+            info = parse_metrics((await http.get(f"http://127.0.0.1:{port}/metrics")).text)["vllm:cache_config_info"]
+            assert info[0][0]["num_gpu_blocks"] == "32"
+            first, second = "alpha beta gamma " * 90, "delta epsilon zeta " * 90  # ~20 blocks each
+            assert await cached(http, first) == 0
+            held = await cached(http, first)
+            assert held >= 16 * 16  # held while it fits
+            assert await cached(http, second) == 0
+            # 20 more blocks do not fit beside it in 32, so (its tail first, as vLLM frees them) it
+            # lost blocks; with the profile's 1,024 blocks it would all still be there.
+            assert await cached(http, first) < held
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def test_serve_replica_reports_a_bad_profile_to_ready() -> None:
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     with pytest.raises(ValueError, match="unknown replica profile"):

@@ -33,6 +33,7 @@ def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--profile", default="demo")
     p.add_argument("--model", default="demo-model")
     p.add_argument("--time-scale", type=float, default=None, help="1.0 real time, 0.1 ten times faster")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (the profile's num_gpu_blocks overridden)")
     p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
     p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
     p.add_argument(
@@ -59,6 +60,9 @@ def run_replica_command(args: argparse.Namespace) -> int:
     if args.max_lora is not None and (args.max_lora < 0 or (adapters and args.max_lora == 0)):
         print("extproc replica: --max-lora must be >= 1 with --lora-adapters, and never negative", file=sys.stderr)
         return 2
+    if args.kv_blocks is not None and args.kv_blocks < 1:
+        print("extproc replica: --kv-blocks must be at least 1", file=sys.stderr)
+        return 2
     asyncio.run(
         _until_signalled(
             serve_replica(
@@ -76,6 +80,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
                 kv_replay=args.kv_replay,
                 kv_events_encoding=args.kv_events_encoding,
                 hash_algo=args.prefix_caching_hash_algo,
+                kv_blocks=args.kv_blocks,
             )
         )
     )

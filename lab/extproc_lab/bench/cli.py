@@ -1,5 +1,6 @@
-"""``extproc bench``: ``routing`` (our routing against the peers' policies, in the simulator) and
-``overhead`` (Envoy with our processor beside the real peer routers, on loopback)."""
+"""``extproc bench``: ``routing`` (our routing against the peers' policies, in the simulator),
+``overhead`` (Envoy with our processor beside the real peer routers, on loopback) and
+``realstack`` (a multi-turn workload through the real routers, each on fresh replicas)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_overhead_parser(kinds)
+    _add_realstack_parser(kinds)
     return bench  # type: ignore[no-any-return]
 
 
@@ -86,6 +88,97 @@ def _add_overhead_parser(kinds: Any) -> None:
     )
     p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
     p.add_argument("--json", dest="json_path", help="write the figures here")
+
+
+def _add_realstack_parser(kinds: Any) -> None:
+    from extproc_lab.bench.peer_routers import PEERS_DIR_ENV
+    from extproc_lab.bench.realstack import ROUTERS, RealStackSetup
+
+    d = RealStackSetup.__dataclass_fields__
+    p = kinds.add_parser(
+        "realstack",
+        help="a multi-turn chat workload through Envoy with our router, Envoy's round robin, sglang-router and "
+        "vllm-router, each in front of freshly started fake replicas",
+        description="Hit ratio (the replicas' own counters), client-side TTFT and requests per replica for each "
+        "router in turn, on 127.0.0.1. The peer routers are pip-installed into venvs of their own on first use.",
+    )
+    p.add_argument("--conversations", type=int, default=d["conversations"].default)
+    p.add_argument("--turns", type=int, default=d["turns"].default)
+    p.add_argument("--replicas", type=int, default=d["replicas"].default)
+    p.add_argument("--system-tokens", type=int, default=d["system_tokens"].default, help="the shared system prompt")
+    p.add_argument(
+        "--document-tokens", type=int, default=d["document_tokens"].default, help="each first turn's document"
+    )
+    p.add_argument("--followup-tokens", type=int, default=d["followup_tokens"].default)
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"].default, help="tokens each answer streams")
+    p.add_argument(
+        "--stagger", type=float, default=d["stagger_s"].default, help="seconds between conversations' arrivals"
+    )
+    p.add_argument("--live", type=int, default=d["live"].default, help="conversations in flight at most")
+    p.add_argument(
+        "--think", type=float, default=d["think_s"].default, help="mean seconds between a conversation's turns"
+    )
+    p.add_argument(
+        "--kv-blocks", type=int, default=None, help="KV blocks per replica (default: the demo profile's 1024)"
+    )
+    p.add_argument("--seed", type=int, default=d["seed"].default)
+    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated (default: {','.join(ROUTERS)})")
+    p.add_argument("--peers-dir", help=f"where the peer routers' venvs live (default: ${PEERS_DIR_ENV} or ~/.cache)")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install missing peer routers")
+    p.add_argument(
+        "--run-timeout", type=float, default=d["run_timeout_s"].default, help="seconds a router's run may take"
+    )
+    p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
+    p.add_argument("--json", dest="json_path", help="write the figures here")
+
+
+def run_realstack_command(args: argparse.Namespace) -> int:
+    """Run ``extproc bench realstack``."""
+    from extproc_lab.bench.peer_routers import default_peers_dir
+    from extproc_lab.bench.realstack import RealStackSetup, format_table, run_realstack, verdict
+
+    setup = RealStackSetup(
+        conversations=args.conversations,
+        turns=args.turns,
+        replicas=args.replicas,
+        system_tokens=args.system_tokens,
+        document_tokens=args.document_tokens,
+        followup_tokens=args.followup_tokens,
+        max_tokens=args.max_tokens,
+        stagger_s=args.stagger,
+        live=args.live,
+        think_s=args.think,
+        kv_blocks=args.kv_blocks,
+        seed=args.seed,
+        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        peers_dir=Path(args.peers_dir) if args.peers_dir else default_peers_dir(),
+        install=not args.no_install,
+        run_timeout_s=args.run_timeout,
+        processor_args=tuple(args.processor_arg),
+    )
+    try:
+        result = run_realstack(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as exc:
+        print(f"extproc bench: {exc}", file=sys.stderr)
+        return 2
+    s = result["setup"]
+    print(
+        f"{s['conversations']} conversations x {s['turns']} turns, {s['system_tokens']}-token shared system prompt, "
+        f"at most {s['live']} live; {s['replicas']} x {s['profile']} replicas of {s['kv_tokens_per_replica']} KV "
+        f"tokens (workload {s['workload_over_fleet_kv']:g}x the fleet's KV), seed {s['seed']}\n"
+    )
+    print(format_table(result))
+    for line in verdict(result):
+        print(f"  {line}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"figures written to {args.json_path}")
+    failed = [name for name, r in result["routers"].items() if "error" in r or r["errors"]]
+    if failed:
+        print(f"extproc bench: failed or lost requests: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_overhead_command(args: argparse.Namespace) -> int:
@@ -127,6 +220,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench routing`` or ``extproc bench overhead``."""
     if getattr(args, "bench_command", "routing") == "overhead":
         return run_overhead_command(args)
+    if getattr(args, "bench_command", "routing") == "realstack":
+        return run_realstack_command(args)
     from extproc_lab.bench.plots import write_plots
     from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
 

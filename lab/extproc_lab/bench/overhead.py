@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import Config
-from extproc_lab.bench.peer_routers import HOST, PEER_ROUTERS, PeerRouter, default_peers_dir
+from extproc_lab.bench.peer_routers import HOST, PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
-from extproc_lab.demo.processes import free_port, wait_for_port
+from extproc_lab.demo.processes import wait_for_port
 
 OURS = "extproc"
 BARE = "bare_extproc"
@@ -186,42 +186,6 @@ def replica_counts(metrics_urls: dict[str, str]) -> dict[str, float]:
     return out
 
 
-def wait_serving(url: str, timeout_s: float = 60.0) -> None:
-    """Wait until a chat request through ``url`` answers 200 (peers register workers lazily)."""
-    body = chat_body(256)
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        req = urllib.request.Request(url + CHAT_PATH, data=body, headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-                last = f"status {resp.status}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not serve a chat request within {timeout_s:.0f}s ({last})")
-
-
-def start_peer(gw: LocalGateway, peer: PeerRouter, setup: OverheadSetup) -> str:
-    """Install (if allowed) and start a peer router in front of the gateway's replicas; its URL."""
-    if not peer.installed(setup.peers_dir):
-        if not setup.install:
-            raise RuntimeError(f"{peer.package} {peer.version} not installed in {setup.peers_dir} (--no-install)")
-        peer.install(setup.peers_dir)
-    port, metrics_port = free_port(), free_port()
-    workers = [f"http://{r.address}" for r in gw.members]
-    proc = gw.procs.start(peer.name, peer.argv(setup.peers_dir, port, metrics_port, workers), env=peer.env())
-    url = f"http://{HOST}:{port}"
-    try:
-        wait_for_port(HOST, port, timeout_s=60, proc=proc)
-        wait_serving(url)
-    except (RuntimeError, TimeoutError) as exc:
-        raise RuntimeError(f"{peer.name}: {exc}\n{gw.procs.log_tail(peer.name)}") from None
-    return url
-
-
 def swap_in_bare_processor(gw: LocalGateway) -> str:
     """Replace our processor behind the gateway's Envoy with the do-nothing one; Envoy's URL."""
     gw.procs.stop(gw.processor_name())
@@ -301,7 +265,7 @@ def run_overhead(setup: OverheadSetup, progress: Callable[[str], None] = print) 
                 if name == BARE:
                     url = swap_in_bare_processor(gw)
                 else:
-                    url = urls.get(name) or start_peer(gw, PEER_ROUTERS[name], setup)
+                    url = urls.get(name) or start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
                 progress(f"{name}: measuring at {url}")
                 pids = {n: proc.pid for n, proc in gw.procs.procs.items() if proc.poll() is None}
                 routers[name] = measure(wrk, url, setup, lambda: replica_counts(metrics), pids, ROUTER_PROCESSES[name])

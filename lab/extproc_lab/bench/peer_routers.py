@@ -10,12 +10,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from extproc_lab.demo import load
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.processes import free_port, wait_for_port
+
 HOST = "127.0.0.1"
 PEERS_DIR_ENV = "EXTPROC_PEERS_DIR"
+CHAT_PATH = "/v1/chat/completions"
 _INSTALL_TIMEOUT_S = 900
 
 
@@ -98,3 +106,40 @@ def default_peers_dir() -> Path:
         return Path(os.environ[PEERS_DIR_ENV])
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "extproc" / "peer-routers"
+
+
+def wait_serving(url: str, timeout_s: float = 60.0) -> None:
+    """Wait until a chat request through ``url`` answers 200 (peers register workers lazily)."""
+    body = load.chat_body(("gateway replica prefix cache session token " * 7)[:256], max_tokens=1)
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(url + CHAT_PATH, data=body, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+                last = f"status {resp.status}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not serve a chat request within {timeout_s:.0f}s ({last})")
+
+
+def start_peer(gw: LocalGateway, peer: PeerRouter, peers_dir: Path, install: bool = True) -> str:
+    """Install (if ``install`` allows) and start a peer router in front of the gateway's replicas
+    (a process of the gateway's group, so it ends with it); its URL once it serves."""
+    if not peer.installed(peers_dir):
+        if not install:
+            raise RuntimeError(f"{peer.package} {peer.version} not installed in {peers_dir} (--no-install)")
+        peer.install(peers_dir)
+    port, metrics_port = free_port(), free_port()
+    workers = [f"http://{r.address}" for r in gw.members]
+    proc = gw.procs.start(peer.name, peer.argv(peers_dir, port, metrics_port, workers), env=peer.env())
+    url = f"http://{HOST}:{port}"
+    try:
+        wait_for_port(HOST, port, timeout_s=60, proc=proc)
+        wait_serving(url)
+    except (RuntimeError, TimeoutError) as exc:
+        raise RuntimeError(f"{peer.name}: {exc}\n{gw.procs.log_tail(peer.name)}") from None
+    return url

@@ -98,8 +98,8 @@ class LocalGateway:
                 return f"http://{r.address}"
         raise KeyError(name)
 
-    def start_replica(self, replica: Replica) -> None:
-        """Start (or restart) one fake replica and wait for /health."""
+    def replica_argv(self, replica: Replica) -> list[str]:
+        """The ``extproc replica`` command line of one member."""
         port = replica.address.rpartition(":")[2]
         argv = [
             sys.executable,
@@ -115,9 +115,27 @@ class LocalGateway:
         ]
         if self.time_scale is not None:
             argv += ["--time-scale", str(self.time_scale)]
-        argv += self.replica_args.get(replica.name, ())
-        self.procs.start(replica.name, argv)
+        return argv + list(self.replica_args.get(replica.name, ()))
+
+    def start_replica(self, replica: Replica) -> None:
+        """Start (or restart) one fake replica and wait for /health."""
+        self.procs.start(replica.name, self.replica_argv(replica))
         wait_for_http(f"http://{replica.address}/health")
+
+    def start_replicas(self, wait: bool = True) -> None:
+        """Start every member at once (their start-ups overlap), then, with ``wait``, :meth:`wait_replicas`.
+
+        Each starts from :meth:`replica_argv`, not :meth:`start_replica`: a subclass that starts
+        some replicas differently overrides the former to have them here too."""
+        for replica in self.members:
+            self.procs.start(replica.name, self.replica_argv(replica))
+        if wait:
+            self.wait_replicas()
+
+    def wait_replicas(self, timeout_s: float = 60.0) -> None:
+        """Wait for every member's /health."""
+        for replica in self.members:
+            wait_for_http(f"http://{replica.address}/health", timeout_s)
 
     def start_processor(self, index: int = 0) -> None:
         """Start (or restart) processor ``index`` and wait for its port."""

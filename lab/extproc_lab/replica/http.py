@@ -8,6 +8,7 @@ replica served it and how much of its prompt was already cached there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -325,6 +326,7 @@ async def serve_replica(
     kv_replay: str | None = None,
     kv_events_encoding: str = "map",
     hash_algo: str = "sha256",
+    kv_blocks: int | None = None,
 ) -> None:
     """Serve one fake replica on ``host:port`` until cancelled, then shut the server down cleanly.
 
@@ -339,11 +341,13 @@ async def serve_replica(
     With ``tokenizer_dir`` prompts are tokenized as vLLM does and the cache is keyed by vLLM's
     block hashes (``hash_algo``, PYTHONHASHSEED honoured); with ``kv_events`` every store,
     eviction and reset is published there (topic ``kv@<name>@<model>``), ``kv_replay`` answering
-    replays.
+    replays. ``kv_blocks`` overrides the profile's ``num_gpu_blocks`` (a smaller cache: pressure).
     """
     publisher = None
     try:
         profile = get_profile(profile_name, time_scale)
+        if kv_blocks is not None:
+            profile = dataclasses.replace(profile, num_gpu_blocks=kv_blocks)
         tokenizer = PromptTokenizer(tokenizer_dir) if tokenizer_dir else None
         blocks = TokenBlocks(profile.block_size, HashAlgo(hash_algo)) if tokenizer is not None else None
         if kv_events:

@@ -1,0 +1,422 @@
+"""``extproc bench realstack``: the real routers side by side on a multi-turn chat workload.
+
+Each router in turn sits in front of the same number of freshly started fake replicas
+(``extproc replica --profile demo``, optionally with fewer KV blocks), so no router inherits
+another's warm caches:
+
+- ``extproc``: real Envoy with our ext_proc processor (its default configuration);
+- ``envoy_round_robin``: the same Envoy's own round robin, no processor;
+- ``sglang_router`` (cache_aware) and ``vllm_router`` (consistent_hash): the Rust peers, from
+  their venvs (:mod:`extproc_lab.bench.peer_routers`, installed on first use).
+
+The workload is :func:`extproc_lab.demo.workload.multi_turn`: conversations sharing one system
+prompt, a document in the first turn, follow-ups resending the growing history. Conversation
+``i`` arrives ``i * stagger`` seconds in and waits for one of ``live`` slots, so that many are in
+flight at most; every turn is streamed with ``x-session-id``. Figures: the hit ratio from the
+replicas' own counters (``vllm:prefix_cache_hits_total`` over ``queries_total``, deltas over the
+run), time to first token as the client sees it (the first streamed byte: the replica sends its
+headers with the first token) and requests per replica (``vllm:request_success_total`` deltas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
+from extproc_lab.demo import load
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.workload import Conversation, multi_turn
+from extproc_lab.replica.timing import get_profile
+from extproc_lab.stats import percentile
+
+OURS = "extproc"
+ROUND_ROBIN = "envoy_round_robin"
+ROUTERS = (OURS, ROUND_ROBIN, *PEER_ROUTERS)
+PROFILE = "demo"
+CHAT_PATH = "/v1/chat/completions"
+MODEL = "demo-model"
+_HITS, _QUERIES, _DONE = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
+# Where the issue's targets allow us to trail a peer's hit ratio (2 points).
+HIT_RATIO_SLACK = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class RealStackSetup:
+    """The workload, the fleet and which routers."""
+
+    conversations: int = 48
+    turns: int = 6
+    replicas: int = 8
+    system_tokens: int = 400
+    document_tokens: int = 1500
+    followup_tokens: int = 140
+    max_tokens: int = 16
+    stagger_s: float = 0.1
+    live: int = 30
+    think_s: float = 0.0
+    kv_blocks: int | None = None
+    seed: int = 7
+    routers: tuple[str, ...] = ROUTERS
+    peers_dir: Path = field(default_factory=default_peers_dir)
+    install: bool = True
+    request_timeout_s: float = 60.0
+    run_timeout_s: float = 300.0
+    processor_args: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """``ValueError`` for a setup that cannot run."""
+        unknown = [r for r in self.routers if r not in ROUTERS]
+        if unknown:
+            raise ValueError(f"unknown routers {unknown}; known: {', '.join(ROUTERS)}")
+        if min(self.conversations, self.turns, self.replicas, self.live, self.max_tokens) < 1:
+            raise ValueError("conversations, turns, replicas, live and max_tokens must be at least 1")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError("--kv-blocks must be at least 1")
+        if min(self.stagger_s, self.think_s) < 0 or self.run_timeout_s <= 0:
+            raise ValueError("stagger and think time must not be negative, the run timeout must be positive")
+
+    def kv_tokens_per_replica(self) -> int:
+        """What one replica's KV cache holds, in tokens."""
+        profile = get_profile(PROFILE)
+        return (self.kv_blocks or profile.num_gpu_blocks) * profile.block_size
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request as the client saw it."""
+
+    session: str
+    turn: int
+    ok: bool
+    ttft_s: float = 0.0
+    replica: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Replay:
+    """Every turn of one run, and how busy the run was."""
+
+    turns: list[Turn] = field(default_factory=list)
+    wall_s: float = 0.0
+    peak_live: int = 0
+    peak_live_tokens: int = 0
+    timed_out: bool = False
+
+
+async def _stream_turn(
+    http: aiohttp.ClientSession, url: str, convo: Conversation, turn: int, setup: RealStackSetup
+) -> Turn:
+    """Send one streamed turn and read it to ``[DONE]``; the answer is added to the conversation."""
+    body = {
+        "model": MODEL,
+        "messages": convo.next_messages(turn),
+        "max_tokens": setup.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    ttft: float | None = None
+    out = Turn(convo.session_id, turn, ok=False)
+    text: list[str] = []
+    done = False
+    try:
+        async with http.post(
+            url + CHAT_PATH,
+            json=body,
+            headers={"x-session-id": convo.session_id},
+            timeout=aiohttp.ClientTimeout(total=setup.request_timeout_s),
+        ) as resp:
+            if resp.status != 200:
+                out.error = f"status {resp.status}: {(await resp.read())[:120].decode(errors='replace')}"
+                convo.add_answer("")
+                return out
+            async for line in resp.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(data)
+                out.replica = chunk.get("system_fingerprint") or out.replica
+                for choice in chunk.get("choices") or ():
+                    text.append((choice.get("delta") or {}).get("content") or "")
+                usage = chunk.get("usage")
+                if usage:
+                    out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"[:160]
+    convo.add_answer("".join(text))
+    out.ok = done and not out.error
+    if not out.ok and not out.error:
+        out.error = "stream ended without [DONE]"
+    out.ttft_s = ttft if ttft is not None else time.perf_counter() - started
+    return out
+
+
+async def replay(url: str, setup: RealStackSetup, run_id: str) -> Replay:
+    """Replay the workload through ``url``; turns not sent before the run's timeout count as failed."""
+    conversations = multi_turn(
+        setup.conversations,
+        setup.turns,
+        seed=setup.seed,
+        system_tokens=setup.system_tokens,
+        document_tokens=setup.document_tokens,
+        followup_tokens=setup.followup_tokens,
+        run_id=run_id,
+    )
+    result = Replay()
+    slots = asyncio.Semaphore(setup.live)
+    # Live conversations and the prompt tokens each last sent: the fleet's live working set.
+    live_tokens: dict[str, int] = {}
+    think = random.Random(setup.seed)
+    pauses = [[think.uniform(0, 2 * setup.think_s) for _ in range(setup.turns)] for _ in conversations]
+
+    async def converse(http: aiohttp.ClientSession, index: int, convo: Conversation) -> None:
+        await asyncio.sleep(index * setup.stagger_s)
+        async with slots:
+            live_tokens[convo.session_id] = 0
+            result.peak_live = max(result.peak_live, len(live_tokens))
+            try:
+                for turn in range(setup.turns):
+                    if turn and pauses[index][turn]:
+                        await asyncio.sleep(pauses[index][turn])
+                    outcome = await _stream_turn(http, url, convo, turn, setup)
+                    result.turns.append(outcome)
+                    live_tokens[convo.session_id] = outcome.prompt_tokens + setup.max_tokens
+                    result.peak_live_tokens = max(result.peak_live_tokens, sum(live_tokens.values()))
+            finally:
+                live_tokens.pop(convo.session_id, None)
+
+    started = time.perf_counter()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        tasks = [asyncio.ensure_future(converse(http, i, c)) for i, c in enumerate(conversations)]
+        _, pending = await asyncio.wait(tasks, timeout=setup.run_timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    result.wall_s = time.perf_counter() - started
+    result.timed_out = bool(pending)
+    answered = Counter(t.session for t in result.turns)
+    for convo in conversations:
+        for turn in range(answered[convo.session_id], setup.turns):
+            result.turns.append(Turn(convo.session_id, turn, ok=False, error="not sent before the run timeout"))
+    return result
+
+
+async def read_counters(gw: LocalGateway) -> dict[str, dict[str, float]]:
+    """Each replica's prefix-cache hits and queries (tokens) and finished requests."""
+    out: dict[str, dict[str, float]] = {}
+    async with aiohttp.ClientSession() as http:
+        for r in gw.members:
+            samples = await load.read_metrics(http, f"http://{r.address}/metrics")
+            out[r.name] = {n: load.total(samples, n) for n in (_HITS, _QUERIES, _DONE)}
+    return out
+
+
+# Our processor's counters worth keeping beside a run: the label each is broken down by.
+_PROCESSOR_COUNTERS = {
+    "extproc_decisions_total": ("decisions", "reason"),
+    "extproc_sessions_moved_total": ("sessions_moved", "reason"),
+    "extproc_replica_ejections_total": ("ejections", "replica"),
+}
+
+
+async def read_decisions(url: str) -> dict[str, dict[str, float]]:
+    """Our processor's own account of the run: decisions and session moves by reason, and
+    replicas taken out of rotation."""
+    async with aiohttp.ClientSession() as http:
+        samples = await load.read_metrics(http, url)
+    out: dict[str, dict[str, float]] = {kind: {} for kind, _ in _PROCESSOR_COUNTERS.values()}
+    for key, value in samples.items():
+        name, _, labels = key.partition("{")
+        if name not in _PROCESSOR_COUNTERS or not value:
+            continue
+        kind, label = _PROCESSOR_COUNTERS[name]
+        prefix = f"{label}="
+        by = next((kv[len(prefix) :] for kv in labels.rstrip("}").split(",") if kv.startswith(prefix)), "")
+        out[kind][by] = out[kind].get(by, 0.0) + value
+    return out
+
+
+def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One router's row: hit ratio from the replicas' counters, TTFT from the client, the spread."""
+    delta = {name: {k: after[name][k] - before[name][k] for k in after[name]} for name in after}
+    hits = sum(d[_HITS] for d in delta.values())
+    queries = sum(d[_QUERIES] for d in delta.values())
+    ok = [t for t in run.turns if t.ok]
+    ttfts = [t.ttft_s for t in ok]
+    prompt = sum(t.prompt_tokens for t in ok)
+    per_replica = {name: round(d[_DONE]) for name, d in delta.items()}
+    by_session: dict[str, set[str]] = {}
+    for t in ok:
+        by_session.setdefault(t.session, set()).add(t.replica)
+    fleet_kv = setup.kv_tokens_per_replica() * setup.replicas
+    errors = [t.error for t in run.turns if not t.ok]
+    return {
+        "hit_ratio": round(hits / queries, 4) if queries else 0.0,
+        # The same from the answers' usage.prompt_tokens_details.cached_tokens, as a cross-check.
+        "client_hit_ratio": round(sum(t.cached_tokens for t in ok) / prompt, 4) if prompt else 0.0,
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
+        "ttft_p99_s": round(percentile(ttfts, 0.99), 4),
+        "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else 0.0,
+        "requests": len(run.turns),
+        "answered": len(ok),
+        "errors": len(errors),
+        "first_errors": sorted(set(errors))[:3],
+        "requests_per_replica": per_replica,
+        "answers_per_replica": dict(sorted(Counter(t.replica for t in ok).items())),
+        "replicas_used": sum(1 for n in per_replica.values() if n > 0),
+        "sessions_on_one_replica": round(sum(len(r) == 1 for r in by_session.values()) / len(by_session), 4)
+        if by_session
+        else 0.0,
+        "peak_live_conversations": run.peak_live,
+        "peak_live_working_set": round(run.peak_live_tokens / fleet_kv, 3),
+        "timed_out": run.timed_out,
+        "wall_s": round(run.wall_s, 2),
+    }
+
+
+def _fresh_gateway(setup: RealStackSetup) -> LocalGateway:
+    blocks = ("--kv-blocks", str(setup.kv_blocks)) if setup.kv_blocks else ()
+    gw = LocalGateway(replicas=setup.replicas, profile=PROFILE, processor_args=setup.processor_args)
+    gw.replica_args = {r.name: blocks for r in gw.members}
+    return gw
+
+
+def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:
+    """Start fresh replicas and the router ``name`` in front of them (nothing else); its URL."""
+    gw.start_replicas()
+    if name in PEER_ROUTERS:
+        return start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
+    if name == OURS:
+        # After the replicas answer, so its first scrapes find them up, as a peer's first requests do.
+        gw.start_processor()
+    # Envoy's round-robin listener needs no processor; ours goes through the processor started above.
+    gw.start_envoy()
+    url = gw.url if name == OURS else gw.round_robin_url
+    wait_serving(url)
+    return url
+
+
+def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]) -> dict[str, Any]:
+    """One router's run on a fleet of its own, every process ended (by PID) afterwards."""
+    gw = _fresh_gateway(setup)
+    try:
+        url = start_router(gw, name, setup)
+        progress(f"{name}: replaying {setup.conversations} conversations x {setup.turns} turns through {url}")
+        before = asyncio.run(read_counters(gw))
+        run = asyncio.run(replay(url, setup, run_id=f"{name}-{setup.seed}"))
+        # A replica counts a request as finished just after its last byte; let the counters settle.
+        time.sleep(0.2)
+        after = asyncio.run(read_counters(gw))
+        row = figures(setup, run, before, after)
+        if name == OURS:
+            # Cumulative since the processor started (the one warm-up request included).
+            row["processor"] = asyncio.run(read_decisions(gw.metrics_url))
+        return row
+    finally:
+        gw.stop()
+
+
+def run_realstack(setup: RealStackSetup, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every router of the setup in turn, each on fresh replicas; the figures by router."""
+    setup.check()
+    routers: dict[str, Any] = {}
+    for name in setup.routers:
+        try:
+            routers[name] = run_router(name, setup, progress)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            routers[name] = {"error": str(exc)}
+        progress(f"{name}: {json.dumps(routers[name])}")
+    return {"routers": routers, "ours": OURS, "setup": describe(setup)}
+
+
+def describe(setup: RealStackSetup) -> dict[str, Any]:
+    """The setup as JSON, with what the workload weighs against the fleet's cache."""
+    s = asdict(setup)
+    s["peers_dir"] = str(setup.peers_dir)
+    s["profile"] = PROFILE
+    s["kv_tokens_per_replica"] = setup.kv_tokens_per_replica()
+    s["peers"] = {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in PEER_ROUTERS.items()}
+    # Every distinct token the workload sends (prompts and answers), over the fleet's KV tokens.
+    per_convo = (
+        setup.system_tokens
+        + setup.document_tokens
+        + (setup.turns - 1) * setup.followup_tokens
+        + setup.turns * setup.max_tokens
+    )
+    s["workload_over_fleet_kv"] = round(
+        per_convo * setup.conversations / (s["kv_tokens_per_replica"] * setup.replicas), 2
+    )
+    return s
+
+
+def verdict(result: dict[str, Any]) -> list[str]:
+    """The issue's targets for our row against each other router's: met or missed, with numbers."""
+    routers = result["routers"]
+    ours = routers.get(result["ours"])
+    if not ours or "error" in ours:
+        return ["our router did not run"]
+    lines = []
+    for name, r in routers.items():
+        if name == result["ours"] or "error" in r:
+            continue
+        p99 = "met" if ours["ttft_p99_s"] <= r["ttft_p99_s"] else "MISSED"
+        hit = "met" if ours["hit_ratio"] >= r["hit_ratio"] - HIT_RATIO_SLACK else "MISSED"
+        lines.append(
+            f"against {name}: TTFT p99 {ours['ttft_p99_s']:.3f}s vs {r['ttft_p99_s']:.3f}s ({p99}); "
+            f"hit ratio {ours['hit_ratio']:.1%} vs {r['hit_ratio']:.1%} ({hit})"
+        )
+    n = result["setup"]["replicas"]
+    used = "met" if ours["replicas_used"] == n else "MISSED"
+    lines.append(f"replicas used by ours: {ours['replicas_used']} of {n} ({used})")
+    return lines
+
+
+def format_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
+    """Markdown, one row a router; requests per replica in replica order (replica-0 first)."""
+    lines = [
+        "| router | hit ratio | TTFT p50 | TTFT p99 | requests per replica | replicas used | answered | wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    routers = result["routers"]
+    for name in order:
+        r = routers.get(name)
+        if r is None:
+            continue
+        label = f"{name} *" if name == result.get("ours") else name
+        if "error" in r:
+            first = r["error"].splitlines()[0][:120] if r["error"] else "failed"
+            lines.append(f"| {label} | failed: {first} |" + " |" * 6)
+            continue
+        spread = " / ".join(str(v) for _, v in sorted(r["requests_per_replica"].items(), key=_replica_order))
+        lines.append(
+            f"| {label} | {r['hit_ratio']:.1%} | {r['ttft_p50_s']:.3f} s | {r['ttft_p99_s']:.3f} s | {spread} "
+            f"| {r['replicas_used']} | {r['answered']}/{r['requests']} | {r['wall_s']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def _replica_order(item: tuple[str, Any]) -> tuple[int, str]:
+    name = item[0]
+    suffix = name.rpartition("-")[2]
+    return (int(suffix), name) if suffix.isdigit() else (1 << 30, name)

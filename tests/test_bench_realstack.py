@@ -1,0 +1,91 @@
+"""``extproc bench realstack``: the table and targets, and a tiny real run of Envoy with our router
+and Envoy's round robin (the peer routers need pip installs, so they are not run here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc_lab.bench.realstack import OURS, ROUND_ROBIN, ROUTERS, RealStackSetup, format_table, run_realstack, verdict
+from tests.conftest import require_binary
+
+
+def _row(hit: float, p99: float, spread: dict[str, int]) -> dict[str, Any]:
+    total = sum(spread.values())
+    return {
+        "hit_ratio": hit,
+        "ttft_p50_s": p99 / 4,
+        "ttft_p99_s": p99,
+        "requests": total,
+        "answered": total,
+        "requests_per_replica": spread,
+        "replicas_used": sum(1 for v in spread.values() if v),
+        "wall_s": 3.0,
+    }
+
+
+def test_table_orders_replicas_and_the_verdict_names_each_missed_target() -> None:
+    spread = {f"replica-{i}": 10 + i for i in range(10)}  # replica-10 sorts after replica-9, not after replica-1
+    result = {
+        "routers": {
+            OURS: _row(0.70, 1.4, {**spread, "replica-2": 0}),
+            ROUND_ROBIN: _row(0.36, 0.23, spread),
+            "vllm_router": _row(0.715, 0.17, spread),
+            "sglang_router": {"error": "installing failed\ntail"},
+        },
+        "ours": OURS,
+        "setup": {"replicas": 10},
+    }
+    table = format_table(result)
+    assert "| extproc * | 70.0% | 0.350 s | 1.400 s | 10 / 11 / 0 / 13 / 14 / 15 / 16 / 17 / 18 / 19 | 9 |" in table
+    assert "| sglang_router | failed: installing failed |" in table
+    lines = verdict(result)
+    assert any(line.startswith(f"against {ROUND_ROBIN}") and "(MISSED); hit ratio" in line for line in lines)
+    # 70.0% against 71.5% is within 2 points of it: met; the TTFT p99 is not.
+    assert any(line.startswith("against vllm_router") and line.endswith("(met)") and "MISSED" in line for line in lines)
+    assert lines[-1] == "replicas used by ours: 9 of 10 (MISSED)"
+
+
+def test_unknown_router_and_bad_sizes_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="unknown routers"):
+        run_realstack(RealStackSetup(routers=("nginx",)))
+    with pytest.raises(ValueError, match="at least 1"):
+        run_realstack(RealStackSetup(conversations=0))
+    assert set(ROUTERS) == {OURS, ROUND_ROBIN, "sglang_router", "vllm_router"}
+
+
+def test_tiny_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) -> None:
+    """Every request is answered, the replicas' counters account for every request sent, and the
+    figures are in range; our router keeps each conversation on one replica."""
+    require_binary("envoy")
+    out = tmp_path / "realstack.json"
+    argv = [sys.executable, "-m", "extproc", "bench", "realstack", "--routers", f"{OURS},{ROUND_ROBIN}",
+            "--conversations", "4", "--turns", "3", "--replicas", "2", "--stagger", "0.05",
+            "--run-timeout", "60", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["routers"]) == {OURS, ROUND_ROBIN}
+    sent = 4 * 3
+    for name, r in result["routers"].items():
+        assert "error" not in r, (name, r)
+        assert r["requests"] == sent and r["answered"] == sent and r["errors"] == 0, name
+        # The replicas' own finished-request counters and the client's view agree on the spread.
+        assert sum(r["requests_per_replica"].values()) == sent, name
+        assert r["requests_per_replica"] == r["answers_per_replica"], name
+        assert set(r["requests_per_replica"]) == {"replica-0", "replica-1"}, name
+        assert 0.0 <= r["hit_ratio"] <= 1.0, name
+        # The replicas' token counters and the answers' cached_tokens describe the same requests.
+        assert r["hit_ratio"] == pytest.approx(r["client_hit_ratio"], abs=0.01), name
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] < 60, name
+        assert not r["timed_out"], name
+    ours = result["routers"][OURS]
+    assert ours["sessions_on_one_replica"] == 1.0
+    # The processor decided every request (and the one warm-up request before the run).
+    assert sum(ours["processor"]["decisions"].values()) == sent + 1
+    assert f"| {OURS} * |" in done.stdout and f"| {ROUND_ROBIN} |" in done.stdout
