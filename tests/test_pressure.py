@@ -222,3 +222,23 @@ def test_prefill_cost_counts_the_kv_a_prompt_needs_beyond_the_cache() -> None:
     assert scores["b"] > scores["a"]
     # Without the KV terms the cached prompt wins.
     assert PrefillCostScorer().score(cycle, [a, b])["a"] > PrefillCostScorer().score(cycle, [a, b])["b"]
+
+
+def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_full_cache() -> None:
+    # a's cache is full of its conversations' running turns and it holds this prompt; b is as full
+    # and holds nothing. Dropping a sends the turn cold to b, evicting b's conversations there.
+    flt = OverloadFilter()
+    f = RequestFeatures(path="/v1/completions", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600)
+    a = _state("a", kv_usage=0.97)
+    b = _state("b", kv_usage=0.97)
+    c = _state("c", kv_usage=0.5)
+
+    def kept(matches: dict[str, int], *candidates: ReplicaState) -> list[str]:
+        view = AffinityView(prefix_matches=matches)
+        cycle = CycleState(f, Snapshot(candidates), view, 0.0, HashRing(()), None)
+        return [s.name for s in flt.filter(cycle, list(candidates))]
+
+    assert kept({"a": 90}, a, b, c) == ["a", "c"]  # the holder stays; the full one holding nothing goes
+    assert kept({"a": 40}, a, b, c) == ["c"]  # under half of the prompt: judged on its KV like any other
+    queued = _state("a", kv_usage=0.97, queue=40)
+    assert kept({"a": 90}, queued, b, c) == ["c"]  # a holder whose queue is over the threshold still goes

@@ -88,10 +88,19 @@ class OverloadFilter:
 
     This is what turns a sticky or prefix target into a spillover: affinity never pushes a
     replica that is out of KV blocks into preemption.
+
+    A replica believed to hold at least ``holder_share`` of the prompt's blocks is judged on its
+    queue alone, not on its KV usage. Its full cache is mostly the running turns of the
+    conversations it holds; sent elsewhere, the request is prefilled cold on a replica whose cache
+    is as full, evicting other conversations' prefixes there, whose next turns then spill in
+    turn (through real Envoy with 8 replicas at 1.65x the fleet's KV this cascade cut the hit
+    ratio from 82% to 40% in 3 runs of 7). There it waits for blocks to free, which its queue shows
+    and the queue threshold still bounds.
     """
 
     kv_threshold: float = 0.9
     queue_threshold: int = 32
+    holder_share: float = 0.5
     name: str = "overload"
 
     def overloaded(self, state: ReplicaState) -> bool:
@@ -108,8 +117,17 @@ class OverloadFilter:
         return kv > self.kv_threshold or state.queue > self.queue_threshold
 
     def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
-        """Drop overloaded replicas."""
-        kept = [c for c in candidates if not self.overloaded(c)]
+        """Drop overloaded replicas (a holder of the prompt only for its queue)."""
+        total = len(cycle.features.prefix_hashes)
+        matches = cycle.view.prefix_matches
+        needed = self.holder_share * total
+
+        def out(c: ReplicaState) -> bool:
+            if total and matches.get(c.name, 0) >= needed:
+                return c.queue > self.queue_threshold
+            return self.overloaded(c)
+
+        kept = [c for c in candidates if not out(c)]
         dropped = {c.name for c in candidates} - {c.name for c in kept}
         cycle.scratch["overloaded"] = dropped
         return kept or candidates
