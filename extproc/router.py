@@ -16,6 +16,7 @@ from extproc.cache_estimate import CacheEstimate
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
+from extproc.hotkeys.detector import HotKeyDetector
 from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
@@ -94,6 +95,7 @@ class Router:
         tenants: TenantLedger | None = None,
         prewarmer: Prewarmer | None = None,
         kv_events: EventCacheState | None = None,
+        hot_keys: HotKeyDetector | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer)."""
@@ -124,6 +126,10 @@ class Router:
         )
         self.cordons: dict[str, str] = {}  # the store's cordons as last read (refresh_cordons)
         self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
+        # Hot prefixes (``hot_keys:``): sampled fingerprints; the decision is given the hot table.
+        self.hot_keys = hot_keys
+        if self.hot_keys is None and config.hot_keys.enabled:
+            self.hot_keys = HotKeyDetector(config.hot_keys, now=clock())
 
     @property
     def profile(self) -> Profile:
@@ -205,7 +211,11 @@ class Router:
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
         profile = self.profiles.for_request(features)
-        decision = decide(features, snapshot, view, start, profile, terms, cordons=self.cordons)
+        hot = None
+        if self.hot_keys is not None:
+            self.hot_keys.observe(profile.prefix_key(features), features.prompt_chars // CHARS_PER_TOKEN, start)
+            hot = self.hot_keys.table()
+        decision = decide(features, snapshot, view, start, profile, terms, cordons=self.cordons, hot=hot)
         replica = decision.replica
         prefill_tokens = 0
         tenant_counted = False
@@ -288,7 +298,8 @@ class Router:
         snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         profile = self.profiles.for_request(features)
-        decision = decide(features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace)
+        hot = self.hot_keys.table() if self.hot_keys is not None else None
+        decision = decide(features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace, hot=hot)
         uncached = {
             s.name: self._uncached_tokens(features, view.prefix_matches.get(s.name, 0)) for s in snapshot.replicas
         }
