@@ -136,7 +136,7 @@ def _snapshot(n: int = 8, inflight: dict[str, int] | None = None) -> Snapshot:
 
 def _features(question: int, session: str | None = None) -> RequestFeatures:
     # 40 blocks of a shared system prompt, then a block of its own: the ring key (block 32) is the prompt's.
-    hashes = tuple(range(1, 41)) + (1000 + question,)
+    hashes = (*range(1, 41), 1000 + question)
     return RequestFeatures(
         path="/v1/chat/completions", model="m", prefix_hashes=hashes, prompt_chars=41 * 64, session_key=session
     )
