@@ -128,8 +128,7 @@ def _snapshot(n: int = 8, inflight: dict[str, int] | None = None) -> Snapshot:
     inflight = inflight or {}
     return Snapshot(
         tuple(
-            ReplicaState(Replica(f"r{i}", f"127.0.0.1:{9000 + i}"), inflight=inflight.get(f"r{i}", 0))
-            for i in range(n)
+            ReplicaState(Replica(f"r{i}", f"127.0.0.1:{9000 + i}"), inflight=inflight.get(f"r{i}", 0)) for i in range(n)
         )
     )
 
