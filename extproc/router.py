@@ -24,6 +24,7 @@ from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
 from extproc.request.openai_body import INFERENCE_PATHS
 from extproc.request.splits import Arm, body_user, choose_arm, rewrite_model
+from extproc.routing.hot import fingerprint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, Snapshot
 from extproc.routing.pipeline import Profile, Profiles, decide
 from extproc.routing.registry import build_profile
@@ -165,6 +166,8 @@ class Router:
         if arm is not None:
             self.metrics.split_requests.labels(arm.rule, arm.label).inc()
         replica = routed.decision.replica
+        if self.hot_keys is not None and body and features.body_error is None:
+            self.offer_hot_body(features, body)
         if features.session_key and body and replica is not None and features.body_error is None:
             self.rebalancer.note(features.session_key, features.model, replica.name, features.path, body, start)
         return routed
@@ -186,6 +189,18 @@ class Router:
         if arm.target.pool is not None:
             features = replace(features, pool=(("pool", arm.target.pool),))
         return features, arm, rewritten
+
+    def offer_hot_body(self, features: RequestFeatures, body: bytes | Callable[[], bytes]) -> None:
+        """Keep a request of a hot prefix (one per hot key) to warm joining replicas with; ``body``
+        may be a function that builds it, called only when one is wanted."""
+        if self.hot_keys is None:
+            return
+        key = self.profiles.for_request(features).prefix_key(features)
+        if key is None:
+            return
+        fp = fingerprint(key)
+        if self.hot_keys.wants_exemplar(fp):
+            self.hot_keys.keep_exemplar(fp, features.path, body() if callable(body) else body)
 
     def fleet_saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
         """Whether every candidate of ``pool`` is saturated now (``queueing:`` thresholds)."""
@@ -421,11 +436,27 @@ class Router:
         snapshot = self.replicas.snapshot(now)
         for name in joined:
             await self.rebalancer.on_join(name, self.profile.ring_for(snapshot), snapshot)
+            self._warm_hot(name)
         if self.kv_events is not None:
             self.kv_events.sync([rec.replica for rec in self.replicas.records()])
         if joined or left:
             log.info("membership: joined %s, left %s", joined or "-", left or "-")
         return Membership(tuple(joined), tuple(left))
+
+    def _warm_hot(self, name: str) -> int:
+        """Send joining replica ``name`` the top hot prefixes, prefill only, through the pre-warmer's
+        rate limit (queued now, so they reach it before most of the traffic it is about to take)."""
+        if self.hot_keys is None or not self.hot_keys.settings.warm_on_join:
+            return 0
+        record = next((r for r in self.replicas.records() if r.replica.name == name), None)
+        if record is None:
+            return 0
+        sent = 0
+        for path, body in self.hot_keys.warm_set():
+            sent += self.rebalancer.prewarmer.submit(record.replica.address, path, body, force=True)
+        if sent:
+            log.info("warming %s with %d hot prefixes", name, sent)
+        return sent
 
     async def after_scrape(self, transitions: Sequence[Transition]) -> None:
         """After each health round: move the sessions of replicas that left the rotation, and shed

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 import sys
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 from hypothesis import given, settings
@@ -12,8 +13,10 @@ from hypothesis import strategies as st
 
 from extproc.hotkeys.detector import HotKeyDetector, HotKeySettings
 from extproc.request.features import RequestFeatures
+from extproc.router import Routed, Router
 from extproc.routing import AffinityView, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.hot import fingerprint
+from tests.conftest import make_config
 
 DEFAULT = HotKeySettings(enabled=True)
 
@@ -180,3 +183,54 @@ def test_a_pinned_session_of_a_hot_prefix_stays_where_it_is() -> None:
     view = AffinityView(pinned=outside, prefix_matches={outside: 41})
     d = decide(_features(1, "s"), _snapshot(), view, 0.0, profile, hot=hot)
     assert d.replica is not None and d.replica.name == outside
+
+
+# --- the router: detection on live traffic, spreading, warming a joining replica ------------------
+
+
+def _chat(system: str, question: str) -> bytes:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return json.dumps({"model": "m", "messages": messages, "max_tokens": 50, "stream": True}).encode()
+
+
+async def test_the_router_spreads_a_hot_prefix_and_warms_a_joining_replica_with_it() -> None:
+    clock = [0.0]
+    settings = HotKeySettings(
+        enabled=True, sample_rate=1.0, window_s=1.0, min_samples=4, replica_prefill_tokens_per_s=5_000
+    )
+    replicas = tuple(Replica(f"r{i}", f"10.0.0.{i}:80") for i in range(8))
+    router = Router(make_config(replicas=replicas, hot_keys=settings), clock=lambda: clock[0])
+    sent: list[tuple[str, bytes]] = []
+
+    async def send(address: str, path: str, body: bytes, timeout_s: float) -> int:
+        sent.append((address, body))
+        return 200
+
+    router.rebalancer.prewarmer.send = send
+    hot_system = "You are the support agent of a large shop. " * 80  # 3,500 characters: past block 32
+    others = [f"Prompt {g}: " + f"another assistant number {g}. " * 100 for g in range(20)]
+    headers = {":path": "/v1/chat/completions"}
+    rng = random.Random(3)
+    where: dict[int, Counter[str]] = {}
+    inflight: deque[Routed] = deque()
+    for i in range(600):  # 200 a second for 3 seconds: the hot prompt carries a third
+        clock[0] = i / 200
+        system = hot_system if i % 3 == 0 else rng.choice(others)
+        routed = await router.route(headers, _chat(system, f"question {i}"))
+        assert routed.decision.replica is not None
+        if system is hot_system:
+            where.setdefault(int(clock[0]), Counter())[routed.decision.replica.name] += 1
+        inflight.append(routed)
+        if len(inflight) > 12:  # each request takes 60 ms
+            router.release(inflight.popleft())
+    assert router.hot_keys is not None
+    hot = list(router.hot_keys.hot().values())
+    assert len(hot) == 1 and hot[0].replicas >= 2
+    assert len(where[0]) <= 2  # before it is hot: affinity keeps it on the replica that holds it
+    assert len(where[2]) == hot[0].replicas  # hot: its k replicas, the least loaded of them each time
+
+    await router.set_replicas([*replicas, Replica("r9", "10.0.0.9:80")])
+    await router.rebalancer.prewarmer.drain()
+    assert [a for a, _ in sent] == ["10.0.0.9:80"]
+    warm = json.loads(sent[0][1])
+    assert warm["max_tokens"] == 1 and "stream" not in warm and warm["messages"][0]["content"] == hot_system

@@ -59,6 +59,9 @@ class HotKeySettings:
     max_replicas: int = 4
     replica_prefill_tokens_per_s: float = 20_000.0
     """One replica's prefill capacity: a hot key gets a replica per this much of its demand."""
+    warm_on_join: bool = True
+    warm_top: int = 4
+    warm_max_bytes: int = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,7 @@ class HotKeyDetector:
         self._streak: dict[int, int] = {}
         self._hot: dict[int, HotKey] = {}
         self._table: dict[int, int] = {}
+        self._exemplars: dict[int, tuple[str, bytes]] = {}
         self.windows_closed = 0
 
     def _gap(self) -> int:
@@ -215,6 +219,8 @@ class HotKeyDetector:
             self._hot = {h.fingerprint: h for h in keep}
         self._streak = streak
         self._table = {fp: h.replicas for fp, h in self._hot.items()}
+        for fp in [fp for fp in self._exemplars if fp not in self._hot]:
+            del self._exemplars[fp]
 
     def _replicas(self, rate: float, tokens: float) -> int:
         """Replicas a key gets: its prefill demand over one replica's capacity, within the bound."""
@@ -225,6 +231,22 @@ class HotKeyDetector:
     def table(self) -> Mapping[int, int]:
         """Hot fingerprints and how many replicas each should have: what the decision is given."""
         return self._table
+
+    def wants_exemplar(self, fp: int) -> bool:
+        """Whether a request body of hot key ``fp`` should be kept to warm replicas with (one per
+        hot key, only while it is hot: at most ``max_hot`` bodies of ``warm_max_bytes``)."""
+        return self.settings.warm_on_join and fp in self._hot and fp not in self._exemplars
+
+    def keep_exemplar(self, fp: int, path: str, body: bytes) -> None:
+        """Keep one request of hot key ``fp`` (its path and body) to warm replicas with."""
+        if self.wants_exemplar(fp) and len(body) <= self.settings.warm_max_bytes:
+            self._exemplars[fp] = (path, body)
+
+    def warm_set(self) -> list[tuple[str, bytes]]:
+        """The bodies to warm a new replica with: the top ``warm_top`` hot keys by rate that have one."""
+        ranked = sorted(self._hot.values(), key=lambda h: -h.rate_rps)
+        out = [self._exemplars[h.fingerprint] for h in ranked if h.fingerprint in self._exemplars]
+        return out[: self.settings.warm_top]
 
     def hot(self) -> Mapping[int, HotKey]:
         """The hot keys by fingerprint (read-only use: it changes as windows close)."""

@@ -20,6 +20,7 @@ experiments need:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 from collections.abc import Callable, Coroutine, Sequence
@@ -34,7 +35,7 @@ from extproc.routing.model import Replica
 from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.sim.simulator import Outcome, RouteTally, SimRun, Simulation, run_sync, scrape
-from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL
+from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL, SimRequest
 from extproc_lab.stats import percentile
 
 _CONTROL, _ARRIVAL, _STEP_END, _PUMP = -1, 0, 1, 2
@@ -106,6 +107,10 @@ class DynamicRun:
     session_keys: dict[int, str]
     """request index -> the router's session key (tenant-scoped), for sessions only."""
     tenants: dict[int, str]
+
+
+def _body_bytes(req: SimRequest) -> bytes:
+    return json.dumps(req.body(), separators=(",", ":")).encode()
 
 
 def _warm_seq(body: bytes, handle: int) -> Seq:
@@ -319,6 +324,8 @@ class DynamicSimulation(Simulation):
                     if rebalancer.settings.enabled:
                         body = json.dumps(req.body(), separators=(",", ":")).encode()
                         rebalancer.note(features.session_key, features.model, chosen.name, features.path, body, now)
+                if router.hot_keys is not None:  # a hot prefix's request, kept to warm joining replicas
+                    router.offer_hot_body(features, functools.partial(_body_bytes, req))
                 seqs[a] = seq
                 routed[a] = decision
                 replica_of[a] = m
