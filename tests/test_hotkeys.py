@@ -70,6 +70,10 @@ def test_a_hot_key_cools_two_windows_after_its_share_drops() -> None:
         detector.observe(rng.choice(keys), 1000, 30 + i / 20_000)
     detector.advance(40)
     assert not detector.hot()
+    # Cooled, it keeps one replica for linger_windows, then it is routed as any other.
+    assert dict(detector.table()) == {fingerprint("hot"): 1}
+    detector.advance(40 + DEFAULT.linger_windows * DEFAULT.window_s + 1)
+    assert not detector.table()
 
 
 def test_a_key_without_traffic_cools() -> None:

@@ -17,9 +17,11 @@ tens of prefixes puts most of them alone in a bucket, and one neighbour's count 
 same mean over all buckets together stands in; with many keys per bucket the two agree. A
 sample drawn at 0.5% makes small counts noise, so a key also needs ``min_samples``. A key above
 the bar for ``windows`` consecutive windows turns hot; a hot key below it for as many
-windows cools. Memory is bounded whatever the traffic: ``buckets * per_bucket`` entries, one mask
-and one count per bucket, a streak per kept entry and at most ``max_hot`` hot keys; CPU per
-request is constant, and a window's close walks the kept entries only.
+windows cools; a cooled key keeps one replica for ``linger_windows`` (the decision's k = 1), so
+its traffic gathers back on one copy, then is routed as any other. Memory is bounded whatever the
+traffic: ``buckets * per_bucket`` entries, one mask and one count per bucket, a streak per kept
+entry, at most ``max_hot`` hot and as many cooling keys; CPU per request is constant, and a
+window's close walks the kept entries only.
 
 The clock is passed in (``now`` arguments), the random source at construction: the detector does
 no I/O and reads no clock of its own.
@@ -59,6 +61,8 @@ class HotKeySettings:
     max_replicas: int = 4
     replica_prefill_tokens_per_s: float = 20_000.0
     """One replica's prefill capacity: a hot key gets a replica per this much of its demand."""
+    linger_windows: int = 6
+    """Windows a cooled key keeps one replica (k = 1) before it is routed as any other."""
     warm_on_join: bool = True
     warm_top: int = 4
     warm_max_bytes: int = 65_536
@@ -118,6 +122,7 @@ class HotKeyDetector:
         self._streak: dict[int, int] = {}
         self._hot: dict[int, HotKey] = {}
         self._table: dict[int, int] = {}
+        self._cooling: dict[int, int] = {}  # cooled keys -> windows they keep k = 1
         self._exemplars: dict[int, tuple[str, bytes]] = {}
         self.windows_closed = 0
 
@@ -165,10 +170,12 @@ class HotKeyDetector:
         s = self.settings
         while now >= self._window_end:
             if not self._buckets and not self._streak and not self._hot:
-                # Nothing counted and nothing remembered: the idle windows need no walk.
+                # Nothing counted and nothing hot: the idle windows need no walk.
                 missed = math.floor((now - self._window_end) / s.window_s) + 1
                 self._window_end += missed * s.window_s
                 self.windows_closed += missed
+                self._cooling = {fp: n - missed for fp, n in self._cooling.items() if n > missed}
+                self._table = dict.fromkeys(self._cooling, 1)
                 break
             self._close(self._window_end)
             self._window_end += s.window_s
@@ -212,13 +219,19 @@ class HotKeyDetector:
                 n = self._streak.get(fp, 0) + 1
                 if n >= s.windows:
                     del self._hot[fp]
+                    if s.linger_windows:
+                        self._cooling[fp] = s.linger_windows + 1  # this window's decrement below
                 else:
                     streak[fp] = n
         if len(self._hot) > s.max_hot:
             keep = sorted(self._hot.values(), key=lambda h: -h.rate_rps)[: s.max_hot]
             self._hot = {h.fingerprint: h for h in keep}
         self._streak = streak
-        self._table = {fp: h.replicas for fp, h in self._hot.items()}
+        # A cooled key keeps one replica for a while, so its traffic gathers where one copy serves it.
+        self._cooling = {fp: n - 1 for fp, n in self._cooling.items() if n > 1 and fp not in self._hot}
+        if len(self._cooling) > s.max_hot:
+            self._cooling = dict(sorted(self._cooling.items(), key=lambda kv: -kv[1])[: s.max_hot])
+        self._table = {**dict.fromkeys(self._cooling, 1), **{fp: h.replicas for fp, h in self._hot.items()}}
         for fp in [fp for fp in self._exemplars if fp not in self._hot]:
             del self._exemplars[fp]
 
@@ -229,7 +242,8 @@ class HotKeyDetector:
         return max(1, min(s.max_replicas, want))
 
     def table(self) -> Mapping[int, int]:
-        """Hot fingerprints and how many replicas each should have: what the decision is given."""
+        """Hot fingerprints and how many replicas each should have (cooling ones: 1): what the
+        decision is given."""
         return self._table
 
     def wants_exemplar(self, fp: int) -> bool:

@@ -6,7 +6,8 @@ of a hot prefix that no session holds elsewhere, :class:`HotPrefixFilter` keeps 
 the first k on the ring from the prefix's own key that are under the bounded load (so gateways
 that agree on the members and roughly on the load agree on the set without talking), and
 :class:`HotPrefixScorer` prefers the least loaded of them, so every one of the k comes to hold
-the prefix. A prefix that cools gets k = 1 (or no entry) and is routed as any other.
+the prefix. A prefix that cools gets k = 1 for a while (its traffic gathers back on one
+replica), then no entry: it is routed as any other.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def replica_set(
 
 @dataclass(slots=True)
 class HotPrefixFilter:
-    """Keeps a hot prefix's k replicas (k >= 2) for a request no live session pin holds elsewhere."""
+    """Keeps a hot prefix's k replicas for a request no live session pin holds elsewhere (k = 1:
+    a prefix that cooled, gathered back on one replica)."""
 
     load_factor: float = 1.25
     min_bound: int = 8
@@ -60,7 +62,7 @@ class HotPrefixFilter:
     def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
         """Drop replicas outside the hot prefix's set."""
         k = cycle.hot_replicas
-        if k < 2:
+        if k < 1:
             return candidates
         pinned = cycle.view.pinned
         if pinned and any(c.name == pinned for c in candidates):
