@@ -10,12 +10,18 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
+from extproc._proto.admin.v1 import admin_pb2 as pb
+from extproc.admin.auth import MutationPolicy
+from extproc.admin.client import render
+from extproc.admin.service import AdminService
 from extproc.hotkeys.detector import HotKeyDetector, HotKeySettings
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
 from extproc.routing import AffinityView, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.hot import fingerprint
+from extproc.telemetry import collect
 from tests.conftest import make_config
 
 DEFAULT = HotKeySettings(enabled=True)
@@ -232,6 +238,16 @@ async def test_the_router_spreads_a_hot_prefix_and_warms_a_joining_replica_with_
     assert len(hot) == 1 and hot[0].replicas >= 2
     assert len(where[0]) <= 2  # before it is hot: affinity keeps it on the replica that holds it
     assert len(where[2]) == hot[0].replicas  # hot: its k replicas, the least loaded of them each time
+
+    # The metric and the admin list name it by its fingerprint's hash, never by its text.
+    collect(router)
+    exposition = generate_latest(router.metrics.registry).decode()
+    assert f'extproc_hot_key_replicas{{key="{hot[0].label}"}} {float(hot[0].replicas)}' in exposition
+    assert "support agent" not in exposition
+    listed = await AdminService(router, MutationPolicy()).ListHotKeys(pb.ListHotKeysRequest(), None)
+    assert listed.enabled and [h.key for h in listed.hot_keys] == [hot[0].label]
+    assert listed.hot_keys[0].replicas == hot[0].replicas and listed.hot_keys[0].warm_ready
+    assert "support agent" not in render("hot-keys", listed) and hot[0].label in render("hot-keys", listed)
 
     await router.set_replicas([*replicas, Replica("r9", "10.0.0.9:80")])
     await router.rebalancer.prewarmer.drain()

@@ -262,6 +262,15 @@ class HotKeyDetector:
         out = [self._exemplars[h.fingerprint] for h in ranked if h.fingerprint in self._exemplars]
         return out[: self.settings.warm_top]
 
+    def warm_ready(self, fp: int) -> bool:
+        """Whether a request of hot key ``fp`` is kept to warm joining replicas with."""
+        return fp in self._exemplars
+
+    @property
+    def cooling(self) -> int:
+        """Keys that cooled and keep one replica for a while."""
+        return len(self._cooling)
+
     def hot(self) -> Mapping[int, HotKey]:
         """The hot keys by fingerprint (read-only use: it changes as windows close)."""
         return self._hot
