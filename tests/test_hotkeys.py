@@ -254,3 +254,17 @@ async def test_the_router_spreads_a_hot_prefix_and_warms_a_joining_replica_with_
     assert [a for a, _ in sent] == ["10.0.0.9:80"]
     warm = json.loads(sent[0][1])
     assert warm["max_tokens"] == 1 and "stream" not in warm and warm["messages"][0]["content"] == hot_system
+
+
+def test_the_hot_prefix_workload_has_one_prompt_over_one_replicas_prefill() -> None:
+    from extproc_lab.replica.timing import get_profile
+    from extproc_lab.sim.generators import hot_prefix
+
+    wl = hot_prefix(duration_s=30.0)
+    systems = Counter(r.messages[0]["content"] for r in wl.requests if r.messages)
+    (top, count), *_ = systems.most_common(1)
+    assert 0.40 <= count / len(wl) <= 0.60
+    tokens = sum(r.prompt_tokens for r in wl.requests if r.messages and r.messages[0]["content"] == top) / count
+    rate = count / 30.0
+    assert rate * tokens > get_profile("llama-8b-h100").prefill_tokens_per_s  # its whole prompts, per second
+    assert wl.info["changes"] == ((15.0, 10),)
