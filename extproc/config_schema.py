@@ -364,7 +364,9 @@ class HotKeys(Section):
     replica_prefill_tokens_per_s: float = _doc(
         _HOT.replica_prefill_tokens_per_s, "one replica's prefill capacity: a replica per this much demand", gt=0
     )
-    linger_windows: int = _doc(_HOT.linger_windows, "windows a cooled prefix keeps one replica (k = 1)", ge=0)
+    linger_windows: int = _doc(
+        _HOT.linger_windows, "windows a cooled prefix keeps k by its own rate (1 without traffic)", ge=0
+    )
     warm_on_join: bool = _doc(_HOT.warm_on_join, "send a joining replica the top hot prefixes, prefill only")
     warm_top: int = _doc(_HOT.warm_top, "hot prefixes a joining replica is warmed with at most", ge=0)
     warm_max_bytes: int = _doc(_HOT.warm_max_bytes, "a hot prefix's kept request body at most (bytes)", ge=1)

@@ -17,6 +17,8 @@ from tests.conftest import require_binary
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
 K = 3
+# One replica prefills 30,000 tokens/s here: the load (over 100 hot requests/s of ~900 tokens)
+# needs the cap, K; the sequential requests after it (under 30/s) need one.
 ROUTER_YAML = f"""\
 hot_keys:
   enabled: true
@@ -24,7 +26,7 @@ hot_keys:
   window_s: 1.0
   min_samples: 4
   max_replicas: {K}
-  replica_prefill_tokens_per_s: 2000
+  replica_prefill_tokens_per_s: 30000
   linger_windows: 30
 """
 HOT = "You are the support agent of a large shop; answer politely and cite the policy. " * 45

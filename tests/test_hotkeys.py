@@ -76,7 +76,10 @@ def test_a_hot_key_cools_two_windows_after_its_share_drops() -> None:
         detector.observe(rng.choice(keys), 1000, 30 + i / 20_000)
     detector.advance(40)
     assert not detector.hot()
-    # Cooled, it keeps one replica for linger_windows, then it is routed as any other.
+    # Cooled, it keeps the replicas its own rate needs (645/s of 1,000 tokens: the cap, 4) ...
+    assert dict(detector.table()) == {fingerprint("hot"): DEFAULT.max_replicas}
+    # ... one once its traffic is gone, and after linger_windows it is routed as any other.
+    detector.advance(50)
     assert dict(detector.table()) == {fingerprint("hot"): 1}
     detector.advance(40 + DEFAULT.linger_windows * DEFAULT.window_s + 1)
     assert not detector.table()

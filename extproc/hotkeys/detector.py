@@ -16,12 +16,12 @@ one). A bucket with fewer than ``_MIN_PEERS`` other keys has no mean worth the n
 tens of prefixes puts most of them alone in a bucket, and one neighbour's count is noise): then the
 same mean over all buckets together stands in; with many keys per bucket the two agree. A
 sample drawn at 0.5% makes small counts noise, so a key also needs ``min_samples``. A key above
-the bar for ``windows`` consecutive windows turns hot; a hot key below it for as many
-windows cools; a cooled key keeps one replica for ``linger_windows`` (the decision's k = 1), so
-its traffic gathers back on one copy, then is routed as any other. Memory is bounded whatever the
-traffic: ``buckets * per_bucket`` entries, one mask and one count per bucket, a streak per kept
-entry, at most ``max_hot`` hot and as many cooling keys; CPU per request is constant, and a
-window's close walks the kept entries only.
+the bar for ``windows`` consecutive windows turns hot; a hot key below it for as many windows
+cools; a cooled key keeps a replica set for ``linger_windows``, sized by its own rate (k = 1 once
+its traffic is gone, so it gathers back on one copy), then is routed as any other. Memory is
+bounded whatever the traffic: ``buckets * per_bucket`` entries, one mask and one count per bucket,
+a streak per kept entry, at most ``max_hot`` hot and as many cooling keys; CPU per request is
+constant, and a window's close walks the kept entries only.
 
 The clock is passed in (``now`` arguments), the random source at construction: the detector does
 no I/O and reads no clock of its own.
@@ -62,7 +62,8 @@ class HotKeySettings:
     replica_prefill_tokens_per_s: float = 20_000.0
     """One replica's prefill capacity: a hot key gets a replica per this much of its demand."""
     linger_windows: int = 6
-    """Windows a cooled key keeps one replica (k = 1) before it is routed as any other."""
+    """Windows a cooled key keeps a replica set sized by its rate (k = 1 without traffic) before it
+    is routed as any other."""
     warm_on_join: bool = True
     warm_top: int = 4
     warm_max_bytes: int = 65_536
@@ -122,7 +123,7 @@ class HotKeyDetector:
         self._streak: dict[int, int] = {}
         self._hot: dict[int, HotKey] = {}
         self._table: dict[int, int] = {}
-        self._cooling: dict[int, int] = {}  # cooled keys -> windows they keep k = 1
+        self._cooling: dict[int, tuple[int, int]] = {}  # cooled keys -> (windows left, k)
         self._exemplars: dict[int, tuple[str, bytes]] = {}
         self.windows_closed = 0
 
@@ -174,8 +175,9 @@ class HotKeyDetector:
                 missed = math.floor((now - self._window_end) / s.window_s) + 1
                 self._window_end += missed * s.window_s
                 self.windows_closed += missed
-                self._cooling = {fp: n - missed for fp, n in self._cooling.items() if n > missed}
-                self._table = dict.fromkeys(self._cooling, 1)
+                # No traffic in those windows: what still lingers needs one replica.
+                self._cooling = {fp: (n - missed, 1) for fp, (n, _) in self._cooling.items() if n > missed}
+                self._table = {fp: k for fp, (_, k) in self._cooling.items()}
                 break
             self._close(self._window_end)
             self._window_end += s.window_s
@@ -220,18 +222,28 @@ class HotKeyDetector:
                 if n >= s.windows:
                     del self._hot[fp]
                     if s.linger_windows:
-                        self._cooling[fp] = s.linger_windows + 1  # this window's decrement below
+                        self._cooling[fp] = (s.linger_windows + 1, 1)  # this window's decrement below
                 else:
                     streak[fp] = n
         if len(self._hot) > s.max_hot:
             keep = sorted(self._hot.values(), key=lambda h: -h.rate_rps)[: s.max_hot]
             self._hot = {h.fingerprint: h for h in keep}
         self._streak = streak
-        # A cooled key keeps one replica for a while, so its traffic gathers where one copy serves it.
-        self._cooling = {fp: n - 1 for fp, n in self._cooling.items() if n > 1 and fp not in self._hot}
-        if len(self._cooling) > s.max_hot:
-            self._cooling = dict(sorted(self._cooling.items(), key=lambda kv: -kv[1])[: s.max_hot])
-        self._table = {**dict.fromkeys(self._cooling, 1), **{fp: h.replicas for fp, h in self._hot.items()}}
+        # A cooled key's k follows its own rate in the window (one replica once its traffic is
+        # gone): a key that cooled only because others grew keeps the replicas its load needs.
+        seen = {fp: e for b in buckets.values() for fp, e in b.top.items() if fp in self._cooling}
+        cooling = {}
+        for fp, (n, _) in self._cooling.items():
+            if n > 1 and fp not in self._hot:
+                now_seen = seen.get(fp)
+                k = 1
+                if now_seen is not None:
+                    k = self._replicas(now_seen.count / s.sample_rate / s.window_s, now_seen.tokens / now_seen.count)
+                cooling[fp] = (n - 1, k)
+        if len(cooling) > s.max_hot:
+            cooling = dict(sorted(cooling.items(), key=lambda kv: -kv[1][0])[: s.max_hot])
+        self._cooling = cooling
+        self._table = {**{fp: k for fp, (_, k) in cooling.items()}, **{fp: h.replicas for fp, h in self._hot.items()}}
         for fp in [fp for fp in self._exemplars if fp not in self._hot]:
             del self._exemplars[fp]
 

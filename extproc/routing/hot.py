@@ -79,11 +79,20 @@ class HotPrefixFilter:
 
 @dataclass(slots=True)
 class HotPrefixScorer:
-    """Within a hot prefix's set, lighter is better (outstanding work), so each of the k takes
-    its share and holds the prefix; scores nothing for other requests."""
+    """Within a hot prefix's set, lighter is better, so each of the k takes its share and comes to
+    hold the prefix; scores nothing for other requests.
+
+    Lighter means the least outstanding work (prefill tokens not yet answered plus a decode cost
+    per request in flight). With ``count_uncached`` it also counts what this request would add
+    there, the part of its prompt the replica is not believed to hold: a member new to the set is
+    then used only once the holders' queues cost more than its cold prefill (fewer requests queue
+    behind that prefill, but at light load the set never spreads). Off by default: the set is
+    spread by load, as the hot-key design asks, so that every one of the k comes to hold it.
+    """
 
     tokens_per_request: int = 256
     floor_tokens: int = 1024
+    count_uncached: bool = False
     name: str = "hot_prefix"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
@@ -91,5 +100,13 @@ class HotPrefixScorer:
         chosen = cycle.scratch.get("hot_set")
         if not chosen:
             return {}
-        work = {c.name: float(c.work(self.tokens_per_request)) for c in candidates if c.name in chosen}
+        f = cycle.features
+        total = len(f.prefix_hashes)
+        matches = cycle.view.prefix_matches
+        work = {}
+        for c in candidates:
+            if c.name in chosen:
+                work[c.name] = float(c.work(self.tokens_per_request))
+                if self.count_uncached and total:
+                    work[c.name] += f.estimated_prompt_tokens * (1.0 - matches.get(c.name, 0) / total)
         return _relative(work, float(self.floor_tokens)) if work else {}
