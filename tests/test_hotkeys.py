@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc.admin.auth import MutationPolicy
 from extproc.admin.client import render
+from extproc.admin.console import ConsoleHistory
 from extproc.admin.service import AdminService
 from extproc.hotkeys.detector import HotKeyDetector, HotKeySettings
 from extproc.request.features import RequestFeatures
@@ -251,6 +252,8 @@ async def test_the_router_spreads_a_hot_prefix_and_warms_a_joining_replica_with_
     assert listed.enabled and [h.key for h in listed.hot_keys] == [hot[0].label]
     assert listed.hot_keys[0].replicas == hot[0].replicas and listed.hot_keys[0].warm_ready
     assert "support agent" not in render("hot-keys", listed) and hot[0].label in render("hot-keys", listed)
+    console = ConsoleHistory(router).data()["hot_keys"]
+    assert console == [{"key": hot[0].label, "rate": round(hot[0].rate_rps, 1), "replicas": hot[0].replicas}]
 
     await router.set_replicas([*replicas, Replica("r9", "10.0.0.9:80")])
     await router.rebalancer.prewarmer.drain()
