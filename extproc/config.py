@@ -16,6 +16,7 @@ from extproc.discovery.settings import DiscoveryConfigError, DiscoverySettings, 
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.hotkeys.detector import HotKeySettings
 from extproc.kvevents.hashing import HashAlgo
 from extproc.kvevents.settings import KvEventSettings
 from extproc.queueing.settings import QueueClass, QueueSettings
@@ -104,6 +105,7 @@ class Config:
     queueing: QueueSettings = field(default_factory=QueueSettings)
     kv_events: KvEventSettings = field(default_factory=KvEventSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
+    hot_keys: HotKeySettings = field(default_factory=HotKeySettings)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
@@ -350,6 +352,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         upstream=_upstream_timeouts(file.upstream),
         kv_events=_kv_events(file.kv_events),
         admin=_admin_settings(file.admin),
+        hot_keys=HotKeySettings(**file.hot_keys.model_dump()),
     )
     try:
         parse_store_url(cfg.store)  # the form only: Redis may well be down while we start

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.health.settings import HealthSettings
+from extproc.hotkeys.detector import HotKeySettings
 from extproc.kvevents.settings import KvEventSettings
 from extproc.queueing.settings import QueueClass, QueueSettings
 from extproc.rebalance.prewarm import PrewarmSettings
@@ -34,6 +35,7 @@ _REBALANCE, _PREWARM, _TENANTS, _TENANT = RebalanceSettings(), PrewarmSettings()
 _FEATURES, _UPSTREAM = FeatureSettings(), UpstreamTimeouts()
 _QUEUEING, _QUEUE_CLASS = QueueSettings(), QueueClass()
 _KV = KvEventSettings()
+_HOT = HotKeySettings()
 
 
 class Section(BaseModel):
@@ -376,6 +378,30 @@ class KvEvents(Section):
     lora_adapters: dict[str, str] = _doc({}, "LoRA adapter name -> its base model (hashed with the name, as vLLM)")
 
 
+class HotKeys(Section):
+    """``hot_keys:``: find prefixes that carry a disproportionate share and serve each from k replicas."""
+
+    enabled: bool = _doc(_HOT.enabled, "sample prefix fingerprints and spread hot prefixes")
+    sample_rate: float = _doc(_HOT.sample_rate, "share of requests whose fingerprint is counted", gt=0, le=1)
+    window_s: float = _doc(_HOT.window_s, "length of a counting window", gt=0)
+    buckets: int = _doc(_HOT.buckets, "buckets of the sketch (fingerprints hashed into them)", ge=1)
+    per_bucket: int = _doc(_HOT.per_bucket, "top fingerprints kept per bucket", ge=1)
+    threshold: float = _doc(_HOT.threshold, "hot at this many times the mean count per key", gt=1)
+    windows: int = _doc(_HOT.windows, "consecutive windows above (below) it to turn hot (cool)", ge=1)
+    min_samples: int = _doc(_HOT.min_samples, "sampled requests a key needs in a window to be hot", ge=1)
+    max_hot: int = _doc(_HOT.max_hot, "hot keys kept at most (also bounds the metric's labels)", ge=1)
+    max_replicas: int = _doc(_HOT.max_replicas, "replicas a hot prefix is spread over at most", ge=1)
+    replica_prefill_tokens_per_s: float = _doc(
+        _HOT.replica_prefill_tokens_per_s, "one replica's prefill capacity: a replica per this much demand", gt=0
+    )
+    linger_windows: int = _doc(
+        _HOT.linger_windows, "windows a cooled prefix keeps k by its own rate (1 without traffic)", ge=0
+    )
+    warm_on_join: bool = _doc(_HOT.warm_on_join, "send a joining replica the top hot prefixes, prefill only")
+    warm_top: int = _doc(_HOT.warm_top, "hot prefixes a joining replica is warmed with at most", ge=0)
+    warm_max_bytes: int = _doc(_HOT.warm_max_bytes, "a hot prefix's kept request body at most (bytes)", ge=1)
+
+
 class RouterFile(Section):
     """The whole file. Every key is optional: ``extproc serve --replica ...`` runs without one."""
 
@@ -409,6 +435,7 @@ class RouterFile(Section):
     profiles: dict[str, ProfileSpec] = _doc({}, "named profiles that classes may use")
     splits: list[SplitRuleSection] = _doc([], "canary and A/B splits with model rewrites, first match wins")
     queueing: Queueing = _doc(Queueing(), "priority and fair queueing when the fleet is full")
+    hot_keys: HotKeys = _doc(HotKeys(), "hot-prefix detection and replication")
 
 
 def parse_file(raw: Mapping[str, Any]) -> RouterFile:

@@ -189,6 +189,17 @@ class RouterMetrics:
             "extproc_prewarm_requests", "Pre-warm requests for moved sessions, by outcome.", ["outcome"], registry=r
         )
         self.sessions = Gauge("extproc_sessions", "Sessions held by the affinity store.", registry=r)
+        # Per hot prefix, labelled by its fingerprint's hash (never the text); the label set is
+        # cleared and refilled at each scrape, so it holds at most hot_keys.max_hot keys.
+        self.hot_key_rate = Gauge(
+            "extproc_hot_key_requests_per_second",
+            "Estimated request rate of a hot prefix (hot_keys:), by its fingerprint.",
+            ["key"],
+            registry=r,
+        )
+        self.hot_key_replicas = Gauge(
+            "extproc_hot_key_replicas", "Replicas a hot prefix is spread over, by its fingerprint.", ["key"], registry=r
+        )
         # Sizes of the bounded structures, so a soak can check the bounds hold (sessions.max_sessions,
         # prefix.blocks_per_replica x replicas, rebalance.ledger_sessions / ledger_bytes).
         self.prefix_index_blocks = Gauge(

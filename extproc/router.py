@@ -16,6 +16,7 @@ from extproc.cache_estimate import CacheEstimate
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
+from extproc.hotkeys.detector import HotKeyDetector
 from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
@@ -23,6 +24,7 @@ from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures, extract_features
 from extproc.request.openai_body import INFERENCE_PATHS
 from extproc.request.splits import Arm, body_user, choose_arm, rewrite_model
+from extproc.routing.hot import fingerprint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, Snapshot
 from extproc.routing.pipeline import Decider, Profile, Profiles, decide
 from extproc.routing.registry import build_profile
@@ -95,6 +97,7 @@ class Router:
         prewarmer: Prewarmer | None = None,
         kv_events: EventCacheState | None = None,
         decider: Decider = decide,
+        hot_keys: HotKeyDetector | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer; the simulator's
@@ -127,6 +130,10 @@ class Router:
         )
         self.cordons: dict[str, str] = {}  # the store's cordons as last read (refresh_cordons)
         self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
+        # Hot prefixes (``hot_keys:``): sampled fingerprints; the decision is given the hot table.
+        self.hot_keys = hot_keys
+        if self.hot_keys is None and config.hot_keys.enabled:
+            self.hot_keys = HotKeyDetector(config.hot_keys, now=clock())
 
     @property
     def profile(self) -> Profile:
@@ -162,6 +169,8 @@ class Router:
         if arm is not None:
             self.metrics.split_requests.labels(arm.rule, arm.label).inc()
         replica = routed.decision.replica
+        if self.hot_keys is not None and body and features.body_error is None:
+            self.offer_hot_body(features, body)
         if features.session_key and body and replica is not None and features.body_error is None:
             self.rebalancer.note(features.session_key, features.model, replica.name, features.path, body, start)
         return routed
@@ -183,6 +192,18 @@ class Router:
         if arm.target.pool is not None:
             features = replace(features, pool=(("pool", arm.target.pool),))
         return features, arm, rewritten
+
+    def offer_hot_body(self, features: RequestFeatures, body: bytes | Callable[[], bytes]) -> None:
+        """Keep a request of a hot prefix (one per hot key) to warm joining replicas with; ``body``
+        may be a function that builds it, called only when one is wanted."""
+        if self.hot_keys is None:
+            return
+        key = self.profiles.for_request(features).prefix_key(features)
+        if key is None:
+            return
+        fp = fingerprint(key)
+        if self.hot_keys.wants_exemplar(fp):
+            self.hot_keys.keep_exemplar(fp, features.path, body() if callable(body) else body)
 
     def fleet_saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
         """Whether every candidate of ``pool`` is saturated now (``queueing:`` thresholds)."""
@@ -208,7 +229,11 @@ class Router:
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
         profile = self.profiles.for_request(features)
-        decision = self.decide(features, snapshot, view, start, profile, terms, cordons=self.cordons)
+        hot = None
+        if self.hot_keys is not None:
+            self.hot_keys.observe(profile.prefix_key(features), features.prompt_chars // CHARS_PER_TOKEN, start)
+            hot = self.hot_keys.table()
+        decision = self.decide(features, snapshot, view, start, profile, terms, cordons=self.cordons, hot=hot)
         replica = decision.replica
         prefill_tokens = 0
         tenant_counted = False
@@ -291,7 +316,10 @@ class Router:
         snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         profile = self.profiles.for_request(features)
-        decision = self.decide(features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace)
+        hot = self.hot_keys.table() if self.hot_keys is not None else None
+        decision = self.decide(
+            features, snapshot, view, now, profile, terms, cordons=self.cordons, trace=trace, hot=hot
+        )
         uncached = {
             s.name: self._uncached_tokens(features, view.prefix_matches.get(s.name, 0)) for s in snapshot.replicas
         }
@@ -413,11 +441,27 @@ class Router:
         snapshot = self.replicas.snapshot(now)
         for name in joined:
             await self.rebalancer.on_join(name, self.profile.ring_for(snapshot), snapshot)
+            self._warm_hot(name)
         if self.kv_events is not None:
             self.kv_events.sync([rec.replica for rec in self.replicas.records()])
         if joined or left:
             log.info("membership: joined %s, left %s", joined or "-", left or "-")
         return Membership(tuple(joined), tuple(left))
+
+    def _warm_hot(self, name: str) -> int:
+        """Send joining replica ``name`` the top hot prefixes, prefill only, through the pre-warmer's
+        rate limit (queued now, so they reach it before most of the traffic it is about to take)."""
+        if self.hot_keys is None or not self.hot_keys.settings.warm_on_join:
+            return 0
+        record = next((r for r in self.replicas.records() if r.replica.name == name), None)
+        if record is None:
+            return 0
+        sent = 0
+        for path, body in self.hot_keys.warm_set():
+            sent += self.rebalancer.prewarmer.submit(record.replica.address, path, body, force=True)
+        if sent:
+            log.info("warming %s with %d hot prefixes", name, sent)
+        return sent
 
     async def after_scrape(self, transitions: Sequence[Transition]) -> None:
         """After each health round: move the sessions of replicas that left the rotation, and shed

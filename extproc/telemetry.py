@@ -62,6 +62,12 @@ def collect(router: Router) -> None:
     m.prefix_index_blocks.set(stats.prefix_blocks)
     m.ledger_sessions.set(len(router.rebalancer.ledger))
     m.ledger_bytes.set(router.rebalancer.ledger.size_bytes)
+    if router.hot_keys is not None:
+        m.hot_key_rate.clear()
+        m.hot_key_replicas.clear()
+        for hot in router.hot_keys.hot().values():
+            m.hot_key_rate.labels(hot.label).set(hot.rate_rps)
+            m.hot_key_replicas.labels(hot.label).set(hot.replicas)
     if router.kv_events is not None:
         hits = {r.replica.name: r.metrics.prefix_hits for r in router.replicas.records() if r.metrics is not None}
         router.kv_events.collect(hits)

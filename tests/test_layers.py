@@ -32,6 +32,7 @@ RANKS = {
     "extproc.tenancy": 3,
     "extproc.metrics": 2,
     "extproc.decisions": 2,  # the sampled feed of decisions (WatchDecisions, the console)
+    "extproc.hotkeys": 2,  # the hot-key detector (sampled fingerprints, a bucketed heavy-hitter sketch)
     "extproc.routing": 1,
     "extproc.request": 0,
     "extproc.logs": 0,

@@ -34,4 +34,5 @@ def test_service_has_the_operator_calls() -> None:
         "Uncordon",
         "Drain",
         "WatchDecisions",
+        "ListHotKeys",
     }

@@ -1,7 +1,7 @@
 """``extproc admin``: the admin API from a shell, a table by default, ``--json`` for scripts.
 
 extproc admin [--server HOST:PORT] [--token-file F] explain --body FILE [--header K:V ...]
-extproc admin replicas | session KEY [--model M] | forget KEY [--model M]
+extproc admin replicas | hot-keys | session KEY [--model M] | forget KEY [--model M]
 extproc admin cordon NAME | uncordon NAME | drain NAME | watch [--count N] [--sample-rate R]
 """
 
@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     e.add_argument("--header", action="append", default=[], metavar="K:V", help="a request header (repeatable)")
     e.add_argument("--path", default="/v1/chat/completions", help="the request path (default chat completions)")
     calls.add_parser("replicas", help="every replica: health, rotation, cordon, load, sessions")
+    calls.add_parser("hot-keys", help="the prefixes found hot (hot_keys:), by fingerprint")
     for name, text in (("session", "where a session is pinned"), ("forget", "unpin a session")):
         s = calls.add_parser(name, help=text)
         s.add_argument("key", help="the session key (as the router reads it from the request)")
@@ -105,6 +106,8 @@ async def _run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...], 
                 reply = await stub.Explain(pb.ExplainRequest(headers=headers, body=body), **kw)
             elif args.call == "replicas":
                 reply = await stub.ListReplicas(pb.ListReplicasRequest(), **kw)
+            elif args.call == "hot-keys":
+                reply = await stub.ListHotKeys(pb.ListHotKeysRequest(), **kw)
             elif args.call in ("session", "forget"):
                 call = stub.GetSession if args.call == "session" else stub.ForgetSession
                 reply = await call(pb.SessionRequest(session_key=args.key, model=args.model), **kw)
@@ -193,6 +196,15 @@ def render(call: str, reply: Any) -> str:
         ]
         header = ["NAME", "ADDRESS", "HEALTH", "ROTATION", "CORDON", "INFLIGHT", "QUEUE", "KV", "SESSIONS"]
         return _table(header, rows)
+    if call == "hot-keys":
+        if not reply.enabled:
+            return "hot keys are off (hot_keys.enabled)\n"
+        rows = [
+            [h.key, f"{h.requests_per_second:.1f}", f"{h.mean_prompt_tokens:.0f}", h.replicas, f"{h.hot_for_s:.0f}s"]
+            for h in reply.hot_keys
+        ]
+        table = _table(["KEY", "REQ/S", "TOKENS", "REPLICAS", "HOT FOR"], rows)
+        return table + f"{len(reply.hot_keys)} hot, {reply.cooling} cooling\n"
     if call in ("session", "forget"):
         if call == "forget":
             return f"{'forgotten' if reply.forgotten else 'was not pinned'}\n"

@@ -104,7 +104,16 @@ class ConsoleHistory:
             "history": [asdict(s) for s in self.samples],
             "decisions": {k: int(v) for k, v in sorted(_total(m.decisions, "reason").items())},
             "interval_s": self.interval_s,
+            "hot_keys": self._hot_keys(),
         }
+
+    def _hot_keys(self) -> list[dict[str, Any]] | None:
+        """The hot prefixes by fingerprint (None with hot_keys off)."""
+        detector = self.router.hot_keys
+        if detector is None:
+            return None
+        ranked = sorted(detector.hot().values(), key=lambda h: -h.rate_rps)
+        return [{"key": h.label, "rate": round(h.rate_rps, 1), "replicas": h.replicas} for h in ranked]
 
 
 def install(app: web.Application, router: Router, interval_s: float = 2.0) -> ConsoleHistory:

@@ -125,6 +125,29 @@ class AdminService(pb_grpc.AdminServicer):
             ]
         )
 
+    async def ListHotKeys(self, request: pb.ListHotKeysRequest, context: Any) -> pb.ListHotKeysResponse:
+        """The hot prefixes, by fingerprint."""
+        detector = self.router.hot_keys
+        if detector is None:
+            return pb.ListHotKeysResponse(enabled=False)
+        now = self.router.clock()
+        ranked = sorted(detector.hot().values(), key=lambda h: -h.rate_rps)
+        return pb.ListHotKeysResponse(
+            enabled=True,
+            cooling=detector.cooling,
+            hot_keys=[
+                pb.HotKeyInfo(
+                    key=h.label,
+                    requests_per_second=h.rate_rps,
+                    mean_prompt_tokens=h.tokens,
+                    replicas=h.replicas,
+                    hot_for_s=max(0.0, now - h.since),
+                    warm_ready=detector.warm_ready(h.fingerprint),
+                )
+                for h in ranked
+            ],
+        )
+
     async def GetSession(self, request: pb.SessionRequest, context: Any) -> pb.SessionReply:
         """Where the session is pinned."""
         view = await self.router.store.peek(request.session_key, (), self.router.clock(), model=request.model)

@@ -87,9 +87,12 @@ class Prewarmer:
         self._refilled = clock()
         self._task: asyncio.Task[None] | None = None
 
-    def submit(self, address: str, path: str, body: bytes) -> bool:
-        """Queue one pre-warm; False (and counted) when disabled, unusable or the queue is full."""
-        if not self.settings.enabled:
+    def submit(self, address: str, path: str, body: bytes, *, force: bool = False) -> bool:
+        """Queue one pre-warm; False (and counted) when disabled, unusable or the queue is full.
+
+        ``force`` sends it even with session pre-warming off: hot-prefix warms (``hot_keys.warm_on_join``)
+        have their own switch and share this rate limit."""
+        if not self.settings.enabled and not force:
             return False
         warm = prefill_only(body)
         if warm is None:

@@ -8,6 +8,7 @@ from typing import Literal, Protocol
 
 from extproc.request.features import RequestFeatures
 from extproc.routing.cordon import CordonFilter
+from extproc.routing.hot import fingerprint
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
@@ -47,17 +48,25 @@ class Profile:
             self._ring_members = members
         return self._ring
 
+    def prefix_key(self, features: RequestFeatures) -> str | int | None:
+        """The prefix's own ring key: its deepest block up to ``ring_key_blocks`` (deep enough to tell
+        requests apart), per tenant; None without prefix hashes. Hot prefixes are known by it."""
+        hashes = features.prefix_hashes
+        if not hashes:
+            return None
+        anchor = hashes[min(self.ring_key_blocks, len(hashes)) - 1]
+        # Tenants hash in their own space: equal prompts of two tenants need not meet.
+        return f"{features.tenant}\x1f{anchor}" if features.tenant else anchor
+
     def ring_key(self, features: RequestFeatures) -> tuple[str | int | None, KeySource]:
         """What new work is hashed on, and where that came from: the session, else a prefix deep
         enough to tell requests apart, else the request id (which spreads requests we know
         nothing about instead of sending them all to the first replica)."""
         if features.session_key:
             return features.session_key, "session"
-        hashes = features.prefix_hashes
-        if hashes:
-            anchor = hashes[min(self.ring_key_blocks, len(hashes)) - 1]
-            # Tenants hash in their own space: equal prompts of two tenants need not meet.
-            return (f"{features.tenant}\x1f{anchor}" if features.tenant else anchor), "prefix"
+        prefix = self.prefix_key(features)
+        if prefix is not None:
+            return prefix, "prefix"
         if features.request_id:
             return features.request_id, "request"
         return None, "none"
@@ -93,13 +102,15 @@ def decide(
     *,
     cordons: Mapping[str, str] | None = None,
     trace: DecisionTrace | None = None,
+    hot: Mapping[int, int] | None = None,
 ) -> Decision:
     """Choose a replica for a request.
 
     ``snapshot`` is the replicas' health and load as last known, ``view`` what the affinity
     store returned for this request, ``now`` the clock's value, ``tenant`` the terms of the
     request's tenant (quota, shard), ``cordons`` the replicas an operator cordoned or drained
-    (:mod:`extproc.routing.cordon`). Nothing here performs I/O. Given a ``trace``, the decision
+    (:mod:`extproc.routing.cordon`), ``hot`` the hot prefixes' fingerprints and how many replicas
+    each should have (:mod:`extproc.routing.hot`). Nothing here performs I/O. Given a ``trace``, the decision
     records its steps there (the admin API's Explain).
     """
     # Admission: a tenant over its quota is refused, or confined to the overflow pool.
@@ -120,6 +131,10 @@ def decide(
         key_source=key_source,
         tenant=tenant,
     )
+    if hot:
+        cycle.hot_key = profile.prefix_key(features)
+        if cycle.hot_key is not None:
+            cycle.hot_replicas = hot.get(fingerprint(cycle.hot_key), 0)
     candidates: list[ReplicaState] = list(snapshot.replicas)
     if trace is not None:
         trace.profile, trace.key_source = profile.name, key_source
@@ -169,6 +184,7 @@ class Decider(Protocol):
         *,
         cordons: Mapping[str, str] | None = None,
         trace: DecisionTrace | None = None,
+        hot: Mapping[int, int] | None = None,
     ) -> Decision:
         """Choose a replica for a request (see :func:`decide`)."""
         ...

@@ -31,6 +31,10 @@ class CycleState:
     key_source: str = "none"
     tenant: TenantTerms = NO_TERMS
     scratch: dict[str, Any] = field(default_factory=dict)
+    hot_key: str | int | None = None
+    """The request's prefix ring key (without the session), which hot prefixes are known by."""
+    hot_replicas: int = 0
+    """Replicas its prefix should be served by when it is hot (:mod:`extproc.routing.hot`); 0: not hot."""
 
 
 class Filter(Protocol):

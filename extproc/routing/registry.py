@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from extproc.routing.hot import HotPrefixFilter, HotPrefixScorer
 from extproc.routing.pipeline import Profile, WeightedScorer
 from extproc.validation import describe
 
@@ -55,6 +56,7 @@ REGISTRY = PluginRegistry(
         "pool": PoolFilter,
         "tenant_shard": TenantShardFilter,
         "lora": LoraFilter,
+        "hot_prefix": HotPrefixFilter,
     },
     scorers={
         "session_affinity": SessionAffinityScorer,
@@ -64,6 +66,7 @@ REGISTRY = PluginRegistry(
         "tenant_headroom": TenantHeadroomScorer,
         "lora": LoraScorer,
         "prefill_cost": PrefillCostScorer,
+        "hot_prefix": HotPrefixScorer,
     },
     pickers={"max_score": MaxScorePicker},
 )
@@ -83,7 +86,9 @@ REGISTRY = PluginRegistry(
 # agreement on an idle fleet. Overload is a filter, not a weight: no amount of affinity pushes a
 # replica that is out of KV blocks (judged on the fresher of the last scrape and what the router
 # sent since). Tuned with `extproc bench routing` (benchmarks/routing.md, including its
-# KV-pressure sweep).
+# KV-pressure sweep). The hot-prefix filter and scorer act only on prefixes the hot-key detector
+# (``hot_keys:``, off by default) reports hot: they keep such a prefix's k replicas and prefer the
+# least loaded of them.
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [
         {"type": "pool"},
@@ -91,6 +96,7 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "in_rotation"},
         {"type": "lora"},
         {"type": "overload"},
+        {"type": "hot_prefix"},
     ],
     "scorers": [
         {"type": "session_affinity", "weight": 10},
@@ -100,6 +106,7 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "ring", "weight": 0.1},
         {"type": "lora", "weight": 3},
         {"type": "tenant_headroom", "weight": 3},
+        {"type": "hot_prefix", "weight": 5},
     ],
     "picker": {"type": "max_score"},
 }

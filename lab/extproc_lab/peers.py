@@ -127,8 +127,9 @@ class PeerDecision:
         *,
         cordons: Mapping[str, str] | None = None,
         trace: DecisionTrace | None = None,
+        hot: Mapping[int, int] | None = None,
     ) -> Decision:
-        """The peer's choice as a decision."""
+        """The peer's choice as a decision (our hot-prefix table, like cordons, is not its business)."""
         if not snapshot.replicas:
             return Decision(replica=None, reason=Reason.NO_REPLICA)
         ordered = self.peer.choose(features, Fleet(snapshot.replicas, view.prefix_matches, now))

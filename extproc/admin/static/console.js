@@ -91,6 +91,18 @@ function drawReasons(decisions) {
   }
 }
 
+function drawHotKeys(hot) {
+  const section = document.getElementById("hot-section");
+  section.hidden = hot === null || hot === undefined;
+  const body = document.querySelector("#hot tbody");
+  body.replaceChildren();
+  for (const h of hot || []) {
+    const row = el("tr");
+    row.append(el("td", {}, h.key), el("td", {}, String(h.rate)), el("td", {}, String(h.replicas)));
+    body.append(row);
+  }
+}
+
 async function refresh() {
   try {
     const resp = await fetch("/console/data", { cache: "no-store" });
@@ -99,6 +111,7 @@ async function refresh() {
     drawHeatmap(data.replicas, data.history);
     drawHitRatio(data.history);
     drawReasons(data.decisions);
+    drawHotKeys(data.hot_keys);
     document.getElementById("status").textContent =
       `${data.replicas.length} replicas, ${data.history.length} samples every ${data.interval_s}s, updated ${new Date(data.time * 1000).toLocaleTimeString()}`;
   } catch (err) {

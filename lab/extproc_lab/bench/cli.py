@@ -254,6 +254,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
         f"seed {args.seed} ({result.wall_s:.0f}s)\n"
     )
     print(format_table(result, markdown=args.markdown))
+    for name, r in result.results.items():
+        join = r.figures.get("join")
+        if join:
+            print(
+                f"  {name}: scale-up at {join['at_s']:g}s: TTFT p99 {join['ttft_p99_before_s']:.3f}s in the minute"
+                f" before, {join['ttft_p99_after_s']:.3f}s in the minute after (hit ratio"
+                f" {join['hit_ratio_before']:.1%} -> {join['hit_ratio_after']:.1%})"
+            )
     for line in verdict(result):
         print(f"  {line}")
     if args.json_path:

@@ -26,6 +26,7 @@ from extproc_lab.bench.policies import (
     ALL,
     CEILINGS,
     EXTRA,
+    HOT_KEYS,
     KV_EVENTS,
     KV_EVENTS_DELAY_S,
     OURS,
@@ -37,6 +38,7 @@ from extproc_lab.bench.progress import ProgressBar
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.ceilings import ceilings
+from extproc_lab.sim.dynamic import DynamicSimulation, window_figures
 from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
 from extproc_lab.sim.pressure import working_set
 from extproc_lab.sim.simulator import Simulation
@@ -110,6 +112,8 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
     workload = _workload(setup.workload)
     replica = setup.replica_profile()
     config = setup.config()
+    if policy == HOT_KEYS:
+        config = dataclasses.replace(config, hot_keys=dataclasses.replace(config.hot_keys, enabled=True))
     variants = setup.variant_profiles()
     progress = _WORKER.get("progress")
     if on_progress is None and progress is not None:
@@ -117,21 +121,37 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
         def on_progress(done: int) -> None:
             progress.put((policy, done))
 
-    sim = Simulation(
+    changes = tuple(workload.info.get("changes", ()))
+    # A workload that scales the fleet (hot-prefix) is replayed with its membership changes.
+    args = (
         workload,
         replica,
         setup.replicas,
         lambda probe: policy_profile(policy, probe, setup.seed, replica, config, variants),
-        policy=policy,
-        config=config,
-        scrape_interval_s=scrape_interval(policy),
-        window_s=setup.window_s,
-        kv_events_delay_s=KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
     )
+    options: dict[str, Any] = {
+        "policy": policy,
+        "config": config,
+        "scrape_interval_s": scrape_interval(policy),
+        "window_s": setup.window_s,
+        "kv_events_delay_s": KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
+    }
+    sim = DynamicSimulation(*args, changes=changes, **options) if changes else Simulation(*args, **options)
     run = sim.run(on_progress)
+    figs = figures(run)
+    if changes:
+        at = changes[0][0]
+        before, after = window_figures(run.outcomes, at - 60.0, at), window_figures(run.outcomes, at, at + 60.0)
+        figs["join"] = {
+            "at_s": at,
+            "ttft_p99_before_s": round(before.ttft_p99_s, 4),
+            "ttft_p99_after_s": round(after.ttft_p99_s, 4),
+            "hit_ratio_before": round(before.hit_ratio, 4),
+            "hit_ratio_after": round(after.hit_ratio, 4),
+        }
     return PolicyResult(
         name=policy,
-        figures=figures(run),
+        figures=figs,
         hit_series=hit_ratio_series(run),
         load_series=load_series(run),
         window_s=run.window_s,

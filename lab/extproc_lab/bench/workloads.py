@@ -25,6 +25,7 @@ WORKLOADS = (
     "azure-conv",
     "azure-code",
     "tenant-mix",
+    "hot-prefix",
 )
 
 
@@ -57,6 +58,8 @@ class WorkloadSpec:
             wl = generators.sglang_shared_prefix(seed=seed, rate=rate)
         elif name == "tenant-mix":
             wl = generators.tenant_mix(seed=seed, rate=rate)
+        elif name == "hot-prefix":
+            wl = generators.hot_prefix(seed=seed, rate=rate)
         elif name in ("mooncake-conversation", "mooncake-synthetic"):
             path = trace_path(name, self.traces)
             wl = mooncake_workload(load_mooncake(path, self.limit), name, rate)

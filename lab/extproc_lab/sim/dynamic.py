@@ -20,6 +20,7 @@ experiments need:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from extproc.routing.model import Replica
 from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.model import Seq
 from extproc_lab.sim.simulator import Outcome, SimRun, Simulation, run_sync
-from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL
+from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL, SimRequest
 from extproc_lab.stats import percentile
 
 
@@ -104,6 +105,10 @@ class DynamicRun:
     session_keys: dict[int, str]
     """request index -> the router's session key (tenant-scoped), for sessions only."""
     tenants: dict[int, str]
+
+
+def _body_bytes(req: SimRequest) -> bytes:
+    return json.dumps(req.body(), separators=(",", ":")).encode()
 
 
 def _warm_seq(body: bytes, handle: int) -> Seq:
@@ -178,13 +183,17 @@ class DynamicSimulation(Simulation):
         req = self.workload.requests[i]
         self._tenants[i] = req.tenant
         chosen = routed.decision.replica
-        if chosen is None or features.session_key is None:
+        if chosen is None:
+            return
+        if self.router.hot_keys is not None:  # a hot prefix's request, kept to warm joining replicas
+            self.router.offer_hot_body(features, functools.partial(_body_bytes, req))
+        if features.session_key is None:
             return
         # As Router.route does: the session's request noted in the rebalancer's ledger.
         self._session_keys[i] = features.session_key
         rebalancer = self.router.rebalancer
         if rebalancer.settings.enabled:
-            body = json.dumps(req.body(), separators=(",", ":")).encode()
+            body = _body_bytes(req)
             rebalancer.note(features.session_key, features.model, chosen.name, features.path, body, now)
 
     def _refused(self, i: int, routed: Routed, now: float) -> None:

@@ -300,3 +300,53 @@ def tenant_mix(*, seed: int = 7, rate: float = 1.0, model: str = DEFAULT_MODEL) 
         "rate": rate,
     }
     return merge("tenant-mix", [chat, rag, batch], info)
+
+
+def hot_prefix(
+    *,
+    seed: int = 7,
+    rate: float = 1.0,
+    prompts: int = 64,
+    zipf_s: float = 1.7,
+    qps: float = 40.0,
+    duration_s: float = 240.0,
+    system_tokens: int = 2000,
+    question_tokens: int = 150,
+    output_tokens: int = 150,
+    replicas_before: int = 8,
+    replicas_after: int = 10,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """One system prompt carries about half the traffic: ``prompts`` system prompts drawn by a Zipf
+    law of exponent ``zipf_s`` (64 at 1.7: the top one about 50%), each request a unique question
+    after it, Poisson arrivals at ``qps * rate`` for ``duration_s``. At 40 requests/s the top prompt
+    arrives at about 20/s, over twice what one replica prefills of whole prompts (20,000 tokens/s
+    over 2,150 tokens on the default replica profile). ``info["changes"]`` asks for a scale-up
+    from ``replicas_before`` to ``replicas_after`` halfway through (the bench replays it with
+    :class:`~extproc_lab.sim.dynamic.DynamicSimulation`)."""
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) ** zipf_s for i in range(prompts)]
+    top_share = weights[0] / sum(weights)
+    systems = [f"System prompt {g}: " + words(rng, system_tokens) for g in range(prompts)]
+    arrivals = []
+    t = rng.expovariate(qps * rate)
+    while t < duration_s:
+        arrivals.append(t)
+        t += rng.expovariate(qps * rate)
+    reqs = []
+    for i, at in enumerate(arrivals):
+        g = rng.choices(range(prompts), weights)[0]
+        messages = [
+            {"role": "system", "content": systems[g]},
+            {"role": "user", "content": f"Question {i}: " + words(rng, question_tokens)},
+        ]
+        reqs.append(text_request(i, at, output_tokens, messages=messages, model=model))
+    info = {
+        "shape": f"{prompts} system prompts, Zipf {zipf_s:g} (top {top_share:.0%}), unique questions",
+        "qps": qps * rate,
+        "top_share": round(top_share, 3),
+        "changes": ((duration_s / 2, replicas_after),),
+        "replicas_before": replicas_before,
+        "seed": seed,
+    }
+    return Workload("hot-prefix", reqs, info)

@@ -218,3 +218,33 @@ class DecisionEvent(_message.Message):
     decision_ms: float
     skipped: int
     def __init__(self, time: _Optional[float] = ..., replica: _Optional[str] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., decision_ms: _Optional[float] = ..., skipped: _Optional[int] = ...) -> None: ...
+
+class ListHotKeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HotKeyInfo(_message.Message):
+    __slots__ = ("key", "requests_per_second", "mean_prompt_tokens", "replicas", "hot_for_s", "warm_ready")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    HOT_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    WARM_READY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    requests_per_second: float
+    mean_prompt_tokens: float
+    replicas: int
+    hot_for_s: float
+    warm_ready: bool
+    def __init__(self, key: _Optional[str] = ..., requests_per_second: _Optional[float] = ..., mean_prompt_tokens: _Optional[float] = ..., replicas: _Optional[int] = ..., hot_for_s: _Optional[float] = ..., warm_ready: _Optional[bool] = ...) -> None: ...
+
+class ListHotKeysResponse(_message.Message):
+    __slots__ = ("enabled", "hot_keys", "cooling")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    HOT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    COOLING_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    hot_keys: _containers.RepeatedCompositeFieldContainer[HotKeyInfo]
+    cooling: int
+    def __init__(self, enabled: _Optional[bool] = ..., hot_keys: _Optional[_Iterable[_Union[HotKeyInfo, _Mapping]]] = ..., cooling: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,11 @@ class AdminStub:
                 request_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.WatchRequest.SerializeToString,
                 response_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.DecisionEvent.FromString,
                 _registered_method=True)
+        self.ListHotKeys = channel.unary_unary(
+                '/extproc.admin.v1.Admin/ListHotKeys',
+                request_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysRequest.SerializeToString,
+                response_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -137,6 +142,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListHotKeys(self, request, context):
+        """The prefixes the hot-key detector finds hot (hot_keys:), by fingerprint: never their text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +191,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.WatchDecisions,
                     request_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.WatchRequest.FromString,
                     response_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.DecisionEvent.SerializeToString,
+            ),
+            'ListHotKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHotKeys,
+                    request_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysRequest.FromString,
+                    response_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +414,33 @@ class Admin:
             '/extproc.admin.v1.Admin/WatchDecisions',
             extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.WatchRequest.SerializeToString,
             extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.DecisionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHotKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/extproc.admin.v1.Admin/ListHotKeys',
+            extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysRequest.SerializeToString,
+            extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysResponse.FromString,
             options,
             channel_credentials,
             insecure,

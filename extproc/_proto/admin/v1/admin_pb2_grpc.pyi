@@ -58,6 +58,8 @@ class AdminStub:
     """
     WatchDecisions: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchRequest, _admin_pb2.DecisionEvent]
     """A sampled stream of decisions: reason, replica, matched blocks, latency. No prompt, no key."""
+    ListHotKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListHotKeysRequest, _admin_pb2.ListHotKeysResponse]
+    """The prefixes the hot-key detector finds hot (hot_keys:), by fingerprint: never their text."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -82,6 +84,8 @@ class AdminAsyncStub(AdminStub):
     """
     WatchDecisions: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchRequest, _admin_pb2.DecisionEvent]  # type: ignore[assignment]
     """A sampled stream of decisions: reason, replica, matched blocks, latency. No prompt, no key."""
+    ListHotKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListHotKeysRequest, _admin_pb2.ListHotKeysResponse]  # type: ignore[assignment]
+    """The prefixes the hot-key detector finds hot (hot_keys:), by fingerprint: never their text."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -151,5 +155,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_admin_pb2.DecisionEvent], _abc.AsyncIterator[_admin_pb2.DecisionEvent]]:
         """A sampled stream of decisions: reason, replica, matched blocks, latency. No prompt, no key."""
+
+    @_abc_1.abstractmethod
+    def ListHotKeys(
+        self,
+        request: _admin_pb2.ListHotKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListHotKeysResponse, _abc.Awaitable[_admin_pb2.ListHotKeysResponse]]:
+        """The prefixes the hot-key detector finds hot (hot_keys:), by fingerprint: never their text."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
