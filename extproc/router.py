@@ -16,7 +16,7 @@ from extproc.cache_estimate import CacheEstimate
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
-from extproc.hotkeys.detector import HotKeyDetector
+from extproc.hotkeys.detector import HotKeyDetector, label
 from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
@@ -235,6 +235,8 @@ class Router:
             hot = self.hot_keys.table()
         decision = self.decide(features, snapshot, view, start, profile, terms, cordons=self.cordons, hot=hot)
         replica = decision.replica
+        if decision.hot_set and replica is not None:
+            self._warm_hot_members(profile.prefix_key(features), decision, features, view)
         prefill_tokens = 0
         tenant_counted = False
         if replica is not None:
@@ -453,7 +455,7 @@ class Router:
         rate limit (queued now, so they reach it before most of the traffic it is about to take)."""
         if self.hot_keys is None or not self.hot_keys.settings.warm_on_join:
             return 0
-        record = next((r for r in self.replicas.records() if r.replica.name == name), None)
+        record = self.replicas.record(name)
         if record is None:
             return 0
         sent = 0
@@ -461,6 +463,32 @@ class Router:
             sent += self.rebalancer.prewarmer.submit(record.replica.address, path, body, force=True)
         if sent:
             log.info("warming %s with %d hot prefixes", name, sent)
+        return sent
+
+    def _warm_hot_members(
+        self, key: str | int | None, decision: Decision, features: RequestFeatures, view: AffinityView
+    ) -> int:
+        """Warm the members new to a hot prefix's replica set (its k grew, or the load bound walked
+        past one) with its kept request, prefill only, so they hold it before its traffic reaches
+        them; the chosen replica is warmed by this request itself. A member believed to hold half
+        of the prompt already is left alone."""
+        if self.hot_keys is None or key is None or decision.replica is None:
+            return 0
+        fp = fingerprint(key)
+        exemplar = self.hot_keys.exemplar(fp)
+        if exemplar is None:
+            return 0
+        total = len(features.prefix_hashes)
+        holding = {decision.replica.name} | {
+            name for name, n in view.prefix_matches.items() if total and 2 * n >= total
+        }
+        sent = 0
+        for name in self.hot_keys.newcomers(fp, decision.hot_set, holding):
+            record = self.replicas.record(name)
+            if record is not None:
+                sent += self.rebalancer.prewarmer.submit(record.replica.address, *exemplar, force=True)
+        if sent:
+            log.info("warming %d new replicas of hot prefix %s", sent, label(fp))
         return sent
 
     async def after_scrape(self, transitions: Sequence[Transition]) -> None:

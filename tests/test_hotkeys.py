@@ -255,6 +255,15 @@ async def test_the_router_spreads_a_hot_prefix_and_warms_a_joining_replica_with_
     console = ConsoleHistory(router).data()["hot_keys"]
     assert console == [{"key": hot[0].label, "rate": round(hot[0].rate_rps, 1), "replicas": hot[0].replicas}]
 
+    # When it turned hot, the members new to its set (all but the one holding it and the one the
+    # request itself went to) were warmed with it, once each.
+    await router.rebalancer.prewarmer.drain()
+    members = {f"10.0.0.{name[1:]}:80" for name in where[2]}
+    warmed = [a for a, _ in sent]
+    assert warmed and len(set(warmed)) == len(warmed) <= hot[0].replicas - 1, (warmed, members)
+    assert set(warmed) <= members
+    sent.clear()
+
     await router.set_replicas([*replicas, Replica("r9", "10.0.0.9:80")])
     await router.rebalancer.prewarmer.drain()
     assert [a for a, _ in sent] == ["10.0.0.9:80"]
@@ -274,3 +283,15 @@ def test_the_hot_prefix_workload_has_one_prompt_over_one_replicas_prefill() -> N
     rate = count / 30.0
     assert rate * tokens > get_profile("llama-8b-h100").prefill_tokens_per_s  # its whole prompts, per second
     assert wl.info["changes"] == ((15.0, 10),)
+
+
+def test_a_hot_keys_new_members_are_named_once_and_only_with_a_kept_request() -> None:
+    detector = HotKeyDetector(HotKeySettings(enabled=True, sample_rate=1.0, window_s=1.0, min_samples=4))
+    stream(detector, ["hot"] + [f"k{i}" for i in range(40)], [40.0] + [1.0] * 40, 400, 3.0, seed=1)
+    fp = fingerprint("hot")
+    assert fp in detector.hot()
+    assert detector.newcomers(fp, ["a", "b"], holding=set()) == []  # nothing kept to warm them with
+    detector.keep_exemplar(fp, "/v1/completions", b'{"prompt": "x"}')
+    assert detector.exemplar(fp) == ("/v1/completions", b'{"prompt": "x"}')
+    assert detector.newcomers(fp, ["a", "b", "c"], holding={"a"}) == ["b", "c"]
+    assert detector.newcomers(fp, ["a", "b", "c", "d"], holding=set()) == ["d"]  # each once

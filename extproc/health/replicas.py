@@ -96,6 +96,10 @@ class ReplicaBook:
         """All records (for metrics and the scraper)."""
         return list(self._records.values())
 
+    def record(self, name: str) -> ReplicaRecord | None:
+        """Replica ``name``'s record, None when it is not a member."""
+        return self._records.get(name)
+
     # --- membership ---------------------------------------------------------------------------
 
     def join(self, replica: Replica) -> bool:

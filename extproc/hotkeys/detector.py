@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.routing.hot import fingerprint
@@ -125,6 +125,7 @@ class HotKeyDetector:
         self._table: dict[int, int] = {}
         self._cooling: dict[int, tuple[int, int]] = {}  # cooled keys -> (windows left, k)
         self._exemplars: dict[int, tuple[str, bytes]] = {}
+        self._warmed: dict[int, set[str]] = {}  # hot key -> replicas of its set already warmed or holding it
         self.windows_closed = 0
 
     def _gap(self) -> int:
@@ -246,6 +247,8 @@ class HotKeyDetector:
         self._table = {**{fp: k for fp, (_, k) in cooling.items()}, **{fp: h.replicas for fp, h in self._hot.items()}}
         for fp in [fp for fp in self._exemplars if fp not in self._hot]:
             del self._exemplars[fp]
+        for fp in [fp for fp in self._warmed if fp not in self._hot]:
+            del self._warmed[fp]
 
     def _replicas(self, rate: float, tokens: float) -> int:
         """Replicas a key gets: its prefill demand over one replica's capacity, within the bound."""
@@ -273,6 +276,21 @@ class HotKeyDetector:
         ranked = sorted(self._hot.values(), key=lambda h: -h.rate_rps)
         out = [self._exemplars[h.fingerprint] for h in ranked if h.fingerprint in self._exemplars]
         return out[: self.settings.warm_top]
+
+    def exemplar(self, fp: int) -> tuple[str, bytes] | None:
+        """The request (path, body) kept of hot key ``fp``, if any."""
+        return self._exemplars.get(fp)
+
+    def newcomers(self, fp: int, members: Sequence[str], holding: Container[str]) -> list[str]:
+        """The members of hot key ``fp``'s replica set to warm: those that neither hold it
+        (``holding``) nor were warmed or seen holding it before, each named once while the key
+        stays hot; none while no request of it is kept to warm them with."""
+        if fp not in self._exemplars or not self.settings.warm_on_join:
+            return []
+        seen = self._warmed.setdefault(fp, set())
+        fresh = [m for m in members if m not in seen and m not in holding]
+        seen.update(members)
+        return fresh
 
     def warm_ready(self, fp: int) -> bool:
         """Whether a request of hot key ``fp`` is kept to warm joining replicas with."""

@@ -122,3 +122,5 @@ class Decision:
     re-pins them."""
     retry_after_s: int | None = None
     """For a refusal (``quota``): when the client may try again."""
+    hot_set: tuple[str, ...] = ()
+    """The replicas serving the request's prefix, when it is hot (:mod:`extproc.routing.hot`)."""

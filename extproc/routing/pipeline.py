@@ -166,7 +166,8 @@ def decide(
         trace.totals = dict(totals)
         trace.order = [s.name for s in ordered]
     overloaded: set[str] = cycle.scratch.get("overloaded", set())
-    return _conclude(features, view, profile, ordered, totals, key_source, overloaded)
+    hot_set = tuple(sorted(cycle.scratch.get("hot_set", ())))
+    return _conclude(features, view, profile, ordered, totals, key_source, overloaded, hot_set)
 
 
 class Decider(Protocol):
@@ -215,6 +216,7 @@ def _conclude(
     totals: Mapping[str, float],
     key_source: KeySource,
     overloaded: set[str],
+    hot_set: tuple[str, ...] = (),
 ) -> Decision:
     chosen = ordered[0]
     matched = view.prefix_matches.get(chosen.name, 0)
@@ -227,6 +229,7 @@ def _conclude(
         matched_blocks=matched,
         total_blocks=len(features.prefix_hashes),
         scores=totals,
+        hot_set=hot_set,
     )
 
 
