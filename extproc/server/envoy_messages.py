@@ -55,47 +55,37 @@ def continue_headers(
     return response
 
 
-@functools.cache
-def without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
-    """The processing mode that skips this request's response headers, its body mode unchanged."""
+def _mode(request_body_mode: int, response_headers: int, response_body: int) -> pm.ProcessingMode:
     # Envoy replaces the whole mode with an override: everything else repeats the rendered config.
-    # Built once per body mode (the caller copies it into each answer).
     return pm.ProcessingMode(
         request_header_mode=pm.ProcessingMode.SEND,
-        response_header_mode=pm.ProcessingMode.SKIP,
+        response_header_mode=response_headers,
         request_body_mode=request_body_mode,
-        response_body_mode=pm.ProcessingMode.NONE,
+        response_body_mode=response_body,
         request_trailer_mode=pm.ProcessingMode.SKIP,
         response_trailer_mode=pm.ProcessingMode.SKIP,
     )
+
+
+@functools.cache
+def without_response_headers(request_body_mode: int) -> pm.ProcessingMode:
+    """The processing mode that skips this request's response headers, its body mode unchanged
+    (built once per body mode; the caller copies it into each answer)."""
+    return _mode(request_body_mode, pm.ProcessingMode.SKIP, pm.ProcessingMode.NONE)
 
 
 @functools.cache
 def with_response_headers(request_body_mode: int) -> pm.ProcessingMode:
     """The processing mode that sends this request's response headers (whatever the config says),
     so that their answer may ask for the body (:func:`streamed_response_body`)."""
-    return pm.ProcessingMode(
-        request_header_mode=pm.ProcessingMode.SEND,
-        response_header_mode=pm.ProcessingMode.SEND,
-        request_body_mode=request_body_mode,
-        response_body_mode=pm.ProcessingMode.NONE,
-        request_trailer_mode=pm.ProcessingMode.SKIP,
-        response_trailer_mode=pm.ProcessingMode.SKIP,
-    )
+    return _mode(request_body_mode, pm.ProcessingMode.SEND, pm.ProcessingMode.NONE)
 
 
 @functools.cache
 def streamed_response_body(request_body_mode: int) -> pm.ProcessingMode:
     """The processing mode that sends this response's body in pieces as they arrive (STREAMED:
     each piece is answered at once and goes on unchanged; nothing is buffered)."""
-    return pm.ProcessingMode(
-        request_header_mode=pm.ProcessingMode.SEND,
-        response_header_mode=pm.ProcessingMode.SEND,
-        request_body_mode=request_body_mode,
-        response_body_mode=pm.ProcessingMode.STREAMED,
-        request_trailer_mode=pm.ProcessingMode.SKIP,
-        response_trailer_mode=pm.ProcessingMode.SKIP,
-    )
+    return _mode(request_body_mode, pm.ProcessingMode.SEND, pm.ProcessingMode.STREAMED)
 
 
 def continue_response_headers(mode_override: pm.ProcessingMode | None = None) -> pb.ProcessingResponse:
