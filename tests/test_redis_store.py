@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from redis.asyncio.cluster import NodesManager, RedisCluster
 
 from extproc.metrics import RouterMetrics
 from extproc.router import Router
@@ -347,6 +348,32 @@ async def test_a_one_node_cluster_serves_lookups_and_pipelined_writes(directory:
         finally:
             await writer.close()
             await reader.close()
+
+
+async def test_a_cluster_slower_to_discover_than_an_operation_is_still_written(
+    directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Discovering the slots and the command table takes a few round trips and a large COMMAND
+    # reply; on a busy machine it overran the per-operation budget and the first writes failed.
+    require_binary("redis-server")
+    with ProcessGroup(directory) as procs:
+        cluster = LocalRedis(procs, directory, name="cluster", cluster=True).start()
+        store = redis_store(cluster.url, near_cache_ttl=0)
+        assert isinstance(store.client, RedisCluster)
+        discover = NodesManager.initialize
+
+        async def slow_discovery(self: NodesManager) -> None:
+            await asyncio.sleep(store.op_timeout_s * 1.5)
+            await discover(self)
+
+        monkeypatch.setattr(NodesManager, "initialize", slow_discovery)
+        try:
+            await store.record("s", "r1", [1, 2], now=0, pin=True, model="m")
+            assert await store.flush(3.0)
+            assert store.available and not store.counters.errors
+            assert (await store.lookup("s", [1, 2], now=0, model="m")).pinned == "r1"
+        finally:
+            await store.close()
 
 
 async def test_the_master_behind_a_sentinel(directory: Path) -> None:

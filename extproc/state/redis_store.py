@@ -71,6 +71,11 @@ log = logging.getLogger("extproc.state")
 # the rest come from sockets and from asyncio.timeout).
 UNAVAILABLE = (RedisError, OSError, TimeoutError)
 
+CLUSTER_DISCOVERY_S = 2.0
+"""How long a cluster client may take to discover the slots and the command table, off the
+request path (before the writer's batches and the prober's pings): a few round trips and a large
+``COMMAND`` reply, which the per-operation budget did not always fit on a busy machine."""
+
 
 T = TypeVar("T")
 
@@ -279,7 +284,24 @@ class RedisStore:
             self.prefix_ttl_ms // 8,
         )
 
+    async def _discover(self) -> None:
+        """A cluster client's topology, discovered (retried within :data:`CLUSTER_DISCOVERY_S`;
+        a no-op once done); what still fails is an outage like any other."""
+        if not isinstance(self.client, RedisCluster):
+            return
+        deadline = time.monotonic() + CLUSTER_DISCOVERY_S
+        while True:
+            try:
+                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
+                    await self.client.initialize()
+                return
+            except UNAVAILABLE:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
     async def _write_batch(self, batch: list[_Write]) -> None:
+        await self._discover()
         start = time.perf_counter()
         calls = [self._record_call(w, self.keys) for w in batch]
         new_models = {w.model for w in batch} - self._models
@@ -460,6 +482,7 @@ class RedisStore:
         while self.outage.down and not self._closed:
             await asyncio.sleep(self.outage.next_delay())
             try:
+                await self._discover()
                 async with asyncio.timeout(self.op_timeout_s):
                     await _async(self.client.ping())
             except UNAVAILABLE as exc:
