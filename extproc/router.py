@@ -29,6 +29,7 @@ from extproc.routing.model import AffinityView, Decision, Reason, Replica, Snaps
 from extproc.routing.pipeline import Decider, Profile, Profiles, decide
 from extproc.routing.registry import build_profile
 from extproc.routing.trace import DecisionTrace, Explanation
+from extproc.sampling import RateSampler
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
@@ -105,7 +106,7 @@ class Router:
         self.config = config
         self.decide = decider
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
-        self._sampled = 0.0  # response_sample_rate accumulated: a request is observed at each whole one
+        self._responses = RateSampler()  # health.response_sample_rate
         self.store: AffinityStore = store or MemoryStore(
             config.session_ttl_s, config.max_sessions, config.blocks_per_replica
         )
@@ -376,14 +377,9 @@ class Router:
         is not observed keeps its in-flight slot until its stream ends (Envoy holds the ext_proc
         stream open until the HTTP request is over) and its prefill counts as pending until then.
         """
-        rate = self.config.health.response_sample_rate
-        if rate >= 1.0 or self.config.splits:  # a canary is judged on every response of its arms
+        if self.config.splits:  # a canary is judged on every response of its arms
             return True
-        self._sampled += rate
-        if self._sampled >= 1.0:
-            self._sampled -= 1.0
-            return True
-        return False
+        return self._responses.take(self.config.health.response_sample_rate)
 
     def observe_response(self, routed: Routed, status: int, attempts: int = 1) -> None:
         """Learn from the response headers Envoy saw: status and time to first byte.

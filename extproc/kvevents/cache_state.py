@@ -39,6 +39,7 @@ from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.routing.model import AffinityView, Replica
+from extproc.sampling import RateSampler
 
 log = logging.getLogger("extproc.kvevents")
 
@@ -119,7 +120,7 @@ class EventCacheState:
         self.subscriptions: Any = None  # extproc.kvevents.subscriber.Subscriptions, made by start()
         self._members: list[Replica] = []
         self._hits: dict[str, float] = {}
-        self._check_credit = 0.0
+        self._checks = RateSampler()  # check_sample_rate
 
     # -- before the decision ----------------------------------------------------------------
     async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
@@ -229,14 +230,7 @@ class EventCacheState:
     def sample_check(self) -> bool:
         """Whether to read this request's response body for its reported cached tokens
         (``check_sample_rate``, deterministic: 0.25 is exactly every fourth request)."""
-        rate = self.settings.check_sample_rate
-        if rate <= 0:
-            return False
-        self._check_credit += rate
-        if self._check_credit >= 1.0:
-            self._check_credit -= 1.0
-            return True
-        return False
+        return self._checks.take(self.settings.check_sample_rate)
 
     def predicted_tokens(self, features: RequestFeatures, replica: str, matched_blocks: int, now: float) -> int | None:
         """The cached tokens the index predicted on ``replica`` for this request, when its events

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from extproc.kvevents.hashing import HashAlgo
@@ -39,20 +40,21 @@ def add_kv_event_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _pairs(base: Mapping[str, str], specs: Sequence[str] | None, flag: str, form: str) -> dict[str, str]:
+    """``base`` with each ``KEY=VALUE`` of a repeated flag added; ValueError names the flag."""
+    out = dict(base)
+    for spec in specs or []:
+        key, sep, value = spec.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{flag}: expected {form}, got {spec!r}")
+        out[key] = value
+    return out
+
+
 def kv_event_overrides(settings: KvEventSettings, args: argparse.Namespace) -> KvEventSettings:
     """The config's section with the flags applied; ValueError names a bad flag."""
-    tokenizers = dict(settings.tokenizers)
-    for spec in getattr(args, "tokenizer", None) or []:
-        model, sep, directory = spec.partition("=")
-        if not sep or not model or not directory:
-            raise ValueError(f"--tokenizer: expected MODEL=DIR, got {spec!r}")
-        tokenizers[model] = directory
-    adapters = dict(settings.lora_adapters)
-    for spec in getattr(args, "lora_adapter", None) or []:
-        adapter, sep, model = spec.partition("=")
-        if not sep or not adapter or not model:
-            raise ValueError(f"--lora-adapter: expected ADAPTER=MODEL, got {spec!r}")
-        adapters[adapter] = model
+    tokenizers = _pairs(settings.tokenizers, getattr(args, "tokenizer", None), "--tokenizer", "MODEL=DIR")
+    adapters = _pairs(settings.lora_adapters, getattr(args, "lora_adapter", None), "--lora-adapter", "ADAPTER=MODEL")
     changes: dict[str, object] = {"tokenizers": tokenizers, "lora_adapters": adapters}
     for flag, key in (
         ("kv_events_listen", "listen"),
