@@ -68,6 +68,10 @@ class Routed:
     """Held while the fleet was full and refused (queue full, or waited past its class's limit)."""
     kv_tokens: int = 0
     """KV tokens the request was counted as holding on its replica while in flight."""
+    claimed_tokens: int = 0
+    """Prompt tokens the prefix index claimed cached on the chosen replica (before trust), handed to
+    the cache estimate once the prefill is done: the replica counts its hits when it prefills,
+    and behind a queue that is seconds after the decision."""
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -238,12 +242,12 @@ class Router:
         replica = decision.replica
         if decision.hot_set and replica is not None:
             self._warm_hot_members(profile.prefix_key(features), decision, features, view)
-        prefill_tokens = 0
+        prefill_tokens = claimed_tokens = 0
         tenant_counted = False
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             raw_uncached = self._uncached_tokens(features, claims.get(replica.name, 0))
-            self.cache_estimate.claimed(replica.name, features.prompt_chars // CHARS_PER_TOKEN - raw_uncached)
+            claimed_tokens = features.prompt_chars // CHARS_PER_TOKEN - raw_uncached
             # What it adds to the replica's KV: the part not believed cached (a shared prefix is held
             # once, however many requests use it).
             self.replicas.begin(replica.name, start, prefill_tokens, prefill_tokens)
@@ -293,7 +297,15 @@ class Router:
                     "decision_ms": round((now - start) * 1000, 3),
                 },
             )
-        return Routed(features, decision, now, prefill_tokens, tenant_counted=tenant_counted, kv_tokens=prefill_tokens)
+        return Routed(
+            features,
+            decision,
+            now,
+            prefill_tokens,
+            tenant_counted=tenant_counted,
+            kv_tokens=prefill_tokens,
+            claimed_tokens=claimed_tokens,
+        )
 
     async def explain(self, headers: Mapping[str, str], body: bytes | None) -> Explanation:
         """The decision :meth:`route` would make for this request now, with its trace, and
@@ -406,12 +418,21 @@ class Router:
                 self.replicas.observe(replica.name, 0, None, now)
             self.replicas.prefilled(replica.name, routed.prefill_tokens)
             routed.prefill_tokens = 0
+            self._settle_claim(routed)
+
+    def _settle_claim(self, routed: Routed) -> None:
+        """The request's prefill is over (its first byte came back, or the request ended): its
+        claim is weighed against the hits the replica reports from now on."""
+        if routed.claimed_tokens and routed.decision.replica is not None:
+            self.cache_estimate.claimed(routed.decision.replica.name, routed.claimed_tokens)
+            routed.claimed_tokens = 0
 
     def release(self, routed: Routed) -> None:
         """The request is over (or abandoned): its in-flight slot is freed, once."""
         if routed.released or routed.decision.replica is None:
             return
         routed.released = True
+        self._settle_claim(routed)
         self.replicas.end(routed.decision.replica.name, routed.prefill_tokens, routed.kv_tokens)
         if routed.tenant_counted:
             self.tenants.end(routed.features.tenant, routed.decision.replica.name)

@@ -187,6 +187,47 @@ def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
     assert store.prefixes.held("a") == 90
 
 
+def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() -> None:
+    # Behind a queue the replica counts its hits seconds after the decision. Weighing claims from
+    # the decision on made a replica that holds every claimed block look like one that evicted
+    # them while its queue grew (shared-prefix at 12,000 blocks: trust fell to 0.2, the holders
+    # were dropped as overloaded, hit ratio 55% where SGLang has 64%).
+    from extproc.config import Config
+    from extproc.health.vllm_metrics import ReplicaMetrics
+    from extproc.router import Router
+    from extproc.state.memory import MemoryStore
+    from extproc_lab.sim.simulator import run_sync
+
+    router = Router(Config(replicas=(Replica("a", "x:1"),)), store=MemoryStore())
+    router.cache_estimate.min_claimed_tokens = 100
+    router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=0), 1.0)
+    hashes = tuple(_chain(1, 30, 0))
+    features = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=64 * 30)
+    run_sync(router.route_features(features, 2.0))  # the first sends the prompt: nothing claimed
+    queued = [run_sync(router.route_features(features, 3.0 + i)) for i in range(5)]
+    assert all(r.claimed_tokens == 480 for r in queued)
+    # Still queued at the next scrapes: no hits yet, and none expected.
+    for t in (10.0, 11.0):
+        router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=0), t)
+        run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), t))
+    assert router.cache_estimate.trust("a") == 1.0
+    # Prefilled: the first bytes came back, and the replica reports the hits.
+    for r in queued[:3]:
+        router.observe_response(r, 200)
+    for r in queued[3:]:
+        router.release(r)
+    assert all(r.claimed_tokens == 0 for r in queued)
+    router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=5 * 480), 12.0)
+    run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 12.0))
+    assert router.cache_estimate.trust("a") == 1.0
+    # Had the replica found none of it, trust would fall.
+    for r in [run_sync(router.route_features(features, 13.0 + i)) for i in range(5)]:
+        router.observe_response(r, 200)
+    router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=5 * 480), 20.0)
+    run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 20.0))
+    assert router.cache_estimate.trust("a") < 0.7
+
+
 # --- decisions under pressure -----------------------------------------------------------------
 
 
