@@ -17,6 +17,7 @@ from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.hotkeys.detector import HotKeyDetector, label
+from extproc.inflight_prefixes import InflightPrefixes
 from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
@@ -121,6 +122,8 @@ class Router:
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
         # Capacity and trust of the prefix index per replica, from the replicas' own metrics.
         self.cache_estimate = CacheEstimate(config.features.block_chars // CHARS_PER_TOKEN)
+        # Prompts in flight per replica: prefixes a replica will hold when a request sent now runs.
+        self.inflight_prefixes = InflightPrefixes()
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
             self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics)
@@ -228,7 +231,9 @@ class Router:
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
         self.cache_estimate.sync(self.replicas, self.store)
-        claims, view = view.prefix_matches, self.cache_estimate.adjust(view)
+        hashes = features.prefix_hashes
+        claims = self.inflight_prefixes.merged(view.prefix_matches, hashes)
+        view = self._with_inflight(self.cache_estimate.adjust(view), hashes)
         if self.kv_events is not None:
             view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
@@ -251,6 +256,7 @@ class Router:
             # What it adds to the replica's KV: the part not believed cached (a shared prefix is held
             # once, however many requests use it).
             self.replicas.begin(replica.name, start, prefill_tokens, prefill_tokens)
+            self.inflight_prefixes.add(replica.name, hashes)
             if self.kv_events is not None:
                 self.kv_events.decided(features, replica.name, decision.matched_blocks, start)
             tenant_counted = self.tenants.begin(features.tenant, replica.name)
@@ -320,13 +326,16 @@ class Router:
             log.debug("store peek failed: %s", exc)
             view = AffinityView()
         members = [r.replica.name for r in self.replicas.records()]
-        view = self.cache_estimate.adjust(view)  # as route() weighs the estimate (without syncing it)
-        sources = dict.fromkeys(view.prefix_matches, "estimate")
+        # As route() weighs the estimate (without syncing it) and adds the prompts in flight.
+        adjusted = self.cache_estimate.adjust(view)
+        estimate = adjusted.prefix_matches
+        view = self._with_inflight(adjusted, features.prefix_hashes)
+        sources = {r: "estimate" if estimate.get(r, 0) >= n else "in_flight" for r, n in view.prefix_matches.items()}
         if self.kv_events is not None:
             view = self.kv_events.view(view, features, members, now)
             if features.tokens_per_block and features.prefix_hashes:
                 live = set(self.kv_events.source.live(members, now))
-                sources = {r: "kv_events" if r in live else "estimate" for r in view.prefix_matches}
+                sources = {r: "kv_events" if r in live else sources.get(r, "estimate") for r in view.prefix_matches}
         trace = DecisionTrace()
         snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
@@ -375,6 +384,13 @@ class Router:
         # Moves land on replicas open to new sessions only.
         open_ = Snapshot(tuple(s for s in full.replicas if s.name == name or s.name not in self.cordons))
         return await self.rebalancer.on_leave(name, self.profile.ring_for(full), open_)
+
+    def _with_inflight(self, view: AffinityView, hashes: tuple[int, ...]) -> AffinityView:
+        """The view with each replica's match at least what its requests in flight cover: those it
+        runs or has queued will have prefilled their prompts before a request sent now (not
+        scaled by trust: the replica's counters judge the index, not this)."""
+        matches = self.inflight_prefixes.merged(view.prefix_matches, hashes)
+        return view if matches is view.prefix_matches else AffinityView(view.pinned, matches)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
         if features.tokens_per_block:
@@ -433,6 +449,7 @@ class Router:
             return
         routed.released = True
         self._settle_claim(routed)
+        self.inflight_prefixes.remove(routed.decision.replica.name, routed.features.prefix_hashes)
         self.replicas.end(routed.decision.replica.name, routed.prefill_tokens, routed.kv_tokens)
         if routed.tenant_counted:
             self.tenants.end(routed.features.tenant, routed.decision.replica.name)
@@ -452,6 +469,7 @@ class Router:
             snapshot = self.replicas.snapshot(now)
             await self.rebalancer.on_leave(name, self.profile.ring_for(snapshot), snapshot)
             self.replicas.leave(name)
+            self.inflight_prefixes.forget((name,))
             try:
                 await self.store.forget_replica(name)
             except Exception as exc:

@@ -89,6 +89,21 @@ async def test_explain_pins_counts_and_indexes_nothing() -> None:
     assert explained.uncached_tokens[holder] < max(explained.uncached_tokens.values())
 
 
+async def test_explain_names_a_match_only_requests_in_flight_give_as_in_flight() -> None:
+    router = Router(make_config())
+    body = chat_body("a long shared system prompt " * 40)
+    routed = await router.route(_headers("warm"), body)
+    holder = routed.decision.replica.name  # type: ignore[union-attr]
+    assert (await router.explain(_headers("other"), body)).match_sources[holder] == "estimate"
+    router.store.set_capacity(holder, 1)  # the index keeps one block of it; the request still runs
+    await router.route(_headers("filler"), chat_body("something else entirely " * 40))
+    explained = await router.explain(_headers("other"), body)
+    assert explained.match_sources[holder] == "in_flight" and explained.decision.replica.name == holder  # type: ignore[union-attr]
+    assert len(router.inflight_prefixes) >= 1
+    router.release(routed)
+    assert (await router.explain(_headers("other"), body)).match_sources.get(holder, "estimate") == "estimate"
+
+
 async def test_drain_moves_the_sessions_it_knows_and_stops_new_work() -> None:
     router = Router(make_config())
     targets = {}

@@ -85,6 +85,29 @@ def test_idle_replica_is_fully_healthy_and_a_drowning_one_is_not() -> None:
     assert health_score(bad, HealthWeights(), HealthLimits()) < 0.5
 
 
+def test_a_fleet_busy_as_a_whole_ejects_nobody_but_an_outlier_is_still_ejected() -> None:
+    # Every replica as loaded as the next: the fleet is overloaded, and ejecting any of them would
+    # pile its share onto the rest. One far worse than its peers is still taken out.
+    names = [f"r{i}" for i in range(6)]
+    book = ReplicaBook([Replica(n, f"h:{i}") for i, n in enumerate(names)], HealthSettings())
+    drowning = parse_vllm_metrics(page(8, 60, 0.99))
+
+    def run(start: int, slow: set[str]) -> None:
+        for t in range(start, start + 5):
+            for n in names:
+                book.apply_scrape(n, drowning if n in slow else parse_vllm_metrics(page(1, 0, 0.2)), now=float(t))
+                for _ in range(12):  # first bytes Envoy saw: 30 s behind the queue, or quick
+                    book.observe(n, 200, 30.0 if n in slow else 0.3, float(t))
+            book.evaluate(float(t))
+
+    run(0, set(names))
+    assert all(r.rotation.in_rotation for r in book.records())
+    alone = HealthSignals(queue=60, kv_usage=0.99, ttft_p99_s=30.0)
+    assert health_score(alone, HealthWeights(), HealthLimits()) < 0.5  # judged alone, each would be ejected
+    run(100, {"r0"})  # a minute later: the first bytes of the busy spell are out of the window
+    assert [r.replica.name for r in book.records() if not r.rotation.in_rotation] == ["r0"]
+
+
 @given(st.lists(st.floats(0, 1), min_size=1, max_size=200), st.floats(0.05, 2.0))
 def test_rotation_never_flaps(scores: list[float], interval: float) -> None:
     policy = RotationPolicy()

@@ -28,6 +28,7 @@ RANKS = {
     "extproc.queueing": 4,
     "extproc.kvevents": 4,
     "extproc.cache_estimate": 4,
+    "extproc.inflight_prefixes": 4,
     "extproc.state": 3,
     "extproc.tenancy": 3,
     "extproc.metrics": 2,

@@ -158,12 +158,22 @@ def test_approximate_tree_counts_leading_blocks_per_replica_and_evicts() -> None
 def test_gie_scorers_and_default_profile() -> None:
     snap = states(queue={"a": 0, "b": 4, "c": 8, "d": 8}, kv_usage={"a": 0.9, "b": 0.1, "c": 0.5, "d": 0.0})
     f = features(blocks=300)
-    fleet = Fleet(snap, {"c": 128, "d": 300})
+    # The router's view (its estimate's matches) is not what GIE scores: GIE keeps its own index.
+    fleet = Fleet(snap, {"a": 300})
     assert QueueScorer().score(f, fleet) == {"a": 1.0, "b": 0.5, "c": 0.0, "d": 0.0}
     assert KVCacheUtilizationScorer().score(f, fleet)["a"] == pytest.approx(0.1)
-    assert MatchFractionScorer().score(f, fleet) == {"a": 0.0, "b": 0.0, "c": 0.5, "d": 1.0}
+    prefix = MatchFractionScorer()
+    assert prefix.score(f, fleet) == dict.fromkeys(NAMES, 0.0)
+    prefix.observe(features(blocks=128), "c")
+    prefix.observe(f, "d")
+    assert prefix.score(f, fleet) == {"a": 0.0, "b": 0.0, "c": 0.5, "d": 1.0}  # both capped at 256 blocks
+    small = MatchFractionScorer(capacity_per_server=100)  # GIE's LRU per server
+    small.observe(f, "d")
+    assert small.score(f, fleet)["d"] == 100 / 256  # a prompt's tail goes first
     assert QueueScorer().score(f, Fleet(states())) == dict.fromkeys(NAMES, 1.0)
     gie = gie_default(seed=1)
+    for name, request in (("c", features(blocks=128)), ("d", f)):
+        gie.observe(request, name)
     assert gie.totals(f, fleet)["a"] == pytest.approx(2 + 2 * 0.1 + 0)
     assert gie.choose(f, fleet)[0].name == "d"  # 0 + 2 + 3 beats a's 2 + 0.2 + 0
     # Equal totals: drawn at random (seeded), not always the first by name.

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from extproc.cache_estimate import CacheEstimate
 from extproc.request.features import RequestFeatures
+from extproc.router import Router
 from extproc.routing.model import AffinityView, Replica, ReplicaState, Snapshot
 from extproc.routing.plugins import CycleState, OverloadFilter, PrefillCostScorer
 from extproc.routing.ring import HashRing
@@ -283,3 +284,44 @@ def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_ful
     assert kept({"a": 40}, a, b, c) == ["c"]  # under half of the prompt: judged on its KV like any other
     queued = _state("a", kv_usage=0.97, queue=40)
     assert kept({"a": 90}, queued, b, c) == ["c"]  # a holder whose queue is over the threshold still goes
+    # A prefix most candidates hold (a shared system prompt) makes no holder: elsewhere it is cached too.
+    assert kept({"a": 90, "b": 90, "c": 90}, a, b, c) == ["c"]
+    assert kept({"a": 100, "b": 40, "c": 40}, a, b, c) == ["a", "c"]  # 60 blocks more than the others
+
+
+def test_prefixes_in_flight_count_however_short_the_index_memory() -> None:
+    from extproc.inflight_prefixes import InflightPrefixes
+
+    table = InflightPrefixes()
+    long, short, other = tuple(range(1, 41)), tuple(range(1, 11)), (99, 100)
+    table.add("a", long)
+    table.add("a", short)
+    table.add("b", short)
+    assert table.matches(long) == {"a": 40, "b": 10}
+    assert table.matches((*long, 41, 42)) == {"a": 40, "b": 10}
+    assert table.matches(other) == {}
+    table.remove("a", long)
+    assert table.matches(long) == {"a": 10, "b": 10}
+    assert table.merged({"a": 12}, long) == {"a": 12, "b": 10}
+    table.remove("a", short)
+    table.forget(["b"])
+    assert table.matches(long) == {} and len(table) == 0
+
+    # Through the router: the index holds one block of a replica's prompts (its capacity), but a
+    # request still queued there covers the whole prompt until it ends.
+    from extproc.config import Config
+    from extproc.state.memory import MemoryStore
+    from extproc_lab.sim.simulator import run_sync
+
+    router = Router(Config(replicas=(Replica("a", "x:1"),)), store=MemoryStore())
+    router.store.set_capacity("a", 1)
+    features = RequestFeatures(path="/v1/completions", prefix_hashes=tuple(_chain(1, 30, 0)), prompt_chars=64 * 30)
+    first = run_sync(router.route_features(features, 1.0))
+    second = run_sync(router.route_features(features, 2.0))
+    assert second.decision.matched_blocks == 30
+    router.release(first)
+    third = run_sync(router.route_features(features, 3.0))
+    assert third.decision.matched_blocks == 30  # the second is still in flight
+    router.release(second)
+    router.release(third)
+    assert run_sync(router.route_features(features, 4.0)).decision.matched_blocks <= 1  # the index alone

@@ -46,26 +46,54 @@ def _clip(x: float) -> float:
     return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
 
 
-def penalties(signals: HealthSignals, limits: HealthLimits) -> dict[str, float]:
-    """Each signal's penalty in [0, 1]."""
+def penalties(signals: HealthSignals, limits: HealthLimits, fleet: HealthSignals | None = None) -> dict[str, float]:
+    """Each signal's penalty in [0, 1].
+
+    Load (queue, KV usage, TTFT) is judged beyond what the ``fleet`` shows (its median replica,
+    :func:`fleet_baseline`), when that is above the limits: a replica as loaded as its peers is
+    not unhealthy, the fleet is busy, and taking it out of rotation would pile its share onto the
+    others, which then look worse in turn. Errors and unreachability are judged on their own.
+    """
+    base = fleet or HealthSignals()
     ttft = 0.0
-    if signals.ttft_p99_s is not None and limits.ttft_slo_s > 0:
+    slo = max(limits.ttft_slo_s, base.ttft_p99_s or 0.0)
+    if signals.ttft_p99_s is not None and slo > 0:
         # Full penalty at twice the SLO: p99 over the SLO hurts, double the SLO is broken.
-        ttft = _clip(signals.ttft_p99_s / limits.ttft_slo_s - 1.0)
-    kv_span = max(1e-9, 1.0 - limits.kv_start)
+        ttft = _clip(signals.ttft_p99_s / slo - 1.0)
+    kv_start = max(limits.kv_start, base.kv_usage)
+    kv_span = max(1e-9, 1.0 - kv_start)
     return {
-        "queue": _clip(signals.queue / max(1, limits.queue_full)),
-        "kv_cache": _clip((signals.kv_usage - limits.kv_start) / kv_span),
+        "queue": _clip((signals.queue - base.queue) / max(1, limits.queue_full)),
+        "kv_cache": _clip((signals.kv_usage - kv_start) / kv_span) if signals.kv_usage > kv_start else 0.0,
         "ttft": ttft,
         "errors": _clip(signals.error_rate / max(1e-9, limits.error_rate_full)),
     }
 
 
-def health_score(signals: HealthSignals, weights: HealthWeights, limits: HealthLimits) -> float:
-    """The score in [0, 1]; 0 for a replica that has not answered ``unreachable_after`` scrapes."""
+def fleet_baseline(signals: list[HealthSignals]) -> HealthSignals:
+    """The fleet's median load, per signal (the lower median: with two replicas, the lighter one),
+    over the replicas that report it."""
+
+    def median(values: list[float]) -> float:
+        values.sort()
+        return values[(len(values) - 1) // 2] if values else 0.0
+
+    ttfts = [s.ttft_p99_s for s in signals if s.ttft_p99_s is not None]
+    return HealthSignals(
+        queue=int(median([float(s.queue) for s in signals])),
+        kv_usage=median([s.kv_usage for s in signals]),
+        ttft_p99_s=median(ttfts) if ttfts else None,
+    )
+
+
+def health_score(
+    signals: HealthSignals, weights: HealthWeights, limits: HealthLimits, fleet: HealthSignals | None = None
+) -> float:
+    """The score in [0, 1]; 0 for a replica that has not answered ``unreachable_after`` scrapes.
+    ``fleet``: the fleet's median load, which load is judged beyond (:func:`penalties`)."""
     if signals.scrape_failures >= limits.unreachable_after:
         return 0.0
-    p = penalties(signals, limits)
+    p = penalties(signals, limits, fleet)
     w = {"queue": weights.queue, "kv_cache": weights.kv_cache, "ttft": weights.ttft, "errors": weights.errors}
     total = sum(max(0.0, v) for v in w.values()) or 1.0
     return _clip(1.0 - sum(max(0.0, w[k]) * p[k] for k in w) / total)

@@ -124,7 +124,11 @@ class OverloadFilter:
         """Drop overloaded replicas (a holder of the prompt only for its queue)."""
         total = len(cycle.features.prefix_hashes)
         matches = cycle.view.prefix_matches
-        needed = self.holder_share * total
+        # What half of the candidates hold (a system prompt every replica serving has) is no
+        # reason to keep a full replica: prefilled elsewhere, it costs nothing more.
+        held = sorted(matches.get(c.name, 0) for c in candidates)
+        base = held[(len(held) - 1) // 2] if held else 0
+        needed = base + self.holder_share * total
 
         def out(c: ReplicaState) -> bool:
             if total and matches.get(c.name, 0) >= needed:

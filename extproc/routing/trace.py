@@ -87,4 +87,5 @@ class Explanation:
     """Per replica: prompt tokens it would have to prefill (the prompt minus its matched blocks)."""
     cordons: Mapping[str, str]
     match_sources: Mapping[str, str] = field(default_factory=dict)
-    """Per replica with matches: "kv_events" (its engine's events) or "estimate" (what was sent there)."""
+    """Per replica with matches: "kv_events" (its engine's events), "estimate" (what was sent there) or
+    "in_flight" (prompts of requests still running or queued there)."""

@@ -58,6 +58,7 @@ from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, Repl
 from extproc.routing.pipeline import Profile, ranked_decision
 from extproc.routing.ring import HashRing
 from extproc.routing.trace import DecisionTrace
+from extproc.state.memory import PrefixIndex
 
 
 class CacheProbe(Protocol):
@@ -439,18 +440,35 @@ class KVCacheUtilizationScorer:
 @dataclass(slots=True)
 class MatchFractionScorer:
     """GIE's prefix-cache scorer: matched blocks over the request's blocks, both capped at
-    ``max_blocks`` (256), from the approximate index of its own decisions (the store's)."""
+    ``max_blocks`` (256), from an approximate index of its own decisions: each request's blocks
+    recorded for the server it went to, an LRU of ``capacity_per_server`` blocks per server
+    (GIE's ``lruCapacityPerServer``), nothing learned from the servers' metrics. Our router's
+    estimate (capacities and trust from the replicas' scrapes, the prompts in flight) is ours, not
+    GIE's."""
 
     max_blocks: int = 256
+    capacity_per_server: int = 31_250
+    index: PrefixIndex | None = None
     name: str = "gie_prefix"
+
+    def __post_init__(self) -> None:
+        if self.index is None:
+            self.index = PrefixIndex(self.capacity_per_server)
 
     def score(self, request: RequestFeatures, fleet: Fleet) -> Mapping[str, float]:
         """Match fraction."""
-        total = min(len(request.prefix_hashes), self.max_blocks)
-        if not total:
+        assert self.index is not None
+        hashes = request.prefix_hashes[: self.max_blocks]
+        if not hashes:
             return {}
-        matches = fleet.prefix_matches
-        return {c.name: min(matches.get(c.name, 0), self.max_blocks) / total for c in fleet.replicas}
+        matches = self.index.matches(hashes)
+        return {c.name: matches.get(c.name, 0) / len(hashes) for c in fleet.replicas}
+
+    def observe(self, request: RequestFeatures, replica: str) -> None:
+        """Record the request's blocks for the server it went to (GIE's PreRequest)."""
+        assert self.index is not None
+        if request.prefix_hashes:
+            self.index.add(replica, request.prefix_hashes[: self.max_blocks])
 
 
 @dataclass(slots=True)
@@ -493,7 +511,7 @@ def _clamp(value: float) -> float:
 
 
 @dataclass(slots=True)
-class MaxScorePolicy(_Stateless):
+class MaxScorePolicy:
     """A scoring router (GIE's endpoint picker and llm-d's): each scorer's values clamped to
     [0, 1], weighted and summed; the highest total wins, equal totals in random order (GIE's
     max-score picker)."""
@@ -514,6 +532,13 @@ class MaxScorePolicy(_Stateless):
                 if name in totals:
                     totals[name] += weight * _clamp(value)
         return totals
+
+    def observe(self, request: RequestFeatures, replica: str) -> None:
+        """Scorers that keep an index of their own (GIE's prefix scorer) learn where it went."""
+        for scorer, _ in self.scorers:
+            learn = getattr(scorer, "observe", None)
+            if learn is not None:
+                learn(request, replica)
 
     def choose(self, request: RequestFeatures, fleet: Fleet) -> list[ReplicaState]:
         """Shuffle, then a stable sort by total."""
