@@ -93,8 +93,8 @@ class OverloadFilter:
     This is what turns a sticky or prefix target into a spillover: affinity never pushes a
     replica that is out of KV blocks into preemption.
 
-    A replica believed to hold at least ``holder_share`` of the prompt's blocks is judged on its
-    queue alone, not on its KV usage. Its full cache is mostly the running turns of the
+    A replica believed to hold at least ``holder_share`` of the prompt's blocks more than the
+    median candidate is judged on its queue alone, not on its KV usage. Its full cache is mostly the running turns of the
     conversations it holds; sent elsewhere, the request is prefilled cold on a replica whose cache
     is as full, evicting other conversations' prefixes there, whose next turns then spill in
     turn (through real Envoy with 8 replicas at 1.65x the fleet's KV this cascade cut the hit
