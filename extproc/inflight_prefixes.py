@@ -72,17 +72,18 @@ class InflightPrefixes:
             out[replica] = lo + 1
         return out
 
-    def merged(self, matches: Mapping[str, int], hashes: Sequence[int]) -> Mapping[str, int]:
-        """``matches`` with each replica's in-flight cover where that is longer."""
-        inflight = self.matches(hashes)
-        if not inflight or all(matches.get(r, 0) >= n for r, n in inflight.items()):
-            return matches
-        out = dict(matches)
-        for replica, n in inflight.items():
-            if n > out.get(replica, 0):
-                out[replica] = n
-        return out
-
     def __len__(self) -> int:
         """Replicas with requests in flight that carry prefix hashes."""
         return len(self._per_replica)
+
+
+def longer(matches: Mapping[str, int], inflight: Mapping[str, int]) -> Mapping[str, int]:
+    """``matches`` with each replica's in-flight cover where that is longer (``matches`` itself
+    when it adds nothing)."""
+    if not inflight or all(matches.get(r, 0) >= n for r, n in inflight.items()):
+        return matches
+    out = dict(matches)
+    for replica, n in inflight.items():
+        if n > out.get(replica, 0):
+            out[replica] = n
+    return out

@@ -17,7 +17,7 @@ from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.hotkeys.detector import HotKeyDetector, label
-from extproc.inflight_prefixes import InflightPrefixes
+from extproc.inflight_prefixes import InflightPrefixes, longer
 from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
@@ -73,6 +73,14 @@ class Routed:
     """Prompt tokens the prefix index claimed cached on the chosen replica (before trust), handed to
     the cache estimate once the prefill is done: the replica counts its hits when it prefills,
     and behind a queue that is seconds after the decision."""
+
+
+def _with_inflight(view: AffinityView, inflight: Mapping[str, int]) -> AffinityView:
+    """The view with each replica's match at least what the router's requests in flight there
+    cover: those it runs or has queued prefill their prompts before a request sent now (not scaled
+    by trust: the replica's counters judge the index, not this)."""
+    matches = longer(view.prefix_matches, inflight)
+    return view if matches is view.prefix_matches else AffinityView(view.pinned, matches)
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -232,8 +240,9 @@ class Router:
             view = AffinityView()
         self.cache_estimate.sync(self.replicas, self.store)
         hashes = features.prefix_hashes
-        claims = self.inflight_prefixes.merged(view.prefix_matches, hashes)
-        view = self._with_inflight(self.cache_estimate.adjust(view), hashes)
+        inflight = self.inflight_prefixes.matches(hashes)
+        claims = longer(view.prefix_matches, inflight)
+        view = _with_inflight(self.cache_estimate.adjust(view), inflight)
         if self.kv_events is not None:
             view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
@@ -329,7 +338,7 @@ class Router:
         # As route() weighs the estimate (without syncing it) and adds the prompts in flight.
         adjusted = self.cache_estimate.adjust(view)
         estimate = adjusted.prefix_matches
-        view = self._with_inflight(adjusted, features.prefix_hashes)
+        view = _with_inflight(adjusted, self.inflight_prefixes.matches(features.prefix_hashes))
         sources = {r: "estimate" if estimate.get(r, 0) >= n else "in_flight" for r, n in view.prefix_matches.items()}
         if self.kv_events is not None:
             view = self.kv_events.view(view, features, members, now)
@@ -384,13 +393,6 @@ class Router:
         # Moves land on replicas open to new sessions only.
         open_ = Snapshot(tuple(s for s in full.replicas if s.name == name or s.name not in self.cordons))
         return await self.rebalancer.on_leave(name, self.profile.ring_for(full), open_)
-
-    def _with_inflight(self, view: AffinityView, hashes: tuple[int, ...]) -> AffinityView:
-        """The view with each replica's match at least what its requests in flight cover: those it
-        runs or has queued will have prefilled their prompts before a request sent now (not
-        scaled by trust: the replica's counters judge the index, not this)."""
-        matches = self.inflight_prefixes.merged(view.prefix_matches, hashes)
-        return view if matches is view.prefix_matches else AffinityView(view.pinned, matches)
 
     def _uncached_tokens(self, features: RequestFeatures, matched_blocks: int) -> int:
         if features.tokens_per_block:

@@ -290,7 +290,7 @@ def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_ful
 
 
 def test_prefixes_in_flight_count_however_short_the_index_memory() -> None:
-    from extproc.inflight_prefixes import InflightPrefixes
+    from extproc.inflight_prefixes import InflightPrefixes, longer
 
     table = InflightPrefixes()
     long, short, other = tuple(range(1, 41)), tuple(range(1, 11)), (99, 100)
@@ -302,7 +302,7 @@ def test_prefixes_in_flight_count_however_short_the_index_memory() -> None:
     assert table.matches(other) == {}
     table.remove("a", long)
     assert table.matches(long) == {"a": 10, "b": 10}
-    assert table.merged({"a": 12}, long) == {"a": 12, "b": 10}
+    assert longer({"a": 12}, table.matches(long)) == {"a": 12, "b": 10}
     table.remove("a", short)
     table.forget(["b"])
     assert table.matches(long) == {} and len(table) == 0

@@ -94,12 +94,13 @@ class OverloadFilter:
     replica that is out of KV blocks into preemption.
 
     A replica believed to hold at least ``holder_share`` of the prompt's blocks more than the
-    median candidate is judged on its queue alone, not on its KV usage. Its full cache is mostly the running turns of the
-    conversations it holds; sent elsewhere, the request is prefilled cold on a replica whose cache
-    is as full, evicting other conversations' prefixes there, whose next turns then spill in
-    turn (through real Envoy with 8 replicas at 1.65x the fleet's KV this cascade cut the hit
-    ratio from 82% to 40% in 3 runs of 7). There it waits for blocks to free, which its queue shows
-    and the queue threshold still bounds.
+    median candidate is judged on its queue alone, not on its KV usage. Its full cache is mostly
+    the running turns of the conversations it holds; sent elsewhere, the request is prefilled cold
+    on a replica whose cache is as full, evicting other conversations' prefixes there, whose next
+    turns then spill in turn (through real Envoy with 8 replicas at 1.65x the fleet's KV this
+    cascade cut the hit ratio from 82% to 40% in 3 runs of 7). There it waits for blocks to free,
+    which its queue shows and the queue threshold still bounds. A prefix most candidates hold (a
+    shared system prompt) makes no holder: prefilled elsewhere, it costs nothing more.
     """
 
     kv_threshold: float = 0.9
