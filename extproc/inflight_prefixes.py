@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+
 STRIDE = 8
 """Every ``STRIDE``-th block of a prompt is counted, and its last: a request's add and remove cost a
 few dictionary operations rather than one per block (a 130-block prompt: 17), and a match is
