@@ -18,24 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 
-STRIDE = 8
-"""Every ``STRIDE``-th block of a prompt is counted, and its last: a request's add and remove cost a
-few dictionary operations rather than one per block (a 130-block prompt: 17), and a match is
-short by fewer than ``STRIDE`` blocks at most."""
-
-
-def _positions(n: int) -> list[int]:
-    """The marked positions of an ``n``-block prompt: every ``STRIDE``-th block, and the last."""
-    marks = list(range(STRIDE - 1, n, STRIDE))
-    if not marks or marks[-1] != n - 1:
-        marks.append(n - 1)
-    return marks
-
-
-def _marks(hashes: Sequence[int]) -> list[int]:
-    return [hashes[i] for i in _positions(len(hashes))] if hashes else []
-
-
 class InflightPrefixes:
     """Per replica, how many in-flight requests cover each prefix block hash."""
 
@@ -47,7 +29,7 @@ class InflightPrefixes:
         if not hashes:
             return
         counts = self._per_replica.setdefault(replica, {})
-        for h in _marks(hashes):
+        for h in hashes:
             counts[h] = counts.get(h, 0) + 1
 
     def remove(self, replica: str, hashes: Sequence[int]) -> None:
@@ -55,7 +37,7 @@ class InflightPrefixes:
         counts = self._per_replica.get(replica)
         if counts is None:
             return
-        for h in _marks(hashes):
+        for h in hashes:
             n = counts.get(h, 0)
             if n > 1:
                 counts[h] = n - 1
@@ -70,26 +52,24 @@ class InflightPrefixes:
             self._per_replica.pop(name, None)
 
     def matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        """For each replica with a request in flight sharing the first marked block, how many
-        leading blocks of ``hashes`` those requests cover, to within ``STRIDE`` blocks (hashes are
-        chained: covering a block means covering every block before it, so a binary search over
-        the marked positions finds the longest)."""
+        """For each replica with a request in flight sharing the first block, how many leading
+        blocks of ``hashes`` those requests cover (hashes are chained: covering block ``i`` means
+        covering ``0..i``, so a binary search finds the longest)."""
         if not hashes or not self._per_replica:
             return {}
-        positions = _positions(len(hashes))
-        first = hashes[positions[0]]
+        first, last = hashes[0], len(hashes) - 1
         out: dict[str, int] = {}
         for replica, counts in self._per_replica.items():
             if first not in counts:
                 continue
-            lo, hi = 0, len(positions) - 1
+            lo, hi = 0, last
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if hashes[positions[mid]] in counts:
+                if hashes[mid] in counts:
                     lo = mid
                 else:
                     hi = mid - 1
-            out[replica] = positions[lo] + 1
+            out[replica] = lo + 1
         return out
 
     def __len__(self) -> int:

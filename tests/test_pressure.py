@@ -297,15 +297,12 @@ def test_prefixes_in_flight_count_however_short_the_index_memory() -> None:
     table.add("a", long)
     table.add("a", short)
     table.add("b", short)
-    # Every STRIDE-th block and the last are counted: a match is exact where a prompt ends, else
-    # short by less than STRIDE blocks.
-    assert table.matches(long) == {"a": 40, "b": 8}
-    assert table.matches(short) == {"a": 10, "b": 10}
-    assert table.matches((*long, 41, 42)) == {"a": 40, "b": 8}
+    assert table.matches(long) == {"a": 40, "b": 10}
+    assert table.matches((*long, 41, 42)) == {"a": 40, "b": 10}
     assert table.matches(other) == {}
     table.remove("a", long)
-    assert table.matches(long) == {"a": 8, "b": 8}
-    assert longer({"a": 12}, table.matches(long)) == {"a": 12, "b": 8}
+    assert table.matches(long) == {"a": 10, "b": 10}
+    assert longer({"a": 12}, table.matches(long)) == {"a": 12, "b": 10}
     table.remove("a", short)
     table.forget(["b"])
     assert table.matches(long) == {} and len(table) == 0
