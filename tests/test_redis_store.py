@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from redis.asyncio.cluster import NodesManager, RedisCluster
+from redis.asyncio.connection import Connection
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.metrics import RouterMetrics
 from extproc.router import Router
@@ -374,6 +376,32 @@ async def test_a_cluster_slower_to_discover_than_an_operation_is_still_written(
             assert (await store.lookup("s", [1, 2], now=0, model="m")).pinned == "r1"
         finally:
             await store.close()
+
+
+async def test_a_first_connection_slower_than_an_operation_is_still_written(
+    own_redis: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Opening the first connection (connect, handshake) overran the per-operation budget on a
+    # busy CI machine: the first write timed out and started an outage. The writer now opens it
+    # first, retrying timeouts for a while, off the request path.
+    store = redis_store(own_redis.url, near_cache_ttl=0)
+    connect = Connection.connect
+    slowed: list[bool] = []
+
+    async def slow_first_connect(self: Connection) -> None:
+        if not slowed:
+            slowed.append(True)
+            raise RedisTimeoutError("Timeout connecting to server")
+        await connect(self)
+
+    monkeypatch.setattr(Connection, "connect", slow_first_connect)
+    try:
+        await store.record("s", "r1", [1, 2], now=0, pin=True, model="m")
+        assert await store.flush(3.0)
+        assert slowed and store.available and not store.counters.errors
+        assert (await store.lookup("s", [1, 2], now=0, model="m")).pinned == "r1"
+    finally:
+        await store.close()
 
 
 async def test_the_master_behind_a_sentinel(directory: Path) -> None:

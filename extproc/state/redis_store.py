@@ -55,6 +55,7 @@ from typing import Any, TypeVar, cast
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.routing.model import AffinityView
 from extproc.state.memory import MemoryStore
@@ -151,6 +152,7 @@ class RedisStore:
         self.counters = StoreCounters()
         self._pending: deque[_Write] = deque()
         self._in_flight = 0
+        self._connected = False  # the first connection opened (a cluster's topology discovered)
         self._wake = asyncio.Event()
         self._up = asyncio.Event()
         self._up.set()
@@ -285,17 +287,25 @@ class RedisStore:
         )
 
     async def _discover(self) -> None:
-        """A cluster client's topology, discovered (retried within :data:`CLUSTER_DISCOVERY_S`;
-        a no-op once done); what still fails is an outage like any other."""
-        if not isinstance(self.client, RedisCluster):
+        """Off the request path, before the writer's batches and the prober's pings: a cluster
+        client's topology, discovered; a plain client's first connection, opened. Each is
+        retried within :data:`CLUSTER_DISCOVERY_S` (a no-op once done): setting up a connection
+        (a connect, the handshake, a Sentinel asked for the master) overran the per-operation
+        budget on a busy machine, and the first writes then failed. Only timeouts are retried: a
+        refused connection or an error reply is an outage like any other, at once."""
+        if self._connected:
             return
         deadline = time.monotonic() + CLUSTER_DISCOVERY_S
         while True:
             try:
                 async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
-                    await self.client.initialize()
+                    if isinstance(self.client, RedisCluster):
+                        await self.client.initialize()
+                    else:
+                        await self.client.ping()
+                self._connected = True
                 return
-            except UNAVAILABLE:
+            except (TimeoutError, RedisTimeoutError):
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.05)
