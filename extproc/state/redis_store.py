@@ -302,7 +302,7 @@ class RedisStore:
                     if isinstance(self.client, RedisCluster):
                         await self.client.initialize()
                     else:
-                        await self.client.ping()
+                        await _async(self.client.ping())
                 self._connected = True
                 return
             except (TimeoutError, RedisTimeoutError):
