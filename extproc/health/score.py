@@ -8,6 +8,7 @@ scored 0: it is not answering, whatever its last page said.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median_low
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +75,13 @@ def fleet_baseline(signals: list[HealthSignals]) -> HealthSignals:
     """The fleet's median load, per signal (the lower median: with two replicas, the lighter one),
     over the replicas that report it."""
 
-    def median(values: list[float]) -> float:
-        values.sort()
-        return values[(len(values) - 1) // 2] if values else 0.0
-
+    if not signals:
+        return HealthSignals()
     ttfts = [s.ttft_p99_s for s in signals if s.ttft_p99_s is not None]
     return HealthSignals(
-        queue=int(median([float(s.queue) for s in signals])),
-        kv_usage=median([s.kv_usage for s in signals]),
-        ttft_p99_s=median(ttfts) if ttfts else None,
+        queue=median_low(s.queue for s in signals),
+        kv_usage=median_low(s.kv_usage for s in signals),
+        ttft_p99_s=median_low(ttfts) if ttfts else None,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import median_low
 from typing import Any, Protocol
 
 from extproc.request.features import RequestFeatures
@@ -127,8 +128,7 @@ class OverloadFilter:
         matches = cycle.view.prefix_matches
         # What half of the candidates hold (a system prompt every replica serving has) is no
         # reason to keep a full replica: prefilled elsewhere, it costs nothing more.
-        held = sorted(matches.get(c.name, 0) for c in candidates)
-        base = held[(len(held) - 1) // 2] if held else 0
+        base = _median_held(matches, candidates)
         needed = base + self.holder_share * total
 
         def out(c: ReplicaState) -> bool:
@@ -260,11 +260,16 @@ class PrefixScorer:
         # What at least half of the candidates hold does not tell them apart (a system prompt every
         # replica that ever served has); the minimum would let one cold replica make it count, and
         # that replica would then never be chosen.
-        held = sorted(matches.get(c.name, 0) for c in candidates)
-        base = held[(len(held) - 1) // 2] if held else 0
+        base = _median_held(matches, candidates)
         if base >= total:
             return {}
         return {name: (n - base) / (total - base) for name, n in matches.items() if n > base}
+
+
+def _median_held(matches: Mapping[str, int], candidates: Sequence[ReplicaState]) -> int:
+    """The blocks of the prompt that at least half of the candidates hold (the lower median of
+    their matches; 0 without candidates)."""
+    return median_low(matches.get(c.name, 0) for c in candidates) if candidates else 0
 
 
 def _relative(values: Mapping[str, float], floor: float) -> dict[str, float]:

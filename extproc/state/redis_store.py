@@ -72,10 +72,11 @@ log = logging.getLogger("extproc.state")
 # the rest come from sockets and from asyncio.timeout).
 UNAVAILABLE = (RedisError, OSError, TimeoutError)
 
-CLUSTER_DISCOVERY_S = 2.0
-"""How long a cluster client may take to discover the slots and the command table, off the
-request path (before the writer's batches and the prober's pings): a few round trips and a large
-``COMMAND`` reply, which the per-operation budget did not always fit on a busy machine."""
+CONNECT_S = 2.0
+"""How long the writer and the prober may take, off the request path, to open a plain client's
+first connection or to have a cluster client discover the slots and the command table (a few
+round trips and a large ``COMMAND`` reply): the per-operation budget did not always fit either on
+a busy machine."""
 
 
 T = TypeVar("T")
@@ -289,13 +290,13 @@ class RedisStore:
     async def _discover(self) -> None:
         """Off the request path, before the writer's batches and the prober's pings: a cluster
         client's topology, discovered; a plain client's first connection, opened. Each is
-        retried within :data:`CLUSTER_DISCOVERY_S` (a no-op once done): setting up a connection
+        retried within :data:`CONNECT_S` (a no-op once done): setting up a connection
         (a connect, the handshake, a Sentinel asked for the master) overran the per-operation
         budget on a busy machine, and the first writes then failed. Only timeouts are retried: a
         refused connection or an error reply is an outage like any other, at once."""
         if self._connected:
             return
-        deadline = time.monotonic() + CLUSTER_DISCOVERY_S
+        deadline = time.monotonic() + CONNECT_S
         while True:
             try:
                 async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
