@@ -12,6 +12,14 @@ replicas report keep it close to what they really hold:
   less, and its claims are scaled down by the ratio (smoothed over scrapes). A replica whose
   counters agree keeps full trust.
 
+Trust moves on evidence only. A scrape is evidence when the replica's query counter grew: it
+looked prompts up, and its hits say what it found. The claims are weighed by the share of the
+prompt tokens sent there that those queries cover (a page that lags, or counts part of the
+traffic, bears out only that part). A counter that does not move says nothing: a replica with
+prefix caching off, a frozen or cached page, an engine without prefix counters, a failing scrape.
+Such scrapes leave trust where it was, and without evidence it recovers towards 1 with time
+(``recovery_half_life_s``), so a session is not moved off its replica on what nobody reported.
+
 The estimate is fed by the router: each decision's claim (:meth:`claimed`), and each scrape's
 counters (:meth:`observe`); it never reads a clock or performs I/O.
 """
@@ -19,7 +27,7 @@ counters (:meth:`observe`); it never reads a clock or performs I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extproc.health.replicas import ReplicaBook
 from extproc.routing.model import AffinityView
@@ -31,9 +39,15 @@ class _Trust:
     """Per replica: claimed and reported hit tokens since the last scrape, smoothed ratios."""
 
     claimed: float = 0.0
-    """Tokens the index claimed cached for requests sent since the last scrape."""
+    """Tokens the index claimed cached for requests settled since the last evidence."""
+    sent: float = 0.0
+    """Prompt tokens of the requests settled there since the last evidence."""
     hits: float | None = None
     """The replica's hit counter at the last scrape."""
+    queries: float | None = None
+    """The replica's query counter at the last scrape."""
+    settled_at: float | None = None
+    """When trust was last set by evidence or faded by :meth:`CacheEstimate.recover`."""
     smoothed_claimed: float = 0.0
     smoothed_hits: float = 0.0
     trust: float = 1.0
@@ -46,7 +60,9 @@ class CacheEstimate:
     ``block_tokens`` is the size of one prefix-index block in tokens (the router's block
     characters over characters per token). ``min_claimed_tokens`` is how many claimed tokens the
     smoothed window needs before trust moves (a handful of requests says little). ``decay`` is the
-    weight older scrapes keep in the smoothed sums.
+    weight older evidence keeps in the smoothed sums; ``recovery_half_life_s`` how fast trust and
+    that history fade back to full trust while a replica reports nothing that bears on them;
+    ``lost_below`` the share of a prompt below which a pin on a distrusted replica is judged lost.
     """
 
     def __init__(
@@ -56,15 +72,20 @@ class CacheEstimate:
         min_claimed_tokens: float = 20_000.0,
         decay: float = 0.8,
         min_trust: float = 0.05,
+        recovery_half_life_s: float = 60.0,
+        lost_below: float = 0.5,
     ) -> None:
         self.block_tokens = max(1, block_tokens)
         self.capacity_share = capacity_share
         self.min_claimed_tokens = min_claimed_tokens
         self.decay = decay
         self.min_trust = min_trust
+        self.recovery_half_life_s = recovery_half_life_s
+        self.lost_below = lost_below
         self._replicas: dict[str, _Trust] = {}
         self._scrapes_seen = -1
         self._scraped_at: dict[str, float] = {}
+        self._recovered_at = float("-inf")
 
     def _get(self, replica: str) -> _Trust:
         t = self._replicas.get(replica)
@@ -84,14 +105,19 @@ class CacheEstimate:
     def observe(
         self,
         replica: str,
-        prefix_hits: float,
+        prefix_hits: float | None,
+        prefix_queries: float | None = None,
         *,
         num_gpu_blocks: int | None = None,
         block_size: int | None = None,
+        now: float | None = None,
     ) -> int | None:
-        """Take in one scrape of ``replica``: its hit counter (cumulative tokens) and cache size.
-        Returns the index capacity in blocks when it is new or changed (the caller hands it to
-        the store), else None."""
+        """Take in one scrape of ``replica``: its hit and query counters (cumulative tokens; None
+        where the page has none) and cache size, taken at ``now``. Returns the index capacity in
+        blocks when it is new or changed (the caller hands it to the store), else None.
+
+        Without ``prefix_queries`` (a page with only the hit counter), hits that moved are the
+        evidence, and every claim is weighed against them."""
         t = self._get(replica)
         changed = None
         if num_gpu_blocks and block_size:
@@ -99,25 +125,67 @@ class CacheEstimate:
             if cap != t.capacity_tokens:
                 t.capacity_tokens = cap
                 changed = cap
-        if t.hits is None or prefix_hits < t.hits:
+        if prefix_hits is None:
+            return changed  # no prefix counters on the page: nothing to weigh claims against
+        if (
+            t.hits is None
+            or prefix_hits < t.hits
+            or (prefix_queries is not None and t.queries is not None and prefix_queries < t.queries)
+        ):
             # The first scrape, or the replica restarted (counters reset): a new baseline.
-            t.hits = prefix_hits
-            t.claimed = 0.0
+            t.hits, t.queries = prefix_hits, prefix_queries
+            t.claimed = t.sent = 0.0
             return changed
-        hits, t.hits = prefix_hits - t.hits, prefix_hits
-        t.smoothed_claimed = self.decay * t.smoothed_claimed + t.claimed
-        t.smoothed_hits = self.decay * t.smoothed_hits + hits
-        t.claimed = 0.0
+        hits = prefix_hits - t.hits
+        queries = None if prefix_queries is None or t.queries is None else prefix_queries - t.queries
+        t.hits, t.queries = prefix_hits, prefix_queries
+        if (hits if queries is None else queries) <= 0:
+            # The replica looked nothing up since the last scrape (or its page did not move): the
+            # claims wait for a scrape that counts them.
+            return changed
+        # The claims the counted queries bear on: all of them when the queries cover what was
+        # sent (more when other gateways send there too), a share when the page counts less.
+        # Without a query counter, hits that moved say the replica counted, but not how much.
+        coverage = 1.0 if queries is None or t.sent <= 0 else min(1.0, queries / t.sent)
+        expected = t.claimed * coverage
+        t.claimed -= expected
+        t.sent = 0.0 if queries is None else max(0.0, t.sent - queries)
+        t.smoothed_claimed = self.decay * t.smoothed_claimed + expected
+        t.smoothed_hits = self.decay * t.smoothed_hits + (hits if queries is None else min(hits, queries))
+        if now is not None:
+            t.settled_at = now
         if t.smoothed_claimed >= self.min_claimed_tokens:
             ratio = t.smoothed_hits / t.smoothed_claimed
             t.trust = min(1.0, max(self.min_trust, ratio))
         return changed
 
-    def claimed(self, replica: str, tokens: int) -> None:
-        """A request went to ``replica`` with ``tokens`` of its prompt claimed cached there (the
-        index's raw claim, before trust)."""
-        if tokens > 0:
-            self._get(replica).claimed += tokens
+    def recover(self, now: float) -> None:
+        """Fade what each replica's evidence said, by the time since it was last set: trust back
+        towards 1, the smoothed history towards nothing (so new evidence is not outvoted by old).
+        Only evidence that keeps arriving keeps trust low."""
+        if self.recovery_half_life_s <= 0:
+            return
+        for t in self._replicas.values():
+            if t.trust >= 1.0:
+                continue
+            if t.settled_at is None or now <= t.settled_at:
+                t.settled_at = now if t.settled_at is None else t.settled_at
+                continue
+            keep = 0.5 ** ((now - t.settled_at) / self.recovery_half_life_s)
+            t.settled_at = now
+            t.trust = min(1.0, 1.0 - (1.0 - t.trust) * keep)
+            t.smoothed_claimed *= keep
+            t.smoothed_hits *= keep
+
+    def claimed(self, replica: str, tokens: int, prompt_tokens: int | None = None) -> None:
+        """A request to ``replica`` was prefilled, ``tokens`` of its ``prompt_tokens`` claimed
+        cached there (the index's raw claim, before trust). ``prompt_tokens`` defaults to the
+        claim (a request whose prompt length is unknown)."""
+        if tokens <= 0 and not prompt_tokens:
+            return
+        t = self._get(replica)
+        t.claimed += max(0, tokens)
+        t.sent += max(tokens, prompt_tokens or 0)
 
     def adjust(self, view: AffinityView) -> AffinityView:
         """The view with each replica's prefix match scaled by its trust (a match scaled to no
@@ -137,15 +205,31 @@ class CacheEstimate:
             m = int(n * trust)
             if m > 0:
                 scaled[name] = m
-        return AffinityView(view.pinned, scaled) if changed else view
+        return replace(view, prefix_matches=scaled) if changed else view
+
+    def judge_pin(self, view: AffinityView, total_blocks: int) -> AffinityView:
+        """The view with ``pin_lost="hit_counters"`` when the pinned replica has reported misses on
+        what was sent there (trust below 1) and the view no longer credits it with
+        ``lost_below`` of the prompt: the index's forgetting alone is no evidence, the replica's
+        counters bearing it out are."""
+        pinned = view.pinned
+        if pinned is None or view.pin_lost is not None or not total_blocks or self.trust(pinned) >= 1.0:
+            return view
+        if view.prefix_matches.get(pinned, 0) >= self.lost_below * total_blocks:
+            return view
+        return replace(view, pin_lost="hit_counters")
 
     def trusts(self) -> Mapping[str, float]:
         """Trust per replica seen so far (for metrics and reports)."""
         return {name: t.trust for name, t in self._replicas.items()}
 
-    def sync(self, book: ReplicaBook, store: AffinityStore) -> None:
+    def sync(self, book: ReplicaBook, store: AffinityStore, now: float | None = None) -> None:
         """Take in the scrapes ``book`` received since the last call; hand changed capacities to
-        ``store``. Cheap when nothing new arrived (one comparison)."""
+        ``store``; at most once a second, fade old evidence (:meth:`recover`) to ``now``. Cheap
+        when nothing new arrived (two comparisons)."""
+        if now is not None and now - self._recovered_at >= 1.0:
+            self._recovered_at = now
+            self.recover(now)
         if book.scrapes == self._scrapes_seen:
             return
         self._scrapes_seen = book.scrapes
@@ -155,6 +239,13 @@ class CacheEstimate:
             if m is None or self._scraped_at.get(name) == rec.scraped_at:
                 continue
             self._scraped_at[name] = rec.scraped_at
-            capacity = self.observe(name, m.prefix_hits, num_gpu_blocks=m.num_gpu_blocks, block_size=m.block_size)
+            capacity = self.observe(
+                name,
+                m.prefix_hits,
+                m.prefix_queries,
+                num_gpu_blocks=m.num_gpu_blocks,
+                block_size=m.block_size,
+                now=rec.scraped_at,
+            )
             if capacity is not None:
                 store.set_capacity(name, capacity)

@@ -73,6 +73,9 @@ class Routed:
     """Prompt tokens the prefix index claimed cached on the chosen replica (before trust), handed to
     the cache estimate once the prefill is done: the replica counts its hits when it prefills,
     and behind a queue that is seconds after the decision."""
+    sent_tokens: int = 0
+    """The prompt's tokens, handed to the cache estimate with the claim: the share of them the
+    replica's query counter covers says how much of the claim its hits bear on."""
 
 
 def _with_inflight(view: AffinityView, inflight: Mapping[str, int]) -> AffinityView:
@@ -80,7 +83,7 @@ def _with_inflight(view: AffinityView, inflight: Mapping[str, int]) -> AffinityV
     cover: those it runs or has queued prefill their prompts before a request sent now (not scaled
     by trust: the replica's counters judge the index, not this)."""
     matches = longer(view.prefix_matches, inflight)
-    return view if matches is view.prefix_matches else AffinityView(view.pinned, matches)
+    return view if matches is view.prefix_matches else replace(view, prefix_matches=matches)
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -238,13 +241,14 @@ class Router:
             self.metrics.store_errors.labels("lookup").inc()
             log.debug("store lookup failed: %s", exc)
             view = AffinityView()
-        self.cache_estimate.sync(self.replicas, self.store)
+        self.cache_estimate.sync(self.replicas, self.store, start)
         hashes = features.prefix_hashes
         inflight = self.inflight_prefixes.matches(hashes)
         claims = longer(view.prefix_matches, inflight)
         view = _with_inflight(self.cache_estimate.adjust(view), inflight)
         if self.kv_events is not None:
             view = self.kv_events.view(view, features, [r.replica.name for r in self.replicas.records()], start)
+        view = self.cache_estimate.judge_pin(view, len(hashes))
         terms = self.tenants.terms(features.tenant, len(self.replicas))
         snapshot = self.replicas.snapshot(start, self.tenants.by_replica)
         profile = self.profiles.for_request(features)
@@ -256,12 +260,13 @@ class Router:
         replica = decision.replica
         if decision.hot_set and replica is not None:
             self._warm_hot_members(profile.prefix_key(features), decision, features, view)
-        prefill_tokens = claimed_tokens = 0
+        prefill_tokens = claimed_tokens = sent_tokens = 0
         tenant_counted = False
         if replica is not None:
             prefill_tokens = self._uncached_tokens(features, decision.matched_blocks)
             raw_uncached = self._uncached_tokens(features, claims.get(replica.name, 0))
-            claimed_tokens = features.prompt_chars // CHARS_PER_TOKEN - raw_uncached
+            sent_tokens = features.estimated_prompt_tokens
+            claimed_tokens = sent_tokens - raw_uncached
             # What it adds to the replica's KV: the part not believed cached (a shared prefix is held
             # once, however many requests use it).
             self.replicas.begin(replica.name, start, prefill_tokens, prefill_tokens)
@@ -320,6 +325,7 @@ class Router:
             tenant_counted=tenant_counted,
             kv_tokens=prefill_tokens,
             claimed_tokens=claimed_tokens,
+            sent_tokens=sent_tokens,
         )
 
     async def explain(self, headers: Mapping[str, str], body: bytes | None) -> Explanation:
@@ -345,6 +351,7 @@ class Router:
             if features.tokens_per_block and features.prefix_hashes:
                 live = set(self.kv_events.source.live(members, now))
                 sources = {r: "kv_events" if r in live else sources.get(r, "estimate") for r in view.prefix_matches}
+        view = self.cache_estimate.judge_pin(view, len(features.prefix_hashes))
         trace = DecisionTrace()
         snapshot = self.replicas.snapshot(now, self.tenants.by_replica)
         terms = self.tenants.terms(features.tenant, len(self.replicas))
@@ -441,9 +448,9 @@ class Router:
     def _settle_claim(self, routed: Routed) -> None:
         """The request's prefill is over (its first byte came back, or the request ended): its
         claim is weighed against the hits the replica reports from now on."""
-        if routed.claimed_tokens and routed.decision.replica is not None:
-            self.cache_estimate.claimed(routed.decision.replica.name, routed.claimed_tokens)
-            routed.claimed_tokens = 0
+        if (routed.claimed_tokens or routed.sent_tokens) and routed.decision.replica is not None:
+            self.cache_estimate.claimed(routed.decision.replica.name, routed.claimed_tokens, routed.sent_tokens)
+            routed.claimed_tokens = routed.sent_tokens = 0
 
     def release(self, routed: Routed) -> None:
         """The request is over (or abandoned): its in-flight slot is freed, once."""

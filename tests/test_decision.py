@@ -48,16 +48,33 @@ def test_pin_outweighs_a_full_prefix_match_elsewhere() -> None:
     assert d.replica is not None and d.replica.name == "r2"
 
 
-def test_a_pin_whose_cache_was_evicted_holds_no_more_than_any_replica() -> None:
-    # Under KV pressure the index no longer believes r2 holds the conversation: the pin alone
-    # does not send the next turn back onto a loaded replica.
+def test_a_pin_the_index_forgot_still_holds_the_session() -> None:
+    # The index no longer claims the conversation on r2, but nothing the replica said confirms a
+    # loss (no eviction event, no misses on its counters): the session stays where it is.
     view = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 2, "r3": 2, "r0": 2})
     snap = snapshot(r2={"inflight": 8, "pending_prefill_tokens": 20_000})
     d = decide(features("s1", tuple(range(40))), snap, view, 0.0, build_profile())
+    assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY and d.moved_by == ""
+
+
+def test_a_pin_whose_cache_is_known_lost_moves_only_for_a_better_place() -> None:
+    snap = snapshot(r2={"inflight": 8, "pending_prefill_tokens": 20_000})
+    lost = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 2, "r3": 2, "r0": 2}, pin_lost="kv_events")
+    # Evicted and loaded: another replica is worth the move, and the decision says what moved it.
+    d = decide(features("s1", tuple(range(40))), snap, lost, 0.0, build_profile())
     assert d.replica is not None and d.replica.name != "r2"
-    # Still held there: it stays.
-    view = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 40, "r3": 2, "r0": 2})
-    d = decide(features("s1", tuple(range(40))), snap, view, 0.0, build_profile())
+    assert d.reason is Reason.EVICTED and d.moved_by == "kv_events"
+    # Evicted but no busier than the rest, and nobody holds more of this conversation: moving would
+    # only rebuild it elsewhere, so it stays.
+    d = decide(features("s1", tuple(range(40))), snapshot(), lost, 0.0, build_profile())
+    assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
+    # Another replica holds most of this conversation: that outweighs the price of moving.
+    elsewhere = AffinityView(pinned="r2", prefix_matches={"r1": 36, "r2": 2, "r3": 2}, pin_lost="hit_counters")
+    d = decide(features("s1", tuple(range(40))), snapshot(), elsewhere, 0.0, build_profile())
+    assert d.replica is not None and d.replica.name == "r1" and d.moved_by == "hit_counters"
+    # Still held there: it stays, however the evidence was labelled.
+    held = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 40, "r3": 2, "r0": 2}, pin_lost="kv_events")
+    d = decide(features("s1", tuple(range(40))), snap, held, 0.0, build_profile())
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
 
 
@@ -65,12 +82,14 @@ def test_overloaded_pinned_replica_spills_over() -> None:
     snap = snapshot(r2={"kv_usage": 0.95})
     d = decide(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile())
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER
+    assert d.moved_by == "overload"
 
 
 def test_pinned_replica_out_of_rotation_fails_over() -> None:
     snap = snapshot(r2={"in_rotation": False})
     d = decide(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile())
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.FAILOVER
+    assert d.moved_by == "in_rotation"
 
 
 def test_all_out_of_rotation_still_routes() -> None:

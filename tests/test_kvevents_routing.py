@@ -308,7 +308,7 @@ async def test_predicted_and_reported_cached_tokens_are_counted_for_live_replica
     assert kv.metrics.reported_tokens.labels("r2")._value.get() == 0
 
 
-async def test_a_pin_whose_replica_lost_the_conversation_is_dropped(tokenizer_dir: Path) -> None:
+async def test_a_pin_whose_replica_lost_the_conversation_is_judged_lost(tokenizer_dir: Path) -> None:
     clock = Clock()
     router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
     tok = PromptTokenizer(tokenizer_dir)
@@ -324,9 +324,12 @@ async def test_a_pin_whose_replica_lost_the_conversation_is_dropped(tokenizer_di
     await feed(kv, pinned, 2, BlockRemoved(ev.block_hashes[len(ev.block_hashes) // 3 :]))  # evicted: a third left
     estimate = await router.store.lookup("s", again.features.prefix_hashes, clock.now, model="m")
     assert estimate.pinned == pinned
-    assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned is None
-    kv.settings = replace(kv.settings, unpin_below=0.0)  # pins always kept
-    assert kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now).pinned == pinned
+    # The pin is kept, marked lost: it is worth what the replica still holds, not dropped.
+    lost = kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now)
+    assert lost.pinned == pinned and lost.pin_lost == "kv_events"
+    kv.settings = replace(kv.settings, unpin_below=0.0)  # pins never judged lost
+    kept = kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now)
+    assert kept.pinned == pinned and kept.pin_lost is None
 
 
 _json = st.recursive(

@@ -218,13 +218,18 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
     for r in queued[3:]:
         router.release(r)
     assert all(r.claimed_tokens == 0 for r in queued)
-    router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=5 * 480), 12.0)
+    # It looked up all six prompts (the first one too) and found the five claims.
+    router.replicas.apply_scrape(
+        "a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_queries=6 * 480, prefix_hits=5 * 480), 12.0
+    )
     run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 12.0))
     assert router.cache_estimate.trust("a") == 1.0
-    # Had the replica found none of it, trust would fall.
+    # Had the replica looked them up and found none of it, trust would fall.
     for r in [run_sync(router.route_features(features, 13.0 + i)) for i in range(5)]:
         router.observe_response(r, 200)
-    router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=5 * 480), 20.0)
+    router.replicas.apply_scrape(
+        "a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_queries=11 * 480, prefix_hits=5 * 480), 20.0
+    )
     run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 20.0))
     assert router.cache_estimate.trust("a") < 0.7
 

@@ -209,13 +209,17 @@ class EventCacheState:
             if blocks >= 1:
                 matches[replica] = int(blocks)
         pinned = view.pinned
-        # A pin is worth its cache: when the pinned replica's own events show it lost most of the
-        # conversation (evicted under pressure), the session is routed as new, on what is cached
-        # where and on load, rather than held to a replica that must recompute it anyway.
+        # When the pinned replica's own events show it lost most of the conversation (evicted
+        # under pressure), the pin is marked lost: it is then worth what the replica still holds
+        # (at least the session scorer's floor), so the session moves only when another replica's
+        # hold on this conversation outweighs the price of moving. A pin dropped outright sent
+        # each next turn to wherever a shared system prompt was, and scattered conversations
+        # over caches that were already full.
         held = matches.get(pinned, 0) if pinned is not None else 0
+        lost = view.pin_lost
         if pinned in live and held < self.settings.unpin_below * len(features.prefix_hashes):
-            pinned = None
-        return AffinityView(pinned=pinned, prefix_matches=matches)
+            lost = "kv_events"
+        return AffinityView(pinned=pinned, prefix_matches=matches, pin_lost=lost)
 
     def decided(self, features: RequestFeatures, replica: str, matched_blocks: int, now: float) -> None:
         """Credit the chosen replica and expect its feed to speak."""

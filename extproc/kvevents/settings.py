@@ -38,8 +38,9 @@ class KvEventSettings:
     """Share of requests whose response body is read for ``usage.prompt_tokens_details.cached_tokens``
     to check the index's prediction (0: never; Envoy is then never asked for a response body)."""
     unpin_below: float = 0.5
-    """A session stays pinned while its replica's events show it holding at least this fraction of
-    the prompt's blocks (0: pins are always kept)."""
+    """A pin keeps its full value while its replica's events show it holding at least this fraction
+    of the prompt's blocks; below it the pin is judged lost and is worth what the replica still
+    holds, at least the session scorer's ``floor`` (0: pins are never judged lost)."""
     tokenizers: Mapping[str, str] = field(default_factory=dict)
     """Model name -> a directory with tokenizer.json and tokenizer_config.json."""
     lora_adapters: Mapping[str, str] = field(default_factory=dict)

@@ -92,12 +92,20 @@ class AffinityView:
 
     pinned: str | None = None
     prefix_matches: Mapping[str, int] = field(default_factory=dict)
+    pin_lost: str | None = None
+    """What says the pinned replica no longer holds the conversation: ``"kv_events"`` (its own
+    events show the blocks evicted) or ``"hit_counters"`` (it reports misses on what was sent
+    there, and the index no longer claims the prompt); None while nothing does. Without such
+    evidence a pin keeps its full value: a match the index merely forgot is no proof of loss."""
 
 
 class Reason(enum.StrEnum):
     """Why a request went where it went (also a metric label: keep the set small)."""
 
     STICKY = "sticky"
+    EVICTED = "evicted"
+    """The pinned replica was a candidate, but had lost the conversation (``AffinityView.pin_lost``)
+    and another replica outweighed staying."""
     PREFIX = "prefix"
     NEW_SESSION = "new_session"
     SPILLOVER = "spillover"
@@ -124,3 +132,7 @@ class Decision:
     """For a refusal (``quota``): when the client may try again."""
     hot_set: tuple[str, ...] = ()
     """The replicas serving the request's prefix, when it is hot (:mod:`extproc.routing.hot`)."""
+    moved_by: str = ""
+    """For a session sent off its pinned replica: what did it (the filter that removed the pin,
+    ``"membership"`` when the replica is gone, the evidence of ``AffinityView.pin_lost`` when it was
+    outscored, ``"scores"`` otherwise); empty when the session stayed or had no pin."""

@@ -147,8 +147,14 @@ def decide(
             step.removed = [(c.name, cordon.why(c)) for c in candidates if not cordon.keeps(c, view.pinned)]
             trace.filters.append(step)
         candidates = kept or candidates
+    pinned = view.pinned
+    moved_by = ""
+    if pinned is not None and all(c.name != pinned for c in candidates):
+        moved_by = "cordon" if any(s.name == pinned for s in snapshot.replicas) else "membership"
     for flt in profile.filters:
         candidates = flt.filter(cycle, candidates) if trace is None else _traced_filter(flt, cycle, candidates, trace)
+        if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):
+            moved_by = flt.name
     totals: dict[str, float] = {c.name: 0.0 for c in candidates}
     for weighted in profile.scorers:
         scores = weighted.scorer.score(cycle, candidates)
@@ -167,7 +173,7 @@ def decide(
         trace.order = [s.name for s in ordered]
     overloaded: set[str] = cycle.scratch.get("overloaded", set())
     hot_set = tuple(sorted(cycle.scratch.get("hot_set", ())))
-    return _conclude(features, view, profile, ordered, totals, key_source, overloaded, hot_set)
+    return _conclude(features, view, profile, ordered, totals, key_source, overloaded, hot_set, moved_by)
 
 
 class Decider(Protocol):
@@ -217,10 +223,15 @@ def _conclude(
     key_source: KeySource,
     overloaded: set[str],
     hot_set: tuple[str, ...] = (),
+    moved_by: str = "",
 ) -> Decision:
     chosen = ordered[0]
     matched = view.prefix_matches.get(chosen.name, 0)
-    reason = _reason(view, key_source, overloaded, chosen, matched)
+    reason = _reason(view, key_source, overloaded, chosen, matched, totals)
+    if view.pinned is None or chosen.name == view.pinned:
+        moved_by = ""
+    elif not moved_by:
+        moved_by = view.pin_lost or "scores"
     return Decision(
         replica=chosen.replica,
         reason=reason,
@@ -230,6 +241,7 @@ def _conclude(
         total_blocks=len(features.prefix_hashes),
         scores=totals,
         hot_set=hot_set,
+        moved_by=moved_by,
     )
 
 
@@ -249,12 +261,19 @@ def _traced_filter(
 
 
 def _reason(
-    view: AffinityView, key_source: KeySource, overloaded: set[str], chosen: ReplicaState, matched: int
+    view: AffinityView,
+    key_source: KeySource,
+    overloaded: set[str],
+    chosen: ReplicaState,
+    matched: int,
+    totals: Mapping[str, float],
 ) -> Reason:
     if view.pinned:
         if chosen.name == view.pinned:
             return Reason.STICKY
-        return Reason.SPILLOVER if view.pinned in overloaded else Reason.FAILOVER
+        if view.pinned in overloaded:
+            return Reason.SPILLOVER
+        return Reason.EVICTED if view.pin_lost and view.pinned in totals else Reason.FAILOVER
     if view.prefix_matches:
         best = max(view.prefix_matches.items(), key=lambda kv: kv[1])[0]
         if best in overloaded and best != chosen.name:
