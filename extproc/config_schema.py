@@ -373,7 +373,9 @@ class KvEvents(Section):
     check_sample_rate: float = _doc(
         _KV.check_sample_rate, "share of responses read for usage.cached_tokens to check predictions", ge=0, le=1
     )
-    unpin_below: float = _doc(_KV.unpin_below, "below this share of the prompt held, its events judge a pin lost", ge=0, le=1)
+    unpin_below: float = _doc(
+        _KV.unpin_below, "below this share of the prompt held, its events judge a pin lost", ge=0, le=1
+    )
     tokenizers: dict[str, str] = _doc({}, "model name -> directory with tokenizer.json, tokenizer_config.json")
     lora_adapters: dict[str, str] = _doc({}, "LoRA adapter name -> its base model (hashed with the name, as vLLM)")
 

@@ -170,6 +170,13 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.replica_cache_trust = Gauge(
+            "extproc_replica_cache_trust_ratio",
+            "How far the prefix index's claims for the replica are believed, in (0, 1]: its hit "
+            "counters against what the index claimed, moved only by scrapes where it counted queries.",
+            ["replica"],
+            registry=r,
+        )
         self.replica_sessions = Gauge(
             "extproc_replica_sessions_pinned",
             "Sessions this gateway has seen pinned to the replica within the session TTL.",

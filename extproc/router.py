@@ -299,12 +299,13 @@ class Router:
             self.feed.publish(decision, features.model, now - start)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "decision request_id=%s replica=%s reason=%s matched=%d/%d",
+                "decision request_id=%s replica=%s reason=%s matched=%d/%d moved_by=%s",
                 features.request_id,
                 replica.name if replica else None,
                 decision.reason.value,
                 decision.matched_blocks,
                 decision.total_blocks,
+                decision.moved_by or "-",
                 extra={
                     "event": "decision",
                     "request_id": features.request_id,
@@ -313,6 +314,7 @@ class Router:
                     "model": features.model,
                     "matched_blocks": decision.matched_blocks,
                     "total_blocks": decision.total_blocks,
+                    "moved_by": decision.moved_by,
                     "stream": features.stream,
                     "decision_ms": round((now - start) * 1000, 3),
                 },

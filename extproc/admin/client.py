@@ -163,6 +163,10 @@ def render(call: str, reply: Any) -> str:
         )
         if reply.body_error:
             head += f"body: {reply.body_error}\n"
+        if reply.moved_by:
+            head += f"moved off {reply.pinned} by {reply.moved_by}\n"
+        elif reply.pin_lost:
+            head += f"pin kept, its cache judged lost ({reply.pin_lost})\n"
         rows = []
         for r in sorted(reply.replicas, key=lambda r: (r.rank < 0, r.rank, r.replica)):
             parts = " ".join(f"{p.scorer}={p.contribution:.2f}" for p in r.scores if p.contribution)
@@ -191,10 +195,11 @@ def render(call: str, reply: Any) -> str:
                 r.queue,
                 f"{r.kv_usage:.2f}",
                 r.sessions_pinned,
+                f"{r.cache_trust:.2f}",
             ]
             for r in reply.replicas
         ]
-        header = ["NAME", "ADDRESS", "HEALTH", "ROTATION", "CORDON", "INFLIGHT", "QUEUE", "KV", "SESSIONS"]
+        header = ["NAME", "ADDRESS", "HEALTH", "ROTATION", "CORDON", "INFLIGHT", "QUEUE", "KV", "SESSIONS", "TRUST"]
         return _table(header, rows)
     if call == "hot-keys":
         if not reply.enabled:

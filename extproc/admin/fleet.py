@@ -28,6 +28,7 @@ class ReplicaRow:
     kv_events: str = "none"
     pending_prefill_tokens: int = 0
     scrape_failures: int = 0
+    cache_trust: float = 1.0
 
 
 def fleet(router: Router) -> list[ReplicaRow]:
@@ -59,6 +60,7 @@ def fleet(router: Router) -> list[ReplicaRow]:
                 pending_prefill_tokens=rec.pending_prefill_tokens,
                 scrape_failures=rec.scrape_failures,
                 kv_events=_feed_state(feeds, name, now),
+                cache_trust=round(router.cache_estimate.trust(name), 4),
             )
         )
     return rows

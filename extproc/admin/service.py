@@ -72,6 +72,8 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
         profile=trace.profile,
         model=ex.features.model,
         body_error=ex.features.body_error or "",
+        moved_by=d.moved_by,
+        pin_lost=view.pin_lost or "",
     )
 
 
@@ -120,6 +122,7 @@ class AdminService(pb_grpc.AdminServicer):
                     kv_events=r.kv_events,
                     pending_prefill_tokens=r.pending_prefill_tokens,
                     scrape_failures=r.scrape_failures,
+                    cache_trust=r.cache_trust,
                 )
                 for r in fleet(self.router)
             ]

@@ -77,7 +77,7 @@ class ReplicaExplanation(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error")
+    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class ExplainResponse(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BODY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MOVED_BY_FIELD_NUMBER: _ClassVar[int]
+    PIN_LOST_FIELD_NUMBER: _ClassVar[int]
     replica: str
     reason: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -106,14 +108,16 @@ class ExplainResponse(_message.Message):
     profile: str
     model: str
     body_error: str
-    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ...) -> None: ...
+    moved_by: str
+    pin_lost: str
+    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ..., moved_by: _Optional[str] = ..., pin_lost: _Optional[str] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("name", "address", "health", "health_penalties", "in_rotation", "rotation_state", "cordon", "inflight", "queue", "kv_usage", "sessions_pinned", "kv_events", "pending_prefill_tokens", "scrape_failures")
+    __slots__ = ("name", "address", "health", "health_penalties", "in_rotation", "rotation_state", "cordon", "inflight", "queue", "kv_usage", "sessions_pinned", "kv_events", "pending_prefill_tokens", "scrape_failures", "cache_trust")
     class HealthPenaltiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +139,7 @@ class ReplicaInfo(_message.Message):
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCRAPE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TRUST_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     health: float
@@ -149,7 +154,8 @@ class ReplicaInfo(_message.Message):
     kv_events: str
     pending_prefill_tokens: int
     scrape_failures: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[float] = ..., health_penalties: _Optional[_Mapping[str, float]] = ..., in_rotation: _Optional[bool] = ..., rotation_state: _Optional[str] = ..., cordon: _Optional[str] = ..., inflight: _Optional[int] = ..., queue: _Optional[int] = ..., kv_usage: _Optional[float] = ..., sessions_pinned: _Optional[int] = ..., kv_events: _Optional[str] = ..., pending_prefill_tokens: _Optional[int] = ..., scrape_failures: _Optional[int] = ...) -> None: ...
+    cache_trust: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[float] = ..., health_penalties: _Optional[_Mapping[str, float]] = ..., in_rotation: _Optional[bool] = ..., rotation_state: _Optional[str] = ..., cordon: _Optional[str] = ..., inflight: _Optional[int] = ..., queue: _Optional[int] = ..., kv_usage: _Optional[float] = ..., sessions_pinned: _Optional[int] = ..., kv_events: _Optional[str] = ..., pending_prefill_tokens: _Optional[int] = ..., scrape_failures: _Optional[int] = ..., cache_trust: _Optional[float] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)
