@@ -4,7 +4,7 @@ The replica timing model (``lab/extproc_lab/replica/timing.py``, profile ``llama
 engine step; this walks a 10,000-token prompt through chunked prefill, step by step, on an idle
 replica and on replicas whose running batch is already decoding (each step's token budget is
 shared with one token per running sequence, and every step pays for their context). The slowest
-case is the "slow replica" the defaults of ``upstream:`` are chosen from (see README, "Hung
+case is the "slow replica" the defaults of ``upstream:`` are chosen from (docs/operations.md, "Hung
 replicas"). It also prices one decode step there, the per-output-token budget of a non-streaming
 request, whose first byte comes only after its last token.
 

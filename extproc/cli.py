@@ -260,8 +260,8 @@ async def _serve(cfg: Config) -> None:
         await store.close()  # idempotent: a graceful stop has closed it already
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``extproc`` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``extproc`` command line: the router's commands, and those of installed plugins (the lab's)."""
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
@@ -277,6 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"extproc: sub-commands {entry.value!r} not loaded: {exc}", file=sys.stderr)
             continue
         register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``extproc`` console script."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     quiet = args.command in ("demo", "bench", "admin")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))

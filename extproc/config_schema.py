@@ -182,7 +182,7 @@ class Health(Section):
 
 
 class Upstream(Section):
-    """``upstream:``: per-try bounds, shared with ``extproc envoy-config`` (README: hung replicas)."""
+    """``upstream:``: per-try bounds, shared with ``extproc envoy-config`` (docs/operations.md: hung replicas)."""
 
     first_byte_s: float = _doc(
         _UPSTREAM.first_byte_s, "a try without response headers by then is retried on another replica", ge=0.001
@@ -351,7 +351,7 @@ class Queueing(Section):
 
 
 class KvEvents(Section):
-    """``kv_events:``: vLLM's KV-cache events, matched for models with a tokenizer (README: KV events)."""
+    """``kv_events:``: vLLM's KV-cache events, matched for models with a tokenizer (docs/kv-events.md)."""
 
     listen: str | None = _doc(
         None, "bind one SUB endpoint replicas connect to (tcp://0.0.0.0:5557, ipc://...)", pattern=r"^[a-z]+://."
@@ -414,7 +414,7 @@ class RouterFile(Section):
     headers: Headers = _doc(Headers(), "routing header names")
     replicas: list[ReplicaEntry] = _doc([], "static replicas (discovery may add more)")
     discovery: dict[str, Any] | None = _doc(
-        None, "where members come from: type static (default), dns or kubernetes; see README"
+        None, "where members come from: type static (default), dns or kubernetes; see docs/configuration.md"
     )
     store: str = _doc(
         "memory://", "affinity store URL: memory://, redis://, rediss://, unix://, redis+sentinel://, ..."

@@ -2,7 +2,7 @@
 replay runs through real Envoy; and the canary: no prompt, session key or API key reaches the
 console or WatchDecisions.
 
-Set ``UPDATE_SCREENSHOT=1`` to write the screenshot README shows (docs/console.png); otherwise it
+Set ``UPDATE_SCREENSHOT=1`` to write the screenshot docs/operations.md shows (docs/console.png); otherwise it
 goes to the test's temporary directory.
 """
 

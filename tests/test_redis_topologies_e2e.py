@@ -38,7 +38,7 @@ NAMESPACE = "topo"
 # cores outlast the 50 ms default timeouts (measured: lookups timed out, the store routed on local
 # state for 0.1 s and 4 of 10 conversations changed replica), and 0.5 s was still too short at a
 # load average of 8.7. Connections are pooled, so only a cold start pays for the handshakes; a
-# deployment over TLS should give itself the same room (README). A Cluster's slot discovery too.
+# deployment over TLS should give itself the same room (docs/shared-state.md). A Cluster's slot discovery too.
 TLS_ROOMY = "connect_timeout=2&socket_timeout=0.5"
 ROOMY = "connect_timeout=0.5&socket_timeout=0.5"
 # Pins are written behind the decision; a user's next turn comes seconds later, not within the

@@ -24,5 +24,5 @@ class HealthSettings:
     recent_half_life_s: float = 60.0
     # The share of requests whose response headers the processor asks Envoy for (status and time
     # to first byte for passive health; the end of prefill). Below 1.0 the others skip that
-    # ext_proc message: fewer round trips, a cheaper processor (see README, "What the processor costs").
+    # ext_proc message: fewer round trips, a cheaper processor (docs/performance.md).
     response_sample_rate: float = 1.0

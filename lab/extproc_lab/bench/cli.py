@@ -84,7 +84,7 @@ def _add_overhead_parser(kinds: Any) -> None:
     p.add_argument("--peers-dir", help=f"where the peer routers' venvs live (default: ${PEERS_DIR_ENV} or ~/.cache)")
     p.add_argument("--no-install", action="store_true", help="do not pip-install missing peer routers")
     p.add_argument(
-        "--no-observe", action="store_true", help="our processor skips the response-headers phase (see README)"
+        "--no-observe", action="store_true", help="our processor skips the response-headers phase (docs/performance.md)"
     )
     p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
     p.add_argument("--json", dest="json_path", help="write the figures here")
