@@ -84,7 +84,7 @@ class CacheEstimate:
     def observe(
         self,
         replica: str,
-        prefix_hits: float,
+        prefix_hits: float | None,
         *,
         num_gpu_blocks: int | None = None,
         block_size: int | None = None,
@@ -99,6 +99,8 @@ class CacheEstimate:
             if cap != t.capacity_tokens:
                 t.capacity_tokens = cap
                 changed = cap
+        if prefix_hits is None:  # the page reports no prefix-cache counters: nothing to judge trust by
+            return changed
         if t.hits is None or prefix_hits < t.hits:
             # The first scrape, or the replica restarted (counters reset): a new baseline.
             t.hits = prefix_hits
