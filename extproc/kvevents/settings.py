@@ -13,7 +13,8 @@ class KvEventSettings:
     """Where KV events come from and how blocks are keyed.
 
     Events are read from a replica when it has a ``kv_events`` endpoint (its ``--replica ...,
-    kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]`` labels), from every discovered replica
+    kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]`` labels, or the ``kv_events``,
+    ``kv_replay`` and ``kv_dp`` keys of its ``replicas:`` entry), from every discovered replica
     when ``port`` is set (its address with that port; ``replay_port`` likewise), and from every
     replica that connects to ``listen``. They are used for requests to a model with a tokenizer.
     """
