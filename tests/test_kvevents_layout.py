@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.admin.fleet import _feed_state
 from extproc.health.vllm_metrics import parse_vllm_metrics
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo
@@ -164,6 +165,7 @@ async def test_replicas_of_one_model_that_disagree_are_named_and_the_odd_one_is_
     assert kv.source.suspended == {"r2": {"block_size"}}
     assert kv.source.live(NAMES, clock.now) == ["r0", "r1"]
     assert gauge(kv, "extproc_kv_feed_suspended", "r2", "block_size") == 1.0
+    assert _feed_state(kv.source, "r2", clock.now) == "suspended (block_size)"  # as the admin API shows it
     # r2's events cannot match: the estimate answers for it, whatever they claim.
     await feed(kv, "r2", 1, stored(ids, 128))
     view = AffinityView(prefix_matches={"r2": 3})
@@ -183,6 +185,16 @@ async def test_a_tie_keeps_the_configured_block_size_and_xxhash_is_a_misfit(toke
     await scrape(router, {"r2": page})
     assert kv.layouts.misfit("r2") == "hash_algo" and kv.layouts.misfit("r0") == "block_size"
     assert kv.layouts.layout("m") == (128, HashAlgo.SHA256)  # xxhash cannot be computed: not adopted
+    unknown = fake_page(128).replace('prefix_caching_hash_algo="sha256"', 'prefix_caching_hash_algo="sha512"')
+    await scrape(router, {"r2": unknown})
+    assert kv.layouts.misfit("r2") is None  # not known here: warned about, left to the prediction checks
+    assert gauge(kv, "extproc_kv_events_hash_algo_mismatch", "r2") == 1.0
+
+
+async def test_a_tie_without_the_configured_value_takes_the_smaller_block_size(tokenizer_dir: Path) -> None:
+    router, kv = make_router(tokenizer_dir, Clock())
+    await scrape(router, {"r0": fake_page(128), "r1": fake_page(32)})
+    assert kv.layouts.block_size("m") == 32  # by number, not as text ("128" < "32")
 
 
 # -- predictions that keep disagreeing -------------------------------------------------------------

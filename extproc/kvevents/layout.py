@@ -25,6 +25,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from extproc.kvevents.hashing import HashAlgo
 from extproc.kvevents.metrics import KvEventMetrics
@@ -32,7 +33,11 @@ from extproc.kvevents.metrics import KvEventMetrics
 log = logging.getLogger("extproc.kvevents")
 
 REPRODUCIBLE = {HashAlgo.SHA256.value: HashAlgo.SHA256, HashAlgo.SHA256_CBOR.value: HashAlgo.SHA256_CBOR}
-"""Engine hash algorithms the router can compute from token ids (the xxhash ones need ``content``)."""
+"""Engine hash algorithms the router can compute from token ids."""
+UNREPRODUCIBLE = frozenset({"xxhash", "xxhash_cbor", "builtin"})
+"""Engine hash algorithms it cannot (xxh3-128, Python's per-process ``hash``): ``content`` only.
+A name in neither set (a release we do not know) is warned about but not acted on: the prediction
+checks judge it."""
 
 
 @dataclass(slots=True)
@@ -51,13 +56,17 @@ class EngineReport:
         return self.events_block_size if self.events_block_size is not None else self.page_block_size
 
 
-def _prevailing(values: Iterable[int | str], default: int | str) -> int | str:
+_V = TypeVar("_V", int, str)
+
+
+def _prevailing(values: Iterable[_V], default: _V) -> _V:
+    """The most common of ``values``; a tie goes to ``default`` if tied, else to the smallest."""
     counts = Counter(values).most_common()
     if not counts:
         return default
     top = counts[0][1]
     tied = [v for v, n in counts if n == top]
-    return default if default in tied else min(tied, key=str)
+    return default if default in tied else min(tied)
 
 
 class EngineLayouts:
@@ -132,8 +141,9 @@ class EngineLayouts:
                 ("algo", replica, str(algo)),
                 "kv events: replica %s reports prefix_caching_hash_algo %s but kv_events.hash_algo is %s%s",
                 replica, algo, self.configured_algo.value,
-                "" if algo in REPRODUCIBLE else ": not reproducible from token ids, its events cannot be matched "
-                "(set kv_events.hash_algo: content)",
+                ": not reproducible from token ids, its events cannot be matched (set kv_events.hash_algo: content)"
+                if algo in UNREPRODUCIBLE
+                else "" if algo in REPRODUCIBLE else " (an algorithm not known here: the prediction checks judge it)",
             )  # fmt: skip
         if self.metrics is not None:
             if size is not None:
@@ -156,7 +166,7 @@ class EngineLayouts:
             return memo
         group = [(r, rep) for r, rep in self.reports.items() if not rep.models or model in rep.models]
         sizes = {r: rep.block_size for r, rep in group or self.reports.items() if rep.block_size is not None}
-        size = int(_prevailing(sizes.values(), self.configured_block_size))
+        size = _prevailing(list(sizes.values()), self.configured_block_size)
         if len(set(sizes.values())) > 1:
             self._warn_once(
                 ("split", model, *sorted(f"{r}={s}" for r, s in sizes.items())),
@@ -167,7 +177,7 @@ class EngineLayouts:
         algo = self.configured_algo
         if algo is not HashAlgo.CONTENT:
             reported = [rep.hash_algo for _, rep in group or self.reports.items() if rep.hash_algo in REPRODUCIBLE]
-            algo = REPRODUCIBLE[str(_prevailing(reported, algo.value))]
+            algo = REPRODUCIBLE[_prevailing([a for a in reported if a is not None], algo.value)]
         self._by_model[model] = (size, algo)
         return size, algo
 
@@ -186,6 +196,8 @@ class EngineLayouts:
             size, algo = self.layout(model)
             if rep.block_size is not None and rep.block_size != size:
                 return "block_size"
-            if algo is not HashAlgo.CONTENT and rep.hash_algo is not None and rep.hash_algo != algo:
+            if algo is not HashAlgo.CONTENT and (
+                rep.hash_algo in UNREPRODUCIBLE or (rep.hash_algo in REPRODUCIBLE and rep.hash_algo != algo)
+            ):
                 return "hash_algo"
         return None
