@@ -279,3 +279,67 @@ def test_agreements_on_nothing_neither_break_a_wrong_streak_nor_resume() -> None
     streaks.record("b", "over", 64, 32, False)
     streaks.record("b", "agree", 64, 32, False)
     assert streaks.record("b", "over", 64, 32, False) is None
+
+
+# -- the issue's case, over the fake engine's real event stream ----------------------------------------
+
+
+async def test_a_router_left_at_16_predicts_an_engine_of_32_exactly(tokenizer_dir: Path) -> None:
+    """Issue 25: ``kv_events.block_size`` left at 16 in front of engines with 32-token blocks
+    matched nothing (0 of 24 predictions right). The engine's events and page now set it."""
+    import asyncio
+    import tempfile
+
+    from aiohttp import test_utils
+
+    from extproc.kvevents.subscriber import Subscriptions
+    from extproc.request.features import extract_features
+    from extproc_lab.replica import build_app
+    from extproc_lab.replica.kv_publisher import KvEventPublisher
+
+    clock = Clock()
+    router, kv = make_router(tokenizer_dir, clock)  # block_size: the default 16
+    with tempfile.TemporaryDirectory(prefix="kvl-") as d:
+        pub, replay = f"ipc://{d}/pub", f"ipc://{d}/replay"
+        publisher = KvEventPublisher(pub, replay, "kv@r0@m", "map")
+        publisher.start()
+        profile = dataclasses.replace(get_profile("demo", 0.01), block_size=32, num_gpu_blocks=512)
+        engine = ReplicaEngine(profile, token_blocks=TokenBlocks(32), publish=publisher.publish)
+        app = build_app(engine, "r0", "m", tokenizer=PromptTokenizer(tokenizer_dir), publisher=publisher)
+        subs = Subscriptions(kv.source)
+        subs.follow("r0", pub, replay)
+        results = []
+        try:
+            async with test_utils.TestClient(test_utils.TestServer(app, host="127.0.0.1")) as client:
+                page = await (await client.get("/metrics")).text()
+                await scrape(router, {"r0": page})
+                msgs = [{"role": "system", "content": sample_text(150, 3)}]
+                previous = 0
+                for turn in range(4):
+                    msgs.append({"role": "user", "content": sample_text(40, 30 + turn)})
+                    headers, body = chat(msgs)
+                    features = await kv.tokenized(extract_features(headers, body, router.config.features), body)
+                    loop = asyncio.get_running_loop()
+                    end = loop.time() + 5.0
+                    while turn and loop.time() < end:  # the previous turn's stores on their way
+                        held = kv.source.matches("m", features.prefix_hashes, ["r0"], clock.now).get("r0", 0)
+                        if held >= previous:
+                            break
+                        await asyncio.sleep(0.01)
+                    previous = len(features.prefix_hashes)
+                    blocks = int(kv.source.matches("m", features.prefix_hashes, ["r0"], clock.now).get("r0", 0))
+                    predicted = kv.predicted_tokens(features, "r0", blocks, clock.now)
+                    resp = await client.post("/v1/chat/completions", json=json.loads(body) | {"max_tokens": 8})
+                    answer = await resp.json()
+                    reported = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    if turn:
+                        assert predicted is not None
+                        results.append(kv.check("r0", predicted, reported, features.tokens_per_block))
+                    msgs.append(answer["choices"][0]["message"])
+                    assert features.tokens_per_block == 32
+        finally:
+            await subs.close()
+            await publisher.close()
+            await kv.close()
+    assert results == ["agree"] * 3
+    assert gauge(kv, "extproc_kv_events_block_size_mismatch", "r0") == 1.0
