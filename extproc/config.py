@@ -304,7 +304,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     replicas: list[Replica] = []
     for i, item in enumerate(file.replicas):
         _check_address(item.address, f"replicas[{i}].address")
-        replicas.append(Replica(item.name, item.address, item.weight, dict(item.labels)))
+        replicas.append(Replica(item.name, item.address, item.weight, _replica_labels(item, i)))
     names = [r.name for r in replicas]
     if len(set(names)) != len(names):
         raise ConfigError("replicas: names must be unique")
@@ -363,6 +363,25 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
     except ProfileError as exc:
         raise ConfigError(str(exc)) from None
     return cfg
+
+
+REPLICA_KV_FIELDS = ("kv_events", "kv_replay", "kv_dp")
+"""A ``replicas:`` entry's KV-event fields: the labels a ``--replica`` flag carries them in."""
+
+
+def _replica_labels(item: schema.ReplicaEntry, i: int) -> dict[str, str]:
+    """An entry's labels, with its KV-event fields as the labels the subscriptions read."""
+    labels = dict(item.labels)
+    for key in REPLICA_KV_FIELDS:
+        value = getattr(item, key)
+        if value is None:
+            continue
+        if key in labels and labels[key] != str(value):
+            raise ConfigError(f"replicas[{i}].{key}: {value!r}, but labels.{key} says {labels[key]!r}")
+        labels[key] = str(value)
+    if "kv_replay" in labels and "kv_events" not in labels:
+        raise ConfigError(f"replicas[{i}].kv_replay: needs kv_events (the publisher it replays)")
+    return labels
 
 
 def _kv_events(raw: schema.KvEvents) -> KvEventSettings:

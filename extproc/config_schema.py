@@ -64,6 +64,15 @@ class ReplicaEntry(Section):
     address: str = Field(description="HOST:PORT of its OpenAI server (and /metrics)")
     weight: float = _doc(1.0, "share of the ring, e.g. 2 for twice the GPUs", gt=0)
     labels: dict[str, str] = _doc({}, "labels pools and classes select on")
+    kv_events: str | None = _doc(
+        None,
+        "its engines' KV-event publisher (vLLM --kv-events-config endpoint, tcp://HOST:PORT)",
+        pattern=r"^[a-z]+://.",
+    )
+    kv_replay: str | None = _doc(None, "its engines' replay endpoint (replay_endpoint)", pattern=r"^[a-z]+://.")
+    kv_dp: int | None = _doc(
+        None, "engines behind it (--data-parallel-size; default kv_events.data_parallel_size)", ge=1
+    )
 
 
 class Sessions(Section):
@@ -362,7 +371,7 @@ class KvEvents(Section):
         _KV.hash_algo.value, "the engines' --prefix-caching-hash-algo; content when not reproducible (xxhash)"
     )
     hash_seed: str | int | None = _doc(None, "the engines' PYTHONHASHSEED, if they set one")
-    block_size: int = _doc(_KV.block_size, "the engines' block size in tokens", ge=1)
+    block_size: int = _doc(_KV.block_size, "the engines' block size in tokens until they report theirs", ge=1)
     data_parallel_size: int = _doc(
         _KV.data_parallel_size, "engines per replica (--data-parallel-size): rank r publishes on port + r", ge=1
     )
@@ -372,6 +381,9 @@ class KvEvents(Section):
     max_blocks_per_replica: int = _doc(_KV.max_blocks_per_replica, "indexed blocks kept per replica", ge=1)
     check_sample_rate: float = _doc(
         _KV.check_sample_rate, "share of responses read for usage.cached_tokens to check predictions", ge=0, le=1
+    )
+    stale_after_mispredictions: int = _doc(
+        _KV.stale_after_mispredictions, "wrong checked predictions in a row that make a feed stale (0: never)", ge=0
     )
     unpin_below: float = _doc(
         _KV.unpin_below, "below this share of the prompt held, its events judge a pin lost", ge=0, le=1
@@ -462,7 +474,7 @@ def _example_values() -> dict[str, Any]:
     return {
         "profile": _with_parameters(DEFAULT_PROFILE),
         "replicas": [
-            {"name": "replica-0", "address": "127.0.0.1:8001"},
+            {"name": "replica-0", "address": "127.0.0.1:8001", "kv_events": "tcp://127.0.0.1:5557"},
             {"name": "replica-1", "address": "127.0.0.1:8002"},
             {"name": "replica-2", "address": "127.0.0.1:8003", "weight": 2},
         ],

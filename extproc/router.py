@@ -540,6 +540,12 @@ class Router:
     async def after_scrape(self, transitions: Sequence[Transition]) -> None:
         """After each health round: move the sessions of replicas that left the rotation, and shed
         sessions from replicas that have run hot for a while."""
+        if self.kv_events is not None:  # the engines' cache layout as their pages report it
+            self.kv_events.engine_pages(
+                (rec.replica.name, rec.metrics.block_size, rec.metrics.hash_algo, rec.metrics.models)
+                for rec in self.replicas.records()
+                if rec.metrics is not None
+            )
         if self.queue is not None:
             self.queue.wake()  # fresh load figures: headroom may have appeared
         snapshot = self.replicas.snapshot(self.clock())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,47 @@ def test_parse_replica_flag() -> None:
         parse_replica("a=127.0.0.1")
 
 
+def test_a_replicas_kv_event_endpoints_in_the_file_are_the_flags_labels(tmp_path: Path) -> None:
+    from extproc.kvevents.cache_state import rank_endpoints
+    from extproc.kvevents.settings import KvEventSettings
+
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        "replicas:\n"
+        "  - name: a\n"
+        "    address: '10.0.0.1:8000'\n"
+        "    kv_events: 'tcp://10.0.0.1:5557'\n"
+        "    kv_replay: 'tcp://10.0.0.1:5558'\n"
+        "    kv_dp: 2\n"
+        "    labels: {pool: gold}\n"
+        "  - {name: b, address: '10.0.0.2:8000'}\n"
+    )
+    a, b = load_config(path).replicas
+    flag = parse_replica(
+        "a=10.0.0.1:8000,pool=gold,kv_events=tcp://10.0.0.1:5557,kv_replay=tcp://10.0.0.1:5558,kv_dp=2"
+    )
+    assert a == flag
+    assert rank_endpoints(a, KvEventSettings()) == [
+        ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
+        ("tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559"),  # rank 1 on port + 1, as vLLM
+    ]
+    assert rank_endpoints(b, KvEventSettings()) == [] and b.labels == {}
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"kv_events": "10.0.0.1:5557"}, "replicas[0].kv_events"),  # not an endpoint URL
+        ({"kv_replay": "tcp://h:5558"}, "needs kv_events"),
+        ({"kv_events": "tcp://h:1", "labels": {"kv_events": "tcp://h:2"}}, "labels.kv_events says"),
+        ({"kv_dp": 0}, "replicas[0].kv_dp"),
+    ],
+)
+def test_a_replicas_kv_event_fields_are_checked(entry: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_mapping({"replicas": [{"name": "a", "address": "h:1", **entry}]})
+
+
 def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("mode: sideways\n")
@@ -75,6 +117,7 @@ def test_example_config_is_generated_from_the_schema_and_loads() -> None:
     assert path.read_text() == example_yaml(), "run `make example-config`"
     cfg = load_config(path)
     assert len(cfg.replicas) == 3 and cfg.replicas[2].weight == 2
+    assert cfg.replicas[0].labels == {"kv_events": "tcp://127.0.0.1:5557"}
     # Every default it spells out is the default: the example's profile builds the shipped one.
     assert build_profile(cfg.profile) == build_profile(DEFAULT_PROFILE)
     assert cfg.health == Config().health and cfg.rebalance == Config().rebalance

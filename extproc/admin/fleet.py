@@ -67,10 +67,14 @@ def fleet(router: Router) -> list[ReplicaRow]:
 
 
 def _feed_state(source: KvEventSource | None, replica: str, now: float) -> str:
-    """The replica's KV-event stream: none, connecting (no message yet), live, or stale."""
+    """The replica's KV-event stream: none, connecting (no message yet), live, stale, or
+    suspended (it speaks, but cannot be right: ``suspended (block_size)``, ``(predictions)``...)."""
     feed = source.feeds.get(replica) if source is not None else None
     if source is None or feed is None:
         return "none"
     if source.is_live(replica, now):
         return "live"
+    causes = source.suspended.get(replica)
+    if causes and source.speaks(replica, now):
+        return f"suspended ({', '.join(sorted(causes))})"
     return "stale" if feed.synced else "connecting"

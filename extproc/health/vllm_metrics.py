@@ -1,8 +1,22 @@
 """What a vLLM replica's ``/metrics`` page says, parsed with prometheus_client's parser.
 
-Names are vLLM's (V1 engine, 0.33; a sample page is tests/data/vllm_metrics_sample.txt), with the older
-``vllm:gpu_cache_usage_perc`` read when ``vllm:kv_cache_usage_perc`` is absent. Series of several
-engines (data parallel) or models are summed (queues, counters) or maxed (KV usage).
+Names are vLLM's (V1 engine, 0.32 and 0.33; a sample page is tests/data/vllm_metrics_sample.txt), with the
+older ``vllm:gpu_cache_usage_perc`` read when ``vllm:kv_cache_usage_perc`` is absent. Series of several
+engines (data parallel, label ``engine="0"``, ``"1"``...) or models (label ``model_name``) are summed
+(queues, counters) or maxed (KV usage).
+
+What the engine writes, and what it means here:
+
+- ``vllm:num_requests_waiting`` is the whole queue; ``vllm:num_requests_waiting_by_reason``
+  (``reason="capacity"|"deferred"``) splits the same requests and is not added again;
+- ``vllm:kv_cache_usage_perc`` counts the blocks running requests hold: 0 on an idle engine even
+  when its prefix cache is full, so it is a load signal, never a measure of what is cached;
+- counters are read as ``<name>_total`` (their ``_created`` series are ignored); a page without the
+  prefix-cache counters (an older engine, prefix caching off, a proxy in front) parses to None for
+  them, never to 0: "no hits" and "not reported" must stay apart for whoever judges the hit ratio;
+- ``vllm:cache_config_info`` carries the cache layout in its labels (``block_size``,
+  ``num_gpu_blocks``, ``prefix_caching_hash_algo``, ``enable_prefix_caching``), and no
+  ``model_name``.
 """
 
 from __future__ import annotations
@@ -29,12 +43,17 @@ class ReplicaMetrics:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    prefix_queries: float = 0.0
-    prefix_hits: float = 0.0
+    prefix_queries: float | None = None
+    """``vllm:prefix_cache_queries_total``: prompt tokens looked up in the prefix cache, cumulative;
+    None when the page does not report it."""
+    prefix_hits: float | None = None
+    """``vllm:prefix_cache_hits_total``: of those, tokens found cached, cumulative; None when absent."""
     preemptions: float = 0.0
     ttft_buckets: tuple[tuple[float, float], ...] = ()
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    hash_algo: str | None = None
+    """``prefix_caching_hash_algo`` of ``vllm:cache_config_info`` (sha256, sha256_cbor, xxhash...)."""
     lora: LoraInfo | None = None
     models: tuple[str, ...] = field(default=())
 
@@ -82,9 +101,12 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
     running = waiting = 0.0
     kv: float | None = None
     legacy_kv: float | None = None
-    queries = hits = preemptions = 0.0
+    queries: float | None = None
+    hits: float | None = None
+    preemptions = 0.0
     buckets: dict[float, float] = {}
     block_size = num_blocks = None
+    hash_algo: str | None = None
     lora: tuple[float, LoraInfo] | None = None
     models: set[str] = set()
     seen_load = False
@@ -107,9 +129,9 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
                 elif name == "vllm:gpu_cache_usage_perc":
                     legacy_kv = value if legacy_kv is None else max(legacy_kv, value)
                 elif name == "vllm:prefix_cache_queries_total":
-                    queries += value
+                    queries = value + (queries or 0.0)
                 elif name == "vllm:prefix_cache_hits_total":
-                    hits += value
+                    hits = value + (hits or 0.0)
                 elif name == "vllm:num_preemptions_total":
                     preemptions += value
                 elif name == "vllm:time_to_first_token_seconds_bucket":
@@ -118,6 +140,7 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
                 elif name == "vllm:cache_config_info":
                     block_size = _int(labels.get("block_size"), block_size)
                     num_blocks = _int(labels.get("num_gpu_blocks"), num_blocks)
+                    hash_algo = labels.get("prefix_caching_hash_algo") or hash_algo
                 elif name == "vllm:lora_requests_info":
                     info = LoraInfo(
                         max_lora=_int(labels.get("max_lora"), 0) or 0,
@@ -145,6 +168,7 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
         ttft_buckets=tuple(sorted(buckets.items())),
         block_size=block_size,
         num_gpu_blocks=num_blocks,
+        hash_algo=hash_algo,
         lora=lora[1] if lora else None,
         models=tuple(sorted(models)),
     )

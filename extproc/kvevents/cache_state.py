@@ -5,7 +5,8 @@ The router asks three things, none of which blocks its event loop:
 - :meth:`EventCacheState.tokenized` (before the decision): for a model with a tokenizer, the
   request's prefix hashes become the engine's own block hashes over the model's tokens (or our
   content hashes in ``content`` mode), computed in a worker thread (``tokenizers`` and hashlib
-  release the GIL);
+  release the GIL), with the block size and hash algorithm the model's engines report
+  (:mod:`.layout`; the configured ones until they do);
 - :meth:`EventCacheState.view` (the decision's input): replicas whose feed is live get their
   matches from the event index, the others keep the estimate's;
 - :meth:`EventCacheState.decided` (after it): the chosen replica gets speculative credit for the
@@ -21,7 +22,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -32,9 +33,10 @@ from prometheus_client import CollectorRegistry, Counter
 from extproc.kvevents.feed import KvEventSource
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain, low64
 from extproc.kvevents.index import KvIndex
+from extproc.kvevents.layout import EngineLayouts
 from extproc.kvevents.metrics import KvEventMetrics
 from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.usage import outcome
+from extproc.kvevents.usage import PredictionStreaks, outcome
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
@@ -103,10 +105,13 @@ class EventCacheState:
             speculative_ttl_s=settings.speculative_ttl_s,
         )
         self.source = KvEventSource(index, clock, self.metrics, settings.stale_after_s)
+        self.layouts = EngineLayouts(settings.block_size, settings.hash_algo, self.metrics)
+        self.source.layouts = self.layouts
         self.tokenizers = tokenizers if tokenizers is not None else TokenizerRegistry(settings.tokenizers)
-        self.chain = (
-            None if settings.hash_algo is HashAlgo.CONTENT else EngineChain(settings.hash_algo, settings.hash_seed)
-        )
+        self._chains: dict[HashAlgo, EngineChain] = {}
+        self.chain = self._chain(settings.hash_algo)
+        """The configured algorithm's chain (None in ``content`` mode)."""
+        self.streaks = PredictionStreaks(settings.stale_after_mispredictions)
         self.max_blocks = max_blocks
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._hashes: OrderedDict[str, tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
@@ -122,25 +127,52 @@ class EventCacheState:
         self._hits: dict[str, float] = {}
         self._checks = RateSampler()  # check_sample_rate
 
+    def _chain(self, algo: HashAlgo) -> EngineChain | None:
+        if algo is HashAlgo.CONTENT:
+            return None
+        chain = self._chains.get(algo)
+        if chain is None:
+            chain = self._chains[algo] = EngineChain(algo, self.settings.hash_seed)
+        return chain
+
+    def engine_pages(self, pages: Iterable[tuple[str, int | None, str | None, Iterable[str]]]) -> None:
+        """Take in what replicas' /metrics pages say of their cache layout: (replica, block_size,
+        prefix_caching_hash_algo, model names) each, as last scraped."""
+        changed = False
+        for replica, block_size, hash_algo, models in pages:
+            changed = self.layouts.from_page(replica, block_size, hash_algo, models) or changed
+        if changed:
+            self.source.refit()
+
     # -- before the decision ----------------------------------------------------------------
     async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
         """``features`` with prefix hashes over the model's tokens, when it has a tokenizer."""
-        tok = self.tokenizers.get(self.settings.resolve(features.model)[0])
+        model = self.settings.resolve(features.model)[0]
+        tok = self.tokenizers.get(model)
         if tok is None or not body or features.body_error is not None or features.has_media:
             return features
+        bs, algo = self.layouts.layout(model)
         loop = asyncio.get_running_loop()
         try:
-            keys, tokens = await loop.run_in_executor(self._executor, self.block_keys, tok, features, body)
+            keys, tokens = await loop.run_in_executor(
+                self._executor, self.block_keys, tok, features, body, (bs, self._chain(algo))
+            )
         except Exception as exc:  # bad input gets character blocks, never a failed decision
             self.tokenize_errors.inc()
             log.debug("not tokenized (%s): routed on character blocks", exc)
             return features
-        return replace(
-            features, prefix_hashes=keys, prompt_tokens=tokens, tokens_per_block=self.settings.block_size
-        )  # fmt: skip
+        return replace(features, prefix_hashes=keys, prompt_tokens=tokens, tokens_per_block=bs)
 
-    def block_keys(self, tok: PromptTokenizer, features: RequestFeatures, body: bytes) -> tuple[tuple[int, ...], int]:
-        """The request's block keys and prompt length in tokens (runs in a worker thread)."""
+    def block_keys(
+        self,
+        tok: PromptTokenizer,
+        features: RequestFeatures,
+        body: bytes,
+        layout: tuple[int, EngineChain | None] | None = None,
+    ) -> tuple[tuple[int, ...], int]:
+        """The request's block keys and prompt length in tokens (runs in a worker thread), in
+        blocks of ``layout``'s size hashed by its chain (None: content hashes); without a layout,
+        the configured ones."""
         parsed = orjson.loads(body)
         if features.path.startswith(CHAT_PATH):
             t = tok.chat_ids(parsed.get("messages") or [], parsed.get("tools"), session=features.session_key)
@@ -149,16 +181,23 @@ class EventCacheState:
         else:
             raise TokenizerError(f"no prompt on {features.path}")
         ids = t.ids
-        bs = self.settings.block_size
+        bs, engine = layout if layout is not None else (self.settings.block_size, self.chain)
         lora = self.settings.resolve(features.model)[1]
-        if self.chain is None:
+        if engine is None:
             return tuple(content_chain(ids, bs, max_blocks=self.max_blocks, extra=lora or "")), len(ids)
         salt = parsed.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
-        return tuple(low64(d) for d in self._digests(ids, features.session_key, lora, salt)), len(ids)
+        digests = self._digests(ids, features.session_key, lora, salt, bs, engine)
+        return tuple(low64(d) for d in digests), len(ids)
 
     def _digests(
-        self, ids: tuple[int, ...], session: str | None, lora: str | None = None, salt: str | None = None
+        self,
+        ids: tuple[int, ...],
+        session: str | None,
+        lora: str | None = None,
+        salt: str | None = None,
+        block_size: int | None = None,
+        chain: EngineChain | None = None,
     ) -> list[bytes]:
         """The engine chain's digests, reusing a session's previous turn's leading blocks.
 
@@ -166,15 +205,17 @@ class EventCacheState:
         in every block (the same tokens under two adapters, or an adapter and its base, never share
         a block), and the request's ``cache_salt`` after it in the first block only (the chain
         carries it to the rest)."""
-        assert self.chain is not None
-        bs = self.settings.block_size
+        chain = chain or self.chain
+        assert chain is not None
+        bs = block_size or self.settings.block_size
         extra = (lora,) if lora else None
         reuse: list[bytes] = []
         if salt is not None and len(ids) >= bs:
-            reuse = self.chain.digests(ids[:bs], bs, (*(extra or ()), salt))
+            reuse = chain.digests(ids[:bs], bs, (*(extra or ()), salt))
         if session is not None:
-            if lora or salt:  # another adapter or salt: another chain
-                session = f"{lora or ''}\0{salt or ''}\0{session}"
+            # Another adapter, salt, block size or algorithm: another chain (a layout learned from the
+            # engines mid-conversation must not reuse digests of the old one).
+            session = f"{lora or ''}\0{salt or ''}\0{bs}\0{chain.algo}\0{session}"
             with self._lock:
                 prev = self._hashes.get(session)
             if prev is not None:
@@ -185,7 +226,7 @@ class EventCacheState:
                 if k > len(reuse):
                     reuse = prev_digests[:k]
         n = min(len(ids) // bs, self.max_blocks)
-        tail = self.chain.digests(ids[len(reuse) * bs : n * bs], bs, extra, parent=reuse[-1] if reuse else None)
+        tail = chain.digests(ids[len(reuse) * bs : n * bs], bs, extra, parent=reuse[-1] if reuse else None)
         digests = (reuse + tail)[:n]
         if session is not None:
             with self._lock:
@@ -227,7 +268,10 @@ class EventCacheState:
             return
         if self.source.is_live(replica, now):
             self.metrics.predicted_tokens.labels(replica).inc(matched_blocks * features.tokens_per_block)
-        self.source.credit(self.settings.resolve(features.model)[0], replica, features.prefix_hashes, now)
+        if not self.source.suspended.get(replica):
+            # A suspended feed's index is only checked, never used: credit would make its checked
+            # predictions claim this very request's blocks.
+            self.source.credit(self.settings.resolve(features.model)[0], replica, features.prefix_hashes, now)
         self.source.note_routed(replica, now)
 
     # -- checking predictions against response bodies ----------------------------------------
@@ -238,15 +282,34 @@ class EventCacheState:
 
     def predicted_tokens(self, features: RequestFeatures, replica: str, matched_blocks: int, now: float) -> int | None:
         """The cached tokens the index predicted on ``replica`` for this request, when its events
-        answered for it (tokenized, feed live); None when there is nothing to check."""
-        if not features.tokens_per_block or not self.source.is_live(replica, now):
+        answered for it (tokenized, feed live), or would have (its feed suspended for its
+        predictions only: they are still checked, to know when to use it again); None when there
+        is nothing to check."""
+        if not features.tokens_per_block:
             return None
-        return matched_blocks * features.tokens_per_block
+        if self.source.is_live(replica, now):
+            return matched_blocks * features.tokens_per_block
+        if self.source.suspended.get(replica) == {"predictions"} and self.source.speaks(replica, now):
+            model = self.settings.resolve(features.model)[0]
+            blocks = self.source.matches(model, features.prefix_hashes, [replica], now).get(replica, 0.0)
+            return int(blocks) * features.tokens_per_block
+        return None
 
     def check(self, replica: str, predicted: int, reported: int | None, block_size: int) -> str:
-        """Count how a prediction compared with the replica's report (``unreported`` without one)."""
+        """Count how a prediction compared with the replica's report (``unreported`` without one);
+        predictions that keep disagreeing set the replica's feed aside (:class:`PredictionStreaks`)."""
         result = "unreported" if reported is None else outcome(predicted, reported, block_size)
         self.metrics.prediction_checks.labels(replica, result).inc()
+        suspended = "predictions" in self.source.suspended.get(replica, ())
+        action = self.streaks.record(replica, result, predicted, block_size, suspended)
+        if action == "suspend" and self.source.suspend(replica, "predictions"):
+            log.warning(
+                "kv events: %s's last %d checked predictions disagreed with the cached tokens it reported "
+                "(last: predicted %d, reported %s): its feed is treated as stale, the estimate answers for it",
+                replica, self.streaks.threshold, predicted, reported,
+            )  # fmt: skip
+        elif action == "resume" and self.source.resume(replica, "predictions"):
+            log.info("kv events: %s's predictions agree again: its feed is used again", replica)
         return result
 
     # -- subscriptions ----------------------------------------------------------------------
@@ -281,6 +344,11 @@ class EventCacheState:
         for name in list(self.source.feeds):
             if name not in names:
                 self.source.remove_feed(name)
+        for name in list(self.layouts.reports):
+            if name not in names:
+                self.layouts.forget(name)
+                self.streaks.forget(name)
+        self.source.refit()
 
     def resolve(self, who: str) -> str | None:
         """A topic's replica part (a name, an address, or a host) as a member's name."""

@@ -10,7 +10,11 @@ Never silently wrong:
 - a sequence that goes backwards is an engine restart: its entries are dropped;
 - a payload that does not decode is counted and dropped, and treated as a missed batch;
 - a replica that is sent traffic while its feed stays silent for ``stale_after_s`` is stale: its
-  matches come from the estimate until the feed speaks again.
+  matches come from the estimate until the feed speaks again;
+- a feed that speaks but cannot be right is *suspended* (:meth:`KvEventSource.suspend`), its
+  matches coming from the estimate: its engine's layout is not the one its model's prompts are
+  hashed with (:mod:`.layout`; lifted when the layouts agree), or its predictions kept disagreeing
+  with what the replica reported (lifted when they agree again, or when the feed resyncs).
 
 Sequences are per engine: a server with data-parallel ranks runs one engine per rank, each
 numbering its batches from 0 (each on its own port in the connect layout, all on one topic when
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from extproc.kvevents.index import KvIndex
+from extproc.kvevents.layout import EngineLayouts
 from extproc.kvevents.metrics import KvEventMetrics
 from extproc.kvevents.wire import (
     AllBlocksCleared,
@@ -123,6 +128,10 @@ class KvEventSource:
         self.metrics = metrics if metrics is not None else KvEventMetrics()
         self.stale_after_s = stale_after_s
         self.feeds: dict[str, FeedState] = {}
+        self.layouts: EngineLayouts | None = None
+        """Where the block sizes of ``BlockStored`` events are reported (None: not followed)."""
+        self.suspended: dict[str, set[str]] = {}
+        """Replica -> why its feed is set aside although it speaks (see :meth:`suspend`)."""
 
     # -- feeds ------------------------------------------------------------------------------
     def add_feed(self, replica: str, replayer: Replayer | None = None, model: str = "", rank: int = 0) -> FeedState:
@@ -143,6 +152,10 @@ class KvEventSource:
         """``replica`` left the fleet: its feed and entries go."""
         self.feeds.pop(replica, None)
         self.index.drop_replica(replica)
+        for cause in list(self.suspended.get(replica, ())):
+            self.resume(replica, cause)
+        if self.layouts is not None:
+            self.layouts.forget(replica)
 
     def remove_rank(self, replica: str, rank: int) -> None:
         """``replica`` runs fewer engines: ``rank``'s stream and entries go."""
@@ -153,10 +166,54 @@ class KvEventSource:
 
     def is_live(self, replica: str, now: float) -> bool:
         """Whether ``replica``'s matches come from its events (else from the estimate)."""
+        return not self.suspended.get(replica) and self.speaks(replica, now)
+
+    def speaks(self, replica: str, now: float) -> bool:
+        """Whether ``replica``'s feed is synced and not silent while serving (suspended or not)."""
         state = self.feeds.get(replica)
         if state is None or not state.synced:
             return False
         return state.routed_since is None or now - state.routed_since <= self.stale_after_s
+
+    def suspend(self, replica: str, cause: str) -> bool:
+        """Set ``replica``'s feed aside for ``cause`` (its matches come from the estimate); True
+        when it was not already suspended for that cause."""
+        causes = self.suspended.setdefault(replica, set())
+        if cause in causes:
+            return False
+        causes.add(cause)
+        self.metrics.suspensions.labels(replica, cause).inc()
+        self.metrics.suspended.labels(replica, cause).set(1)
+        return True
+
+    def resume(self, replica: str, cause: str) -> bool:
+        """Lift ``replica``'s suspension for ``cause``; True when it was suspended for it."""
+        causes = self.suspended.get(replica)
+        if not causes or cause not in causes:
+            return False
+        causes.discard(cause)
+        if not causes:
+            del self.suspended[replica]
+        self.metrics.suspended.labels(replica, cause).set(0)
+        return True
+
+    def refit(self) -> None:
+        """Suspend the feeds whose engine's layout is not their model's (:meth:`EngineLayouts.misfit`),
+        resume those that fit again."""
+        if self.layouts is None:
+            return
+        for replica in list(self.layouts.reports):
+            why = self.layouts.misfit(replica)
+            for cause in ("block_size", "hash_algo"):
+                if cause == why:
+                    if self.suspend(replica, cause):
+                        log.warning(
+                            "kv events: %s's feed is not used: its engine's %s is not the one its model's prompts "
+                            "are hashed with (the estimate answers for it)",
+                            replica, cause,
+                        )  # fmt: skip
+                elif self.resume(replica, cause):
+                    log.info("kv events: %s's feed is used again: its %s fits its model's", replica, cause)
 
     def live(self, replicas: Iterable[str], now: float) -> list[str]:
         """The live ones among ``replicas``."""
@@ -362,6 +419,11 @@ class KvEventSource:
         for kind, n in kinds.items():
             if n:
                 m.events.labels(name, kind).inc(n)
+        if kinds["stored"] and self.layouts is not None:
+            # The engine's own block size: what its hashes were computed over (one per batch is enough).
+            size = next(ev.block_size for ev in batch.events if isinstance(ev, BlockStored))
+            if self.layouts.from_events(name, size):
+                self.refit()
         if result.stored:
             m.blocks.labels(name, "stored").inc(result.stored)
         if result.removed:
@@ -373,6 +435,10 @@ class KvEventSource:
     def _clear(self, state: FeedState, cause: str, rank: int | None = None) -> None:
         self.index.clear_replica(state.replica, rank)
         self.metrics.clears.labels(state.replica, cause).inc()
+        # The index is rebuilt from what the engine publishes next: what its old entries predicted
+        # no longer says anything about it.
+        if self.resume(state.replica, "predictions"):
+            log.info("kv events: %s's feed resyncs (%s): it is used again", state.replica, cause)
 
     def collect(self) -> None:
         """Refresh the gauges (before a metrics scrape)."""

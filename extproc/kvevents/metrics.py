@@ -69,3 +69,33 @@ class KvEventMetrics:
             ["replica", "outcome"],
             registry=r,
         )
+        self.block_size = Gauge(
+            "extproc_kv_events_block_size",
+            "Block size in tokens the replica's engine reports (its events, else cache_config_info)",
+            ["replica"],
+            registry=r,
+        )
+        self.block_size_mismatch = Gauge(
+            "extproc_kv_events_block_size_mismatch",
+            "1 while the replica reports another block size than kv_events.block_size",
+            ["replica"],
+            registry=r,
+        )
+        self.hash_mismatch = Gauge(
+            "extproc_kv_events_hash_algo_mismatch",
+            "1 while the replica reports another prefix_caching_hash_algo than kv_events.hash_algo",
+            ["replica"],
+            registry=r,
+        )
+        self.suspended = Gauge(
+            "extproc_kv_feed_suspended",
+            "1 while the replica's feed is not used although it speaks, by cause (block_size, hash_algo, predictions)",
+            ["replica", "cause"],
+            registry=r,
+        )
+        self.suspensions = Counter(
+            "extproc_kv_feed_suspensions",
+            "Times a replica's feed was set aside, by cause",
+            ["replica", "cause"],
+            registry=r,
+        )

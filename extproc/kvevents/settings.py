@@ -13,7 +13,8 @@ class KvEventSettings:
     """Where KV events come from and how blocks are keyed.
 
     Events are read from a replica when it has a ``kv_events`` endpoint (its ``--replica ...,
-    kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]`` labels), from every discovered replica
+    kv_events=tcp://HOST:PORT[,kv_replay=tcp://HOST:PORT]`` labels, or the ``kv_events``,
+    ``kv_replay`` and ``kv_dp`` keys of its ``replicas:`` entry), from every discovered replica
     when ``port`` is set (its address with that port; ``replay_port`` likewise), and from every
     replica that connects to ``listen``. They are used for requests to a model with a tokenizer.
     """
@@ -23,10 +24,13 @@ class KvEventSettings:
     replay_port: int | None = None
     hash_algo: HashAlgo = HashAlgo.SHA256
     """The engines' ``--prefix-caching-hash-algo`` (sha256, sha256_cbor), or ``content`` when it
-    cannot be reproduced (xxhash, or a random seed)."""
+    cannot be reproduced (xxhash, or a random seed). Between sha256 and sha256_cbor, what the
+    engines report in ``vllm:cache_config_info`` wins."""
     hash_seed: str | None = None
     """The engines' PYTHONHASHSEED, if they set one."""
     block_size: int = 16
+    """Tokens per block until the engines report theirs (``vllm:cache_config_info``, the events'
+    ``block_size``): a default, what they report wins (:mod:`extproc.kvevents.layout`)."""
     data_parallel_size: int = 1
     """Engines behind each replica's address (vLLM ``--data-parallel-size``): rank r publishes on the
     kv_events port + r (a replica's ``kv_dp`` label overrides it)."""
@@ -37,6 +41,10 @@ class KvEventSettings:
     check_sample_rate: float = 0.1
     """Share of requests whose response body is read for ``usage.prompt_tokens_details.cached_tokens``
     to check the index's prediction (0: never; Envoy is then never asked for a response body)."""
+    stale_after_mispredictions: int = 4
+    """A replica's feed whose last this many checked predictions disagreed with what the replica
+    reported is treated as stale (the estimate answers for it) until its predictions agree again or
+    it resyncs (0: never)."""
     unpin_below: float = 0.5
     """A pin keeps its full value while its replica's events show it holding at least this fraction
     of the prompt's blocks; below it the pin is judged lost and is worth what the replica still

@@ -141,6 +141,9 @@ class ReplicaEngine:
         # With token ids (a tokenizer) the cache is keyed by vLLM's block hashes; with ``publish``
         # each step's stores and evictions go out as KV events when the step ends.
         self.token_blocks = token_blocks
+        self.hash_algo = str(token_blocks.chain.algo) if token_blocks is not None else "sha256"
+        """``--prefix-caching-hash-algo`` as ``vllm:cache_config_info`` reports it."""
+        self.started_unix = time.time()
         self._publish = publish
         self._recorder: KvEventRecorder | None = None
         if publish is not None:
@@ -305,6 +308,7 @@ class _VllmCollector(Collector):
     def __init__(self, engine: ReplicaEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.created = engine.started_unix
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         e = self.engine
@@ -317,18 +321,30 @@ class _VllmCollector(Collector):
             return family
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            # vLLM's counters, with one API server, expose ``<name>_created`` beside ``<name>_total``.
             family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
+            family.add_metric(values, value, created=self.created)
             return family
 
-        def histogram(name: str, doc: str, hist: LatencyHistogram) -> HistogramMetricFamily:
+        def histogram(
+            name: str, doc: str, hist: LatencyHistogram
+        ) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
             family = HistogramMetricFamily(name, doc, labels=labels)
             family.add_metric(values, hist.cumulative(), hist.total)
-            return family
+            yield family
+            yield gauge(f"{name}_created", doc, self.created)  # as a counter's, written as a gauge
 
         m = e.model
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", e.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.waiting)
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason.", labels=[*labels, "reason"]
+        )
+        # Every queued request here waits for room in the batch or the cache; none is deferred (vLLM
+        # defers requests waiting for KV transfers or structured-output grammars).
+        by_reason.add_metric([*values, "capacity"], e.waiting)
+        by_reason.add_metric([*values, "deferred"], 0)
+        yield by_reason
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_cache_usage_perc)
         yield counter(
             "vllm:prefix_cache_queries",
@@ -352,14 +368,21 @@ class _VllmCollector(Collector):
             labels=[*labels, "finished_reason"],
         )
         for reason, n in e.finished.items():
-            success.add_metric([*values, reason], n)
+            success.add_metric([*values, reason], n, created=self.created)
         yield success
-        yield histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", e.ttft)
-        yield histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", e.e2e)
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            labels=[*labels, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
-        )
-        info.add_metric([*values, str(e.profile.block_size), str(e.profile.num_gpu_blocks), "True"], 1.0)
+        yield from histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", e.ttft)
+        yield from histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", e.e2e)
+        # As vLLM writes it: the cache config's fields as labels, the engine's but no model_name.
+        layout = {
+            "block_size": str(e.profile.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "engine": "0",
+            "gpu_memory_utilization": "0.9",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(e.profile.num_gpu_blocks),
+            "prefix_caching_hash_algo": e.hash_algo,
+        }
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=[*layout])
+        info.add_metric(list(layout.values()), 1.0)
         yield info
