@@ -166,8 +166,8 @@ class CacheEstimate:
         if self.recovery_half_life_s <= 0:
             return
         for t in self._replicas.values():
-            if t.trust >= 1.0:
-                continue
+            if t.trust >= 1.0 and t.smoothed_claimed < self.min_claimed_tokens:
+                continue  # nothing left to fade
             if t.settled_at is None or now <= t.settled_at:
                 t.settled_at = now if t.settled_at is None else t.settled_at
                 continue
@@ -207,17 +207,26 @@ class CacheEstimate:
                 scaled[name] = m
         return replace(view, prefix_matches=scaled) if changed else view
 
+    def evidenced(self, replica: str) -> bool:
+        """Whether ``replica``'s counters have recently borne on the index's claims (enough
+        evidence-bearing scrapes, not yet faded by :meth:`recover`)."""
+        t = self._replicas.get(replica)
+        return t is not None and t.smoothed_claimed >= self.min_claimed_tokens
+
     def judge_pin(self, view: AffinityView, total_blocks: int) -> AffinityView:
-        """The view with ``pin_lost="hit_counters"`` when the pinned replica has reported misses on
-        what was sent there (trust below 1) and the view no longer credits it with
-        ``lost_below`` of the prompt: the index's forgetting alone is no evidence, the replica's
-        counters bearing it out are."""
+        """The view with ``pin_lost`` set when the view credits the pinned replica with less than
+        ``lost_below`` of the prompt and the replica's own counters stand behind the index:
+        ``"hit_counters"`` when they report misses on what was sent there (trust below 1),
+        ``"capacity"`` when they bear the index out, so that its eviction order within the cache
+        size the replica reports is the best word there is. A replica that never counted (a page
+        that does not move, no prefix counters) leaves the index's forgetting unconfirmed, and
+        the pin keeps its value."""
         pinned = view.pinned
-        if pinned is None or view.pin_lost is not None or not total_blocks or self.trust(pinned) >= 1.0:
+        if pinned is None or view.pin_lost is not None or not total_blocks or not self.evidenced(pinned):
             return view
         if view.prefix_matches.get(pinned, 0) >= self.lost_below * total_blocks:
             return view
-        return replace(view, pin_lost="hit_counters")
+        return replace(view, pin_lost="hit_counters" if self.trust(pinned) < 1.0 else "capacity")
 
     def trusts(self) -> Mapping[str, float]:
         """Trust per replica seen so far (for metrics and reports)."""

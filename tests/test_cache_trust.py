@@ -101,15 +101,33 @@ def test_a_counter_that_goes_backwards_is_a_new_baseline() -> None:
 def test_a_pin_is_judged_lost_only_on_the_replicas_word() -> None:
     estimate = _estimate()
     view = AffinityView(pinned="r", prefix_matches={"r": 2, "s": 2})
-    assert estimate.judge_pin(view, 40).pin_lost is None  # the index forgot: no evidence
-    queries = 0.0
+    held = AffinityView(pinned="r", prefix_matches={"r": 30})
+    # The index forgot the prompt, but the replica never counted a query: no evidence.
     for i in range(10):
         estimate.claimed("r", 4000, 5000)
-        queries += 5000
-        estimate.observe("r", 0.0, queries, now=float(i))
-    assert estimate.judge_pin(view, 40).pin_lost == "hit_counters"
-    held = AffinityView(pinned="r", prefix_matches={"r": 30})
+        estimate.observe("r", 0.0, 0.0, now=float(i))
+    assert estimate.judge_pin(view, 40).pin_lost is None
+    # Its counters bear the index out: the index's eviction, within the size it reports, counts.
+    queries = hits = 0.0
+    for i in range(10, 20):
+        estimate.claimed("r", 4000, 5000)
+        queries, hits = queries + 5000, hits + 4000
+        estimate.observe("r", hits, queries, now=float(i))
+    assert estimate.trust("r") == 1.0
+    assert estimate.judge_pin(view, 40).pin_lost == "capacity"
     assert estimate.judge_pin(held, 40).pin_lost is None
+    estimate.recover(19.0 + 600.0)  # then its page stops moving for ten minutes
+    assert estimate.judge_pin(view, 40).pin_lost is None
+    estimate.observe("r", hits, queries, now=619.0)
+    # They report misses on what was sent there.
+    for i in range(20, 30):
+        estimate.claimed("r", 4000, 5000)
+        queries += 5000
+        estimate.observe("r", hits, queries, now=float(i))
+    assert estimate.judge_pin(view, 40).pin_lost == "hit_counters"
+    # Evidence fades without new evidence: after long enough silence the pin holds again.
+    estimate.recover(30.0 + 600.0)
+    assert estimate.judge_pin(view, 40).pin_lost is None
 
 
 # --- through the router: sessions stay on a healthy, unloaded replica ---------------------------

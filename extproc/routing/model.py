@@ -94,9 +94,11 @@ class AffinityView:
     prefix_matches: Mapping[str, int] = field(default_factory=dict)
     pin_lost: str | None = None
     """What says the pinned replica no longer holds the conversation: ``"kv_events"`` (its own
-    events show the blocks evicted) or ``"hit_counters"`` (it reports misses on what was sent
-    there, and the index no longer claims the prompt); None while nothing does. Without such
-    evidence a pin keeps its full value: a match the index merely forgot is no proof of loss."""
+    events show the blocks evicted), ``"hit_counters"`` (it reports misses on what was sent there,
+    and the index no longer claims the prompt) or ``"capacity"`` (its counters bear the index out,
+    and the index, bounded by the cache size it reports, has evicted the prompt); None while
+    nothing does. Without such evidence a pin keeps its full value: a match the index forgot
+    while the replica never counted is no proof of loss."""
 
 
 class Reason(enum.StrEnum):
