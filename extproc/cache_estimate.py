@@ -20,6 +20,9 @@ prefix caching off, a frozen or cached page, an engine without prefix counters, 
 Such scrapes leave trust where it was, and without evidence it recovers towards 1 with time
 (``recovery_half_life_s``), so a session is not moved off its replica on what nobody reported.
 
+The same evidence decides whether the index's forgetting a prompt means anything for a session
+pinned there (:meth:`judge_pin`): only while the replica's counters stand behind the index.
+
 The estimate is fed by the router: each decision's claim (:meth:`claimed`), and each scrape's
 counters (:meth:`observe`); it never reads a clock or performs I/O.
 """
@@ -62,7 +65,7 @@ class CacheEstimate:
     smoothed window needs before trust moves (a handful of requests says little). ``decay`` is the
     weight older evidence keeps in the smoothed sums; ``recovery_half_life_s`` how fast trust and
     that history fade back to full trust while a replica reports nothing that bears on them;
-    ``lost_below`` the share of a prompt below which a pin on a distrusted replica is judged lost.
+    ``lost_below`` the share of a prompt below which a pin is judged lost (:meth:`judge_pin`).
     """
 
     def __init__(
@@ -208,10 +211,13 @@ class CacheEstimate:
         return replace(view, prefix_matches=scaled) if changed else view
 
     def evidenced(self, replica: str) -> bool:
-        """Whether ``replica``'s counters have recently borne on the index's claims (enough
-        evidence-bearing scrapes, not yet faded by :meth:`recover`)."""
+        """Whether ``replica``'s counters have recently borne on the index's claims, not yet faded
+        by :meth:`recover`. A twentieth of what moves trust suffices: the question is whether the
+        replica counts at all, and a pin judged early in a run on a replica that does is judged on
+        the best word there is (the pressure sweep's multi-turn at 12,000 blocks: TTFT p99 0.42 s
+        when pins waited for the full window, 0.30 s without)."""
         t = self._replicas.get(replica)
-        return t is not None and t.smoothed_claimed >= self.min_claimed_tokens
+        return t is not None and t.smoothed_claimed >= self.min_claimed_tokens / 20
 
     def judge_pin(self, view: AffinityView, total_blocks: int) -> AffinityView:
         """The view with ``pin_lost`` set when the view credits the pinned replica with less than
