@@ -19,11 +19,13 @@ HOST = "127.0.0.1"
 ENGINES = ("fake", "vllm")
 
 
-def replica_flag(replica: Replica, kv_events: str | None = None) -> str:
-    """``NAME=HOST:PORT[,LABEL=VALUE...][,kv_events=ENDPOINT]`` as ``extproc serve --replica`` takes it."""
+def replica_flag(replica: Replica, kv_events: str | None = None, kv_replay: str | None = None) -> str:
+    """``NAME=HOST:PORT[,LABEL=VALUE...][,kv_events=ENDPOINT[,kv_replay=ENDPOINT]]`` as
+    ``extproc serve --replica`` takes it."""
     labels = "".join(f",{k}={v}" for k, v in replica.labels.items())
     events = f",kv_events={kv_events}" if kv_events else ""
-    return f"{replica.name}={replica.address}{labels}{events}"
+    replay = f",kv_replay={kv_replay}" if kv_events and kv_replay else ""
+    return f"{replica.name}={replica.address}{labels}{events}{replay}"
 
 
 @dataclass
@@ -185,7 +187,7 @@ class LocalGateway:
             f"{HOST}:{metrics_port}",
             "--admin-listen",
             self.admin_addresses[index],
-            *[f"--replica={replica_flag(r, self._kv_endpoint(r))}" for r in self.members],
+            *[f"--replica={replica_flag(r, *self._kv_endpoints(r))}" for r in self.members],
             *self._engine_processor_args(),
             *self.processor_args,
         ]
@@ -195,10 +197,11 @@ class LocalGateway:
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}\n{self.procs.log_tail(name)}") from None
 
-    def _kv_endpoint(self, replica: Replica) -> str | None:
+    def _kv_endpoints(self, replica: Replica) -> tuple[str | None, str | None]:
+        """An engine's KV-event publisher and replay endpoint (none for fake replicas)."""
         if self.fleet is None or not self.kv_events:
-            return None
-        return self.fleet.kv_endpoint(replica.name)
+            return None, None
+        return self.fleet.kv_endpoint(replica.name), self.fleet.replay_endpoint(replica.name)
 
     def _engine_processor_args(self) -> list[str]:
         """What a user sets for real engines: the model's own tokenizer and the engines' block

@@ -3,7 +3,8 @@
 Each engine is ``python -m vllm.entrypoints.openai.api_server`` from the venv of
 :mod:`extproc_lab.engines.install`, serving a model directory built there, on a free
 127.0.0.1 port, publishing KV-cache events on a ZMQ PUB socket it binds (``tcp://*:PORT``: vLLM
-binds only for a wildcard host; the subscriber connects to ``tcp://127.0.0.1:PORT``). Engines are
+binds only for a wildcard host; the subscriber connects to ``tcp://127.0.0.1:PORT``) and answering
+replays on a ROUTER socket beside it. Engines are
 started together (their start-ups overlap: about 25 s alone, about a minute for four on two cores),
 waited for on ``/health`` within a bound, and ended by their process group's id. One engine can
 be killed and started again on the same ports, as a crashed pod coming back.
@@ -99,6 +100,7 @@ class VllmFleet:
         if not self.members:
             self.members = [Replica(f"replica-{i}", f"{HOST}:{free_port()}") for i in range(self.replicas)]
         self.kv_ports = {r.name: free_port() for r in self.members}
+        self.replay_ports = {r.name: free_port() for r in self.members}
         self._model_dir: Path | None = None
 
     @property
@@ -128,6 +130,12 @@ class VllmFleet:
     def kv_endpoint(self, name: str) -> str | None:
         """Where a subscriber connects for an engine's KV events (None without events)."""
         return f"tcp://{HOST}:{self.kv_ports[name]}" if self.settings.kv_events else None
+
+    def replay_endpoint(self, name: str) -> str | None:
+        """Where a subscriber asks an engine to replay its buffered batches (a DEALER connects to
+        its ROUTER): how the router tells, after reconnecting, a restarted engine from one that
+        merely lost a connection."""
+        return f"tcp://{HOST}:{self.replay_ports[name]}" if self.settings.kv_events else None
 
     def argv(self, replica: Replica) -> list[str]:
         """The command line of one engine."""
@@ -165,6 +173,7 @@ class VllmFleet:
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
                 "endpoint": f"tcp://*:{self.kv_ports[replica.name]}",
+                "replay_endpoint": f"tcp://*:{self.replay_ports[replica.name]}",
             }
             argv += ["--kv-events-config", json.dumps(config)]
         return argv + list(s.extra_args)
