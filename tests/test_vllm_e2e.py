@@ -127,6 +127,7 @@ class Sent:
         before = done_counts(gw)
         self.answer = _post(gw.url + path, body, session)
         self.engine = _which(gw, before)
+        assert self.answer["system_fingerprint"] == self.engine  # the engine's name (fleet.py)
         usage = self.answer["usage"]
         self.prompt_tokens = int(usage["prompt_tokens"])
         self.cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

@@ -162,6 +162,12 @@ class VllmFleet:
             "--enable-prompt-tokens-details",
             "--block-size",
             str(s.block_size),
+            # The engine's name in every answer's system_fingerprint, as the fake replica does: a
+            # client can tell which engine answered whatever router is in front.
+            "--fingerprint-mode",
+            "custom",
+            "--fingerprint-value",
+            replica.name,
             "--disable-uvicorn-access-log",
             "--uvicorn-log-level",
             "warning",
