@@ -72,6 +72,8 @@ def engine_env() -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # POST /reset_prefix_cache (the demo empties caches between policies); loopback only.
+        "VLLM_SERVER_DEV_MODE": "1",
     }
 
 
