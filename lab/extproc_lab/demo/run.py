@@ -18,6 +18,7 @@ from typing import Any
 
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
+from extproc_lab.engines.fleet import EngineSettings
 from extproc_lab.stats import percentile
 
 
@@ -134,7 +135,8 @@ async def replay(
 
 
 def reset_caches(gateway: LocalGateway) -> None:
-    """Empty every replica's prefix cache (vLLM's POST /reset_prefix_cache)."""
+    """Empty every replica's prefix cache (vLLM's POST /reset_prefix_cache; real engines serve it in
+    dev mode, which :func:`~extproc_lab.engines.fleet.engine_env` turns on)."""
     for r in gateway.members:
         req = urllib.request.Request(f"http://{r.address}/reset_prefix_cache", method="POST", data=b"")
         with urllib.request.urlopen(req, timeout=5):
@@ -154,9 +156,17 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     """Start the gateway, replay the workload under both policies, print and optionally write figures."""
     model = "demo-model"
-    print(f"starting Envoy, the processor and {args.replicas} fake vLLM replicas on 127.0.0.1 ...", flush=True)
+    engine = getattr(args, "engine", "fake")
+    vllm = engine == "vllm"
+    # Real engines start in tens of seconds each on a small machine: fewer, and a shorter workload.
+    for name, fake, real in (("replicas", 8, 3), ("sessions", 24, 12), ("turns", 8, 4)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, real if vllm else fake)
+    kind = "real vLLM CPU engines (about a minute to start)" if vllm else "fake vLLM replicas"
+    print(f"starting Envoy, the processor and {args.replicas} {kind} on 127.0.0.1 ...", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    with LocalGateway(replicas=args.replicas, mode=args.mode) as gw:
+    settings = EngineSettings(max_model_len=4096)
+    with LocalGateway(replicas=args.replicas, mode=args.mode, engine=engine, engine_settings=settings) as gw:
         for name, url in (("extproc", gw.url), ("round_robin", gw.round_robin_url)):
             reset_caches(gw)
             convos = multi_turn(args.sessions, args.turns, seed=args.seed, run_id=name)

@@ -1,0 +1,366 @@
+"""End to end with real engines: real Envoy -> our processor -> two vLLM CPU engines (0.32), on 127.0.0.1.
+
+The router is configured as a user would for that fleet: the model's own directory as its
+tokenizer, each engine's KV-event publisher, ``kv_events.block_size`` the engines' 32 (see
+:class:`~extproc_lab.demo.gateway.LocalGateway` with ``engine="vllm"``). What the router believes
+is compared with what the engines themselves report: ``usage.prompt_tokens_details.cached_tokens``
+in each answer, their ``/metrics`` counters, their KV events.
+
+The engines (vLLM's venv and a locally built model, under ~/.cache/extproc; ``make engines``) are
+started once for the module; a missing venv is built first (about 2 minutes), and failing to build
+it fails under CI and skips elsewhere. Which engine answered a request is read from the engines'
+own ``vllm:request_success_total`` (requests here are sent one at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc._proto.admin.v1 import admin_pb2 as pb
+from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.health.vllm_metrics import parse_vllm_metrics
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.workload import Conversation, multi_turn, words
+from extproc_lab.engines import install
+from extproc_lab.engines.fleet import EngineSettings
+from tests.conftest import IN_CI, require_binary
+
+pytestmark = pytest.mark.e2e
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MODEL = "demo-model"
+BLOCK = 32
+# Small enough to fill (128 blocks of 32 tokens: 4,096 tokens), above one full-length request.
+BLOCKS = 128
+_DONE = "vllm:request_success_total"
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
+    require_binary("envoy")
+    try:
+        install.ensure(("tiny",))
+    except Exception as exc:  # the install's own error, whatever it is
+        message = f"vLLM's CPU build could not be installed (make engines): {exc}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    settings = EngineSettings(model="tiny", block_size=BLOCK, num_blocks=BLOCKS, max_model_len=2048)
+    gateway = LocalGateway(
+        replicas=2,
+        engine="vllm",
+        engine_settings=settings,
+        log_dir=tmp_path_factory.mktemp("vllm-gw"),
+        # Every answer read for its cached tokens: the sampled prediction check sees them all.
+        processor_args=("--kv-check-sample-rate", "1"),
+    )
+    with gateway:
+        yield gateway
+
+
+@pytest.fixture(scope="module")
+def admin(gw: LocalGateway) -> Iterator[pb_grpc.AdminStub]:
+    with grpc.insecure_channel(gw.admin_addresses[0]) as channel:
+        yield pb_grpc.AdminStub(channel)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def _post(url: str, body: dict[str, Any], session: str | None = None, timeout_s: float = 60) -> dict[str, Any]:
+    headers = {"content-type": "application/json", **({"x-session-id": session} if session else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def done_counts(gw: LocalGateway) -> dict[str, float]:
+    """Requests each engine has finished, from its own /metrics (-1 for one that is down)."""
+    out = {}
+    for r in gw.members:
+        try:
+            out[r.name] = metric(_get(gw.replica_url(r.name) + "/metrics"), _DONE)
+        except OSError:
+            out[r.name] = -1.0
+    return out
+
+
+def chat_body(messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
+
+
+class Sent:
+    """One request through Envoy: the router's prediction just before, what the engine reported."""
+
+    def __init__(self, gw: LocalGateway, admin: pb_grpc.AdminStub, path: str, body: dict[str, Any], session: str):
+        headers = [pb.Header(key=":path", value=path), pb.Header(key="x-session-id", value=session)]
+        self.explained = admin.Explain(pb.ExplainRequest(headers=headers, body=json.dumps(body).encode()))
+        chosen = [r for r in self.explained.replicas if r.replica == self.explained.replica]
+        self.predicted = chosen[0].matched_blocks * BLOCK if chosen else -1
+        self.source = chosen[0].match_source if chosen else ""
+        before = done_counts(gw)
+        self.answer = _post(gw.url + path, body, session)
+        self.engine = _which(gw, before)
+        assert self.answer["system_fingerprint"] == self.engine  # the engine's name (fleet.py)
+        usage = self.answer["usage"]
+        self.prompt_tokens = int(usage["prompt_tokens"])
+        self.cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        # The engine's events for this request reach the index within milliseconds; a little time
+        # so that the next prediction is made on them.
+        time.sleep(0.15)
+
+    def text(self) -> str:
+        choice = self.answer["choices"][0]
+        return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+    def __repr__(self) -> str:
+        return (
+            f"Sent(explained {self.explained.replica} {self.explained.reason} predicted {self.predicted} "
+            f"({self.source}), engine {self.engine} prompt {self.prompt_tokens} cached {self.cached})"
+        )
+
+
+def _which(gw: LocalGateway, before: dict[str, float]) -> str:
+    """The engine whose finished-request counter moved (the request was the only one in flight)."""
+    deadline = time.monotonic() + 5
+    while True:
+        after = done_counts(gw)
+        moved = [name for name in after if after[name] > before[name]]
+        if len(moved) == 1:
+            return moved[0]
+        assert time.monotonic() < deadline, f"no single engine counted the request: {before} -> {after}"
+        time.sleep(0.05)
+
+
+def converse(gw: LocalGateway, admin: pb_grpc.AdminStub, convo: Conversation, turn: int, **extra: Any) -> Sent:
+    sent = Sent(gw, admin, CHAT, chat_body(convo.next_messages(turn), **extra), convo.session_id)
+    convo.add_answer(sent.text())
+    return sent
+
+
+def checks(gw: LocalGateway) -> Counter[str]:
+    """The sampled prediction check's outcomes so far, over both engines."""
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(_get(gw.metrics_url)):
+        for sample in family.samples:
+            if sample.name == "extproc_kv_prediction_checks_total":
+                out[sample.labels["outcome"]] += int(sample.value)
+    return out
+
+
+def replicas(admin: pb_grpc.AdminStub) -> dict[str, pb.ReplicaInfo]:
+    return {r.name: r for r in admin.ListReplicas(pb.ListReplicasRequest()).replicas}
+
+
+def wait_until(what: Any, cond: Any, timeout_s: float = 30.0, every_s: float = 0.2) -> Any:
+    """Poll ``cond`` until truthy; ``what`` (or what it returns, if callable) names it on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
+        time.sleep(every_s)
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+
+def test_predicted_cached_tokens_equal_the_engines_on_chat_completions(
+    gw: LocalGateway, admin: pb_grpc.AdminStub
+) -> None:
+    before = checks(gw)
+    convos = multi_turn(3, 3, seed=21, system_tokens=200, document_tokens=500, followup_tokens=60, run_id="chat")
+    sent = [converse(gw, admin, c, turn) for turn in range(3) for c in convos]
+    for s in sent:
+        assert s.predicted == s.cached, s
+        assert s.engine == s.explained.replica, s
+    followups = sent[len(convos) :]
+    assert all(s.source == "kv_events" and s.cached >= 5 * BLOCK for s in followups), followups
+    # The sampled check (every answer here) saw the same: each prediction within a block.
+    after = checks(gw) - before
+    assert after["agree"] >= len(followups) and not after["over"] and not after["under"], after
+
+
+def test_predicted_cached_tokens_equal_the_engines_on_completions(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:
+    rng = random.Random(22)
+    for i in range(2):
+        prompt = f"Document {i}. " + words(rng, 500)
+        session = f"completions-{i}"
+        for turn in range(3):
+            s = Sent(gw, admin, COMPLETIONS, {"model": MODEL, "prompt": prompt, "max_tokens": 4}, session)
+            assert s.predicted == s.cached, (turn, s)
+            if turn:
+                assert s.source == "kv_events" and s.cached >= 5 * BLOCK, (turn, s)
+            prompt += s.text() + f"\nMore {turn}: " + words(rng, 60)
+
+
+def test_a_cache_salt_is_hashed_as_the_engine_hashes_it(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:
+    plain, salted, other = multi_turn(3, 2, seed=23, system_tokens=200, document_tokens=400, run_id="salt")
+    salted.user_turns = other.user_turns = list(plain.user_turns)
+    for turn in range(2):
+        p = converse(gw, admin, plain, turn)
+        s = converse(gw, admin, salted, turn, cache_salt="tenant-a")
+        o = converse(gw, admin, other, turn, cache_salt="tenant-b")
+        for x in (p, s, o):
+            assert x.predicted == x.cached, (turn, x)
+        if turn == 0:
+            # The same prompt under another salt shares nothing (vLLM salts the first block).
+            assert s.cached == 0 and o.cached == 0, (s, o)
+        else:
+            assert s.cached > 0 and o.cached > 0, (s, o)
+
+
+def test_sessions_stay_on_their_engine(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:
+    # Each with a system prompt of its own: new sessions spread (a shared one draws them together).
+    convos = [
+        multi_turn(1, 4, seed=240 + i, system_tokens=100, document_tokens=200, followup_tokens=40, run_id=f"sticky{i}")[
+            0
+        ]
+        for i in range(6)
+    ]
+    where: dict[str, set[str]] = {c.session_id: set() for c in convos}
+    for turn in range(4):
+        for c in convos:
+            s = converse(gw, admin, c, turn)
+            where[c.session_id].add(s.engine)
+            assert s.predicted == s.cached, s
+    assert all(len(engines) == 1 for engines in where.values()), where
+    assert {e for engines in where.values() for e in engines} == {r.name for r in gw.members}, where
+
+
+def test_a_real_metrics_page_feeds_the_health_score(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:
+    loaded, idle = (r.name for r in gw.members)
+    for _ in range(2):  # a prompt seen twice: the prefix-cache counters have hits
+        _post(gw.replica_url(loaded) + COMPLETIONS, {"model": MODEL, "prompt": "hello " * 100, "max_tokens": 1})
+    page = parse_vllm_metrics(_get(gw.replica_url(loaded) + "/metrics"))
+    assert (page.block_size, page.num_gpu_blocks) == (BLOCK, BLOCKS)
+    assert page.models == (MODEL,)
+    assert page.prefix_queries > 0 and 0 < page.prefix_hits <= page.prefix_queries
+    assert page.running == page.waiting == 0 and page.kv_usage == 0.0
+    wait_until("both engines healthy", lambda: all(r.health > 0.9 for r in replicas(admin).values()))
+
+    # Load one engine directly (not through the router): more long generations than its cache holds.
+    rng = random.Random(25)
+    bodies = [{"model": MODEL, "prompt": words(rng, 1400), "max_tokens": 300, "ignore_eos": True} for _ in range(8)]
+    seen: dict[str, Any] = {}
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(_post, gw.replica_url(loaded) + COMPLETIONS, b, None, 120) for b in bodies]
+
+        def moved() -> bool:
+            page = parse_vllm_metrics(_get(gw.replica_url(loaded) + "/metrics"))
+            info = replicas(admin)
+            seen.update(page=page, info={n: (r.health, r.queue, r.kv_usage) for n, r in info.items()})
+            return bool(
+                page.running > 0
+                and page.waiting > 0
+                and page.kv_usage > 0.5
+                and info[loaded].queue > 0
+                and info[loaded].kv_usage > 0.5
+                and info[loaded].health < info[idle].health - 0.1
+            )
+
+        try:
+            wait_until(lambda: f"{loaded}'s health below {idle}'s: {seen}", moved, timeout_s=60, every_s=0.3)
+        finally:
+            done = [f.result() for f in futures]
+    assert all(d["usage"]["completion_tokens"] == 300 for d in done)
+    wait_until(f"{loaded} healthy again", lambda: replicas(admin)[loaded].health > 0.9, timeout_s=30)
+
+
+def test_evicted_blocks_leave_the_index(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:
+    (convo,) = multi_turn(1, 3, seed=26, system_tokens=300, document_tokens=900, run_id="evict")
+    first = converse(gw, admin, convo, 0)
+    engine = first.engine
+    second = converse(gw, admin, convo, 1)
+    assert second.engine == engine and second.predicted == second.cached >= 10 * BLOCK, second
+    removed_before = metric(_get(gw.metrics_url), "extproc_kv_event_blocks_total", op="removed", replica=engine)
+
+    # Fill that engine's cache past its capacity with other prompts, sent to it directly.
+    rng = random.Random(27)
+    for _ in range(4):
+        _post(gw.replica_url(engine) + COMPLETIONS, {"model": MODEL, "prompt": words(rng, 1500), "max_tokens": 1})
+    removed = wait_until(
+        "BlockRemoved events in the index",
+        lambda: (
+            metric(_get(gw.metrics_url), "extproc_kv_event_blocks_total", op="removed", replica=engine) - removed_before
+        ),
+    )
+    assert removed >= 10, removed
+    index_blocks = metric(_get(gw.metrics_url), "extproc_kv_index_blocks", replica=engine)
+    assert index_blocks <= BLOCKS, index_blocks
+
+    third = converse(gw, admin, convo, 2)
+    # What the index now claims for the conversation on its engine is what the engine still holds.
+    assert third.predicted == third.cached, third
+    assert third.cached < second.cached, (second, third)
+
+
+def test_a_killed_engine_is_dropped_fails_over_and_comes_back(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:
+    convos = multi_turn(6, 5, seed=28, system_tokens=100, document_tokens=300, followup_tokens=40, run_id="kill")
+    home = {c.session_id: converse(gw, admin, c, 0).engine for c in convos}
+    victim = Counter(home.values()).most_common(1)[0][0]
+    survivor = next(r.name for r in gw.members if r.name != victim)
+    on_victim = [c for c in convos if home[c.session_id] == victim]
+    assert on_victim
+    restarts_before = metric(_get(gw.metrics_url), "extproc_kv_event_restarts_total", replica=victim)
+
+    assert gw.fleet is not None
+    gw.fleet.kill(victim)
+    # Every request sent after the kill is answered, by the survivor.
+    for c in on_victim:
+        s = converse(gw, admin, c, 1)
+        assert s.engine == survivor, s
+    wait_until(f"{victim} out of rotation", lambda: not replicas(admin)[victim].in_rotation)
+
+    gw.fleet.restart(victim)  # the same HTTP and KV-event ports, an empty cache
+    wait_until(f"{victim} back in rotation", lambda: replicas(admin)[victim].in_rotation, timeout_s=60)
+    # Its index was dropped: nothing claimed there before it serves again.
+    page = _get(gw.metrics_url)
+    assert metric(page, "extproc_kv_index_blocks", replica=victim) == 0
+    assert metric(page, "extproc_kv_event_restarts_total", replica=victim) >= restarts_before
+
+    # The moved sessions stay where they moved (their cache is there now), the others at home,
+    # predictions exact on both; the engine back takes new sessions again.
+    for turn in (2, 3):
+        for c in convos:
+            s = converse(gw, admin, c, turn)
+            assert s.predicted == s.cached, s
+            assert s.engine == (survivor if c in on_victim else home[c.session_id]), s
+    fresh = [
+        multi_turn(1, 2, seed=280 + i, system_tokens=100, document_tokens=300, run_id=f"kill-new{i}")[0]
+        for i in range(6)
+    ]
+    landed: Counter[str] = Counter()
+    for c in fresh:
+        first = converse(gw, admin, c, 0)
+        again = converse(gw, admin, c, 1)
+        assert first.engine == again.engine and again.predicted == again.cached > 0, (first, again)
+        landed[first.engine] += 1
+    assert landed[victim] > 0, landed
