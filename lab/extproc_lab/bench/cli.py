@@ -147,6 +147,7 @@ def _add_realstack_parser(kinds: Any) -> None:
         "--run-timeout", type=float, default=d["run_timeout_s"].default, help="seconds a router's run may take"
     )
     p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
+    p.add_argument("--log-dir", help="keep every process's log here, a folder per router (default: discarded)")
     p.add_argument("--json", dest="json_path", help="write the figures here")
 
 
@@ -195,6 +196,7 @@ def run_realstack_command(args: argparse.Namespace) -> int:
         install=not args.no_install,
         run_timeout_s=args.run_timeout,
         processor_args=tuple(args.processor_arg),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
     )
     try:
         result = run_realstack(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))

@@ -84,6 +84,8 @@ class RealStackSetup:
     request_timeout_s: float = 60.0
     run_timeout_s: float = 300.0
     processor_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    """Where each router's processes log (a folder per router), kept after the run."""
     engine: str = "fake"
     # Real engines only: the model (extproc_lab.engines.build_model's sizes), block size, context.
     engine_model: str = "small"
@@ -334,6 +336,10 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
 
 
 def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
+    log_dir = None
+    if setup.log_dir is not None:
+        log_dir = setup.log_dir / name
+        log_dir.mkdir(parents=True, exist_ok=True)
     if setup.engine == "vllm":
         return LocalGateway(
             replicas=setup.replicas,
@@ -341,9 +347,10 @@ def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
             engine="vllm",
             engine_settings=setup.engine_settings(),
             kv_events=name != OURS_ESTIMATE,
+            log_dir=log_dir,
         )
     blocks = ("--kv-blocks", str(setup.kv_blocks)) if setup.kv_blocks else ()
-    gw = LocalGateway(replicas=setup.replicas, profile=PROFILE, processor_args=setup.processor_args)
+    gw = LocalGateway(replicas=setup.replicas, profile=PROFILE, processor_args=setup.processor_args, log_dir=log_dir)
     gw.replica_args = {r.name: blocks for r in gw.members}
     return gw
 
@@ -413,6 +420,7 @@ def describe(setup: RealStackSetup) -> dict[str, Any]:
     """The setup as JSON, with what the workload weighs against the fleet's cache."""
     s = asdict(setup)
     s["peers_dir"] = str(setup.peers_dir)
+    s["log_dir"] = str(setup.log_dir) if setup.log_dir is not None else None
     s["profile"] = PROFILE if setup.engine == "fake" else f"vllm-cpu llama-{setup.engine_model}"
     s["kv_tokens_per_replica"] = setup.kv_tokens_per_replica()
     peers = ALL_PEERS if setup.engine == "vllm" else PEER_ROUTERS

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,19 +20,38 @@ from pathlib import Path
 from types import TracebackType
 
 _HANDED_OUT: set[int] = set()
+_random = random.SystemRandom()  # independent of any seeded generator a caller uses
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections and port-0 binds."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago, and never one this process handed out before: a
-    gateway asks for several at once, before anything binds them, and the kernel may offer a
-    just-closed port again."""
-    for _ in range(100):
+    gateway asks for several at once, before anything binds them.
+
+    Taken below the kernel's ephemeral range: a port the kernel offered for a port-0 bind is
+    offered again to the next outgoing connection or port-0 bind of any process (a vLLM engine's
+    own sockets, a client), which can take it before our process binds it (seen: an engine's
+    KV-event port and a processor's metrics port "already in use" while other tests ran)."""
+    low = min(_ephemeral_low(), 61000)
+    start = max(1024, low - 16384)
+    for _ in range(200):
+        port = _random.randrange(start, low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     raise OSError("no fresh free port found")
 
 
