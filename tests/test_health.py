@@ -247,3 +247,24 @@ def test_a_replica_ejected_for_failures_is_readmitted_on_what_it_shows_afterward
     for i in range(3):  # and failing again puts it straight back out
         book.observe("a", 0, None, now=3.1 + 0.01 * i)
     assert not book.snapshot(3.2).replicas[0].in_rotation
+
+
+async def test_a_late_page_from_a_replica_that_keeps_answering_is_no_failure() -> None:
+    # A CPU engine busy prefilling answers /metrics after the scrape budget; Envoy still sees it
+    # answer requests. That is a busy replica, not an unreachable one (on real vLLM one of three
+    # engines was ejected this way under load). One that stops answering as well does leave.
+    clock = [0.0]
+    book = ReplicaBook([Replica("a", "h:1"), Replica("b", "h:2")])
+    fetch = FakeFetch()
+    fetch.pages["http://h:1/metrics"] = ScrapeError("late", timed_out=True)
+    fetch.pages["http://h:2/metrics"] = page(0, 0, 0.1)
+    scraper = Scraper(book, HealthSettings(), lambda: clock[0], fetch=fetch)
+    for _ in range(6):
+        clock[0] += 0.25
+        book.observe("a", 200, 0.5, clock[0])
+        await scraper.scrape_once()
+    assert all(s.in_rotation for s in book.snapshot(clock[0]).replicas)
+    for _ in range(12):  # it stops answering too: after stale_after_s its late pages count
+        clock[0] += 0.25
+        await scraper.scrape_once()
+    assert [s.name for s in book.snapshot(clock[0]).replicas if not s.in_rotation] == ["a"]

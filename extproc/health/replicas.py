@@ -57,6 +57,10 @@ class ReplicaRecord:
     scraped_at: float = float("-inf")
     scrape_failures: int = 0
     refused: bool = False
+    slow_scrapes: int = 0
+    """Scrapes that timed out while the replica kept answering requests (not counted as failures)."""
+    answered_at: float = float("-inf")
+    """When Envoy last saw the replica answer a request."""
     metrics: ReplicaMetrics | None = None
     ttft_history: deque[tuple[float, tuple[tuple[float, float], ...]]] = field(default_factory=lambda: deque(maxlen=64))
     observed_ttfb: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))
@@ -207,12 +211,21 @@ class ReplicaBook:
         if metrics.ttft_buckets:
             rec.ttft_history.append((now, metrics.ttft_buckets))
 
-    def scrape_failed(self, name: str, refused: bool) -> None:
-        """A scrape failed: timed out, broken page, or (``refused``) nothing listening."""
+    def scrape_failed(self, name: str, refused: bool, *, timed_out: bool = False, now: float | None = None) -> None:
+        """A scrape failed: broken page, (``refused``) nothing listening, or (``timed_out``) no page
+        within the budget. A page that is late while the replica answers requests (Envoy saw one
+        answered within ``stale_after_s`` before ``now``) is a busy replica's, not a dead one's:
+        a CPU engine busy prefilling answers /metrics late, and counting that as unreachable
+        ejected a working engine under load (on real vLLM, one of three, which then served 19 of
+        144 requests). It is no failure; its load figures simply age."""
         rec = self._records.get(name)
-        if rec is not None:
-            rec.scrape_failures += 1
-            rec.refused = refused
+        if rec is None:
+            return
+        if timed_out and not refused and now is not None and rec.answered_at >= now - self.settings.stale_after_s:
+            rec.slow_scrapes += 1
+            return
+        rec.scrape_failures += 1
+        rec.refused = refused
 
     def observe(self, name: str, status: int, ttfb_s: float | None, now: float) -> None:
         """Learn from a response seen by Envoy: its status and its time to first byte."""
@@ -226,6 +239,8 @@ class ReplicaBook:
             rec.upstream_failures += 1
         else:
             rec.upstream_failures = 0
+            if status:
+                rec.answered_at = now
             if ttfb_s is not None:
                 rec.observed_ttfb.append((now, ttfb_s))
         if rec.upstream_failures >= self.settings.upstream_fail_after:

@@ -24,11 +24,13 @@ log = logging.getLogger("extproc.health")
 
 
 class ScrapeError(Exception):
-    """A page could not be fetched; ``refused`` when nothing accepted the connection."""
+    """A page could not be fetched; ``refused`` when nothing accepted the connection,
+    ``timed_out`` when the page did not come within the scrape budget."""
 
-    def __init__(self, message: str, refused: bool = False) -> None:
+    def __init__(self, message: str, refused: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
         self.refused = refused
+        self.timed_out = timed_out
 
 
 Fetch = Callable[[str, float], Awaitable[str]]
@@ -51,7 +53,9 @@ class HttpFetch:
                 return str(await resp.text())
         except aiohttp.ClientConnectorError as exc:
             raise ScrapeError(f"connection failed: {exc.os_error}", refused=True) from None
-        except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as exc:
+        except TimeoutError:
+            raise ScrapeError(f"no page within {timeout_s:g} s", timed_out=True) from None
+        except (aiohttp.ClientError, UnicodeDecodeError) as exc:
             raise ScrapeError(f"{type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
@@ -87,7 +91,8 @@ class Scraper:
             metrics = parse_vllm_metrics(text)
         except (ScrapeError, MetricsPageError) as exc:
             refused = isinstance(exc, ScrapeError) and exc.refused
-            self.book.scrape_failed(name, refused)
+            timed_out = isinstance(exc, ScrapeError) and exc.timed_out
+            self.book.scrape_failed(name, refused, timed_out=timed_out, now=self.clock())
             if self.metrics is not None:
                 self.metrics.scrape_errors.labels(name).inc()
             log.debug("scrape of %s failed: %s", name, exc)
