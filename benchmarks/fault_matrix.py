@@ -5,8 +5,9 @@ writes it, with each case's measured facts, to a markdown file.
 
     .venv/bin/python benchmarks/fault_matrix.py [--out benchmarks/fault_matrix.md] [--small]
         [--only CASE,CASE...]   (the cases: processor, redis, replica-killed, replica-killed-streams,
-                                 replica-hung, metrics, big-bodies, sessions, burst, burst-shared-prompt-200,
-                                 burst-shared-prompt)
+                                 replica-hung, replica-hung-shapes, replica-hung-shapes-endpoint,
+                                 replica-hung-shapes-defaults, metrics, big-bodies, sessions, burst,
+                                 burst-shared-prompt-200, burst-shared-prompt)
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ CASES: dict[str, Callable[[fm.Scale], Awaitable[fm.CaseResult | list[fm.CaseResu
     "replica-killed": fm.replica_killed,
     "replica-killed-streams": fm.streams_on_a_killed_replica,
     "replica-hung": fm.replica_hung,
+    "replica-hung-shapes": fm.replica_hung_every_shape,
+    "replica-hung-shapes-endpoint": lambda scale: fm.replica_hung_every_shape(
+        scale, mode="endpoint", health_check_path=None
+    ),
+    # At the shipped timeouts (first_byte_s 8 s, unary_max_s 60 s), whatever the scale: a minute.
+    "replica-hung-shapes-defaults": lambda _scale: fm.replica_hung_every_shape(fm.DEFAULTS),
     "metrics": fm.metrics_faults,
     "big-bodies": fm.big_bodies,
     "sessions": fm.many_sessions,

@@ -411,9 +411,7 @@ class Router:
             return True
         return self._responses.take(self.config.health.response_sample_rate)
 
-    def observe_response(
-        self, routed: Routed, status: int, attempts: int = 1, answered_by: str | None = None
-    ) -> None:
+    def observe_response(self, routed: Routed, status: int, attempts: int = 1, answered_by: str | None = None) -> None:
         """Learn from the response headers Envoy saw: status and time to first byte.
 
         With ``attempts`` > 1 Envoy tried elsewhere too. A stream's try is reset at its first-byte

@@ -163,7 +163,9 @@ def header_mutation_filter(spec: GatewaySpec) -> HttpFilter:
         HeaderMutationRule(remove=name)
         for name in (spec.cluster_header, spec.endpoint_header, spec.stream_header, PER_TRY_TIMEOUT_HEADER)
     ]
-    mutations = Mutations(request_mutations=removals, response_mutations=[HeaderMutationRule(remove=ANSWERED_BY_HEADER)])
+    mutations = Mutations(
+        request_mutations=removals, response_mutations=[HeaderMutationRule(remove=ANSWERED_BY_HEADER)]
+    )
     return HttpFilter(name=HEADER_MUTATION_FILTER, typed_config=AnyMessage.pack(HeaderMutation(mutations=mutations)))
 
 
