@@ -5,8 +5,9 @@ writes it, with each case's measured facts, to a markdown file.
 
     .venv/bin/python benchmarks/fault_matrix.py [--out benchmarks/fault_matrix.md] [--small]
         [--only CASE,CASE...]   (the cases: processor, redis, replica-killed, replica-killed-streams,
-                                 replica-hung, metrics, big-bodies, sessions, burst, burst-shared-prompt-200,
-                                 burst-shared-prompt)
+                                 replica-hung, replica-hung-shapes, replica-hung-shapes-endpoint,
+                                 replica-hung-shapes-defaults, metrics, big-bodies, sessions, burst,
+                                 burst-shared-prompt-200, burst-shared-prompt)
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ CASES: dict[str, Callable[[fm.Scale], Awaitable[fm.CaseResult | list[fm.CaseResu
     "replica-killed": fm.replica_killed,
     "replica-killed-streams": fm.streams_on_a_killed_replica,
     "replica-hung": fm.replica_hung,
+    "replica-hung-shapes": fm.replica_hung_every_shape,
+    "replica-hung-shapes-endpoint": lambda scale: fm.replica_hung_every_shape(
+        scale, mode="endpoint", health_check_path=None
+    ),
+    # At the shipped timeouts (first_byte_s 8 s, unary_max_s 60 s), whatever the scale: a minute.
+    "replica-hung-shapes-defaults": lambda _scale: fm.replica_hung_every_shape(fm.DEFAULTS),
     "metrics": fm.metrics_faults,
     "big-bodies": fm.big_bodies,
     "sessions": fm.many_sessions,
@@ -66,6 +73,21 @@ NOTES = """## Reading the table
   second later (Envoy's delayed close). Before this, every request sent to it waited for the route
   timeout (300 s in the rendered configs) and got a 504. The demo replica runs in real time in
   this case, so the streams are still flowing when it stops.
+- **Replica hung, every request shape** (the user's check: the rendered failover scenario, 24
+  sessions pinned over three replicas, then the one holding most stops and requests of twelve
+  shapes follow on its sessions at once, before the processor has noticed): chat and
+  completions, streamed and not, without `max_tokens`, with 2 and with 1,000,000. Each try has a
+  budget (`docs/timeouts.md`): a stream's is `first_byte_s`, a non-streaming request's
+  `min(first_byte_s + max_tokens x unary_s_per_output_token, unary_max_s)`, and `unary_max_s`
+  without `max_tokens`. When it passes, a stream's try is reset and retried; a non-streaming
+  one is hedged (another replica is asked too, the first try keeps running), as a replica still
+  generating is as silent as a hung one. Before `unary_max_s`, the non-streaming requests without
+  `max_tokens` or with a huge one waited for the route timeout (300 s by default) and got a 504:
+  Envoy's health check marked the host failed within seconds, but that does not end requests in
+  flight to it (`close_connections_on_host_health_failure`, tried on Envoy 1.40, did not either).
+  The rows run at the matrix's small timeouts (`first_byte_s` 0.5 s, `unary_max_s` 1 s) in the
+  failover scenario and in endpoint mode without health checks, and at the shipped ones
+  (8 s, 60 s).
 - **/metrics broken**: a page that hangs or is not a Prometheus exposition fails the scrape, and
   the replica is ejected within about a second (its own requests still succeed: it serves, it
   just cannot be judged); an impossible load (queue 10^12) keeps it out of new work through the

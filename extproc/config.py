@@ -270,6 +270,12 @@ def _rebalance_settings(raw: schema.Rebalance) -> RebalanceSettings:
 
 
 def _upstream_timeouts(raw: schema.Upstream) -> UpstreamTimeouts:
+    if 0 < raw.unary_max_s < raw.first_byte_s:
+        # Below the first-byte budget every non-streaming request would be sent twice.
+        raise ConfigError(
+            f"upstream.unary_max_s: {raw.unary_max_s:g} s is below first_byte_s {raw.first_byte_s:g} s "
+            "(a non-streaming answer comes after its prefill at the earliest)"
+        )
     return UpstreamTimeouts(**{**raw.model_dump(), "stream_header": raw.stream_header.lower()})
 
 

@@ -202,6 +202,11 @@ class Upstream(Section):
     unary_s_per_output_token: float = _doc(
         _UPSTREAM.unary_s_per_output_token, "a non-streaming try waits first_byte_s + this x max_tokens", ge=0
     )
+    unary_max_s: float = _doc(
+        _UPSTREAM.unary_max_s,
+        "a non-streaming try's budget at most (and without max_tokens); then another replica too. 0: no cap",
+        ge=0,
+    )
     stream_header: str = _doc(
         _UPSTREAM.stream_header, "marks streaming requests for Envoy's idle-timeout route", min_length=1
     )

@@ -420,14 +420,17 @@ class Router:
             return True
         return self._responses.take(self.config.health.response_sample_rate)
 
-    def observe_response(self, routed: Routed, status: int, attempts: int = 1) -> None:
+    def observe_response(self, routed: Routed, status: int, attempts: int = 1, answered_by: str | None = None) -> None:
         """Learn from the response headers Envoy saw: status and time to first byte.
 
-        With ``attempts`` > 1 Envoy retried elsewhere, so the answer is not the chosen replica's.
-        When it came after the first-byte timeout, the chosen replica's try met it: a failure of
-        that replica (three in a row eject it). A quick retry (connection refused or reset) is
-        not counted: the scraper sees a replica that refuses connections for itself, and a burst
-        that overflows a listen backlog for a moment must not eject a healthy replica.
+        With ``attempts`` > 1 Envoy tried elsewhere too. A stream's try is reset at its first-byte
+        timeout, so the answer is another replica's; a non-streaming try's budget only hedges
+        (the first try keeps running), so the answer may still be the chosen replica's, which
+        ``answered_by`` (the answering address, when Envoy's config adds it) tells. An answer from
+        another replica after the first-byte timeout means the chosen replica's try met it: a
+        failure of that replica (three in a row eject it). A quick retry (connection refused or
+        reset) is not counted: the scraper sees a replica that refuses connections for itself,
+        and a burst that overflows a listen backlog for a moment must not eject a healthy replica.
         """
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
@@ -439,7 +442,7 @@ class Router:
         if replica is not None:
             now = self.clock()
             waited = now - routed.decided_at
-            if attempts <= 1:
+            if attempts <= 1 or answered_by == replica.address:
                 self.replicas.observe(replica.name, status, waited, now)
             elif waited >= self.config.upstream.first_byte_s:
                 self.replicas.observe(replica.name, 0, None, now)

@@ -1,19 +1,29 @@
 """How long Envoy waits for a replica: the first byte of each try, and the gaps in a stream.
 
-A hung replica (a stuck collective, a wedged engine) accepts connections and never answers. Only
-Envoy's route timeout (minutes, since a generation may legitimately run that long) would end such
-a request, so each try also gets a **first-byte timeout**: a try that has not seen response
-headers by then is abandoned and, as nothing has reached the client yet, retried on another
-replica. A stream that stalls after its headers cannot be retried (the client has bytes); its
-**idle timeout** ends it with a reset, which the client sees as an error in seconds instead of
-minutes. That timer (Envoy's route ``idle_timeout``) also runs while the first-byte tries wait, so
-it must be longer than all of them together (``envoy_config`` checks it).
+A hung replica (a stuck collective, a wedged engine, a process stopped) accepts connections and
+never answers. Only Envoy's route timeout (minutes, since a generation may legitimately run that
+long) would end such a request, so each try also gets a **per-try budget**: a try that has not
+seen response headers by then is given up on, and, as nothing has reached the client yet, the
+request goes to another replica. What the budget is depends on the request's shape
+(``docs/timeouts.md``):
 
-The first byte of a non-streaming response comes only after its last token, so its budget grows
-with ``max_tokens``: the processor sends it per request in Envoy's
-``x-envoy-upstream-rq-per-try-timeout-ms`` header. A streaming request is marked with
-``stream_header``, which routes it where the idle timeout applies. Defaults come from a
-10,000-token prefill on a slow replica (``benchmarks/first_byte_budget.py``, README).
+- A **stream** sends its headers with its first token: a try silent for ``first_byte_s`` is reset
+  and retried elsewhere. After its headers a stream cannot be retried (the client has bytes); its
+  **idle timeout** ends it with a reset, which the client sees as an error in seconds instead of
+  minutes. That timer (Envoy's route ``idle_timeout``) also runs while the first-byte tries wait,
+  so it must be longer than all of them together (``envoy_config`` checks it).
+- A **non-streaming** answer's first byte comes only after its last token, so a replica working
+  on a long answer is as silent as a hung one. Its budget is the longest a healthy replica should
+  take, ``first_byte_s + unary_s_per_output_token x max_tokens``, never above ``unary_max_s``
+  (which is also the budget when ``max_tokens`` is absent: the answer may run to the model's
+  context). When it passes, Envoy **hedges**: it sends the request to another replica too and
+  keeps the first try running, and the first answer wins. So the budget bounds what a hung
+  replica costs and never cuts a healthy answer; its price is duplicate work for the answers that
+  outlast it.
+
+The processor sends the budget per request in Envoy's ``x-envoy-upstream-rq-per-try-timeout-ms``
+header and marks streams with ``stream_header``, which routes them where the idle timeout applies.
+Defaults come from a 10,000-token prefill on a slow replica (``benchmarks/first_byte_budget.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ from dataclasses import dataclass
 
 PER_TRY_TIMEOUT_HEADER = "x-envoy-upstream-rq-per-try-timeout-ms"
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
+# Envoy adds the address of the replica whose answer it returns (and strips it for the client):
+# after a hedge, either try may have won, and only the winner's address tells which.
+ANSWERED_BY_HEADER = "x-extproc-answered-by"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,20 +50,31 @@ class UpstreamTimeouts:
     stream_idle_s: float = 25.0
     # A non-streaming try waits its whole generation: one decode step per output token there.
     unary_s_per_output_token: float = 0.3
+    # The most a non-streaming try waits before Envoy asks another replica too (also the budget
+    # without max_tokens). 60 s: 173 tokens at the slow decode step above, 1,200 at a typical
+    # 50 ms; a hung replica costs at most this, a healthy answer longer than it is raced. 0: no
+    # cap, for an Envoy whose routes do not hedge (Istio's): without max_tokens only the route
+    # timeout bounds the try, as a per-try timeout there would end a healthy answer.
+    unary_max_s: float = 60.0
     stream_header: str = "x-extproc-stream"
 
-    def request_headers(self, stream: bool, max_output_tokens: int | None) -> list[tuple[str, str]]:
-        """Headers that give one routed request its per-try bounds.
+    def unary_budget_s(self, max_output_tokens: int | None) -> float | None:
+        """A non-streaming try's budget: what its whole generation may take, at most
+        ``unary_max_s``; None (no per-try bound) only without max_tokens and without that cap."""
+        cap = self.unary_max_s or None
+        if max_output_tokens is None:
+            return cap
+        budget_s = self.first_byte_s + max(0, max_output_tokens) * self.unary_s_per_output_token
+        return budget_s if cap is None else min(budget_s, cap)
 
-        A non-streaming request without ``max_tokens`` may generate up to the model's context, so
-        its try is bounded only by the route timeout (``0`` lifts the route's per-try timeout).
-        """
+    def request_headers(self, stream: bool, max_output_tokens: int | None) -> list[tuple[str, str]]:
+        """Headers that give one routed request its per-try bounds: a stream's mark (its route
+        holds the first-byte and idle timeouts), or a non-streaming try's budget (``0`` lifts
+        the route's per-try timeout)."""
         if stream:
             return [(self.stream_header, "1")]
-        if max_output_tokens is None:
-            return [(PER_TRY_TIMEOUT_HEADER, "0")]
-        budget_s = self.first_byte_s + max(0, max_output_tokens) * self.unary_s_per_output_token
-        return [(PER_TRY_TIMEOUT_HEADER, str(round(budget_s * 1000)))]
+        budget_s = self.unary_budget_s(max_output_tokens)
+        return [(PER_TRY_TIMEOUT_HEADER, "0" if budget_s is None else str(max(1, round(budget_s * 1000))))]
 
 
 def attempts(value: str | None) -> int:

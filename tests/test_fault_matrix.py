@@ -20,6 +20,7 @@ from extproc.routing import Replica
 from extproc_lab.demo import fault_matrix as fm
 from extproc_lab.demo.faulty import ABSURD_PAGE, NEGATIVE_PAGE
 from tests.conftest import require_binary
+from tests.test_hung_replica_e2e import assert_every_shape_answered_within_its_budget
 
 pytestmark = pytest.mark.e2e
 SMALL = fm.SMALL
@@ -88,6 +89,16 @@ async def test_a_hung_replica_loses_only_the_streams_it_had_started() -> None:
     assert all(t < SMALL.stream_idle_s + 2.5 for t in facts["streams_cut_after_s"]), row
     assert row.recover_s is not None and row.recover_s < 3.0, row  # failed tries and scrapes eject it
     assert facts["readmit_s"] is not None, row  # and it comes back once it answers again
+
+
+async def test_a_hung_replica_costs_every_request_shape_only_its_budget() -> None:
+    # The user's check, small: the rendered failover scenario (Envoy's health checks on), the
+    # sessions of one replica, then it hangs and requests of every shape follow. Non-streaming ones
+    # without max_tokens (or with a huge one) waited for the route timeout before their budget
+    # had a cap, and Envoy's health check marking the host failed did not end them.
+    row = await fm.replica_hung_every_shape(SMALL)
+    assert row.facts["health_check_path"] == "/health" and row.facts["mode"] == "cluster"
+    assert_every_shape_answered_within_its_budget(row, SMALL)
 
 
 async def test_broken_metrics_pages_cost_no_request() -> None:

@@ -1,7 +1,10 @@
 """A hung replica (accepts connections, never answers) through real Envoy, the processor and fake
-replicas: requests that had nothing back yet are retried on another replica after the first-byte
-timeout, a stream that stalls after its headers ends with an error after the idle timeout, and the
-processor takes the replica out of the rotation from the tries that timed out."""
+replicas: requests that had nothing back yet are retried on another replica after their try's
+budget (a stream's first-byte timeout; a non-streaming request's, from its max_tokens and capped
+by upstream.unary_max_s, also without max_tokens), a stream that stalls after its headers ends
+with an error after the idle timeout, and the processor takes the replica out of the rotation from
+the tries that timed out. A healthy non-streaming answer that outlasts its budget is raced by a
+second try (a hedge), never cut."""
 
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ import time
 import aiohttp
 import pytest
 
+from extproc_lab.demo import fault_matrix as fm
 from extproc_lab.demo.fault_matrix import with_config
 from extproc_lab.demo.gateway import LocalGateway
-from extproc_lab.demo.load import Outcome, chat_body, send, send_stream
+from extproc_lab.demo.load import Outcome, chat_body, read_metrics, send, send_stream, total
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e
@@ -164,3 +168,73 @@ def test_a_long_non_streaming_answer_is_not_cut_at_the_first_byte_timeout() -> N
     assert outcome.ok, outcome
     assert outcome.latency_s > 4 * FIRST_BYTE_S  # it did outlast the route's first-byte timeout
     assert prefills == 1  # one try: no replica was asked a second time
+
+
+def test_every_request_shape_on_a_hung_replica_is_answered_elsewhere_within_its_budget() -> None:
+    """Chat and completions, streamed and not, without max_tokens, with a small one and a huge one,
+    all sent at once to the sessions of a replica that just hung (endpoint mode here, without
+    Envoy's health checks; tests/test_fault_matrix.py runs the failover scenario). Before the
+    non-streaming budget had a cap, those without max_tokens or with a huge one waited for the
+    route timeout and got a 504."""
+    require_binary("envoy")
+    scale = fm.SMALL
+    row = asyncio.run(fm.replica_hung_every_shape(scale, mode="endpoint", health_check_path=None))
+    assert_every_shape_answered_within_its_budget(row, scale)
+
+
+def assert_every_shape_answered_within_its_budget(row: fm.CaseResult, scale: fm.Scale) -> None:
+    """Every request of every shape answered 200 by another replica, after its try's budget (it
+    did go to the hung replica first) and within that budget plus the retry and some slack."""
+    assert row.requests > 0 and row.lost == 0, row
+    per_shape = row.facts["per_shape"]
+    assert len(per_shape) == 12, per_shape
+    for name, facts in per_shape.items():
+        budget = facts["budget_s"]
+        assert budget <= max(scale.first_byte_s, scale.unary_max_s), (name, facts)
+        assert facts["from_victim"] == 0, (name, facts)
+        assert len(facts["latency_s"]) == scale.shape_requests, (name, facts)
+        assert all(0.9 * budget <= t < budget + SLACK_S for t in facts["latency_s"]), (name, facts)
+
+
+def test_a_non_streaming_answer_past_its_budget_is_raced_not_cut() -> None:
+    """A healthy replica's long non-streaming answer (2 s) outlasts its try's budget (unary_max_s
+    1.2 s): Envoy asks another replica too (a hedge), keeps the first try, and the first answer
+    wins. Envoy counts two attempts, but the answer came from the chosen replica (the address Envoy
+    adds tells the processor), so it is not that replica's failure: three in a row would eject it."""
+    require_binary("envoy")
+    gw = LocalGateway(
+        replicas=3,
+        time_scale=1.0,
+        envoy_options={"first_byte_timeout_s": FIRST_BYTE_S, "stream_idle_timeout_s": STREAM_IDLE_S},
+    )
+    with_config(gw, CONFIG + "  unary_max_s: 1.2\n")
+    body = json.dumps(
+        {
+            "model": "demo-model",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "a long answer, raced"}],
+        }
+    ).encode()
+
+    async def scenario() -> tuple[list[Outcome], float, float]:
+        async with aiohttp.ClientSession() as http:
+            outcomes = [await send(http, gw.url, "raced", turn, body, timeout_s=30) for turn in range(3)]
+            await asyncio.sleep(1.0)  # the processor's next evaluation (an ejection is counted there)
+            ejections = total(await read_metrics(http, gw.metrics_url), "extproc_replica_ejections_total")
+            prefills = 0.0
+            for replica in gw.members:
+                async with http.get(f"http://{replica.address}/metrics") as resp:
+                    for line in (await resp.text()).splitlines():
+                        if line.startswith("vllm:time_to_first_token_seconds_count"):
+                            prefills += float(line.rsplit(" ", 1)[1])
+            return outcomes, prefills, ejections
+
+    with gw:
+        outcomes, prefills, ejections = asyncio.run(scenario())
+    assert all(o.ok for o in outcomes), outcomes
+    # The session's replica answered each time: its try was not cut (a cut try's request would
+    # have been answered by another replica, 1.2 s + 2 s later).
+    assert len({o.replica for o in outcomes}) == 1, outcomes
+    assert prefills >= 2 * len(outcomes)  # hedged: another replica was asked each time too
+    assert ejections == 0  # the chosen replica's own answers after a hedge are not its failures

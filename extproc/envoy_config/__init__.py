@@ -27,10 +27,12 @@ the processor is down.
   for fleets Envoy does not know; a retry goes to the same address, so a dead pod's requests
   fail over only after the processor ejects it.
 
-In both modes a routed try has a first-byte timeout (``per_try_timeout``; a hung replica's
-requests are retried elsewhere in seconds, not at the route timeout), streams marked by the
-processor take a route with an idle timeout, and responses carry ``x-envoy-attempt-count`` so the
-processor learns which chosen replicas failed their try (:mod:`extproc.upstream_timeouts`).
+In both modes a routed try has a budget (``per_try_timeout``; a hung replica's requests go
+elsewhere in seconds, not at the route timeout): streams marked by the processor take a route
+with a first-byte timeout that resets the try and an idle timeout; a non-streaming try's budget,
+from its ``max_tokens``, hedges (another replica is asked too, the first try keeps running).
+Responses carry ``x-envoy-attempt-count`` and the answering address so the processor learns which
+chosen replicas failed their try (:mod:`extproc.upstream_timeouts`, ``docs/timeouts.md``).
 
 The typed classes express everything used here. ``Any`` fields (``typed_config``, the
 ``typed_extension_protocol_options`` map) are filled with ``Any.pack(message)``, whose type URL

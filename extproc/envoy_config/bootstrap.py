@@ -28,6 +28,9 @@ from envoy_data_plane.envoy.config.core.v3 import (
     DataSource,
     GrpcService,
     GrpcServiceEnvoyGrpc,
+    HeaderValue,
+    HeaderValueOption,
+    HeaderValueOptionHeaderAppendAction,
     HealthCheck,
     HealthCheckHttpHealthCheck,
     Http2ProtocolOptions,
@@ -40,6 +43,7 @@ from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, End
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.route.v3 import (
     HeaderMatcher,
+    HedgePolicy,
     RetryPolicy,
     RetryPolicyRetryHostPredicate,
     RetryPolicyRetryPriority,
@@ -101,7 +105,7 @@ from extproc.envoy_config.spec import (
     GatewaySpec,
     ProcessorTls,
 )
-from extproc.upstream_timeouts import PER_TRY_TIMEOUT_HEADER
+from extproc.upstream_timeouts import ANSWERED_BY_HEADER, PER_TRY_TIMEOUT_HEADER
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -152,15 +156,17 @@ def _retry_policy(retries: int, across_priorities: bool, per_try_timeout_s: floa
 
 
 def header_mutation_filter(spec: GatewaySpec) -> HttpFilter:
-    """Strips the routing headers a client sent, before ext_proc runs."""
+    """Strips the routing headers a client sent, before ext_proc runs, and the answering
+    replica's address from the response, after ext_proc has read it (the first filter of the
+    chain is the last on the way back)."""
     removals = [
         HeaderMutationRule(remove=name)
         for name in (spec.cluster_header, spec.endpoint_header, spec.stream_header, PER_TRY_TIMEOUT_HEADER)
     ]
-    return HttpFilter(
-        name=HEADER_MUTATION_FILTER,
-        typed_config=AnyMessage.pack(HeaderMutation(mutations=Mutations(request_mutations=removals))),
+    mutations = Mutations(
+        request_mutations=removals, response_mutations=[HeaderMutationRule(remove=ANSWERED_BY_HEADER)]
     )
+    return HttpFilter(name=HEADER_MUTATION_FILTER, typed_config=AnyMessage.pack(HeaderMutation(mutations=mutations)))
 
 
 def ext_proc_filter(spec: GatewaySpec, cluster: str = PROCESSOR_CLUSTER) -> HttpFilter:
@@ -210,30 +216,55 @@ def _routes(spec: GatewaySpec, with_processor: bool) -> list[Route]:
         return [default_route]
     header = spec.cluster_header if spec.mode == "cluster" else spec.endpoint_header
 
-    def target(idle_s: float | None) -> RouteAction:
+    def target(idle_s: float | None, hedge: bool) -> RouteAction:
         first_byte_s = spec.first_byte_timeout_s
-        idle = _seconds(idle_s) if idle_s else None
+        extra: dict[str, Any] = {
+            "timeout": timeout,
+            "idle_timeout": _seconds(idle_s) if idle_s else None,
+            # A non-streaming try's budget (x-envoy-upstream-rq-per-try-timeout-ms, from its
+            # max_tokens) cannot tell a hung replica from one still generating: both are silent
+            # until the answer is done. So its timeout hedges: the request goes to another
+            # replica too, the first try keeps running, the first answer wins.
+            "hedge_policy": HedgePolicy(hedge_on_per_try_timeout=True) if hedge else None,
+        }
         if spec.mode == "cluster":
             policy = _retry_policy(spec.retries, True, first_byte_s)
-            return RouteAction(
-                cluster_header=spec.cluster_header, timeout=timeout, retry_policy=policy, idle_timeout=idle
-            )
+            return RouteAction(cluster_header=spec.cluster_header, retry_policy=policy, **extra)
         if spec.endpoint_cluster == "original_dst":
             # No retries: a retry would go to the same address the header names. The per-try
-            # bound still ends a hung pod's request in seconds rather than at the route timeout.
+            # bound still ends a hung pod's stream in seconds rather than at the route timeout
+            # (a non-streaming request, with nowhere to hedge to, waits for its answer).
             policy = _retry_policy(0, False, first_byte_s)
-            return RouteAction(cluster=ORIGINAL_DST_CLUSTER, timeout=timeout, retry_policy=policy, idle_timeout=idle)
+            return RouteAction(cluster=ORIGINAL_DST_CLUSTER, retry_policy=policy, **extra)
         policy = _retry_policy(spec.retries, False, first_byte_s)
-        return RouteAction(cluster=OVERRIDE_HOST_CLUSTER, timeout=timeout, retry_policy=policy, idle_timeout=idle)
+        return RouteAction(cluster=OVERRIDE_HOST_CLUSTER, retry_policy=policy, **extra)
 
+    # The address of the replica whose answer Envoy returns: after a hedge the processor learns
+    # from it whether its choice answered (slowly) or failed and another replica answered.
+    answered_by = [
+        HeaderValueOption(
+            header=HeaderValue(key=ANSWERED_BY_HEADER, value="%UPSTREAM_REMOTE_ADDRESS%"),
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    ]
     routed = [HeaderMatcher(name=header, present_match=True)]
     streaming = [*routed, HeaderMatcher(name=spec.stream_header, present_match=True)]
     return [
         # Streams first: only they get the idle timeout (a non-streaming answer is silent until
-        # done). Envoy's route idle_timeout, not the retry policy's per_try_idle_timeout, which
-        # (Envoy 1.40, tried) did not end a stream stalled after its headers.
-        Route(match=RouteMatch(prefix="/", headers=streaming), route=target(spec.stream_idle_timeout_s)),
-        Route(match=RouteMatch(prefix="/", headers=routed), route=target(None)),
+        # done), and their first-byte timeout resets the try (their headers come with the first
+        # token, so a silent try is a stuck one). Envoy's route idle_timeout, not the retry
+        # policy's per_try_idle_timeout, which (Envoy 1.40, tried) did not end a stream stalled
+        # after its headers.
+        Route(
+            match=RouteMatch(prefix="/", headers=streaming),
+            route=target(spec.stream_idle_timeout_s, hedge=False),
+            response_headers_to_add=answered_by,
+        ),
+        Route(
+            match=RouteMatch(prefix="/", headers=routed),
+            route=target(None, hedge=True),
+            response_headers_to_add=answered_by,
+        ),
         default_route,
     ]
 

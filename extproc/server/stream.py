@@ -23,7 +23,7 @@ from extproc.kvevents.usage import UsageTail
 from extproc.router import Routed, Router
 from extproc.routing.model import Reason
 from extproc.server import envoy_messages as msg
-from extproc.upstream_timeouts import ATTEMPT_COUNT_HEADER, attempts
+from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, attempts
 
 log = logging.getLogger("extproc.stream")
 
@@ -119,10 +119,14 @@ class RequestStream:
                 response = msg.header_map(request.response_headers)
                 status = response.get(":status", "0")
                 tries = attempts(response.get(ATTEMPT_COUNT_HEADER))
+                answered_by = response.get(ANSWERED_BY_HEADER)
                 if self.observe:
-                    self.router.observe_response(self.routed, int(status) if status.isdigit() else 0, tries)
-                # A retried request's body is another replica's answer: nothing to check.
-                if self.predicted is not None and status == "200" and tries == 1:
+                    code = int(status) if status.isdigit() else 0
+                    self.router.observe_response(self.routed, code, tries, answered_by)
+                chosen = self.routed.decision.replica
+                own = tries == 1 or (chosen is not None and answered_by == chosen.address)
+                # A body another replica answered (after a retry or a hedge): nothing to check.
+                if self.predicted is not None and status == "200" and own:
                     self.usage = UsageTail()
                     return msg.continue_response_headers(msg.streamed_response_body(self.body_mode))
             return msg.continue_response_headers()

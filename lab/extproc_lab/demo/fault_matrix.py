@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from extproc.routing.model import Replica
+from extproc.upstream_timeouts import UpstreamTimeouts
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import (
     Outcome,
@@ -51,6 +52,7 @@ from extproc_lab.demo.load import (
 )
 from extproc_lab.demo.processes import free_port, wait_for_http
 from extproc_lab.demo.redis_server import LocalRedis
+from extproc_lab.demo.request_shapes import REQUEST_SHAPES, RequestShape
 from extproc_lab.stats import percentile
 
 TIME_SCALE = 0.02  # the demo replica at 50x speed: a turn takes milliseconds, not seconds
@@ -71,6 +73,10 @@ class Scale:
     route_timeout_s: int = 30  # Envoy's route timeout in the hung-replica case (the gateway's default: 300)
     first_byte_s: float = 0.5  # the hung-replica case's upstream.first_byte_s (default 8 s)
     stream_idle_s: float = 1.6  # and its upstream.stream_idle_s (> 3 tries x first_byte_s; default 25 s)
+    unary_max_s: float = 1.0  # and its upstream.unary_max_s (default 60 s)
+    unary_s_per_output_token: float = 0.01  # and this (default 0.3 s)
+    shape_sessions: int = 24  # sessions warmed before the hang in the every-shape case
+    shape_requests: int = 2  # requests of each shape sent after it
     hung_streams: int = 4  # streams flowing from the replica when it hangs
     sessions: int = 2000  # the many-sessions case
     session_bound: int = 1000  # its sessions.max_sessions
@@ -94,6 +100,16 @@ LARGE = Scale(
     burst=800,
     big_bodies=8,
     streams=32,
+    shape_requests=8,
+)
+# The shipped timeouts (upstream: defaults): what a hung replica costs each shape in production.
+DEFAULTS = Scale(
+    route_timeout_s=300,
+    first_byte_s=UpstreamTimeouts().first_byte_s,
+    stream_idle_s=UpstreamTimeouts().stream_idle_s,
+    unary_max_s=UpstreamTimeouts().unary_max_s,
+    unary_s_per_output_token=UpstreamTimeouts().unary_s_per_output_token,
+    shape_requests=3,
 )
 
 
@@ -567,6 +583,122 @@ async def replica_hung(scale: Scale = SMALL) -> CaseResult:
             "first_byte_s": scale.first_byte_s,
             "stream_idle_s": scale.stream_idle_s,
             "route_timeout_s": scale.route_timeout_s,
+        },
+    )
+
+
+def shape_timeouts(scale: Scale) -> UpstreamTimeouts:
+    """The ``upstream:`` section of :func:`replica_hung_every_shape` at ``scale``."""
+    return UpstreamTimeouts(
+        first_byte_s=scale.first_byte_s,
+        stream_idle_s=scale.stream_idle_s,
+        unary_s_per_output_token=scale.unary_s_per_output_token,
+        unary_max_s=scale.unary_max_s,
+    )
+
+
+async def replica_hung_every_shape(
+    scale: Scale = SMALL, mode: str = "cluster", health_check_path: str | None = "/health"
+) -> CaseResult:
+    """``shape_sessions`` sessions pinned over three replicas (by default the rendered failover
+    scenario: cluster mode with Envoy's health checks), then the replica holding most of them
+    stops (SIGSTOP: it accepts connections, never answers) and ``shape_requests`` requests of
+    every :data:`~extproc_lab.demo.request_shapes.REQUEST_SHAPES` follow on its sessions, at
+    once, before the processor has noticed: chat and completions, streamed and not, without
+    ``max_tokens``, with a small one and with one beyond any context.
+
+    Each must be answered 200 by another replica once its try's budget passed
+    (:meth:`RequestShape.budget_s`: a stream's first-byte timeout, a non-streaming request's
+    ``min(first_byte_s + max_tokens x unary_s_per_output_token, unary_max_s)``), plus the retry's
+    own time. ``recover_s``: the slowest answer after the hang."""
+    upstream = shape_timeouts(scale)
+    envoy: dict[str, Any] = {
+        "route_timeout_s": scale.route_timeout_s,
+        "first_byte_timeout_s": upstream.first_byte_s,
+        "stream_idle_timeout_s": upstream.stream_idle_s,
+        "health_check_path": health_check_path,
+    }
+    config = (
+        f"upstream:\n  first_byte_s: {upstream.first_byte_s}\n  stream_idle_s: {upstream.stream_idle_s}\n"
+        f"  unary_s_per_output_token: {upstream.unary_s_per_output_token}\n  unary_max_s: {upstream.unary_max_s}\n"
+    )
+    gw = with_config(LocalGateway(replicas=3, mode=mode, time_scale=1.0, envoy_options=envoy), FAST_HEALTH + config)
+    paused_pid = 0
+    sent: list[tuple[RequestShape, Outcome]] = []
+    try:
+        gw.start()
+        async with client() as http:
+            warm = await asyncio.gather(
+                *(
+                    send(http, gw.url, f"shape-{i}", 0, chat_body(f"shape {i}: hello"))
+                    for i in range(scale.shape_sessions)
+                )
+            )
+            if lost(list(warm)):
+                raise RuntimeError(f"the warm-up lost requests: {lost(list(warm))}")
+            victim = Counter(o.replica for o in warm).most_common(1)[0][0]
+            pinned = [o.session for o in warm if o.replica == victim]
+            paused_pid = gw.procs.procs[victim].pid
+            os.kill(paused_pid, signal.SIGSTOP)
+            paused = time.monotonic()
+            shapes = [shape for shape in REQUEST_SHAPES for _ in range(scale.shape_requests)]
+            sessions = [pinned[i % len(pinned)] for i in range(len(shapes))]
+            timeout_s = scale.route_timeout_s + 10.0
+            outcomes = await asyncio.gather(
+                *(
+                    send_stream(http, gw.url, session, shape.body(f"{session} again"), timeout_s, path=shape.path)
+                    if shape.stream
+                    else send(http, gw.url, session, 1, shape.body(f"{session} again"), timeout_s, path=shape.path)
+                    for shape, session in zip(shapes, sessions, strict=True)
+                )
+            )
+            sent = list(zip(shapes, outcomes, strict=True))
+            os.kill(paused_pid, signal.SIGCONT)
+            paused_pid = 0
+    finally:
+        if paused_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(paused_pid, signal.SIGCONT)
+        gw.stop()
+    per_shape: dict[str, dict[str, Any]] = {}
+    for shape in REQUEST_SHAPES:
+        got = [o for s, o in sent if s == shape]
+        per_shape[shape.name] = {
+            "budget_s": shape.budget_s(upstream),
+            "lost": len(lost(got)),
+            "from_victim": sum(o.replica == victim for o in got),
+            "latency_s": sorted(round(o.latency_s, 2) for o in got),
+        }
+    every = [o for _, o in sent]
+    slowest = max((o.ended - paused for o in every), default=0.0)
+    over = {
+        name: f["latency_s"][-1]
+        for name, f in per_shape.items()
+        if f["latency_s"] and f["latency_s"][-1] > f["budget_s"] + 1.0
+    }
+    hc = f"Envoy health checks on {health_check_path}" if health_check_path else "no Envoy health checks"
+    return CaseResult(
+        f"replica hung, every request shape ({mode} mode, {hc})",
+        len(every),
+        len(lost(every)),
+        slowest,
+        "hang to the slowest answer",
+        f"{len(every)} requests of {len(REQUEST_SHAPES)} shapes on the hung replica's sessions, "
+        f"{sum(f['from_victim'] for f in per_shape.values())} answered by it; each shape's slowest vs its "
+        "budget: "
+        + "; ".join(f"{name} {f['latency_s'][-1]:g} s / {f['budget_s']:g} s" for name, f in per_shape.items())
+        + (f"; over budget + 1 s: {over}" if over else ""),
+        {
+            "victim": victim,
+            "pinned_sessions": len(pinned),
+            "mode": mode,
+            "health_check_path": health_check_path,
+            "first_byte_s": upstream.first_byte_s,
+            "unary_max_s": upstream.unary_max_s,
+            "unary_s_per_output_token": upstream.unary_s_per_output_token,
+            "route_timeout_s": scale.route_timeout_s,
+            "per_shape": per_shape,
+            "lost_statuses": dict(Counter(o.status for o in lost(every))),
         },
     )
 

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc_lab.demo.workload import words
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 MODEL = "demo-model"
 
 
@@ -66,12 +67,14 @@ async def send(
     body: bytes,
     timeout_s: float = 30.0,
     headers: dict[str, str] | None = None,
+    path: str = CHAT_PATH,
 ) -> Outcome:
-    """POST one chat request with ``x-session-id: session``; never raises for transport errors."""
+    """POST one request (chat unless ``path`` says otherwise) with ``x-session-id: session``;
+    never raises for transport errors."""
     started = time.monotonic()
     try:
         async with http.post(
-            url + CHAT_PATH,
+            url + path,
             data=body,
             headers={"content-type": "application/json", "x-session-id": session, **(headers or {})},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -91,15 +94,17 @@ async def send_stream(
     body: bytes,
     timeout_s: float = 30.0,
     on_headers: Callable[[str, str], None] | None = None,
+    path: str = CHAT_PATH,
 ) -> Outcome:
-    """POST a streaming chat request and read its server-sent events to the end. A stream that
-    stops before ``data: [DONE]`` (the replica died under it) is status 200 with an ``error``.
-    ``on_headers(session, replica)`` runs when the answer's headers arrive."""
+    """POST a streaming request (chat unless ``path`` says otherwise) and read its server-sent
+    events to the end. A stream that stops before ``data: [DONE]`` (the replica died under it) is
+    status 200 with an ``error``. ``on_headers(session, replica)`` runs when the answer's headers
+    arrive."""
     started = time.monotonic()
     status, replica, done = 0, "", False
     try:
         async with http.post(
-            url + CHAT_PATH,
+            url + path,
             data=body,
             headers={"content-type": "application/json", "x-session-id": session},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
