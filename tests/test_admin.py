@@ -27,6 +27,7 @@ MUTATIONS = ("ForgetSession", "Cordon", "Uncordon", "Drain")
 async def _admin(router: Router, settings: AdminSettings) -> AdminServer:
     server = AdminServer(router, replace(settings, listen="127.0.0.1:0"))
     await server.bind()
+    await server.start()
     return server
 
 

@@ -438,6 +438,7 @@ async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: P
     tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
     admin = AdminServer(router, AdminSettings(listen="127.0.0.1:0", tls=tls))
     await admin.bind()
+    await admin.start()
     try:
         async with grpc.aio.secure_channel(admin.address, credentials(pki, "client")) as channel:
             reply = await admin_grpc.AdminStub(channel).Cordon(admin_pb.ReplicaRequest(replica="r0"), timeout=3)
