@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from extproc.config import (
     Config,
@@ -28,6 +29,10 @@ from extproc.config import (
 )
 from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
 from extproc.logs import setup_logging
+
+if TYPE_CHECKING:
+    from extproc.kvevents.cache_state import EventCacheState
+    from extproc.state.store import AffinityStore
 
 COMMANDS_GROUP = "extproc.commands"
 
@@ -64,7 +69,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
     p.add_argument(
-        "--admin-listen", metavar="HOST:PORT", help="the admin API (default 127.0.0.1:9191), 'off' to disable"
+        "--admin-listen",
+        metavar="HOST:PORT",
+        help="the admin API on a port of its own (default: on the --listen port, docs/ports.md), 'off' to disable",
     )
     p.add_argument("--admin-token-file", metavar="FILE", help="bearer token for the admin API's mutating calls")
     add_kv_event_flags(p)
@@ -146,8 +153,10 @@ def _build_config(args: argparse.Namespace) -> Config:
 
 def _with_admin_flags(cfg: Config, args: argparse.Namespace) -> Config:
     listen, token = getattr(args, "admin_listen", None), getattr(args, "admin_token_file", None)
-    if listen:
-        cfg = replace(cfg, admin=replace(cfg.admin, listen=None if listen == "off" else listen))
+    if listen == "off":
+        cfg = replace(cfg, admin=replace(cfg.admin, enabled=False))
+    elif listen:
+        cfg = replace(cfg, admin=replace(cfg.admin, enabled=True, listen=listen))
     if token:
         cfg = replace(cfg, admin=replace(cfg.admin, token_file=token))
     return cfg
@@ -167,16 +176,16 @@ def _with_tls_flags(cfg: Config, args: argparse.Namespace) -> Config:
 
 
 async def _serve(cfg: Config) -> None:
-    # Imported before the gRPC port binds: a client that sees that port accepting finds the other
-    # listeners (bound right after it) without waiting on these imports.
+    # Imported before any port binds: a client that sees the ext_proc port accepting finds the
+    # other listeners serving without waiting on these imports.
     from extproc.admin.console import install as install_console
-    from extproc.admin.server import AdminServer
+    from extproc.admin.server import place_admin
     from extproc.discovery import run_discovery
     from extproc.health.scraper import Scraper
     from extproc.metrics import RouterMetrics
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
-    from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all
+    from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
     from extproc.state.factory import open_store
     from extproc.telemetry import export
 
@@ -203,17 +212,8 @@ async def _serve(cfg: Config) -> None:
                 "kv events: no --tokenizer (kv_events.tokenizers): events are indexed but no request matches them"
             )
         kv_events.start(cfg.replicas)
-    try:
-        server = ProcessorServer(
-            router, cfg.listen, cfg.max_message_bytes, tls=cfg.grpc_tls, health_listen=cfg.health_listen
-        )
-    except ValueError as exc:  # an unreadable certificate or key file
-        await store.close()
-        raise ConfigError(str(exc)) from None
-    except BaseException:  # a gRPC port that does not bind (BindError)
-        await store.close()
-        raise
-    # Every other listener binds now, before the health service says SERVING (server.start()).
+    # Every port is bound before any serves, the ext_proc port last (extproc.server.listeners):
+    # Envoy never reaches a processor that then fails to start.
     listeners: list[Listener] = []
     if cfg.metrics_listen:
         listeners.append(
@@ -221,16 +221,27 @@ async def _serve(cfg: Config) -> None:
                 router.metrics.registry, cfg.metrics_listen, export(router), lambda app: install_console(app, router)
             )
         )
-    if cfg.admin.listen:
-        try:
-            listeners.append(AdminServer(router, cfg.admin))
-        except ValueError as exc:  # the token file, a certificate, or the ext_proc address again
-            await store.close()
-            raise ConfigError(str(exc)) from None
     try:
-        await bind_all(listeners)
-    except BaseException:
-        await store.close()
+        admin = place_admin(router)
+        listeners += admin.listeners
+        server = ProcessorServer(
+            router,
+            cfg.listen,
+            cfg.max_message_bytes,
+            tls=cfg.grpc_tls,
+            health_listen=cfg.health_listen,
+            services=admin.services,
+            bind=False,
+        )
+    except ValueError as exc:  # the token file or a certificate or key file
+        await _close_early(kv_events, store)
+        raise ConfigError(str(exc)) from None
+    try:
+        await bind_all([*listeners, *server.listeners])
+        await start_all(listeners)  # the ext_proc port starts last, in serve_until_signalled
+    except BaseException:  # a port that does not bind (BindError)
+        await close_all(listeners)
+        await _close_early(kv_events, store)
         raise
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
@@ -258,6 +269,13 @@ async def _serve(cfg: Config) -> None:
         if kv_events is not None:
             await kv_events.close()
         await store.close()  # idempotent: a graceful stop has closed it already
+
+
+async def _close_early(kv_events: EventCacheState | None, store: AffinityStore) -> None:
+    """What a start that stops before serving has opened already."""
+    if kv_events is not None:
+        await kv_events.close()
+    await store.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

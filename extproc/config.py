@@ -62,9 +62,11 @@ class ListenerTls:
 
 @dataclass(frozen=True, slots=True)
 class AdminSettings:
-    """The admin API's listener (config ``admin:``, ``--admin-listen``); ``listen`` None: off."""
+    """The admin API (config ``admin:``, ``--admin-listen``): on the ext_proc port by default
+    (``listen`` None), on a port of its own with ``listen``, not at all without ``enabled``."""
 
-    listen: str | None = "127.0.0.1:9191"
+    enabled: bool = True
+    listen: str | None = None
     token_file: str | None = None
     tls: ListenerTls | None = None
     watch_sample_rate: float = 0.1
@@ -288,8 +290,12 @@ def _discovery_settings(raw: Any) -> DiscoverySettings:
 
 def _admin_settings(raw: schema.Admin) -> AdminSettings:
     tls = raw.tls
+    if tls is not None and raw.enabled and raw.listen in (None, "off"):
+        # On the ext_proc port the admin API is served with grpc.tls; admin.tls alone would be ignored.
+        raise ConfigError("admin.tls: TLS of a separate admin listener, so set admin.listen too (see docs/ports.md)")
     return AdminSettings(
-        listen=raw.listen if raw.enabled else None,
+        enabled=raw.enabled and raw.listen != "off",
+        listen=raw.listen if raw.listen != "off" else None,
         token_file=raw.token_file,
         tls=ListenerTls(tls.cert_file, tls.key_file, tls.client_ca_file) if tls is not None else None,
         watch_sample_rate=raw.watch_sample_rate,

@@ -136,12 +136,16 @@ class Admin(Section):
     """``admin:``: the admin gRPC API (Explain, replicas, sessions, cordon, drain, watch)."""
 
     enabled: bool = _doc(True, "serve the admin API (`extproc admin` talks to it)")
-    listen: str = _doc("127.0.0.1:9191", "HOST:PORT of the admin API: its own port, never the ext_proc one")
+    listen: str | None = _doc(
+        None, "null: on the ext_proc port (`listen`); HOST:PORT: a port of its own; 'off': not served"
+    )
     token_file: str | None = _doc(
-        None, "file holding the bearer token that mutating calls need (without it, or mTLS, they are refused)"
+        None,
+        "file holding the bearer token that mutating calls need (without it, or mTLS, they are refused); "
+        "on an ext_proc port off loopback, every call needs it",
     )
     tls: ListenerTlsFiles | None = _doc(
-        None, "TLS on the admin listener; with client_ca_file, a client certificate also authorises mutations"
+        None, "TLS on admin.listen's own port; with client_ca_file, a client certificate also authorises mutations"
     )
     watch_sample_rate: float = _doc(
         0.1, "share of decisions WatchDecisions sends when the watcher asks for none", gt=0, le=1
@@ -442,7 +446,7 @@ class RouterFile(Section):
     ring: Ring = _doc(Ring(), "the consistent-hash ring")
     metrics: Metrics = _doc(Metrics(), "Prometheus /metrics")
     grpc: Grpc = _doc(Grpc(), "the gRPC listener")
-    admin: Admin = _doc(Admin(), "the admin API, on its own listener")
+    admin: Admin = _doc(Admin(), "the admin API, on the ext_proc port unless given its own (docs/ports.md)")
     health: Health = _doc(Health(), "replica health and rotation")
     spillover: Spillover = _doc(Spillover(), "overloaded replicas")
     upstream: Upstream = _doc(Upstream(), "how long Envoy waits for a replica")

@@ -8,13 +8,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-async def start_metrics_server(
+def metrics_app(
     registry: CollectorRegistry,
-    listen: str,
     before_scrape: Callable[[], None] | None = None,
     extra: Callable[[web.Application], object] | None = None,
-) -> web.AppRunner:
-    """Serve ``/metrics`` (and ``/healthz``) on ``listen`` (HOST:PORT); returns the runner to clean up.
+) -> web.Application:
+    """``/metrics`` (and ``/healthz``) of ``registry`` as an application to serve
+    (:class:`extproc.server.listeners.MetricsListener` binds its port).
 
     ``extra`` adds more read-only routes to the same listener (the console)."""
 
@@ -31,8 +31,4 @@ async def start_metrics_server(
     app.router.add_get("/healthz", healthz)
     if extra is not None:
         extra(app)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    host, _, port = listen.rpartition(":")
-    await web.TCPSite(runner, host, int(port)).start()
-    return runner
+    return app

@@ -438,6 +438,7 @@ async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: P
     tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
     admin = AdminServer(router, AdminSettings(listen="127.0.0.1:0", tls=tls))
     await admin.bind()
+    await admin.start()
     try:
         async with grpc.aio.secure_channel(admin.address, credentials(pki, "client")) as channel:
             reply = await admin_grpc.AdminStub(channel).Cordon(admin_pb.ReplicaRequest(replica="r0"), timeout=3)
@@ -452,10 +453,11 @@ async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: P
         await admin.close(0)
 
 
-def test_the_admin_listener_defaults_to_loopback_and_refuses_mutations() -> None:
+def test_the_admin_api_defaults_to_the_loopback_ext_proc_port_and_refuses_mutations() -> None:
     from extproc.admin.auth import MutationPolicy
 
     cfg = Config()
-    assert cfg.admin.listen == "127.0.0.1:9191" and cfg.admin.token_file is None and cfg.admin.tls is None
+    assert cfg.admin.enabled and cfg.admin.listen is None  # a service of the ext_proc port, loopback
+    assert cfg.listen.startswith("127.0.0.1:") and cfg.admin.token_file is None and cfg.admin.tls is None
     verdict = MutationPolicy().check([("authorization", "Bearer anything")])
     assert not verdict.allowed and "disabled" in verdict.refused_because

@@ -1,11 +1,16 @@
-"""Who may change routing through the admin API.
+"""Who may read and change routing through the admin API.
 
-Reading (Explain, ListReplicas, GetSession, WatchDecisions) is open to whoever reaches the
-listener, which is loopback unless configured otherwise. Changing (ForgetSession, Cordon,
-Uncordon, Drain) needs one of: the bearer token from ``admin.token_file`` in the
-``authorization`` metadata, or a client certificate on a mutual-TLS listener. With neither
-configured, every mutation is refused: an admin port must never be a way to drain a fleet by
-accident of network reach.
+Reading (Explain, ListReplicas, ListHotKeys, GetSession, WatchDecisions) is open to whoever
+reaches the listener, which is loopback unless configured otherwise. Changing (ForgetSession,
+Cordon, Uncordon, Drain) needs one of: the bearer token from ``admin.token_file`` in the
+``authorization`` metadata, or a client certificate on a mutual-TLS admin listener. With
+neither configured, every mutation is refused: an admin port must never be a way to drain a
+fleet by accident of network reach.
+
+On an ext_proc port that is not loopback (the admin API shares it by default), reading needs
+the token too (``reads_need_token``): whoever may reach Envoy's processor did not thereby get
+to read its sessions and decisions. Without a token the admin API is not served there at all
+(:func:`extproc.admin.server.place_admin`).
 """
 
 from __future__ import annotations
@@ -42,17 +47,30 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True)
 class MutationPolicy:
-    """Decides on mutating calls from their metadata."""
+    """Decides on calls from their metadata."""
 
     token: str | None = None
     mutual_tls: bool = False
+    reads_need_token: bool = False
 
     def check(self, metadata: Iterable[tuple[str, str | bytes]]) -> Verdict:
-        """The verdict for a call carrying ``metadata``."""
+        """The verdict for a mutating call carrying ``metadata``."""
         if self.mutual_tls:
             return Verdict(True)  # the listener only accepts clients with a certificate the CA signed
         if self.token is None:
             return Verdict(False, "mutations are disabled: configure admin.token_file (or mTLS)")
+        return self._bearer(metadata)
+
+    def check_read(self, metadata: Iterable[tuple[str, str | bytes]]) -> Verdict:
+        """The verdict for a reading call carrying ``metadata``."""
+        if not self.reads_need_token:
+            return Verdict(True)
+        if self.token is None:  # not built so (place_admin), but never open by mistake
+            return Verdict(False, "reading needs admin.token_file on this listener")
+        return self._bearer(metadata)
+
+    def _bearer(self, metadata: Iterable[tuple[str, str | bytes]]) -> Verdict:
+        assert self.token is not None
         for key, value in metadata:
             if key.lower() == "authorization":
                 text = value.decode() if isinstance(value, bytes) else value

@@ -15,15 +15,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-DEFAULT_SERVER = "127.0.0.1:9191"
+DEFAULT_SERVER = "127.0.0.1:9002"  # the ext_proc port's default: the admin API is served there unless moved
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``admin`` sub-command and its own sub-commands."""
     p = sub.add_parser("admin", help="talk to a running router's admin API (explain, replicas, cordon, drain, ...)")
-    p.add_argument("--server", default=DEFAULT_SERVER, help=f"the admin listener (default {DEFAULT_SERVER})")
+    p.add_argument(
+        "--server",
+        default=DEFAULT_SERVER,
+        help=f"the router's --listen address, or its --admin-listen if it has one (default {DEFAULT_SERVER})",
+    )
     p.add_argument("--token-file", metavar="F", help="file with the bearer token mutating calls need")
-    p.add_argument("--ca", metavar="FILE", help="TLS: CA of the admin listener's certificate")
+    p.add_argument("--ca", metavar="FILE", help="TLS: CA of the server's certificate")
     p.add_argument("--cert", metavar="FILE", help="mTLS: client certificate")
     p.add_argument("--key", metavar="FILE", help="mTLS: key of --cert")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -116,6 +120,12 @@ async def _run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...], 
                 reply = await method(pb.ReplicaRequest(replica=args.name), **kw)
         except grpc.aio.AioRpcError as exc:
             print(f"extproc admin: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                print(
+                    f"extproc admin: no admin API on {args.server}: off there (a listener off loopback without "
+                    "admin.token_file), or on a port of its own (admin.listen); see docs/ports.md",
+                    file=sys.stderr,
+                )
             return 1
     if args.json:
         out.write(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2) + "\n")

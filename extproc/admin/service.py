@@ -10,7 +10,7 @@ import grpc
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.admin.auth import MutationPolicy
+from extproc.admin.auth import MutationPolicy, Verdict
 from extproc.admin.fleet import fleet
 from extproc.router import Router
 from extproc.routing.trace import Explanation
@@ -86,7 +86,12 @@ class AdminService(pb_grpc.AdminServicer):
         self.default_sample_rate = default_sample_rate
 
     async def _authorise(self, context: Any, call: str) -> None:
-        verdict = self.policy.check(context.invocation_metadata() or ())
+        await self._enforce(context, call, self.policy.check(context.invocation_metadata() or ()))
+
+    async def _may_read(self, context: Any, call: str) -> None:
+        await self._enforce(context, call, self.policy.check_read(context.invocation_metadata() or ()))
+
+    async def _enforce(self, context: Any, call: str, verdict: Verdict) -> None:
         if not verdict.allowed:
             log.warning("admin %s refused: %s", call, verdict.refused_because)
             code = grpc.StatusCode.UNAUTHENTICATED if verdict.unauthenticated else grpc.StatusCode.PERMISSION_DENIED
@@ -98,6 +103,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
         """The decision for a request, without side effects."""
+        await self._may_read(context, "Explain")
         headers = {h.key.lower(): h.value for h in request.headers}
         headers.setdefault(":path", "/v1/chat/completions")
         explanation = await self.router.explain(headers, request.body or None)
@@ -105,6 +111,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def ListReplicas(self, request: pb.ListReplicasRequest, context: Any) -> pb.ListReplicasResponse:
         """Every replica's state."""
+        await self._may_read(context, "ListReplicas")
         return pb.ListReplicasResponse(
             replicas=[
                 pb.ReplicaInfo(
@@ -130,6 +137,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def ListHotKeys(self, request: pb.ListHotKeysRequest, context: Any) -> pb.ListHotKeysResponse:
         """The hot prefixes, by fingerprint."""
+        await self._may_read(context, "ListHotKeys")
         detector = self.router.hot_keys
         if detector is None:
             return pb.ListHotKeysResponse(enabled=False)
@@ -153,6 +161,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def GetSession(self, request: pb.SessionRequest, context: Any) -> pb.SessionReply:
         """Where the session is pinned."""
+        await self._may_read(context, "GetSession")
         view = await self.router.store.peek(request.session_key, (), self.router.clock(), model=request.model)
         return pb.SessionReply(session_key=request.session_key, model=request.model, replica=view.pinned or "")
 
@@ -187,6 +196,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def WatchDecisions(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.DecisionEvent]:
         """Sampled decisions as they are made."""
+        await self._may_read(context, "WatchDecisions")
         rate = request.sample_rate if 0 < request.sample_rate <= 1 else self.default_sample_rate
         async for s in self.router.feed.watch(rate):
             yield pb.DecisionEvent(

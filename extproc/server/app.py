@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -16,28 +16,27 @@ from grpc_reflection.v1alpha import reflection
 
 from extproc.config import ListenerTls
 from extproc.router import Router
-from extproc.server.listeners import BindError
+from extproc.server.listeners import GrpcListener, is_loopback
 from extproc.server.servicer import ExternalProcessor
 from extproc.server.tls import CertificateFiles, server_credentials
 
 log = logging.getLogger("extproc.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
-
-def _bind(role: str, address: str, add_port: Callable[[], int]) -> int:
-    """Bind one gRPC port now (grpc binds in add_*_port); :class:`BindError` names the address."""
-    try:
-        port = add_port()
-    except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
-        raise BindError(role, address, "address already in use or not available") from exc
-    if port == 0 and not address.startswith("unix:"):
-        raise BindError(role, address, "address already in use or not available")
-    return port
+Service = Callable[[grpc.aio.Server], str]
+"""Adds one more servicer to the ext_proc port's server and returns its full name (for reflection)."""
 
 
 class ProcessorServer:
-    """A running ext_proc server bound to one address."""
+    """A running ext_proc server bound to one address.
+
+    Its ports are :attr:`listeners`, the plaintext health port (with ``health_listen``) first and
+    ext_proc last: bound when it is built, or with ``bind=False`` by the caller
+    (:func:`~extproc.server.listeners.bind_all`, after the processor's other listeners), so that
+    the ext_proc port is taken only once every other port is. ``services`` share the ext_proc
+    port (the admin API by default).
+    """
 
     def __init__(
         self,
@@ -46,6 +45,8 @@ class ProcessorServer:
         max_message_bytes: int = 32 * 1024 * 1024,
         tls: ListenerTls | None = None,
         health_listen: str | None = None,
+        services: Sequence[Service] = (),
+        bind: bool = True,
     ) -> None:
         self.router = router
         self.listen = listen
@@ -62,30 +63,43 @@ class ProcessorServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        self.services = [add(self.server) for add in services]
+        names = (SERVICE_NAME, HEALTH_SERVICE_NAME, *self.services, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        credentials = None
         if tls is not None:
             credentials, self.certificates = server_credentials(tls)  # ValueError names a bad file
-            self.port = _bind("ext_proc", listen, lambda: self.server.add_secure_port(listen, credentials))
-        else:
-            self.port = _bind("ext_proc", listen, lambda: self.server.add_insecure_port(listen))
-            host = listen.rpartition(":")[0]
-            if not listen.startswith("unix:") and host not in LOOPBACK_HOSTS:
-                # Anything that reaches a plaintext listener can have requests routed and hold
-                # in-flight slots; off loopback that wants TLS or a network policy in front.
-                log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
+        elif not is_loopback(listen):
+            # Anything that reaches a plaintext listener can have requests routed and hold
+            # in-flight slots; off loopback that wants TLS or a network policy in front.
+            log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
+        self.ext_proc = GrpcListener("ext_proc", listen, self.server, credentials)
 
         # Health alone, in plaintext: the same servicer, so both ports report the same status.
         self._readiness: asyncio.Task[None] | None = None
         self.health_server: grpc.aio.Server | None = None
-        self.health_port = 0
+        self.health_listener: GrpcListener | None = None
         if health_listen is not None:
             self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            server = self.health_server
-            self.health_port = _bind("gRPC health", health_listen, lambda: server.add_insecure_port(health_listen))
+            self.health_listener = GrpcListener("gRPC health", health_listen, self.health_server, grace_s=0)
+        self.listeners: list[GrpcListener] = [
+            *([self.health_listener] if self.health_listener is not None else []),
+            self.ext_proc,
+        ]
+        if bind:
+            for listener in self.listeners:
+                listener.bind_now()
+
+    @property
+    def port(self) -> int:
+        """The ext_proc port (the real one when 0 was asked for)."""
+        return self.ext_proc.port
+
+    @property
+    def health_port(self) -> int:
+        """The plaintext health port, 0 without one."""
+        return self.health_listener.port if self.health_listener is not None else 0
 
     @property
     def address(self) -> str:
@@ -103,9 +117,8 @@ class ProcessorServer:
         probe then waits for the first list rather than send traffic down Envoy's default route,
         and a discovery that never answers still ends in SERVING (Envoy fails open anyway).
         """
-        await self.server.start()
-        if self.health_server is not None:
-            await self.health_server.start()
+        for listener in self.listeners:  # ext_proc last
+            await listener.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         if ready_when is None or ready_when():
             await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -113,7 +126,10 @@ class ProcessorServer:
             await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             self._readiness = asyncio.create_task(self._serving_when(ready_when, ready_timeout_s))
         security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
-        log.info("ext_proc server listening on %s (mode %s, %s)", self.address, self.router.config.mode, security)
+        also = "".join(f"; also {name}" for name in self.services)
+        log.info(
+            "ext_proc server listening on %s (mode %s, %s%s)", self.address, self.router.config.mode, security, also
+        )
 
     async def _serving_when(self, ready: Callable[[], bool], timeout_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -132,9 +148,10 @@ class ProcessorServer:
                 await self._readiness
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace)
-        if self.health_server is not None:
-            await self.health_server.stop(0)
+        self.ext_proc.grace_s = grace
+        await self.ext_proc.close()
+        if self.health_listener is not None:
+            await self.health_listener.close()
         await self.router.store.close()
 
     async def serve_until_signalled(self, grace: float = 5.0, ready_when: Callable[[], bool] | None = None) -> None:

@@ -1,29 +1,40 @@
-"""Every port the processor opens, bound before it says SERVING.
+"""Every port the processor opens, all bound before any of them serves.
 
-A processor that serves gRPC while another listener failed to bind (two processors on one host
-with the same default metrics port) would look healthy to Envoy and to its probes and then fail.
-So start-up binds each listener in turn, before the health service reports anything, and the
-first failure stops it: the listeners already bound are closed and :class:`BindError` names the
-address and what it was for, which ``extproc serve`` prints before exiting non-zero.
+Two processors on one host that differ only in ``--listen`` and ``--metrics-listen`` once met on
+a port neither had asked for; the second one's ext_proc port had already taken Envoy's
+connections when it exited, and every request through that gateway failed. So start-up has two
+phases. :func:`bind_all` binds each listener in turn and the first failure stops it: the ones
+already bound are closed and :class:`BindError` names the address and what it was for, which
+``extproc serve`` prints on one line before exiting non-zero. Only then does each start serving.
 
-The gRPC listeners (ext_proc and the plaintext health port) bind when
-:class:`~extproc.server.app.ProcessorServer` is built; the others are :class:`Listener` objects
-handed to :func:`bind_all` (the metrics endpoint with the console, and the admin API:
-:class:`extproc.admin.server.AdminServer`).
+The ext_proc port binds last. A bound gRPC port listens at once (grpc binds and listens in
+``add_*_port``: a client's TCP connect completes in the kernel's backlog, although nothing
+answers before ``start()``), and the ext_proc port is the one Envoy dials: bound after every
+other port, it never takes a connection for a processor that then fails to start.
+
+The listeners: the metrics endpoint with the console (:class:`MetricsListener`), the admin API
+when it has a port of its own (:class:`extproc.admin.server.AdminServer`), and the gRPC ports of
+:class:`~extproc.server.app.ProcessorServer` (:class:`GrpcListener`: the plaintext health port,
+then ext_proc). docs/ports.md has them in a table.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from extproc.metrics_http import start_metrics_server
+from extproc.metrics_http import metrics_app
 
 log = logging.getLogger("extproc.server")
+BACKLOG = 128
 
 
 class BindError(Exception):
@@ -36,20 +47,101 @@ class BindError(Exception):
 
 
 class Listener(Protocol):
-    """One port the processor serves besides gRPC."""
+    """One port the processor opens."""
 
-    role: str
-    address: str
+    @property
+    def role(self) -> str:
+        """What the port is for, as :class:`BindError` names it."""
+
+    @property
+    def address(self) -> str:
+        """Where it listens (once bound, with the real port when 0 was asked for)."""
 
     async def bind(self) -> None:
-        """Bind and start serving; raises :class:`BindError`."""
+        """Take the address (bound, nothing served yet); raises :class:`BindError`."""
+
+    async def start(self) -> None:
+        """Start serving on the bound address."""
 
     async def close(self) -> None:
-        """Stop serving (idempotent)."""
+        """Stop serving and release the address (idempotent)."""
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether ``listen`` (HOST:PORT or unix:/path) is reachable from this host only."""
+    if listen.startswith("unix:"):
+        return True  # a socket file: its permissions decide, not the network
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, or empty (every interface)
+
+
+class GrpcListener:
+    """One port of a ``grpc.aio`` server (several may share a server)."""
+
+    def __init__(
+        self,
+        role: str,
+        listen: str,
+        server: grpc.aio.Server,
+        credentials: grpc.ServerCredentials | None = None,
+        grace_s: float = 0.5,
+    ) -> None:
+        self.role = role
+        self.listen = listen
+        self.server = server
+        self.credentials = credentials
+        self.grace_s = grace_s
+        self.port = 0
+        self.address = listen
+        """Where it listens; once bound, with the real port when 0 was asked for."""
+        self._state = "new"  # new, bound, serving, closed
+
+    def bind_now(self) -> None:
+        """Bind (synchronously: grpc's ``add_*_port`` is); raises :class:`BindError`."""
+        try:
+            _try_bind(self.listen)
+        except OSError as exc:
+            raise BindError(self.role, self.listen, _reason(exc)) from None
+        try:
+            if self.credentials is not None:
+                port = self.server.add_secure_port(self.listen, self.credentials)
+            else:
+                port = self.server.add_insecure_port(self.listen)
+        except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+            raise BindError(self.role, self.listen, "address already in use or not available") from exc
+        if port == 0 and not self.listen.startswith("unix:"):
+            raise BindError(self.role, self.listen, "address already in use or not available")
+        self.port, self._state = port, "bound"
+        if not self.listen.startswith("unix:"):
+            self.address = f"{self.listen.rpartition(':')[0]}:{port}"
+
+    async def bind(self) -> None:
+        """Bind; raises :class:`BindError`."""
+        self.bind_now()
+
+    async def start(self) -> None:
+        """Start the server (once, whichever of its listeners asks first)."""
+        if self._state == "bound":
+            await self.server.start()
+            self._state = "serving"
+
+    async def close(self) -> None:
+        """Stop the server within ``grace_s``."""
+        if self._state == "bound":
+            # grpc releases an unstarted server's ports only through start and stop.
+            await self.server.start()
+        if self._state in ("bound", "serving"):
+            self._state = "closed"
+            await self.server.stop(self.grace_s)
 
 
 class MetricsListener:
-    """``/metrics`` and ``/healthz`` over HTTP (:func:`~extproc.metrics_http.start_metrics_server`)."""
+    """``/metrics`` and ``/healthz`` over HTTP (:func:`~extproc.metrics_http.metrics_app`)."""
 
     role = "metrics"
 
@@ -65,19 +157,89 @@ class MetricsListener:
         self.before_scrape = before_scrape
         self.extra = extra  # more read-only routes on the same port (the console)
         self._runner: web.AppRunner | None = None
+        self._sockets: list[socket.socket] = []
 
     async def bind(self) -> None:
-        """Start the HTTP server on :attr:`address`."""
+        """Bind :attr:`address` and listen; requests are answered from :meth:`start` on."""
         try:
-            self._runner = await start_metrics_server(self.registry, self.address, self.before_scrape, self.extra)
+            self._sockets = await _listening_sockets(self.address)
         except (OSError, ValueError) as exc:
             raise BindError(self.role, self.address, _reason(exc)) from None
+        if self.address.rpartition(":")[2] == "0":
+            self.address = f"{self.address.rpartition(':')[0]}:{self._sockets[0].getsockname()[1]}"
+
+    async def start(self) -> None:
+        """Serve the bound sockets."""
+        if self._runner is not None or not self._sockets:
+            return
+        runner = web.AppRunner(metrics_app(self.registry, self.before_scrape, self.extra), access_log=None)
+        await runner.setup()
+        self._runner = runner
+        for sock in self._sockets:
+            await web.SockSite(runner, sock).start()
+        self._sockets = []  # the sites own them now
 
     async def close(self) -> None:
-        """Stop the HTTP server."""
+        """Stop the HTTP server (or release the sockets it never served)."""
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+
+
+def _try_bind(listen: str) -> None:
+    """Bind a throwaway socket to ``listen`` (TCP, a fixed port) and release it: OSError if taken.
+
+    Only so that a port in use is reported on one line of ours: grpc, finding it taken, also
+    logs an error of its own (which it still does if another process takes the port between)."""
+    host, _, port = listen.rpartition(":")
+    if listen.startswith("unix:") or not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror:
+        return  # a form grpc resolves itself (dns:, ...): its add_port decides
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(sockaddr)
+
+
+async def _listening_sockets(address: str) -> list[socket.socket]:
+    """Sockets bound to ``address`` (HOST:PORT, every address HOST resolves to) and listening.
+
+    Listening now, not at start: two processors starting together on one port would otherwise
+    both bind (SO_REUSEADDR lets sockets that are not listening share an address) and the
+    second would only fail once serving."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep:
+        raise ValueError("expected HOST:PORT")
+    port = int(port_text)
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((sockaddr[0], port, *sockaddr[2:]))
+            sock.listen(BACKLOG)
+            port = sock.getsockname()[1]  # asked for 0: the other families on the port the first got
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _reason(exc: BaseException) -> str:
@@ -97,6 +259,12 @@ async def bind_all(listeners: Sequence[Listener]) -> None:
                 await done.close()
             raise
         bound.append(listener)
+
+
+async def start_all(listeners: Sequence[Listener]) -> None:
+    """Start serving on every (bound) listener, in order."""
+    for listener in listeners:
+        await listener.start()
         log.info("%s listening on %s", listener.role, listener.address)
 
 

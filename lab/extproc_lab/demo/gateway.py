@@ -69,8 +69,6 @@ class LocalGateway:
         self.metrics_port = free_port()
         # (gRPC port, metrics port) of processors 1.. ; processor 0 uses the two above.
         self.extra_processor_ports = [(free_port(), free_port()) for _ in range(self.processors - 1)]
-        # Each processor's admin API on a port of its own (the default, 9191, would clash).
-        self.admin_api_ports = [free_port() for _ in range(self.processors)]
         self.members = [
             Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
             for i in range(self.replicas)
@@ -103,9 +101,15 @@ class LocalGateway:
         return [f"http://{HOST}:{p}/metrics" for p in ports]
 
     @property
+    def processor_addresses(self) -> list[str]:
+        """Every processor's ext_proc address, processor 0 first."""
+        return [f"{HOST}:{p}" for p in (self.processor_port, *(g for g, _ in self.extra_processor_ports))]
+
+    @property
     def admin_addresses(self) -> list[str]:
-        """Every processor's admin API (``extproc admin --server``), processor 0 first."""
-        return [f"{HOST}:{p}" for p in self.admin_api_ports]
+        """Every processor's admin API (``extproc admin --server``), processor 0 first: its ext_proc
+        port, where ``extproc serve`` serves it by default (no ``--admin-listen`` here)."""
+        return self.processor_addresses
 
     def processor_name(self, index: int = 0) -> str:
         """The process name of processor ``index`` (``processor``, ``processor-1``, ...)."""
@@ -185,8 +189,6 @@ class LocalGateway:
             self.mode,
             "--metrics-listen",
             f"{HOST}:{metrics_port}",
-            "--admin-listen",
-            self.admin_addresses[index],
             *[f"--replica={replica_flag(r, *self._kv_endpoints(r))}" for r in self.members],
             *self._engine_processor_args(),
             *self.processor_args,

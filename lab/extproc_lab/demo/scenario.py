@@ -113,6 +113,11 @@ class ScenarioGateway(LocalGateway):
         return f"unix:{self.socket_path}" if self.unix_socket else f"{HOST}:{self.processor_port}"
 
     @property
+    def processor_addresses(self) -> list[str]:
+        """The processor's ext_proc address (and so its admin API's), a unix socket or a port."""
+        return [self.processor_address]
+
+    @property
     def admin_url(self) -> str:
         """Envoy's admin interface."""
         return f"http://{HOST}:{self.admin_port}"
@@ -133,7 +138,6 @@ class ScenarioGateway(LocalGateway):
             Path(self.socket_path).unlink()
         argv = [sys.executable, "-m", "extproc", "serve", "--listen", f"unix:{self.socket_path}"]
         argv += ["--mode", self.mode, "--metrics-listen", f"{HOST}:{self.metrics_port}"]
-        argv += ["--admin-listen", self.admin_addresses[index]]
         argv += [f"--replica={r.name}={r.address}" for r in self.members]
         argv += list(self.processor_args)
         proc = self.procs.start(self.processor_name(index), argv)
