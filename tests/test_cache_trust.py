@@ -24,6 +24,22 @@ def _estimate() -> CacheEstimate:
     return estimate
 
 
+class Counters:
+    """A replica's counters, advanced one scrape at a time: each scrape follows one request of
+    5,000 prompt tokens of which the index claimed 4,000 cached."""
+
+    def __init__(self, estimate: CacheEstimate) -> None:
+        self.estimate, self.hits, self.queries, self.now = estimate, 0.0, 0.0, 0.0
+
+    def scrapes(self, n: int, queried: float, hit: float) -> None:
+        for _ in range(n):
+            self.estimate.claimed("r", 4000, 5000)
+            self.queries += queried
+            self.hits += hit
+            self.now += 1.0
+            self.estimate.observe("r", self.hits, self.queries, now=self.now)
+
+
 def test_counters_that_never_move_leave_trust_where_it_was() -> None:
     # Prefix caching off, a frozen or cached page, an engine that counts nothing: claims sent, the
     # counters stay. That is no evidence of eviction.
@@ -44,11 +60,7 @@ def test_a_page_without_prefix_counters_leaves_trust_where_it_was() -> None:
 
 def test_queries_that_found_nothing_lower_trust() -> None:
     estimate = _estimate()
-    queries = 0.0
-    for i in range(10):
-        estimate.claimed("r", 4000, 5000)
-        queries += 5000
-        estimate.observe("r", 0.0, queries, now=float(i))
+    Counters(estimate).scrapes(10, queried=5000, hit=0)
     assert estimate.trust("r") == estimate.min_trust
 
 
@@ -56,35 +68,24 @@ def test_claims_are_weighed_against_the_share_of_traffic_the_counters_cover() ->
     # The page lags, or counts only part of what was sent: half the prompt tokens were looked up,
     # and they found the claims of half the requests. Trust stays.
     estimate = _estimate()
-    queries = hits = 0.0
-    for i in range(10):
-        estimate.claimed("r", 4000, 5000)
-        queries += 2500
-        hits += 2000
-        estimate.observe("r", hits, queries, now=float(i))
+    replica = Counters(estimate)
+    replica.scrapes(10, queried=2500, hit=2000)
     assert estimate.trust("r") == 1.0
     # The same coverage, but what was looked up missed three quarters of the claims.
-    for i in range(10, 30):
-        estimate.claimed("r", 4000, 5000)
-        queries += 2500
-        hits += 500
-        estimate.observe("r", hits, queries, now=float(i))
+    replica.scrapes(20, queried=2500, hit=500)
     assert 0.2 < estimate.trust("r") < 0.3
 
 
 def test_without_evidence_trust_recovers_with_time() -> None:
     estimate = _estimate()
-    queries = 0.0
-    for i in range(10):
-        estimate.claimed("r", 4000, 5000)
-        queries += 5000
-        estimate.observe("r", 0.0, queries, now=float(i))
+    replica = Counters(estimate)
+    replica.scrapes(10, queried=5000, hit=0)
     low = estimate.trust("r")
-    estimate.recover(9.0 + 120.0)  # two half-lives without a word
+    estimate.recover(replica.now + 120.0)  # two half-lives without a word
     assert abs((1.0 - estimate.trust("r")) - (1.0 - low) / 4) < 1e-9
     # Fresh evidence counts as fresh: the faded history does not outvote it.
-    estimate.claimed("r", 4000, 5000)
-    estimate.observe("r", 4000.0, queries + 5000, now=130.0)
+    replica.now += 120.0
+    replica.scrapes(1, queried=5000, hit=4000)
     assert estimate.trust("r") > 1.0 - (1.0 - low) / 4
 
 
@@ -100,33 +101,25 @@ def test_a_counter_that_goes_backwards_is_a_new_baseline() -> None:
 
 def test_a_pin_is_judged_lost_only_on_the_replicas_word() -> None:
     estimate = _estimate()
+    replica = Counters(estimate)
     view = AffinityView(pinned="r", prefix_matches={"r": 2, "s": 2})
     held = AffinityView(pinned="r", prefix_matches={"r": 30})
     # The index forgot the prompt, but the replica never counted a query: no evidence.
-    for i in range(10):
-        estimate.claimed("r", 4000, 5000)
-        estimate.observe("r", 0.0, 0.0, now=float(i))
+    replica.scrapes(10, queried=0, hit=0)
     assert estimate.judge_pin(view, 40).pin_lost is None
     # Its counters bear the index out: the index's eviction, within the size it reports, counts.
-    queries = hits = 0.0
-    for i in range(10, 20):
-        estimate.claimed("r", 4000, 5000)
-        queries, hits = queries + 5000, hits + 4000
-        estimate.observe("r", hits, queries, now=float(i))
+    replica.scrapes(10, queried=5000, hit=4000)
     assert estimate.trust("r") == 1.0
     assert estimate.judge_pin(view, 40).pin_lost == "capacity"
     assert estimate.judge_pin(held, 40).pin_lost is None
-    estimate.recover(19.0 + 600.0)  # then its page stops moving for ten minutes
+    replica.now += 600.0
+    estimate.recover(replica.now)  # then its page stops moving for ten minutes
     assert estimate.judge_pin(view, 40).pin_lost is None
-    estimate.observe("r", hits, queries, now=619.0)
     # They report misses on what was sent there.
-    for i in range(20, 30):
-        estimate.claimed("r", 4000, 5000)
-        queries += 5000
-        estimate.observe("r", hits, queries, now=float(i))
+    replica.scrapes(10, queried=5000, hit=0)
     assert estimate.judge_pin(view, 40).pin_lost == "hit_counters"
     # Evidence fades without new evidence: after long enough silence the pin holds again.
-    estimate.recover(30.0 + 600.0)
+    estimate.recover(replica.now + 600.0)
     assert estimate.judge_pin(view, 40).pin_lost is None
 
 
