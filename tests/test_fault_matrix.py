@@ -107,9 +107,14 @@ async def test_broken_metrics_pages_cost_no_request() -> None:
     for row in rows.values():
         assert row.requests > 0 and row.lost == 0, row
         assert row.facts["readmit_s"] is not None, row  # back once the page heals
-    for mode in ("hang", "garbage"):  # every scrape fails: out of rotation within about a second
-        assert rows[mode].recover_s is not None and rows[mode].recover_s < 2.5, rows[mode]
-        assert rows[mode].facts["served_while_out"] == 0, rows[mode]
+    # Every scrape fails on a garbage page: out of rotation within about a second.
+    assert rows["garbage"].recover_s is not None and rows["garbage"].recover_s < 2.5, rows["garbage"]
+    assert rows["garbage"].facts["served_while_out"] == 0, rows["garbage"]
+    # A page that never comes while the replica keeps answering requests is a busy replica's (a CPU
+    # vLLM engine prefilling answers /metrics late), not a dead one's: it stays in rotation, and
+    # its aged load figures do not draw new sessions to it.
+    assert rows["hang"].recover_s is None, rows["hang"]
+    assert rows["hang"].facts["new_session_share"] <= 0.6, rows["hang"]
     # Impossible load keeps it out of the way without an ejection; negative counts are not read
     # as "emptier than idle" (that drew every new session to it before they were clamped).
     assert rows["absurd"].facts["new_session_share"] == 0.0, rows["absurd"]

@@ -89,7 +89,9 @@ class AdminService(pb_grpc.AdminServicer):
         await self._enforce(context, call, self.policy.check(context.invocation_metadata() or ()))
 
     async def _may_read(self, context: Any, call: str) -> None:
-        await self._enforce(context, call, self.policy.check_read(context.invocation_metadata() or ()))
+        # A call made in-process (tests, the console) has no gRPC context, and so no metadata.
+        metadata = (context.invocation_metadata() or ()) if context is not None else ()
+        await self._enforce(context, call, self.policy.check_read(metadata))
 
     async def _enforce(self, context: Any, call: str, verdict: Verdict) -> None:
         if not verdict.allowed:
