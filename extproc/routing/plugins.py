@@ -216,7 +216,8 @@ class SessionAffinityScorer:
     """1 for the replica the session is pinned to, 0 elsewhere.
 
     With ``by_cache`` (the default), a pin whose cache is known lost (``AffinityView.pin_lost``:
-    the replica's own events or hit counters say so) is worth what the replica is still believed
+    the replica's own events say so, or its counters, by misses or by bearing out the index's
+    eviction) is worth what the replica is still believed
     to hold of the prompt, at least ``floor``. Without such evidence the pin keeps its full
     value: a counter that does not move, a page without prefix metrics or an index that forgot
     the prompt say nothing about the replica's cache, and the session stays where its KV cache
