@@ -29,7 +29,6 @@ counters (:meth:`observe`); it never reads a clock or performs I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from extproc.health.replicas import ReplicaBook
@@ -233,10 +232,6 @@ class CacheEstimate:
         if view.prefix_matches.get(pinned, 0) >= self.lost_below * total_blocks:
             return view
         return replace(view, pin_lost="hit_counters" if self.trust(pinned) < 1.0 else "capacity")
-
-    def trusts(self) -> Mapping[str, float]:
-        """Trust per replica seen so far (for metrics and reports)."""
-        return {name: t.trust for name, t in self._replicas.items()}
 
     def sync(self, book: ReplicaBook, store: AffinityStore, now: float | None = None) -> None:
         """Take in the scrapes ``book`` received since the last call; hand changed capacities to

@@ -57,8 +57,6 @@ class ReplicaRecord:
     scraped_at: float = float("-inf")
     scrape_failures: int = 0
     refused: bool = False
-    slow_scrapes: int = 0
-    """Scrapes that timed out while the replica kept answering requests (not counted as failures)."""
     answered_at: float = float("-inf")
     """When Envoy last saw the replica answer a request."""
     metrics: ReplicaMetrics | None = None
@@ -222,7 +220,6 @@ class ReplicaBook:
         if rec is None:
             return
         if timed_out and not refused and now is not None and rec.answered_at >= now - self.settings.stale_after_s:
-            rec.slow_scrapes += 1
             return
         rec.scrape_failures += 1
         rec.refused = refused

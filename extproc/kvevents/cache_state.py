@@ -109,8 +109,6 @@ class EventCacheState:
         self.source.layouts = self.layouts
         self.tokenizers = tokenizers if tokenizers is not None else TokenizerRegistry(settings.tokenizers)
         self._chains: dict[HashAlgo, EngineChain] = {}
-        self.chain = self._chain(settings.hash_algo)
-        """The configured algorithm's chain (None in ``content`` mode)."""
         self.streaks = PredictionStreaks(settings.stale_after_mispredictions)
         self.max_blocks = max_blocks
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -168,11 +166,10 @@ class EventCacheState:
         tok: PromptTokenizer,
         features: RequestFeatures,
         body: bytes,
-        layout: tuple[int, EngineChain | None] | None = None,
+        layout: tuple[int, EngineChain | None],
     ) -> tuple[tuple[int, ...], int]:
         """The request's block keys and prompt length in tokens (runs in a worker thread), in
-        blocks of ``layout``'s size hashed by its chain (None: content hashes); without a layout,
-        the configured ones."""
+        blocks of ``layout``'s size hashed by its chain (None: content hashes)."""
         parsed = orjson.loads(body)
         if features.path.startswith(CHAT_PATH):
             t = tok.chat_ids(parsed.get("messages") or [], parsed.get("tools"), session=features.session_key)
@@ -181,7 +178,7 @@ class EventCacheState:
         else:
             raise TokenizerError(f"no prompt on {features.path}")
         ids = t.ids
-        bs, engine = layout if layout is not None else (self.settings.block_size, self.chain)
+        bs, engine = layout
         lora = self.settings.resolve(features.model)[1]
         if engine is None:
             return tuple(content_chain(ids, bs, max_blocks=self.max_blocks, extra=lora or "")), len(ids)
@@ -194,10 +191,10 @@ class EventCacheState:
         self,
         ids: tuple[int, ...],
         session: str | None,
-        lora: str | None = None,
-        salt: str | None = None,
-        block_size: int | None = None,
-        chain: EngineChain | None = None,
+        lora: str | None,
+        salt: str | None,
+        bs: int,
+        chain: EngineChain,
     ) -> list[bytes]:
         """The engine chain's digests, reusing a session's previous turn's leading blocks.
 
@@ -205,9 +202,6 @@ class EventCacheState:
         in every block (the same tokens under two adapters, or an adapter and its base, never share
         a block), and the request's ``cache_salt`` after it in the first block only (the chain
         carries it to the rest)."""
-        chain = chain or self.chain
-        assert chain is not None
-        bs = block_size or self.settings.block_size
         extra = (lora,) if lora else None
         reuse: list[bytes] = []
         if salt is not None and len(ids) >= bs:
