@@ -90,9 +90,9 @@ def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
     """The config's profiles (its default one replaced by ``default`` when given), with its ring
     and re-pin settings."""
     options: dict[str, Any] = {
-        "vnodes": config.vnodes,
-        "ring_key_blocks": config.ring_key_blocks,
-        "repin_on_spillover": config.spillover_repin,
+        "vnodes": config.ring.vnodes,
+        "ring_key_blocks": config.ring.key_blocks,
+        "repin_on_spillover": config.spillover.repin,
     }
     named = {name: build_profile(spec, **options) for name, spec in config.profiles.items()}
     return Profiles(default or build_profile(config.profile, **options), named)
@@ -124,7 +124,7 @@ class Router:
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._responses = RateSampler()  # health.response_sample_rate
         self.store: AffinityStore = store or MemoryStore(
-            config.session_ttl_s, config.max_sessions, config.blocks_per_replica
+            config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
@@ -145,7 +145,7 @@ class Router:
             self.metrics,
             self._index_hashes,
             prewarmer,
-            session_ttl_s=config.session_ttl_s,
+            session_ttl_s=config.sessions.ttl_s,
         )
         self.cordons: dict[str, str] = {}  # the store's cordons as last read (refresh_cordons)
         self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched

@@ -20,7 +20,7 @@ GOOD = {
 
 def test_good_config() -> None:
     cfg = config_from_mapping(GOOD)
-    assert cfg.mode == "endpoint" and cfg.replicas[1].weight == 2 and cfg.session_ttl_s == 60
+    assert cfg.mode == "endpoint" and cfg.replicas[1].weight == 2 and cfg.sessions.ttl_s == 60
     assert cfg.features.session_sources[0].name == "x-conversation"
 
 
@@ -109,7 +109,7 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_example_config_is_generated_from_the_schema_and_loads() -> None:
-    from extproc.config_schema import example_yaml
+    from extproc.config.example import example_yaml
     from extproc.routing.registry import DEFAULT_PROFILE, build_profile
     from tests.conftest import ROOT
 
@@ -202,8 +202,8 @@ def test_health_listen_and_response_sample_rate_are_read_and_checked() -> None:
     cfg = config_from_mapping(
         {**GOOD, "grpc": {"health_listen": "0.0.0.0:9003"}, "health": {"response_sample_rate": 0.25}}
     )
-    assert cfg.health_listen == "0.0.0.0:9003"
+    assert cfg.grpc.health_listen == "0.0.0.0:9003"
     assert cfg.health.response_sample_rate == 0.25
-    assert config_from_mapping(GOOD).health_listen is None
+    assert config_from_mapping(GOOD).grpc.health_listen is None
     with pytest.raises(ConfigError, match="response_sample_rate"):
         config_from_mapping({**GOOD, "health": {"response_sample_rate": 1.5}})

@@ -111,8 +111,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def test_every_listener_defaults_to_loopback() -> None:
     cfg = Config()
-    assert cfg.listen == "127.0.0.1:9002" and cfg.metrics_listen == "127.0.0.1:9190"
-    assert cfg.grpc_tls is None  # plaintext is for loopback (or a unix socket); TLS is opt-in
+    assert cfg.listen == "127.0.0.1:9002" and cfg.metrics.address == "127.0.0.1:9190"
+    assert cfg.grpc.tls is None  # plaintext is for loopback (or a unix socket); TLS is opt-in
     spec = GatewaySpec(replicas=[Replica("r", "127.0.0.1:8000")])
     assert spec.listen.startswith("127.0.0.1:") and spec.admin.startswith("127.0.0.1:")
     assert spec.processor.startswith("127.0.0.1:") and spec.processor_tls is None
@@ -261,7 +261,7 @@ async def test_tls_settings_come_from_files_and_errors_name_the_field(pki: Pki, 
     cfg = config_from_mapping(
         {"grpc": {"tls": {"cert_file": "/c.pem", "key_file": "/k.pem", "client_ca_file": "/ca.pem"}}}
     )
-    assert cfg.grpc_tls == ListenerTls("/c.pem", "/k.pem", "/ca.pem") and cfg.grpc_tls.mutual
+    assert cfg.grpc.tls == ListenerTls("/c.pem", "/k.pem", "/ca.pem") and cfg.grpc.tls.mutual
     for tls, message in (
         ({"cert_file": "/c.pem"}, r"grpc\.tls\.key_file: Field required"),
         ({"cert_file": "/c.pem", "key_file": "/k.pem", "key": "-----BEGIN"}, r"grpc\.tls\.key: unknown key"),

@@ -14,9 +14,10 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import aiohttp
+
+from extproc.validation import Section, option
 
 log = logging.getLogger("extproc.prewarm")
 
@@ -38,18 +39,17 @@ def prefill_only(body: bytes) -> bytes | None:
     return json.dumps(request, separators=(",", ":")).encode()
 
 
-@dataclass(frozen=True, slots=True)
-class PrewarmSettings:
-    """Config ``rebalance.prewarm``."""
+class PrewarmSettings(Section):
+    """``rebalance.prewarm:``: prefill-only requests that warm a moved session's new replica."""
 
     # Off by default: in the simulator (benchmarks/scaling.md) pre-warms landing during a fleet change
     # raised everyone's TTFT p99 more than they saved the moved sessions; turn it on where moves are
     # rare and prompts long.
-    enabled: bool = False
-    rate_per_s: float = 5.0
-    burst: int = 5
-    queue: int = 256
-    timeout_s: float = 30.0
+    enabled: bool = option(False, "off: in the simulator pre-warms during fleet changes cost more")
+    rate_per_s: float = option(5.0, "pre-warm requests per second at most", ge=0.001)
+    burst: int = option(5, "token-bucket burst", ge=1)
+    queue: int = option(256, "pending pre-warms kept at most", ge=1)
+    timeout_s: float = option(30.0, "a pre-warm slower than this is abandoned", ge=0.001)
 
 
 async def http_send(address: str, path: str, body: bytes, timeout_s: float) -> int:

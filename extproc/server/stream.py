@@ -217,8 +217,8 @@ class RequestStream:
         common, metadata = msg.routing_mutation(
             decision,
             self.mode,
-            cfg.target_cluster_header,
-            cfg.destination_endpoint_header,
+            cfg.headers.target_cluster,
+            cfg.headers.destination_endpoint,
             self.remove,
             cfg.upstream.request_headers(features.stream, features.max_output_tokens),
         )
