@@ -15,7 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import settings
 
-from extproc.config import Config
+from extproc.config import Config, Metrics
 from extproc.routing import Replica
 from extproc_lab.demo.processes import ProcessGroup
 from extproc_lab.demo.redis_server import LocalRedis
@@ -57,7 +57,7 @@ def replicas(n: int = 3) -> tuple[Replica, ...]:
 
 
 def make_config(**changes: object) -> Config:
-    base: dict[str, object] = {"replicas": replicas(), "metrics_listen": None}
+    base: dict[str, object] = {"replicas": replicas(), "metrics": Metrics(enabled=False)}
     base.update(changes)
     return Config(**base)  # type: ignore[arg-type]
 

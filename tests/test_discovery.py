@@ -28,7 +28,7 @@ from extproc.discovery import (
     SliceSet,
     SrvRecord,
     StaticDiscovery,
-    parse_discovery,
+    StaticSource,
     replicas_of_slice,
     run_discovery,
 )
@@ -85,16 +85,21 @@ class RecordingRouter:
 def test_default_discovery_is_static() -> None:
     cfg = config_from_mapping({})
     assert cfg.discovery.is_static
-    assert parse_discovery(None).is_static
+    assert config_from_mapping({"discovery": None}).discovery.is_static
+    assert config_from_mapping({"discovery": {"debounce_s": 2}}).discovery == StaticSource(debounce_s=2, max_delay_s=10)
+
+
+def discovery(section: dict[str, object]) -> object:
+    return config_from_mapping({"discovery": section}).discovery
 
 
 def test_dns_and_kubernetes_settings_parse() -> None:
-    dns = parse_discovery({"type": "dns", "name": "vllm.llm.svc", "port": 8000, "interval_s": 5, "debounce_s": 0.5})
-    assert dns.source == DnsSource("vllm.llm.svc", 8000, "A", 5.0) and dns.debounce_s == 0.5
-    srv = parse_discovery({"type": "dns", "name": "_http._tcp.vllm.llm.svc", "record": "SRV"})
-    assert isinstance(srv.source, DnsSource) and srv.source.port is None
+    dns = discovery({"type": "dns", "name": "vllm.llm.svc", "port": 8000, "interval_s": 5, "debounce_s": 0.5})
+    assert dns == DnsSource(name="vllm.llm.svc", port=8000, record="A", interval_s=5.0, debounce_s=0.5)
+    srv = discovery({"type": "dns", "name": "_http._tcp.vllm.llm.svc", "record": "SRV"})
+    assert isinstance(srv, DnsSource) and srv.port is None
     kube = config_from_mapping({"discovery": {"type": "kubernetes", "service": "vllm", "port_name": "http"}})
-    assert kube.discovery.source == KubernetesSource("vllm", port_name="http") and not kube.discovery.is_static
+    assert kube.discovery == KubernetesSource(service="vllm", port_name="http") and not kube.discovery.is_static
 
 
 @pytest.mark.parametrize(

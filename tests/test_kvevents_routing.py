@@ -4,7 +4,6 @@ fallback to the estimate, speculative credit."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -244,20 +243,20 @@ def test_settings_validation_names_the_field() -> None:
             config_from_mapping({"kv_events": raw})
 
 
-def test_lora_adapters_from_the_file_and_flags() -> None:
+def test_lora_adapters_from_the_file_and_flags(tmp_path: Path) -> None:
     import argparse
 
-    from extproc.config import config_from_mapping
-    from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
+    from extproc.config.cli_flags import add_config_flags, config_from_flags
 
-    kv = config_from_mapping({"kv_events": {"lora_adapters": {"sql-lora": "m"}}}).kv_events
+    path = tmp_path / "router.yaml"
+    path.write_text("kv_events:\n  lora_adapters: {sql-lora: m}\n")
     parser = argparse.ArgumentParser()
-    add_kv_event_flags(parser)
-    kv = kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora=m"]))
+    add_config_flags(parser)
+    kv = config_from_flags(path, parser.parse_args(["--lora-adapter", "poem-lora=m"])).kv_events
     assert kv.resolve("sql-lora") == ("m", "sql-lora") and kv.resolve("poem-lora") == ("m", "poem-lora")
     assert kv.resolve("m") == ("m", None)
     with pytest.raises(ValueError, match="--lora-adapter"):
-        kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora"]))
+        config_from_flags(path, parser.parse_args(["--lora-adapter", "poem-lora"]))
 
 
 def test_discovered_replicas_publish_on_the_configured_ports() -> None:
@@ -327,7 +326,7 @@ async def test_a_pin_whose_replica_lost_the_conversation_is_judged_lost(tokenize
     # The pin is kept, marked lost: it is worth what the replica still holds, not dropped.
     lost = kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now)
     assert lost.pinned == pinned and lost.pin_lost == "kv_events"
-    kv.settings = replace(kv.settings, unpin_below=0.0)  # pins never judged lost
+    kv.settings = kv.settings.model_copy(update={"unpin_below": 0.0})  # pins never judged lost
     kept = kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now)
     assert kept.pinned == pinned and kept.pin_lost is None
 

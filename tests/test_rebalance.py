@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 
@@ -114,7 +113,7 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
         sent.append(address)
         return 200
 
-    router.rebalancer.settings = replace(router.rebalancer.settings, move_on_join=True)
+    router.rebalancer.settings = router.rebalancer.settings.model_copy(update={"move_on_join": True})
     router.rebalancer.prewarmer.send = send
     router.rebalancer.prewarmer.settings = PrewarmSettings(enabled=True, rate_per_s=10_000, burst=10_000, queue=10_000)
     headers = {":path": "/v1/chat/completions"}

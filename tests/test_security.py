@@ -137,7 +137,11 @@ async def test_a_plaintext_listener_off_loopback_is_warned_about(caplog: pytest.
 @pytest.fixture
 async def tls_server(pki: Pki, request: pytest.FixtureRequest) -> AsyncIterator[ProcessorServer]:
     mutual = getattr(request, "param", False)
-    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem") if mutual else None)
+    tls = ListenerTls(
+        cert_file=pki.path("server.pem"),
+        key_file=pki.path("server.key"),
+        client_ca_file=pki.path("ca.pem") if mutual else None,
+    )
     server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls)
     await server.start()
     yield server
@@ -196,7 +200,9 @@ async def test_tls_listener_serves_tls_clients_and_refuses_plaintext(tls_server:
 async def test_a_plaintext_health_port_beside_an_mtls_listener_serves_health_alone(pki: Pki) -> None:
     """kubelet's gRPC probes speak plaintext: grpc.health_listen gives them the health service,
     with the status of the TLS listener, and nothing else."""
-    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
+    tls = ListenerTls(
+        cert_file=pki.path("server.pem"), key_file=pki.path("server.key"), client_ca_file=pki.path("ca.pem")
+    )
     server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls, health_listen="127.0.0.1:0")
     await server.start()
     try:
@@ -239,7 +245,9 @@ async def test_a_rotated_certificate_is_served_without_a_restart(pki: Pki, tmp_p
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_bytes(pki.read("server.pem"))
     key.write_bytes(pki.read("server.key"))
-    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=ListenerTls(str(cert), str(key)))
+    server = ProcessorServer(
+        Router(make_config()), "127.0.0.1:0", tls=ListenerTls(cert_file=str(cert), key_file=str(key))
+    )
     await server.start()
     trusts_next = grpc.ssl_channel_credentials(root_certificates=(tmp_path / "next-ca.pem").read_bytes())
     try:
@@ -261,20 +269,31 @@ async def test_tls_settings_come_from_files_and_errors_name_the_field(pki: Pki, 
     cfg = config_from_mapping(
         {"grpc": {"tls": {"cert_file": "/c.pem", "key_file": "/k.pem", "client_ca_file": "/ca.pem"}}}
     )
-    assert cfg.grpc.tls == ListenerTls("/c.pem", "/k.pem", "/ca.pem") and cfg.grpc.tls.mutual
+    assert (
+        cfg.grpc.tls == ListenerTls(cert_file="/c.pem", key_file="/k.pem", client_ca_file="/ca.pem")
+        and cfg.grpc.tls.mutual
+    )
     for tls, message in (
         ({"cert_file": "/c.pem"}, r"grpc\.tls\.key_file: Field required"),
         ({"cert_file": "/c.pem", "key_file": "/k.pem", "key": "-----BEGIN"}, r"grpc\.tls\.key: unknown key"),
-        ("yes", r"grpc\.tls: Input should be .*ListenerTlsFiles"),
+        ("yes", r"grpc\.tls: Input should be .*ListenerTls"),
     ):
         with pytest.raises(ConfigError, match=message):
             config_from_mapping({"grpc": {"tls": tls}})
     with pytest.raises(ValueError, match=r"grpc\.tls\.key_file: cannot read"):
-        ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=ListenerTls(pki.path("server.pem"), "/nope.key"))
+        ProcessorServer(
+            Router(make_config()),
+            "127.0.0.1:0",
+            tls=ListenerTls(cert_file=pki.path("server.pem"), key_file="/nope.key"),
+        )
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("hello")
     with pytest.raises(ValueError, match=r"grpc\.tls\.cert_file: .* holds no PEM block"):
-        ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=ListenerTls(str(not_pem), pki.path("server.key")))
+        ProcessorServer(
+            Router(make_config()),
+            "127.0.0.1:0",
+            tls=ListenerTls(cert_file=str(not_pem), key_file=pki.path("server.key")),
+        )
 
 
 def test_serve_with_an_unreadable_key_exits_2(pki: Pki, capsys: pytest.CaptureFixture[str]) -> None:
@@ -435,7 +454,9 @@ async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: P
     from extproc.config import AdminSettings
 
     router = Router(make_config())
-    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
+    tls = ListenerTls(
+        cert_file=pki.path("server.pem"), key_file=pki.path("server.key"), client_ca_file=pki.path("ca.pem")
+    )
     admin = AdminServer(router, AdminSettings(listen="127.0.0.1:0", tls=tls))
     await admin.bind()
     await admin.start()
