@@ -16,7 +16,7 @@ import yaml
 from pydantic import field_validator, model_validator
 
 from extproc.routing.model import NO_TERMS, TenantTerms
-from extproc.validation import Section, option
+from extproc.validation import Section, field_error, option
 
 OverQuota = Literal["reject", "overflow"]
 _HEX = frozenset("0123456789abcdef")
@@ -60,9 +60,10 @@ class TenantSettings(Section):
         try:
             loaded = yaml.safe_load(Path(raw["api_keys_file"]).read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"api_keys_file: {exc}") from None
+            raise field_error(TenantSettings, "api_keys_file", str(exc), raw["api_keys_file"]) from None
         if not isinstance(loaded, Mapping):
-            raise ValueError("api_keys_file: expected a mapping of sha256 digest -> tenant")
+            message = "expected a mapping of sha256 digest -> tenant"
+            raise field_error(TenantSettings, "api_keys_file", message, raw["api_keys_file"])
         return {**raw, "api_keys": {**raw.get("api_keys", {}), **{k: str(v) for k, v in loaded.items()}}}
 
     @field_validator("api_keys")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from pydantic import field_validator, model_validator
 
-from extproc.validation import Section, option
+from extproc.validation import Section, field_error, option
 
 PER_TRY_TIMEOUT_HEADER = "x-envoy-upstream-rq-per-try-timeout-ms"
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
@@ -75,9 +75,12 @@ class UpstreamTimeouts(Section):
     def _unary_after_first_byte(self) -> UpstreamTimeouts:
         if 0 < self.unary_max_s < self.first_byte_s:
             # Below the first-byte budget every non-streaming request would be sent twice.
-            raise ValueError(
-                f"unary_max_s: {self.unary_max_s:g} s is below first_byte_s {self.first_byte_s:g} s "
-                "(a non-streaming answer comes after its prefill at the earliest)"
+            raise field_error(
+                UpstreamTimeouts,
+                "unary_max_s",
+                f"{self.unary_max_s:g} s is below first_byte_s {self.first_byte_s:g} s "
+                "(a non-streaming answer comes after its prefill at the earliest)",
+                self.unary_max_s,
             )
         return self
 

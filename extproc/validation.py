@@ -37,7 +37,11 @@ def describe(
         if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
             loc = (*loc, err["ctx"]["discriminator"].strip("'"))
         message = unknown if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        got = "" if err["type"] in ("extra_forbidden", "missing", "value_error", "check") else f", got {err['input']!r}"
+        got = (
+            ""
+            if err["type"] in ("extra_forbidden", "missing", "value_error", "check", "union_tag_invalid")
+            else f", got {err['input']!r}"
+        )
         path = ".".join(p for p in (prefix, error_path(loc)) if p)
         # A check of the whole names its fields in its message.
         lines.append(f"{path}: {message}{got}{suffix}" if path or err["type"] != "value_error" else message + suffix)

@@ -21,7 +21,6 @@ RANKS = {
     "extproc.telemetry": 7,
     "extproc.router": 6,
     "extproc.config": 5,
-    "extproc.config_schema": 5,
     "extproc.health": 4,
     "extproc.discovery": 4,
     "extproc.rebalance": 4,

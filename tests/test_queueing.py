@@ -68,7 +68,9 @@ async def test_with_headroom_and_nobody_ahead_a_request_goes_straight_on() -> No
 
 async def test_past_the_limit_a_request_is_refused_and_leaves() -> None:
     fleet = Fleet()
-    settings = QueueSettings(enabled=True, classes={"batch": QueueClass(0, max_wait_s=0.1, max_queued=2, status=503)})
+    settings = QueueSettings(
+        enabled=True, classes={"batch": QueueClass(priority=0, max_wait_s=0.1, max_queued=2, status=503)}
+    )
     queue = FairQueue(settings, fleet)
     waiting = [asyncio.create_task(queue.admit("batch", "t", ())) for _ in range(2)]
     await asyncio.sleep(0.01)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from extproc.config import config_from_mapping, read_mapping
 from extproc.config.model import Config, ConfigError, parse_replica, replica_entry
 from extproc.kvevents.hashing import HashAlgo
 
@@ -220,8 +221,6 @@ def config_from_flags(
     path: str | Path | None, args: argparse.Namespace, flags: tuple[Flag, ...] = SERVE_FLAGS
 ) -> Config:
     """The config file at ``path`` (None: every default) with the flags over it, validated."""
-    from extproc.config import config_from_mapping, read_mapping
-
     raw = with_flags(read_mapping(path) if path else {}, args, flags)
     try:
         return config_from_mapping(raw)

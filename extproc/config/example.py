@@ -103,6 +103,8 @@ def example_yaml() -> str:
     shaped = _shaped(example_values(), Config())
     text = yaml.dump(shaped, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
     lines = text.splitlines()
-    for line, doc in _docs(yaml.compose(text), Config()):
+    root = yaml.compose(text)
+    assert root is not None  # the dump of a mapping
+    for line, doc in _docs(root, Config()):
         lines[line] = f"{lines[line].ljust(COMMENT_COLUMN)}  # {doc}"
     return HEADER + "\n".join(lines) + "\n"

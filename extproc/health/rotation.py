@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from pydantic import model_validator
 
-from extproc.validation import Section, option
+from extproc.validation import Section, field_error, option
 
 
 class RotationPolicy(Section):
@@ -29,7 +29,9 @@ class RotationPolicy(Section):
     @model_validator(mode="after")
     def _hysteresis(self) -> RotationPolicy:
         if self.readmit_above < self.eject_below:
-            raise ValueError("readmit_above: must not be below eject_below (hysteresis)")
+            raise field_error(
+                type(self), "readmit_above", "must not be below eject_below (hysteresis)", self.readmit_above
+            )
         return self
 
 
