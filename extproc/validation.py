@@ -11,6 +11,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 # The members of a union add their type names to an error's location: noise to a user.
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+# Errors whose message says what was wrong without the value (or has none to show).
+_MESSAGE_NAMES_VALUE = {"extra_forbidden", "missing", "value_error", "check", "union_tag_invalid"}
 
 
 def error_path(loc: tuple[int | str, ...]) -> str:
