@@ -55,7 +55,7 @@ def collect(router: Router) -> None:
         m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
         m.replica_queue.labels(name).set(rec.queue)
         m.replica_kv_usage.labels(name).set(rec.kv_usage)
-        m.replica_cache_trust.labels(name).set(router.cache_estimate.trust(name))
+        m.replica_cache_trust.labels(name).set(router.caches.estimate.trust(name))
         m.replica_sessions.labels(name).set(pinned.get(name, 0))
         m.replica_cordon.labels(name).set(CORDON_GAUGE.get(router.cordons.get(name, ""), 0))
     stats = router.store.stats()

@@ -20,6 +20,8 @@ RANKS = {
     "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
     "extproc.telemetry": 7,
     "extproc.router": 6,
+    "extproc.bookkeeping": 5,  # what routing a request changes (load, caches, tenants), and undoes
+    "extproc.membership": 5,  # membership, cordons and drains, and the moves they cause
     "extproc.config": 5,
     "extproc.config_schema": 5,
     "extproc.health": 4,
@@ -27,8 +29,7 @@ RANKS = {
     "extproc.rebalance": 4,
     "extproc.queueing": 4,
     "extproc.kvevents": 4,
-    "extproc.cache_estimate": 4,
-    "extproc.inflight_prefixes": 4,
+    "extproc.cache": 4,  # what each replica holds: the estimate, the prompts in flight, their one view
     "extproc.state": 3,
     "extproc.tenancy": 3,
     "extproc.metrics": 2,
