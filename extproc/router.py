@@ -132,7 +132,7 @@ class Router:
             self.rebalancer,
             clock,
             lambda: self.profile,
-            self._store_error,
+            self.metrics.store_error,
             queue=self.queue,
             warmer=self.warmer,
             kv_events=kv_events,
@@ -193,7 +193,7 @@ class Router:
         try:
             stored = await self.store.lookup(features.session_key, features.prefix_hashes, start, model=features.model)
         except Exception as exc:  # the store is an optimisation: route on hashing without it
-            self._store_error("lookup")
+            self.metrics.store_error("lookup")
             log.debug("store lookup failed: %s", exc)
             stored = AffinityView()
         self.caches.refresh(start)
@@ -224,7 +224,7 @@ class Router:
                     model=features.model,
                 )
             except Exception as exc:
-                self._store_error("record")
+                self.metrics.store_error("record")
                 log.debug("store record failed: %s", exc)
         if self.warmer is not None and body:
             self.warmer.offer(given.prefix_key, features.path, body)
@@ -314,9 +314,6 @@ class Router:
     def _prewarm(self, name: str, path: str, body: bytes) -> bool:
         record = self.replicas.record(name)
         return record is not None and self.rebalancer.prewarmer.submit(record.replica.address, path, body, force=True)
-
-    def _store_error(self, operation: str) -> None:
-        self.metrics.store_errors.labels(operation).inc()
 
     def _report(
         self, features: RequestFeatures, decision: Decision, view: AffinityView, start: float, now: float

@@ -161,3 +161,16 @@ async def test_explain_names_kv_events_as_the_source_where_a_feed_is_live(
     assert states == {"r0": "live", "r1": "none", "r2": "live"}
     routed = await router.route(*chat(msgs))
     assert routed.decision.replica is not None and routed.decision.replica.name == reply.replica
+
+
+async def test_explain_shows_each_replicas_trust_and_the_age_of_its_evidence() -> None:
+    now = [100.0]
+    router = Router(make_config(), clock=lambda: now[0])
+    router.caches.estimate.observe("r0", 0.0, 0.0, now=100.0)  # a baseline
+    router.caches.estimate.claimed("r0", 1000, 1000)
+    router.caches.estimate.observe("r0", 0.0, 1000.0, now=100.0)  # it counted, and found nothing
+    now[0] = 130.0
+    explained = await router.explain(_headers("s"), chat_body("a prompt " * 40))
+    evidence = explained.evidence
+    assert evidence["r0"].evidence_age_s == pytest.approx(30.0) and evidence["r1"].evidence_age_s is None
+    assert evidence["r0"].kv_events == "" and evidence["r1"].trust == 1.0

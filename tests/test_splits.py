@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from extproc.config import config_from_mapping
 from extproc.request.splits import SplitRule, SplitTarget, choose_arm, rewrite_model
 
@@ -97,3 +99,25 @@ async def test_the_router_rewrites_the_body_and_hashes_the_served_model() -> Non
     assert routed.features.pool == (("pool", "canary"),)
     untouched = await router.route({":path": "/v1/chat/completions"}, chat_body("x", model="other"))
     assert untouched.arm is None and untouched.body is None
+
+
+async def test_a_split_request_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import extproc.request.openai_body as openai_body
+    from extproc.router import Router
+    from tests.conftest import chat_body, make_config
+
+    calls = 0
+    loads = openai_body.orjson.loads
+
+    def counted(raw: bytes | str) -> object:
+        nonlocal calls
+        calls += 1
+        return loads(raw)
+
+    monkeypatch.setattr(openai_body.orjson, "loads", counted)
+    monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("parsed again with json"))
+    rule = SplitRule("c", (SplitTarget("m-v2", 1),), model="m")
+    router = Router(make_config(splits=(rule,)))
+    routed = await router.route({":path": "/v1/chat/completions", "user": "u"}, chat_body("a prompt " * 40))
+    assert routed.arm is not None and routed.body is not None
+    assert calls == 1
