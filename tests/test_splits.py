@@ -102,7 +102,7 @@ async def test_the_router_rewrites_the_body_and_hashes_the_served_model() -> Non
 
 
 async def test_a_split_request_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import extproc.request.openai_body as openai_body
+    from extproc.request import openai_body
     from extproc.router import Router
     from tests.conftest import chat_body, make_config
 
