@@ -51,6 +51,8 @@ class Routed:
     sent_tokens: int = 0
     """The prompt's tokens, handed to the cache estimate with the claim: the share of them the
     replica's query counter covers says how much of the claim its hits bear on."""
+    traceparent: str | None = None
+    """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
 
 
 class Hook(Protocol):

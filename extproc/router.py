@@ -49,6 +49,7 @@ from extproc.sampling import RateSampler
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
+from extproc.tracing import DecisionTracer
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
     from extproc.kvevents.cache_state import EventCacheState
@@ -89,12 +90,14 @@ class Router:
         kv_events: EventCacheState | None = None,
         decider: Decider = decide,
         hot_keys: HotKeyDetector | None = None,
+        tracer: DecisionTracer | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer; the simulator's
         peer routers their own ``decider``)."""
         self.config = config
         self.decide = decider
+        self.tracer = tracer  # ``tracing:``: decision spans over OTLP
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._responses = RateSampler()  # health.response_sample_rate
         self.store: AffinityStore = store or MemoryStore(
@@ -152,7 +155,7 @@ class Router:
     # -- the request path ---------------------------------------------------------------------
     async def route(self, headers: Mapping[str, str], body: bytes | None) -> Routed:
         """Decide where a request goes and record the decision (pin, prefix index, in-flight)."""
-        start = self.clock()
+        start, started_ns = self.clock(), time.time_ns()
         request = read_request(headers, body, self.config.features)
         if request.features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
@@ -176,6 +179,11 @@ class Router:
             if ticket is not None:
                 ticket.settle()
         routed.arm, routed.body = arm, rewritten
+        if self.tracer is not None:
+            profile = self.profiles.for_request(features).name
+            routed.traceparent = self.tracer.decided(
+                headers, features, routed.decision, started_ns, len(self.replicas), profile
+            )
         if arm is not None:
             self.metrics.split_requests.labels(arm.rule, arm.label).inc()
         replica = routed.decision.replica

@@ -28,6 +28,7 @@ RANKS = {
     "extproc.discovery": 4,
     "extproc.rebalance": 4,
     "extproc.queueing": 4,
+    "extproc.tracing": 4,  # decision spans over OTLP (the SDK imported only when tracing is on)
     "extproc.kvevents": 4,
     "extproc.cache": 4,  # what each replica holds: the estimate, the prompts in flight, their one view
     "extproc.state": 3,
