@@ -22,18 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from extproc.usage import Usage
+
 log = logging.getLogger("extproc.budgets")
 
 WINDOWS: tuple[tuple[str, int], ...] = (("minute", 60), ("day", 86_400))
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Tokens one response reported (OpenAI's ``usage``: ``prompt_tokens`` includes the cached)."""
-
-    input: int = 0
-    cached_input: int = 0
-    output: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from extproc.budgets import BudgetLedger, BudgetSettings, TokenBudget, TokenWeights, Usage
+from extproc.budgets import BudgetLedger, BudgetSettings, TokenBudget, TokenWeights
+from extproc.usage import Usage
 from extproc.state.redis_budgets import RedisBudgetStore
 from extproc_lab.demo.redis_server import LocalRedis
 

@@ -43,6 +43,7 @@ RANKS = {
     "extproc._proto": 0,  # generated from proto/ (scripts/gen_proto.py)
     "extproc.upstream_timeouts": 0,
     "extproc.validation": 0,
+    "extproc.usage": 0,  # the token usage a response body reports, read as it passes
     "extproc.sampling": 0,  # deterministic sampling at a rate
 }
 
