@@ -110,7 +110,7 @@ class UsageStripper:
         """The bytes of ``chunk`` to pass on (``end``: the body's last chunk: nothing is held)."""
         data = self._partial + chunk
         cut = data.rfind(b"\n\n")
-        if end or cut < 0 and not data:
+        if end or not data:
             complete, self._partial = data, b""
         elif cut < 0:
             complete, self._partial = b"", data

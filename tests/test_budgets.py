@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from extproc.budgets import BudgetLedger, BudgetSettings, TokenBudget, TokenWeights
-from extproc.usage import Usage
 from extproc.state.redis_budgets import RedisBudgetStore
+from extproc.usage import Usage
 from extproc_lab.demo.redis_server import LocalRedis
 
 NOW = 1_000_000.0 * 60  # the start of a minute (and of nothing else in particular)

@@ -3,6 +3,7 @@ usage-only chunk taken out for clients that did not ask for it, every other byte
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from hypothesis import given, settings
@@ -25,7 +26,7 @@ def _stream(with_usage: bool) -> bytes:
 
 def _cuts(data: bytes, points: list[int]) -> list[bytes]:
     edges = sorted({0, len(data), *(p % (len(data) + 1) for p in points)})
-    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+    return [data[a:b] for a, b in itertools.pairwise(edges)]
 
 
 def test_a_json_body_reports_its_usage_from_the_tail() -> None:
