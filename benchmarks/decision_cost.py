@@ -14,7 +14,7 @@ import os
 import time
 
 from extproc.request.features import RequestFeatures
-from extproc.routing import AffinityView, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
 
 ROUNDS, N = int(os.environ.get("ROUNDS", "5")), int(os.environ.get("N", "20000"))
 
@@ -44,7 +44,7 @@ def main() -> None:
                 extra = dict(kwargs)
                 if "trace" in extra:
                     extra["trace"] = DecisionTrace()
-                decide(features, snap, view, 0.0, profile, **extra)  # type: ignore[arg-type]
+                decide(DecisionInputs.of(features, snap, view, 0.0, profile, **extra))  # type: ignore[arg-type]
             best = min(best, time.perf_counter() - start)
         print(f"{label:18s} {best / N * 1e6:6.2f} us per decision")
 

@@ -177,6 +177,13 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.replica_cache_evidence_age = Gauge(
+            "extproc_replica_cache_evidence_age_seconds",
+            "Seconds since the replica's prefix-cache counters last bore on the index's claims (a scrape "
+            "where its query counter grew); -1 if they never did, and its trust rests on nothing it reported.",
+            ["replica"],
+            registry=r,
+        )
         self.replica_sessions = Gauge(
             "extproc_replica_sessions_pinned",
             "Sessions this gateway has seen pinned to the replica within the session TTL.",

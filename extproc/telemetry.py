@@ -46,7 +46,8 @@ def replica_reports(router: Router) -> list[ReplicaReport]:
 def collect(router: Router) -> None:
     """Refresh the gauges from the router's current state."""
     m = router.metrics
-    pinned = Counter(e.replica for e in router.rebalancer.ledger.live(router.clock()))
+    now = router.clock()
+    pinned = Counter(e.replica for e in router.rebalancer.ledger.live(now))
     for rec in router.replicas.records():
         name = rec.replica.name
         m.replica_seen(name)
@@ -55,7 +56,9 @@ def collect(router: Router) -> None:
         m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
         m.replica_queue.labels(name).set(rec.queue)
         m.replica_kv_usage.labels(name).set(rec.kv_usage)
-        m.replica_cache_trust.labels(name).set(router.cache_estimate.trust(name))
+        m.replica_cache_trust.labels(name).set(router.caches.estimate.trust(name))
+        age = router.caches.estimate.evidence_age(name, now)
+        m.replica_cache_evidence_age.labels(name).set(-1.0 if age is None else age)
         m.replica_sessions.labels(name).set(pinned.get(name, 0))
         m.replica_cordon.labels(name).set(CORDON_GAUGE.get(router.cordons.get(name, ""), 0))
     stats = router.store.stats()

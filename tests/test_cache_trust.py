@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.cache_estimate import CacheEstimate
+from extproc.cache.estimate import CacheEstimate
 from extproc.config import Config
 from extproc.health.vllm_metrics import ReplicaMetrics
 from extproc.request.features import RequestFeatures
@@ -144,7 +144,7 @@ def _metrics(hits: float | None, queries: float | None) -> ReplicaMetrics:
 )
 def test_sessions_stay_whatever_the_prefix_counters_do(behaviours: list[tuple[str, ...]]) -> None:
     router = Router(Config(replicas=REPLICAS), store=MemoryStore())
-    router.cache_estimate.min_claimed_tokens = 100
+    router.caches.estimate.min_claimed_tokens = 100
     counters = {r.name: [0.0, 0.0] for r in REPLICAS}
     pinned: dict[str, str] = {}
     now = 1.0

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from extproc.request.features import RequestFeatures
 from extproc.routing import (
     AffinityView,
+    DecisionInputs,
     HashRing,
     Reason,
     Replica,
@@ -36,14 +37,20 @@ def features(session: str | None = None, hashes: tuple[int, ...] = (), request_i
 
 
 def test_pinned_session_is_sticky() -> None:
-    d = decide(features("s1"), snapshot(), AffinityView(pinned="r2"), 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1"), snapshot(), AffinityView(pinned="r2"), 0.0, build_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
 
 
 def test_pin_outweighs_a_full_prefix_match_elsewhere() -> None:
     view = AffinityView(pinned="r2", prefix_matches={"r1": 10, "r2": 10})
     d = decide(
-        features("s1", tuple(range(10))), snapshot(r1={"inflight": 0}, r2={"inflight": 5}), view, 0.0, build_profile()
+        DecisionInputs.of(
+            features("s1", tuple(range(10))),
+            snapshot(r1={"inflight": 0}, r2={"inflight": 5}),
+            view,
+            0.0,
+            build_profile(),
+        )
     )
     assert d.replica is not None and d.replica.name == "r2"
 
@@ -53,7 +60,7 @@ def test_a_pin_the_index_forgot_still_holds_the_session() -> None:
     # loss (no eviction event, no misses on its counters): the session stays where it is.
     view = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 2, "r3": 2, "r0": 2})
     snap = snapshot(r2={"inflight": 8, "pending_prefill_tokens": 20_000})
-    d = decide(features("s1", tuple(range(40))), snap, view, 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, view, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY and d.moved_by == ""
 
 
@@ -61,51 +68,51 @@ def test_a_pin_whose_cache_is_known_lost_moves_only_for_a_better_place() -> None
     snap = snapshot(r2={"inflight": 8, "pending_prefill_tokens": 20_000})
     lost = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 2, "r3": 2, "r0": 2}, pin_lost="kv_events")
     # Evicted and loaded: another replica is worth the move, and the decision says what moved it.
-    d = decide(features("s1", tuple(range(40))), snap, lost, 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, lost, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name != "r2"
     assert d.reason is Reason.EVICTED and d.moved_by == "kv_events"
     # Evicted but no busier than the rest, and nobody holds more of this conversation: moving would
     # only rebuild it elsewhere, so it stays.
-    d = decide(features("s1", tuple(range(40))), snapshot(), lost, 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snapshot(), lost, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
     # Another replica holds most of this conversation: that outweighs the price of moving.
     elsewhere = AffinityView(pinned="r2", prefix_matches={"r1": 36, "r2": 2, "r3": 2}, pin_lost="hit_counters")
-    d = decide(features("s1", tuple(range(40))), snapshot(), elsewhere, 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snapshot(), elsewhere, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name == "r1" and d.moved_by == "hit_counters"
     # Still held there: it stays, however the evidence was labelled.
     held = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 40, "r3": 2, "r0": 2}, pin_lost="kv_events")
-    d = decide(features("s1", tuple(range(40))), snap, held, 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, held, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
 
 
 def test_overloaded_pinned_replica_spills_over() -> None:
     snap = snapshot(r2={"kv_usage": 0.95})
-    d = decide(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER
     assert d.moved_by == "overload"
 
 
 def test_pinned_replica_out_of_rotation_fails_over() -> None:
     snap = snapshot(r2={"in_rotation": False})
-    d = decide(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.FAILOVER
     assert d.moved_by == "in_rotation"
 
 
 def test_all_out_of_rotation_still_routes() -> None:
     snap = snapshot(**{f"r{i}": {"in_rotation": False} for i in range(4)})
-    d = decide(features("s1"), snap, AffinityView(), 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(), 0.0, build_profile()))
     assert d.replica is not None
 
 
 def test_no_replicas_is_no_replica() -> None:
-    d = decide(features("s1"), Snapshot(()), AffinityView(), 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s1"), Snapshot(()), AffinityView(), 0.0, build_profile()))
     assert d.replica is None and d.reason is Reason.NO_REPLICA
 
 
 def test_strong_prefix_match_wins_for_new_requests() -> None:
     view = AffinityView(prefix_matches={"r3": 9})
-    d = decide(features(None, tuple(range(10))), snapshot(), view, 0.0, build_profile())
+    d = decide(DecisionInputs.of(features(None, tuple(range(10))), snapshot(), view, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name == "r3" and d.reason is Reason.PREFIX
     assert d.matched_blocks == 9 and d.total_blocks == 10
 
@@ -116,7 +123,7 @@ def test_weak_shared_prefix_does_not_herd() -> None:
     view = AffinityView(prefix_matches={"r0": 1})
     chosen = Counter()
     for i in range(200):
-        d = decide(features(f"s{i}", tuple(range(40))), snapshot(), view, 0.0, build_profile())
+        d = decide(DecisionInputs.of(features(f"s{i}", tuple(range(40))), snapshot(), view, 0.0, build_profile()))
         assert d.replica is not None
         chosen[d.replica.name] += 1
     assert chosen["r0"] < 100 and len(chosen) == 4
@@ -125,7 +132,7 @@ def test_weak_shared_prefix_does_not_herd() -> None:
 def test_new_sessions_spread_by_hashing() -> None:
     chosen = Counter()
     for i in range(400):
-        d = decide(features(f"session-{i}"), snapshot(), AffinityView(), 0.0, build_profile())
+        d = decide(DecisionInputs.of(features(f"session-{i}"), snapshot(), AffinityView(), 0.0, build_profile()))
         assert d.replica is not None and d.reason is Reason.NEW_SESSION
         chosen[d.replica.name] += 1
     assert len(chosen) == 4 and min(chosen.values()) > 50
@@ -134,7 +141,7 @@ def test_new_sessions_spread_by_hashing() -> None:
 def test_requests_without_any_key_spread_over_request_ids() -> None:
     chosen = Counter()
     for i in range(200):
-        d = decide(features(request_id=f"req-{i}"), snapshot(), AffinityView(), 0.0, build_profile())
+        d = decide(DecisionInputs.of(features(request_id=f"req-{i}"), snapshot(), AffinityView(), 0.0, build_profile()))
         assert d.replica is not None and d.reason is Reason.FALLBACK
         chosen[d.replica.name] += 1
     assert len(chosen) == 4
@@ -142,15 +149,15 @@ def test_requests_without_any_key_spread_over_request_ids() -> None:
 
 def test_bounded_load_passes_over_a_busy_ring_owner() -> None:
     profile = build_profile()
-    idle = decide(features("k"), snapshot(), AffinityView(), 0.0, profile)
+    idle = decide(DecisionInputs.of(features("k"), snapshot(), AffinityView(), 0.0, profile))
     assert idle.replica is not None
     busy = snapshot(**{idle.replica.name: {"inflight": 10}})
-    d = decide(features("k"), busy, AffinityView(), 0.0, profile)
+    d = decide(DecisionInputs.of(features("k"), busy, AffinityView(), 0.0, profile))
     assert d.replica is not None and d.replica.name != idle.replica.name
 
 
 def test_fallbacks_are_other_replicas() -> None:
-    d = decide(features("s"), snapshot(), AffinityView(), 0.0, build_profile())
+    d = decide(DecisionInputs.of(features("s"), snapshot(), AffinityView(), 0.0, build_profile()))
     assert d.replica is not None
     assert d.replica not in d.fallbacks and len(d.fallbacks) == 2
 
@@ -176,11 +183,11 @@ def test_decision_is_always_a_member_with_scores_in_range(
         prefix_matches={f"r{k}": v for k, v in matches.items()},
     )
     profile = build_profile()
-    d = decide(features(session, tuple(range(20))), snap, view, 0.0, profile)
+    d = decide(DecisionInputs.of(features(session, tuple(range(20))), snap, view, 0.0, profile))
     assert d.replica is not None and snap.get(d.replica.name) is not None
     total_weight = sum(w.weight for w in profile.scorers)
     assert all(0.0 <= s <= total_weight + 1e-9 for s in d.scores.values())
-    again = decide(features(session, tuple(range(20))), snap, view, 0.0, profile)
+    again = decide(DecisionInputs.of(features(session, tuple(range(20))), snap, view, 0.0, profile))
     assert again.replica == d.replica  # deterministic: no hidden clock or randomness
 
 
@@ -220,7 +227,7 @@ def test_a_session_keeps_its_replica_while_it_is_healthy_not_overloaded_and_its_
     held = {f"r{k % len(loads)}": v for k, v in matches.items()}
     held[f"r{pinned}"] = 40  # its conversation is still believed cached there
     view = AffinityView(pinned=f"r{pinned}", prefix_matches=held)
-    d = decide(features(session, tuple(range(40))), snap, view, 0.0, build_profile())
+    d = decide(DecisionInputs.of(features(session, tuple(range(40))), snap, view, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name == f"r{pinned}" and d.reason is Reason.STICKY
 
 

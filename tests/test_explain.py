@@ -6,7 +6,7 @@ import pytest
 
 from extproc.request.features import RequestFeatures
 from extproc.router import Router
-from extproc.routing import AffinityView, Reason, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.routing import AffinityView, DecisionInputs, Reason, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.trace import DecisionTrace
 from tests.conftest import chat_body, make_config
 
@@ -29,8 +29,8 @@ def test_the_trace_adds_up_to_the_decision() -> None:
     view = AffinityView(prefix_matches={"r2": 6})
     profile = build_profile()
     trace = DecisionTrace()
-    traced = decide(features, snap, view, 0.0, profile, trace=trace)
-    plain = decide(features, snap, view, 0.0, profile)
+    traced = decide(DecisionInputs.of(features, snap, view, 0.0, profile), trace=trace)
+    plain = decide(DecisionInputs.of(features, snap, view, 0.0, profile))
     assert traced == plain
     removed = trace.removed_by()
     assert removed["r1"][0] == "in_rotation" and "health 0.20" in removed["r1"][1]
@@ -47,21 +47,32 @@ def test_a_cordoned_replica_keeps_its_pinned_session_and_takes_no_new_one() -> N
     pinned = RequestFeatures(path=CHAT, model="m", session_key="old")
     fresh = [RequestFeatures(path=CHAT, model="m", session_key=f"new-{i}") for i in range(50)]
     cordons = {"r0": "cordoned"}
-    assert decide(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons=cordons).replica.name == "r0"  # type: ignore[union-attr]
-    assert {decide(f, snap, AffinityView(), 0.0, profile).replica.name for f in fresh} == {"r0", "r1"}  # type: ignore[union-attr]
-    assert {decide(f, snap, AffinityView(), 0.0, profile, cordons=cordons).replica.name for f in fresh} == {"r1"}  # type: ignore[union-attr]
+    assert (
+        decide(DecisionInputs.of(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons=cordons)).replica.name
+        == "r0"
+    )  # type: ignore[union-attr]
+    assert {decide(DecisionInputs.of(f, snap, AffinityView(), 0.0, profile)).replica.name for f in fresh} == {
+        "r0",
+        "r1",
+    }  # type: ignore[union-attr]
+    assert {
+        decide(DecisionInputs.of(f, snap, AffinityView(), 0.0, profile, cordons=cordons)).replica.name for f in fresh
+    } == {"r1"}  # type: ignore[union-attr]
     prefix = AffinityView(prefix_matches={"r0": 9})
-    assert decide(fresh[0], snap, prefix, 0.0, profile, cordons=cordons).replica.name == "r1"  # type: ignore[union-attr]
+    assert decide(DecisionInputs.of(fresh[0], snap, prefix, 0.0, profile, cordons=cordons)).replica.name == "r1"  # type: ignore[union-attr]
 
 
 def test_a_drained_replica_loses_even_its_pinned_sessions_and_all_cordoned_fails_open() -> None:
     snap, profile = _snapshot(2), build_profile()
     pinned = RequestFeatures(path=CHAT, model="m", session_key="old")
-    d = decide(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons={"r0": "drained"})
+    d = decide(DecisionInputs.of(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons={"r0": "drained"}))
     assert d.replica.name == "r1" and d.reason is Reason.FAILOVER  # type: ignore[union-attr]
     everything = {"r0": "cordoned", "r1": "cordoned"}
     trace = DecisionTrace()
-    assert decide(pinned, snap, AffinityView(), 0.0, profile, cordons=everything, trace=trace).replica is not None
+    assert (
+        decide(DecisionInputs.of(pinned, snap, AffinityView(), 0.0, profile, cordons=everything), trace=trace).replica
+        is not None
+    )
     assert trace.filters[0].filter == "cordon" and trace.filters[0].failed_open
 
 
@@ -99,7 +110,7 @@ async def test_explain_names_a_match_only_requests_in_flight_give_as_in_flight()
     await router.route(_headers("filler"), chat_body("something else entirely " * 40))
     explained = await router.explain(_headers("other"), body)
     assert explained.match_sources[holder] == "in_flight" and explained.decision.replica.name == holder  # type: ignore[union-attr]
-    assert len(router.inflight_prefixes) >= 1
+    assert len(router.caches.inflight) >= 1
     router.release(routed)
     assert (await router.explain(_headers("other"), body)).match_sources.get(holder, "estimate") == "estimate"
 
@@ -150,3 +161,16 @@ async def test_explain_names_kv_events_as_the_source_where_a_feed_is_live(
     assert states == {"r0": "live", "r1": "none", "r2": "live"}
     routed = await router.route(*chat(msgs))
     assert routed.decision.replica is not None and routed.decision.replica.name == reply.replica
+
+
+async def test_explain_shows_each_replicas_trust_and_the_age_of_its_evidence() -> None:
+    now = [100.0]
+    router = Router(make_config(), clock=lambda: now[0])
+    router.caches.estimate.observe("r0", 0.0, 0.0, now=100.0)  # a baseline
+    router.caches.estimate.claimed("r0", 1000, 1000)
+    router.caches.estimate.observe("r0", 0.0, 1000.0, now=100.0)  # it counted, and found nothing
+    now[0] = 130.0
+    explained = await router.explain(_headers("s"), chat_body("a prompt " * 40))
+    evidence = explained.evidence
+    assert evidence["r0"].evidence_age_s == pytest.approx(30.0) and evidence["r1"].evidence_age_s is None
+    assert evidence["r0"].kv_events == "" and evidence["r1"].trust == 1.0

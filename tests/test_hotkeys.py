@@ -20,7 +20,7 @@ from extproc.admin.service import AdminService
 from extproc.hotkeys.detector import HotKeyDetector, HotKeySettings
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router
-from extproc.routing import AffinityView, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.hot import fingerprint
 from extproc.telemetry import collect
 from tests.conftest import make_config
@@ -168,14 +168,17 @@ def test_a_hot_prefix_spreads_over_its_k_replicas_on_the_ring() -> None:
     counts: Counter[str] = Counter()
     inflight: dict[str, int] = {}
     for q in range(18):  # 6 in flight on each of the 3: under the load bound (8 in flight at least)
-        d = decide(_features(q), _snapshot(inflight=inflight), AffinityView(), 0.0, profile, hot=hot)
+        d = decide(DecisionInputs.of(_features(q), _snapshot(inflight=inflight), AffinityView(), 0.0, profile, hot=hot))
         assert d.replica is not None
         counts[d.replica.name] += 1
         inflight[d.replica.name] = inflight.get(d.replica.name, 0) + 1
     assert set(counts) == set(expected)
     assert max(counts.values()) - min(counts.values()) <= 1  # the least loaded of the k each time
     # Not hot (or cooled): the same requests stay on one replica while the fleet is idle.
-    cold = {decide(_features(q), _snapshot(), AffinityView(), 0.0, profile).replica.name for q in range(30)}  # type: ignore[union-attr]
+    cold = {
+        decide(DecisionInputs.of(_features(q), _snapshot(), AffinityView(), 0.0, profile)).replica.name
+        for q in range(30)
+    }  # type: ignore[union-attr]
     assert len(cold) == 1
 
 
@@ -184,7 +187,11 @@ def test_a_hot_prefix_set_walks_past_replicas_over_the_load_bound() -> None:
     key = profile.prefix_key(_features(0))
     assert key is not None
     first = profile.ring_for(_snapshot()).preference(key, 1)[0]
-    d = decide(_features(1), _snapshot(inflight={first: 20}), AffinityView(), 0.0, profile, hot={fingerprint(key): 2})
+    d = decide(
+        DecisionInputs.of(
+            _features(1), _snapshot(inflight={first: 20}), AffinityView(), 0.0, profile, hot={fingerprint(key): 2}
+        )
+    )
     assert d.replica is not None and d.replica.name != first
 
 
@@ -195,7 +202,7 @@ def test_a_pinned_session_of_a_hot_prefix_stays_where_it_is() -> None:
     hot = {fingerprint(key): 2}
     outside = next(n for n in (f"r{i}" for i in range(8)) if n not in profile.ring_for(_snapshot()).preference(key, 2))
     view = AffinityView(pinned=outside, prefix_matches={outside: 41})
-    d = decide(_features(1, "s"), _snapshot(), view, 0.0, profile, hot=hot)
+    d = decide(DecisionInputs.of(_features(1, "s"), _snapshot(), view, 0.0, profile, hot=hot))
     assert d.replica is not None and d.replica.name == outside
 
 

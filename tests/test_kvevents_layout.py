@@ -318,7 +318,9 @@ async def test_a_router_left_at_16_predicts_an_engine_of_32_exactly(tokenizer_di
                 for turn in range(4):
                     msgs.append({"role": "user", "content": sample_text(40, 30 + turn)})
                     headers, body = chat(msgs)
-                    features = await kv.tokenized(extract_features(headers, body, router.config.features), body)
+                    features = await kv.tokenized(
+                        extract_features(headers, body, router.config.features), json.loads(body)
+                    )
                     loop = asyncio.get_running_loop()
                     end = loop.time() + 5.0
                     while turn and loop.time() < end:  # the previous turn's stores on their way

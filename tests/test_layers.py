@@ -20,16 +20,19 @@ RANKS = {
     "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
     "extproc.telemetry": 7,
     "extproc.router": 6,
+    "extproc.bookkeeping": 5,  # what routing a request changes (load, caches, tenants), and undoes
+    "extproc.membership": 5,  # membership, cordons and drains, and the moves they cause
     "extproc.config": 5,
     "extproc.health": 4,
     "extproc.discovery": 4,
     "extproc.rebalance": 4,
     "extproc.queueing": 4,
+    "extproc.tracing": 4,  # decision spans over OTLP (the SDK imported only when tracing is on)
     "extproc.kvevents": 4,
-    "extproc.cache_estimate": 4,
-    "extproc.inflight_prefixes": 4,
+    "extproc.cache": 4,  # what each replica holds: the estimate, the prompts in flight, their one view
     "extproc.state": 3,
     "extproc.tenancy": 3,
+    "extproc.budgets": 3,  # token budgets per tenant: admission, charges, their stores
     "extproc.metrics": 2,
     "extproc.decisions": 2,  # the sampled feed of decisions (WatchDecisions, the console)
     "extproc.hotkeys": 2,  # the hot-key detector (sampled fingerprints, a bucketed heavy-hitter sketch)
@@ -39,6 +42,7 @@ RANKS = {
     "extproc._proto": 0,  # generated from proto/ (scripts/gen_proto.py)
     "extproc.upstream_timeouts": 0,
     "extproc.validation": 0,
+    "extproc.usage": 0,  # the token usage a response body reports, read as it passes
     "extproc.sampling": 0,  # deterministic sampling at a rate
 }
 

@@ -12,7 +12,7 @@ import pytest
 
 from extproc.config import Config
 from extproc.request.features import RequestFeatures
-from extproc.routing import AffinityView, Reason, Replica, ReplicaState, Snapshot, build_profile
+from extproc.routing import AffinityView, DecisionInputs, Reason, Replica, ReplicaState, Snapshot, build_profile
 from extproc.routing.registry import REGISTRY, ProfileError
 from extproc_lab.bench.policies import PEER_DEFS, PEERS, policy_profile
 from extproc_lab.bench.workloads import WorkloadSpec
@@ -213,14 +213,14 @@ def test_a_peer_decision_states_what_ours_would() -> None:
     profile = build_profile({"filters": [], "scorers": [], "picker": {"type": "max_score"}})
     snap = Snapshot(states())
     pinned = AffinityView(pinned="a", prefix_matches={"a": 4})
-    d = decide(features("s-1"), snap, pinned, 0.0, profile)
+    d = decide(DecisionInputs.of(features("s-1"), snap, pinned, 0.0, profile))
     assert d.replica is not None and d.replica.name == "a" and d.reason is Reason.STICKY and d.pin
     assert d.matched_blocks == 4 and [r.name for r in d.fallbacks] == ["b", "c"]
     decide.peer.observe(features("s-1"), "a")
-    d = decide(features("s-1"), snap, pinned, 0.0, profile)
+    d = decide(DecisionInputs.of(features("s-1"), snap, pinned, 0.0, profile))
     assert d.replica is not None and d.replica.name == "b" and d.reason is Reason.FAILOVER
-    assert decide(features(), snap, AffinityView(), 0.0, profile).reason is Reason.NEW_SESSION
-    assert decide(features(), Snapshot(()), AffinityView(), 0.0, profile).reason is Reason.NO_REPLICA
+    assert decide(DecisionInputs.of(features(), snap, AffinityView(), 0.0, profile)).reason is Reason.NEW_SESSION
+    assert decide(DecisionInputs.of(features(), Snapshot(()), AffinityView(), 0.0, profile)).reason is Reason.NO_REPLICA
 
 
 def test_the_routers_registry_names_no_peer() -> None:

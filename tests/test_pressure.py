@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.cache_estimate import CacheEstimate
+from extproc.cache.estimate import CacheEstimate
 from extproc.request.features import RequestFeatures
 from extproc.router import Router
 from extproc.routing.model import AffinityView, Replica, ReplicaState, Snapshot
@@ -200,7 +200,7 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
     from extproc_lab.sim.simulator import run_sync
 
     router = Router(Config(replicas=(Replica("a", "x:1"),)), store=MemoryStore())
-    router.cache_estimate.min_claimed_tokens = 100
+    router.caches.estimate.min_claimed_tokens = 100
     router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=0), 1.0)
     hashes = tuple(_chain(1, 30, 0))
     features = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=64 * 30)
@@ -211,7 +211,7 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
     for t in (10.0, 11.0):
         router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=0), t)
         run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), t))
-    assert router.cache_estimate.trust("a") == 1.0
+    assert router.caches.estimate.trust("a") == 1.0
     # Prefilled: the first bytes came back, and the replica reports the hits.
     for r in queued[:3]:
         router.observe_response(r, 200)
@@ -223,7 +223,7 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
         "a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_queries=6 * 480, prefix_hits=5 * 480), 12.0
     )
     run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 12.0))
-    assert router.cache_estimate.trust("a") == 1.0
+    assert router.caches.estimate.trust("a") == 1.0
     # Had the replica looked them up and found none of it, trust would fall.
     for r in [run_sync(router.route_features(features, 13.0 + i)) for i in range(5)]:
         router.observe_response(r, 200)
@@ -231,7 +231,7 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
         "a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_queries=11 * 480, prefix_hits=5 * 480), 20.0
     )
     run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 20.0))
-    assert router.cache_estimate.trust("a") < 0.7
+    assert router.caches.estimate.trust("a") < 0.7
 
 
 # --- decisions under pressure -----------------------------------------------------------------
@@ -295,7 +295,7 @@ def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_ful
 
 
 def test_prefixes_in_flight_count_however_short_the_index_memory() -> None:
-    from extproc.inflight_prefixes import InflightPrefixes, longer
+    from extproc.cache.inflight import InflightPrefixes, longer
 
     table = InflightPrefixes()
     long, short, other = tuple(range(1, 41)), tuple(range(1, 11)), (99, 100)

@@ -16,7 +16,7 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.feed import KvEventSource
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.subscriber import Subscriptions
-from extproc.request.features import extract_features
+from extproc.request.features import read_request
 from extproc.request.tokenizer import PromptTokenizer
 from extproc_lab.replica import ReplicaEngine, build_app, get_profile
 from extproc_lab.replica.kv_events import TokenBlocks
@@ -58,8 +58,9 @@ class Rig:
 
         body = json.dumps({"model": model, "messages": messages, **extra}).encode()
         headers = {":path": "/v1/chat/completions", **({"x-session-id": session} if session else {})}
-        features = extract_features(headers, body, self.state_features)
-        return (await self.state.tokenized(features, body)).prefix_hashes
+        request = read_request(headers, body, self.state_features)
+        parsed = request.body.body if request.body is not None else None
+        return (await self.state.tokenized(request.features, parsed)).prefix_hashes
 
 
 @pytest.fixture(params=["map", "array"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from extproc.config import config_from_mapping
 from extproc.request.splits import SplitRule, SplitTarget, choose_arm, rewrite_model
 
@@ -55,10 +57,11 @@ def test_first_match_wins_and_no_match_is_none() -> None:
 
 
 def test_rewrite_keeps_everything_but_the_model() -> None:
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "héllo"}], "stream": True}).encode()
+    body = {"model": "m", "messages": [{"role": "user", "content": "héllo"}], "stream": True}
     out = rewrite_model(body, "m-v2")
-    assert out is not None and json.loads(out) == {**json.loads(body), "model": "m-v2"}
-    assert rewrite_model(b"[1, 2]", "x") is None and rewrite_model(b"{nope", "x") is None
+    assert json.loads(out) == {**body, "model": "m-v2"}
+    assert "héllo" in out.decode()  # not escaped: the replica reads the same text
+    assert body["model"] == "m"  # the parsed body others read is left alone
 
 
 def test_the_config_builds_rules() -> None:
@@ -96,3 +99,25 @@ async def test_the_router_rewrites_the_body_and_hashes_the_served_model() -> Non
     assert routed.features.pool == (("pool", "canary"),)
     untouched = await router.route({":path": "/v1/chat/completions"}, chat_body("x", model="other"))
     assert untouched.arm is None and untouched.body is None
+
+
+async def test_a_split_request_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.request import openai_body
+    from extproc.router import Router
+    from tests.conftest import chat_body, make_config
+
+    calls = 0
+    loads = openai_body.orjson.loads
+
+    def counted(raw: bytes | str) -> object:
+        nonlocal calls
+        calls += 1
+        return loads(raw)
+
+    monkeypatch.setattr(openai_body.orjson, "loads", counted)
+    monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("parsed again with json"))
+    rule = SplitRule("c", (SplitTarget("m-v2", 1),), model="m")
+    router = Router(make_config(splits=(rule,)))
+    routed = await router.route({":path": "/v1/chat/completions", "user": "u"}, chat_body("a prompt " * 40))
+    assert routed.arm is not None and routed.body is not None
+    assert calls == 1

@@ -181,6 +181,8 @@ def render(call: str, reply: Any) -> str:
         for r in sorted(reply.replicas, key=lambda r: (r.rank < 0, r.rank, r.replica)):
             parts = " ".join(f"{p.scorer}={p.contribution:.2f}" for p in r.scores if p.contribution)
             removed = f"{r.removed_by}: {r.removed_why}" if r.removed_by else ""
+            age = f"{r.cache_evidence_age_s:.0f}s" if r.cache_evidence_age_s >= 0 else "never"
+            cache = f"trust {r.cache_trust:.2f} ({age})" + (f" kv {r.kv_events}" if r.kv_events else "")
             rows.append(
                 [
                     r.replica,
@@ -188,10 +190,11 @@ def render(call: str, reply: Any) -> str:
                     f"{r.total:.3f}" if r.candidate else "-",
                     f"{r.matched_blocks} ({r.match_source})",
                     r.predicted_uncached_tokens,
+                    cache,
                     removed or parts,
                 ]
             )
-        table = _table(["REPLICA", "RANK", "TOTAL", "MATCHED", "UNCACHED", "SCORES / REMOVED"], rows)
+        table = _table(["REPLICA", "RANK", "TOTAL", "MATCHED", "UNCACHED", "CACHE", "SCORES / REMOVED"], rows)
         return head + table + f"order {' > '.join(reply.order)}  fallbacks {', '.join(reply.fallbacks) or '-'}\n"
     if call == "replicas":
         rows = [

@@ -60,7 +60,7 @@ def fleet(router: Router) -> list[ReplicaRow]:
                 pending_prefill_tokens=rec.pending_prefill_tokens,
                 scrape_failures=rec.scrape_failures,
                 kv_events=_feed_state(feeds, name, now),
-                cache_trust=round(router.cache_estimate.trust(name), 4),
+                cache_trust=round(router.caches.estimate.trust(name), 4),
             )
         )
     return rows

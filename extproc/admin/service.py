@@ -27,6 +27,7 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
     replicas = []
     for state in ex.snapshot.replicas:
         name = state.name
+        evidence = ex.evidence.get(name)
         by, why = removed.get(name, ("", ""))
         parts = [
             pb.ScorePart(
@@ -47,6 +48,11 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
                 match_source=sources.get(name, "estimate"),
                 predicted_uncached_tokens=ex.uncached_tokens.get(name, 0),
                 rank=rank.get(name, -1),
+                cache_trust=evidence.trust if evidence else 1.0,
+                cache_evidence_age_s=-1.0
+                if evidence is None or evidence.evidence_age_s is None
+                else evidence.evidence_age_s,
+                kv_events=evidence.kv_events if evidence else "",
             )
         )
     chosen = d.replica.name if d.replica is not None else ""

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from extproc.kvevents.feed import KvEventSource
@@ -143,8 +142,9 @@ class EventCacheState:
             self.source.refit()
 
     # -- before the decision ----------------------------------------------------------------
-    async def tokenized(self, features: RequestFeatures, body: bytes | None) -> RequestFeatures:
-        """``features`` with prefix hashes over the model's tokens, when it has a tokenizer."""
+    async def tokenized(self, features: RequestFeatures, body: Mapping[str, Any] | None) -> RequestFeatures:
+        """``features`` with prefix hashes over the model's tokens, when it has a tokenizer
+        (``body``: the request's parsed body)."""
         model = self.settings.resolve(features.model)[0]
         tok = self.tokenizers.get(model)
         if tok is None or not body or features.body_error is not None or features.has_media:
@@ -165,12 +165,11 @@ class EventCacheState:
         self,
         tok: PromptTokenizer,
         features: RequestFeatures,
-        body: bytes,
+        parsed: Mapping[str, Any],
         layout: tuple[int, EngineChain | None],
     ) -> tuple[tuple[int, ...], int]:
         """The request's block keys and prompt length in tokens (runs in a worker thread), in
         blocks of ``layout``'s size hashed by its chain (None: content hashes)."""
-        parsed = orjson.loads(body)
         if features.path.startswith(CHAT_PATH):
             t = tok.chat_ids(parsed.get("messages") or [], parsed.get("tools"), session=features.session_key)
         elif features.path.startswith(COMPLETIONS_PATH):

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.request.classes import ClassRule, classify
-from extproc.request.openai_body import INFERENCE_PATHS, BodyError, parse_request_body
+from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
 from extproc.request.tenant import resolve_tenant
@@ -68,8 +68,24 @@ def request_path(headers: Mapping[str, str]) -> str:
     return headers.get(":path", "").split("?", 1)[0]
 
 
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A request read once: its features and its OpenAI body as parsed (None when it has no usable
+    body). Splits, the tokenizer and hot keys take the parsed body from here: a long prompt's
+    JSON is decoded once per request."""
+
+    features: RequestFeatures
+    body: OpenAIRequest | None = None
+
+
 def extract_features(headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings) -> RequestFeatures:
     """Extract features; a body that cannot be used leaves ``body_error`` set, never raises."""
+    return read_request(headers, body, settings).features
+
+
+def read_request(headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings) -> ParsedRequest:
+    """The request's features and parsed body; a body that cannot be used leaves ``body_error``
+    set, never raises."""
     path = request_path(headers)
     tenant = resolve_tenant(headers, settings.tenant_header, settings.api_keys)
     request_id = headers.get("x-request-id", "")[:128]
@@ -98,19 +114,37 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
             request_id=request_id,
             model=headers.get("x-model", "")[:256],
         )
-        return _classified(features, headers, settings) if settings.classes else features
+        return ParsedRequest(_classified(features, headers, settings) if settings.classes else features)
+    bare = RequestFeatures(path=path, session_key=key, tenant=tenant, request_id=request_id)
+    return ParsedRequest(_from_body(bare, parsed, headers, settings), parsed)
+
+
+def with_model(
+    request: ParsedRequest, model: str, headers: Mapping[str, str], settings: FeatureSettings
+) -> ParsedRequest:
+    """``request`` as if its body named ``model`` (a split's arm): the prefix hashes are seeded
+    with the model actually served. The body is not parsed again."""
+    if request.body is None:
+        return request
+    body = replace(request.body, model=model, body={**request.body.body, "model": model})
+    return ParsedRequest(_from_body(request.features, body, headers, settings), body)
+
+
+def _from_body(
+    bare: RequestFeatures, parsed: OpenAIRequest, headers: Mapping[str, str], settings: FeatureSettings
+) -> RequestFeatures:
     hashes = block_hashes(parsed.prompt, model_seed(parsed.model), settings.block_chars, settings.max_blocks)
     features = RequestFeatures(
-        path=path,
+        path=bare.path,
         model=parsed.model,
-        session_key=key,
-        tenant=tenant,
+        session_key=bare.session_key,
+        tenant=bare.tenant,
         prompt_chars=len(parsed.prompt),
         prefix_hashes=hashes,
         stream=parsed.stream,
         max_output_tokens=parsed.max_output_tokens,
         has_media=parsed.has_media,
-        request_id=request_id,
+        request_id=bare.request_id,
     )
     return _classified(features, headers, settings) if settings.classes else features
 
@@ -127,3 +161,11 @@ def _classified(features: RequestFeatures, headers: Mapping[str, str], settings:
     if rule is None:
         return features
     return replace(features, request_class=rule.name, pool=tuple(sorted(rule.pool.items())), profile=rule.profile)
+
+
+def uncached_tokens(features: RequestFeatures, matched_blocks: int, block_chars: int) -> int:
+    """Prompt tokens a replica holding ``matched_blocks`` of the prompt's leading blocks would
+    prefill (blocks of the model's tokens where tokenized, else of ``block_chars`` characters)."""
+    if features.tokens_per_block:
+        return max(0, features.prompt_tokens - matched_blocks * features.tokens_per_block)
+    return max(0, features.prompt_chars - matched_blocks * block_chars) // CHARS_PER_TOKEN

@@ -109,26 +109,6 @@ def choose_arm(rules: tuple[SplitRule, ...], model: str, headers: Mapping[str, s
     return None
 
 
-def body_user(body: bytes | None) -> str | None:
-    """The OpenAI ``user`` field of a JSON body, if it is a string."""
-    if not body:
-        return None
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    user = parsed.get("user") if isinstance(parsed, dict) else None
-    return user if isinstance(user, str) and user else None
-
-
-def rewrite_model(body: bytes, model: str) -> bytes | None:
-    """``body`` with its ``model`` replaced, or None when it is not a JSON object (then it goes
-    unchanged: a body we cannot read is not ours to rewrite)."""
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(parsed, dict):
-        return None
-    parsed["model"] = model
-    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+def rewrite_model(body: Mapping[str, object], model: str) -> bytes:
+    """The JSON of ``body`` (a parsed request body) with its ``model`` replaced."""
+    return json.dumps({**body, "model": model}, ensure_ascii=False, separators=(",", ":")).encode()

@@ -67,8 +67,8 @@ class HotPrefixFilter:
         pinned = cycle.view.pinned
         if pinned and any(c.name == pinned for c in candidates):
             return candidates  # a conversation stays where its own cache is
-        chosen = set(replica_set(cycle, candidates, k, self.load_factor, self.min_bound))
-        cycle.scratch["hot_set"] = chosen
+        chosen = frozenset(replica_set(cycle, candidates, k, self.load_factor, self.min_bound))
+        cycle.hot_set = chosen
         kept = [c for c in candidates if c.name in chosen]
         return kept or candidates
 
@@ -97,7 +97,7 @@ class HotPrefixScorer:
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
         """1 for the least loaded of the set, falling with extra work."""
-        chosen = cycle.scratch.get("hot_set")
+        chosen = cycle.hot_set
         if not chosen:
             return {}
         f = cycle.features

@@ -12,7 +12,7 @@ from extproc.routing.hot import fingerprint
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
-from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass, why_removed
+from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass
 
 KeySource = Literal["session", "prefix", "request", "none"]
 
@@ -58,13 +58,12 @@ class Profile:
         # Tenants hash in their own space: equal prompts of two tenants need not meet.
         return f"{features.tenant}\x1f{anchor}" if features.tenant else anchor
 
-    def ring_key(self, features: RequestFeatures) -> tuple[str | int | None, KeySource]:
-        """What new work is hashed on, and where that came from: the session, else a prefix deep
-        enough to tell requests apart, else the request id (which spreads requests we know
+    def ring_key(self, features: RequestFeatures, prefix: str | int | None) -> tuple[str | int | None, KeySource]:
+        """What new work is hashed on, and where that came from: the session, else the prefix's
+        key (``prefix``, :meth:`prefix_key`), else the request id (which spreads requests we know
         nothing about instead of sending them all to the first replica)."""
         if features.session_key:
             return features.session_key, "session"
-        prefix = self.prefix_key(features)
         if prefix is not None:
             return prefix, "prefix"
         if features.request_id:
@@ -92,27 +91,50 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
-def decide(
-    features: RequestFeatures,
-    snapshot: Snapshot,
-    view: AffinityView,
-    now: float,
-    profile: Profile,
-    tenant: TenantTerms = NO_TERMS,
-    *,
-    cordons: Mapping[str, str] | None = None,
-    trace: DecisionTrace | None = None,
-    hot: Mapping[int, int] | None = None,
-) -> Decision:
-    """Choose a replica for a request.
+@dataclass(frozen=True, slots=True)
+class DecisionInputs:
+    """Everything one decision reads, as the router assembled it.
 
-    ``snapshot`` is the replicas' health and load as last known, ``view`` what the affinity
-    store returned for this request, ``now`` the clock's value, ``tenant`` the terms of the
-    request's tenant (quota, shard), ``cordons`` the replicas an operator cordoned or drained
-    (:mod:`extproc.routing.cordon`), ``hot`` the hot prefixes' fingerprints and how many replicas
-    each should have (:mod:`extproc.routing.hot`). Nothing here performs I/O. Given a ``trace``, the decision
-    records its steps there (the admin API's Explain).
+    ``snapshot`` is the replicas' health and load as last known, ``view`` what the caches are
+    believed to hold for this request (the store's pin and prefix index, weighed by the replicas'
+    own reports), ``now`` the clock's value, ``tenant`` the terms of the request's tenant (quota,
+    shard), ``cordons`` the replicas an operator cordoned or drained (:mod:`extproc.routing.cordon`),
+    ``hot`` the hot prefixes' fingerprints and how many replicas each should have
+    (:mod:`extproc.routing.hot`), ``prefix_key`` the request's prefix ring key as the profile
+    computes it (:meth:`Profile.prefix_key`; computed once per request by the router).
     """
+
+    features: RequestFeatures
+    snapshot: Snapshot
+    view: AffinityView
+    now: float
+    profile: Profile
+    tenant: TenantTerms = NO_TERMS
+    cordons: Mapping[str, str] | None = None
+    hot: Mapping[int, int] | None = None
+    prefix_key: str | int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        features: RequestFeatures,
+        snapshot: Snapshot,
+        view: AffinityView,
+        now: float,
+        profile: Profile,
+        tenant: TenantTerms = NO_TERMS,
+        *,
+        cordons: Mapping[str, str] | None = None,
+        hot: Mapping[int, int] | None = None,
+    ) -> DecisionInputs:
+        """The inputs with the prefix key computed from ``profile``."""
+        return cls(features, snapshot, view, now, profile, tenant, cordons, hot, profile.prefix_key(features))
+
+
+def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
+    """Choose a replica for a request. Nothing here performs I/O. Given a ``trace``, the decision
+    records its steps there (the admin API's Explain)."""
+    features, snapshot, view, profile, tenant = given.features, given.snapshot, given.view, given.profile, given.tenant
     # Admission: a tenant over its quota is refused, or confined to the overflow pool.
     if tenant.over_quota:
         if tenant.over_quota_action == "reject":
@@ -120,24 +142,25 @@ def decide(
         features = replace(features, pool=tenant.overflow_pool)
     if not snapshot.replicas:
         return Decision(replica=None, reason=Reason.NO_REPLICA)
-    ring_key, key_source = profile.ring_key(features)
+    ring_key, key_source = profile.ring_key(features, given.prefix_key)
     cycle = CycleState(
         features=features,
         snapshot=snapshot,
         view=view,
-        now=now,
+        now=given.now,
         ring=profile.ring_for(snapshot),
         ring_key=ring_key,
         key_source=key_source,
         tenant=tenant,
     )
-    if hot:
-        cycle.hot_key = profile.prefix_key(features)
+    if given.hot:
+        cycle.hot_key = given.prefix_key
         if cycle.hot_key is not None:
-            cycle.hot_replicas = hot.get(fingerprint(cycle.hot_key), 0)
+            cycle.hot_replicas = given.hot.get(fingerprint(cycle.hot_key), 0)
     candidates: list[ReplicaState] = list(snapshot.replicas)
     if trace is not None:
         trace.profile, trace.key_source = profile.name, key_source
+    cordons = given.cordons
     if cordons:
         # Before the profile's filters, whatever the profile: a cordon is the operator's word.
         cordon = CordonFilter(cordons)
@@ -171,28 +194,15 @@ def decide(
     if trace is not None:
         trace.totals = dict(totals)
         trace.order = [s.name for s in ordered]
-    overloaded: set[str] = cycle.scratch.get("overloaded", set())
-    hot_set = tuple(sorted(cycle.scratch.get("hot_set", ())))
-    return _conclude(features, view, profile, ordered, totals, key_source, overloaded, hot_set, moved_by)
+    hot_set = tuple(sorted(cycle.hot_set or ()))
+    return _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
 
 
 class Decider(Protocol):
     """The decision step the router calls: :func:`decide`, or a stand-in with its signature
     (the lab's simulated peer routers, which choose by their own rules)."""
 
-    def __call__(
-        self,
-        features: RequestFeatures,
-        snapshot: Snapshot,
-        view: AffinityView,
-        now: float,
-        profile: Profile,
-        tenant: TenantTerms = NO_TERMS,
-        *,
-        cordons: Mapping[str, str] | None = None,
-        trace: DecisionTrace | None = None,
-        hot: Mapping[int, int] | None = None,
-    ) -> Decision:
+    def __call__(self, given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
         """Choose a replica for a request (see :func:`decide`)."""
         ...
 
@@ -209,9 +219,9 @@ def ranked_decision(
     been judged overloaded."""
     if not ordered:
         return Decision(replica=None, reason=Reason.NO_REPLICA)
-    _, key_source = profile.ring_key(features)
+    _, key_source = profile.ring_key(features, profile.prefix_key(features))
     scores = dict(totals) if totals is not None else {s.name: 0.0 for s in ordered}
-    return _conclude(features, view, profile, ordered, scores, key_source, set())
+    return _conclude(features, view, profile, ordered, scores, key_source, frozenset())
 
 
 def _conclude(
@@ -221,7 +231,7 @@ def _conclude(
     ordered: Sequence[ReplicaState],
     totals: Mapping[str, float],
     key_source: KeySource,
-    overloaded: set[str],
+    overloaded: frozenset[str],
     hot_set: tuple[str, ...] = (),
     moved_by: str = "",
 ) -> Decision:
@@ -251,11 +261,7 @@ def _traced_filter(
     kept = flt.filter(cycle, candidates)
     names = {c.name for c in kept}
     step = FilterPass(flt.name)
-    params = {k: getattr(flt, k) for k in ("kv_threshold", "queue_threshold") if hasattr(flt, k)}
-    why = getattr(flt, "why", None)
-    for c in candidates:
-        if c.name not in names:
-            step.removed.append((c.name, why(c) if callable(why) else why_removed(flt.name, params, c)))
+    step.removed = [(c.name, flt.why(c)) for c in candidates if c.name not in names]
     trace.filters.append(step)
     return kept
 
@@ -263,7 +269,7 @@ def _traced_filter(
 def _reason(
     view: AffinityView,
     key_source: KeySource,
-    overloaded: set[str],
+    overloaded: frozenset[str],
     chosen: ReplicaState,
     matched: int,
     totals: Mapping[str, float],

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from statistics import median_low
-from typing import Any, Protocol
+from typing import Protocol
 
 from extproc.request.features import RequestFeatures
 from extproc.routing.model import NO_TERMS, AffinityView, ReplicaState, Snapshot, TenantTerms
@@ -21,7 +21,7 @@ from extproc.routing.ring import HashRing
 
 @dataclass(slots=True)
 class CycleState:
-    """Everything one decision reads, plus scratch data plugins share within the cycle."""
+    """Everything one decision reads, and what its filters found that later steps use."""
 
     features: RequestFeatures
     snapshot: Snapshot
@@ -31,20 +31,29 @@ class CycleState:
     ring_key: str | int | None
     key_source: str = "none"
     tenant: TenantTerms = NO_TERMS
-    scratch: dict[str, Any] = field(default_factory=dict)
     hot_key: str | int | None = None
     """The request's prefix ring key (without the session), which hot prefixes are known by."""
     hot_replicas: int = 0
     """Replicas its prefix should be served by when it is hot (:mod:`extproc.routing.hot`); 0: not hot."""
+    overloaded: frozenset[str] = frozenset()
+    """Replicas the overload filter dropped: a pinned or best-matching one dropped there makes the
+    decision a spillover."""
+    hot_set: frozenset[str] | None = None
+    """A hot prefix's replica set, as the hot-prefix filter chose it (None: not hot, or a session
+    pinned elsewhere kept its replica)."""
 
 
 class Filter(Protocol):
-    """Drops candidates that must not receive this request."""
+    """Drops candidates that must not receive this request, and says why (the decision trace)."""
 
     name: str
 
     def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
         """The candidates that remain."""
+        ...
+
+    def why(self, state: ReplicaState) -> str:
+        """Why ``state`` was removed (asked only for removed replicas, only when tracing)."""
         ...
 
 
@@ -85,6 +94,10 @@ class InRotationFilter:
         if not kept:
             return candidates
         return kept
+
+    def why(self, state: ReplicaState) -> str:
+        """Out of rotation."""
+        return f"out of rotation (health {state.health:.2f})"
 
 
 @dataclass(slots=True)
@@ -137,9 +150,17 @@ class OverloadFilter:
             return self.overloaded(c)
 
         kept = [c for c in candidates if not out(c)]
-        dropped = {c.name for c in candidates} - {c.name for c in kept}
-        cycle.scratch["overloaded"] = dropped
+        if len(kept) < len(candidates):
+            names = {c.name for c in kept}
+            cycle.overloaded = frozenset(c.name for c in candidates if c.name not in names)
         return kept or candidates
+
+    def why(self, state: ReplicaState) -> str:
+        """Its KV usage or queue over the limits."""
+        return (
+            f"overloaded (kv usage {state.kv_usage:.2f}, limit {self.kv_threshold}; "
+            f"queue {state.queue}, limit {self.queue_threshold})"
+        )
 
 
 @dataclass(slots=True)
@@ -159,6 +180,10 @@ class PoolFilter:
             return candidates
         return kept
 
+    def why(self, state: ReplicaState) -> str:
+        """Outside the pool."""
+        return "outside the request's pool"
+
 
 @dataclass(slots=True)
 class TenantShardFilter:
@@ -175,6 +200,10 @@ class TenantShardFilter:
         shard = set(cycle.ring.preference(f"tenant\x1f{cycle.features.tenant}", size))
         kept = [c for c in candidates if c.name in shard]
         return kept or candidates
+
+    def why(self, state: ReplicaState) -> str:
+        """Outside the shard."""
+        return "outside the tenant's shard"
 
 
 def _adapter_requested(model: str, candidates: Sequence[ReplicaState]) -> bool:
@@ -206,6 +235,10 @@ class LoraFilter:
             if model in c.adapters or model in c.adapters_waiting or not c.max_lora or len(c.adapters) < c.max_lora
         ]
         return kept or candidates
+
+    def why(self, state: ReplicaState) -> str:
+        """Its adapter slots are taken."""
+        return "does not serve the requested adapter"
 
 
 # --- scorers ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from extproc.request.features import RequestFeatures
-from extproc.routing.model import AffinityView, Decision, ReplicaState, Snapshot
+from extproc.routing.model import AffinityView, Decision, Snapshot
 
 
 @dataclass(slots=True)
@@ -54,24 +54,16 @@ class DecisionTrace:
         return out
 
 
-def why_removed(filter_name: str, params: Mapping[str, object], state: ReplicaState) -> str:
-    """A short reason a filter dropped ``state``, from what the filter and the state show.
+@dataclass(frozen=True, slots=True)
+class CacheEvidence:
+    """How far one replica's cache picture can be believed, and how fresh it is."""
 
-    Filters only answer "who stays"; the explanation is derived here so plugins need no second
-    method (one that offers ``why(state)`` is asked first, by the pipeline).
-    """
-    if filter_name == "in_rotation":
-        return f"out of rotation (health {state.health:.2f})"
-    if filter_name == "overload":
-        kv_t, q_t = params.get("kv_threshold"), params.get("queue_threshold")
-        return f"overloaded (kv usage {state.kv_usage:.2f}, limit {kv_t}; queue {state.queue}, limit {q_t})"
-    if filter_name == "pool":
-        return "outside the request's pool"
-    if filter_name == "tenant_shard":
-        return "outside the tenant's shard"
-    if filter_name == "lora":
-        return "does not serve the requested adapter"
-    return f"removed by {filter_name}"
+    trust: float
+    """The share of the index's claims its hit counters bear out (1: no evidence against)."""
+    evidence_age_s: float | None
+    """Seconds since its counters last bore on the claims; None if they never did."""
+    kv_events: str
+    """Its KV-event feed: ``live``, ``silent`` (subscribed, not heard from lately) or ``""`` (none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +81,5 @@ class Explanation:
     match_sources: Mapping[str, str] = field(default_factory=dict)
     """Per replica with matches: "kv_events" (its engine's events), "estimate" (what was sent there) or
     "in_flight" (prompts of requests still running or queued there)."""
+    evidence: Mapping[str, CacheEvidence] = field(default_factory=dict)
+    """Per replica: the trust and freshness of what the caches are believed to hold."""

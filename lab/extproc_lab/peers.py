@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures
-from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
-from extproc.routing.pipeline import Profile, ranked_decision
+from extproc.routing.model import Decision, Reason, ReplicaState
+from extproc.routing.pipeline import DecisionInputs, ranked_decision
 from extproc.routing.ring import HashRing
 from extproc.routing.trace import DecisionTrace
 from extproc.state.memory import PrefixIndex
@@ -117,24 +117,13 @@ class PeerDecision:
 
     peer: PeerPolicy
 
-    def __call__(
-        self,
-        features: RequestFeatures,
-        snapshot: Snapshot,
-        view: AffinityView,
-        now: float,
-        profile: Profile,
-        tenant: TenantTerms = NO_TERMS,
-        *,
-        cordons: Mapping[str, str] | None = None,
-        trace: DecisionTrace | None = None,
-        hot: Mapping[int, int] | None = None,
-    ) -> Decision:
+    def __call__(self, given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
         """The peer's choice as a decision (our hot-prefix table, like cordons, is not its business)."""
+        snapshot, view = given.snapshot, given.view
         if not snapshot.replicas:
             return Decision(replica=None, reason=Reason.NO_REPLICA)
-        ordered = self.peer.choose(features, Fleet(snapshot.replicas, view.prefix_matches, now))
-        return ranked_decision(features, view, profile, ordered)
+        ordered = self.peer.choose(given.features, Fleet(snapshot.replicas, view.prefix_matches, given.now))
+        return ranked_decision(given.features, view, given.profile, ordered)
 
 
 def _rng(seed: int, rng: random.Random | None) -> random.Random:

@@ -53,7 +53,7 @@ class ScorePart(_message.Message):
     def __init__(self, scorer: _Optional[str] = ..., raw: _Optional[float] = ..., weight: _Optional[float] = ..., contribution: _Optional[float] = ...) -> None: ...
 
 class ReplicaExplanation(_message.Message):
-    __slots__ = ("replica", "candidate", "removed_by", "removed_why", "scores", "total", "matched_blocks", "match_source", "predicted_uncached_tokens", "rank")
+    __slots__ = ("replica", "candidate", "removed_by", "removed_why", "scores", "total", "matched_blocks", "match_source", "predicted_uncached_tokens", "rank", "cache_trust", "cache_evidence_age_s", "kv_events")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,9 @@ class ReplicaExplanation(_message.Message):
     MATCH_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TRUST_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVIDENCE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     candidate: bool
     removed_by: str
@@ -74,7 +77,10 @@ class ReplicaExplanation(_message.Message):
     match_source: str
     predicted_uncached_tokens: int
     rank: int
-    def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    cache_trust: float
+    cache_evidence_age_s: float
+    kv_events: str
+    def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., cache_trust: _Optional[float] = ..., cache_evidence_age_s: _Optional[float] = ..., kv_events: _Optional[str] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
     __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost")

@@ -50,6 +50,8 @@ class _Trust:
     """The replica's query counter at the last scrape."""
     settled_at: float | None = None
     """When trust was last set by evidence or faded by :meth:`CacheEstimate.recover`."""
+    evidence_at: float | None = None
+    """When the replica's counters last bore on the claims (a scrape whose queries grew)."""
     smoothed_claimed: float = 0.0
     smoothed_hits: float = 0.0
     trust: float = 1.0
@@ -99,6 +101,12 @@ class CacheEstimate:
         """How far the index's claims for ``replica`` are believed, in [min_trust, 1]."""
         t = self._replicas.get(replica)
         return t.trust if t is not None else 1.0
+
+    def evidence_age(self, replica: str, now: float) -> float | None:
+        """Seconds since ``replica``'s counters last bore on the index's claims; None if they never
+        did (its trust then rests on nothing it reported)."""
+        t = self._replicas.get(replica)
+        return None if t is None or t.evidence_at is None else max(0.0, now - t.evidence_at)
 
     def capacity_blocks(self, num_gpu_blocks: int, block_size: int) -> int:
         """Index blocks a replica of ``num_gpu_blocks`` blocks of ``block_size`` tokens can hold."""
@@ -155,7 +163,7 @@ class CacheEstimate:
         t.smoothed_claimed = self.decay * t.smoothed_claimed + expected
         t.smoothed_hits = self.decay * t.smoothed_hits + (hits if queries is None else min(hits, queries))
         if now is not None:
-            t.settled_at = now
+            t.settled_at = t.evidence_at = now
         if t.smoothed_claimed >= self.min_claimed_tokens:
             ratio = t.smoothed_hits / t.smoothed_claimed
             t.trust = min(1.0, max(self.min_trust, ratio))

@@ -1,0 +1,166 @@
+"""What routing a request changes, and undoes: one hook per kind of bookkeeping.
+
+A decision sends a request somewhere; from then until it ends, the router counts it there. Each
+hook keeps one account: the replica's load (requests, prefill and KV tokens in flight), what the
+replica's cache holds (its prompt in flight, the KV events' credit, the claim its hit counters
+later judge), the tenant's requests in flight. Each hook is told when the request is decided, when
+its first byte came back (its prefill is over) and when it ended; the last is called once,
+whatever ended it (the response, a reset stream, a refused request). The store's pin and prefix
+index are written by the router itself: that step is I/O and may fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from extproc.cache import ReplicaCaches
+from extproc.health.replicas import ReplicaBook
+from extproc.queueing import Refusal
+from extproc.request.features import RequestFeatures
+from extproc.request.splits import Arm
+from extproc.routing.model import Decision
+from extproc.tenancy import TenantLedger
+
+
+@dataclass(slots=True)
+class Routed:
+    """One routed request: its features, the decision, when it was made, and what is counted for
+    it until it ends."""
+
+    features: RequestFeatures
+    decision: Decision
+    decided_at: float
+    prefill_tokens: int = 0
+    """Prompt tokens not believed cached on the replica, pending there until the first byte."""
+    released: bool = False
+    tenant_counted: bool = False
+    arm: Arm | None = None
+    """The split arm the request landed in, if a ``splits:`` rule took it."""
+    body: bytes | None = None
+    """The body rewritten for its arm (its model replaced), to send instead of the client's."""
+    refusal: Refusal | None = None
+    """Held while the fleet was full and refused (queue full, or waited past its class's limit)."""
+    kv_tokens: int = 0
+    """KV tokens the request was counted as holding on its replica while in flight."""
+    claimed_tokens: int = 0
+    """Prompt tokens the prefix index claimed cached on the chosen replica (before trust), handed to
+    the cache estimate once the prefill is done: the replica counts its hits when it prefills,
+    and behind a queue that is seconds after the decision."""
+    sent_tokens: int = 0
+    """The prompt's tokens, handed to the cache estimate with the claim: the share of them the
+    replica's query counter covers says how much of the claim its hits bear on."""
+    traceparent: str | None = None
+    """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
+
+
+class Hook(Protocol):
+    """One account kept for every routed request that has a replica."""
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """The request was sent to ``replica`` at ``now``."""
+        ...
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Its first byte came back: the prefill there is over."""
+        ...
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """It is over (or abandoned); called once."""
+        ...
+
+
+class LoadHook:
+    """The replica's requests, pending prefill and KV tokens in flight (the load the decision
+    reads before a scrape catches up)."""
+
+    def __init__(self, book: ReplicaBook) -> None:
+        self.book = book
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Count it: what it adds to the replica's KV is the part not believed cached (a shared
+        prefix is held once, however many requests use it)."""
+        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens)
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Its prefill no longer waits."""
+        self.book.prefilled(replica, routed.prefill_tokens)
+        routed.prefill_tokens = 0
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Uncount it."""
+        self.book.end(replica, routed.prefill_tokens, routed.kv_tokens)
+        routed.prefill_tokens = 0
+
+
+class CacheHook:
+    """What the replica's cache holds: the prompt in flight there, the KV events' credit, and the
+    claim its hit counters judge once the prefill is done."""
+
+    def __init__(self, caches: ReplicaCaches) -> None:
+        self.caches = caches
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Its prompt is in flight there."""
+        self.caches.sent(replica, routed.features, routed.decision.matched_blocks, now)
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Its claim is weighed against the hits the replica reports from now on."""
+        self._settle(routed, replica)
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Its prompt is no longer in flight (its claim settled if no first byte was seen)."""
+        self._settle(routed, replica)
+        self.caches.ended(replica, routed.features)
+
+    def _settle(self, routed: Routed, replica: str) -> None:
+        if routed.claimed_tokens or routed.sent_tokens:
+            self.caches.prefilled(replica, routed.claimed_tokens, routed.sent_tokens)
+            routed.claimed_tokens = routed.sent_tokens = 0
+
+
+class TenantHook:
+    """The tenant's requests in flight (its quota and its share of each replica)."""
+
+    def __init__(self, ledger: TenantLedger) -> None:
+        self.ledger = ledger
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Count it, for tenants with a policy."""
+        routed.tenant_counted = self.ledger.begin(routed.features.tenant, replica)
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Nothing: a tenant's request counts until it ends."""
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Uncount it."""
+        if routed.tenant_counted:
+            self.ledger.end(routed.features.tenant, replica)
+
+
+def decided(hooks: Sequence[Hook], routed: Routed, now: float) -> None:
+    """Tell every hook ``routed`` was decided (nothing for a request without a replica)."""
+    replica = routed.decision.replica
+    if replica is not None:
+        for hook in hooks:
+            hook.decided(routed, replica.name, now)
+
+
+def answered(hooks: Sequence[Hook], routed: Routed) -> None:
+    """Tell every hook ``routed``'s first byte came back."""
+    replica = routed.decision.replica
+    if replica is not None and not routed.released:
+        for hook in hooks:
+            hook.answered(routed, replica.name)
+
+
+def ended(hooks: Sequence[Hook], routed: Routed) -> bool:
+    """Tell every hook ``routed`` is over, once; False when it was already (or had no replica)."""
+    replica = routed.decision.replica
+    if routed.released or replica is None:
+        return False
+    routed.released = True
+    for hook in hooks:
+        hook.ended(routed, replica.name)
+    return True
