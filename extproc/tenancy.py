@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import field_validator, model_validator
 
+from extproc.request.tenant import TENANT_HEADER
 from extproc.routing.model import NO_TERMS, TenantTerms
 from extproc.validation import Section, field_error, option
 
@@ -39,7 +40,7 @@ class TenantSettings(Section):
     config is loaded.
     """
 
-    header: str = option("x-tenant-id", "the header naming the tenant when no API key maps the request")
+    header: str = option(TENANT_HEADER, "the header naming the tenant when no API key maps the request")
     api_keys: dict[str, str] = option({}, "hex SHA-256 digest of an API key -> tenant (never the keys)")
     api_keys_file: str | None = option(None, "a YAML/JSON file of the same mapping")
     replica_capacity: int = option(64, "requests one replica takes at once (for shares)", ge=1)

@@ -166,12 +166,8 @@ class Sessions(Section):
     max_sessions: int = option(100_000, "pins kept at most (LRU)", ge=1)
 
 
-def _session_source(spec: str) -> SessionSource:
-    return SessionSource.parse(spec)
-
-
 SessionSourceItem = Annotated[
-    SessionSource, held_as(str, SessionSource, _session_source, lambda s: f"{s.kind}:{s.name}")
+    SessionSource, held_as(str, SessionSource, SessionSource.parse, lambda s: f"{s.kind}:{s.name}")
 ]
 
 
