@@ -19,8 +19,9 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from extproc.bookkeeping import Routed
 from extproc.kvevents.usage import UsageTail
-from extproc.router import Routed, Router
+from extproc.router import Router
 from extproc.routing.model import Reason
 from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, attempts
 
