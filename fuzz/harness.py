@@ -15,6 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import Config, Metrics, Prefix, Sessions
+from extproc.plan import Planner
 from extproc.request import FeatureSettings, extract_features
 from extproc.router import Router
 from extproc.routing import Replica
@@ -113,7 +114,7 @@ async def run_stream(router: Router, messages: Sequence[pb.ProcessingRequest]) -
         for m in messages:
             yield m
 
-    return [r async for r in RequestStream(router).run(source())]
+    return [r async for r in RequestStream(Planner(router)).run(source())]
 
 
 def check_stream(router: Router, data: bytes) -> None:

@@ -379,6 +379,7 @@ async def test_response_bodies_are_streamed_to_the_processor_only_for_a_checkabl
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+    from extproc.plan import Planner
     from extproc.server.stream import RequestStream
     from tests.conftest import body_message, headers_message, response_headers_message
 
@@ -398,7 +399,7 @@ async def test_response_bodies_are_streamed_to_the_processor_only_for_a_checkabl
             for m in requests:
                 yield m
 
-        return [r async for r in RequestStream(router).run(source())]
+        return [r async for r in RequestStream(Planner(router)).run(source())]
 
     def body_modes(out: list[pb.ProcessingResponse]) -> list[int]:
         return [r.mode_override.response_body_mode for r in out if r.HasField("mode_override")]

@@ -20,6 +20,7 @@ RANKS = {
     "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
     "extproc.telemetry": 7,
     "extproc.router": 6,
+    "extproc.plan": 6,  # what the router wants done with a request, for an adapter to carry out
     "extproc.bookkeeping": 5,  # what routing a request changes (load, caches, tenants), and undoes
     "extproc.membership": 5,  # membership, cordons and drains, and the moves they cause
     "extproc.config": 5,
