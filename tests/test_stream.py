@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.config import with_overrides
 from extproc.plan import Planner
 from extproc.router import Router
 from extproc.server.stream import Phase, RequestStream
@@ -195,12 +196,10 @@ async def test_full_duplex_holds_the_headers_answer_and_streams_the_body_back() 
 async def test_response_sampling_skips_the_response_headers_of_the_unsampled_requests() -> None:
     """health.response_sample_rate 0.25: every fourth request keeps its response-headers phase;
     the others are told (mode_override, repeating the buffered body mode) to skip it."""
-    from dataclasses import replace
-
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 
     cfg = make_config()
-    router = Router(replace(cfg, health=replace(cfg.health, response_sample_rate=0.25)))
+    router = Router(with_overrides(cfg, health=cfg.health.model_copy(update={"response_sample_rate": 0.25})))
     overrides = []
     for i in range(8):
         out = await run(router, [headers_message({**CHAT, "x-session-id": f"s{i}"}), body_message(chat_body("hi"))])
