@@ -11,7 +11,9 @@ import pytest
 from extproc.health.replicas import LoadReport
 from extproc.rebalance import (
     LedgerEntry,
+    Prewarm,
     Prewarmer,
+    PrewarmQueue,
     PrewarmSettings,
     SessionLedger,
     plan_join,
@@ -105,6 +107,29 @@ async def test_prewarmer_sends_at_its_rate_and_drops_the_oldest_when_full() -> N
     assert not Prewarmer(PrewarmSettings(enabled=False), loop.time, send=send).submit("h:1", "/p", b"{}")
 
 
+def test_the_prewarm_queue_lets_one_go_per_token_on_any_clock() -> None:
+    now = [0.0]
+    outcomes: list[str] = []
+    queue = PrewarmQueue(
+        PrewarmSettings(enabled=True, rate_per_s=2.0, burst=1, queue=2), lambda: now[0], outcomes.append
+    )
+    assert queue.take() is None
+    for i in range(3):
+        assert queue.submit(f"h{i}:1", "/v1/chat/completions", chat_body("x"))
+    assert outcomes == ["dropped"] and len(queue) == 2
+    first = queue.take()
+    assert isinstance(first, Prewarm) and first.address == "h1:1"
+    assert queue.take() == pytest.approx(0.5)  # the bucket is empty: a token every half second
+    now[0] = 0.5
+    second = queue.take()
+    assert isinstance(second, Prewarm) and second.address == "h2:1" and queue.take() is None
+    queue.sent(200)
+    queue.sent(503)
+    queue.sent(None)
+    assert outcomes == ["dropped", "ok", "error", "error"]
+    assert not queue.submit("h:1", "/p", b"not json") and outcomes[-1] == "unusable"
+
+
 async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
     router = Router(make_config(replicas=tuple(Replica(f"r{i}", f"10.0.0.{i}:80") for i in range(4))))
     sent: list[str] = []
@@ -115,7 +140,9 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
 
     router.rebalancer.settings = router.rebalancer.settings.model_copy(update={"move_on_join": True})
     router.rebalancer.prewarmer.send = send
-    router.rebalancer.prewarmer.settings = PrewarmSettings(enabled=True, rate_per_s=10_000, burst=10_000, queue=10_000)
+    router.rebalancer.prewarmer.queue.settings = PrewarmSettings(
+        enabled=True, rate_per_s=10_000, burst=10_000, queue=10_000
+    )
     headers = {":path": "/v1/chat/completions"}
     for i in range(400):
         routed = await router.route({**headers, "x-session-id": f"s{i}"}, chat_body(f"conversation {i} " * 20))
@@ -140,7 +167,7 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
 async def test_a_replica_hot_for_long_enough_sheds_once_per_cooldown() -> None:
     clock = [1000.0]
     router = Router(make_config(), clock=lambda: clock[0])
-    router.rebalancer.prewarmer.settings = PrewarmSettings(enabled=False)
+    router.rebalancer.prewarmer.queue.settings = PrewarmSettings(enabled=False)
     for i in range(60):
         await router.route({":path": "/v1/chat/completions", "x-session-id": f"s{i}"}, chat_body(f"c{i} " * 30))
     hot = Counter(e.replica for e in router.rebalancer.ledger.live(clock[0])).most_common(1)[0][0]
