@@ -14,6 +14,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 
