@@ -87,6 +87,7 @@ async def _serve(cfg: Config) -> None:
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
     from extproc.state.factory import open_store
     from extproc.telemetry import export
+    from extproc.tracing import DecisionTracer
 
     metrics = RouterMetrics()
     try:
@@ -106,7 +107,8 @@ async def _serve(cfg: Config) -> None:
         except TokenizerError as exc:
             await store.close()
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None
-    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events)
+    tracer = DecisionTracer(cfg.tracing) if cfg.tracing.enabled else None
+    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events, tracer=tracer)
     if kv_events is not None:
         if not kv.enabled:
             logging.getLogger("extproc.kvevents").warning(
@@ -169,6 +171,8 @@ async def _serve(cfg: Config) -> None:
         await close_all(listeners)
         if kv_events is not None:
             await kv_events.close()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.close)  # the spans still batched are exported
         await store.close()  # idempotent: a graceful stop has closed it already
 
 

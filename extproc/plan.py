@@ -23,6 +23,7 @@ from extproc.bookkeeping import Routed
 from extproc.kvevents.usage import UsageTail
 from extproc.router import Router
 from extproc.routing.model import Reason
+from extproc.tracing import TRACEPARENT
 from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, attempts
 
 QUOTA_MESSAGE = "this tenant is over its quota of concurrent requests; retry later"
@@ -168,6 +169,8 @@ class Planner:
             target = [(cfg.headers.target_cluster, replica.name)]
         features = routed.features
         headers = [*target, *cfg.upstream.request_headers(features.stream, features.max_output_tokens)]
+        if routed.traceparent is not None:  # the replica continues the trace under the decision
+            headers.append((TRACEPARENT, routed.traceparent))
         names = {name for name, _ in headers}
         removals = tuple(h for h in self.strip if h not in names)
         return Forward((*headers, *length), removals, to_replica=True, lb_metadata=lb, body=routed.body)

@@ -34,6 +34,7 @@ from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.state.store_url import parse_store_url
 from extproc.tenancy import TenantSettings
+from extproc.tracing import TracingSettings
 from extproc.upstream_timeouts import UpstreamTimeouts
 from extproc.validation import Section, field_error, option
 
@@ -476,6 +477,7 @@ class Config(Section):
     )
     queueing: QueueSettings = option(QueueSettings(), "priority and fair queueing when the fleet is full")
     hot_keys: HotKeySettings = option(HotKeySettings(), "hot-prefix detection and replication")
+    tracing: TracingSettings = option(TracingSettings(), "OpenTelemetry spans of routing decisions")
 
     @field_validator("store")
     @classmethod
