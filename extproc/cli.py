@@ -86,6 +86,8 @@ async def _serve(cfg: Config) -> None:
     from extproc.server.app import ProcessorServer
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
     from extproc.state.factory import open_store
+    from extproc.state.redis_budgets import RedisBudgetStore
+    from extproc.state.redis_store import RedisStore
     from extproc.telemetry import export
     from extproc.tracing import DecisionTracer
 
@@ -108,7 +110,9 @@ async def _serve(cfg: Config) -> None:
             await store.close()
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None
     tracer = DecisionTracer(cfg.tracing) if cfg.tracing.enabled else None
-    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events, tracer=tracer)
+    # With Redis, every gateway's charges count against one budget.
+    budget_store = RedisBudgetStore(store.client, store.keys.namespace) if isinstance(store, RedisStore) else None
+    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events, tracer=tracer, budget_store=budget_store)
     if kv_events is not None:
         if not kv.enabled:
             logging.getLogger("extproc.kvevents").warning(

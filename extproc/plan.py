@@ -16,15 +16,16 @@ every choice is made here, through the :class:`~extproc.router.Router`:
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.bookkeeping import Routed
-from extproc.kvevents.usage import UsageTail
 from extproc.router import Router
 from extproc.routing.model import Reason
 from extproc.tracing import TRACEPARENT
 from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, attempts
+from extproc.usage import UsageStripper, UsageTail
 
 QUOTA_MESSAGE = "this tenant is over its quota of concurrent requests; retry later"
 
@@ -50,19 +51,26 @@ class Watch:
     check_usage: bool = False
     """Its response body is read for the cached tokens it reports, against the KV-event index's
     prediction (when one is made)."""
+    meter: bool = False
+    """Its response body is read for the tokens it used (``budgets:``)."""
+
+    @property
+    def reads_body(self) -> bool:
+        """Whether its response body may be read."""
+        return self.check_usage or self.meter
 
     @property
     def response_headers(self) -> ResponseHeaders:
         """How the headers answer has Envoy treat the response headers."""
         if self.sampled:
             return ResponseHeaders.AS_CONFIGURED
-        return ResponseHeaders.SEND if self.check_usage else ResponseHeaders.SKIP
+        return ResponseHeaders.SEND if self.reads_body else ResponseHeaders.SKIP
 
     @property
     def observe(self) -> bool:
         """Whether response headers that arrive feed health: all but those asked for only to read
         the body (an Envoy without ``allow_mode_override`` sends every request's)."""
-        return self.sampled or not self.check_usage
+        return self.sampled or not self.reads_body
 
 
 EVERYTHING = Watch()
@@ -98,6 +106,8 @@ class Refuse:
     message: str
     kind: str
     retry_after_s: int | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    """More response headers (a token budget's ``x-ratelimit-*-tokens``)."""
 
 
 @dataclass(slots=True)
@@ -111,6 +121,8 @@ class Plan:
     """Cached tokens the KV-event index predicted (a usage check was sampled and can be made)."""
     usage: UsageTail | None = None
     """The response body's tail, while it is read."""
+    stripper: UsageStripper | None = None
+    """While a stream is read whose client did not ask for its usage chunk: takes it out."""
 
 
 class Planner:
@@ -132,7 +144,7 @@ class Planner:
             return EVERYTHING
         sampled = self.router.sample_response()
         kv = self.router.kv_events
-        return Watch(sampled, kv is not None and whole_body and kv.sample_check())
+        return Watch(sampled, kv is not None and whole_body and kv.sample_check(), self.router.budgets is not None)
 
     async def plan(self, headers: Mapping[str, str], body: bytes | None, watch: Watch = EVERYTHING) -> Plan:
         """Route the request and say what to do with it."""
@@ -150,7 +162,8 @@ class Planner:
         decision = routed.decision
         if routed.refusal is not None:
             refusal = routed.refusal
-            return Refuse(refusal.status, refusal.message, refusal.kind, refusal.retry_after_s)
+            extra = tuple(routed.budget.headers().items()) if routed.budget is not None else ()
+            return Refuse(refusal.status, refusal.message, refusal.kind, refusal.retry_after_s, extra)
         if decision.reason is Reason.QUOTA:
             return Refuse(429, QUOTA_MESSAGE, "quota_exceeded", decision.retry_after_s)
         length = () if routed.body is None else (("content-length", str(len(routed.body))),)
@@ -185,31 +198,55 @@ class Planner:
             self.router.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by)
         chosen = routed.decision.replica
         own = tries == 1 or (chosen is not None and answered_by == chosen.address)
+        metered = routed.budget is not None and status == "200"
+        if metered and routed.strip_usage:
+            plan.stripper = UsageStripper()  # every such stream is read, to take the chunk out
         # A body another replica answered (after a retry or a hedge): nothing to check.
-        if plan.predicted is not None and status == "200" and own:
+        check = plan.predicted is not None and status == "200" and own
+        if check or metered:
             plan.usage = UsageTail()
             return True
         return False
 
-    def response_body(self, plan: Plan, chunk: bytes, end_of_stream: bool) -> None:
-        """One piece of a response body being read; at its end, the usage check is made."""
-        if plan.usage is None:
-            return
-        plan.usage.feed(chunk)
+    async def response_body(self, plan: Plan, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        """One piece of a response body being read: the bytes to pass on instead (None: the
+        piece unchanged). At its end, the usage check is made and the usage charged."""
+        out = None
+        if plan.stripper is not None:
+            out = plan.stripper.feed(chunk, end_of_stream)
+            out = None if out == chunk else out
+        if plan.usage is not None:
+            plan.usage.feed(chunk)
         if end_of_stream:
-            self._check_usage(plan)
+            await self._body_over(plan)
+        return out
 
     def end(self, plan: Plan) -> None:
-        """The stream is over: a body cut short (trailers, a reset) is checked on what came, and
-        the request's in-flight slot is released."""
+        """The stream is over: a body cut short (trailers, a reset) is checked on what came, a
+        reservation nothing was charged against handed back, and the in-flight slot released."""
         if plan.usage is not None:
-            self._check_usage(plan)
-        self.router.release(plan.routed)
+            self._check_usage(plan, plan.usage)
+            plan.usage = None
+        routed, budgets = plan.routed, self.router.budgets
+        if budgets is not None and routed.budget is not None:
+            budgets.release(routed.features.tenant, routed.budget)
+            routed.budget = None
+        self.router.release(routed)
 
-    def _check_usage(self, plan: Plan) -> None:
-        usage, plan.usage = plan.usage, None
+    async def _body_over(self, plan: Plan) -> None:
+        tail, plan.usage = plan.usage, None
+        if tail is None:
+            return
+        self._check_usage(plan, tail)
+        routed, budgets = plan.routed, self.router.budgets
+        usage = plan.stripper.usage if plan.stripper is not None and plan.stripper.usage else tail.usage()
+        if budgets is not None and routed.budget is not None and usage is not None:
+            admission, routed.budget = routed.budget, None
+            await budgets.settle(routed.features.tenant, admission, usage, time.time())
+
+    def _check_usage(self, plan: Plan, tail: UsageTail) -> None:
         kv, routed = self.router.kv_events, plan.routed
         replica = routed.decision.replica
-        if usage is None or kv is None or plan.predicted is None or replica is None:
+        if kv is None or plan.predicted is None or replica is None:
             return
-        kv.check(replica.name, plan.predicted, usage.cached_tokens(), routed.features.tokens_per_block)
+        kv.check(replica.name, plan.predicted, tail.cached_tokens(), routed.features.tokens_per_block)

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, GetPydanticSchema, field_validator, model_validator
 from pydantic_core import core_schema
 
+from extproc.budgets import BudgetSettings
 from extproc.discovery.settings import DiscoverySettings, StaticSource
 from extproc.health.settings import HealthSettings
 from extproc.hotkeys.detector import HotKeySettings
@@ -478,6 +479,7 @@ class Config(Section):
     queueing: QueueSettings = option(QueueSettings(), "priority and fair queueing when the fleet is full")
     hot_keys: HotKeySettings = option(HotKeySettings(), "hot-prefix detection and replication")
     tracing: TracingSettings = option(TracingSettings(), "OpenTelemetry spans of routing decisions")
+    budgets: BudgetSettings = option(BudgetSettings(), "token metering, and token budgets per tenant")
 
     @field_validator("store")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -126,7 +126,7 @@ def forward(plan: Forward, in_body: bool) -> pb.ProcessingResponse:
 
 def refuse(plan: Refuse) -> pb.ProcessingResponse:
     """A :class:`~extproc.plan.Refuse`: the client answered directly, with an OpenAI-style JSON error."""
-    return immediate(plan.status, plan.message, plan.kind, retry_after_s=plan.retry_after_s)
+    return immediate(plan.status, plan.message, plan.kind, retry_after_s=plan.retry_after_s, headers=plan.headers)
 
 
 def response_headers_mode(choice: ResponseHeaders, request_body_mode: int) -> pm.ProcessingMode | None:
@@ -164,19 +164,33 @@ def continue_body() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
-def immediate(status: int, message: str, kind: str, retry_after_s: int | None = None) -> pb.ProcessingResponse:
-    """Answer the client directly with an OpenAI-style JSON error."""
+def immediate(
+    status: int,
+    message: str,
+    kind: str,
+    retry_after_s: int | None = None,
+    headers: Sequence[tuple[str, str]] = (),
+) -> pb.ProcessingResponse:
+    """Answer the client directly with an OpenAI-style JSON error (``headers``: more to send)."""
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
-    headers = [("content-type", "application/json")]
+    sent = [("content-type", "application/json")]
     if retry_after_s is not None:
-        headers.append(("retry-after", str(retry_after_s)))
+        sent.append(("retry-after", str(retry_after_s)))
+    sent += [(k, v) for k, v in headers if k != "retry-after" or retry_after_s is None]
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=mutation(headers),
+            headers=mutation(sent),
             body=body,
             details=kind,
         )
+    )
+
+
+def replaced_response_body(data: bytes) -> pb.ProcessingResponse:
+    """A streamed response body's piece answered with ``data`` in its place."""
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=data)))
     )
 
 

@@ -191,7 +191,9 @@ class RequestStream:
             body = request.response_body
             if body.end_of_stream:
                 self.phase = Phase.DONE
-            self.planner.response_body(self.plan, body.body, body.end_of_stream)
+            replaced = await self.planner.response_body(self.plan, body.body, body.end_of_stream)
+            if replaced is not None:
+                return [msg.replaced_response_body(replaced)]
         return [msg.passthrough(kind)]
 
     async def _done(self, request: pb.ProcessingRequest, kind: str) -> Answers:
