@@ -13,6 +13,7 @@ import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import page_shows, wait_for
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -25,20 +26,6 @@ async def turn(http: aiohttp.ClientSession, url: str, session: str, history: str
         payload: dict[str, Any] = json.loads(await resp.read()) if resp.status == 200 else {}
         cached = payload.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
         return resp.status, resp.headers.get("x-replica-name", ""), cached
-
-
-async def wait_in_rotation(
-    http: aiohttp.ClientSession, gw: LocalGateway, replica: str, timeout_s: float = 15.0
-) -> None:
-    """Poll the processor's metrics until ``replica`` is back in rotation."""
-    line = f'extproc_replica_in_rotation{{replica="{replica}"}} 1.0'
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        async with http.get(gw.metrics_url) as resp:
-            if line in await resp.text():
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{replica} not back in rotation after {timeout_s}s")
 
 
 @pytest.mark.parametrize("mode", ["cluster", "endpoint"])
@@ -83,7 +70,8 @@ async def test_killing_a_replica_mid_replay_costs_no_client_error(mode: str, tmp
 
             victim_replica = next(r for r in gw.members if r.name == victim)
             gw.start_replica(victim_replica)
-            await wait_in_rotation(http, gw, victim)  # cooldown, then two good scrapes
+            back = f'extproc_replica_in_rotation{{replica="{victim}"}} 1.0'  # cooldown, then two good scrapes
+            await wait_for(lambda: page_shows(http, gw.metrics_url, back), back, within_s=15.0, step_s=0.1)
             fresh = await asyncio.gather(*(turn(http, gw.url, f"fresh-{i}", f"new topic {i} " * 60) for i in range(24)))
             assert all(status == 200 for status, _, _ in fresh)
             assert victim in {replica for _, replica, _ in fresh}  # back in rotation, taking new sessions

@@ -16,6 +16,7 @@ from extproc.routing.model import Replica
 from extproc_lab.demo.fault_matrix import with_config
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import page_shows, wait_for
 
 pytestmark = pytest.mark.e2e
 BACKEND = Path(__file__).resolve().parent / "backends" / "frozen_vllm.py"
@@ -39,17 +40,6 @@ async def turn(http: aiohttp.ClientSession, url: str, session: str, history: str
         return resp.headers["x-replica-name"]
 
 
-async def scraped(http: aiohttp.ClientSession, url: str, line: str, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        async with http.get(url) as resp:
-            if line in await resp.text():
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{line!r} not on the processor's page within {timeout_s}s")
-
-
 async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> None:
     require_binary("envoy")
     gw = with_config(FrozenGateway(replicas=4, log_dir=tmp_path), CONFIG)
@@ -64,7 +54,8 @@ async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> 
 
     with gw:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
-            await scraped(http, gw.metrics_url, 'extproc_replica_queue_requests{replica="replica-3"} 3.0')
+            line = 'extproc_replica_queue_requests{replica="replica-3"} 3.0'
+            await wait_for(lambda: page_shows(http, gw.metrics_url, line), line, within_s=10.0, step_s=0.1)
             first = await round_of_turns(http, "0")
             assert len(set(first.values())) > 1  # spread over the fleet
             moved = 0
@@ -76,7 +67,8 @@ async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> 
 
             victim = max(set(first.values()), key=list(first.values()).count)
             (tmp_path / f"{victim}.overloaded").touch()
-            await scraped(http, gw.metrics_url, f'extproc_replica_queue_requests{{replica="{victim}"}} 50.0')
+            line = f'extproc_replica_queue_requests{{replica="{victim}"}} 50.0'
+            await wait_for(lambda: page_shows(http, gw.metrics_url, line), line, within_s=10.0, step_s=0.1)
             placement = await round_of_turns(http, "busy")
             theirs = {s for s, r in first.items() if r == victim}
             assert all(placement[s] != victim for s in theirs)  # spilled over

@@ -39,7 +39,7 @@ from extproc_lab.demo.load import chat_body, read_metrics, send, total
 from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_port
 from tests.conftest import body_message, headers_message, make_config, require_binary, set_headers
 from tests.conftest import chat_body as stream_chat_body
-from tests.test_envoy_config import validate
+from tests.helpers import validate
 
 SERVER_NAME = "extproc.local"
 
