@@ -28,6 +28,7 @@ from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
 from extproc.router import Router
 from extproc.server.stream import RequestStream
 from extproc_lab.demo import fault_matrix as fm
+from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
 from extproc_lab.demo.workload import Conversation
 from extproc_lab.replica.tokenizer_dir import sample_text
@@ -151,6 +152,20 @@ async def send_turn(
         if resp.status == 200:
             conv.add_answer(json.loads(payload)["choices"][0]["message"]["content"])
         return resp.status, resp.headers.get("x-replica-name", "")
+
+
+async def deciding(http: aiohttp.ClientSession, gw: LocalGateway, within_s: float = 15.0) -> None:
+    """Send probe requests until the processor has decided one: the open port of a processor just
+    (re)started does not mean that Envoy has reconnected to it."""
+    probes = 0
+
+    async def decided() -> bool:
+        nonlocal probes
+        probes += 1
+        await post(http, gw.url, chat(f"probe {probes}"), {"x-session-id": f"probe-{probes}"})
+        return scrape_total(await metrics_page(http, gw.metrics_url), "extproc_decisions_total") > 0
+
+    await wait_for(decided, "a decision by the processor", within_s=within_s, step_s=0.1)
 
 
 async def run(router: Router, messages: Iterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:

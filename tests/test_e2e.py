@@ -12,7 +12,7 @@ import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
-from tests.helpers import CHAT, chat, post
+from tests.helpers import CHAT, chat, deciding, post
 
 pytestmark = pytest.mark.e2e
 
@@ -130,6 +130,6 @@ async def test_killing_the_processor_falls_back_to_the_default_route() -> None:
             assert all(s == 200 for s, _ in during), during
             assert len({r for _, r in during}) > 1  # plain round robin now
             gw.start_processor()
-            await asyncio.sleep(0.5)
+            await deciding(http, gw)
             after = await burst("k2", 10)
             assert all(s == 200 for s, _ in after) and len({r for _, r in after}) == 1

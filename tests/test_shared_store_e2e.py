@@ -107,16 +107,16 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
             progress.set()
             await asyncio.sleep(0.01)
 
-    async def wait_for(count: int) -> None:
+    async def answered(count: int) -> None:
         while len(statuses) < count:
             progress.clear()
             await progress.wait()
 
     async with aiohttp.ClientSession() as http:
         replay = asyncio.gather(*(converse(http, c) for c in convs))
-        await wait_for(total // 3)
+        await answered(total // 3)
         redis.kill()
-        await wait_for(2 * total // 3)
+        await answered(2 * total // 3)
         during = len(statuses)
         redis.start()
         await replay
