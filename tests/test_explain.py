@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from extproc.request.features import RequestFeatures
 from extproc.router import Router
 from extproc.routing import AffinityView, DecisionInputs, Reason, Replica, ReplicaState, Snapshot, build_profile, decide

@@ -49,7 +49,7 @@ def replica_states(draw: st.DrawFn, name: str) -> ReplicaState:
 def cycles(draw: st.DrawFn) -> tuple[CycleState, list[ReplicaState]]:
     """One decision's inputs: the candidates (the snapshot's members that passed the filters), the
     view (matches may name replicas that are not candidates, and exceed the request's blocks), the
-    request, and the scratch the filters leave (the hot prefix's set)."""
+    request, and what the filters found (the hot prefix's set, the overloaded replicas)."""
     members = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=len(NAMES)))
     states = [draw(replica_states(name)) for name in members]
     candidates = draw(st.lists(st.sampled_from(states), unique_by=lambda s: s.name)) if states else []
@@ -82,10 +82,9 @@ def cycles(draw: st.DrawFn) -> tuple[CycleState, list[ReplicaState]]:
         ring_key=draw(st.one_of(st.none(), st.text(max_size=8), st.integers(0, 2**64 - 1))),
         hot_key=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
         hot_replicas=draw(st.integers(0, 4)),
+        overloaded=draw(st.frozensets(st.sampled_from(NAMES))),
+        hot_set=draw(st.one_of(st.none(), st.frozensets(st.sampled_from(NAMES)))),
     )
-    hot_set = draw(st.one_of(st.none(), st.sets(st.sampled_from(NAMES))))
-    if hot_set is not None:
-        cycle.scratch["hot_set"] = hot_set
     return cycle, candidates
 
 
