@@ -142,6 +142,17 @@ async def post(
         return resp.status, resp.headers.get("x-replica-name", ""), payload
 
 
+async def turn(
+    http: aiohttp.ClientSession, url: str, session: str, text: str, model: str = "demo-model"
+) -> tuple[int, str, int]:
+    """One turn of a session through the gateway: the status, the replica that answered and the
+    prompt tokens it had cached (0 for an error)."""
+    status, replica, payload = await post(http, url, chat(text, model=model), {"x-session-id": session})
+    usage = (payload or {}).get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return status, replica, int(cached) if status == 200 else 0
+
+
 async def send_turn(
     http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int, model: str = "demo-model"
 ) -> tuple[int, str]:

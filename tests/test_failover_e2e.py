@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
-from tests.helpers import page_shows, wait_for
+from tests.helpers import page_shows, turn, wait_for
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
 FAST_HEALTH = "health:\n  cooldown_s: 1.0\n"
-
-
-async def turn(http: aiohttp.ClientSession, url: str, session: str, history: str) -> tuple[int, str, int]:
-    body = {"model": "demo-model", "messages": [{"role": "user", "content": history}], "max_tokens": 2}
-    async with http.post(url + CHAT, json=body, headers={"x-session-id": session}) as resp:
-        payload: dict[str, Any] = json.loads(await resp.read()) if resp.status == 200 else {}
-        cached = payload.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        return resp.status, resp.headers.get("x-replica-name", ""), cached
 
 
 @pytest.mark.parametrize("mode", ["cluster", "endpoint"])

@@ -16,7 +16,7 @@ from extproc.routing.model import Replica
 from extproc_lab.demo.fault_matrix import with_config
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
-from tests.helpers import page_shows, wait_for
+from tests.helpers import page_shows, turn, wait_for
 
 pytestmark = pytest.mark.e2e
 BACKEND = Path(__file__).resolve().parent / "backends" / "frozen_vllm.py"
@@ -32,14 +32,6 @@ class FrozenGateway(LocalGateway):
         return [sys.executable, str(BACKEND), "--name", replica.name, "--port", port, "--flags", str(self.dir)]
 
 
-async def turn(http: aiohttp.ClientSession, url: str, session: str, history: str) -> str:
-    body = {"model": "m", "messages": [{"role": "user", "content": history}], "max_tokens": 2}
-    async with http.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": session}) as resp:
-        await resp.read()
-        assert resp.status == 200, resp.status
-        return resp.headers["x-replica-name"]
-
-
 async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> None:
     require_binary("envoy")
     gw = with_config(FrozenGateway(replicas=4, log_dir=tmp_path), CONFIG)
@@ -48,7 +40,9 @@ async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> 
     async def round_of_turns(http: aiohttp.ClientSession, tag: str) -> dict[str, str]:
         async def one(session: str) -> tuple[str, str]:
             histories[session] += f" turn {tag}: a question and its answer " * 10
-            return session, await turn(http, gw.url, session, histories[session])
+            status, replica, _ = await turn(http, gw.url, session, histories[session], model="m")
+            assert status == 200, status
+            return session, replica
 
         return dict(await asyncio.gather(*(one(s) for s in histories)))
 

@@ -10,6 +10,7 @@ import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import turn
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -38,13 +39,6 @@ async def wait_scraped(http: aiohttp.ClientSession, gw: LocalGateway, timeout_s:
     raise AssertionError(f"replicas not scraped after {timeout_s}s")
 
 
-async def turn(http: aiohttp.ClientSession, url: str, model: str, session: str, text: str) -> tuple[int, str]:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-    async with http.post(url + CHAT, json=body, headers={"x-session-id": session}) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get("x-replica-name", "")
-
-
 async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
     require_binary("envoy")
     with LocalGateway(replicas=4, time_scale=0.05, replica_args=REPLICA_ARGS) as gw:
@@ -59,7 +53,7 @@ async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
                 history, out = f"{session}: write SQL for the report", []
                 for t in range(3):
                     history += f" turn {t} more details"
-                    out.append(await turn(http, gw.url, "sql-lora", session, history))
+                    out.append((await turn(http, gw.url, session, history, model="sql-lora"))[:2])
                     await asyncio.sleep(0.02)
                 return out
 
@@ -72,5 +66,5 @@ async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
             print(f"sql-lora turns per replica: {dict(sorted(where.items()))}")
 
             # The base model is still served anywhere, full replicas included.
-            base = await asyncio.gather(*(turn(http, gw.url, "demo-model", f"b{i}", f"base {i}") for i in range(8)))
-            assert all(status == 200 for status, _ in base)
+            base = await asyncio.gather(*(turn(http, gw.url, f"b{i}", f"base {i}") for i in range(8)))
+            assert all(status == 200 for status, _, _ in base)
