@@ -12,7 +12,7 @@ import zmq
 
 from extproc.kvevents.feed import KvEventSource, ReplayError
 from extproc.kvevents.subscriber import Subscriptions, ZmqReplayer
-from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
+from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch, seq_frame
 from extproc_lab.replica.kv_publisher import KvEventPublisher
 from tests.helpers import Clock, metric_value, wait_for
 
@@ -131,14 +131,16 @@ async def test_topic_without_replica_is_dropped_when_no_replica_given() -> None:
 # -- over ZMQ ----------------------------------------------------------------------------------
 
 
-async def subscribed(publisher: KvEventPublisher, seen: Callable[[], bool]) -> None:
-    """Publish empty batches until ``seen()``: a SUB socket misses what is sent before its
-    subscription reaches the publisher (ZMQ's slow joiner), and no fixed pause is sure to cover that."""
+async def subscribed(publisher: KvEventPublisher | Callable[[], object], seen: Callable[[], bool]) -> None:
+    """Send probes (a publisher's empty batches, or what a callable sends) until ``seen()``: a SUB
+    socket misses what is sent before its subscription reaches the publisher (ZMQ's slow joiner),
+    and no fixed pause is sure to cover that."""
+    send = (lambda: publisher.publish([])) if isinstance(publisher, KvEventPublisher) else publisher
 
     def probe() -> bool:
         if seen():
             return True
-        publisher.publish([])
+        send()
         return False
 
     await wait_for(probe, "a subscribed socket", step_s=0.05)
@@ -196,7 +198,7 @@ async def test_listen_layout_over_tcp_names_replicas_by_topic() -> None:
     endpoint = f"tcp://127.0.0.1:{port}"
     source = KvEventSource()
     subs = Subscriptions(source)
-    names = {"replica-0": "replica-0", "10.0.0.2:8000": "replica-1"}
+    names = {"replica-0": "replica-0", "10.0.0.2:8000": "replica-1", "probe": "probe"}
     subs.listen(endpoint, names.get)
     publishers = [
         KvEventPublisher(endpoint, topic="kv@replica-0@m"),
@@ -204,24 +206,25 @@ async def test_listen_layout_over_tcp_names_replicas_by_topic() -> None:
         KvEventPublisher(endpoint, topic="kv@stranger@m"),
     ]
     try:
-        unknown = source.metrics.dropped.labels("unknown")
         await subscribed(publishers[0], applied_since(source, "replica-0", 0))
         await subscribed(publishers[1], applied_since(source, "replica-1", 0))
-        await subscribed(publishers[2], lambda: metric_value(unknown) > 0)
-        strangers = metric_value(unknown)
+        # The stranger's connection is probed under a known name: its own messages count as unknown.
+        probe = [b"kv@probe@m", seq_frame(0), encode_batch(1.0, [])]
+        await subscribed(lambda: publishers[2].pub.send_multipart(probe), lambda: "probe" in source.feeds)
         for i, p in enumerate(publishers):
             p.publish([stored(10 + i)])
+        unknown = source.metrics.dropped.labels("unknown")
         await wait_for(
             lambda: (
                 source.matches("m", [10], ["replica-0"], 0.0) != {}
                 and source.matches("m", [11], ["replica-1"], 0.0) != {}
-                and metric_value(unknown) > strangers
+                and metric_value(unknown) > 0
             )
         )
-        assert set(source.feeds) == {"replica-0", "replica-1"}
+        assert set(source.feeds) == {"replica-0", "replica-1", "probe"}
         assert source.matches("m", [10], ["replica-0", "replica-1"], 0.0) == {"replica-0": 1.0}
         assert source.matches("m", [11], ["replica-0", "replica-1"], 0.0) == {"replica-1": 1.0}
-        assert metric_value(unknown) == strangers + 1
+        assert metric_value(unknown) == 1
     finally:
         for p in publishers:
             await p.close()
