@@ -239,7 +239,7 @@ async def test_a_failing_router_in_full_duplex_releases_the_held_back_request_un
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "request_trailers"]
     assert not out[0].request_headers.response.header_mutation.set_headers  # unrouted: Envoy's default route
     assert out[1].request_body.response.body_mutation.streamed_response.body == body
-    assert router.metrics.stream_errors.labels("answer")._value.get() == 1
+    assert metric_value(router.metrics.stream_errors.labels("answer")) == 1
 
 
 async def test_the_phases_of_a_buffered_request_and_of_a_full_duplex_one() -> None:
@@ -275,7 +275,7 @@ async def test_a_message_out_of_its_phase_is_let_through_and_changes_nothing() -
         ],
     )
     assert [r.WhichOneof("response") for r in out][-1] == "response_headers"
-    assert router.metrics.responses_observed._value.get() == 1  # the second is not a response of its own
+    assert metric_value(router.metrics.responses_observed) == 1  # the second is not a response of its own
 
 
 async def test_the_plan_says_where_and_the_refusal_wording_is_the_planners() -> None:
