@@ -19,6 +19,7 @@ from extproc.config import Config, Metrics
 from extproc.routing import Replica
 from extproc_lab.demo.processes import ProcessGroup
 from extproc_lab.demo.redis_server import LocalRedis
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -50,6 +51,12 @@ def redis_server() -> Iterator[LocalRedis]:
     with ProcessGroup(directory) as procs:
         yield LocalRedis(procs, directory).start()
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Hugging Face tokenizer directory (the lab's), built once a test module."""
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
 
 
 def replicas(n: int = 3) -> tuple[Replica, ...]:

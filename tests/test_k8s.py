@@ -36,7 +36,7 @@ from extproc.envoy_config import (
     to_dict,
 )
 from tests.conftest import ROOT, require_binary
-from tests.test_envoy_config import validate
+from tests.helpers import validate
 
 K8S = ROOT / "k8s"
 TARGETS = {

@@ -154,3 +154,14 @@ def test_lab_subclasses_of_router_classes_touch_no_private_member() -> None:
 
 def _is_self(node: ast.expr) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
+
+
+def test_test_files_import_no_other_test_file() -> None:
+    """What tests share lives in tests/helpers.py and tests/conftest.py, so any test file can move
+    on its own."""
+    offenders = [
+        f"{where}: {target}"
+        for _, target, where in _imports(ROOT / "tests")
+        if target.rpartition(".")[2].startswith("test_")
+    ]
+    assert offenders == []

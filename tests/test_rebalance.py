@@ -24,6 +24,7 @@ from extproc.rebalance import (
 from extproc.router import Router
 from extproc.routing import HashRing, Replica, ReplicaState
 from tests.conftest import chat_body, make_config
+from tests.helpers import metric_value
 
 
 def entries(n: int, replicas: list[str]) -> list[LedgerEntry]:
@@ -152,7 +153,7 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
 
     await router.set_replicas([*router.config.replicas, Replica("r9", "10.0.0.9:80")])
     await router.rebalancer.prewarmer.drain()
-    moved = router.metrics.sessions_moved.labels("join")._value.get()
+    moved = metric_value(router.metrics.sessions_moved.labels("join"))
     assert 20 < moved < 140 and sent.count("10.0.0.9:80") == moved
     some = next(e for e in router.rebalancer.ledger.live(router.clock()) if e.replica == "r9")
     view = await router.store.lookup(some.session, (), router.clock(), model="m")
@@ -160,7 +161,7 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
 
     on_r1 = sum(1 for e in router.rebalancer.ledger.live(router.clock()) if e.replica == "r1")
     await router.set_replicas([r for r in [*router.config.replicas, Replica("r9", "10.0.0.9:80")] if r.name != "r1"])
-    assert router.metrics.sessions_moved.labels("leave")._value.get() == on_r1
+    assert metric_value(router.metrics.sessions_moved.labels("leave")) == on_r1
     assert not any(e.replica == "r1" for e in router.rebalancer.ledger.live(router.clock()))
 
 
@@ -173,14 +174,14 @@ async def test_a_replica_hot_for_long_enough_sheds_once_per_cooldown() -> None:
     hot = Counter(e.replica for e in router.rebalancer.ledger.live(clock[0])).most_common(1)[0][0]
     router.replicas.apply_report(hot, LoadReport(queue=2, running=10, kv_usage=0.97))
     await router.after_scrape([])
-    assert router.metrics.sessions_moved.labels("hot")._value.get() == 0  # not hot for long yet
+    assert metric_value(router.metrics.sessions_moved.labels("hot")) == 0  # not hot for long yet
     clock[0] += 11
     await router.after_scrape([])
-    shed = router.metrics.sessions_moved.labels("hot")._value.get()
+    shed = metric_value(router.metrics.sessions_moved.labels("hot"))
     assert shed >= 1
     clock[0] += 5
     await router.after_scrape([])
-    assert router.metrics.sessions_moved.labels("hot")._value.get() == shed  # replica cooldown
+    assert metric_value(router.metrics.sessions_moved.labels("hot")) == shed  # replica cooldown
 
 
 @pytest.mark.parametrize("bad", [{"rebalance": {"shed_fraction": 2}}, {"rebalance": {"prewarm": {"rate_per_s": 0}}}])

@@ -11,7 +11,6 @@ routing headers are covered elsewhere: ``tests/test_e2e.py::test_client_set_rout
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from extproc_lab.demo.load import chat_body, read_metrics, send, total
 from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_port
 from tests.conftest import body_message, headers_message, make_config, require_binary, set_headers
 from tests.conftest import chat_body as stream_chat_body
-from tests.test_envoy_config import validate
+from tests.helpers import deciding, validate
 
 SERVER_NAME = "extproc.local"
 
@@ -435,7 +434,7 @@ async def test_info_logs_hold_no_prompt_key_session_or_password(tmp_path: Path) 
             gw.procs.stop("processor")
             gw.processor_args = (*base, "--log-level", "info", "--log-format", "json")
             gw.start_processor()
-            await asyncio.sleep(0.3)
+            await deciding(http, gw)
             await traffic(http, "json")
         log = (gw.dir / "processor.log").read_text()
     assert "listening on" in log and "store URL carries its password inline" in log  # not an empty log

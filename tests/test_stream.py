@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
-
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import with_overrides
@@ -18,16 +16,9 @@ from tests.conftest import (
     response_headers_message,
     set_headers,
 )
+from tests.helpers import metric_value, run
 
 CHAT = {":path": "/v1/chat/completions", ":method": "POST"}
-
-
-async def run(router: Router, messages: Iterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
-    async def source() -> AsyncIterator[pb.ProcessingRequest]:
-        for m in messages:
-            yield m
-
-    return [r async for r in RequestStream(Planner(router)).run(source())]
 
 
 async def test_body_phase_carries_the_decision_in_cluster_mode() -> None:
@@ -84,7 +75,7 @@ async def test_partial_body_chunks_are_accumulated() -> None:
     )
     assert out[1].request_body.response.header_mutation.set_headers == []
     assert set_headers(out[2].request_body.response.header_mutation)["x-target-cluster"]
-    assert router.metrics.body_errors._value.get() == 0
+    assert metric_value(router.metrics.body_errors) == 0
 
 
 async def test_malformed_and_huge_bodies_are_routed_by_fallback() -> None:
@@ -92,7 +83,7 @@ async def test_malformed_and_huge_bodies_are_routed_by_fallback() -> None:
     for body in (b"{nope", b"", b"\x00\xff" * 10, chat_body("x" * (9 * 1024 * 1024))):
         out = await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(body)])
         assert set_headers(out[-1].request_body.response.header_mutation)["x-target-cluster"]
-    assert router.metrics.body_errors._value.get() == 4
+    assert metric_value(router.metrics.body_errors) == 4
 
 
 async def test_no_replicas_lets_envoy_route_on_its_own() -> None:
@@ -100,7 +91,7 @@ async def test_no_replicas_lets_envoy_route_on_its_own() -> None:
     out = await run(router, [headers_message(CHAT), body_message(chat_body("x"))])
     assert out[1].WhichOneof("response") == "request_body"
     assert not out[1].request_body.response.header_mutation.set_headers
-    assert router.metrics.decisions.labels("no_replica", "m")._value.get() == 1
+    assert metric_value(router.metrics.decisions.labels("no_replica", "m")) == 1
 
 
 async def test_messages_out_of_order_are_let_through() -> None:
@@ -248,7 +239,7 @@ async def test_a_failing_router_in_full_duplex_releases_the_held_back_request_un
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "request_trailers"]
     assert not out[0].request_headers.response.header_mutation.set_headers  # unrouted: Envoy's default route
     assert out[1].request_body.response.body_mutation.streamed_response.body == body
-    assert router.metrics.stream_errors.labels("answer")._value.get() == 1
+    assert metric_value(router.metrics.stream_errors.labels("answer")) == 1
 
 
 async def test_the_phases_of_a_buffered_request_and_of_a_full_duplex_one() -> None:
@@ -284,7 +275,7 @@ async def test_a_message_out_of_its_phase_is_let_through_and_changes_nothing() -
         ],
     )
     assert [r.WhichOneof("response") for r in out][-1] == "response_headers"
-    assert router.metrics.responses_observed._value.get() == 1  # the second is not a response of its own
+    assert metric_value(router.metrics.responses_observed) == 1  # the second is not a response of its own
 
 
 async def test_the_plan_says_where_and_the_refusal_wording_is_the_planners() -> None:

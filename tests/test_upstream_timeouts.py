@@ -20,6 +20,7 @@ from extproc.routing.model import Replica
 from extproc.server.stream import RequestStream
 from extproc.upstream_timeouts import PER_TRY_TIMEOUT_HEADER, UpstreamTimeouts, attempts
 from tests.conftest import body_message, headers_message, make_config, set_headers
+from tests.helpers import Clock
 
 
 def test_streams_are_marked_and_non_streaming_requests_get_a_bound_from_max_tokens() -> None:
@@ -139,14 +140,6 @@ def _response_headers(status: int, attempt_count: int, answered_by: str | None =
     if answered_by is not None:
         hv.append(base_pb2.HeaderValue(key="x-extproc-answered-by", raw_value=answered_by.encode()))
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv)))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_answers_retried_after_the_first_byte_timeout_eject_the_chosen_replica() -> None:
