@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.routing.disagg import Pair, PairInputs, PairReason, PairSettings, choose_pair
+from extproc.routing.disagg import Pair, PairInputs, PairReason, PairSettings, choose_pair, local_cost, prefill_cost
 from extproc.routing.model import Replica, ReplicaState
 from extproc.routing.roles import ROLE_LABEL, Role, role_of
 
@@ -30,7 +30,13 @@ def test_role_of_labels() -> None:
     assert Role.BOTH.prefills and Role.BOTH.decodes
 
 
-FLEET = (state("p0", "prefill"), state("p1", "prefill"), state("d0", "decode"), state("d1", "decode"))
+# Decode replicas busy decoding: a long prefill there would stall their batches.
+FLEET = (
+    state("p0", "prefill"),
+    state("p1", "prefill"),
+    state("d0", "decode", running=20),
+    state("d1", "decode", running=20),
+)
 
 
 def test_a_long_new_prompt_is_disaggregated_to_the_least_backlogged_prefiller() -> None:
@@ -56,8 +62,21 @@ def test_a_decode_replica_holding_the_conversation_needs_no_hop_or_only_the_new_
     held = choose_pair(PairInputs(FLEET, 6000, {"d1": 5800}, pinned="d1"))
     assert held.decode is not None and held.decode.name == "d1" and held.sticky
     assert held.prefill is None and held.reason is PairReason.HELD and held.new_tokens == 200
-    more = choose_pair(PairInputs(FLEET, 6000, {"d1": 4000}, pinned="d1"))
+    # A prefill replica holding the earlier turns computes only the new ones: only those cross.
+    more = choose_pair(PairInputs(FLEET, 6000, {"d1": 4000, "p0": 4000}, pinned="d1"))
     assert more.reason is PairReason.DISAGGREGATED and more.transfer_blocks == (6000 - 4000) // 16
+    # One that does not would compute all 6,000 where the decode replica lacks 2,000.
+    local = choose_pair(PairInputs(FLEET, 6000, {"d1": 4000}, pinned="d1"))
+    assert local.prefill is None and local.reason is PairReason.LOCAL
+
+
+def test_an_idle_decode_replica_computes_what_it_lacks_itself() -> None:
+    fleet = (FLEET[0], state("d0", "decode"))
+    assert choose_pair(PairInputs(fleet, 4000)).reason is PairReason.LOCAL
+    busy = (FLEET[0], state("d0", "decode", running=5))
+    assert choose_pair(PairInputs(busy, 4000)).reason is PairReason.DISAGGREGATED
+    stalled = PairSettings(decode_interference=0.0)
+    assert choose_pair(PairInputs(busy, 4000), stalled).reason is PairReason.LOCAL
 
 
 def test_decode_choice_weighs_what_it_holds_load_and_headroom() -> None:
@@ -133,6 +152,8 @@ def test_pair_invariants(case: tuple[PairInputs, PairSettings], rnd: random.Rand
         assert pair.prefill.role.prefills and pair.prefill.name != pair.decode.name
         assert pair.reason is PairReason.DISAGGREGATED
         assert pair.new_tokens >= cfg.threshold_tokens
+        # A hop is made only where it finishes the prompt sooner than the decode replica would.
+        assert prefill_cost(pair.prefill, inp) < local_cost(pair.decode, pair.new_tokens, cfg)
         assert 0 <= pair.transfer_blocks <= inp.prompt_tokens // cfg.block_tokens
     if pair.new_tokens < cfg.threshold_tokens:
         assert pair.prefill is None

@@ -10,8 +10,10 @@ tokens that replica lacks:
   than ``PairSettings.threshold_tokens`` (short prompts, most already held) the request runs
   aggregated on it: a hop costs a round trip and a transfer that a short prefill does not repay;
 - otherwise the prefill replica is the one that finishes the prompt soonest: the fewest uncached
-  tokens there plus prefill tokens already queued (a decode replica that also prefills, role
-  ``both``, keeps the prompt when no other would finish it sooner).
+  tokens there plus prefill tokens already queued; and the hop is made only if it finishes
+  sooner than the decode replica would, computing what it lacks behind its own queued prefills
+  and stalling the sequences it decodes meanwhile (a prefill replica computes the whole prompt
+  but what it holds, the decode replica only the part it lacks).
 
 Only the blocks the decode replica lacks cross (vLLM's connectors look up the decode replica's
 own prefix cache first), so ``Pair.transfer_blocks`` counts those.
@@ -36,7 +38,7 @@ class PairReason(enum.StrEnum):
     HELD = "held"
     """The decode replica holds all but fewer than the threshold's tokens: aggregated there."""
     LOCAL = "local"
-    """The decode replica also prefills, and would finish the prompt as soon as any other."""
+    """The decode replica would finish what it lacks of the prompt as soon as any prefill replica."""
     NO_PREFILLER = "no_prefiller"
     """No other replica may prefill: aggregated on the decode replica."""
     NO_DECODER = "no_decoder"
@@ -51,7 +53,10 @@ class PairSettings:
     (llm-d's ``pdThreshold`` plays this part, on the prompt's uncached length). The decode score
     is ``held_weight`` x the fraction of the prompt held + ``load_weight`` x (1 - load over the
     busiest candidate's) + ``kv_weight`` x KV headroom; replicas at ``max_kv_usage`` or more are
-    passed over while another has room. ``block_tokens`` is the KV block size.
+    passed over while another has room. Above the threshold a hop is made when the prefill
+    replica would finish the prompt sooner than the decode replica (:func:`local_cost`, where
+    ``decode_interference`` weighs the stall of each sequence decoding there against the request's
+    own wait). ``block_tokens`` is the KV block size.
     """
 
     threshold_tokens: int = 512
@@ -59,12 +64,13 @@ class PairSettings:
     load_weight: float = 1.0
     kv_weight: float = 1.0
     max_kv_usage: float = 0.95
+    decode_interference: float = 0.1
     block_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.threshold_tokens < 0 or self.block_tokens < 1:
             raise ValueError("threshold_tokens must not be negative and block_tokens must be at least 1")
-        if min(self.held_weight, self.load_weight, self.kv_weight) < 0:
+        if min(self.held_weight, self.load_weight, self.kv_weight, self.decode_interference) < 0:
             raise ValueError("weights must not be negative")
 
 
@@ -133,6 +139,13 @@ def prefill_cost(state: ReplicaState, inputs: PairInputs) -> int:
     return state.pending_prefill_tokens + inputs.prompt_tokens - held
 
 
+def local_cost(state: ReplicaState, new_tokens: int, settings: PairSettings) -> float:
+    """What computing ``new_tokens`` on the decode replica itself costs (vLLM's decode instances
+    can prefill), in prompt tokens: its queued prefill tokens and these, plus the stall of the
+    sequences it is decoding (each waits for these tokens, weighed by ``decode_interference``)."""
+    return state.pending_prefill_tokens + new_tokens * (1.0 + settings.decode_interference * load_of(state))
+
+
 def choose_pair(inputs: PairInputs, settings: PairSettings | None = None) -> Pair:
     """The decode replica, then whether and where to prefill; see the module docstring."""
     settings = settings or PairSettings()
@@ -156,7 +169,7 @@ def choose_pair(inputs: PairInputs, settings: PairSettings | None = None) -> Pai
     if not prefillers:
         return aggregated(PairReason.NO_PREFILLER)
     prefill = min(prefillers, key=lambda s: (prefill_cost(s, inputs), s.name))
-    if decode.role.prefills and prefill_cost(decode, inputs) <= prefill_cost(prefill, inputs):
+    if local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
         return aggregated(PairReason.LOCAL)
     bt = settings.block_tokens
     transfer = max(0, inputs.prompt_tokens // bt - held // bt)
