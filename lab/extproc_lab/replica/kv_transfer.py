@@ -31,13 +31,14 @@ from typing import Any, Literal
 
 import aiohttp
 
+from extproc.request.kv_transfer import PARAMS_FIELD
 from extproc_lab.replica.engine import KvSource, ReplicaEngine
 from extproc_lab.replica.model import Seq
 
 log = logging.getLogger("extproc_lab.replica")
 
-PARAMS_FIELD = "kv_transfer_params"
-"""The request and response field vLLM's KV connectors read and write."""
+__all__ = ["PARAMS_FIELD", "KvConnector", "RemoteBlocks", "TransferFaults", "wants_prefill_only"]
+
 PULL_PATH = "/kv_transfer/pull"
 
 PrefillFault = Literal["ok", "fail", "hang"]
