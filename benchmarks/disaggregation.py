@@ -5,10 +5,11 @@ In the simulator (lab/extproc_lab/sim/disagg.py), on the ``llama-8b-h100`` profi
 routing`` runs it) and by the pair scorer with no prefill hop; 2P+6D and 3P+5D with our pair
 choice (``extproc.routing.disagg``), and with the peers' (every request disaggregated, least
 loaded decode; prefill round robin as vLLM's toy proxy, random, or least loaded). Then the
-threshold of our pair choice, swept on 2P+6D, and a workload of short unrelated prompts, where a
-prefill hop buys nothing. Deterministic for a seed.
+threshold of our pair choice, swept on 2P+6D; a workload of short unrelated prompts, where a
+prefill hop buys nothing; and the Mooncake conversation trace (long prompts). Deterministic.
 
-    .venv/bin/python benchmarks/disaggregation.py [--conversations 1500] [--out benchmarks/disaggregation.md]
+    .venv/bin/python benchmarks/disaggregation.py [--conversations 1500] [--short 6000] [--mooncake 2000]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.disagg import DisaggSimulation, PairPolicy, fleet, ours, peer
 from extproc_lab.sim.generators import multi_turn, unique_prompts
 from extproc_lab.sim.simulator import Simulation
+from extproc_lab.sim.traces import load_mooncake, mooncake_workload, trace_path
 from extproc_lab.sim.workload import Workload
 
 NO_HOP = PairSettings(threshold_tokens=1 << 40)
 """Our pair scorer with a threshold no prompt reaches: every request aggregated."""
+OURS = f"ours (pair, threshold {PairSettings().threshold_tokens})"
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ PEERS: dict[str, Callable[[], PairPolicy]] = {
     "peer: random prefill": lambda: peer("random"),
     "peer: least-loaded prefill": lambda: peer("least_loaded"),
 }
-THRESHOLDS = (0, 256, 512, 1024, 2048, 4096)
+THRESHOLDS = (0, 128, 256, 512, 1024, 4096)
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -149,7 +152,7 @@ def compare(workload: Workload, profile: ReplicaProfile, note: Callable[[str], N
     note("router")
     rows.append(pd_row(workload, profile, "8 aggregated", fleet(0, 0, 8), "pair scorer, no hop", ours(NO_HOP)))
     for fleet_name, (p, d) in FLEETS.items():
-        rows.append(pd_row(workload, profile, fleet_name, fleet(p, d), "ours (pair, threshold 512)", ours()))
+        rows.append(pd_row(workload, profile, fleet_name, fleet(p, d), OURS, ours()))
         for name, make in PEERS.items():
             rows.append(pd_row(workload, profile, fleet_name, fleet(p, d), name, make()))
         note(fleet_name)
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=1500)
     parser.add_argument("--short", type=int, default=6000, help="requests of the short-prompt workload")
+    parser.add_argument("--mooncake", type=int, default=2000, help="requests of the Mooncake trace (0: none)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     profile = get_profile("llama-8b-h100")
@@ -182,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     note("sweep")
     short = unique_prompts(args.short, seed=7, qps=40.0, mean_prompt_tokens=150, mean_output_tokens=250)
     short_rows = compare(short, profile, note)
+    mooncake_text = ""
+    if args.mooncake:
+        trace = mooncake_workload(load_mooncake(trace_path("mooncake-conversation"), args.mooncake), "mooncake")
+        mean_trace = statistics.fmean(r.prompt_tokens for r in trace.requests)
+        mooncake_text = (
+            f"\nMooncake conversation trace (first {len(trace)} requests at the trace's rate, mean prompt "
+            f"{mean_trace:.0f} tokens, no sessions):\n\n" + table(compare(trace, profile, note))
+        )
     mean_prompt = statistics.fmean(r.prompt_tokens for r in chat.requests)
     text = (
         f"Multi-turn chat ({args.conversations} conversations, {len(chat)} requests, mean prompt "
@@ -192,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         + table(sweep_rows)
         + f"\nShort unrelated prompts ({args.short} requests at 40/s, mean prompt 150 tokens, mean output 250):\n\n"
         + table(short_rows)
+        + mooncake_text
     )
     print(text)
     if args.out is not None:

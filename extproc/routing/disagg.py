@@ -59,7 +59,7 @@ class PairSettings:
     own wait). ``block_tokens`` is the KV block size.
     """
 
-    threshold_tokens: int = 512
+    threshold_tokens: int = 256
     held_weight: float = 2.0
     load_weight: float = 1.0
     kv_weight: float = 1.0
