@@ -20,22 +20,18 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from extproc.request.openai_body import one_token
+
 PARAMS_FIELD = "kv_transfer_params"
 """The request and response field vLLM's KV connectors read and write."""
 
 PREFILLER_HEADER = "x-prefiller-host-port"
 """llm-d's header naming the prefill replica (``host:port``) to its decode-side sidecar."""
 
-# Sampling fields a prefill replica must not honour: they would make it generate past one token.
-_DROPPED_FOR_PREFILL = ("min_tokens", "min_completion_tokens", "stream_options")
-
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The prefill hop's body: ``body`` computing its prompt and one token, handing the blocks on."""
-    hop = {k: v for k, v in body.items() if k not in _DROPPED_FOR_PREFILL}
-    hop["max_tokens"] = 1
-    if "max_completion_tokens" in hop:
-        hop["max_completion_tokens"] = 1
+    hop = one_token(body)
     hop["stream"] = False
     hop[PARAMS_FIELD] = {
         "do_remote_decode": True,
