@@ -1,5 +1,5 @@
-"""The two hops' bodies (extproc.request.kv_transfer), and the exchange they drive between two fake
-replicas, as the processor would drive it."""
+"""The two hops' bodies (extproc.request.kv_transfer), the exchange they drive between two fake
+replicas, and the fake of llm-d's sidecar driving it from the router's header."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from aiohttp import test_utils
 
 from extproc.request.kv_transfer import PARAMS_FIELD, answer_params, decode_body, prefill_body, prefiller_header
 from extproc_lab.replica import ReplicaEngine, build_app, get_profile
+from extproc_lab.replica.sidecar import Sidecar, build_sidecar_app
 
 MODEL = "demo-model"
 PROMPT = "".join(f"{i:04d}" + "y" * 60 for i in range(30))
@@ -65,3 +66,28 @@ async def test_the_exchange_between_two_fake_replicas() -> None:
         other = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT.replace("y", "z")}], "max_tokens": 2}
         plain = await (await d.post("/v1/chat/completions", json=decode_body(other, None))).json()
         assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_the_sidecar_makes_the_hop_the_header_names_and_passes_other_requests_through() -> None:
+    profile = get_profile("demo", 0.01)
+    p_server = test_utils.TestServer(build_app(ReplicaEngine(profile), "prefill-0", MODEL), host="127.0.0.1")
+    d_server = test_utils.TestServer(build_app(ReplicaEngine(profile), "decode-0", MODEL), host="127.0.0.1")
+    async with test_utils.TestClient(p_server) as p, test_utils.TestClient(d_server) as d:
+        sidecar = Sidecar(f"http://127.0.0.1:{d.server.port}", prefill_timeout_s=0.5)
+        s_server = test_utils.TestServer(build_sidecar_app(sidecar), host="127.0.0.1")
+        async with test_utils.TestClient(s_server) as s:
+            header = dict([prefiller_header(f"127.0.0.1:{p.server.port}")])
+            hopped = await s.post("/v1/chat/completions", json=client_body(max_tokens=3, stream=True), headers=header)
+            assert hopped.status == 200 and hopped.headers["x-replica-name"] == "decode-0"
+            assert b"[DONE]" in await hopped.read()
+            assert (await (await p.get("/kv_transfer")).json())["exported_blocks"] > 0
+            assert (await (await d.get("/kv_transfer")).json())["fetched_blocks"] > 0
+            plain = await (
+                await s.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            ).json()
+            assert plain["usage"]["completion_tokens"] == 2 and sidecar.hops == 1
+            await p.post("/kv_transfer/faults", json={"prefill": "hang"})
+            other = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT.upper()}], "max_tokens": 2}
+            late = await (await s.post("/v1/chat/completions", json=other, headers=header)).json()
+            assert late["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert sidecar.failed_hops == 1
