@@ -87,6 +87,14 @@ def test_decode_choice_weighs_what_it_holds_load_and_headroom() -> None:
     assert choose_pair(PairInputs(full, 4000, {"d0": 4000})).decode.name == "d1"  # type: ignore[union-attr]
 
 
+def test_decode_choice_weighs_the_prefill_backlog() -> None:
+    fleet = (FLEET[0], state("d0", "decode", pending_prefill_tokens=30_000), state("d1", "decode"))
+    assert choose_pair(PairInputs(fleet, 4000)).decode.name == "d1"  # type: ignore[union-attr]
+    blind = PairSettings(prefill_weight=0.0)
+    scores = choose_pair(PairInputs(fleet, 4000), blind).scores
+    assert scores["d0"] == scores["d1"]
+
+
 def test_a_pin_holds_while_the_replica_has_room() -> None:
     fleet = (FLEET[0], state("d0", "decode", running=50), state("d1", "decode"))
     assert choose_pair(PairInputs(fleet, 4000, pinned="d0")).decode.name == "d0"  # type: ignore[union-attr]

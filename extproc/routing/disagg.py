@@ -52,17 +52,19 @@ class PairSettings:
     ``threshold_tokens``: tokens the decode replica lacks below which no prefill hop is made
     (llm-d's ``pdThreshold`` plays this part, on the prompt's uncached length). The decode score
     is ``held_weight`` x the fraction of the prompt held + ``load_weight`` x (1 - load over the
-    busiest candidate's) + ``kv_weight`` x KV headroom; replicas at ``max_kv_usage`` or more are
-    passed over while another has room. Above the threshold a hop is made when the prefill
-    replica would finish the prompt sooner than the decode replica (:func:`local_cost`, where
-    ``decode_interference`` weighs the stall of each sequence decoding there against the request's
-    own wait). ``block_tokens`` is the KV block size.
+    busiest candidate's) + ``kv_weight`` x KV headroom + ``prefill_weight`` x (1 - its prefill
+    backlog, queued prefill tokens and what it lacks of the prompt, over the longest); replicas
+    at ``max_kv_usage`` or more are passed over while another has room. Above the threshold a
+    hop is made when the prefill replica would finish the prompt sooner than the decode replica
+    (:func:`local_cost`, where ``decode_interference`` weighs the stall of each sequence
+    decoding there against the request's own wait). ``block_tokens`` is the KV block size.
     """
 
     threshold_tokens: int = 256
     held_weight: float = 2.0
     load_weight: float = 1.0
     kv_weight: float = 1.0
+    prefill_weight: float = 1.0
     max_kv_usage: float = 0.95
     decode_interference: float = 0.1
     block_tokens: int = 16
@@ -70,7 +72,7 @@ class PairSettings:
     def __post_init__(self) -> None:
         if self.threshold_tokens < 0 or self.block_tokens < 1:
             raise ValueError("threshold_tokens must not be negative and block_tokens must be at least 1")
-        if min(self.held_weight, self.load_weight, self.kv_weight, self.decode_interference) < 0:
+        if min(self.held_weight, self.load_weight, self.kv_weight, self.prefill_weight, self.decode_interference) < 0:
             raise ValueError("weights must not be negative")
 
 
@@ -115,16 +117,22 @@ def decode_scores(inputs: PairInputs, settings: PairSettings) -> dict[str, float
         return {}
     busiest = max(1, *(load_of(s) for s in decoders))
     prompt = max(1, inputs.prompt_tokens)
+    backlog = {s.name: s.pending_prefill_tokens + prompt - _held(s, inputs) for s in decoders}
+    longest = max(1, *backlog.values())
     scores = {}
     for s in decoders:
-        held = min(1.0, inputs.cached_tokens.get(s.name, 0) / prompt)
         headroom = 1.0 - min(1.0, max(0.0, s.kv_usage))
         scores[s.name] = (
-            settings.held_weight * held
+            settings.held_weight * _held(s, inputs) / prompt
             + settings.load_weight * (1.0 - load_of(s) / busiest)
             + settings.kv_weight * headroom
+            + settings.prefill_weight * (1.0 - backlog[s.name] / longest)
         )
     return scores
+
+
+def _held(state: ReplicaState, inputs: PairInputs) -> int:
+    return min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(state.name, 0)))
 
 
 def _best(states: Sequence[ReplicaState], key: Mapping[str, float]) -> ReplicaState:
