@@ -27,6 +27,7 @@ from extproc.routing.model import Replica, ReplicaState
 from extproc.routing.roles import ROLE_LABEL, Role
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.replica.timing import ReplicaProfile
+from extproc_lab.sim.simulator import ReplicaSteps
 from extproc_lab.sim.workload import Workload
 
 _ARRIVAL, _TRANSFERRED, _STEP_END = 0, 1, 2
@@ -152,8 +153,10 @@ def fleet(prefill: int, decode: int, both: int = 0) -> list[Role]:
     return [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.BOTH] * both
 
 
-class DisaggSimulation:
+class DisaggSimulation(ReplicaSteps):
     """One pair policy over one workload on a fleet of ``roles``, all of ``profile``."""
+
+    STEP_END = _STEP_END
 
     def __init__(
         self,
@@ -181,35 +184,17 @@ class DisaggSimulation:
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._order = 0
         self._version = [0] * n
-        self._end = [0.0] * n
+        self._step_start = [0.0] * n
+        self._scheduled_end = [0.0] * n
 
     # --- the replicas ------------------------------------------------------------------------
 
-    def _push(self, at: float, kind: int, a: int, b: int = 0) -> None:
-        heapq.heappush(self._heap, (at, kind, self._order, a, b))
-        self._order += 1
-
-    def _start_step(self, m: int, now: float) -> None:
-        duration = self.models[m].begin_step(now, self.max_run_steps)
-        if duration is not None:
-            self._version[m] += 1
-            self._end[m] = now + duration
-            self._push(now + duration, _STEP_END, m, self._version[m])
-
     def _submit(self, m: int, seq: Seq, now: float) -> None:
-        model = self.models[m]
-        if model.busy:
-            end = model.cut(now)
-            if end != self._end[m]:
-                self._version[m] += 1
-                self._end[m] = end
-                self._push(end, _STEP_END, m, self._version[m])
-        uncached = seq.prompt_tokens - model.cached_prefix_tokens(seq)
+        """Hand ``seq`` to replica model ``m``, counting its uncached prompt as pending there."""
+        uncached = seq.prompt_tokens - self.models[m].cached_prefix_tokens(seq)
         self._pending[m] += uncached
         self._uncached[id(seq)] = uncached
-        model.submit(seq, now)
-        if not model.busy:
-            self._start_step(m, now)
+        super()._submit(m, seq, now)
 
     def _view(self, seq: Seq, session: str | None) -> FleetView:
         states = tuple(
