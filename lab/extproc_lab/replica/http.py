@@ -409,6 +409,7 @@ async def serve_replica(
     kv_events_encoding: str = "map",
     hash_algo: str = "sha256",
     kv_blocks: int | None = None,
+    kv_transfer_s_per_block: float | None = None,
 ) -> None:
     """Serve one fake replica on ``host:port`` until cancelled, then shut the server down cleanly.
 
@@ -423,13 +424,16 @@ async def serve_replica(
     With ``tokenizer_dir`` prompts are tokenized as vLLM does and the cache is keyed by vLLM's
     block hashes (``hash_algo``, PYTHONHASHSEED honoured); with ``kv_events`` every store,
     eviction and reset is published there (topic ``kv@<name>@<model>``), ``kv_replay`` answering
-    replays. ``kv_blocks`` overrides the profile's ``num_gpu_blocks`` (a smaller cache: pressure).
+    replays. ``kv_blocks`` overrides the profile's ``num_gpu_blocks`` (a smaller cache: pressure),
+    ``kv_transfer_s_per_block`` its time to pull a block in a disaggregated decode hop.
     """
     publisher = None
     try:
         profile = get_profile(profile_name, time_scale)
         if kv_blocks is not None:
             profile = dataclasses.replace(profile, num_gpu_blocks=kv_blocks)
+        if kv_transfer_s_per_block is not None:
+            profile = dataclasses.replace(profile, kv_transfer_s_per_block=kv_transfer_s_per_block)
         tokenizer = PromptTokenizer(tokenizer_dir) if tokenizer_dir else None
         blocks = TokenBlocks(profile.block_size, HashAlgo(hash_algo)) if tokenizer is not None else None
         if kv_events:
