@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from extproc.request.openai_body import one_token
 from extproc.validation import Section, option
 
 log = logging.getLogger("extproc.prewarm")
@@ -34,10 +35,7 @@ def prefill_only(body: bytes) -> bytes | None:
         return None
     if not isinstance(request, dict):
         return None
-    for key in ("stream", "stream_options", "max_completion_tokens", "n", "best_of"):
-        request.pop(key, None)
-    request["max_tokens"] = 1
-    return json.dumps(request, separators=(",", ":")).encode()
+    return json.dumps(one_token(request), separators=(",", ":")).encode()
 
 
 class PrewarmSettings(Section):

@@ -8,6 +8,7 @@ the beginning of the rendered text, and therefore their first prefix blocks.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,25 @@ def max_output_tokens(body: dict[str, Any]) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
     return None
+
+
+_NOT_FOR_ONE_TOKEN = (
+    "stream",
+    "stream_options",
+    "max_completion_tokens",
+    "min_tokens",
+    "min_completion_tokens",
+    "n",
+    "best_of",
+)
+
+
+def one_token(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The same request asking for its prompt's first token only, unstreamed: what a pre-warm or a
+    disaggregated prefill sends (``min_tokens`` and several choices would ask for more)."""
+    out = {k: v for k, v in request.items() if k not in _NOT_FOR_ONE_TOKEN}
+    out["max_tokens"] = 1
+    return out
 
 
 def _part_text(part: Any) -> tuple[str, bool]:

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from extproc.routing.roles import Role, role_of
+
 
 @dataclass(frozen=True, slots=True)
 class Replica:
@@ -44,6 +46,11 @@ class ReplicaState:
     def name(self) -> str:
         """The replica's name."""
         return self.replica.name
+
+    @property
+    def role(self) -> Role:
+        """Its part in disaggregated serving, from its labels (:mod:`extproc.routing.roles`)."""
+        return role_of(self.replica.labels)
 
     def work(self, tokens_per_request: int) -> int:
         """Outstanding work in prompt-token equivalents: prefills not yet answered, plus a fixed

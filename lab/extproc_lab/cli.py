@@ -34,6 +34,12 @@ def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--model", default="demo-model")
     p.add_argument("--time-scale", type=float, default=None, help="1.0 real time, 0.1 ten times faster")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (the profile's num_gpu_blocks overridden)")
+    p.add_argument(
+        "--kv-transfer-ms-per-block",
+        type=float,
+        default=None,
+        help="time a decode hop takes to pull one KV block from a prefill replica (the profile's overridden)",
+    )
     p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
     p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
     p.add_argument(
@@ -63,6 +69,9 @@ def run_replica_command(args: argparse.Namespace) -> int:
     if args.kv_blocks is not None and args.kv_blocks < 1:
         print("extproc replica: --kv-blocks must be at least 1", file=sys.stderr)
         return 2
+    if args.kv_transfer_ms_per_block is not None and args.kv_transfer_ms_per_block < 0:
+        print("extproc replica: --kv-transfer-ms-per-block must not be negative", file=sys.stderr)
+        return 2
     asyncio.run(
         _until_signalled(
             serve_replica(
@@ -81,6 +90,9 @@ def run_replica_command(args: argparse.Namespace) -> int:
                 kv_events_encoding=args.kv_events_encoding,
                 hash_algo=args.prefix_caching_hash_algo,
                 kv_blocks=args.kv_blocks,
+                kv_transfer_s_per_block=(
+                    None if args.kv_transfer_ms_per_block is None else args.kv_transfer_ms_per_block / 1000
+                ),
             )
         )
     )

@@ -42,6 +42,7 @@ __all__ = [
     "MAX_OUTPUT_TOKENS",
     "TTFT_BUCKETS",
     "Generation",
+    "KvSource",
     "LatencyHistogram",
     "ReplicaEngine",
     "filler_token",
@@ -52,6 +53,9 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 OnToken = Callable[[int, str], Awaitable[None]]
 """Called with (index, text) for each output token, as soon as it is produced."""
+KvSource = Callable[[Seq], Awaitable[int]]
+"""Fetches a request's KV blocks from elsewhere (disaggregated serving): given the request, returns
+how many of its prompt's leading keys arrived (0: recompute them)."""
 
 MAX_OUTPUT_TOKENS = 4096
 """Upper bound on output tokens whatever the request asks."""
@@ -114,6 +118,8 @@ class Generation:
     finish_reason: str
     ttft_s: float
     e2e_s: float
+    block_keys: tuple[int, ...] = ()
+    """The prompt's full blocks' keys, as this replica cached them (what a KV transfer exports)."""
 
 
 class ReplicaEngine:
@@ -138,6 +144,8 @@ class ReplicaEngine:
         self._sleep = sleep
         self._stepper: asyncio.Task[None] | None = None
         self._ids = itertools.count()
+        self.deferred = 0
+        """Requests waiting for their KV blocks from a prefill replica (vLLM's ``deferred``)."""
         # With token ids (a tokenizer) the cache is keyed by vLLM's block hashes; with ``publish``
         # each step's stores and evictions go out as KV events when the step ends.
         self.token_blocks = token_blocks
@@ -222,9 +230,14 @@ class ReplicaEngine:
         token_ids: Sequence[int] | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        kv_source: KvSource | None = None,
     ) -> Generation:
         """Serve one request: queue, prefill, then decode in the shared batch, calling
         ``on_token`` per token.
+
+        With ``kv_source`` (a decode replica given a prefill replica's blocks) the request first
+        waits for the blocks it does not hold, which then count as cached: only what did not
+        arrive is computed here.
 
         If ``on_token`` raises or the task is cancelled (a client went away), the request is
         counted as aborted and its blocks are released.
@@ -247,6 +260,14 @@ class ReplicaEngine:
             finish_reason=reason,
             handle=tokens,
         )
+        if kv_source is not None:
+            self.deferred += 1
+            try:
+                received = await kv_source(seq)
+            finally:
+                self.deferred -= 1
+            self.model.receive(seq, received)
+            self._flush_events()
         self.model.submit(seq, self._now())
         self._wake()
         pieces: list[str] = []
@@ -270,6 +291,7 @@ class ReplicaEngine:
             finish_reason=reason,
             ttft_s=seq.first_token_at - seq.arrived_at,
             e2e_s=seq.finished_at - seq.arrived_at,
+            block_keys=tuple(seq.keys),
         )
 
     def _wake(self) -> None:
@@ -336,14 +358,14 @@ class _VllmCollector(Collector):
 
         m = e.model
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", e.running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.waiting)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.waiting + e.deferred)
         by_reason = GaugeMetricFamily(
             "vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason.", labels=[*labels, "reason"]
         )
-        # Every queued request here waits for room in the batch or the cache; none is deferred (vLLM
-        # defers requests waiting for KV transfers or structured-output grammars).
+        # A queued request waits for room in the batch or the cache; one waiting for its KV blocks
+        # from a prefill replica is deferred, as vLLM counts it.
         by_reason.add_metric([*values, "capacity"], e.waiting)
-        by_reason.add_metric([*values, "deferred"], 0)
+        by_reason.add_metric([*values, "deferred"], e.deferred)
         yield by_reason
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_cache_usage_perc)
         yield counter(

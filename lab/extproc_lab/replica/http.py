@@ -23,9 +23,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from extproc.kvevents.hashing import HashAlgo
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, parse_request_body
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError
-from extproc_lab.replica.engine import Generation, ReplicaEngine
+from extproc_lab.replica.engine import Generation, KvSource, ReplicaEngine
 from extproc_lab.replica.kv_events import TokenBlocks
 from extproc_lab.replica.kv_publisher import KvEventPublisher
+from extproc_lab.replica.kv_transfer import (
+    FETCH_FAULTS,
+    PARAMS_FIELD,
+    PREFILL_FAULTS,
+    PULL_PATH,
+    KvConnector,
+    RemoteBlocks,
+    wants_prefill_only,
+)
 from extproc_lab.replica.lora import LoraSlots
 from extproc_lab.replica.timing import get_profile
 
@@ -110,6 +119,7 @@ class _ReplicaApi:
         self.lora = lora
         self.tokenizer = tokenizer
         self.publisher = publisher
+        self.kv = KvConnector(engine, name)
 
     def _token_ids(self, chat: bool, body: dict[str, Any]) -> tuple[int, ...] | None:
         """The prompt's token ids as vLLM builds them, with a tokenizer (else None: text blocks)."""
@@ -150,7 +160,19 @@ class _ReplicaApi:
         lora_name = model if model != self.model else None
         salt = parsed.body.get("cache_salt")
         cache_salt = salt if isinstance(salt, str) and salt else None
-        if parsed.stream:
+        # Disaggregated serving (see extproc_lab.replica.kv_transfer): a prefill hop answers with
+        # where its blocks wait; a decode hop first pulls them.
+        params = parsed.body.get(PARAMS_FIELD)
+        prefill_only = wants_prefill_only(params)
+        remote = RemoteBlocks.parse(params)
+        kv_source = self.kv.source(remote) if remote is not None else None
+        if prefill_only:
+            if self.kv.faults.prefill == "fail":
+                return _error(500, "prefill failed (injected fault)", "InternalServerError")
+            if self.kv.faults.prefill == "hang":
+                await asyncio.Event().wait()  # until the client gives up
+            self._advertise(request)
+        if parsed.stream and not prefill_only:
             return await self._stream(
                 request,
                 parsed.prompt,
@@ -161,6 +183,7 @@ class _ReplicaApi:
                 token_ids=token_ids,
                 lora_name=lora_name,
                 cache_salt=cache_salt,
+                kv_source=kv_source,
             )
         gen = await self.engine.generate(
             parsed.prompt,
@@ -171,6 +194,7 @@ class _ReplicaApi:
             token_ids=token_ids,
             lora_name=lora_name,
             cache_salt=cache_salt,
+            kv_source=kv_source,
         )
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if chat:
@@ -178,7 +202,16 @@ class _ReplicaApi:
         else:
             choice["text"] = gen.text
         obj = "chat.completion" if chat else "text_completion"
-        return web.json_response({**head, "object": obj, "choices": [choice], "usage": _usage(gen)})
+        answer = {**head, "object": obj, "choices": [choice], "usage": _usage(gen)}
+        if prefill_only:
+            answer[PARAMS_FIELD] = self.kv.export(gen.block_keys)
+        return web.json_response(answer)
+
+    def _advertise(self, request: web.Request) -> None:
+        """The address a decode replica pulls blocks from: the socket this request came in on."""
+        if self.kv.port == 0 and request.transport is not None:
+            host, port = request.transport.get_extra_info("sockname")[:2]
+            self.kv.host, self.kv.port = str(host), int(port)
 
     async def _stream(
         self,
@@ -192,6 +225,7 @@ class _ReplicaApi:
         token_ids: tuple[int, ...] | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        kv_source: KvSource | None = None,
     ) -> web.StreamResponse:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -221,6 +255,7 @@ class _ReplicaApi:
                 token_ids=token_ids,
                 lora_name=lora_name,
                 cache_salt=cache_salt,
+                kv_source=kv_source,
             )
             await response.write(chunk({} if chat else "", gen.finish_reason))
             if sampling.include_usage:
@@ -271,6 +306,45 @@ class _ReplicaApi:
         self.publisher.drop_next += max(0, int(request.query.get("n", "1")))
         return web.Response(status=200)
 
+    async def kv_pull(self, request: web.Request) -> web.Response:
+        """``POST /kv_transfer/pull`` (the connector's side channel): how many of the leading
+        ``block_ids`` this replica still holds for ``engine_id``."""
+        try:
+            body = await request.json()
+            ids = [int(i) for i in body["block_ids"]]
+            engine_id = str(body["engine_id"])
+        except (ValueError, KeyError, TypeError):
+            return _error(400, "expected engine_id and block_ids")
+        return web.json_response({"blocks": self.kv.still_held(engine_id, ids)})
+
+    async def kv_faults(self, request: web.Request) -> web.Response:
+        """``POST /kv_transfer/faults`` (fake replica only): ``{"prefill": "ok"|"fail"|"hang",
+        "fetch": "ok"|"fail"}``, either or both."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "expected a JSON object")
+        faults = self.kv.faults
+        prefill = body.get("prefill", faults.prefill)
+        fetch = body.get("fetch", faults.fetch)
+        if prefill not in PREFILL_FAULTS or fetch not in FETCH_FAULTS:
+            return _error(400, f"prefill is one of {PREFILL_FAULTS}, fetch one of {FETCH_FAULTS}")
+        faults.prefill, faults.fetch = prefill, fetch
+        return web.json_response({"prefill": prefill, "fetch": fetch})
+
+    async def kv_transfer_state(self, request: web.Request) -> web.Response:
+        """``GET /kv_transfer`` (fake replica only): the connector's counters and faults."""
+        kv = self.kv
+        return web.json_response(
+            {
+                "engine_id": kv.engine_id,
+                "exported_blocks": kv.exported_blocks,
+                "fetched_blocks": kv.fetched_blocks,
+                "failed_fetches": kv.failed_fetches,
+                "faults": {"prefill": kv.faults.prefill, "fetch": kv.faults.fetch},
+            }
+        )
+
     async def kv_events_state(self, request: web.Request) -> web.Response:
         """``GET /kv_events`` (fake replica only): the next sequence number and what the replay buffer holds."""
         if self.publisher is None:
@@ -305,6 +379,14 @@ def build_app(
     app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
     app.router.add_post("/kv_events/drop", api.drop_kv_events)
     app.router.add_get("/kv_events", api.kv_events_state)
+    app.router.add_post(PULL_PATH, api.kv_pull)
+    app.router.add_post("/kv_transfer/faults", api.kv_faults)
+    app.router.add_get("/kv_transfer", api.kv_transfer_state)
+
+    async def close_connector(app: web.Application) -> None:
+        await api.kv.close()
+
+    app.on_cleanup.append(close_connector)
     return app
 
 
@@ -327,6 +409,7 @@ async def serve_replica(
     kv_events_encoding: str = "map",
     hash_algo: str = "sha256",
     kv_blocks: int | None = None,
+    kv_transfer_s_per_block: float | None = None,
 ) -> None:
     """Serve one fake replica on ``host:port`` until cancelled, then shut the server down cleanly.
 
@@ -341,13 +424,16 @@ async def serve_replica(
     With ``tokenizer_dir`` prompts are tokenized as vLLM does and the cache is keyed by vLLM's
     block hashes (``hash_algo``, PYTHONHASHSEED honoured); with ``kv_events`` every store,
     eviction and reset is published there (topic ``kv@<name>@<model>``), ``kv_replay`` answering
-    replays. ``kv_blocks`` overrides the profile's ``num_gpu_blocks`` (a smaller cache: pressure).
+    replays. ``kv_blocks`` overrides the profile's ``num_gpu_blocks`` (a smaller cache: pressure),
+    ``kv_transfer_s_per_block`` its time to pull a block in a disaggregated decode hop.
     """
     publisher = None
     try:
         profile = get_profile(profile_name, time_scale)
         if kv_blocks is not None:
             profile = dataclasses.replace(profile, num_gpu_blocks=kv_blocks)
+        if kv_transfer_s_per_block is not None:
+            profile = dataclasses.replace(profile, kv_transfer_s_per_block=kv_transfer_s_per_block)
         tokenizer = PromptTokenizer(tokenizer_dir) if tokenizer_dir else None
         blocks = TokenBlocks(profile.block_size, HashAlgo(hash_algo)) if tokenizer is not None else None
         if kv_events:

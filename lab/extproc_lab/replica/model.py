@@ -425,6 +425,34 @@ class ReplicaModel:
         """Tokens of ``seq``'s prompt this replica holds now (what a precise index would report)."""
         return seq.key_end(self.pool.match(seq.keys))
 
+    def missing_blocks(self, seq: Seq, keys: int) -> int:
+        """Blocks of ``seq``'s first ``keys`` prompt keys this replica does not hold: what a KV
+        connector must fetch (vLLM's decode side looks up its own prefix cache first)."""
+        keys = min(keys, len(seq.keys))
+        held = self.pool.match(seq.keys[:keys])
+        bs = self.pool.block_size
+        return sum(seq.key_blocks(j, bs) for j in range(held, keys))
+
+    def receive(self, seq: Seq, keys: int) -> int:
+        """Blocks of ``seq``'s first ``keys`` prompt keys arrive from another replica (a KV
+        transfer): they become cached, unreferenced entries, so admission finds them as prefix
+        hits. Stops at the first that finds no room. Returns the blocks stored."""
+        pool = self.pool
+        bs = pool.block_size
+        stored: list[int] = []
+        blocks = 0
+        for j, key in enumerate(seq.keys[: min(keys, len(seq.keys))]):
+            if key in pool:
+                continue
+            size = seq.key_blocks(j, bs)
+            if not pool.insert(key, size):
+                break
+            stored.append(key)
+            blocks += size
+        # Released tail first, as a finished sequence's blocks, so the head outlives the tail.
+        pool.release(reversed(stored))
+        return blocks
+
     # --- requests in and out -------------------------------------------------------------------
 
     def submit(self, seq: Seq, now: float) -> None:

@@ -49,6 +49,8 @@ class ReplicaProfile:
     decode_s_per_seq: float = 0.0
     decode_s_per_kv_token: float = 0.0
     prefill_s_per_token_pair: float = 0.0
+    kv_transfer_s_per_block: float = 0.0
+    """Time to pull one KV block from a prefill replica (disaggregated serving), per block."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 1 or self.max_running < 1:
@@ -59,7 +61,15 @@ class ReplicaProfile:
             raise ValueError("overheads must not be negative and default_output_tokens must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
-        if min(self.decode_s_per_seq, self.decode_s_per_kv_token, self.prefill_s_per_token_pair) < 0:
+        if (
+            min(
+                self.decode_s_per_seq,
+                self.decode_s_per_kv_token,
+                self.prefill_s_per_token_pair,
+                self.kv_transfer_s_per_block,
+            )
+            < 0
+        ):
             raise ValueError("per-sequence and per-token costs must not be negative")
 
     def prefill_seconds(self, uncached_tokens: int) -> float:
@@ -112,6 +122,8 @@ DEMO = ReplicaProfile(
     chunked_prefill=False,
     # Decode slows a little with the batch (0.1 ms per further sequence), not with context.
     decode_s_per_seq=0.0001,
+    # A 2,000-token prompt's 125 blocks cross in 25 ms: a transfer is visible but cheaper than its prefill.
+    kv_transfer_s_per_block=0.0002,
 )
 """Quick figures for demos and tests: cache hits are visible, answers come back in ~0.1-0.3 s."""
 
@@ -147,6 +159,9 @@ LLAMA_8B_H100 = ReplicaProfile(
     max_running=1024,
     max_num_batched_tokens=8192,
     chunked_prefill=True,
+    # A 16-token block is 2 MiB of KV (16 x 128 KiB); NIXL over a 400 Gb/s RDMA link moves
+    # ~20 GB/s of it in practice: ~0.1 ms a block (a 10k-token prompt's 625 blocks in ~60 ms).
+    kv_transfer_s_per_block=1e-4,
 )
 """Approximate Llama-3.1-8B-Instruct on one H100 80GB SXM (bf16, vLLM V1 defaults), for capacity
 planning and the routing benchmark.

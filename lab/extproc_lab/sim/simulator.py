@@ -187,7 +187,51 @@ ProfileFactory = Callable[[SimCacheProbe], Profile | PeerPolicy | None]
 peer router's policy, which the run then owns."""
 
 
-class Simulation:
+class ReplicaSteps:
+    """Replica models stepped on one event heap. A step's (or run's) end is an event of kind
+    ``STEP_END`` carrying the replica and the step's version: a run cut short by an arrival gets
+    a new end and a new version, and its old end event is skipped as stale. The loops that use it
+    (:class:`Simulation`, :class:`~extproc_lab.sim.disagg.DisaggSimulation`) own the lists."""
+
+    STEP_END = _STEP_END
+    models: list[ReplicaModel]
+    max_run_steps: int
+    _heap: list[tuple[float, int, int, int, int]]
+    _order: int
+    _version: list[int]
+    _step_start: list[float]
+    _scheduled_end: list[float]
+
+    def _push(self, at: float, kind: int, a: int, b: int = 0) -> None:
+        """Schedule an event; at equal times the lower kind, then the earlier push, goes first."""
+        heapq.heappush(self._heap, (at, kind, self._order, a, b))
+        self._order += 1
+
+    def _start_step(self, m: int, now: float) -> None:
+        duration = self.models[m].begin_step(now, self.max_run_steps)
+        if duration is None:
+            return
+        self._version[m] += 1
+        self._step_start[m] = now
+        self._scheduled_end[m] = now + duration
+        self._push(now + duration, self.STEP_END, m, self._version[m])
+
+    def _submit(self, m: int, seq: Seq, now: float) -> None:
+        """Hand ``seq`` to replica model ``m`` at ``now``."""
+        model = self.models[m]
+        if model.busy:
+            end = model.cut(now)
+            if end != self._scheduled_end[m]:
+                # The run now ends sooner: its old end event is stale.
+                self._version[m] += 1
+                self._scheduled_end[m] = end
+                self._push(end, self.STEP_END, m, self._version[m])
+        model.submit(seq, now)
+        if not model.busy:
+            self._start_step(m, now)
+
+
+class Simulation(ReplicaSteps):
     """One policy over one workload on ``replicas`` model replicas of ``profile``: the event loop.
 
     ``make_profile`` builds the routing profile (it is given a probe of the replicas' true
@@ -198,7 +242,9 @@ class Simulation:
     the router's (replicas are set here); ``scrape_interval_s`` defaults to its health settings'
     interval.
 
-    The loop is the only one of the lab: its variants extend it through hooks, not copies.
+    The loop is the lab's one for routed requests: its variants extend it through hooks, not
+    copies (a disaggregated fleet, whose requests are two hops and no router's, has its own, on
+    the same :class:`ReplicaSteps`).
     :class:`~extproc_lab.sim.dynamic.DynamicSimulation` adds scheduled fleet changes and
     pre-warms (:meth:`_initial_events`, :meth:`_on_event`, :meth:`_add_replica`,
     :meth:`_submit_side`) and refusals (:meth:`_decided`, :meth:`_refused`);
@@ -208,7 +254,7 @@ class Simulation:
     a variant's own kinds go below (before an arrival at the same time) or above them.
     """
 
-    ARRIVAL, STEP_END = _ARRIVAL, _STEP_END
+    ARRIVAL = _ARRIVAL
 
     def __init__(
         self,
@@ -301,34 +347,6 @@ class Simulation:
         self._decisions: dict[str, int] = {}
         self._side_pending = 0
         self._events = 0
-
-    def _push(self, at: float, kind: int, a: int, b: int = 0) -> None:
-        """Schedule an event; at equal times the lower kind, then the earlier push, goes first."""
-        heapq.heappush(self._heap, (at, kind, self._order, a, b))
-        self._order += 1
-
-    def _start_step(self, m: int, now: float) -> None:
-        duration = self.models[m].begin_step(now, self.max_run_steps)
-        if duration is None:
-            return
-        self._version[m] += 1
-        self._step_start[m] = now
-        self._scheduled_end[m] = now + duration
-        self._push(now + duration, _STEP_END, m, self._version[m])
-
-    def _submit(self, m: int, seq: Seq, now: float) -> None:
-        """Hand ``seq`` to replica model ``m`` at ``now``."""
-        model = self.models[m]
-        if model.busy:
-            end = model.cut(now)
-            if end != self._scheduled_end[m]:
-                # The run now ends sooner: its old end event is stale.
-                self._version[m] += 1
-                self._scheduled_end[m] = end
-                self._push(end, _STEP_END, m, self._version[m])
-        model.submit(seq, now)
-        if not model.busy:
-            self._start_step(m, now)
 
     def _submit_side(self, m: int, seq: Seq) -> None:
         """Work that is not the workload's (a pre-warm; ``seq.handle`` < 0) on model ``m`` now:

@@ -1,0 +1,184 @@
+"""The pair of a disaggregated request, decided together: which replica decodes, which prefills.
+
+A pure function of the candidates' states and what each holds of the prompt, as the rest of the
+decision is. The decode replica is chosen first, because it serves the request longest: by
+decode load, KV headroom and what it already holds of the conversation; a session stays on its
+decode replica while that replica has room. Only then is a prefill hop considered, for the
+tokens that replica lacks:
+
+- a decode replica holding the previous turns lacks only the new ones, and when they are fewer
+  than ``PairSettings.threshold_tokens`` (short prompts, most already held) the request runs
+  aggregated on it: a hop costs a round trip and a transfer that a short prefill does not repay;
+- otherwise the prefill replica is the one that finishes the prompt soonest: the fewest uncached
+  tokens there plus prefill tokens already queued; and the hop is made only if it finishes
+  sooner than the decode replica would, computing what it lacks behind its own queued prefills
+  and stalling the sequences it decodes meanwhile (a prefill replica computes the whole prompt
+  but what it holds, the decode replica only the part it lacks).
+
+Only the blocks the decode replica lacks cross (vLLM's connectors look up the decode replica's
+own prefix cache first), so ``Pair.transfer_blocks`` counts those.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from extproc.routing.model import ReplicaState
+
+
+class PairReason(enum.StrEnum):
+    """Why a pair is what it is (a metric label: keep the set small)."""
+
+    DISAGGREGATED = "disaggregated"
+    """Prefilled on one replica, decoded on another."""
+    SHORT = "short"
+    """The prompt is below the threshold: aggregated on the decode replica."""
+    HELD = "held"
+    """The decode replica holds all but fewer than the threshold's tokens: aggregated there."""
+    LOCAL = "local"
+    """The decode replica would finish what it lacks of the prompt as soon as any prefill replica."""
+    NO_PREFILLER = "no_prefiller"
+    """No other replica may prefill: aggregated on the decode replica."""
+    NO_DECODER = "no_decoder"
+    """No candidate may decode: no pair."""
+
+
+@dataclass(frozen=True, slots=True)
+class PairSettings:
+    """How the pair is weighed.
+
+    ``threshold_tokens``: tokens the decode replica lacks below which no prefill hop is made
+    (llm-d's ``pdThreshold`` plays this part, on the prompt's uncached length). The decode score
+    is ``held_weight`` x the fraction of the prompt held + ``load_weight`` x (1 - load over the
+    busiest candidate's) + ``kv_weight`` x KV headroom + ``prefill_weight`` x (1 - its prefill
+    backlog, queued prefill tokens and what it lacks of the prompt, over the longest); replicas
+    at ``max_kv_usage`` or more are passed over while another has room. Above the threshold a
+    hop is made when the prefill replica would finish the prompt sooner than the decode replica
+    (:func:`local_cost`, where ``decode_interference`` weighs the stall of each sequence
+    decoding there against the request's own wait). ``block_tokens`` is the KV block size.
+    """
+
+    threshold_tokens: int = 256
+    held_weight: float = 2.0
+    load_weight: float = 1.0
+    kv_weight: float = 1.0
+    prefill_weight: float = 1.0
+    max_kv_usage: float = 0.95
+    decode_interference: float = 0.1
+    block_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.threshold_tokens < 0 or self.block_tokens < 1:
+            raise ValueError("threshold_tokens must not be negative and block_tokens must be at least 1")
+        if min(self.held_weight, self.load_weight, self.kv_weight, self.prefill_weight, self.decode_interference) < 0:
+            raise ValueError("weights must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class PairInputs:
+    """What the pair is decided on: the candidates (already filtered: in rotation, serving the
+    model, not cordoned), the prompt's length, the tokens of it each replica is believed to hold,
+    and the session's decode replica (None: no session or no pin)."""
+
+    candidates: Sequence[ReplicaState]
+    prompt_tokens: int
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    pinned: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """Where a request's decode and prefill go (``prefill`` None: aggregated on ``decode``)."""
+
+    decode: ReplicaState | None
+    prefill: ReplicaState | None
+    reason: PairReason
+    new_tokens: int = 0
+    """Prompt tokens the decode replica does not hold."""
+    transfer_blocks: int = 0
+    """Full KV blocks that cross from the prefill replica to the decode replica."""
+    sticky: bool = False
+    """Whether the decode replica is the session's pinned one."""
+    scores: Mapping[str, float] = field(default_factory=dict)
+    """Decode candidates' scores."""
+
+
+def load_of(state: ReplicaState) -> int:
+    """Requests a replica is serving or queueing, as scraped or as counted in flight."""
+    return max(state.running + state.queue, state.inflight)
+
+
+def decode_scores(inputs: PairInputs, settings: PairSettings) -> dict[str, float]:
+    """Each decode-capable candidate's score (higher is better); see :class:`PairSettings`."""
+    decoders = [s for s in inputs.candidates if s.role.decodes]
+    if not decoders:
+        return {}
+    busiest = max(1, *(load_of(s) for s in decoders))
+    prompt = max(1, inputs.prompt_tokens)
+    backlog = {s.name: s.pending_prefill_tokens + prompt - _held(s, inputs) for s in decoders}
+    longest = max(1, *backlog.values())
+    scores = {}
+    for s in decoders:
+        headroom = 1.0 - min(1.0, max(0.0, s.kv_usage))
+        scores[s.name] = (
+            settings.held_weight * _held(s, inputs) / prompt
+            + settings.load_weight * (1.0 - load_of(s) / busiest)
+            + settings.kv_weight * headroom
+            + settings.prefill_weight * (1.0 - backlog[s.name] / longest)
+        )
+    return scores
+
+
+def _held(state: ReplicaState, inputs: PairInputs) -> int:
+    return min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(state.name, 0)))
+
+
+def _best(states: Sequence[ReplicaState], key: Mapping[str, float]) -> ReplicaState:
+    # Highest key, then the name: the same inputs in any order give the same replica.
+    return min(states, key=lambda s: (-key[s.name], s.name))
+
+
+def prefill_cost(state: ReplicaState, inputs: PairInputs) -> int:
+    """Tokens a replica must compute before this prompt's are done: its queued prefill tokens
+    and the part of the prompt it does not hold."""
+    held = min(inputs.prompt_tokens, inputs.cached_tokens.get(state.name, 0))
+    return state.pending_prefill_tokens + inputs.prompt_tokens - held
+
+
+def local_cost(state: ReplicaState, new_tokens: int, settings: PairSettings) -> float:
+    """What computing ``new_tokens`` on the decode replica itself costs (vLLM's decode instances
+    can prefill), in prompt tokens: its queued prefill tokens and these, plus the stall of the
+    sequences it is decoding (each waits for these tokens, weighed by ``decode_interference``)."""
+    return state.pending_prefill_tokens + new_tokens * (1.0 + settings.decode_interference * load_of(state))
+
+
+def choose_pair(inputs: PairInputs, settings: PairSettings | None = None) -> Pair:
+    """The decode replica, then whether and where to prefill; see the module docstring."""
+    settings = settings or PairSettings()
+    scores = decode_scores(inputs, settings)
+    decoders = [s for s in inputs.candidates if s.name in scores]
+    if not decoders:
+        return Pair(None, None, PairReason.NO_DECODER)
+    roomy = [s for s in decoders if s.kv_usage < settings.max_kv_usage] or decoders
+    pinned = next((s for s in roomy if s.name == inputs.pinned), None)
+    decode = pinned if pinned is not None else _best(roomy, scores)
+    held = min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(decode.name, 0)))
+    new_tokens = inputs.prompt_tokens - held
+    sticky = pinned is not None
+
+    def aggregated(reason: PairReason) -> Pair:
+        return Pair(decode, None, reason, new_tokens, 0, sticky, scores)
+
+    if new_tokens < settings.threshold_tokens:
+        return aggregated(PairReason.SHORT if inputs.prompt_tokens < settings.threshold_tokens else PairReason.HELD)
+    prefillers = [s for s in inputs.candidates if s.role.prefills and s.name != decode.name]
+    if not prefillers:
+        return aggregated(PairReason.NO_PREFILLER)
+    prefill = min(prefillers, key=lambda s: (prefill_cost(s, inputs), s.name))
+    if local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
+        return aggregated(PairReason.LOCAL)
+    bt = settings.block_tokens
+    transfer = max(0, inputs.prompt_tokens // bt - held // bt)
+    return Pair(decode, prefill, PairReason.DISAGGREGATED, new_tokens, transfer, sticky, scores)

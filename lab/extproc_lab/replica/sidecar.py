@@ -1,0 +1,106 @@
+"""A fake of llm-d's routing sidecar: in front of a decode replica, it makes the prefill hop the
+router asked for in ``x-prefiller-host-port``, then forwards the decode hop to its replica.
+
+A request without the header passes through unchanged (the router kept it aggregated). When the
+prefill hop fails (an error, no answer within ``prefill_timeout_s``, an answer without
+``kv_transfer_params``) the decode hop goes without parameters and the decode replica computes the
+prompt itself. The bodies are :mod:`extproc.request.kv_transfer`'s, as the processor would build
+them in the other design (docs/disaggregation.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from extproc.request.kv_transfer import PREFILLER_HEADER, answer_params, decode_body, prefill_body
+from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
+
+log = logging.getLogger("extproc_lab.sidecar")
+
+# Hop-by-hop and length headers are the transport's own, on each leg.
+_NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", PREFILLER_HEADER}
+
+
+class Sidecar:
+    """The sidecar of one decode replica at ``decode_url`` (``http://host:port``)."""
+
+    def __init__(self, decode_url: str, prefill_timeout_s: float = 30.0) -> None:
+        self.decode_url = decode_url.rstrip("/")
+        self.prefill_timeout_s = prefill_timeout_s
+        self.hops = 0
+        self.failed_hops = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def _prefill(self, prefiller: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """The prefill hop; the answer's ``kv_transfer_params``, or None when it failed."""
+        self.hops += 1
+        try:
+            async with self._client().post(
+                f"http://{prefiller}{path}",
+                json=prefill_body(body),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.prefill_timeout_s),
+            ) as response:
+                raw = await response.read()
+                params = answer_params(raw) if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("prefill hop to %s failed (%s): decoding without it", prefiller, exc)
+            params = None
+        if params is None:
+            self.failed_hops += 1
+        return params
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """A completion: the prefill hop if asked for, then the decode hop, streamed back."""
+        raw = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        prefiller = request.headers.get(PREFILLER_HEADER)
+        if prefiller:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                params = await self._prefill(prefiller, request.path, body, headers)
+                raw = json.dumps(decode_body(body, params)).encode()
+        async with self._client().post(
+            self.decode_url + request.path, data=raw, headers={**headers, "content-type": "application/json"}
+        ) as upstream:
+            response = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED},
+            )
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def close(self) -> None:
+        """Close the client."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def build_sidecar_app(sidecar: Sidecar) -> web.Application:
+    """The sidecar's application: the completion endpoints, nothing else."""
+    app = web.Application(client_max_size=32 * 1024 * 1024)
+    app.router.add_post(CHAT_PATH, sidecar.handle)
+    app.router.add_post(COMPLETIONS_PATH, sidecar.handle)
+
+    async def close(app: web.Application) -> None:
+        await sidecar.close()
+
+    app.on_cleanup.append(close)
+    return app
