@@ -45,6 +45,15 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         help="run at each of these KV block counts per replica (e.g. 3000,6000,12000,27545); one table across levels",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="every request's time-to-first-token objective")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="every request's time-per-output-token objective")
+    p.add_argument(
+        "--slo-mix",
+        default=None,
+        metavar="NAME:SHARE:TTFT:TPOT,...",
+        help="classes of conversations and their objectives in ms ('-': none), e.g. chat:0.7:300:40,batch:0.3:-:-"
+        " (instead of --slo-ttft-ms/--slo-tpot-ms); adds SLO met and goodput to the table",
+    )
     p.add_argument("--config", dest="router_config", help="router YAML config: its profile is the 'extproc' policy")
     p.add_argument(
         "--variant",
@@ -266,6 +275,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_realstack_command(args)
     from extproc_lab.bench.plots import write_plots
     from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
+    from extproc_lab.sim.objectives import parse_mix, uniform
 
     variants = []
     for item in args.variant:
@@ -274,8 +284,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
             print(f"extproc bench: --variant {item!r}: expected NAME=FILE", file=sys.stderr)
             return 2
         variants.append((name, path))
+    try:
+        objectives = parse_mix(args.slo_mix) if args.slo_mix else uniform(args.slo_ttft_ms, args.slo_tpot_ms)
+    except ValueError as exc:
+        print(f"extproc bench: --slo-mix: {exc}", file=sys.stderr)
+        return 2
     spec = WorkloadSpec(
-        name=args.workload, trace=args.trace, rate=args.rate, seed=args.seed, limit=args.limit, traces=args.traces_dir
+        name=args.workload,
+        trace=args.trace,
+        rate=args.rate,
+        seed=args.seed,
+        limit=args.limit,
+        traces=args.traces_dir,
+        objectives=objectives,
     )
     setup = BenchSetup(
         spec, args.replicas, args.profile, args.seed, args.router_config, tuple(variants), kv_blocks=args.kv_blocks

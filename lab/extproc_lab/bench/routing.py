@@ -40,6 +40,7 @@ from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.ceilings import ceilings
 from extproc_lab.sim.dynamic import DynamicSimulation, window_figures
 from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
+from extproc_lab.sim.objectives import goodput_figures
 from extproc_lab.sim.pressure import working_set
 from extproc_lab.sim.simulator import Simulation
 from extproc_lab.sim.workload import Workload
@@ -139,6 +140,8 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
     sim = DynamicSimulation(*args, changes=changes, **options) if changes else Simulation(*args, **options)
     run = sim.run(on_progress)
     figs = figures(run)
+    if setup.workload.objectives:
+        figs.update(goodput_figures(run.outcomes, workload.requests))
     if changes:
         at = changes[0][0]
         before, after = window_figures(run.outcomes, at - 60.0, at), window_figures(run.outcomes, at, at + 60.0)
@@ -181,6 +184,7 @@ class BenchResult:
                 "kv_blocks": s.kv_blocks,
                 "seed": s.seed,
                 "rate": s.workload.rate,
+                "objectives": [str(c) for c in s.workload.objectives],
                 "router_config": s.router_config,
                 "variants": dict(s.variants),
             },
@@ -314,6 +318,8 @@ COLUMNS = (
     ("stayed", 7),
     ("preempt", 8),
 )
+GOODPUT_COLUMNS = (("SLO met", 8), ("goodput tok/s", 13))
+"""Added when the workload carries latency objectives."""
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -324,13 +330,17 @@ def _cell(value: Any, fmt: str) -> str:
 
 def format_table(result: BenchResult, markdown: bool = False) -> str:
     """One row per policy: hit ratio, prefill tokens, TTFT and end-to-end p50/p99, throughput,
-    load CV (requests, busy time, prefill tokens per replica), share of sticky turns that stayed."""
+    load CV (requests, busy time, prefill tokens per replica), share of sticky turns that stayed;
+    with latency objectives, the share of requests that met theirs and their output tokens/s."""
+    slo = bool(result.setup.workload.objectives)
+    columns = COLUMNS + GOODPUT_COLUMNS if slo else COLUMNS
     rows = []
     for name, r in result.results.items():
         f = r.figures
         label = f"{name} *" if name == OURS else name
         if "ttft_p50_s" not in f:
-            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f")] + ["-"] * 10)
+            blank = ["-"] * (len(columns) - 3)
+            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f"), *blank])
             continue
         rows.append(
             [
@@ -349,12 +359,14 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
                 _cell(f.get("preemptions"), "d"),
             ]
         )
-    heads = [h for h, _ in COLUMNS]
+        if slo:
+            rows[-1] += [_cell(f.get("slo_met"), ".1%"), _cell(f.get("goodput_tokens_per_s"), ".0f")]
+    heads = [h for h, _ in columns]
     if markdown:
         lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in heads) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
-    widths = [w for _, w in COLUMNS]
+    widths = [w for _, w in columns]
     lines = [
         "".join(h.ljust(w) if i == 0 else h.rjust(w + 1) for i, (h, w) in enumerate(zip(heads, widths, strict=True)))
     ]

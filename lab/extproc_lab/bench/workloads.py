@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc_lab.sim import generators
+from extproc_lab.sim.objectives import ObjectiveClass, assign
 from extproc_lab.sim.traces import (
     azure_workload,
     load_azure,
@@ -31,7 +32,8 @@ WORKLOADS = (
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """A workload by name (or a trace file), with its arrival-rate factor, seed and size limit."""
+    """A workload by name (or a trace file), with its arrival-rate factor, seed and size limit, and
+    the latency objectives its conversations are drawn into (none by default)."""
 
     name: str = "multi-turn"
     trace: str | None = None
@@ -39,6 +41,7 @@ class WorkloadSpec:
     seed: int = 7
     limit: int | None = None
     traces: str | None = None
+    objectives: tuple[ObjectiveClass, ...] = ()
 
     @property
     def label(self) -> str:
@@ -47,6 +50,9 @@ class WorkloadSpec:
 
     def build(self) -> Workload:
         """Generate or load the workload (deterministic for the spec)."""
+        return assign(self._build(), self.objectives, self.seed)
+
+    def _build(self) -> Workload:
         if self.trace:
             return load_trace_workload(self.trace, self.rate, self.limit)
         name, rate, seed = self.name, self.rate, self.seed
