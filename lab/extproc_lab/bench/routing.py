@@ -29,6 +29,7 @@ from extproc_lab.bench.policies import (
     HOT_KEYS,
     KV_EVENTS,
     KV_EVENTS_DELAY_S,
+    NO_OBJECTIVES,
     OURS,
     PEERS,
     policy_profile,
@@ -136,6 +137,7 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
         "scrape_interval_s": scrape_interval(policy),
         "window_s": setup.window_s,
         "kv_events_delay_s": KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
+        "objectives": policy != NO_OBJECTIVES,
     }
     sim = DynamicSimulation(*args, changes=changes, **options) if changes else Simulation(*args, **options)
     run = sim.run(on_progress)

@@ -196,7 +196,8 @@ class Simulation:
     router decides through it (:class:`~extproc_lab.peers.PeerDecision`) and the run tells it
     where each request went. ``config`` is
     the router's (replicas are set here); ``scrape_interval_s`` defaults to its health settings'
-    interval.
+    interval. Requests carry their latency objectives to the router unless ``objectives`` is False
+    (they are still judged by them).
 
     The loop is the only one of the lab: its variants extend it through hooks, not copies.
     :class:`~extproc_lab.sim.dynamic.DynamicSimulation` adds scheduled fleet changes and
@@ -223,11 +224,13 @@ class Simulation:
         window_s: float | None = None,
         max_run_steps: int = 1 << 20,
         kv_events_delay_s: float | None = None,
+        objectives: bool = True,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
         self.workload = workload
         self.policy = policy
+        self.objectives = objectives
         self.names = [f"replica-{i}" for i in range(replicas)]
         members = tuple(Replica(n, f"sim:{i}") for i, n in enumerate(self.names))
         base = config or Config()
@@ -405,7 +408,7 @@ class Simulation:
 
     def _arrive(self, i: int, now: float) -> None:
         """Workload request ``i`` arrives: routed at once."""
-        self._dispatch(i, self.workload.requests[i].features(self.config.features), now)
+        self._dispatch(i, self.workload.requests[i].features(self.config.features, self.objectives), now)
 
     def _decided(self, i: int, features: RequestFeatures, routed: Routed, now: float) -> None:
         """The router decided on request ``i`` (it may have refused it)."""

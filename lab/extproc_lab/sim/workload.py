@@ -99,9 +99,10 @@ class SimRequest:
             body["prompt"] = self.text()
         return body
 
-    def features(self, settings: FeatureSettings) -> RequestFeatures:
+    def features(self, settings: FeatureSettings, objectives: bool = True) -> RequestFeatures:
         """What ``extract_features`` computes for this request's headers and body, without the
-        JSON round trip (a test checks the two agree)."""
+        JSON round trip (a test checks the two agree); without ``objectives`` as if the client
+        sent none."""
         hashes: tuple[int, ...]
         if self.router_hashes is not None:
             hashes = self.router_hashes(settings.max_blocks)
@@ -129,6 +130,8 @@ class SimRequest:
             prefix_hashes=hashes,
             request_id=self.request_id,
             max_output_tokens=self.output_tokens,
+            slo_ttft_ms=self.slo_ttft_ms if objectives else None,
+            slo_tpot_ms=self.slo_tpot_ms if objectives else None,
         )
 
 
