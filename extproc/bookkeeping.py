@@ -11,15 +11,17 @@ index are written by the router itself: that step is I/O and may fail.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.cache import ReplicaCaches
+from extproc.health.latency import LatencyBook
 from extproc.health.replicas import ReplicaBook
 from extproc.queueing import Refusal
 from extproc.request.features import RequestFeatures
 from extproc.request.splits import Arm
+from extproc.routing.latency import LoadPoint
 from extproc.routing.model import Decision
 from extproc.tenancy import TenantLedger
 
@@ -51,6 +53,11 @@ class Routed:
     sent_tokens: int = 0
     """The prompt's tokens, handed to the cache estimate with the claim: the share of them the
     replica's query counter covers says how much of the claim its hits bear on."""
+    load_point: LoadPoint | None = None
+    """What its replica's latency models learn its latencies against (None: nothing to learn,
+    e.g. its first byte was another replica's)."""
+    answered_at: float | None = None
+    """When its first byte came back, if that was seen."""
 
 
 class Hook(Protocol):
@@ -90,6 +97,32 @@ class LoadHook:
         """Uncount it."""
         self.book.end(replica, routed.prefill_tokens, routed.kv_tokens)
         routed.prefill_tokens = 0
+
+
+class LatencyHook:
+    """The replica's latency models: its time to first byte, then its time per output token
+    (the stream's length after the first byte over the output tokens it asked for)."""
+
+    def __init__(self, book: LatencyBook, clock: Callable[[], float]) -> None:
+        self.book = book
+        self.clock = clock
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Nothing: the router notes the load point with the decision."""
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Learn its time to first byte."""
+        if routed.load_point is not None:
+            now = self.clock()
+            routed.answered_at = now
+            self.book.observe_ttft(replica, routed.load_point, now - routed.decided_at)
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Learn its time per output token, when its first byte was seen and its length is known."""
+        tokens = routed.features.max_output_tokens
+        if routed.load_point is not None and routed.answered_at is not None and tokens and tokens > 1:
+            per_token = (self.clock() - routed.answered_at) / (tokens - 1)
+            self.book.observe_tpot(replica, routed.load_point, per_token)
 
 
 class CacheHook:

@@ -12,11 +12,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import median_low
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from extproc.request.features import RequestFeatures
 from extproc.routing.model import NO_TERMS, AffinityView, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.ring import HashRing
+
+if TYPE_CHECKING:  # the latency plugins import this module
+    from extproc.routing.latency import LatencyView, Prediction
 
 
 @dataclass(slots=True)
@@ -41,6 +44,10 @@ class CycleState:
     hot_set: frozenset[str] | None = None
     """A hot prefix's replica set, as the hot-prefix filter chose it (None: not hot, or a session
     pinned elsewhere kept its replica)."""
+    latency: LatencyView | None = None
+    """The replicas' latency models (:mod:`extproc.routing.latency`); None: none kept."""
+    predicted: dict[str, Prediction] | None = None
+    """Candidates' predicted latencies for this request, once the latency plugins computed them."""
 
 
 class Filter(Protocol):
