@@ -33,6 +33,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--profile", default="llama-8b-h100", help="replica profile (llama-8b-h100, demo, instant)")
     p.add_argument("--rate", type=float, default=1.0, help="arrival-rate factor (2.0: twice the load)")
+    p.add_argument("--slow-profile", default=None, help="a mixed pool: some replicas of this profile (llama-8b-a100)")
+    p.add_argument(
+        "--slow-replicas", type=int, default=None, help="how many replicas are of --slow-profile (default: half)"
+    )
     p.add_argument(
         "--policies", default=",".join(ALL), help=f"comma-separated, in table order (default: {','.join(ALL)})"
     )
@@ -298,8 +302,17 @@ def run_bench_command(args: argparse.Namespace) -> int:
         traces=args.traces_dir,
         objectives=objectives,
     )
+    slow = args.slow_replicas if args.slow_replicas is not None else args.replicas // 2
     setup = BenchSetup(
-        spec, args.replicas, args.profile, args.seed, args.router_config, tuple(variants), kv_blocks=args.kv_blocks
+        spec,
+        args.replicas,
+        args.profile,
+        args.seed,
+        args.router_config,
+        tuple(variants),
+        kv_blocks=args.kv_blocks,
+        slow_profile=args.slow_profile,
+        slow_replicas=slow if args.slow_profile else 0,
     )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     policies += [n for n, _ in variants if n not in policies]
@@ -313,7 +326,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     w = result.workload
     print(
         f"\n{w['name']}: {w['requests']} requests, {w['sessions']} sessions, mean prompt {w['mean_prompt_tokens']:.0f} "
-        f"tokens, mean output {w['mean_output_tokens']:.0f}; {args.replicas} x {args.profile}, rate x{args.rate:g}, "
+        f"tokens, mean output {w['mean_output_tokens']:.0f}; {args.replicas} x {args.profile}"
+        f"{f' ({setup.slow_replicas} of them {args.slow_profile})' if args.slow_profile else ''}, rate x{args.rate:g}, "
         f"seed {args.seed} ({result.wall_s:.0f}s)\n"
     )
     print(format_table(result, markdown=args.markdown))

@@ -60,11 +60,23 @@ class BenchSetup:
     window_s: float | None = None
     kv_blocks: int | None = None
     """KV blocks per replica (the profile's ``num_gpu_blocks``); None keeps the profile's."""
+    slow_profile: str | None = None
+    """A mixed pool: the last ``slow_replicas`` replicas of this profile (same KV blocks)."""
+    slow_replicas: int = 0
 
     def replica_profile(self) -> ReplicaProfile:
         """The replica profile, with ``kv_blocks`` blocks if given."""
         profile = get_profile(self.profile)
         return dataclasses.replace(profile, num_gpu_blocks=self.kv_blocks) if self.kv_blocks else profile
+
+    def slower(self) -> tuple[int, ReplicaProfile] | None:
+        """The mixed pool's slower replicas, ``(count, profile)``; None for a uniform pool."""
+        if not self.slow_profile or self.slow_replicas <= 0:
+            return None
+        profile = get_profile(self.slow_profile)
+        if self.kv_blocks:
+            profile = dataclasses.replace(profile, num_gpu_blocks=self.kv_blocks)
+        return min(self.slow_replicas, self.replicas), profile
 
     def config(self) -> Config:
         """The router's config (its ``profile:`` is the ``extproc`` policy)."""
@@ -138,6 +150,7 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
         "window_s": setup.window_s,
         "kv_events_delay_s": KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
         "objectives": policy != NO_OBJECTIVES,
+        "slower": setup.slower(),
     }
     sim = DynamicSimulation(*args, changes=changes, **options) if changes else Simulation(*args, **options)
     run = sim.run(on_progress)
@@ -183,6 +196,8 @@ class BenchResult:
             "setup": {
                 "replicas": s.replicas,
                 "replica_profile": s.profile,
+                "slow_profile": s.slow_profile,
+                "slow_replicas": s.slow_replicas if s.slow_profile else 0,
                 "kv_blocks": s.kv_blocks,
                 "seed": s.seed,
                 "rate": s.workload.rate,

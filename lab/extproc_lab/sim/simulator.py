@@ -197,7 +197,8 @@ class Simulation:
     where each request went. ``config`` is
     the router's (replicas are set here); ``scrape_interval_s`` defaults to its health settings'
     interval. Requests carry their latency objectives to the router unless ``objectives`` is False
-    (they are still judged by them).
+    (they are still judged by them). ``slower`` makes the last ``n`` replicas of another profile
+    (a mixed pool), ``(n, profile)``.
 
     The loop is the only one of the lab: its variants extend it through hooks, not copies.
     :class:`~extproc_lab.sim.dynamic.DynamicSimulation` adds scheduled fleet changes and
@@ -225,6 +226,7 @@ class Simulation:
         max_run_steps: int = 1 << 20,
         kv_events_delay_s: float | None = None,
         objectives: bool = True,
+        slower: tuple[int, ReplicaProfile] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -253,7 +255,8 @@ class Simulation:
                 ring_key_blocks=self.config.ring_key_blocks,
             )
         store = MemoryStore(self.config.session_ttl_s, self.config.max_sessions, self.config.blocks_per_replica)
-        self.models = [ReplicaModel(profile) for _ in range(replicas)]
+        slow, slow_profile = slower or (0, profile)
+        self.models = [ReplicaModel(profile if i < replicas - slow else slow_profile) for i in range(replicas)]
         # The kv_events policy: the models' stores and evictions reach the router as KV events.
         self.kv_feed = (
             None if kv_events_delay_s is None else SimKvFeed(self.names, self.models, self.clock, kv_events_delay_s)
