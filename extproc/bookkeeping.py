@@ -86,7 +86,7 @@ class LoadHook:
     def decided(self, routed: Routed, replica: str, now: float) -> None:
         """Count it: what it adds to the replica's KV is the part not believed cached (a shared
         prefix is held once, however many requests use it)."""
-        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens)
+        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
 
     def answered(self, routed: Routed, replica: str) -> None:
         """Its prefill no longer waits."""
@@ -95,7 +95,7 @@ class LoadHook:
 
     def ended(self, routed: Routed, replica: str) -> None:
         """Uncount it."""
-        self.book.end(replica, routed.prefill_tokens, routed.kv_tokens)
+        self.book.end(replica, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
         routed.prefill_tokens = 0
 
 

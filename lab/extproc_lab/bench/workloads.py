@@ -27,6 +27,7 @@ WORKLOADS = (
     "azure-code",
     "tenant-mix",
     "hot-prefix",
+    "shared-system-chat",
 )
 
 
@@ -66,6 +67,12 @@ class WorkloadSpec:
             wl = generators.tenant_mix(seed=seed, rate=rate)
         elif name == "hot-prefix":
             wl = generators.hot_prefix(seed=seed, rate=rate)
+        elif name == "shared-system-chat":
+            # realstack's shape with a long system prompt and short documents, where the shared
+            # prefix is most of every first turn (the case that left replicas idle).
+            wl = generators.shared_system_chat(
+                96, 6, seed=seed, rate=rate, live=40, system_tokens=2000, document_tokens=300
+            )
         elif name in ("mooncake-conversation", "mooncake-synthetic"):
             path = trace_path(name, self.traces)
             wl = mooncake_workload(load_mooncake(path, self.limit), name, rate)
