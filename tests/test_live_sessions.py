@@ -32,20 +32,6 @@ def test_a_session_is_live_while_streaming_and_for_a_while_after_its_turn_began(
     assert live.counts(41.0) == {} and len(live) == 0
 
 
-def test_a_replica_pays_only_for_the_conversations_beyond_its_share() -> None:
-    hashes = tuple(range(40))
-    features = RequestFeatures(
-        path="/v1/chat/completions", model="m", session_key="new", prefix_hashes=hashes, prompt_chars=40 * 64
-    )
-    replicas = (
-        ReplicaState(Replica("r0", "h:0"), live_sessions=1),
-        ReplicaState(Replica("r1", "h:1"), live_sessions=0),
-    )
-    view = AffinityView(prefix_matches={"r0": 32})
-    d = decide(DecisionInputs.of(features, Snapshot(replicas), view, 0.0, build_profile()))
-    assert d.replica is not None and d.replica.name == "r0"
-
-
 def test_live_sessions_are_bounded() -> None:
     live = LiveSessions(live_s=1e9, max_sessions=100)
     for i in range(1000):
@@ -54,24 +40,26 @@ def test_live_sessions_are_bounded() -> None:
     assert len(live) == 100 and sum(live.counts(1000.0).values()) == 100
 
 
-def test_a_new_conversation_is_placed_by_the_conversations_a_replica_already_carries() -> None:
-    # Every conversation shares a long system prompt; r0 holds it, and carries 12 conversations
-    # against a share of 6; r1 does not hold it but carries none.
-    hashes = tuple(range(40))
+def new_conversation_goes_to(r0_live: int, pinned: str | None = None) -> str:
+    """Where a new conversation goes when every conversation shares a long system prompt that r0
+    holds, r0 carries ``r0_live`` conversations and r1, which does not hold it, none."""
     features = RequestFeatures(
-        path="/v1/chat/completions", model="m", session_key="new", prefix_hashes=hashes, prompt_chars=40 * 64
+        path="/v1/chat/completions", model="m", session_key="new", prefix_hashes=tuple(range(40)), prompt_chars=40 * 64
     )
     replicas = (
-        ReplicaState(Replica("r0", "h:0"), live_sessions=12),
+        ReplicaState(Replica("r0", "h:0"), live_sessions=r0_live),
         ReplicaState(Replica("r1", "h:1"), live_sessions=0),
     )
-    view = AffinityView(prefix_matches={"r0": 32})
+    view = AffinityView(pinned=pinned, prefix_matches={"r0": 32})
     d = decide(DecisionInputs.of(features, Snapshot(replicas), view, 0.0, build_profile()))
-    assert d.replica is not None and d.replica.name == "r1"
-    # A pinned conversation stays where it is.
-    pinned = AffinityView(pinned="r0", prefix_matches={"r0": 32})
-    d = decide(DecisionInputs.of(features, Snapshot(replicas), pinned, 0.0, build_profile()))
-    assert d.replica is not None and d.replica.name == "r0"
+    assert d.replica is not None
+    return d.replica.name
+
+
+def test_a_new_conversation_is_placed_by_the_conversations_a_replica_already_carries() -> None:
+    assert new_conversation_goes_to(12) == "r1"  # 6 beyond its share
+    assert new_conversation_goes_to(12, pinned="r0") == "r0"  # a pinned conversation stays
+    assert new_conversation_goes_to(1) == "r0"  # within its share: it pays nothing
 
 
 def test_a_system_prompt_every_conversation_shares_does_not_leave_replicas_idle() -> None:
