@@ -11,8 +11,9 @@ A request that carries objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) is kept
 candidates predicted to miss them (:class:`SloFilter`; if every warm candidate would miss, none
 is removed), and among those left the one with the most headroom is preferred
 (:class:`SloHeadroomScorer`, weighed lightly: a session's pin and a deep prefix match still
-decide, headroom breaks what they leave tied). A replica whose model is not warm yet is neither
-removed nor preferred; with no warm model at all both plugins change nothing.
+decide, headroom breaks what they leave tied; where all would miss, the least late one). A
+replica whose model is not warm yet is neither removed nor preferred; with no warm model at all
+both plugins change nothing.
 """
 
 from __future__ import annotations
@@ -190,9 +191,10 @@ class SloFilter:
 
 @dataclass(slots=True)
 class SloHeadroomScorer:
-    """For a request with objectives: the share of its objectives a candidate is predicted to
-    leave unused (0 when it misses them), the least of TTFT's and TPOT's. A candidate whose model
-    is not warm scores the mean of the warm ones; without any warm model, nothing."""
+    """For a request with objectives: its predicted headroom, the least share of its TTFT and TPOT
+    objectives a candidate is predicted to leave unused, from 0 (late by the whole objective or
+    more) through 0.5 (just meeting it) to 1 (done at once). A candidate whose model is not warm
+    scores the mean of the warm ones; without any warm model, nothing."""
 
     name: str = "slo_headroom"
 
@@ -206,7 +208,9 @@ class SloHeadroomScorer:
         for name, p in predicted.items():
             h = headroom(features, p)
             if h is not None:
-                scores[name] = min(1.0, max(0.0, h))
+                # Half way for just meeting them: a request every candidate would miss still goes
+                # where it is least late.
+                scores[name] = min(1.0, max(0.0, (1.0 + h) / 2.0))
         if not scores:
             return {}
         neutral = sum(scores.values()) / len(scores)
