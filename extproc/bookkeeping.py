@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc.budgets import Admission
 from extproc.cache import ReplicaCaches
 from extproc.health.latency import LatencyBook
 from extproc.health.replicas import ReplicaBook
@@ -58,6 +59,12 @@ class Routed:
     e.g. its first byte was another replica's)."""
     answered_at: float | None = None
     """When its first byte came back, if that was seen."""
+    traceparent: str | None = None
+    """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
+    budget: Admission | None = None
+    """The tenant's token budget as the request was admitted (its estimate reserved), when metered."""
+    strip_usage: bool = False
+    """The router asked the stream for its usage: the client did not, so that chunk is taken out."""
 
 
 class Hook(Protocol):

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from extproc_lab.bench.overhead import BARE, OURS, ROUTERS, OverheadSetup, format_table, parse_wrk, run_overhead
+from extproc_lab.bench.overhead import (
+    BARE,
+    OURS,
+    ROUTERS,
+    OverheadSetup,
+    format_sizes_table,
+    format_table,
+    parse_wrk,
+    run_overhead,
+)
 from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir
 from tests.conftest import IN_CI, require_binary
 
@@ -112,3 +121,21 @@ def test_short_side_by_side_run_of_every_router(tmp_path: Path) -> None:
     # The bare floor sends everything to one fixed replica: what arrives is what it routed.
     assert sorted(result["routers"][BARE]["spread"].values())[0] == 0
     assert f"| {OURS} * |" in done.stdout
+
+
+def test_the_size_sweep_table_adds_latency_against_envoy_alone_at_each_size() -> None:
+    def size(rps: float, p50: float, p99: float, cpu: float | None = 50.0) -> dict[str, object]:
+        return {"rps": rps, "cpu_us_per_request": cpu, "paced_p50_ms": p50, "paced_p99_ms": p99, "errors": 0.0}
+
+    result = {
+        "routers": {
+            "envoy_direct": {"sizes": {"1": size(9000, 0.4, 1.0), "1024": size(300, 3.0, 9.0)}},
+            OURS: {"sizes": {"1": size(1500, 1.4, 3.5, 900.0), "1024": size(100, 8.0, 20.0, 5000.0)}},
+        },
+        "ours": OURS,
+        "setup": {"sizes_kb": [1, 1024], "sweep_rate": 100.0, "connections": 16},
+    }
+    table = format_sizes_table(result)
+    assert f"| {OURS} * | 1 | 1500 | 900 | 1.40 | 3.50 | 1.00 | 2.50 | 0 |" in table
+    assert f"| {OURS} * | 1024 | 100 | 5000 | 8.00 | 20.00 | 5.00 | 11.00 | 0 |" in table
+    assert "| envoy_direct | 1024 | 300 | 50 | 3.00 | 9.00 |  |  | 0 |" in table

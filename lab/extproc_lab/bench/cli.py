@@ -100,6 +100,13 @@ def _add_overhead_parser(kinds: Any) -> None:
         "--no-observe", action="store_true", help="our processor skips the response-headers phase (docs/performance.md)"
     )
     p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
+    p.add_argument(
+        "--sizes",
+        default="",
+        metavar="KB,KB,...",
+        help="also sweep these prompt sizes (e.g. 1,8,64,200,1024): req/s, CPU per request, paced latency",
+    )
+    p.add_argument("--sweep-rate", type=float, default=100.0, help="requests/s of the sweep's paced runs")
     p.add_argument("--json", dest="json_path", help="write the figures here")
 
 
@@ -238,7 +245,7 @@ def run_realstack_command(args: argparse.Namespace) -> int:
 
 def run_overhead_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench overhead``."""
-    from extproc_lab.bench.overhead import OverheadSetup, format_table, run_overhead
+    from extproc_lab.bench.overhead import OverheadSetup, format_sizes_table, format_table, run_overhead
     from extproc_lab.bench.peer_routers import default_peers_dir
 
     setup = OverheadSetup(
@@ -253,6 +260,8 @@ def run_overhead_command(args: argparse.Namespace) -> int:
         install=not args.no_install,
         processor_args=tuple(args.processor_arg),
         observe_responses=not args.no_observe,
+        sizes_kb=tuple(int(kb) for kb in args.sizes.split(",") if kb.strip()),
+        sweep_rate=args.sweep_rate,
     )
     try:
         result = run_overhead(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -260,6 +269,9 @@ def run_overhead_command(args: argparse.Namespace) -> int:
         print(f"extproc bench: {exc}", file=sys.stderr)
         return 2
     print(format_table(result))
+    if setup.sizes_kb:
+        print()
+        print(format_sizes_table(result))
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")

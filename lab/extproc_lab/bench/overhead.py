@@ -33,19 +33,19 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import Config
-from extproc_lab.bench.peer_routers import HOST, PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
+from extproc_lab.bench.peer_routers import ALL_PEERS, HOST, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.processes import wait_for_port
 
 OURS = "extproc"
 BARE = "bare_extproc"
-ROUTERS = ("envoy_direct", OURS, *PEER_ROUTERS, BARE)
+ROUTERS = ("envoy_direct", OURS, *ALL_PEERS, BARE)
 # The processes whose CPU a router costs (the replicas and wrk are the same for every router).
 ROUTER_PROCESSES = {
     "envoy_direct": ("envoy",),
     OURS: ("envoy", "processor"),
-    **{name: (name,) for name in PEER_ROUTERS},
+    **{name: (name,) for name in ALL_PEERS},
     BARE: ("envoy", BARE),
 }
 CHAT_PATH = "/v1/chat/completions"
@@ -125,6 +125,10 @@ class OverheadSetup:
     install: bool = True
     processor_args: tuple[str, ...] = ()
     observe_responses: bool = True
+    sizes_kb: tuple[int, ...] = ()
+    """Prompt sizes of the sweep (none: no sweep): req/s, CPU per request and paced latency at each."""
+    sweep_rate: float = 100.0
+    """Requests/s of the sweep's paced runs: low enough for every router at every size."""
 
 
 class Wrk:
@@ -192,7 +196,7 @@ def swap_in_bare_processor(gw: LocalGateway) -> str:
     cfg = Config()  # the gateway's processor runs with the default headers
     cluster_mode = gw.mode == "cluster"
     target = gw.members[0].name if cluster_mode else gw.members[0].address
-    header = cfg.target_cluster_header if cluster_mode else cfg.destination_endpoint_header
+    header = cfg.headers.target_cluster if cluster_mode else cfg.headers.destination_endpoint
     argv = [sys.executable, "-m", "extproc_lab.bench.bare_processor", "--listen", f"{HOST}:{gw.processor_port}",
             "--header", header, "--target", target]  # fmt: skip
     proc = gw.procs.start(BARE, argv)
@@ -223,6 +227,7 @@ def measure(
     single = wrk.run(url, setup.prompt_kb, 1, max(1.0, setup.seconds / 2))
     paced = wrk.run(url, setup.prompt_kb, setup.connections, setup.seconds, rate=setup.rate)
     large = wrk.run(url, setup.large_kb, setup.connections, max(1.0, setup.seconds / 2))
+    sizes = {str(kb): measure_size(wrk, url, setup, kb, pids, router_processes) for kb in setup.sizes_kb}
     return {
         "rps": top["rps"],
         "p50_ms": top.get("p50_ms"),
@@ -235,6 +240,26 @@ def measure(
         "one_connection": single,
         "paced": {"rate": setup.rate, **paced},
         "large": {"prompt_kb": setup.large_kb, **large},
+        **({"sizes": sizes} if sizes else {}),
+    }
+
+
+def measure_size(
+    wrk: Wrk, url: str, setup: OverheadSetup, size_kb: int, pids: dict[str, int], router_processes: Sequence[str]
+) -> dict[str, float | None]:
+    """One size of the sweep: throughput with the router's CPU per request, then paced latency."""
+    half = max(1.0, setup.seconds / 2)
+    wrk.run(url, size_kb, setup.connections, 1)
+    cpu_before = sum(cpu_seconds(pids[n]) for n in router_processes if n in pids)
+    top = wrk.run(url, size_kb, setup.connections, half)
+    cpu = sum(cpu_seconds(pids[n]) for n in router_processes if n in pids) - cpu_before
+    paced = wrk.run(url, size_kb, setup.connections, half, rate=setup.sweep_rate)
+    return {
+        "rps": top["rps"],
+        "cpu_us_per_request": round(cpu / top["requests"] * 1e6, 1) if top["requests"] else None,
+        "paced_p50_ms": paced.get("p50_ms"),
+        "paced_p99_ms": paced.get("p99_ms"),
+        "errors": top["errors"] + paced["errors"],
     }
 
 
@@ -265,14 +290,14 @@ def run_overhead(setup: OverheadSetup, progress: Callable[[str], None] = print) 
                 if name == BARE:
                     url = swap_in_bare_processor(gw)
                 else:
-                    url = urls.get(name) or start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
+                    url = urls.get(name) or start_peer(gw, ALL_PEERS[name], setup.peers_dir, setup.install)
                 progress(f"{name}: measuring at {url}")
                 pids = {n: proc.pid for n, proc in gw.procs.procs.items() if proc.poll() is None}
                 routers[name] = measure(wrk, url, setup, lambda: replica_counts(metrics), pids, ROUTER_PROCESSES[name])
             except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                 routers[name] = {"error": str(exc)}
             progress(f"{name}: {json.dumps(routers[name])}")
-            if name in PEER_ROUTERS and name in gw.procs.procs:
+            if name in ALL_PEERS and name in gw.procs.procs:
                 gw.procs.stop(name)
     return {
         "routers": routers,
@@ -286,9 +311,43 @@ def run_overhead(setup: OverheadSetup, progress: Callable[[str], None] = print) 
             "rate": setup.rate,
             "seconds": setup.seconds,
             "observe_responses": setup.observe_responses,
-            "peers": {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in PEER_ROUTERS.items()},
+            "peers": {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in ALL_PEERS.items()},
+            "sizes_kb": list(setup.sizes_kb),
+            "sweep_rate": setup.sweep_rate,
         },
     }
+
+
+def format_sizes_table(result: dict[str, Any], order: Sequence[str] = ROUTERS) -> str:
+    """Markdown: the prompt-size sweep, one row a router and size; added p50/p99 against
+    ``envoy_direct`` at the same size and paced rate."""
+    s = result["setup"]
+    rate = f"{s['sweep_rate']:g}"
+    lines = [
+        f"| router | prompt KB | req/s ({s['connections']} conns) | router CPU us/request | p50 ms at {rate}/s "
+        f"| p99 ms at {rate}/s | added p50 ms | added p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    routers = result["routers"]
+    base = routers.get("envoy_direct", {}).get("sizes", {})
+    for kb in s.get("sizes_kb", []):
+        floor = base.get(str(kb), {})
+        for name in order:
+            r = routers.get(name, {}).get("sizes", {}).get(str(kb))
+            if r is None:
+                continue
+
+            def added(key: str, r: dict[str, Any] = r, name: str = name, floor: dict[str, Any] = floor) -> str:
+                if name == "envoy_direct" or r.get(key) is None or floor.get(key) is None:
+                    return ""
+                return _fmt(r[key] - floor[key])
+
+            label = f"{name} *" if name == result.get("ours") else f"({name})" if name == BARE else name
+            lines.append(
+                f"| {label} | {kb} | {r['rps']:.0f} | {_fmt(r['cpu_us_per_request'], 0)} | {_fmt(r['paced_p50_ms'])} "
+                f"| {_fmt(r['paced_p99_ms'])} | {added('paced_p50_ms')} | {added('paced_p99_ms')} | {r['errors']:.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

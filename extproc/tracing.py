@@ -1,0 +1,125 @@
+"""Traces of routing decisions: OpenTelemetry spans in the GenAI conventions, over OTLP.
+
+A request's W3C ``traceparent`` (from the client, or from Envoy's own tracing) parents a span for
+the routing decision: the chosen replica, the reason, the cached tokens predicted there, the
+candidates considered, the profile, and the request's model in the GenAI semantic conventions
+(``gen_ai.request.model``, ``gen_ai.operation.name``, ``gen_ai.request.max_tokens``). Without one, a
+trace is started. The replica is handed a ``traceparent`` of the same trace with the decision as
+its parent (vLLM continues it with ``--otlp-traces-endpoint``), so one trace holds Envoy's span,
+ours and the engine's.
+
+Off by default. Sampling is parent-based: a sampled parent is always followed; a request without
+one starts a sampled trace at ``sample_rate``. Spans are exported in batches from a thread of the
+SDK's, off the request path; an unreachable collector drops spans (the SDK logs it) and never
+slows or fails a request. The SDK is imported only when tracing is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from extproc.request.features import RequestFeatures
+from extproc.request.openai_body import CHAT_PATH
+from extproc.routing.model import Decision
+from extproc.validation import Section, option
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+TRACEPARENT = "traceparent"
+
+
+class TracingSettings(Section):
+    """Config ``tracing:``: decision spans over OTLP (off by default)."""
+
+    enabled: bool = option(False, "export a span per sampled routing decision over OTLP/gRPC")
+    endpoint: str = option("127.0.0.1:4317", "the OTLP/gRPC collector, HOST:PORT")
+    insecure: bool = option(True, "plaintext to the collector (a sidecar or node agent); false for TLS")
+    sample_rate: float = option(0.01, "share of requests without a sampled traceparent that start a trace", ge=0, le=1)
+    service_name: str = option("extproc-router", "the spans' service.name")
+    propagate: bool = option(True, "hand the replica a traceparent whose parent is the decision's span")
+
+
+class DecisionTracer:
+    """Spans for routing decisions (see the module docstring); ``exporter`` replaces the OTLP
+    exporter (tests)."""
+
+    def __init__(self, settings: TracingSettings, exporter: SpanExporter | None = None) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=settings.endpoint, insecure=settings.insecure)
+        self.settings = settings
+        self.provider: TracerProvider = TracerProvider(
+            resource=Resource.create({"service.name": settings.service_name}),
+            sampler=ParentBased(TraceIdRatioBased(settings.sample_rate)),
+        )
+        self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
+        self.tracer = self.provider.get_tracer("extproc.router")
+        self.propagator = TraceContextTextMapPropagator()
+
+    def decided(
+        self,
+        headers: Mapping[str, str],
+        features: RequestFeatures,
+        decision: Decision,
+        started_ns: int,
+        candidates: int,
+        profile: str,
+    ) -> str | None:
+        """Record the decision's span (from ``started_ns``, wall clock, to now); the
+        ``traceparent`` to hand the replica, or None when the span is not sampled (the client's
+        header, if any, then goes on unchanged) or propagation is off."""
+        from opentelemetry import trace
+
+        parent = self.propagator.extract(carrier=dict(headers) if TRACEPARENT in headers else {})
+        span = self.tracer.start_span("route", context=parent, start_time=started_ns)
+        if not span.is_recording():
+            return None
+        span.set_attributes(self._attributes(features, decision, candidates, profile))
+        span.end()
+        if not self.settings.propagate or decision.replica is None:
+            return None
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier.get(TRACEPARENT)
+
+    @staticmethod
+    def _attributes(features: RequestFeatures, decision: Decision, candidates: int, profile: str) -> dict[str, Any]:
+        chat = features.path.startswith(CHAT_PATH)
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": "chat" if chat else "text_completion",
+            "gen_ai.request.model": features.model,
+            "extproc.reason": decision.reason.value,
+            "extproc.profile": profile,
+            "extproc.candidates": candidates,
+            "extproc.prefix.total_blocks": decision.total_blocks,
+            "extproc.prefix.matched_blocks": decision.matched_blocks,
+        }
+        if features.max_output_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = features.max_output_tokens
+        if features.tokens_per_block:
+            attrs["extproc.predicted_cached_tokens"] = decision.matched_blocks * features.tokens_per_block
+        if decision.replica is not None:
+            attrs["extproc.replica"] = decision.replica.name
+            host, _, port = decision.replica.address.rpartition(":")
+            attrs["server.address"] = host
+            if port.isdigit():
+                attrs["server.port"] = int(port)
+        if decision.moved_by:
+            attrs["extproc.moved_by"] = decision.moved_by
+        if features.request_id:
+            attrs["extproc.request_id"] = features.request_id
+        return attrs
+
+    def close(self) -> None:
+        """Export what is pending and stop."""
+        self.provider.shutdown()
