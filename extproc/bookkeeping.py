@@ -11,16 +11,18 @@ index are written by the router itself: that step is I/O and may fail.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.budgets import Admission
 from extproc.cache import ReplicaCaches
+from extproc.health.latency import LatencyBook
 from extproc.health.replicas import ReplicaBook
 from extproc.queueing import Refusal
 from extproc.request.features import RequestFeatures
 from extproc.request.splits import Arm
+from extproc.routing.latency import LoadPoint
 from extproc.routing.model import Decision
 from extproc.tenancy import TenantLedger
 
@@ -52,6 +54,11 @@ class Routed:
     sent_tokens: int = 0
     """The prompt's tokens, handed to the cache estimate with the claim: the share of them the
     replica's query counter covers says how much of the claim its hits bear on."""
+    load_point: LoadPoint | None = None
+    """What its replica's latency models learn its latencies against (None: nothing to learn,
+    e.g. its first byte was another replica's)."""
+    answered_at: float | None = None
+    """When its first byte came back, if that was seen."""
     traceparent: str | None = None
     """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
     budget: Admission | None = None
@@ -86,7 +93,7 @@ class LoadHook:
     def decided(self, routed: Routed, replica: str, now: float) -> None:
         """Count it: what it adds to the replica's KV is the part not believed cached (a shared
         prefix is held once, however many requests use it)."""
-        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens)
+        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
 
     def answered(self, routed: Routed, replica: str) -> None:
         """Its prefill no longer waits."""
@@ -95,8 +102,34 @@ class LoadHook:
 
     def ended(self, routed: Routed, replica: str) -> None:
         """Uncount it."""
-        self.book.end(replica, routed.prefill_tokens, routed.kv_tokens)
+        self.book.end(replica, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
         routed.prefill_tokens = 0
+
+
+class LatencyHook:
+    """The replica's latency models: its time to first byte, then its time per output token
+    (the stream's length after the first byte over the output tokens it asked for)."""
+
+    def __init__(self, book: LatencyBook, clock: Callable[[], float]) -> None:
+        self.book = book
+        self.clock = clock
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Nothing: the router notes the load point with the decision."""
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Learn its time to first byte."""
+        if routed.load_point is not None:
+            now = self.clock()
+            routed.answered_at = now
+            self.book.observe_ttft(replica, routed.load_point, now - routed.decided_at)
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Learn its time per output token, when its first byte was seen and its length is known."""
+        tokens = routed.features.max_output_tokens
+        if routed.load_point is not None and routed.answered_at is not None and tokens and tokens > 1:
+            per_token = (self.clock() - routed.answered_at) / (tokens - 1)
+            self.book.observe_tpot(replica, routed.load_point, per_token)
 
 
 class CacheHook:

@@ -20,11 +20,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from extproc.bookkeeping import CacheHook, Hook, LoadHook, Routed, TenantHook, answered, decided, ended
+from extproc.bookkeeping import (
+    CacheHook,
+    Hook,
+    LatencyHook,
+    LoadHook,
+    Routed,
+    TenantHook,
+    answered,
+    decided,
+    ended,
+)
 from extproc.budgets import BudgetLedger, BudgetStore
 from extproc.cache import CacheView, ReplicaCaches
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
+from extproc.health.latency import LatencyBook
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.hotkeys.detector import HotKeyDetector
 from extproc.hotkeys.warming import HotKeyWarmer
@@ -43,6 +54,7 @@ from extproc.request.features import (
 )
 from extproc.request.openai_body import INFERENCE_PATHS
 from extproc.request.splits import Arm, choose_arm, rewrite_model
+from extproc.routing.latency import LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Decider, DecisionInputs, Profile, Profiles, decide
 from extproc.routing.registry import build_profile
@@ -148,7 +160,13 @@ class Router:
             warmer=self.warmer,
             kv_events=kv_events,
         )
-        self.hooks: tuple[Hook, ...] = (LoadHook(self.replicas), CacheHook(self.caches), TenantHook(self.tenants))
+        self.latency = LatencyBook(block_tokens)  # each replica's TTFT and TPOT, learned from responses
+        self.hooks: tuple[Hook, ...] = (
+            LoadHook(self.replicas),
+            CacheHook(self.caches),
+            TenantHook(self.tenants),
+            LatencyHook(self.latency, clock),
+        )
 
     @property
     def profile(self) -> Profile:
@@ -239,6 +257,9 @@ class Router:
             routed.sent_tokens = features.estimated_prompt_tokens
             claimed = cached.claims.get(replica.name, 0)
             routed.claimed_tokens = routed.sent_tokens - uncached_tokens(features, claimed, block_chars)
+            state = given.snapshot.get(replica.name)
+            if state is not None:
+                routed.load_point = LoadPoint.of(state, routed.prefill_tokens)
             decided(self.hooks, routed, start)
             if self.warmer is not None:
                 matches, total = given.view.prefix_matches, len(features.prefix_hashes)
@@ -276,6 +297,7 @@ class Router:
             self.profiles.for_request(features),
             self.tenants.terms(features.tenant, len(self.replicas)),
             cordons=self.fleet.cordons,
+            latency=self.latency.view(),
         )
         return given, cached
 
@@ -418,8 +440,12 @@ class Router:
             waited = now - routed.decided_at
             if attempts <= 1 or answered_by == replica.address:
                 self.replicas.observe(replica.name, status, waited, now)
-            elif waited >= self.config.upstream.first_byte_s:
-                self.replicas.observe(replica.name, 0, None, now)
+            else:
+                routed.load_point = None  # its first byte was another replica's: nothing to learn
+                if waited >= self.config.upstream.first_byte_s:
+                    self.replicas.observe(replica.name, 0, None, now)
+            if status >= 400 or status == 0:
+                routed.load_point = None  # an error's latency is not the replica's serving time
             answered(self.hooks, routed)
 
     def release(self, routed: Routed) -> None:

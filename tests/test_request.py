@@ -103,6 +103,26 @@ def test_tenants_get_their_own_session_space() -> None:
     assert a.session_key != b.session_key
 
 
+def test_latency_objectives_are_read_from_our_headers_or_llm_ds() -> None:
+    settings = FeatureSettings()
+    body = chat([{"role": "user", "content": "hi"}])
+    f = extract_features({":path": CHAT, "x-slo-ttft-ms": "250", "x-slo-tpot-ms": " 40.5 "}, body, settings)
+    assert (f.slo_ttft_ms, f.slo_tpot_ms) == (250.0, 40.5)
+    f = extract_features({":path": CHAT, "x-llm-d-slo-ttft-ms": "300", "x-llm-d-slo-tpot-ms": "20"}, body, settings)
+    assert (f.slo_ttft_ms, f.slo_tpot_ms) == (300.0, 20.0)
+    # Ours wins over llm-d's; a bad value of ours leaves llm-d's.
+    f = extract_features({":path": CHAT, "x-slo-ttft-ms": "100", "x-llm-d-slo-ttft-ms": "300"}, body, settings)
+    assert f.slo_ttft_ms == 100.0
+    f = extract_features({":path": CHAT, "x-slo-ttft-ms": "soon", "x-llm-d-slo-ttft-ms": "300"}, body, settings)
+    assert f.slo_ttft_ms == 300.0
+    for bad in ("", "abc", "-5", "0", "nan", "inf", "1e400"):
+        f = extract_features({":path": CHAT, "x-slo-ttft-ms": bad, "x-slo-tpot-ms": bad}, body, settings)
+        assert (f.slo_ttft_ms, f.slo_tpot_ms) == (None, None), bad
+    # Without a usable body too.
+    assert extract_features({":path": CHAT, "x-slo-tpot-ms": "25"}, None, settings).slo_tpot_ms == 25.0
+    assert extract_features({":path": CHAT}, body, settings).slo_ttft_ms is None
+
+
 def test_shared_prefix_shares_leading_hashes_only() -> None:
     seed = model_seed("m")
     base = "x" * 640

@@ -100,8 +100,9 @@ def test_azure_trace_loads_arrivals_and_lengths_with_nothing_shared() -> None:
 
 def test_features_match_what_extract_features_computes() -> None:
     wl = generators.multi_turn(3, seed=1)
-    for r in wl.requests[:5]:
+    for i, r in enumerate(wl.requests[:5]):
         r.tenant = "acme"
+        r.slo_ttft_ms, r.slo_tpot_ms = (250.0, 30.0) if i % 2 else (None, None)
         got = r.features(SETTINGS)
         want = extract_features(r.headers(), json.dumps(r.body()).encode(), SETTINGS)
         assert got == want

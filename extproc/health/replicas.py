@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from extproc.health.rotation import Rotation, step
 from extproc.health.score import HealthSignals, fleet_baseline, health_score
+from extproc.health.sessions import LiveSessions
 from extproc.health.settings import HealthSettings
 from extproc.health.vllm_metrics import ReplicaMetrics, bucket_delta, histogram_quantile
 from extproc.routing.model import Replica, ReplicaState, Snapshot
@@ -86,6 +87,7 @@ class ReplicaBook:
         # next evaluate() so that they are counted and their sessions moved like any other.
         self._unreported: list[Transition] = []
         self._baseline: HealthSignals | None = None  # the fleet's median load at the last evaluation
+        self.sessions = LiveSessions()  # the conversations each replica carries (its pinned decode load)
         self.scrapes = 0
         """Successful scrapes taken in so far (readers of ``metrics`` check it for news)."""
 
@@ -116,6 +118,7 @@ class ReplicaBook:
 
     def leave(self, name: str) -> bool:
         """Remove a replica; True if it was a member."""
+        self.sessions.forget(name)
         return self._records.pop(name, None) is not None
 
     # --- the decision's view --------------------------------------------------------------------
@@ -129,6 +132,7 @@ class ReplicaBook:
         """Every replica's state at ``now``. Scraped load older than ``stale_after_s`` is not
         trusted: a replica whose page broke while it was busy must not look busy forever."""
         stale_before = now - self.settings.stale_after_s
+        live = self.sessions.counts(now)
         states = []
         for r in self._records.values():
             fresh = r.scraped_at >= stale_before
@@ -141,6 +145,7 @@ class ReplicaBook:
                     inflight=r.inflight,
                     inflight_tokens=r.inflight_tokens,
                     pending_prefill_tokens=r.pending_prefill_tokens,
+                    live_sessions=live.get(r.replica.name, 0),
                     recent_requests=self._decayed(r, now),
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
@@ -156,11 +161,16 @@ class ReplicaBook:
 
     # --- what the decision changes ----------------------------------------------------------------
 
-    def begin(self, name: str, now: float, prefill_tokens: int = 0, kv_tokens: int = 0) -> None:
+    def begin(
+        self, name: str, now: float, prefill_tokens: int = 0, kv_tokens: int = 0, session: str | None = None
+    ) -> None:
         """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there
-        and ``kv_tokens`` it will hold in the KV cache while it runs (its whole prompt)."""
+        and ``kv_tokens`` it will hold in the KV cache while it runs (its whole prompt), a turn of
+        ``session`` if it has one."""
         rec = self._records.get(name)
         if rec is not None:
+            if session is not None:
+                self.sessions.begin(name, session, now)
             rec.recent = self._decayed(rec, now) + 1.0
             rec.recent_at = now
             rec.inflight += 1
@@ -174,10 +184,12 @@ class ReplicaBook:
         if rec is not None:
             rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
 
-    def end(self, name: str, prefill_tokens: int = 0, kv_tokens: int = 0) -> None:
+    def end(self, name: str, prefill_tokens: int = 0, kv_tokens: int = 0, session: str | None = None) -> None:
         """A request to ``name`` finished (or was abandoned); ``prefill_tokens`` still pending are
         dropped and the ``kv_tokens`` it held are freed."""
         rec = self._records.get(name)
+        if session is not None:
+            self.sessions.end(session)
         if rec is not None and rec.inflight > 0:
             rec.inflight -= 1
             rec.inflight_tokens = max(0, rec.inflight_tokens - kv_tokens)

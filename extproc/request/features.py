@@ -4,6 +4,7 @@ about a request. Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -14,6 +15,9 @@ from extproc.request.session import SessionSource, session_key
 from extproc.request.tenant import TENANT_HEADER, resolve_tenant
 
 CHARS_PER_TOKEN = 4
+SLO_TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
+SLO_TPOT_HEADERS = ("x-slo-tpot-ms", "x-llm-d-slo-tpot-ms")
+"""The request's latency objectives, in milliseconds: ours first, then llm-d's names."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +62,31 @@ class RequestFeatures:
     """The prompt's length in the model's tokens, where a tokenizer is configured (else 0)."""
     tokens_per_block: int = 0
     """Set when ``prefix_hashes`` are over the model's tokens (the engine's KV blocks), not characters."""
+    slo_ttft_ms: float | None = None
+    """The time-to-first-token objective the client asked for (``x-slo-ttft-ms``), if any."""
+    slo_tpot_ms: float | None = None
+    """The time-per-output-token objective the client asked for (``x-slo-tpot-ms``), if any."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens where known, else an estimate: about four characters a token."""
         return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN
+
+
+def objective_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:
+    """The first of ``names`` that holds a positive, finite number of milliseconds; anything else
+    is ignored (a bad header must not fail the request)."""
+    for name in names:
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw.strip()[:32])
+        except ValueError:
+            continue
+        if 0.0 < value < math.inf:
+            return value
+    return None
 
 
 def request_path(headers: Mapping[str, str]) -> str:
@@ -107,6 +131,7 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
     if key is not None and tenant:
         # Tenants live in their own key space: equal session ids of two tenants are two sessions.
         key = f"{tenant}\x1f{key}"
+    ttft, tpot = objective_ms(headers, SLO_TTFT_HEADERS), objective_ms(headers, SLO_TPOT_HEADERS)
     if parsed is None:
         features = RequestFeatures(
             path=path,
@@ -115,9 +140,13 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
             body_error=body_error,
             request_id=request_id,
             model=headers.get("x-model", "")[:256],
+            slo_ttft_ms=ttft,
+            slo_tpot_ms=tpot,
         )
         return ParsedRequest(_classified(features, headers, settings) if settings.classes else features)
-    bare = RequestFeatures(path=path, session_key=key, tenant=tenant, request_id=request_id)
+    bare = RequestFeatures(
+        path=path, session_key=key, tenant=tenant, request_id=request_id, slo_ttft_ms=ttft, slo_tpot_ms=tpot
+    )
     return ParsedRequest(_from_body(bare, parsed, headers, settings), parsed)
 
 
@@ -147,6 +176,8 @@ def _from_body(
         max_output_tokens=parsed.max_output_tokens,
         has_media=parsed.has_media,
         request_id=bare.request_id,
+        slo_ttft_ms=bare.slo_ttft_ms,
+        slo_tpot_ms=bare.slo_tpot_ms,
     )
     return _classified(features, headers, settings) if settings.classes else features
 

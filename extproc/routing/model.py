@@ -31,6 +31,9 @@ class ReplicaState:
     inflight_tokens: int = 0
     """KV the requests in flight there added: their prompts' parts not believed cached before."""
     pending_prefill_tokens: int = 0
+    live_sessions: int = 0
+    """Conversations live there: a turn in flight, or one begun within the last minute (their next
+    turns come back to it)."""
     recent_requests: float = 0.0
     queue: int = 0
     running: int = 0

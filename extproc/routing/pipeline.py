@@ -9,6 +9,7 @@ from typing import Literal, Protocol
 from extproc.request.features import RequestFeatures
 from extproc.routing.cordon import CordonFilter
 from extproc.routing.hot import fingerprint
+from extproc.routing.latency import LatencyView, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
@@ -101,7 +102,8 @@ class DecisionInputs:
     shard), ``cordons`` the replicas an operator cordoned or drained (:mod:`extproc.routing.cordon`),
     ``hot`` the hot prefixes' fingerprints and how many replicas each should have
     (:mod:`extproc.routing.hot`), ``prefix_key`` the request's prefix ring key as the profile
-    computes it (:meth:`Profile.prefix_key`; computed once per request by the router).
+    computes it (:meth:`Profile.prefix_key`; computed once per request by the router), ``latency``
+    the replicas' latency models (:mod:`extproc.routing.latency`).
     """
 
     features: RequestFeatures
@@ -113,6 +115,7 @@ class DecisionInputs:
     cordons: Mapping[str, str] | None = None
     hot: Mapping[int, int] | None = None
     prefix_key: str | int | None = None
+    latency: LatencyView | None = None
 
     @classmethod
     def of(
@@ -126,9 +129,10 @@ class DecisionInputs:
         *,
         cordons: Mapping[str, str] | None = None,
         hot: Mapping[int, int] | None = None,
+        latency: LatencyView | None = None,
     ) -> DecisionInputs:
         """The inputs with the prefix key computed from ``profile``."""
-        return cls(features, snapshot, view, now, profile, tenant, cordons, hot, profile.prefix_key(features))
+        return cls(features, snapshot, view, now, profile, tenant, cordons, hot, profile.prefix_key(features), latency)
 
 
 def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
@@ -152,6 +156,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         ring_key=ring_key,
         key_source=key_source,
         tenant=tenant,
+        latency=given.latency,
     )
     if given.hot:
         cycle.hot_key = given.prefix_key
@@ -194,6 +199,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     if trace is not None:
         trace.totals = dict(totals)
         trace.order = [s.name for s in ordered]
+        trace.predicted = dict(predictions(cycle, candidates))
     hot_set = tuple(sorted(cycle.hot_set or ()))
     return _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
 

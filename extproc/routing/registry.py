@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from extproc.routing.hot import HotPrefixFilter, HotPrefixScorer
+from extproc.routing.latency import SloFilter, SloHeadroomScorer
 from extproc.routing.pipeline import Profile, WeightedScorer
 from extproc.validation import describe
 
@@ -57,6 +58,7 @@ REGISTRY = PluginRegistry(
         "tenant_shard": TenantShardFilter,
         "lora": LoraFilter,
         "hot_prefix": HotPrefixFilter,
+        "slo": SloFilter,
     },
     scorers={
         "session_affinity": SessionAffinityScorer,
@@ -67,6 +69,7 @@ REGISTRY = PluginRegistry(
         "lora": LoraScorer,
         "prefill_cost": PrefillCostScorer,
         "hot_prefix": HotPrefixScorer,
+        "slo_headroom": SloHeadroomScorer,
     },
     pickers={"max_score": MaxScorePicker},
 )
@@ -88,7 +91,10 @@ REGISTRY = PluginRegistry(
 # sent since). Tuned with `extproc bench routing` (benchmarks/routing.md, including its
 # KV-pressure sweep). The hot-prefix filter and scorer act only on prefixes the hot-key detector
 # (``hot_keys:``, off by default) reports hot: they keep such a prefix's k replicas and prefer the
-# least loaded of them.
+# least loaded of them. The latency-objective filter and scorer act only on requests that carry
+# objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) and only on replicas whose latency model is
+# warm: they drop candidates predicted to miss, and headroom weighs 1, less than a pin or a deep
+# prefix match, so it decides among replicas the cache leaves about tied.
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": [
         {"type": "pool"},
@@ -97,6 +103,7 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "lora"},
         {"type": "overload"},
         {"type": "hot_prefix"},
+        {"type": "slo"},
     ],
     "scorers": [
         {"type": "session_affinity", "weight": 10},
@@ -107,6 +114,7 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "lora", "weight": 3},
         {"type": "tenant_headroom", "weight": 3},
         {"type": "hot_prefix", "weight": 5},
+        {"type": "slo_headroom", "weight": 1},
     ],
     "picker": {"type": "max_score"},
 }

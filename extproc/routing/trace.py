@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from extproc.request.features import RequestFeatures
+from extproc.routing.latency import Prediction
 from extproc.routing.model import AffinityView, Decision, Snapshot
 
 
@@ -44,6 +45,8 @@ class DecisionTrace:
     totals: dict[str, float] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     """The picker's order, best first."""
+    predicted: dict[str, Prediction] = field(default_factory=dict)
+    """Per candidate whose latency model is warm: its predicted TTFT and TPOT for this request."""
 
     def removed_by(self) -> dict[str, tuple[str, str]]:
         """replica -> (filter, why), for replicas some filter removed."""

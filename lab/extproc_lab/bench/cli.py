@@ -33,6 +33,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--profile", default="llama-8b-h100", help="replica profile (llama-8b-h100, demo, instant)")
     p.add_argument("--rate", type=float, default=1.0, help="arrival-rate factor (2.0: twice the load)")
+    p.add_argument("--slow-profile", default=None, help="a mixed pool: some replicas of this profile (llama-8b-a100)")
+    p.add_argument(
+        "--slow-replicas", type=int, default=None, help="how many replicas are of --slow-profile (default: half)"
+    )
     p.add_argument(
         "--policies", default=",".join(ALL), help=f"comma-separated, in table order (default: {','.join(ALL)})"
     )
@@ -45,6 +49,15 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         help="run at each of these KV block counts per replica (e.g. 3000,6000,12000,27545); one table across levels",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="every request's time-to-first-token objective")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="every request's time-per-output-token objective")
+    p.add_argument(
+        "--slo-mix",
+        default=None,
+        metavar="NAME:SHARE:TTFT:TPOT,...",
+        help="classes of conversations and their objectives in ms ('-': none), e.g. chat:0.7:300:40,batch:0.3:-:-"
+        " (instead of --slo-ttft-ms/--slo-tpot-ms); adds SLO met and goodput to the table",
+    )
     p.add_argument("--config", dest="router_config", help="router YAML config: its profile is the 'extproc' policy")
     p.add_argument(
         "--variant",
@@ -278,6 +291,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_realstack_command(args)
     from extproc_lab.bench.plots import write_plots
     from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
+    from extproc_lab.sim.objectives import parse_mix, uniform
 
     variants = []
     for item in args.variant:
@@ -286,11 +300,31 @@ def run_bench_command(args: argparse.Namespace) -> int:
             print(f"extproc bench: --variant {item!r}: expected NAME=FILE", file=sys.stderr)
             return 2
         variants.append((name, path))
+    try:
+        objectives = parse_mix(args.slo_mix) if args.slo_mix else uniform(args.slo_ttft_ms, args.slo_tpot_ms)
+    except ValueError as exc:
+        print(f"extproc bench: --slo-mix: {exc}", file=sys.stderr)
+        return 2
     spec = WorkloadSpec(
-        name=args.workload, trace=args.trace, rate=args.rate, seed=args.seed, limit=args.limit, traces=args.traces_dir
+        name=args.workload,
+        trace=args.trace,
+        rate=args.rate,
+        seed=args.seed,
+        limit=args.limit,
+        traces=args.traces_dir,
+        objectives=objectives,
     )
+    slow = args.slow_replicas if args.slow_replicas is not None else args.replicas // 2
     setup = BenchSetup(
-        spec, args.replicas, args.profile, args.seed, args.router_config, tuple(variants), kv_blocks=args.kv_blocks
+        spec,
+        args.replicas,
+        args.profile,
+        args.seed,
+        args.router_config,
+        tuple(variants),
+        kv_blocks=args.kv_blocks,
+        slow_profile=args.slow_profile,
+        slow_replicas=slow if args.slow_profile else 0,
     )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     policies += [n for n, _ in variants if n not in policies]
@@ -304,7 +338,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     w = result.workload
     print(
         f"\n{w['name']}: {w['requests']} requests, {w['sessions']} sessions, mean prompt {w['mean_prompt_tokens']:.0f} "
-        f"tokens, mean output {w['mean_output_tokens']:.0f}; {args.replicas} x {args.profile}, rate x{args.rate:g}, "
+        f"tokens, mean output {w['mean_output_tokens']:.0f}; {args.replicas} x {args.profile}"
+        f"{f' ({setup.slow_replicas} of them {args.slow_profile})' if args.slow_profile else ''}, rate x{args.rate:g}, "
         f"seed {args.seed} ({result.wall_s:.0f}s)\n"
     )
     print(format_table(result, markdown=args.markdown))

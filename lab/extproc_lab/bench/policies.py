@@ -37,7 +37,10 @@ KV_EVENTS = "kv_events"
 """Our profile with vLLM's KV events as the cache state (a tokenizer per model): asked by name."""
 HOT_KEYS = "hot_keys"
 """Our profile with the router config's ``hot_keys:`` switched on (its other values as configured)."""
-EXTRA = (KV_EVENTS, HOT_KEYS)
+NO_OBJECTIVES = "extproc_no_slo"
+"""Our profile with the requests' latency objectives kept from the router (as a client that sends
+none), while the run still judges them: what the objectives change."""
+EXTRA = (KV_EVENTS, HOT_KEYS, NO_OBJECTIVES)
 KV_EVENTS_DELAY_S = 0.05
 
 GIE_SCRAPE_INTERVAL_S = 0.05
@@ -110,7 +113,7 @@ def policy_profile(
 ) -> Profile | PeerPolicy:
     """What policy ``name`` routes with: a profile of our pipeline (``extproc``, ``kv_events``, a
     variant), or a new peer policy object for one run (a peer)."""
-    if name in (OURS, KV_EVENTS, HOT_KEYS):
+    if name in (OURS, KV_EVENTS, HOT_KEYS, NO_OBJECTIVES):
         spec: Mapping[str, Any] = config.profile
     elif variants and name in variants:
         spec = variants[name]

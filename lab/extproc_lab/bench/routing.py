@@ -29,6 +29,7 @@ from extproc_lab.bench.policies import (
     HOT_KEYS,
     KV_EVENTS,
     KV_EVENTS_DELAY_S,
+    NO_OBJECTIVES,
     OURS,
     PEERS,
     policy_profile,
@@ -40,6 +41,7 @@ from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.ceilings import ceilings
 from extproc_lab.sim.dynamic import DynamicSimulation, window_figures
 from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
+from extproc_lab.sim.objectives import goodput_figures
 from extproc_lab.sim.pressure import working_set
 from extproc_lab.sim.simulator import Simulation
 from extproc_lab.sim.workload import Workload
@@ -58,11 +60,23 @@ class BenchSetup:
     window_s: float | None = None
     kv_blocks: int | None = None
     """KV blocks per replica (the profile's ``num_gpu_blocks``); None keeps the profile's."""
+    slow_profile: str | None = None
+    """A mixed pool: the last ``slow_replicas`` replicas of this profile (same KV blocks)."""
+    slow_replicas: int = 0
 
     def replica_profile(self) -> ReplicaProfile:
         """The replica profile, with ``kv_blocks`` blocks if given."""
         profile = get_profile(self.profile)
         return dataclasses.replace(profile, num_gpu_blocks=self.kv_blocks) if self.kv_blocks else profile
+
+    def slower(self) -> tuple[int, ReplicaProfile] | None:
+        """The mixed pool's slower replicas, ``(count, profile)``; None for a uniform pool."""
+        if not self.slow_profile or self.slow_replicas <= 0:
+            return None
+        profile = get_profile(self.slow_profile)
+        if self.kv_blocks:
+            profile = dataclasses.replace(profile, num_gpu_blocks=self.kv_blocks)
+        return min(self.slow_replicas, self.replicas), profile
 
     def config(self) -> Config:
         """The router's config (its ``profile:`` is the ``extproc`` policy)."""
@@ -135,10 +149,14 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
         "scrape_interval_s": scrape_interval(policy),
         "window_s": setup.window_s,
         "kv_events_delay_s": KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
+        "objectives": policy != NO_OBJECTIVES,
+        "slower": setup.slower(),
     }
     sim = DynamicSimulation(*args, changes=changes, **options) if changes else Simulation(*args, **options)
     run = sim.run(on_progress)
     figs = figures(run)
+    if setup.workload.objectives:
+        figs.update(goodput_figures(run.outcomes, workload.requests))
     if changes:
         at = changes[0][0]
         before, after = window_figures(run.outcomes, at - 60.0, at), window_figures(run.outcomes, at, at + 60.0)
@@ -178,9 +196,12 @@ class BenchResult:
             "setup": {
                 "replicas": s.replicas,
                 "replica_profile": s.profile,
+                "slow_profile": s.slow_profile,
+                "slow_replicas": s.slow_replicas if s.slow_profile else 0,
                 "kv_blocks": s.kv_blocks,
                 "seed": s.seed,
                 "rate": s.workload.rate,
+                "objectives": [str(c) for c in s.workload.objectives],
                 "router_config": s.router_config,
                 "variants": dict(s.variants),
             },
@@ -314,6 +335,8 @@ COLUMNS = (
     ("stayed", 7),
     ("preempt", 8),
 )
+GOODPUT_COLUMNS = (("SLO met", 8), ("goodput tok/s", 13))
+"""Added when the workload carries latency objectives."""
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -324,13 +347,17 @@ def _cell(value: Any, fmt: str) -> str:
 
 def format_table(result: BenchResult, markdown: bool = False) -> str:
     """One row per policy: hit ratio, prefill tokens, TTFT and end-to-end p50/p99, throughput,
-    load CV (requests, busy time, prefill tokens per replica), share of sticky turns that stayed."""
+    load CV (requests, busy time, prefill tokens per replica), share of sticky turns that stayed;
+    with latency objectives, the share of requests that met theirs and their output tokens/s."""
+    slo = bool(result.setup.workload.objectives)
+    columns = COLUMNS + GOODPUT_COLUMNS if slo else COLUMNS
     rows = []
     for name, r in result.results.items():
         f = r.figures
         label = f"{name} *" if name == OURS else name
         if "ttft_p50_s" not in f:
-            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f")] + ["-"] * 10)
+            blank = ["-"] * (len(columns) - 3)
+            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f"), *blank])
             continue
         rows.append(
             [
@@ -349,12 +376,14 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
                 _cell(f.get("preemptions"), "d"),
             ]
         )
-    heads = [h for h, _ in COLUMNS]
+        if slo:
+            rows[-1] += [_cell(f.get("slo_met"), ".1%"), _cell(f.get("goodput_tokens_per_s"), ".0f")]
+    heads = [h for h, _ in columns]
     if markdown:
         lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in heads) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
-    widths = [w for _, w in COLUMNS]
+    widths = [w for _, w in columns]
     lines = [
         "".join(h.ljust(w) if i == 0 else h.rjust(w + 1) for i, (h, w) in enumerate(zip(heads, widths, strict=True)))
     ]

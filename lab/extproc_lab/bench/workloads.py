@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc_lab.sim import generators
+from extproc_lab.sim.objectives import ObjectiveClass, assign
 from extproc_lab.sim.traces import (
     azure_workload,
     load_azure,
@@ -26,12 +27,14 @@ WORKLOADS = (
     "azure-code",
     "tenant-mix",
     "hot-prefix",
+    "shared-system-chat",
 )
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """A workload by name (or a trace file), with its arrival-rate factor, seed and size limit."""
+    """A workload by name (or a trace file), with its arrival-rate factor, seed and size limit, and
+    the latency objectives its conversations are drawn into (none by default)."""
 
     name: str = "multi-turn"
     trace: str | None = None
@@ -39,6 +42,7 @@ class WorkloadSpec:
     seed: int = 7
     limit: int | None = None
     traces: str | None = None
+    objectives: tuple[ObjectiveClass, ...] = ()
 
     @property
     def label(self) -> str:
@@ -47,6 +51,9 @@ class WorkloadSpec:
 
     def build(self) -> Workload:
         """Generate or load the workload (deterministic for the spec)."""
+        return assign(self._build(), self.objectives, self.seed)
+
+    def _build(self) -> Workload:
         if self.trace:
             return load_trace_workload(self.trace, self.rate, self.limit)
         name, rate, seed = self.name, self.rate, self.seed
@@ -60,6 +67,12 @@ class WorkloadSpec:
             wl = generators.tenant_mix(seed=seed, rate=rate)
         elif name == "hot-prefix":
             wl = generators.hot_prefix(seed=seed, rate=rate)
+        elif name == "shared-system-chat":
+            # realstack's shape with a long system prompt and short documents, where the shared
+            # prefix is most of every first turn (the case that left replicas idle).
+            wl = generators.shared_system_chat(
+                96, 6, seed=seed, rate=rate, live=40, system_tokens=2000, document_tokens=300
+            )
         elif name in ("mooncake-conversation", "mooncake-synthetic"):
             path = trace_path(name, self.traces)
             wl = mooncake_workload(load_mooncake(path, self.limit), name, rate)

@@ -170,6 +170,22 @@ The figures are derived from the model's shape and the GPU's datasheet with stat
 cross-checked against public reports; they are approximations, not measurements.
 """
 
+LLAMA_8B_A100 = dataclasses.replace(
+    LLAMA_8B_H100,
+    name="llama-8b-a100",
+    # The same model and KV cache size (80 GB, bf16) on an A100 SXM: 312 dense bf16 TFLOP/s against
+    # the H100's 989 (prefill and attention a third as fast at the same efficiency), 2.0 TB/s of
+    # HBM2e against 3.35 (each step's weight and context reads 1.7 times as long).
+    prefill_tokens_per_s=6_500.0,
+    ttft_overhead_s=0.013,
+    prefill_s_per_token_pair=4.5e-9,
+    decode_s_per_token=0.016,
+    decode_s_per_seq=1.5e-4,
+    decode_s_per_kv_token=1.0e-7,
+)
+"""The same as :data:`LLAMA_8B_H100` on an A100 80GB: a slower replica for mixed pools (derived the
+same way, from the datasheets; an approximation, not a measurement)."""
+
 INSTANT = ReplicaProfile(
     name="instant",
     block_size=16,
@@ -183,7 +199,7 @@ INSTANT = ReplicaProfile(
 )
 """No model time at all: one output token, at once. For measuring what the gateway itself adds."""
 
-PROFILES: dict[str, ReplicaProfile] = {p.name: p for p in (DEMO, LLAMA_8B_H100, INSTANT)}
+PROFILES: dict[str, ReplicaProfile] = {p.name: p for p in (DEMO, LLAMA_8B_H100, LLAMA_8B_A100, INSTANT)}
 """Profiles by name, as picked on the command line."""
 
 

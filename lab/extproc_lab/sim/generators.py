@@ -350,3 +350,53 @@ def hot_prefix(
         "seed": seed,
     }
     return Workload("hot-prefix", reqs, info)
+
+
+def shared_system_chat(
+    conversations: int = 48,
+    turns: int = 6,
+    *,
+    seed: int = 7,
+    rate: float = 1.0,
+    live: int = 30,
+    stagger_s: float = 0.1,
+    system_tokens: int = 400,
+    document_tokens: int = 1500,
+    followup_tokens: int = 140,
+    max_tokens: int = 16,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """``extproc bench realstack``'s workload in the simulator: conversations sharing one system
+    prompt (the same text, :func:`extproc_lab.demo.workload.multi_turn`), each turn sent as soon as
+    the previous answer is complete, at most ``live`` conversations at once. The first ``live``
+    start ``stagger_s / rate`` apart; conversation ``i`` after them starts when conversation
+    ``i - live`` ends (a fixed slot, where the real client takes whichever slot frees first)."""
+    from extproc_lab.demo.workload import multi_turn as conversations_of
+
+    reqs: list[SimRequest] = []
+    last: list[int] = []
+    for i, convo in enumerate(
+        conversations_of(conversations, turns, seed, system_tokens, document_tokens, followup_tokens, run_id="chat")
+    ):
+        prev = last[i - live] if i >= live else -1
+        for t in range(turns):
+            arrival = i * stagger_s / rate if t == 0 and prev < 0 else 0.0
+            req = text_request(
+                len(reqs),
+                arrival,
+                max_tokens,
+                messages=convo.next_messages(t),
+                session=convo.session_id,
+                after=prev,
+                model=model,
+            )
+            reqs.append(req)
+            prev = req.index
+            convo.add_answer(filler_text(max_tokens))
+        last.append(prev)
+    check_order(reqs)
+    info = {
+        "shape": f"{conversations} conversations x {turns} turns, one {system_tokens}-token system prompt, {live} live",
+        "seed": seed,
+    }
+    return Workload("shared-system-chat", reqs, info)

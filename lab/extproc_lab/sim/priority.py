@@ -115,7 +115,7 @@ class PrioritySimulation(Simulation):
         cls = self.request_class(req)
         out = self._out
         out.classes[i] = cls
-        f = replace(req.features(self.config.features), request_class=cls)
+        f = replace(req.features(self.config.features, self.objectives), request_class=cls)
         if not self.config.queueing.enabled:
             self._dispatch(i, f, now)
             return

@@ -240,7 +240,9 @@ class Simulation(ReplicaSteps):
     router decides through it (:class:`~extproc_lab.peers.PeerDecision`) and the run tells it
     where each request went. ``config`` is
     the router's (replicas are set here); ``scrape_interval_s`` defaults to its health settings'
-    interval.
+    interval. Requests carry their latency objectives to the router unless ``objectives`` is False
+    (they are still judged by them). ``slower`` makes the last ``n`` replicas of another profile
+    (a mixed pool), ``(n, profile)``.
 
     The loop is the lab's one for routed requests: its variants extend it through hooks, not
     copies (a disaggregated fleet, whose requests are two hops and no router's, has its own, on
@@ -269,11 +271,14 @@ class Simulation(ReplicaSteps):
         window_s: float | None = None,
         max_run_steps: int = 1 << 20,
         kv_events_delay_s: float | None = None,
+        objectives: bool = True,
+        slower: tuple[int, ReplicaProfile] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
         self.workload = workload
         self.policy = policy
+        self.objectives = objectives
         self.names = [f"replica-{i}" for i in range(replicas)]
         members = tuple(Replica(n, f"sim:{i}") for i, n in enumerate(self.names))
         base = config or Config()
@@ -298,7 +303,8 @@ class Simulation(ReplicaSteps):
         store = MemoryStore(
             self.config.sessions.ttl_s, self.config.sessions.max_sessions, self.config.prefix.blocks_per_replica
         )
-        self.models = [ReplicaModel(profile) for _ in range(replicas)]
+        slow, slow_profile = slower or (0, profile)
+        self.models = [ReplicaModel(profile if i < replicas - slow else slow_profile) for i in range(replicas)]
         # The kv_events policy: the models' stores and evictions reach the router as KV events.
         self.kv_feed = (
             None if kv_events_delay_s is None else SimKvFeed(self.names, self.models, self.clock, kv_events_delay_s)
@@ -425,7 +431,7 @@ class Simulation(ReplicaSteps):
 
     def _arrive(self, i: int, now: float) -> None:
         """Workload request ``i`` arrives: routed at once."""
-        self._dispatch(i, self.workload.requests[i].features(self.config.features), now)
+        self._dispatch(i, self.workload.requests[i].features(self.config.features, self.objectives), now)
 
     def _decided(self, i: int, features: RequestFeatures, routed: Routed, now: float) -> None:
         """The router decided on request ``i`` (it may have refused it)."""

@@ -54,6 +54,11 @@ class SimRequest:
     prompt: str | None = None
     router_hashes: Callable[[int], tuple[int, ...]] | None = None
     synth_text: Callable[[], str] | None = None
+    slo_class: str = ""
+    slo_ttft_ms: float | None = None
+    """The request's objectives (:mod:`extproc_lab.sim.objectives`), sent as ``x-slo-ttft-ms`` and
+    ``x-slo-tpot-ms``; None: none."""
+    slo_tpot_ms: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -78,6 +83,10 @@ class SimRequest:
             out["x-session-id"] = self.session
         if self.tenant:
             out["x-tenant-id"] = self.tenant
+        if self.slo_ttft_ms is not None:
+            out["x-slo-ttft-ms"] = f"{self.slo_ttft_ms:g}"
+        if self.slo_tpot_ms is not None:
+            out["x-slo-tpot-ms"] = f"{self.slo_tpot_ms:g}"
         return out
 
     def body(self) -> dict[str, Any]:
@@ -90,9 +99,10 @@ class SimRequest:
             body["prompt"] = self.text()
         return body
 
-    def features(self, settings: FeatureSettings) -> RequestFeatures:
+    def features(self, settings: FeatureSettings, objectives: bool = True) -> RequestFeatures:
         """What ``extract_features`` computes for this request's headers and body, without the
-        JSON round trip (a test checks the two agree)."""
+        JSON round trip (a test checks the two agree); without ``objectives`` as if the client
+        sent none."""
         hashes: tuple[int, ...]
         if self.router_hashes is not None:
             hashes = self.router_hashes(settings.max_blocks)
@@ -120,6 +130,8 @@ class SimRequest:
             prefix_hashes=hashes,
             request_id=self.request_id,
             max_output_tokens=self.output_tokens,
+            slo_ttft_ms=self.slo_ttft_ms if objectives else None,
+            slo_tpot_ms=self.slo_tpot_ms if objectives else None,
         )
 
 

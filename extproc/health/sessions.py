@@ -1,0 +1,90 @@
+"""The conversations each replica carries: sessions with a turn in flight there, or whose last
+turn there began recently enough that the next one is still to come.
+
+A new session placed only by what a replica holds and has queued now does not see the decode load
+already pinned there: the streams of its conversations running, and their next turns, which come
+back to it whatever else happens. Counted here per replica, it is part of the load picture
+(:attr:`~extproc.routing.model.ReplicaState.live_sessions`), so a prefix every conversation shares
+does not draw all new conversations onto the few replicas that prefilled it first.
+
+Bounded and cheap: one entry per session live within ``live_s``, oldest first; a decision or an end
+is O(1), a snapshot drops what expired since the last one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Session:
+    replica: str
+    last_begin: float
+    inflight: int = 0
+
+
+class LiveSessions:
+    """Per replica, the sessions live there (a turn in flight, or one begun within ``live_s``)."""
+
+    def __init__(self, live_s: float = 60.0, max_sessions: int = 200_000) -> None:
+        self.live_s = live_s
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._counts: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def begin(self, replica: str, session: str, now: float) -> None:
+        """A turn of ``session`` was sent to ``replica`` at ``now``."""
+        s = self._sessions.get(session)
+        if s is None:
+            s = self._sessions[session] = _Session(replica, now)
+            self._counts[replica] = self._counts.get(replica, 0) + 1
+            if len(self._sessions) > self.max_sessions:
+                self._drop(next(iter(self._sessions)))
+        elif s.replica != replica:
+            self._uncount(s.replica)
+            self._counts[replica] = self._counts.get(replica, 0) + 1
+            s.replica = replica
+        s.last_begin = now
+        s.inflight += 1
+        self._sessions.move_to_end(session)
+
+    def end(self, session: str) -> None:
+        """A turn of ``session`` is over (it stays live until ``live_s`` after it began)."""
+        s = self._sessions.get(session)
+        if s is not None and s.inflight > 0:
+            s.inflight -= 1
+
+    def counts(self, now: float) -> dict[str, int]:
+        """Live sessions per replica at ``now`` (replicas without any are left out)."""
+        horizon = now - self.live_s
+        while self._sessions:
+            key, s = next(iter(self._sessions.items()))
+            if s.last_begin >= horizon:
+                break
+            if s.inflight > 0:
+                # Still streaming: live until its turn ends, checked again a window later.
+                s.last_begin = now
+                self._sessions.move_to_end(key)
+                continue
+            self._drop(key)
+        return self._counts
+
+    def forget(self, replica: str) -> None:
+        """A replica left: its sessions are no longer counted anywhere."""
+        for key in [k for k, s in self._sessions.items() if s.replica == replica]:
+            self._drop(key)
+        self._counts.pop(replica, None)
+
+    def _drop(self, key: str) -> None:
+        self._uncount(self._sessions.pop(key).replica)
+
+    def _uncount(self, replica: str) -> None:
+        left = self._counts.get(replica, 0) - 1
+        if left > 0:
+            self._counts[replica] = left
+        else:
+            self._counts.pop(replica, None)

@@ -1,0 +1,217 @@
+"""Routing to a latency objective: each replica's predicted time to first token (TTFT) and time
+per output token (TPOT), and the filter and scorer that use them.
+
+The predictions come from a linear model per replica that the router fits online from what it
+observes (:mod:`extproc.health.latency`); here it is only evaluated. Its inputs are what the
+decision already knows of a candidate (:class:`LoadPoint`): the prompt tokens it would prefill
+(the prompt less what it is believed to hold), the prefill work already sent there and not yet
+answered, its running requests and its KV usage.
+
+A request that carries objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) is kept off the
+candidates predicted to miss them (:class:`SloFilter`; if every warm candidate would miss, none
+is removed), and among those left the one with the most headroom is preferred
+(:class:`SloHeadroomScorer`, weighed lightly: a session's pin and a deep prefix match still
+decide, headroom breaks what they leave tied; where all would miss, the least late one). A
+replica whose model is not warm yet is neither removed nor preferred; with no warm model at all
+both plugins change nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from extproc.request.features import RequestFeatures
+from extproc.routing.model import ReplicaState
+from extproc.routing.plugins import CycleState
+
+MIN_SECONDS = 1e-4
+"""The least a prediction says: a fit extrapolated below zero means "about nothing"."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPoint:
+    """What a replica's latency is predicted from, for one request there."""
+
+    uncached_tokens: float
+    """The prompt's tokens the replica would prefill (not believed held there)."""
+    queued_prefill_tokens: float
+    """Prefill tokens already sent there and not yet answered."""
+    running: float
+    """Requests running or waiting there (the router's count in flight, or the scrape's if more)."""
+    kv_usage: float
+
+    @classmethod
+    def of(cls, state: ReplicaState, uncached_tokens: float) -> LoadPoint:
+        """The point of ``state`` (as the snapshot has it) for a prompt of ``uncached_tokens``."""
+        return cls(
+            float(max(0.0, uncached_tokens)),
+            float(state.pending_prefill_tokens),
+            float(max(state.inflight, state.running + state.queue)),
+            min(1.0, max(0.0, state.kv_usage)),
+        )
+
+    def ttft_terms(self) -> tuple[float, ...]:
+        """The TTFT model's regressors: a constant, the prompt's and the queue's prefill (in
+        thousands of tokens), the batch (in sixteens) and KV usage; the prompt's square (attention
+        over its own context) and the prefill times the batch (each prefill step also decodes the
+        running requests)."""
+        u, q, r = self.uncached_tokens / 1000.0, self.queued_prefill_tokens / 1000.0, self.running / 16.0
+        return (1.0, u, q, r, self.kv_usage, u * u, (u + q) * r)
+
+    def tpot_terms(self) -> tuple[float, ...]:
+        """The TPOT model's regressors: a constant, the batch, KV usage (the context each step
+        reads) and the queued prefill (prefill steps interleave with the decode)."""
+        return (1.0, self.running / 16.0, self.kv_usage, self.queued_prefill_tokens / 1000.0)
+
+
+TTFT_TERMS = len(LoadPoint(0, 0, 0, 0).ttft_terms())
+TPOT_TERMS = len(LoadPoint(0, 0, 0, 0).tpot_terms())
+
+
+def _dot(coefficients: Sequence[float], terms: Sequence[float]) -> float:
+    return max(MIN_SECONDS, sum(a * x for a, x in zip(coefficients, terms, strict=True)))
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyFit:
+    """One replica's latency model as last fitted: coefficients over :class:`LoadPoint`'s terms,
+    how many observations shaped them, and how far its recent predictions were off."""
+
+    ttft: tuple[float, ...]
+    tpot: tuple[float, ...]
+    ttft_samples: int = 0
+    tpot_samples: int = 0
+    ttft_error: float | None = None
+    """The median relative error of its recent TTFT predictions (made before each observation)."""
+    tpot_error: float | None = None
+    ttft_warm: bool = False
+    """Enough observations that its TTFT predictions are used."""
+    tpot_warm: bool = False
+
+    def ttft_s(self, point: LoadPoint) -> float:
+        """Predicted seconds to the first token."""
+        return _dot(self.ttft, point.ttft_terms())
+
+    def tpot_s(self, point: LoadPoint) -> float:
+        """Predicted seconds per output token after the first."""
+        return _dot(self.tpot, point.tpot_terms())
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyView:
+    """What the decision reads of the latency models: each replica's fit, and the tokens a prefix
+    block stands for where the prompt is not tokenized (the config's ``block_chars`` / 4)."""
+
+    fits: Mapping[str, LatencyFit] = field(default_factory=dict)
+    block_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A candidate's predicted latencies for this request (None: its model is not warm)."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+def has_objectives(features: RequestFeatures) -> bool:
+    """Whether the request asked for a TTFT or TPOT objective."""
+    return features.slo_ttft_ms is not None or features.slo_tpot_ms is not None
+
+
+def _uncached(features: RequestFeatures, matched_blocks: int, block_tokens: int) -> int:
+    tokens = features.estimated_prompt_tokens
+    return max(0, tokens - matched_blocks * (features.tokens_per_block or block_tokens))
+
+
+def predictions(cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, Prediction]:
+    """Each candidate's prediction for this request, where its model is warm; computed once per
+    decision (kept on the cycle state)."""
+    if cycle.predicted is not None:
+        return cycle.predicted
+    out: dict[str, Prediction] = {}
+    view = cycle.latency
+    if view is not None and view.fits:
+        matches = cycle.view.prefix_matches
+        for c in candidates:
+            fit = view.fits.get(c.name)
+            if fit is None or not (fit.ttft_warm or fit.tpot_warm):
+                continue
+            point = LoadPoint.of(c, _uncached(cycle.features, matches.get(c.name, 0), view.block_tokens))
+            out[c.name] = Prediction(
+                fit.ttft_s(point) if fit.ttft_warm else None, fit.tpot_s(point) if fit.tpot_warm else None
+            )
+    cycle.predicted = out
+    return out
+
+
+def headroom(features: RequestFeatures, prediction: Prediction) -> float | None:
+    """The smaller share of its objectives a prediction leaves unused (negative: it misses by that
+    share); None when no objective of the request has a prediction."""
+    shares = []
+    if features.slo_ttft_ms is not None and prediction.ttft_s is not None:
+        shares.append(1.0 - prediction.ttft_s * 1000.0 / features.slo_ttft_ms)
+    if features.slo_tpot_ms is not None and prediction.tpot_s is not None:
+        shares.append(1.0 - prediction.tpot_s * 1000.0 / features.slo_tpot_ms)
+    return min(shares) if shares else None
+
+
+@dataclass(slots=True)
+class SloFilter:
+    """Drops the candidates predicted to miss the request's objectives (by more than ``slack``, a
+    share of the objective), unless every candidate with a warm model would: then it keeps all
+    and the headroom scorer prefers the least late. Requests without objectives, and replicas
+    whose model is not warm, pass."""
+
+    slack: float = 0.0
+    name: str = "slo"
+
+    def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        """Drop candidates predicted to miss."""
+        features = cycle.features
+        if not has_objectives(features):
+            return candidates
+        predicted = predictions(cycle, candidates)
+        if not predicted:
+            return candidates
+
+        def misses(c: ReplicaState) -> bool:
+            p = predicted.get(c.name)
+            h = headroom(features, p) if p is not None else None
+            return h is not None and h < -self.slack
+
+        kept = [c for c in candidates if not misses(c)]
+        return kept or candidates
+
+    def why(self, state: ReplicaState) -> str:
+        """Predicted to miss (the trace's predictions say by how much)."""
+        return "predicted to miss the request's latency objectives"
+
+
+@dataclass(slots=True)
+class SloHeadroomScorer:
+    """For a request with objectives: its predicted headroom, the least share of its TTFT and TPOT
+    objectives a candidate is predicted to leave unused, from 0 (late by the whole objective or
+    more) through 0.5 (just meeting it) to 1 (done at once). A candidate whose model is not warm
+    scores the mean of the warm ones; without any warm model, nothing."""
+
+    name: str = "slo_headroom"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Score each candidate's predicted headroom."""
+        features = cycle.features
+        if not has_objectives(features):
+            return {}
+        predicted = predictions(cycle, candidates)
+        scores: dict[str, float] = {}
+        for name, p in predicted.items():
+            h = headroom(features, p)
+            if h is not None:
+                # Half way for just meeting them: a request every candidate would miss still goes
+                # where it is least late.
+                scores[name] = min(1.0, max(0.0, (1.0 + h) / 2.0))
+        if not scores:
+            return {}
+        neutral = sum(scores.values()) / len(scores)
+        return {c.name: scores.get(c.name, neutral) for c in candidates}
