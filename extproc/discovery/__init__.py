@@ -10,6 +10,7 @@ from extproc.discovery.endpoint_slices import PortChoice, SliceSet, replicas_of_
 from extproc.discovery.factory import build_discovery, run_discovery
 from extproc.discovery.kubernetes_watch import KubernetesDiscovery
 from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
+from extproc.discovery.observer import DiscoveryObserver, NullDiscoveryObserver
 from extproc.discovery.settings import (
     DiscoveryConfigError,
     DiscoverySettings,
@@ -24,6 +25,7 @@ __all__ = [
     "Discovery",
     "DiscoveryConfigError",
     "DiscoveryLoop",
+    "DiscoveryObserver",
     "DiscoverySettings",
     "DnsDiscovery",
     "DnsPythonResolver",
@@ -31,6 +33,7 @@ __all__ = [
     "KubernetesDiscovery",
     "KubernetesSource",
     "MembershipTarget",
+    "NullDiscoveryObserver",
     "PortChoice",
     "ResolutionError",
     "Resolver",

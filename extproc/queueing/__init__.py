@@ -2,7 +2,18 @@
 
 from extproc.queueing.fair_queue import FairQueue, Refusal, Ticket
 from extproc.queueing.levels import PriorityLevels
+from extproc.queueing.observer import NullQueueObserver, QueueObserver
 from extproc.queueing.saturation import saturated
 from extproc.queueing.settings import QueueClass, QueueSettings
 
-__all__ = ["FairQueue", "PriorityLevels", "QueueClass", "QueueSettings", "Refusal", "Ticket", "saturated"]
+__all__ = [
+    "FairQueue",
+    "NullQueueObserver",
+    "PriorityLevels",
+    "QueueClass",
+    "QueueObserver",
+    "QueueSettings",
+    "Refusal",
+    "Ticket",
+    "saturated",
+]

@@ -19,8 +19,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from extproc.metrics import RouterMetrics
 from extproc.queueing.levels import PriorityLevels
+from extproc.queueing.observer import NullQueueObserver, QueueObserver
 from extproc.queueing.settings import QueueSettings
 
 log = logging.getLogger("extproc.queueing")
@@ -59,12 +59,12 @@ class FairQueue:
     """Priority queues, fair by tenant, drained as the candidates of their head have headroom."""
 
     def __init__(
-        self, settings: QueueSettings, saturated: Callable[[Pool], bool], metrics: RouterMetrics | None = None
+        self, settings: QueueSettings, saturated: Callable[[Pool], bool], metrics: QueueObserver | None = None
     ) -> None:
         """``saturated(pool)`` says whether every candidate of a pool is saturated now."""
         self.settings = settings
         self.saturated = saturated
-        self.metrics = metrics
+        self.metrics: QueueObserver = metrics or NullQueueObserver()
         self._levels: PriorityLevels[Ticket] = PriorityLevels()
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
@@ -105,8 +105,7 @@ class FairQueue:
             self._leave(ticket, request_class, "gone")
             raise
         waited = asyncio.get_running_loop().time() - start
-        if self.metrics is not None:
-            self.metrics.queue_wait_seconds.labels(request_class).observe(waited)
+        self.metrics.queue_waited(request_class, waited)
         if not done:
             self._leave(ticket, request_class, "timeout")
             return Refusal(
@@ -146,12 +145,10 @@ class FairQueue:
                 log.debug("a released request took over %.1fs to be routed", SETTLE_S)
 
     def _gauge(self, priority: int) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_waiting.labels(str(priority)).set(self.waiting(priority))
+        self.metrics.queue_depth(priority, self.waiting(priority))
 
     def _count(self, request_class: str, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_outcomes.labels(request_class, outcome).inc()
+        self.metrics.queue_outcome(request_class, outcome)
 
     async def close(self) -> None:
         """Stop the pump (waiters keep waiting until their own limit)."""

@@ -1,6 +1,7 @@
 """Rebalancing: moving sessions when replicas join, leave or run hot, and pre-warming them."""
 
 from extproc.rebalance.ledger import LedgerEntry, SessionLedger
+from extproc.rebalance.observer import NullRebalanceObserver, RebalanceObserver
 from extproc.rebalance.planner import Move, plan_join, plan_leave, plan_shed
 from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings, prefill_only
 from extproc.rebalance.rebalancer import Rebalancer, RebalanceSettings
@@ -8,8 +9,10 @@ from extproc.rebalance.rebalancer import Rebalancer, RebalanceSettings
 __all__ = [
     "LedgerEntry",
     "Move",
+    "NullRebalanceObserver",
     "PrewarmSettings",
     "Prewarmer",
+    "RebalanceObserver",
     "RebalanceSettings",
     "Rebalancer",
     "SessionLedger",
