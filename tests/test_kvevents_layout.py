@@ -17,6 +17,7 @@ from extproc.kvevents.hashing import EngineChain, HashAlgo
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.usage import RESUME_AFTER, PredictionStreaks
 from extproc.kvevents.wire import BlockStored, Message, encode_batch
+from extproc.metrics.kv_events import KvEventMetrics
 from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
 from extproc.router import Router
 from extproc.routing.model import AffinityView
@@ -46,6 +47,7 @@ def make_router(tokenizer_dir: Path, clock: Clock, **settings: object) -> tuple[
     kv = EventCacheState(
         KvEventSettings(tokenizers={"m": str(tokenizer_dir)}, **settings),  # type: ignore[arg-type]
         clock=clock,
+        metrics=KvEventMetrics(),
         tokenizers=TokenizerRegistry({"m": str(tokenizer_dir)}),
     )
     return Router(make_config(), clock=clock, kv_events=kv), kv

@@ -15,6 +15,7 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
+from extproc.metrics.kv_events import KvEventMetrics
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.router import Router
 from extproc.routing.model import AffinityView
@@ -100,6 +101,7 @@ def make_router(tokenizer_dir: Path, clock: Clock, **settings: object) -> tuple[
     kv = EventCacheState(
         KvEventSettings(tokenizers={"m": str(tokenizer_dir)}, **settings),  # type: ignore[arg-type]
         clock=clock,
+        metrics=KvEventMetrics(),
         tokenizers=TokenizerRegistry({"m": str(tokenizer_dir)}),
     )
     return Router(make_config(), clock=clock, kv_events=kv), kv
@@ -280,7 +282,7 @@ async def test_membership_changes_follow_and_unfollow_publishers(tmp_path: Path,
     members = [
         Replica(f"r{i}", f"127.0.0.1:{9000 + i}", labels={"kv_events": f"ipc://{tmp_path}/r{i}"}) for i in range(3)
     ]
-    kv = EventCacheState(KvEventSettings(tokenizers={"m": str(tokenizer_dir)}))
+    kv = EventCacheState(KvEventSettings(tokenizers={"m": str(tokenizer_dir)}), metrics=KvEventMetrics())
     router = Router(make_config(replicas=tuple(members)), kv_events=kv)
     kv.start(members)
     try:

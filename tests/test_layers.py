@@ -87,3 +87,16 @@ def test_router_imports_point_down() -> None:
             upward.add((src, dst))
     assert unranked == set(), "place new modules in RANKS and docs/architecture.md"
     assert upward == set(), "an import points up a layer"
+
+
+# Subsystems report through observer protocols of their own; only these wire the metrics in.
+METRICS_WIRING = ("extproc.metrics", "extproc.router", "extproc.server", "extproc.cli", "extproc.telemetry")
+
+
+def test_only_the_wiring_imports_the_metrics() -> None:
+    offenders = {
+        f"{where}: {target}"
+        for module, target, where in _imports(ROOT / "extproc")
+        if _group(target) == "extproc.metrics" and _group(module) not in METRICS_WIRING
+    }
+    assert offenders == set(), "report through the subsystem's observer protocol"
