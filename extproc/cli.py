@@ -102,10 +102,13 @@ async def _serve(cfg: Config) -> None:
     kv = cfg.kv_events
     if kv.enabled or kv.listen or any("kv_events" in r.labels for r in cfg.replicas):
         from extproc.kvevents.cache_state import EventCacheState
+        from extproc.metrics.kv_events import KvEventMetrics
         from extproc.request.tokenizer import TokenizerError
 
         try:
-            kv_events = EventCacheState(kv, registry=metrics.registry, max_blocks=cfg.features.max_blocks)
+            kv_events = EventCacheState(
+                kv, metrics=KvEventMetrics(metrics.registry), max_blocks=cfg.features.max_blocks
+            )
         except TokenizerError as exc:
             await store.close()
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None

@@ -23,6 +23,7 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import BlockStored, Message, encode_batch
+from extproc.metrics.kv_events import KvEventMetrics
 from extproc.plan import Planner
 from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
 from extproc.router import Router
@@ -240,6 +241,7 @@ def kv_router(tokenizer_dir: Path, clock: Clock, **settings: object) -> tuple[Ro
     kv = EventCacheState(
         KvEventSettings(tokenizers={"m": str(tokenizer_dir)}, **settings),  # type: ignore[arg-type]
         clock=clock,
+        metrics=KvEventMetrics(),
         tokenizers=TokenizerRegistry({"m": str(tokenizer_dir)}),
     )
     return Router(make_config(), clock=clock, kv_events=kv), kv

@@ -13,6 +13,7 @@ import zmq
 from extproc.kvevents.feed import KvEventSource, ReplayError
 from extproc.kvevents.subscriber import Subscriptions, ZmqReplayer
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch, seq_frame
+from extproc.metrics.kv_events import KvEventMetrics
 from extproc_lab.replica.kv_publisher import KvEventPublisher
 from tests.helpers import Clock, metric_value, wait_for
 
@@ -45,7 +46,7 @@ def matches(source: KvEventSource, *keys: int) -> dict[str, float]:
 
 
 async def test_in_order_messages_apply_and_make_the_feed_live() -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a")
     assert not source.is_live("a", 0.0)
     await source.receive(msg(0, stored(1, 2)))
@@ -57,7 +58,7 @@ async def test_in_order_messages_apply_and_make_the_feed_live() -> None:
 async def test_a_gap_is_filled_by_replay() -> None:
     history = [msg(0, stored(1)), msg(1, stored(2)), msg(2, BlockRemoved((1,))), msg(3, stored(9))]
     replayer = FakeReplayer(history)
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a", replayer)
     await source.receive(history[0])
     await source.receive(history[3])  # 1 and 2 were lost
@@ -69,7 +70,7 @@ async def test_a_gap_is_filled_by_replay() -> None:
 
 @pytest.mark.parametrize("replayer", [None, FakeReplayer(fail=True), FakeReplayer([msg(2, stored(5))])])
 async def test_a_gap_that_cannot_be_filled_clears_the_replica(replayer) -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a", replayer)
     await source.receive(msg(0, stored(1, 2)))
     await source.receive(msg(3, stored(7)))  # seq 1 and 2 lost; the replay (if any) lacks seq 1
@@ -79,7 +80,7 @@ async def test_a_gap_that_cannot_be_filled_clears_the_replica(replayer) -> None:
 
 
 async def test_sequence_going_back_is_a_restart() -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     await source.receive(msg(0, stored(1)))
     await source.receive(msg(1, stored(2)))
     await source.receive(msg(0, stored(5)))  # a new engine process
@@ -88,7 +89,7 @@ async def test_sequence_going_back_is_a_restart() -> None:
 
 
 async def test_undecodable_payload_counts_and_shows_as_a_gap() -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     await source.receive(msg(0, stored(1)))
     await source.receive(Message("kv@a@m", 1, b"\xc1garbage"))
     assert source.feeds["a"].last_seq == 0
@@ -99,7 +100,7 @@ async def test_undecodable_payload_counts_and_shows_as_a_gap() -> None:
 
 async def test_catch_up_replays_from_zero_and_skips_duplicates() -> None:
     history = [msg(0, stored(1)), msg(1, stored(2)), msg(2, AllBlocksCleared()), msg(3, stored(1))]
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a", FakeReplayer(history))
     assert await source.catch_up("a")
     assert source.is_live("a", 0.0) and matches(source, 1, 2) == {"a": 1.0}
@@ -111,7 +112,7 @@ async def test_catch_up_replays_from_zero_and_skips_duplicates() -> None:
 
 async def test_silent_feed_of_a_serving_replica_goes_stale() -> None:
     clock = Clock()
-    source = KvEventSource(clock=clock, stale_after_s=5.0)
+    source = KvEventSource(clock=clock, metrics=KvEventMetrics(), stale_after_s=5.0)
     await source.receive(msg(0, stored(1)))
     source.note_routed("a", clock.now)
     clock.now += 4.0
@@ -123,7 +124,7 @@ async def test_silent_feed_of_a_serving_replica_goes_stale() -> None:
 
 
 async def test_topic_without_replica_is_dropped_when_no_replica_given() -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     await source.receive(Message("other", 0, encode_batch(1.0, [stored(1)])))
     assert source.feeds == {}
 
@@ -169,7 +170,7 @@ async def test_connect_layout_over_ipc_with_replay_of_a_lost_message(ipc_dir: Pa
     publisher = KvEventPublisher(pub_ep, replay_ep, topic="kv@replica-0@m", encoding=encoding)
     publisher.start()
     publisher.publish([stored(1)])  # before the router starts: found again by the catch-up replay
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     subs = Subscriptions(source)
     try:
         subs.follow("replica-0", pub_ep, replay_ep)
@@ -196,7 +197,7 @@ async def test_listen_layout_over_tcp_names_replicas_by_topic() -> None:
     probe.close(0)
     ctx.term()
     endpoint = f"tcp://127.0.0.1:{port}"
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     subs = Subscriptions(source)
     names = {"replica-0": "replica-0", "10.0.0.2:8000": "replica-1", "probe": "probe"}
     subs.listen(endpoint, names.get)
@@ -232,7 +233,7 @@ async def test_listen_layout_over_tcp_names_replicas_by_topic() -> None:
 
 
 async def test_replayer_times_out_on_a_silent_endpoint(ipc_dir: Path) -> None:
-    subs = Subscriptions(KvEventSource())
+    subs = Subscriptions(KvEventSource(metrics=KvEventMetrics()))
     try:
         with pytest.raises(ReplayError):
             await ZmqReplayer(subs.ctx, f"ipc://{ipc_dir}/nobody", timeout_s=0.2)(0)
@@ -243,7 +244,7 @@ async def test_replayer_times_out_on_a_silent_endpoint(ipc_dir: Path) -> None:
 async def test_garbage_frames_never_stop_the_subscriber(ipc_dir: Path) -> None:
     pub_ep = f"ipc://{ipc_dir}/pub"
     publisher = KvEventPublisher(pub_ep, topic="kv@a@m")
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     subs = Subscriptions(source)
     try:
         subs.follow("a", pub_ep)
@@ -261,7 +262,7 @@ async def test_garbage_frames_never_stop_the_subscriber(ipc_dir: Path) -> None:
 async def test_reconnect_to_the_same_engine_fills_what_was_missed() -> None:
     history = [msg(0, stored(1)), msg(1, stored(2)), msg(2, stored(3))]
     replayer = FakeReplayer(history)
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a", replayer)
     await source.receive(history[0])
     await source.receive(history[1])
@@ -273,7 +274,7 @@ async def test_reconnect_to_the_same_engine_fills_what_was_missed() -> None:
 
 async def test_reconnect_to_a_new_engine_is_a_restart_and_catches_up() -> None:
     replayer = FakeReplayer([msg(0, stored(1)), msg(1, stored(2))])
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a", replayer)
     await source.receive(replayer.messages[0])
     await source.receive(replayer.messages[1])
@@ -288,7 +289,7 @@ async def test_reconnect_to_a_new_engine_is_a_restart_and_catches_up() -> None:
 
 async def test_restart_after_a_catch_up_is_not_taken_for_duplicates() -> None:
     replayer = FakeReplayer([msg(i, stored(i + 1)) for i in range(5)])
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a", replayer)
     assert await source.catch_up("a")
     await source.receive(msg(5, stored(9)))  # live, after the replay
@@ -300,7 +301,7 @@ async def test_restart_after_a_catch_up_is_not_taken_for_duplicates() -> None:
 async def test_a_new_engine_seq_the_replay_covered_is_a_restart_not_a_duplicate() -> None:
     # The router caught up on the old engine's only batch (seq 0); the new engine's first batch is
     # seq 0 again, arriving live before any other: the same seq, another payload.
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     source.add_feed("a", FakeReplayer([msg(0, stored(1))]))
     assert await source.catch_up("a")
     await source.receive(msg(0, stored(1)))  # the replayed batch itself, queued live: a duplicate
@@ -319,7 +320,7 @@ def ranked(seq: int, rank: int, *events) -> Message:
 
 
 async def test_ranks_interleave_on_one_topic_without_gaps_or_restarts() -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     for seq in range(3):  # both engines of one server, connected to one listen endpoint
         await source.receive(ranked(seq, 0, stored(10 + seq)))
         await source.receive(ranked(seq, 1, stored(20 + seq)))
@@ -331,14 +332,14 @@ async def test_ranks_interleave_on_one_topic_without_gaps_or_restarts() -> None:
 
 
 async def test_a_replica_matches_its_best_rank() -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     await source.receive(ranked(0, 0, stored(1, 2)))
     await source.receive(ranked(0, 1, stored(1, 2, 3)))
     assert matches(source, 1, 2, 3, 4) == {"a": 3}
 
 
 async def test_one_ranks_removal_clear_or_restart_leaves_anothers_copy() -> None:
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     await source.receive(ranked(0, 0, stored(1, 2)))
     await source.receive(ranked(0, 1, stored(1, 2)))
     await source.receive(ranked(1, 1, BlockRemoved((1, 2))))
@@ -355,7 +356,7 @@ async def test_one_ranks_removal_clear_or_restart_leaves_anothers_copy() -> None
 
 
 async def test_a_gap_on_one_rank_clears_only_that_rank() -> None:
-    source = KvEventSource()  # no replayer: a lost batch cannot be had back
+    source = KvEventSource(metrics=KvEventMetrics())  # no replayer: a lost batch cannot be had back
     await source.receive(ranked(0, 0, stored(1)))
     await source.receive(ranked(0, 1, stored(2)))
     await source.receive(ranked(2, 1, stored(3)))  # rank 1 lost its seq 1
@@ -398,7 +399,7 @@ async def test_connect_layout_reads_every_rank_with_its_own_replay(ipc_dir: Path
         p.start()
     publishers[0].publish([stored(1, 2)])  # before the router starts: each rank's catch-up finds them
     publishers[1].publish([stored(1, 2, 3)])
-    source = KvEventSource()
+    source = KvEventSource(metrics=KvEventMetrics())
     subs = Subscriptions(source)
     try:
         for rank, (pub, replay) in enumerate(ranks):

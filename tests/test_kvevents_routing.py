@@ -14,6 +14,7 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved
+from extproc.metrics.kv_events import KvEventMetrics
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError
 from extproc.router import Router
 from extproc.routing.model import AffinityView
@@ -226,7 +227,7 @@ async def test_membership_changes_follow_and_unfollow_publishers(tmp_path: Path,
     members = [
         Replica(f"r{i}", f"127.0.0.1:{9000 + i}", labels={"kv_events": f"ipc://{tmp_path}/r{i}"}) for i in range(3)
     ]
-    kv = EventCacheState(KvEventSettings(tokenizers={"m": str(tokenizer_dir)}))
+    kv = EventCacheState(KvEventSettings(tokenizers={"m": str(tokenizer_dir)}), metrics=KvEventMetrics())
     router = Router(make_config(replicas=tuple(members)), kv_events=kv)
     kv.start(members)
     try:

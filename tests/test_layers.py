@@ -165,3 +165,16 @@ def test_test_files_import_no_other_test_file() -> None:
         if target.rpartition(".")[2].startswith("test_")
     ]
     assert offenders == []
+
+
+# Subsystems report through observer protocols of their own; only these wire the metrics in.
+METRICS_WIRING = ("extproc.metrics", "extproc.router", "extproc.server", "extproc.cli", "extproc.telemetry")
+
+
+def test_only_the_wiring_imports_the_metrics() -> None:
+    offenders = {
+        f"{where}: {target}"
+        for module, target, where in _imports(ROOT / "extproc")
+        if _group(target) == "extproc.metrics" and _group(module) not in METRICS_WIRING
+    }
+    assert offenders == set(), "report through the subsystem's observer protocol"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 from extproc.config import Config
 from extproc.health.sessions import LiveSessions
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.routing.registry import DEFAULT_PROFILE
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.generators import shared_system_chat
@@ -40,6 +43,15 @@ def test_live_sessions_are_bounded() -> None:
     assert len(live) == 100 and sum(live.counts(1000.0).values()) == 100
 
 
+def whole_cost_profile() -> dict[str, object]:
+    """The default profile with a new conversation placed by its whole cost (``session_tokens``)."""
+    spec = copy.deepcopy(dict(DEFAULT_PROFILE))
+    for scorer in spec["scorers"]:  # type: ignore[attr-defined]
+        if scorer["type"] == "prefill_cost":
+            scorer["parameters"] = {"session_tokens": 512}
+    return spec
+
+
 def new_conversation_goes_to(r0_live: int, pinned: str | None = None) -> str:
     """Where a new conversation goes when every conversation shares a long system prompt that r0
     holds, r0 carries ``r0_live`` conversations and r1, which does not hold it, none."""
@@ -51,9 +63,23 @@ def new_conversation_goes_to(r0_live: int, pinned: str | None = None) -> str:
         ReplicaState(Replica("r1", "h:1"), live_sessions=0),
     )
     view = AffinityView(pinned=pinned, prefix_matches={"r0": 32})
-    d = decide(DecisionInputs.of(features, Snapshot(replicas), view, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features, Snapshot(replicas), view, 0.0, build_profile(whole_cost_profile())))
     assert d.replica is not None
     return d.replica.name
+
+
+def test_by_default_a_new_conversation_goes_where_the_prompt_is() -> None:
+    spec = dict(DEFAULT_PROFILE)
+    d = decide(
+        DecisionInputs.of(
+            RequestFeatures(path="/v1/chat/completions", model="m", session_key="new", prefix_hashes=tuple(range(40))),
+            Snapshot((ReplicaState(Replica("r0", "h:0"), live_sessions=12), ReplicaState(Replica("r1", "h:1")))),
+            AffinityView(prefix_matches={"r0": 32}),
+            0.0,
+            build_profile(spec),
+        )
+    )
+    assert d.replica is not None and d.replica.name == "r0"  # the whole-cost rule is opt-in
 
 
 def test_a_new_conversation_is_placed_by_the_conversations_a_replica_already_carries() -> None:
@@ -65,7 +91,7 @@ def test_a_new_conversation_is_placed_by_the_conversations_a_replica_already_car
 def test_a_system_prompt_every_conversation_shares_does_not_leave_replicas_idle() -> None:
     # In the simulator, before: 3 of 8 replicas took all 48 conversations (91.9% hit ratio).
     replica = get_profile("demo")
-    cfg = Config()
+    cfg = Config(profile=whole_cost_profile())
     wl = shared_system_chat(48, 6, system_tokens=2000, document_tokens=300)
     sim = Simulation(wl, replica, 8, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg)
     run = sim.run()

@@ -15,6 +15,7 @@ from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.feed import KvEventSource
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.subscriber import Subscriptions
+from extproc.metrics.kv_events import KvEventMetrics
 from extproc.request.features import read_request
 from extproc.request.tokenizer import PromptTokenizer
 from extproc_lab.replica import ReplicaEngine, build_app, get_profile
@@ -61,7 +62,8 @@ async def rig(request, tokenizer_dir: Path) -> AsyncIterator[Rig]:
         engine = ReplicaEngine(profile, token_blocks=TokenBlocks(profile.block_size), publish=publisher.publish)
         app = build_app(engine, "replica-a", MODEL, tokenizer=PromptTokenizer(tokenizer_dir), publisher=publisher)
         adapters = {"sql-lora": MODEL, "poem-lora": MODEL}
-        state = EventCacheState(KvEventSettings(tokenizers={MODEL: str(tokenizer_dir)}, lora_adapters=adapters))
+        settings = KvEventSettings(tokenizers={MODEL: str(tokenizer_dir)}, lora_adapters=adapters)
+        state = EventCacheState(settings, metrics=KvEventMetrics())
         subs = Subscriptions(state.source)
         subs.follow("replica-a", pub, replay)
         async with test_utils.TestClient(test_utils.TestServer(app, host="127.0.0.1")) as client:

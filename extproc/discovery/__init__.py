@@ -10,6 +10,7 @@ from extproc.discovery.endpoint_slices import PortChoice, SliceSet, replicas_of_
 from extproc.discovery.factory import build_discovery, run_discovery
 from extproc.discovery.kubernetes_watch import KubernetesDiscovery
 from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
+from extproc.discovery.observer import DiscoveryObserver, NullDiscoveryObserver
 from extproc.discovery.settings import (
     SOURCE_KINDS,
     DiscoverySettings,
@@ -23,6 +24,7 @@ __all__ = [
     "SOURCE_KINDS",
     "Discovery",
     "DiscoveryLoop",
+    "DiscoveryObserver",
     "DiscoverySettings",
     "DnsDiscovery",
     "DnsPythonResolver",
@@ -30,6 +32,7 @@ __all__ = [
     "KubernetesDiscovery",
     "KubernetesSource",
     "MembershipTarget",
+    "NullDiscoveryObserver",
     "PortChoice",
     "ResolutionError",
     "Resolver",

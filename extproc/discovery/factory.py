@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from extproc.discovery.dns import DnsDiscovery
 from extproc.discovery.kubernetes_watch import KubernetesDiscovery
 from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
+from extproc.discovery.observer import DiscoveryObserver
 from extproc.discovery.settings import DiscoverySettings, DnsSource, KubernetesSource
 from extproc.discovery.source import Discovery, StaticDiscovery
-from extproc.metrics import RouterMetrics
 from extproc.routing.model import Replica
 
 log = logging.getLogger("extproc.discovery")
@@ -38,7 +38,7 @@ def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = (
 async def run_discovery(
     settings: DiscoverySettings,
     target: MembershipTarget,
-    metrics: RouterMetrics | None = None,
+    metrics: DiscoveryObserver | None = None,
     *,
     static: Sequence[Replica] = (),
     cluster_mode: bool = False,

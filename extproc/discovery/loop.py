@@ -16,9 +16,9 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+from extproc.discovery.observer import DiscoveryObserver, NullDiscoveryObserver
 from extproc.discovery.settings import DEBOUNCE_S, MAX_DELAY_S
 from extproc.discovery.source import Discovery, canonical
-from extproc.metrics import RouterMetrics
 from extproc.routing.model import Replica
 
 log = logging.getLogger("extproc.discovery")
@@ -48,10 +48,10 @@ class DiscoveryLoop:
         max_delay_s: float = MAX_DELAY_S,
         static: Sequence[Replica] = (),
         retry_s: float = 5.0,
-        metrics: RouterMetrics | None = None,
+        metrics: DiscoveryObserver | None = None,
     ) -> None:
         self.source = source
-        self.metrics = metrics
+        self.metrics: DiscoveryObserver = metrics or NullDiscoveryObserver()
         self.target = target
         self.debounce_s = debounce_s
         self.max_delay_s = max(max_delay_s, debounce_s)
@@ -68,8 +68,7 @@ class DiscoveryLoop:
                 await self.follow()
                 return
             except Exception:  # a failing source must not end discovery for good
-                if self.metrics is not None:
-                    self.metrics.discovery_failures.inc()
+                self.metrics.discovery_failed()
                 log.exception("discovery %r failed; restarting it in %.1fs", self.source, self.retry_s)
                 await asyncio.sleep(self.retry_s)
 
@@ -101,8 +100,7 @@ class DiscoveryLoop:
                     if due is not None and latest is not None:
                         await self._apply(latest)
                     return
-                if self.metrics is not None:
-                    self.metrics.discovery_lists.inc()
+                self.metrics.discovery_list()
                 if replicas == latest:
                     continue  # a repeat (DNS yields every interval): the debounce clock runs on
                 latest = replicas
@@ -138,9 +136,7 @@ class DiscoveryLoop:
             log.info("discovery %r: %d replicas", self.source, len(replicas))
         self.applied = replicas
         self.applies += 1
-        if self.metrics is not None:
-            self.metrics.discovery_changes.inc()
-            self.metrics.discovery_members.set(len(replicas))
+        self.metrics.membership_applied(len(replicas))
         moved = [
             f"{r.name} {before[r.name].address} -> {r.address}"
             for r in replicas

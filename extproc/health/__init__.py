@@ -1,5 +1,6 @@
 """Replica health: vLLM metrics parsing, the health score, the rotation state machine, the scraper."""
 
+from extproc.health.observer import HealthObserver, NullHealthObserver
 from extproc.health.rotation import Rotation, RotationPolicy, step
 from extproc.health.score import HealthLimits, HealthSignals, HealthWeights, health_score
 from extproc.health.settings import HealthSettings
@@ -7,10 +8,12 @@ from extproc.health.vllm_metrics import MetricsPageError, ReplicaMetrics, parse_
 
 __all__ = [
     "HealthLimits",
+    "HealthObserver",
     "HealthSettings",
     "HealthSignals",
     "HealthWeights",
     "MetricsPageError",
+    "NullHealthObserver",
     "ReplicaMetrics",
     "Rotation",
     "RotationPolicy",

@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from extproc.health.observer import HealthObserver, NullHealthObserver
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.health.settings import HealthSettings
 from extproc.health.vllm_metrics import MetricsPageError, parse_vllm_metrics
-from extproc.metrics import RouterMetrics
 
 log = logging.getLogger("extproc.health")
 
@@ -74,14 +74,14 @@ class Scraper:
         settings: HealthSettings,
         clock: Callable[[], float],
         fetch: Fetch | None = None,
-        metrics: RouterMetrics | None = None,
+        metrics: HealthObserver | None = None,
         listener: Callable[[list[Transition]], Awaitable[None]] | None = None,
     ) -> None:
         self.book = book
         self.settings = settings
         self.clock = clock
         self.fetch: Fetch = fetch or HttpFetch()
-        self.metrics = metrics
+        self.metrics: HealthObserver = metrics or NullHealthObserver()
         self.listener = listener
 
     async def _scrape(self, name: str, address: str) -> None:
@@ -93,8 +93,7 @@ class Scraper:
             refused = isinstance(exc, ScrapeError) and exc.refused
             timed_out = isinstance(exc, ScrapeError) and exc.timed_out
             self.book.scrape_failed(name, refused, timed_out=timed_out, now=self.clock())
-            if self.metrics is not None:
-                self.metrics.scrape_errors.labels(name).inc()
+            self.metrics.scrape_failed(name)
             log.debug("scrape of %s failed: %s", name, exc)
             return
         self.book.apply_scrape(name, metrics, self.clock())
@@ -106,8 +105,8 @@ class Scraper:
         for t in transitions:
             verb = "joined" if t.in_rotation else "left"
             log.info("replica %s %s the rotation (health %.2f)", t.replica, verb, t.score)
-            if self.metrics is not None and not t.in_rotation:
-                self.metrics.ejections.labels(t.replica).inc()
+            if not t.in_rotation:
+                self.metrics.left_rotation(t.replica)
         if self.listener is not None:
             await self.listener(transitions)
         return transitions

@@ -27,13 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
-
 from extproc.kvevents.feed import KvEventSource
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain, low64
 from extproc.kvevents.index import KvIndex
 from extproc.kvevents.layout import EngineLayouts
-from extproc.kvevents.metrics import KvEventMetrics
+from extproc.kvevents.observer import KvEventObserver, NullKvEventObserver
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.usage import PredictionStreaks, outcome
 from extproc.request.features import RequestFeatures
@@ -90,14 +88,14 @@ class EventCacheState:
         self,
         settings: KvEventSettings,
         clock: Callable[[], float] = time.monotonic,
-        registry: CollectorRegistry | None = None,
+        metrics: KvEventObserver | None = None,
         tokenizers: TokenizerRegistry | None = None,
         max_blocks: int = 2048,
         hash_sessions: int = 4096,
     ) -> None:
         self.settings = settings
         self.clock = clock
-        self.metrics = KvEventMetrics(registry)
+        self.metrics: KvEventObserver = metrics or NullKvEventObserver()
         index = KvIndex(
             default_algo=settings.hash_algo,
             max_blocks_per_replica=settings.max_blocks_per_replica,
@@ -114,11 +112,6 @@ class EventCacheState:
         self._hashes: OrderedDict[str, tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
         self._hash_cap = hash_sessions
         self._lock = threading.Lock()
-        self.tokenize_errors = Counter(
-            "extproc_tokenize_errors",
-            "Requests routed on character blocks: not tokenizable",
-            registry=self.metrics.registry,
-        )
         self.subscriptions: Any = None  # extproc.kvevents.subscriber.Subscriptions, made by start()
         self._members: list[Replica] = []
         self._hits: dict[str, float] = {}
@@ -156,7 +149,7 @@ class EventCacheState:
                 self._executor, self.block_keys, tok, features, body, (bs, self._chain(algo))
             )
         except Exception as exc:  # bad input gets character blocks, never a failed decision
-            self.tokenize_errors.inc()
+            self.metrics.tokenize_failed()
             log.debug("not tokenized (%s): routed on character blocks", exc)
             return features
         return replace(features, prefix_hashes=keys, prompt_tokens=tokens, tokens_per_block=bs)
@@ -260,7 +253,7 @@ class EventCacheState:
         if not features.tokens_per_block:
             return
         if self.source.is_live(replica, now):
-            self.metrics.predicted_tokens.labels(replica).inc(matched_blocks * features.tokens_per_block)
+            self.metrics.tokens_predicted(replica, matched_blocks * features.tokens_per_block)
         if not self.source.suspended.get(replica):
             # A suspended feed's index is only checked, never used: credit would make its checked
             # predictions claim this very request's blocks.
@@ -292,7 +285,7 @@ class EventCacheState:
         """Count how a prediction compared with the replica's report (``unreported`` without one);
         predictions that keep disagreeing set the replica's feed aside (:class:`PredictionStreaks`)."""
         result = "unreported" if reported is None else outcome(predicted, reported, block_size)
-        self.metrics.prediction_checks.labels(replica, result).inc()
+        self.metrics.prediction_checked(replica, result)
         suspended = "predictions" in self.source.suspended.get(replica, ())
         action = self.streaks.record(replica, result, predicted, block_size, suspended)
         if action == "suspend" and self.source.suspend(replica, "predictions"):
@@ -362,7 +355,7 @@ class EventCacheState:
             before = self._hits.get(replica)
             self._hits[replica] = hits
             if before is not None and hits >= before and self.source.is_live(replica, now):
-                self.metrics.reported_tokens.labels(replica).inc(hits - before)
+                self.metrics.tokens_reported(replica, hits - before)
 
     async def close(self) -> None:
         """Stop the subscribers and the tokenizing threads."""

@@ -34,7 +34,7 @@ import xxhash
 
 from extproc.kvevents.index import KvIndex
 from extproc.kvevents.layout import EngineLayouts
-from extproc.kvevents.metrics import KvEventMetrics
+from extproc.kvevents.observer import KvEventObserver, NullKvEventObserver
 from extproc.kvevents.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -118,14 +118,14 @@ class KvEventSource:
         self,
         index: KvIndex | None = None,
         clock: Callable[[], float] = time.monotonic,
-        metrics: KvEventMetrics | None = None,
+        metrics: KvEventObserver | None = None,
         stale_after_s: float = 5.0,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.index = index if index is not None else KvIndex()
         self.clock = clock
         self.wall_clock = wall_clock
-        self.metrics = metrics if metrics is not None else KvEventMetrics()
+        self.metrics: KvEventObserver = metrics or NullKvEventObserver()
         self.stale_after_s = stale_after_s
         self.feeds: dict[str, FeedState] = {}
         self.layouts: EngineLayouts | None = None
@@ -140,9 +140,7 @@ class KvEventSource:
         state = self.feeds.get(replica)
         if state is None:
             state = self.feeds[replica] = FeedState(replica, model)
-            m = self.metrics
-            for series in (m.batches, m.dropped, m.gaps, m.restarts):
-                series.labels(replica)
+            self.metrics.feed_added(replica)
         stream = state.stream(rank)
         if replayer is not None:
             stream.replayer = replayer
@@ -182,8 +180,7 @@ class KvEventSource:
         if cause in causes:
             return False
         causes.add(cause)
-        self.metrics.suspensions.labels(replica, cause).inc()
-        self.metrics.suspended.labels(replica, cause).set(1)
+        self.metrics.feed_suspended(replica, cause)
         return True
 
     def resume(self, replica: str, cause: str) -> bool:
@@ -194,7 +191,7 @@ class KvEventSource:
         causes.discard(cause)
         if not causes:
             del self.suspended[replica]
-        self.metrics.suspended.labels(replica, cause).set(0)
+        self.metrics.feed_resumed(replica, cause)
         return True
 
     def refit(self) -> None:
@@ -275,7 +272,7 @@ class KvEventSource:
         topic_replica, model = topic_parts(msg.topic)
         name = replica or topic_replica
         if name is None:
-            self.metrics.dropped.labels("unknown").inc()
+            self.metrics.messages_dropped("unknown")
             return
         state = self.feeds.get(name) or self.add_feed(name, model=model)
         if model:
@@ -297,7 +294,7 @@ class KvEventSource:
             try:
                 messages = sorted(await stream.replayer(last), key=lambda x: x.seq)
             except ReplayError as exc:
-                self.metrics.replays.labels(replica, "failed").inc()
+                self.metrics.replay_ended(replica, "failed")
                 log.info("kv events: replay after reconnecting to %s failed: %s", replica, exc)
                 return
             same = any(m.seq == last and xxhash.xxh3_64_intdigest(m.payload) == stream.last_digest for m in messages)
@@ -305,9 +302,9 @@ class KvEventSource:
                 for m in messages:
                     if m.seq == stream.last_seq + 1:
                         self._apply(state, rank, m)
-                self.metrics.replays.labels(replica, "ok").inc()
+                self.metrics.replay_ended(replica, "ok")
                 return
-            self.metrics.restarts.labels(replica).inc()
+            self.metrics.engine_restarted(replica)
             self._clear(state, "restart", rank)
             log.info("kv events: %s is a new engine (reconnected): its entries are dropped", replica)
             stream.last_seq = None
@@ -321,7 +318,7 @@ class KvEventSource:
         try:
             batch = decode_batch(msg.payload)
         except WireError as exc:
-            m.dropped.labels(name).inc()
+            m.messages_dropped(name)
             log.debug("kv events: undecodable batch %d from %s: %s", msg.seq, name, exc)
             return  # its seq is not taken: the next message of its engine shows the gap
         rank = batch.data_parallel_rank or 0
@@ -334,7 +331,7 @@ class KvEventSource:
             replayed = stream.replayed_digests.get(msg.seq) if msg.seq <= stream.replayed_through else None
             if replayed is not None and replayed == xxhash.xxh3_64_intdigest(msg.payload):
                 return  # queued while we replayed: already applied
-            m.restarts.labels(name).inc()
+            m.engine_restarted(name)
             self._clear(state, "restart", rank)
             log.info("kv events: %s restarted (seq %d after %d): its entries are dropped", name, msg.seq, last)
             _replay_done(stream)
@@ -343,7 +340,7 @@ class KvEventSource:
                 await self._replay(state, rank, 0, msg.seq)
             self._apply(state, rank, msg, batch)
         else:
-            m.gaps.labels(name).inc()
+            m.gap_seen(name)
             ok = stream.replayer is not None and await self._replay(state, rank, last + 1, msg.seq)
             if not ok:
                 self._clear(state, "gap", rank)
@@ -359,7 +356,7 @@ class KvEventSource:
         try:
             messages = await stream.replayer(start)
         except ReplayError as exc:
-            self.metrics.replays.labels(label, "failed").inc()
+            self.metrics.replay_ended(label, "failed")
             log.info("kv events: replay from %s for %s failed: %s", start, label, exc)
             return False
         expected = start
@@ -374,13 +371,13 @@ class KvEventSource:
             elif msg.seq >= before:
                 break
             elif msg.seq != expected or not self._apply(state, rank, msg):
-                self.metrics.replays.labels(label, "incomplete").inc()
+                self.metrics.replay_ended(label, "incomplete")
                 return False
             expected = msg.seq + 1
         if before is not None and expected != before:
-            self.metrics.replays.labels(label, "incomplete").inc()
+            self.metrics.replay_ended(label, "incomplete")
             return False
-        self.metrics.replays.labels(label, "ok").inc()
+        self.metrics.replay_ended(label, "ok")
         return True
 
     def _apply(self, state: FeedState, rank: int, msg: Message, batch: EventBatch | None = None) -> bool:
@@ -391,11 +388,11 @@ class KvEventSource:
             try:
                 batch = decode_batch(msg.payload)
             except WireError as exc:
-                m.dropped.labels(name).inc()
+                m.messages_dropped(name)
                 log.debug("kv events: undecodable batch %d from %s: %s", msg.seq, name, exc)
                 return False  # its seq is not taken: the next message shows the gap
         if batch.dropped:
-            m.dropped.labels(name).inc(batch.dropped)
+            m.messages_dropped(name, batch.dropped)
         topic_model = topic_parts(msg.topic)[1]
         idx = self.index.model(topic_model or state.model)
         result = idx.apply(name, batch.events, rank)
@@ -404,10 +401,8 @@ class KvEventSource:
         stream.last_digest = xxhash.xxh3_64_intdigest(msg.payload)
         state.last_message_at = self.clock()
         state.routed_since = None  # the feed works, replayed or live
-        m.batches.labels(name).inc()
         lag = self.wall_clock() - batch.ts
-        if 0 <= lag < 3600:
-            m.lag.labels(name).observe(lag)
+        m.batch_applied(name, lag if 0 <= lag < 3600 else None)  # beyond an hour: a clock is off
         kinds = {"stored": 0, "removed": 0, "cleared": 0}
         for ev in batch.events:
             if isinstance(ev, BlockStored):
@@ -418,23 +413,23 @@ class KvEventSource:
                 kinds["cleared"] += 1
         for kind, n in kinds.items():
             if n:
-                m.events.labels(name, kind).inc(n)
+                m.events_applied(name, kind, n)
         if kinds["stored"] and self.layouts is not None:
             # The engine's own block size: what its hashes were computed over (one per batch is enough).
             size = next(ev.block_size for ev in batch.events if isinstance(ev, BlockStored))
             if self.layouts.from_events(name, size):
                 self.refit()
         if result.stored:
-            m.blocks.labels(name, "stored").inc(result.stored)
+            m.blocks_changed(name, "stored", result.stored)
         if result.removed:
-            m.blocks.labels(name, "removed").inc(result.removed)
+            m.blocks_changed(name, "removed", result.removed)
         if result.overflow:
-            m.clears.labels(name, "overflow").inc()
+            m.replica_cleared(name, "overflow")
         return True
 
     def _clear(self, state: FeedState, cause: str, rank: int | None = None) -> None:
         self.index.clear_replica(state.replica, rank)
-        self.metrics.clears.labels(state.replica, cause).inc()
+        self.metrics.replica_cleared(state.replica, cause)
         # The index is rebuilt from what the engine publishes next: what its old entries predicted
         # no longer says anything about it.
         if self.resume(state.replica, "predictions"):
@@ -444,9 +439,6 @@ class KvEventSource:
         """Refresh the gauges (before a metrics scrape)."""
         now = self.clock()
         m = self.metrics
-        for name in self.feeds:
-            m.index_blocks.labels(name).set(self.index.blocks(name))
-            m.live.labels(name).set(1 if self.is_live(name, now) else 0)
-            last = self.feeds[name].last_seq
-            m.last_seq.labels(name).set(-1 if last is None else last)
-        m.index_keys.set(len(self.index))
+        for name, state in self.feeds.items():
+            m.feed_state(name, self.index.blocks(name), self.is_live(name, now), state.last_seq)
+        m.index_keys(len(self.index))

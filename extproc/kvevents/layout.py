@@ -20,7 +20,6 @@ shown by ``extproc_kv_events_block_size_mismatch{replica}`` and
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Iterable
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from extproc.kvevents.hashing import HashAlgo
-from extproc.kvevents.metrics import KvEventMetrics
+from extproc.kvevents.observer import KvEventObserver, NullKvEventObserver
 
 log = logging.getLogger("extproc.kvevents")
 
@@ -72,10 +71,10 @@ def _prevailing(values: Iterable[_V], default: _V) -> _V:
 class EngineLayouts:
     """Every replica's reported layout, and the one each model's requests are hashed with."""
 
-    def __init__(self, block_size: int, hash_algo: HashAlgo, metrics: KvEventMetrics | None = None) -> None:
+    def __init__(self, block_size: int, hash_algo: HashAlgo, metrics: KvEventObserver | None = None) -> None:
         self.configured_block_size = block_size
         self.configured_algo = hash_algo
-        self.metrics = metrics
+        self.metrics: KvEventObserver = metrics or NullKvEventObserver()
         self.reports: dict[str, EngineReport] = {}
         self._warned: set[tuple[str, ...]] = set()
         self._by_model: dict[str, tuple[int, HashAlgo]] = {}  # memo, cleared on any change
@@ -110,10 +109,7 @@ class EngineLayouts:
         """``replica`` left the fleet."""
         if self.reports.pop(replica, None) is not None:
             self._by_model.clear()
-            if self.metrics is not None:
-                for gauge in (self.metrics.block_size, self.metrics.block_size_mismatch, self.metrics.hash_mismatch):
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(replica)
+            self.metrics.layout_forgotten(replica)
 
     def _changed(self, replica: str) -> None:
         self._by_model.clear()
@@ -145,11 +141,7 @@ class EngineLayouts:
                 if algo in UNREPRODUCIBLE
                 else "" if algo in REPRODUCIBLE else " (an algorithm not known here: the prediction checks judge it)",
             )  # fmt: skip
-        if self.metrics is not None:
-            if size is not None:
-                self.metrics.block_size.labels(replica).set(size)
-            self.metrics.block_size_mismatch.labels(replica).set(1 if size_off else 0)
-            self.metrics.hash_mismatch.labels(replica).set(1 if algo_off else 0)
+        self.metrics.layout_reported(replica, size, size_off, algo_off)
 
     def _warn_once(self, key: tuple[str, ...], message: str, *args: object) -> None:
         if key not in self._warned:

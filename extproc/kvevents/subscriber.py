@@ -164,7 +164,7 @@ async def listen(
                     who, _ = topic_parts(bytes(frames[0]).decode("utf-8", "replace"))
                     name = resolve(who) if who else None
                 if name is None:
-                    source.metrics.dropped.labels("unknown").inc()
+                    source.metrics.messages_dropped("unknown")
                     continue
                 await _deliver(source, frames, name)
         except asyncio.CancelledError:
@@ -180,7 +180,7 @@ async def _deliver(source: KvEventSource, frames: Sequence[bytes], replica: str)
     try:
         msg = split_message(frames)
     except WireError:
-        source.metrics.dropped.labels(replica).inc()
+        source.metrics.messages_dropped(replica)
         return
     await source.receive(msg, replica)
 

@@ -3,14 +3,17 @@
 from extproc.queueing.admission import Admission, Refusal, Waiter
 from extproc.queueing.fair_queue import FairQueue, Ticket
 from extproc.queueing.levels import PriorityLevels
+from extproc.queueing.observer import NullQueueObserver, QueueObserver
 from extproc.queueing.saturation import saturated
 from extproc.queueing.settings import QueueClass, QueueSettings
 
 __all__ = [
     "Admission",
     "FairQueue",
+    "NullQueueObserver",
     "PriorityLevels",
     "QueueClass",
+    "QueueObserver",
     "QueueSettings",
     "Refusal",
     "Ticket",

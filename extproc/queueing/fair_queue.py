@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from extproc.metrics import RouterMetrics
 from extproc.queueing.admission import Admission, Pool, Refusal, Waiter
+from extproc.queueing.observer import NullQueueObserver, QueueObserver
 from extproc.queueing.settings import QueueSettings
 
 log = logging.getLogger("extproc.queueing")
@@ -54,12 +54,12 @@ class FairQueue:
         self,
         settings: QueueSettings,
         saturated: Callable[[Pool], bool],
-        metrics: RouterMetrics | None = None,
+        metrics: QueueObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``saturated(pool)`` says whether every candidate of a pool is saturated now; ``clock``
         must run with the event loop's (waits are timed with both)."""
-        self.metrics = metrics
+        self.metrics: QueueObserver = metrics or NullQueueObserver()
         self.clock = clock
         self.admission: Admission[Ticket] = Admission(settings, saturated, clock)
         self._wake = asyncio.Event()
@@ -99,8 +99,7 @@ class FairQueue:
             # The client went away (Envoy closed the stream): give up the place, or the grant.
             self._leave(waiter)
             raise
-        if self.metrics is not None:
-            self.metrics.queue_wait_seconds.labels(request_class).observe(self.clock() - waiter.since)
+        self.metrics.queue_waited(request_class, self.clock() - waiter.since)
         if refusal is not None:
             return refusal
         self._count(request_class, "dispatched")
@@ -151,12 +150,10 @@ class FairQueue:
                 log.debug("a released request took over %.1fs to be routed", SETTLE_S)
 
     def _gauge(self, priority: int) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_waiting.labels(str(priority)).set(self.waiting(priority))
+        self.metrics.queue_depth(priority, self.waiting(priority))
 
     def _count(self, request_class: str, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_outcomes.labels(request_class, outcome).inc()
+        self.metrics.queue_outcome(request_class, outcome)
 
     async def close(self) -> None:
         """Stop the pump (waiters keep waiting until their own limit)."""

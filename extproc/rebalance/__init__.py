@@ -1,6 +1,7 @@
 """Rebalancing: moving sessions when replicas join, leave or run hot, and pre-warming them."""
 
 from extproc.rebalance.ledger import LedgerEntry, SessionLedger
+from extproc.rebalance.observer import NullRebalanceObserver, RebalanceObserver
 from extproc.rebalance.planner import Move, plan_join, plan_leave, plan_shed
 from extproc.rebalance.prewarm import Prewarm, Prewarmer, PrewarmQueue, PrewarmSettings, prefill_only
 from extproc.rebalance.rebalancer import Rebalancer, RebalanceSettings
@@ -8,10 +9,12 @@ from extproc.rebalance.rebalancer import Rebalancer, RebalanceSettings
 __all__ = [
     "LedgerEntry",
     "Move",
+    "NullRebalanceObserver",
     "Prewarm",
     "PrewarmQueue",
     "PrewarmSettings",
     "Prewarmer",
+    "RebalanceObserver",
     "RebalanceSettings",
     "Rebalancer",
     "SessionLedger",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from extproc.metrics import RouterMetrics
 from extproc.rebalance.ledger import SessionLedger
+from extproc.rebalance.observer import RebalanceObserver
 from extproc.rebalance.planner import Move, plan_join, plan_leave, plan_shed
 from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
 from extproc.routing.model import Snapshot
@@ -53,7 +53,7 @@ class Rebalancer:
         settings: RebalanceSettings,
         store: AffinityStore,
         clock: Callable[[], float],
-        metrics: RouterMetrics,
+        metrics: RebalanceObserver,
         index_hashes: IndexHashes,
         prewarmer: Prewarmer | None = None,
         session_ttl_s: float = 600.0,
@@ -64,9 +64,7 @@ class Rebalancer:
         self.metrics = metrics
         self.index_hashes = index_hashes
         self.ledger = SessionLedger(settings.ledger_sessions, settings.ledger_bytes, session_ttl_s)
-        self.prewarmer = prewarmer or Prewarmer(
-            settings.prewarm, clock, on_result=lambda outcome: metrics.prewarms.labels(outcome).inc()
-        )
+        self.prewarmer = prewarmer or Prewarmer(settings.prewarm, clock, on_result=metrics.prewarmed)
         self._hot_since: dict[str, float] = {}
         self._last_shed: dict[str, float] = {}
 
@@ -86,11 +84,11 @@ class Rebalancer:
                 hashes = self.index_hashes(move.path, move.body)
                 await self.store.record(move.session, move.target, hashes, now, True, model=move.model)
             except Exception as exc:
-                self.metrics.store_errors.labels("rebalance").inc()
+                self.metrics.repin_failed()
                 log.debug("re-pinning a moved session failed: %s", exc)
                 continue
             self.ledger.moved(move.session, move.model, move.target, now)
-            self.metrics.sessions_moved.labels(move.reason).inc()
+            self.metrics.session_moved(move.reason)
             self.prewarmer.submit(target.replica.address, move.path, move.body)
             applied += 1
         if applied:

@@ -388,12 +388,17 @@ class PrefillCostScorer:
     conversation (a session without a pin): a pinned one is part of that load already, and under
     KV pressure, where pins are lost, counting it moved conversations off their partial caches
     (multi-turn at 3,000 blocks: TTFT p99 0.28 -> 0.51 s).
+
+    Off by default (0; 512 is what benchmarks/latency_objectives.md measured): it spreads the
+    conversations of a shared prompt, but their first turns then prefill that prompt on replicas
+    new to it (shared-system-chat: TTFT p50 0.040 -> 0.027 s, p99 0.076 -> 0.236 s), and a burst
+    KV events would keep together is split.
     """
 
     floor_tokens: int = 2048
     kv_weight: float = 0.0
     overflow_weight: float = 0.0
-    session_tokens: int = 512
+    session_tokens: int = 0
     name: str = "prefill_cost"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:

@@ -3,6 +3,15 @@
 
 from extproc.state.factory import open_store
 from extproc.state.memory import MemoryStore, PrefixIndex, SessionMap
-from extproc.state.store import AffinityStore, StoreObserver, StoreStats
+from extproc.state.store import AffinityStore, NullStoreObserver, StoreObserver, StoreStats
 
-__all__ = ["AffinityStore", "MemoryStore", "PrefixIndex", "SessionMap", "StoreObserver", "StoreStats", "open_store"]
+__all__ = [
+    "AffinityStore",
+    "MemoryStore",
+    "NullStoreObserver",
+    "PrefixIndex",
+    "SessionMap",
+    "StoreObserver",
+    "StoreStats",
+    "open_store",
+]

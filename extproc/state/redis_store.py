@@ -64,7 +64,7 @@ from extproc.state.outage import Outage
 from extproc.state.redis_client import DEFAULT_TIMEOUT_S, RedisClient
 from extproc.state.redis_keys import KeySpace
 from extproc.state.redis_scripts import LOOKUP, LOOKUP_SHA, RECORD, RECORD_SHA, pack_hashes, parse_lookup
-from extproc.state.store import StoreObserver, StoreStats
+from extproc.state.store import NullStoreObserver, StoreObserver, StoreStats
 
 log = logging.getLogger("extproc.state")
 
@@ -149,7 +149,7 @@ class RedisStore:
         self.backlog = backlog
         self.batch = batch
         self.outage = Outage(name, reconnect_base_s, reconnect_max_s)
-        self.observer = observer
+        self.observer: StoreObserver = observer or NullStoreObserver()
         self.counters = StoreCounters()
         self._pending: deque[_Write] = deque()
         self._in_flight = 0
@@ -219,8 +219,7 @@ class RedisStore:
                 reply = await _async(self.client.evalsha(LOOKUP_SHA, 2, *keys, *args))
             except NoScriptError:  # a restarted or failed-over Redis forgot it: EVAL caches it again
                 reply = await _async(self.client.eval(LOOKUP, 2, *keys, *args))
-        if self.observer is not None:
-            self.observer.store_latency("lookup", time.perf_counter() - start)
+        self.observer.store_latency("lookup", time.perf_counter() - start)
         return reply
 
     async def record(
@@ -329,8 +328,7 @@ class RedisStore:
         self.counters.writes += len(batch) - len(failures)
         for failure in failures:  # refused by Redis (out of memory, a foreign key type): not retried
             self._error("record", failure)
-        if self.observer is not None:
-            self.observer.store_latency("record", time.perf_counter() - start)
+        self.observer.store_latency("record", time.perf_counter() - start)
 
     async def _write_pipelined(self, calls: list[tuple[Any, ...]], new_models: set[str]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
@@ -472,8 +470,7 @@ class RedisStore:
 
     def _error(self, operation: str, exc: BaseException) -> None:
         self.counters.errors += 1
-        if self.observer is not None:
-            self.observer.store_error(operation)
+        self.observer.store_error(operation)
         log.debug("affinity store %s failed: %s: %s", operation, type(exc).__name__, exc)
 
     def _failed(self, operation: str, exc: BaseException) -> None:
@@ -484,8 +481,7 @@ class RedisStore:
             return
         if self.outage.failed(operation, exc):
             self._up.clear()
-            if self.observer is not None:
-                self.observer.store_available(False)
+            self.observer.store_available(False)
             if self._prober is None or self._prober.done():
                 self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-store-prober")
 
@@ -499,7 +495,7 @@ class RedisStore:
             except UNAVAILABLE as exc:
                 self._error("probe", exc)
                 continue
-            if self.outage.recovered() and self.observer is not None:
+            if self.outage.recovered():
                 self.observer.store_available(True)
             self._up.set()
             self._wake.set()  # the writer drains what queued up meanwhile

@@ -106,3 +106,16 @@ class StoreObserver(Protocol):
     def store_available(self, available: bool) -> None:
         """The store became reachable (True) or unreachable (False)."""
         ...
+
+
+class NullStoreObserver:
+    """The default: nothing is reported."""
+
+    def store_error(self, operation: str) -> None:
+        """Not reported."""
+
+    def store_latency(self, operation: str, seconds: float) -> None:
+        """Not reported."""
+
+    def store_available(self, available: bool) -> None:
+        """Not reported."""

@@ -1,5 +1,11 @@
 """Prometheus metrics of the router, on their own registry and their own port.
 
+Each subsystem says what it reports in an observer protocol of its own (``health.observer``,
+``discovery.observer``, ``rebalance.observer``, ``queueing.observer``, ``kvevents.observer``,
+``state.store.StoreObserver``), with a null default; :class:`RouterMetrics` implements all but the
+KV events', which :class:`~extproc.metrics.kv_events.KvEventMetrics` implements. Only the wiring
+(the router facade, the server, the CLI) knows these classes.
+
 Labels stay bounded: decision reasons, replica names, and model names (the first
 ``MAX_MODEL_LABELS`` seen; any further model is counted as ``other``, since the model comes from
 the client). Never a session, a prompt or a user.
@@ -302,7 +308,56 @@ class RouterMetrics:
         self.scrape_errors.labels(replica)
         self.ejections.labels(replica)
 
-    # The StoreObserver protocol (extproc.state.store): a remote store reports through these.
+    # HealthObserver (extproc.health.observer).
+    def scrape_failed(self, replica: str) -> None:
+        """One failed scrape."""
+        self.scrape_errors.labels(replica).inc()
+
+    def left_rotation(self, replica: str) -> None:
+        """One ejection."""
+        self.ejections.labels(replica).inc()
+
+    # DiscoveryObserver (extproc.discovery.observer).
+    def discovery_list(self) -> None:
+        """One list received."""
+        self.discovery_lists.inc()
+
+    def membership_applied(self, members: int) -> None:
+        """One change applied, and the members it left."""
+        self.discovery_changes.inc()
+        self.discovery_members.set(members)
+
+    def discovery_failed(self) -> None:
+        """One failure of the source."""
+        self.discovery_failures.inc()
+
+    # RebalanceObserver (extproc.rebalance.observer).
+    def session_moved(self, reason: str) -> None:
+        """One session moved, by reason."""
+        self.sessions_moved.labels(reason).inc()
+
+    def repin_failed(self) -> None:
+        """A failed re-pin counts as a store error of the rebalance."""
+        self.store_errors.labels("rebalance").inc()
+
+    def prewarmed(self, outcome: str) -> None:
+        """One pre-warm, by outcome."""
+        self.prewarms.labels(outcome).inc()
+
+    # QueueObserver (extproc.queueing.observer).
+    def queue_depth(self, priority: int, count: int) -> None:
+        """Requests waiting at a priority."""
+        self.queue_waiting.labels(str(priority)).set(count)
+
+    def queue_waited(self, request_class: str, seconds: float) -> None:
+        """One wait, by request class."""
+        self.queue_wait_seconds.labels(request_class).observe(seconds)
+
+    def queue_outcome(self, request_class: str, outcome: str) -> None:
+        """One held request's outcome."""
+        self.queue_outcomes.labels(request_class, outcome).inc()
+
+    # StoreObserver (extproc.state.store): a remote store reports through these.
     def store_error(self, operation: str) -> None:
         """One failed store operation."""
         self.store_errors.labels(operation).inc()
