@@ -32,6 +32,9 @@ from extproc.logs import setup_logging
 
 if TYPE_CHECKING:
     from extproc.kvevents.cache_state import EventCacheState
+    from extproc.metrics import RouterMetrics
+    from extproc.server.workers import WorkerSlot
+    from extproc.state.shared_memory import SharedSegment
     from extproc.state.store import AffinityStore
 
 COMMANDS_GROUP = "extproc.commands"
@@ -49,6 +52,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="a replica (repeatable); in cluster mode NAME is its Envoy cluster",
     )
     p.add_argument("--mode", choices=["cluster", "endpoint"])
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="N processes serving the --listen port, sharing pins, prefix index and load in memory (default 1)",
+    )
     p.add_argument(
         "--store",
         help="affinity store URL: memory:// (default), redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
@@ -134,6 +143,9 @@ def _build_config(args: argparse.Namespace) -> Config:
         changes["store"] = args.store
         changes["listen"] = args.listen
         changes["metrics_listen"] = args.metrics_listen
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError("--workers: at least 1")
+        changes["workers"] = args.workers
     cfg = with_overrides(cfg, **changes)
     if getattr(args, "metrics_listen", None) == "off":
         cfg = replace(cfg, metrics_listen=None)
@@ -175,7 +187,43 @@ def _with_tls_flags(cfg: Config, args: argparse.Namespace) -> Config:
     return replace(cfg, grpc_tls=ListenerTls(cert, key, ca or (base.client_ca_file if base else None)))
 
 
-async def _serve(cfg: Config) -> None:
+def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
+    """One worker of ``serve --workers N`` (in its own spawned process)."""
+    from extproc.server.listeners import BindError
+    from extproc.state.shared_memory import SharedSegment
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    segment = SharedSegment.attach(slot.segment, slot.lock)
+    try:
+        asyncio.run(_serve(slot.config(_build_config(args)), (slot, segment)))
+    except BindError as exc:
+        print(f"extproc: worker {slot.index}: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None
+    except ConfigError as exc:
+        print(f"extproc: worker {slot.index}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        segment.close()
+
+
+def _open_store(cfg: Config, metrics: RouterMetrics, worker: tuple[WorkerSlot, SharedSegment] | None) -> AffinityStore:
+    """The configured store; a worker's memory store is the segment its parent shares."""
+    from extproc.state.factory import open_store
+
+    if worker is not None and cfg.store.startswith("memory:"):
+        from extproc.state.shared_memory import SharedMemoryStore
+
+        return SharedMemoryStore(worker[1], cfg.session_ttl_s, cfg.blocks_per_replica)
+    try:
+        return open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
+    except ValueError as exc:  # e.g. an unreadable password file
+        raise ConfigError(f"store: {exc}") from None
+
+
+async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = None) -> None:
     # Imported before any port binds: a client that sees the ext_proc port accepting finds the
     # other listeners serving without waiting on these imports.
     from extproc.admin.console import install as install_console
@@ -186,14 +234,10 @@ async def _serve(cfg: Config) -> None:
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
-    from extproc.state.factory import open_store
     from extproc.telemetry import export
 
     metrics = RouterMetrics()
-    try:
-        store = open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
-    except ValueError as exc:  # e.g. an unreadable password file
-        raise ConfigError(f"store: {exc}") from None
+    store = _open_store(cfg, metrics, worker)
     kv_events = None
     kv = cfg.kv_events
     if kv.enabled or kv.listen or any("kv_events" in r.labels for r in cfg.replicas):
@@ -206,6 +250,10 @@ async def _serve(cfg: Config) -> None:
             await store.close()
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None
     router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events)
+    if worker is not None:
+        from extproc.health.shared_load import PeerLoad
+
+        router.replicas.peers = PeerLoad(worker[1], worker[0].index, cfg.health.recent_half_life_s)
     if kv_events is not None:
         if not kv.enabled:
             logging.getLogger("extproc.kvevents").warning(
@@ -232,6 +280,7 @@ async def _serve(cfg: Config) -> None:
             health_listen=cfg.health_listen,
             services=admin.services,
             bind=False,
+            reuse_port=worker is not None,
         )
     except ValueError as exc:  # the token file or a certificate or key file
         await _close_early(kv_events, store)
@@ -314,6 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from extproc.server.listeners import BindError
 
             try:
+                if cfg.workers > 1:
+                    from extproc.server.workers import check_workers, supervise
+
+                    problem = check_workers(cfg)
+                    if problem is not None:
+                        raise ConfigError(problem)
+                    return supervise(cfg, _serve_worker, sys.argv[1:] if argv is None else argv)
                 asyncio.run(_serve(cfg))
             except BindError as exc:
                 # Nothing was reported SERVING: a port in use stops the start, naming the address.

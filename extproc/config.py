@@ -83,6 +83,7 @@ class Config:
     replicas: tuple[Replica, ...] = ()
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     store: str = "memory://"
+    workers: int = 1
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
     blocks_per_replica: int = 31_250
@@ -343,6 +344,7 @@ def config_from_mapping(raw: Mapping[str, Any]) -> Config:
         replicas=tuple(replicas),
         discovery=_discovery_settings(file.discovery),
         store=file.store,
+        workers=file.workers,
         session_ttl_s=file.sessions.ttl_s,
         max_sessions=file.sessions.max_sessions,
         blocks_per_replica=file.prefix.blocks_per_replica,

@@ -437,6 +437,7 @@ class RouterFile(Section):
     discovery: dict[str, Any] | None = _doc(
         None, "where members come from: type static (default), dns or kubernetes; see docs/configuration.md"
     )
+    workers: int = _doc(1, "processes serving the ext_proc port, sharing state in memory (docs/deployment.md)", ge=1)
     store: str = _doc(
         "memory://", "affinity store URL: memory://, redis://, rediss://, unix://, redis+sentinel://, ..."
     )

@@ -40,7 +40,7 @@ class PeerLoad:
 
     def _at(self, worker: int, row: int) -> int:
         seg = self.segment
-        return seg.load_at + (worker * seg.size.replicas + row) * LOAD_FIELDS.size
+        return int(seg.load_at + (worker * seg.size.replicas + row) * LOAD_FIELDS.size)
 
     def publish(self, rec: ReplicaRecord) -> None:
         """This worker's counts for ``rec``'s replica now (a replica without a row is not shared)."""

@@ -81,7 +81,11 @@ def is_loopback(listen: str) -> bool:
 
 
 class GrpcListener:
-    """One port of a ``grpc.aio`` server (several may share a server)."""
+    """One port of a ``grpc.aio`` server (several may share a server).
+
+    ``shared``: the port is shared with the other workers of one ``serve --workers`` (whose
+    parent checked it was free), so it is not test-bound first: a worker's own port is taken.
+    """
 
     def __init__(
         self,
@@ -90,8 +94,10 @@ class GrpcListener:
         server: grpc.aio.Server,
         credentials: grpc.ServerCredentials | None = None,
         grace_s: float = 0.5,
+        shared: bool = False,
     ) -> None:
         self.role = role
+        self.shared = shared
         self.listen = listen
         self.server = server
         self.credentials = credentials
@@ -104,7 +110,8 @@ class GrpcListener:
     def bind_now(self) -> None:
         """Bind (synchronously: grpc's ``add_*_port`` is); raises :class:`BindError`."""
         try:
-            _try_bind(self.listen)
+            if not self.shared:
+                _try_bind(self.listen)
         except OSError as exc:
             raise BindError(self.role, self.listen, _reason(exc)) from None
         try:

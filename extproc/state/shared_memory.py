@@ -199,16 +199,15 @@ class SharedSegment:
                 return row
             free = [r for r, entry in enumerate(self._names) if entry is None]
             if not free:
-                log.warning("shared store: all %d replica rows taken, %s routed without affinity", len(self._names), name)
+                log.warning("shared store: all %d replica rows taken, %s has no affinity", len(self._names), name)
                 return None
             row = free[0]
-            _, seq, gen, _, _, cap, used, _, _ = self._read_row(row)
+            _, seq, gen, _, _, _, used, _, _ = self._read_row(row)
             name_hash = _name_hash(encoded)
             # A reused row starts empty: its old stamps fall below the floor, its old pins carry
             # the old generation.
-            _ROW.pack_into(
-                self.buf, self._row_at(row), name_hash, seq, gen + 1 if used else gen, 0, seq, 0, 1, len(encoded), encoded
-            )
+            gen = gen + 1 if used else gen
+            _ROW.pack_into(self.buf, self._row_at(row), name_hash, seq, gen, 0, seq, 0, 1, len(encoded), encoded)
             self._bump_epoch()
             self._refresh()
             return row
@@ -238,13 +237,11 @@ class SharedSegment:
         return seq, floor, cap, cordon
 
     def set_row_fields(
-        self, row: int, *, seq: int | None = None, floor: int | None = None, cap: int | None = None, cordon: int | None = None
+        self, row: int, *, floor: int | None = None, cap: int | None = None, cordon: int | None = None
     ) -> None:
-        """Write some of a row's counters (the name and generation stay)."""
+        """Write some of a row's counters (the name, generation and stamp counter stay)."""
         at = self._row_at(row)
         f = list(_ROW.unpack_from(self.buf, at))
-        if seq is not None:
-            f[1] = seq
         if cordon is not None:
             f[3] = cordon
         if floor is not None:
@@ -267,7 +264,7 @@ class SharedSegment:
         return range(start, start + _PROBE)
 
     def _pin_at(self, slot: int) -> int:
-        return self.pins_at + (slot & (self.size.pin_slots - 1)) * _PIN.size
+        return int(self.pins_at + (slot & (self.size.pin_slots - 1)) * _PIN.size)
 
     def pin_get(self, key: int, now: float) -> tuple[int, int, int] | None:
         """(slot offset, row, generation) of ``key``'s live pin; None: absent, expired or torn."""
@@ -307,7 +304,7 @@ class SharedSegment:
     # --- prefix index ----------------------------------------------------------------------------
 
     def _prefix_at(self, slot: int) -> int:
-        return self.prefix_at + (slot & (self.size.prefix_slots - 1)) * _PREFIX.size
+        return int(self.prefix_at + (slot & (self.size.prefix_slots - 1)) * _PREFIX.size)
 
     def prefix_stamp(self, block: int, row: int) -> int:
         """The stamp ``row`` last took for ``block``; 0 when absent or torn."""
@@ -328,7 +325,7 @@ class SharedSegment:
         for slot in range(start, start + _PROBE):
             at = self._prefix_at(slot)
             k, s, r, check = _PREFIX.unpack_from(self.buf, at)
-            if k == key or k == 0 or check != _check(k, s, r) & 0xFFFFFFFF:
+            if k in (key, 0) or check != _check(k, s, r) & 0xFFFFFFFF:
                 victim = at
                 break
             age = s - held_after[r] if r < len(held_after) else -1
