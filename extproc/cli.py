@@ -194,6 +194,7 @@ def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
 
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    _stop_with_parent()
     segment = SharedSegment.attach(slot.segment, slot.lock)
     try:
         asyncio.run(_serve(slot.config(_build_config(args)), (slot, segment)))
@@ -207,6 +208,23 @@ def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
         pass
     finally:
         segment.close()
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM ourselves when the parent is gone (killed, say): a worker never serves orphaned."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+
+        def watch() -> None:
+            parent.join()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _open_store(cfg: Config, metrics: RouterMetrics, worker: tuple[WorkerSlot, SharedSegment] | None) -> AffinityStore:

@@ -1,0 +1,66 @@
+"""``extproc serve --workers 2`` through real Envoy: two processes on one ext_proc port, sharing
+pins, the prefix index and in-flight load in memory, so a conversation stays on its replica
+whichever worker each of its turns reaches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.workload import Conversation, multi_turn
+from tests.conftest import require_binary
+
+pytestmark = pytest.mark.e2e
+CHAT = "/v1/chat/completions"
+CONVERSATIONS, TURNS = 20, 4
+
+
+async def decisions(http: aiohttp.ClientSession, url: str) -> Counter[str]:
+    """One worker's decisions by reason, from its own /metrics."""
+    async with http.get(url) as resp:
+        text = await resp.text()
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "extproc_decisions_total":
+                counts[sample.labels["reason"]] += int(sample.value)
+    return counts
+
+
+async def send_turn(http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int) -> tuple[int, str]:
+    body = {"model": "demo-model", "messages": conv.next_messages(turn), "max_tokens": 2}
+    async with http.post(url + CHAT, data=json.dumps(body), headers={"x-session-id": conv.session_id}) as resp:
+        payload: Any = await resp.read()
+        if resp.status == 200:
+            conv.add_answer(json.loads(payload)["choices"][0]["message"]["content"])
+        return resp.status, resp.headers.get("x-replica-name", "")
+
+
+async def test_two_workers_share_one_port_and_keep_sessions_sticky() -> None:
+    require_binary("envoy")
+    # Envoy opens one connection per ext_proc stream (as envoy-config renders it for several
+    # workers): the kernel spreads connections over the workers.
+    with LocalGateway(replicas=3, time_scale=0.02, processor_args=("--workers", "2")) as gw:
+        worker_metrics = gw.worker_metrics_urls
+        convs = multi_turn(CONVERSATIONS, TURNS, seed=4, system_tokens=100, document_tokens=300, run_id="workers")
+        async with aiohttp.ClientSession() as http:
+
+            async def converse(conv: Conversation) -> tuple[list[int], set[str]]:
+                answers = [await send_turn(http, gw.url, conv, t) for t in range(TURNS)]
+                return [status for status, _ in answers], {replica for _, replica in answers}
+
+            results = await asyncio.gather(*(converse(c) for c in convs))
+            per_worker = [await decisions(http, url) for url in worker_metrics]
+    assert all(statuses == [200] * TURNS for statuses, _ in results), results
+    assert all(len(replicas) == 1 for _, replicas in results), results
+    totals = [sum(c.values()) for c in per_worker]
+    assert sum(totals) == CONVERSATIONS * TURNS and min(totals) > 0, per_worker
+    # Every turn after the first found its pin, on whichever worker the turn reached.
+    assert sum(c["sticky"] for c in per_worker) == CONVERSATIONS * (TURNS - 1), per_worker
