@@ -10,14 +10,13 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
 
-from extproc_lab.demo.processes import free_port, wait_for_port
-from tests.test_startup_bind import HOST, serve_argv
+from extproc_lab.demo.processes import free_port
+from tests.test_startup_bind import HOST, serve_argv, serving
 
 
 def children(pid: int) -> list[int]:
@@ -41,21 +40,8 @@ def wait_workers(pid: int, count: int, timeout_s: float = 30.0) -> list[int]:
     raise TimeoutError(f"{count} workers of {pid}: found {children(pid)}")
 
 
-@contextmanager
-def workers(port: int, metrics_port: int, count: int = 2) -> Iterator[subprocess.Popen[bytes]]:
-    argv = serve_argv(port, metrics_port, "--workers", str(count))
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_for_port(HOST, port, proc=proc)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # this test's own child, by its handle
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+def workers(port: int, metrics_port: int, count: int = 2) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    return serving(serve_argv(port, metrics_port, "--workers", str(count)), port)
 
 
 def segment_name(stderr: bytes) -> str:

@@ -5,42 +5,27 @@ whichever worker each of its turns reaches."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter
-from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import require_binary
+from tests.test_shared_store_e2e import metrics_of, send_turn
 
 pytestmark = pytest.mark.e2e
-CHAT = "/v1/chat/completions"
 CONVERSATIONS, TURNS = 20, 4
 
 
 async def decisions(http: aiohttp.ClientSession, url: str) -> Counter[str]:
     """One worker's decisions by reason, from its own /metrics."""
-    async with http.get(url) as resp:
-        text = await resp.text()
     counts: Counter[str] = Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "extproc_decisions_total":
-                counts[sample.labels["reason"]] += int(sample.value)
+    for key, value in (await metrics_of(http, url)).items():
+        if key.startswith("extproc_decisions_total{"):
+            counts[key.split("reason=")[1].rstrip("}")] = int(value)
     return counts
-
-
-async def send_turn(http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int) -> tuple[int, str]:
-    body = {"model": "demo-model", "messages": conv.next_messages(turn), "max_tokens": 2}
-    async with http.post(url + CHAT, data=json.dumps(body), headers={"x-session-id": conv.session_id}) as resp:
-        payload: Any = await resp.read()
-        if resp.status == 200:
-            conv.add_answer(json.loads(payload)["choices"][0]["message"]["content"])
-        return resp.status, resp.headers.get("x-replica-name", "")
 
 
 async def test_two_workers_share_one_port_and_keep_sessions_sticky() -> None:
