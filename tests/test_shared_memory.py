@@ -123,3 +123,27 @@ def test_each_worker_sees_the_load_every_worker_has_in_flight() -> None:
         assert books[1].peers is not None and books[1].peers.requests() == [2, 1]
     finally:
         segment.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    capacity=st.integers(1, 12),
+    prompts=st.lists(st.lists(st.integers(1, 30), max_size=10, unique=True), min_size=1, max_size=12),
+)
+def test_the_latest_prompt_is_held_up_to_the_capacity(capacity: int, prompts: list[list[int]]) -> None:
+    # What MemoryStore guarantees too: right after a record, the replica holds that prompt's first
+    # min(len, capacity) blocks, whatever was recorded before.
+    segment = SharedSegment.create(SegmentSize(replicas=2, pin_slots=16, prefix_slots=1024, workers=1))
+    try:
+        store = SharedMemoryStore(segment, ttl_s=60.0, blocks_per_replica=12)
+        store.set_capacity("r", capacity)
+
+        async def run() -> None:
+            for prompt in prompts:
+                await store.record(None, "r", prompt, 0.0, False)
+                held = (await store.lookup(None, prompt, 0.0)).prefix_matches.get("r", 0)
+                assert held == min(len(prompt), capacity), (prompt, held)
+
+        asyncio.run(run())
+    finally:
+        segment.close()

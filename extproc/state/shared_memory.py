@@ -47,9 +47,10 @@ _LOCK_TIMEOUT_S = 1.0
 _HEADER = struct.Struct("<QQQQQQ")  # magic, replica rows, pin slots, prefix slots, workers, epoch
 _EPOCH_OFFSET = 5 * 8
 _ROW = struct.Struct(f"<QQIIQQQI{_NAME_BYTES}s4x")  # name hash, seq, gen, cordon, floor, cap, used, len, name
-_ROW_SEQ = struct.Struct("<Q")
+_ROW_SEQ = struct.Struct("<Q")  # one counter: a row's stamps, the header's epoch
 _PIN = struct.Struct("<QdIIQ")  # key, expiry, replica row, generation, check
-_PREFIX = struct.Struct("<QQII8x")  # key, stamp, replica row, check (low 32 bits)
+_PREFIX = struct.Struct("<QQII8x")  # key, stamp, replica row, check (low 32 bits of _check)
+_PREFIX_SIZE = _PREFIX.size
 LOAD_FIELDS = struct.Struct("<qqqqdd")
 """One worker's load on one replica: in flight, in-flight tokens, pending prefill, requests,
 recent (decayed), when recent was last bumped."""
@@ -164,7 +165,7 @@ class SharedSegment:
         return _ROW.unpack_from(self.buf, self._row_at(row))
 
     def _refresh(self) -> None:
-        epoch = int.from_bytes(self.buf[_EPOCH_OFFSET : _EPOCH_OFFSET + 8], "little")
+        (epoch,) = _ROW_SEQ.unpack_from(self.buf, _EPOCH_OFFSET)
         if epoch == self._epoch:
             return
         names: list[tuple[str, int] | None] = []
@@ -215,8 +216,8 @@ class SharedSegment:
             self.lock.release()
 
     def _bump_epoch(self) -> None:
-        epoch = int.from_bytes(self.buf[_EPOCH_OFFSET : _EPOCH_OFFSET + 8], "little") + 1
-        self.buf[_EPOCH_OFFSET : _EPOCH_OFFSET + 8] = epoch.to_bytes(8, "little")
+        (epoch,) = _ROW_SEQ.unpack_from(self.buf, _EPOCH_OFFSET)
+        _ROW_SEQ.pack_into(self.buf, _EPOCH_OFFSET, epoch + 1)
 
     def release_row(self, row: int) -> None:
         """Free ``row`` for another replica (its prefix entries are dropped by the floor)."""
@@ -298,34 +299,35 @@ class SharedSegment:
 
     def pins_held(self) -> int:
         """Slots holding a pin (expired ones included until overwritten)."""
-        keys = self.buf[self.pins_at : self.prefix_at].cast("Q")[:: _PIN.size // 8]
-        return len(keys) - keys.tolist().count(0)
+        # Views released at once: a segment with a view still exported cannot be closed.
+        with self.buf[self.pins_at : self.prefix_at] as region, region.cast("Q") as words:
+            keys = words[:: _PIN.size // 8].tolist()
+        return len(keys) - keys.count(0)
 
     # --- prefix index ----------------------------------------------------------------------------
-
-    def _prefix_at(self, slot: int) -> int:
-        return int(self.prefix_at + (slot & (self.size.prefix_slots - 1)) * _PREFIX.size)
 
     def prefix_stamp(self, block: int, row: int) -> int:
         """The stamp ``row`` last took for ``block``; 0 when absent or torn."""
         key = _mix(block * 0x9E3779B97F4A7C15 + row)
-        start = key & (self.size.prefix_slots - 1)
-        for slot in range(start, start + _PROBE):
-            k, stamp, r, check = _PREFIX.unpack_from(self.buf, self._prefix_at(slot))
-            if k == key and r == row and check == _check(k, stamp, r) & 0xFFFFFFFF:
-                return int(stamp)
+        buf, unpack, base, mask = self.buf, _PREFIX.unpack_from, self.prefix_at, self.size.prefix_slots - 1
+        for i in range(_PROBE):
+            k, stamp, r, check = unpack(buf, base + ((key + i) & mask) * _PREFIX_SIZE)
+            if k == key and r == row:
+                return int(stamp) if check == hash((k, stamp, r)) & 0xFFFFFFFF else 0
+            if k == 0:  # slots are taken first to last and never emptied: the key is not further on
+                return 0
         return 0
 
     def prefix_put(self, block: int, row: int, stamp: int, held_after: Sequence[int]) -> None:
         """Record ``row`` took ``stamp`` for ``block``. ``held_after[r]``: stamps of row ``r`` at or
         below it are no longer held, so their slots are free to take."""
         key = _mix(block * 0x9E3779B97F4A7C15 + row)
-        start = key & (self.size.prefix_slots - 1)
-        victim, oldest = None, None
-        for slot in range(start, start + _PROBE):
-            at = self._prefix_at(slot)
-            k, s, r, check = _PREFIX.unpack_from(self.buf, at)
-            if k in (key, 0) or check != _check(k, s, r) & 0xFFFFFFFF:
+        buf, unpack, base, mask = self.buf, _PREFIX.unpack_from, self.prefix_at, self.size.prefix_slots - 1
+        victim, oldest = base + (key & mask) * _PREFIX_SIZE, None
+        for i in range(_PROBE):
+            at = base + ((key + i) & mask) * _PREFIX_SIZE
+            k, s, r, check = unpack(buf, at)
+            if k in (key, 0) or check != hash((k, s, r)) & 0xFFFFFFFF:
                 victim = at
                 break
             age = s - held_after[r] if r < len(held_after) else -1
@@ -334,8 +336,7 @@ class SharedSegment:
                 break
             if oldest is None or age < oldest:
                 victim, oldest = at, age
-        assert victim is not None
-        _PREFIX.pack_into(self.buf, victim, key, stamp, row, _check(key, stamp, row) & 0xFFFFFFFF)
+        _PREFIX.pack_into(buf, victim, key, stamp, row, hash((key, stamp, row)) & 0xFFFFFFFF)
 
 
 class SharedMemoryStore:
@@ -373,25 +374,54 @@ class SharedMemoryStore:
             seg.pin_put(key, row, gen, now + self.ttl_s, at)
         return entry
 
+    def _leading(self, hashes: Sequence[int], row: int, above: int) -> tuple[int, int]:
+        """How many leading blocks of ``hashes`` ``row`` took a stamp above ``above`` for, and the
+        last of those blocks' stamp (0, 0 for none). Hashes are chained and a prompt's first
+        blocks are stamped last, so this is a binary search, a few reads instead of one a block."""
+        stamp_of = self.segment.prefix_stamp
+        if not hashes or (first := stamp_of(hashes[0], row)) <= above:
+            return 0, 0
+        lo, hi, stamp = 0, len(hashes) - 1, first  # invariant: block lo is held, with stamp
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = stamp_of(hashes[mid], row)
+            if found > above:
+                lo, stamp = mid, found
+            else:
+                hi = mid - 1
+        return lo + 1, stamp
+
     def _matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        if not hashes:
-            return {}
-        seg = self.segment
         result: dict[str, int] = {}
-        last = len(hashes) - 1
-        for row, name, _ in seg.replicas():
-            after = self._held_after(row)
-            if seg.prefix_stamp(hashes[0], row) <= after:
-                continue
-            lo, hi = 0, last  # the replica holds block lo; chained hashes: it holds 0..lo
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if seg.prefix_stamp(hashes[mid], row) > after:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            result[name] = lo + 1
+        for row, name, _ in self.segment.replicas() if hashes else ():
+            held, _ = self._leading(hashes, row, self._held_after(row))
+            if held:
+                result[name] = held
         return result
+
+    def _index(self, row: int, hashes: Sequence[int]) -> None:
+        """Stamp ``hashes`` on ``row``, the last block first, so that a prompt's first blocks are
+        the most recent, as in MemoryStore. A head still in the newer half of the replica's window
+        is left as it is (a conversation's next turn resends every earlier block), and a short new
+        tail is stamped just below it: what MemoryStore's order would be, a few writes instead of
+        one a block."""
+        seg = self.segment
+        seq, floor, cap, _ = seg.row_fields(row)
+        cap = cap or self.blocks_per_replica
+        head, lowest = self._leading(hashes, row, max(floor, seq - cap // 2))
+        tail = hashes[head:]
+        held_after = [0] * seg.size.replicas
+        for r, _, _ in seg.replicas():
+            held_after[r] = self._held_after(r)
+        # The tail's stamps sit below the head's and must stay held once the counter moved past them.
+        if head and lowest - len(tail) > max(floor, seq + len(tail) - cap):
+            seg.advance_seq(row, len(tail))
+            for i, h in enumerate(tail):
+                seg.prefix_put(h, row, lowest - 1 - i, held_after)
+            return
+        first = seg.advance_seq(row, len(hashes))
+        for i, h in enumerate(reversed(hashes)):
+            seg.prefix_put(h, row, first + i, held_after)
 
     async def lookup(
         self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
@@ -426,13 +456,7 @@ class SharedMemoryStore:
             gen = next(g for r, _, g in seg.replicas() if r == row)
             seg.pin_put(session_hash(model, session_key), row, gen, now + self.ttl_s)
         if prefix_hashes:
-            held_after = [0] * seg.size.replicas
-            for r, _, _ in seg.replicas():
-                held_after[r] = self._held_after(r)
-            first = seg.advance_seq(row, len(prefix_hashes))
-            # Last block first, so that a prompt's first blocks are the most recent, as in MemoryStore.
-            for i, h in enumerate(reversed(prefix_hashes)):
-                seg.prefix_put(h, row, first + i, held_after)
+            self._index(row, prefix_hashes)
 
     def set_capacity(self, replica: str, blocks: int) -> None:
         """Bound the blocks ``replica`` is believed to hold (its last ``blocks`` stamps)."""
