@@ -35,7 +35,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from extproc.config import Config
+from extproc.config import Config, Metrics
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.index import ModelIndex
 from extproc.kvevents.settings import KvEventSettings
@@ -62,7 +62,7 @@ def conversation(kbytes: int, seed: int) -> list[dict[str, str]]:
 
 async def decision_cost(tok_dir: Path, kbytes: int, runs: int) -> dict[str, dict[str, float]]:
     replicas = tuple(Replica(f"r{i}", f"10.0.0.{i}:8000") for i in range(8))
-    cfg = Config(replicas=replicas, metrics_listen=None)
+    cfg = Config(replicas=replicas, metrics=Metrics(enabled=False))
     kv = EventCacheState(KvEventSettings(tokenizers={MODEL: str(tok_dir)}))
     with_tok = Router(cfg, kv_events=kv)
     without = Router(cfg)

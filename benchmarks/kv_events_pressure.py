@@ -46,7 +46,7 @@ def run(workload: str, blocks: int, requests: int, seed: int, label: str) -> dic
         kv_events_delay_s=KV_EVENTS_DELAY_S if policy == KV_EVENTS else None,
     )
     if label.endswith("pins kept") and sim.kv_feed is not None:
-        sim.kv_feed.state.settings = replace(sim.kv_feed.state.settings, unpin_below=0.0)
+        sim.kv_feed.state.settings = sim.kv_feed.state.settings.model_copy(update={"unpin_below": 0.0})
     f = figures(sim.run())
     return {"hit": f["hit_ratio"], "p50": f["ttft_p50_s"], "p99": f["ttft_p99_s"]}
 

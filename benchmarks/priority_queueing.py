@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from extproc.config import Config
 from extproc.queueing import QueueClass, QueueSettings
@@ -65,7 +65,7 @@ def mix(rate: float, seconds: float, seed: int) -> Workload:
 
 
 def simulate(workload: Workload, replicas: int, queueing: QueueSettings) -> PriorityRun:
-    config = replace(Config(), queueing=queueing)
+    config = Config(queueing=queueing)
     sim = PrioritySimulation(workload, get_profile("llama-8b-h100"), replicas, None, config, request_class)
     return sim.run()
 
@@ -127,7 +127,7 @@ def experiment(
             enabled=True,
             max_inflight_per_replica=n,
             default=NO_LIMIT,
-            classes={"batch": replace(NO_LIMIT, priority=0)},
+            classes={"batch": NO_LIMIT.model_copy(update={"priority": 0})},
         )
         runs.append(figures(f"with queueing, max_inflight_per_replica {n}", simulate(workload, replicas, queued)))
     return runs, cap

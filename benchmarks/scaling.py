@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.config import Config
@@ -74,7 +74,7 @@ def run_mode(
     """One mode over the workload, and its rows."""
     workload = multi_turn(conversations, seed=seed)
     replica = get_profile("llama-8b-h100")
-    config = replace(Config(), rebalance=MODES[mode])
+    config = Config(rebalance=MODES[mode])
     sim = DynamicSimulation(
         workload,
         replica,

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import priority_queueing
 import scaling
 
-from extproc.config import Config
+from extproc.config import Config, with_overrides
 from extproc.queueing import QueueSettings
 from extproc_lab.bench.policies import KV_EVENTS, KV_EVENTS_DELAY_S, PEERS, policy_profile, scrape_interval
 from extproc_lab.replica.timing import get_profile
@@ -76,7 +76,7 @@ def main() -> int:
             )
             out[f"sim/{policy}/{rp.num_gpu_blocks}"] = digest(sim_run(sim.run()))
     for mode in ("prewarm", "no-prewarm", "no-rebalance"):
-        c = replace(cfg, rebalance=scaling.MODES[mode])
+        c = with_overrides(cfg, rebalance=scaling.MODES[mode])
         sim = DynamicSimulation(
             multi_turn(300, seed=5),
             replica,
@@ -93,7 +93,7 @@ def main() -> int:
         )
         out[f"dyn/{mode}/summary"] = [len(d.run.outcomes), d.prewarms_sent, [(x.at_s, x.moved) for x in d.changes]]
     mix = priority_queueing.mix(40.0, 20.0, 7)
-    queued = replace(QueueSettings(), enabled=True, max_inflight_per_replica=8)
+    queued = QueueSettings(enabled=True, max_inflight_per_replica=8)
     for name, q in (("off", QueueSettings()), ("on", queued)):
         run = priority_queueing.simulate(mix, 2, q)
         out[f"prio/{name}"] = digest(([asdict(s) for s in run.served], run.refused, run.classes, run.max_waiting))

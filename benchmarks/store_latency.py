@@ -41,7 +41,7 @@ from pathlib import Path
 
 import redis
 
-from extproc.config import Config
+from extproc.config import Config, Metrics
 from extproc.router import Router
 from extproc.routing.model import Replica
 from extproc.state import AffinityStore, MemoryStore
@@ -83,7 +83,7 @@ def requests(sessions: int, turns: int, seed: int) -> list[tuple[dict[str, str],
 
 
 async def replay(name: str, store: AffinityStore, reqs: list[tuple[dict[str, str], bytes]], warmup: int) -> Result:
-    router = Router(Config(replicas=REPLICAS, metrics_listen=None), store=store)
+    router = Router(Config(replicas=REPLICAS, metrics=Metrics(enabled=False)), store=store)
     samples = []
     gc.collect()
     for i, (headers, body) in enumerate(reqs):

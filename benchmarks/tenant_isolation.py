@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.config import Config
@@ -42,7 +42,7 @@ class Case:
 
 def _run(workload: Workload, replicas: int, seed: int, tenants: TenantSettings | None) -> DynamicRun:
     replica = get_profile("llama-8b-h100")
-    config = Config() if tenants is None else replace(Config(), tenants=tenants)
+    config = Config() if tenants is None else Config(tenants=tenants)
     sim = DynamicSimulation(
         workload,
         replica,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc.budgets import Admission
 from extproc.cache import ReplicaCaches
 from extproc.health.replicas import ReplicaBook
 from extproc.queueing import Refusal
@@ -53,6 +54,10 @@ class Routed:
     replica's query counter covers says how much of the claim its hits bear on."""
     traceparent: str | None = None
     """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
+    budget: Admission | None = None
+    """The tenant's token budget as the request was admitted (its estimate reserved), when metered."""
+    strip_usage: bool = False
+    """The router asked the stream for its usage: the client did not, so that chunk is taken out."""
 
 
 class Hook(Protocol):

@@ -18,49 +18,47 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.usage import Usage
+from extproc.validation import Section, option
 
 log = logging.getLogger("extproc.budgets")
 
 WINDOWS: tuple[tuple[str, int], ...] = (("minute", 60), ("day", 86_400))
 
 
-@dataclass(frozen=True, slots=True)
-class TokenWeights:
+class TokenWeights(Section):
     """What each kind of token counts for in a budget."""
 
-    input: float = 1.0
-    cached_input: float = 0.25
-    output: float = 1.0
+    input: float = option(1.0, "an input token not found cached", ge=0)
+    cached_input: float = option(0.25, "an input token the replica had cached", ge=0)
+    output: float = option(1.0, "an output token", ge=0)
 
     def total(self, usage: Usage) -> float:
         """The weighted total of ``usage`` (cached tokens are part of the input and counted once)."""
-        uncached = max(0, usage.input - usage.cached_input)
-        return uncached * self.input + usage.cached_input * self.cached_input + usage.output * self.output
+        cached = usage.cached_input or 0
+        return max(0, usage.input - cached) * self.input + cached * self.cached_input + usage.output * self.output
 
 
-@dataclass(frozen=True, slots=True)
-class TokenBudget:
+class TokenBudget(Section):
     """One tenant's limits (None: no limit in that window)."""
 
-    per_minute: float | None = None
-    per_day: float | None = None
+    per_minute: float | None = option(None, "weighted tokens a minute (the clock's minutes)", gt=0)
+    per_day: float | None = option(None, "weighted tokens a day (UTC days)", gt=0)
 
     def limit(self, window: str) -> float | None:
         """The limit of ``window`` (``minute`` or ``day``)."""
         return self.per_minute if window == "minute" else self.per_day
 
 
-@dataclass(frozen=True, slots=True)
-class BudgetSettings:
-    """Config ``budgets:``: the budgets by tenant and the token weights."""
+class BudgetSettings(Section):
+    """Config ``budgets:``: token metering and the budgets by tenant."""
 
-    tenants: Mapping[str, TokenBudget] = field(default_factory=dict)
-    weights: TokenWeights = field(default_factory=TokenWeights)
+    enabled: bool = option(False, "read every response's usage: token counters, and the budgets below enforced")
+    tenants: dict[str, TokenBudget] = option({}, "budgets by tenant name (tenants without one are metered only)")
+    weights: TokenWeights = option(TokenWeights(), "what each kind of token counts for")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +75,11 @@ class Admission:
     reservation: float = 0.0
     """Tokens reserved for the request: handed back to :meth:`BudgetLedger.settle`."""
 
+    @property
+    def retry_after_s(self) -> int:
+        """Whole seconds until the window resets (at least 1)."""
+        return max(1, math.ceil(self.reset_s))
+
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers for tokens, and ``Retry-After`` when refused."""
         if self.limit is None:
@@ -87,7 +90,7 @@ class Admission:
             "x-ratelimit-reset-tokens": f"{self.reset_s:.0f}s",
         }
         if not self.admitted:
-            out["retry-after"] = str(max(1, math.ceil(self.reset_s)))
+            out["retry-after"] = str(self.retry_after_s)
         return out
 
 

@@ -14,20 +14,11 @@ import gc
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
-from extproc.config import (
-    Config,
-    ConfigError,
-    ListenerTls,
-    checked_sample_rate,
-    load_config,
-    parse_replica,
-    with_overrides,
-)
-from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
+from extproc.config import Config, ConfigError, load_config
+from extproc.config.cli_flags import add_config_flags, config_from_flags
 from extproc.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -43,47 +34,9 @@ COMMANDS_GROUP = "extproc.commands"
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the ext_proc routing server")
     p.add_argument("--config", help="YAML config file (flags below override it)")
-    p.add_argument("--listen", help="HOST:PORT or unix:/path (default 127.0.0.1:9002)")
-    p.add_argument(
-        "--replica",
-        action="append",
-        default=[],
-        metavar="NAME=HOST:PORT",
-        help="a replica (repeatable); in cluster mode NAME is its Envoy cluster",
-    )
-    p.add_argument("--mode", choices=["cluster", "endpoint"])
-    p.add_argument(
-        "--workers",
-        type=int,
-        metavar="N",
-        help="N processes serving the --listen port, sharing pins, prefix index and load in memory (default 1)",
-    )
-    p.add_argument(
-        "--store",
-        help="affinity store URL: memory:// (default), redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
-    )
-    p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (default 127.0.0.1:9190), 'off' to disable")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
-    p.add_argument(
-        "--response-sample-rate",
-        type=float,
-        metavar="R",
-        help="share of requests whose response headers are observed (health.response_sample_rate, default 1)",
-    )
-    p.add_argument(
-        "--health-listen", metavar="HOST:PORT", help="also serve gRPC health alone, in plaintext, here (for probes)"
-    )
-    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
-    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle: require client certificates (mTLS)")
-    p.add_argument(
-        "--admin-listen",
-        metavar="HOST:PORT",
-        help="the admin API on a port of its own (default: on the --listen port, docs/ports.md), 'off' to disable",
-    )
-    p.add_argument("--admin-token-file", metavar="FILE", help="bearer token for the admin API's mutating calls")
-    add_kv_event_flags(p)
+    add_config_flags(p)
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -124,80 +77,20 @@ def _check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("file", help="router YAML config")
 
 
-def _check_store(url: str) -> None:
-    from extproc.state.store_url import parse_store_url
-
-    try:
-        parse_store_url(url)
-    except ValueError as exc:
-        raise ConfigError(f"--store: {exc}") from None
-
-
-def _build_config(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config) if getattr(args, "config", None) else Config()
-    replicas = tuple(parse_replica(s) for s in args.replica) or None
-    changes: dict[str, object] = {"replicas": replicas, "mode": args.mode}
-    if hasattr(args, "store"):
-        if args.store:
-            _check_store(args.store)
-        changes["store"] = args.store
-        changes["listen"] = args.listen
-        changes["metrics_listen"] = args.metrics_listen
-        if args.workers is not None and args.workers < 1:
-            raise ConfigError("--workers: at least 1")
-        changes["workers"] = args.workers
-    cfg = with_overrides(cfg, **changes)
-    if getattr(args, "metrics_listen", None) == "off":
-        cfg = replace(cfg, metrics_listen=None)
-    if hasattr(args, "kv_events_listen"):
-        try:
-            cfg = replace(cfg, kv_events=kv_event_overrides(cfg.kv_events, args))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    if getattr(args, "health_listen", None):
-        cfg = replace(cfg, health_listen=args.health_listen)
-    rate = getattr(args, "response_sample_rate", None)
-    if rate is not None:
-        rate = checked_sample_rate(rate, "--response-sample-rate")
-        cfg = replace(cfg, health=replace(cfg.health, response_sample_rate=rate))
-    return _with_admin_flags(_with_tls_flags(cfg, args), args)
-
-
-def _with_admin_flags(cfg: Config, args: argparse.Namespace) -> Config:
-    listen, token = getattr(args, "admin_listen", None), getattr(args, "admin_token_file", None)
-    if listen == "off":
-        cfg = replace(cfg, admin=replace(cfg.admin, enabled=False))
-    elif listen:
-        cfg = replace(cfg, admin=replace(cfg.admin, enabled=True, listen=listen))
-    if token:
-        cfg = replace(cfg, admin=replace(cfg.admin, token_file=token))
-    return cfg
-
-
-def _with_tls_flags(cfg: Config, args: argparse.Namespace) -> Config:
-    """``--tls-*`` flags over the config's ``grpc.tls``, each file on its own."""
-    cert, key, ca = (getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_client_ca"))
-    if not (cert or key or ca):
-        return cfg
-    base = cfg.grpc_tls
-    cert = cert or (base.cert_file if base else None)
-    key = key or (base.key_file if base else None)
-    if not cert or not key:
-        raise ConfigError("--tls-cert and --tls-key: both are needed for TLS (--tls-client-ca adds mTLS)")
-    return replace(cfg, grpc_tls=ListenerTls(cert, key, ca or (base.client_ca_file if base else None)))
-
-
 def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
     """One worker of ``serve --workers N`` (in its own spawned process)."""
     from extproc.server.listeners import BindError
     from extproc.state.shared_memory import SharedSegment
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     _stop_with_parent()
     segment = SharedSegment.attach(slot.segment, slot.lock)
     try:
-        asyncio.run(_serve(slot.config(_build_config(args)), (slot, segment)))
+        # The worker's own ports as flags, which win over the file as any flag does.
+        args = parser.parse_args([*argv, *slot.flags(config_from_flags(args.config, args))])
+        asyncio.run(_serve(config_from_flags(args.config, args), (slot, segment)))
     except BindError as exc:
         print(f"extproc: worker {slot.index}: {exc}", file=sys.stderr)
         raise SystemExit(3) from None
@@ -234,9 +127,11 @@ def _open_store(cfg: Config, metrics: RouterMetrics, worker: tuple[WorkerSlot, S
     if worker is not None and cfg.store.startswith("memory:"):
         from extproc.state.shared_memory import SharedMemoryStore
 
-        return SharedMemoryStore(worker[1], cfg.session_ttl_s, cfg.blocks_per_replica)
+        return SharedMemoryStore(worker[1], cfg.sessions.ttl_s, cfg.prefix.blocks_per_replica)
     try:
-        return open_store(cfg.store, cfg.session_ttl_s, cfg.max_sessions, cfg.blocks_per_replica, observer=metrics)
+        return open_store(
+            cfg.store, cfg.sessions.ttl_s, cfg.sessions.max_sessions, cfg.prefix.blocks_per_replica, observer=metrics
+        )
     except ValueError as exc:  # e.g. an unreadable password file
         raise ConfigError(f"store: {exc}") from None
 
@@ -252,7 +147,10 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
+    from extproc.state.redis_budgets import RedisBudgetStore
+    from extproc.state.redis_store import RedisStore
     from extproc.telemetry import export
+    from extproc.tracing import DecisionTracer
 
     metrics = RouterMetrics()
     store = _open_store(cfg, metrics, worker)
@@ -267,7 +165,10 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         except TokenizerError as exc:
             await store.close()
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None
-    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events)
+    tracer = DecisionTracer(cfg.tracing) if cfg.tracing.enabled else None
+    # With Redis, every gateway's charges count against one budget.
+    budget_store = RedisBudgetStore(store.client, store.keys.namespace) if isinstance(store, RedisStore) else None
+    router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events, tracer=tracer, budget_store=budget_store)
     if worker is not None:
         from extproc.health.shared_load import PeerLoad
 
@@ -281,10 +182,10 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     # Every port is bound before any serves, the ext_proc port last (extproc.server.listeners):
     # Envoy never reaches a processor that then fails to start.
     listeners: list[Listener] = []
-    if cfg.metrics_listen:
+    if cfg.metrics.address:
         listeners.append(
             MetricsListener(
-                router.metrics.registry, cfg.metrics_listen, export(router), lambda app: install_console(app, router)
+                router.metrics.registry, cfg.metrics.address, export(router), lambda app: install_console(app, router)
             )
         )
     try:
@@ -293,9 +194,9 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         server = ProcessorServer(
             router,
             cfg.listen,
-            cfg.max_message_bytes,
-            tls=cfg.grpc_tls,
-            health_listen=cfg.health_listen,
+            cfg.grpc.max_message_bytes,
+            tls=cfg.grpc.tls,
+            health_listen=cfg.grpc.health_listen,
             services=admin.services,
             bind=False,
             reuse_port=worker is not None,
@@ -324,7 +225,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     try:
         # With discovery and no static replica, the ext_proc service is ready once a list came.
         waiting = not cfg.discovery.is_static and not cfg.replicas
-        await server.serve_until_signalled(cfg.grace_s, (lambda: len(router.replicas) > 0) if waiting else None)
+        await server.serve_until_signalled(cfg.grpc.grace_s, (lambda: len(router.replicas) > 0) if waiting else None)
     finally:
         scraping.cancel()
         discovering.cancel()
@@ -335,6 +236,8 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         await close_all(listeners)
         if kv_events is not None:
             await kv_events.close()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.close)  # the spans still batched are exported
         await store.close()  # idempotent: a graceful stop has closed it already
 
 
@@ -373,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
     try:
         if args.command == "serve":
-            cfg = _build_config(args)
+            cfg = config_from_flags(args.config, args)
             if not cfg.replicas and cfg.discovery.is_static:
                 parser.error(
                     "serve: no replicas (give --replica NAME=HOST:PORT, or a config file with replicas or discovery)"
@@ -399,8 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_envoy_config(args, sys.stdout)
         elif args.command == "check-config":
             cfg = load_config(args.file)
-            source = "static" if cfg.discovery.is_static else cfg.discovery.source.type
-            print(f"{args.file}: ok (mode {cfg.mode}, {len(cfg.replicas)} replicas, discovery {source})")
+            print(f"{args.file}: ok (mode {cfg.mode}, {len(cfg.replicas)} replicas, discovery {cfg.discovery.type})")
         else:
             run: Callable[[argparse.Namespace], int] = args.run
             return run(args)

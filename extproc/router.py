@@ -13,6 +13,7 @@ It knows no gRPC. The ext_proc servicer hands it headers and body bytes and gets
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from extproc.bookkeeping import CacheHook, Hook, LoadHook, Routed, TenantHook, answered, decided, ended
+from extproc.budgets import BudgetLedger, BudgetStore
 from extproc.cache import CacheView, ReplicaCaches
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
@@ -50,6 +52,7 @@ from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
 from extproc.tracing import DecisionTracer
+from extproc.usage import ask_for_usage
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
     from extproc.kvevents.cache_state import EventCacheState
@@ -58,6 +61,8 @@ __all__ = ["Membership", "Routed", "Router", "build_profiles"]
 
 log = logging.getLogger("extproc.router")
 
+BUDGET_MESSAGE = "this tenant's token budget is spent for now; retry after the window resets"
+
 Clock = Callable[[], float]
 
 
@@ -65,9 +70,9 @@ def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
     """The config's profiles (its default one replaced by ``default`` when given), with its ring
     and re-pin settings."""
     options: dict[str, Any] = {
-        "vnodes": config.vnodes,
-        "ring_key_blocks": config.ring_key_blocks,
-        "repin_on_spillover": config.spillover_repin,
+        "vnodes": config.ring.vnodes,
+        "ring_key_blocks": config.ring.key_blocks,
+        "repin_on_spillover": config.spillover.repin,
     }
     named = {name: build_profile(spec, **options) for name, spec in config.profiles.items()}
     return Profiles(default or build_profile(config.profile, **options), named)
@@ -91,6 +96,7 @@ class Router:
         decider: Decider = decide,
         hot_keys: HotKeyDetector | None = None,
         tracer: DecisionTracer | None = None,
+        budget_store: BudgetStore | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer; the simulator's
@@ -98,10 +104,12 @@ class Router:
         self.config = config
         self.decide = decider
         self.tracer = tracer  # ``tracing:``: decision spans over OTLP
+        # ``budgets:``: every response's usage read, tenants' token budgets (shared with Redis).
+        self.budgets = BudgetLedger(config.budgets, budget_store) if config.budgets.enabled else None
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._responses = RateSampler()  # health.response_sample_rate
         self.store: AffinityStore = store or MemoryStore(
-            config.session_ttl_s, config.max_sessions, config.blocks_per_replica
+            config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
@@ -120,7 +128,7 @@ class Router:
             self.metrics,
             self._index_hashes,
             prewarmer,
-            session_ttl_s=config.session_ttl_s,
+            session_ttl_s=config.sessions.ttl_s,
         )
         self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
         # Hot prefixes (``hot_keys:``): sampled fingerprints; the decision is given the hot table.
@@ -162,13 +170,26 @@ class Router:
         arm, rewritten = None, None
         if self.config.splits and request.body is not None:
             request, arm, rewritten = self._split(headers, request)
+        strip_usage = False
+        if self.budgets is not None and request.body is not None:
+            asked = ask_for_usage(request.body.body)  # so that a stream reports what it used
+            if asked is not None:
+                rewritten, strip_usage = json.dumps(asked, ensure_ascii=False, separators=(",", ":")).encode(), True
         features = request.features
         if self.kv_events is not None:
             features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
+        budget = None
+        if self.budgets is not None and features.path in INFERENCE_PATHS:
+            budget = await self.budgets.admit(features.tenant, features.estimated_prompt_tokens, time.time())
+            if not budget.admitted:
+                refusal = Refusal(429, budget.retry_after_s, BUDGET_MESSAGE, "tokens_exceeded")
+                return Routed(features, Decision(None, Reason.QUOTA), self.clock(), refusal=refusal, budget=budget)
         ticket = None
         if self.queue is not None and features.path in INFERENCE_PATHS:  # /v1/models is never held
             held = await self.queue.admit(features.request_class, features.tenant, features.pool)
             if isinstance(held, Refusal):
+                if self.budgets is not None and budget is not None:
+                    self.budgets.release(features.tenant, budget)
                 return Routed(features, Decision(None, Reason.NO_REPLICA), self.clock(), arm=arm, refusal=held)
             ticket = held
             start = self.clock()  # the decision is made now, on the load as it is now
@@ -178,7 +199,7 @@ class Router:
         finally:
             if ticket is not None:
                 ticket.settle()
-        routed.arm, routed.body = arm, rewritten
+        routed.arm, routed.body, routed.budget, routed.strip_usage = arm, rewritten, budget, strip_usage
         if self.tracer is not None:
             profile = self.profiles.for_request(features).name
             routed.traceparent = self.tracer.decided(

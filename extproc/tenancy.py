@@ -9,33 +9,71 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
+import yaml
+from pydantic import field_validator, model_validator
+
+from extproc.request.tenant import TENANT_HEADER
 from extproc.routing.model import NO_TERMS, TenantTerms
+from extproc.validation import Section, field_error, option
 
 OverQuota = Literal["reject", "overflow"]
+_HEX = frozenset("0123456789abcdef")
 
 
-@dataclass(frozen=True, slots=True)
-class TenantPolicy:
+class TenantPolicy(Section):
     """One tenant's limits (config ``tenants.definitions.NAME``)."""
 
-    max_concurrent: int | None = None
-    max_share: float | None = None
-    shard_size: int = 0
-    over_quota: OverQuota = "reject"
-    retry_after_s: int = 1
+    max_concurrent: int | None = option(None, "requests in flight at most", ge=1)
+    max_share: float | None = option(None, "share of the fleet's capacity at most", gt=0, le=1)
+    shard_size: int = option(0, "replicas of its shard (0: the whole fleet)", ge=0)
+    over_quota: OverQuota = option("reject", "429 + Retry-After, or the overflow pool")
+    retry_after_s: int = option(1, "the Retry-After of a rejection", ge=1)
 
 
-@dataclass(frozen=True, slots=True)
-class TenantSettings:
-    """Config ``tenants:``."""
+class TenantSettings(Section):
+    """``tenants:``: who a request belongs to, and quotas.
 
-    definitions: Mapping[str, TenantPolicy] = field(default_factory=dict)
-    replica_capacity: int = 64
-    per_replica: int = 16
-    overflow_pool: Mapping[str, str] = field(default_factory=lambda: {"pool": "overflow"})
+    ``api_keys`` holds the digests of the file too: ``api_keys_file`` is read once, when the
+    config is loaded.
+    """
+
+    header: str = option(TENANT_HEADER, "the header naming the tenant when no API key maps the request")
+    api_keys: dict[str, str] = option({}, "hex SHA-256 digest of an API key -> tenant (never the keys)")
+    api_keys_file: str | None = option(None, "a YAML/JSON file of the same mapping")
+    replica_capacity: int = option(64, "requests one replica takes at once (for shares)", ge=1)
+    per_replica: int = option(16, "a tenant's fair in-flight count per replica", ge=1)
+    overflow_pool: dict[str, str] = option({"pool": "overflow"}, "labels of the overflow pool")
+    definitions: dict[str, TenantPolicy] = option({}, "per-tenant quotas, by tenant name")
+
+    @field_validator("header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_api_keys_file(cls, raw: Any) -> Any:
+        if not isinstance(raw, Mapping) or not raw.get("api_keys_file"):
+            return raw
+        try:
+            loaded = yaml.safe_load(Path(raw["api_keys_file"]).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise field_error(TenantSettings, "api_keys_file", str(exc), raw["api_keys_file"]) from None
+        if not isinstance(loaded, Mapping):
+            message = "expected a mapping of sha256 digest -> tenant"
+            raise field_error(TenantSettings, "api_keys_file", message, raw["api_keys_file"])
+        return {**raw, "api_keys": {**raw.get("api_keys", {}), **{k: str(v) for k, v in loaded.items()}}}
+
+    @field_validator("api_keys")
+    @classmethod
+    def _digests(cls, keys: dict[str, str]) -> dict[str, str]:
+        for digest in keys:
+            if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX):
+                raise ValueError("keys are hex SHA-256 digests of API keys, never the keys themselves")
+        return keys
 
 
 class TenantLedger:

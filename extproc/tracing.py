@@ -17,12 +17,12 @@ slows or fails a request. The SDK is imported only when tracing is on.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH
 from extproc.routing.model import Decision
+from extproc.validation import Section, option
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -31,20 +31,15 @@ if TYPE_CHECKING:
 TRACEPARENT = "traceparent"
 
 
-@dataclass(frozen=True, slots=True)
-class TracingSettings:
-    """The ``tracing:`` section."""
+class TracingSettings(Section):
+    """Config ``tracing:``: decision spans over OTLP (off by default)."""
 
-    enabled: bool = False
-    endpoint: str = "127.0.0.1:4317"
-    """The OTLP/gRPC collector (host:port)."""
-    insecure: bool = True
-    """Plaintext to the collector (a sidecar or node agent); False for TLS."""
-    sample_rate: float = 0.01
-    """Share of requests without a sampled parent that start a sampled trace."""
-    service_name: str = "extproc-router"
-    propagate: bool = True
-    """Hand the replica a ``traceparent`` whose parent is the decision span."""
+    enabled: bool = option(False, "export a span per sampled routing decision over OTLP/gRPC")
+    endpoint: str = option("127.0.0.1:4317", "the OTLP/gRPC collector, HOST:PORT")
+    insecure: bool = option(True, "plaintext to the collector (a sidecar or node agent); false for TLS")
+    sample_rate: float = option(0.01, "share of requests without a sampled traceparent that start a trace", ge=0, le=1)
+    service_name: str = option("extproc-router", "the spans' service.name")
+    propagate: bool = option(True, "hand the replica a traceparent whose parent is the decision's span")
 
 
 class DecisionTracer:

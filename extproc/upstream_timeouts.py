@@ -28,7 +28,9 @@ Defaults come from a 10,000-token prefill on a slow replica (``benchmarks/first_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pydantic import field_validator, model_validator
+
+from extproc.validation import Section, field_error, option
 
 PER_TRY_TIMEOUT_HEADER = "x-envoy-upstream-rq-per-try-timeout-ms"
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
@@ -37,26 +39,50 @@ ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 ANSWERED_BY_HEADER = "x-extproc-answered-by"
 
 
-@dataclass(frozen=True, slots=True)
-class UpstreamTimeouts:
-    """Config ``upstream:``: per-try timeouts the processor and the rendered Envoy config share."""
+class UpstreamTimeouts(Section):
+    """``upstream:``: per-try bounds the processor and ``extproc envoy-config`` share (docs/operations.md:
+    hung replicas)."""
 
     # 10,000 tokens behind four prompts like it on a replica decoding 512 sequences of 8k tokens
     # prefill in 5.7 s in the llama-8b-h100 timing model; 8 s leaves room for a slower engine.
-    first_byte_s: float = 8.0
+    first_byte_s: float = option(8.0, "a try without response headers by then is retried on another replica", ge=0.001)
     # Envoy's idle timer of a streaming request (a route idle_timeout) runs from the end of the
     # request, so it must outlast the first-byte tries before the headers: 3 tries x 8 s < 25 s.
     # After the headers a stream's gaps are one engine step (0.28 s in that case).
-    stream_idle_s: float = 25.0
+    stream_idle_s: float = option(25.0, "a stream silent this long is ended (must exceed 3 x first_byte_s)", ge=0.001)
     # A non-streaming try waits its whole generation: one decode step per output token there.
-    unary_s_per_output_token: float = 0.3
+    unary_s_per_output_token: float = option(0.3, "a non-streaming try waits first_byte_s + this x max_tokens", ge=0)
     # The most a non-streaming try waits before Envoy asks another replica too (also the budget
     # without max_tokens). 60 s: 173 tokens at the slow decode step above, 1,200 at a typical
     # 50 ms; a hung replica costs at most this, a healthy answer longer than it is raced. 0: no
     # cap, for an Envoy whose routes do not hedge (Istio's): without max_tokens only the route
     # timeout bounds the try, as a per-try timeout there would end a healthy answer.
-    unary_max_s: float = 60.0
-    stream_header: str = "x-extproc-stream"
+    unary_max_s: float = option(
+        60.0,
+        "a non-streaming try's budget at most (and without max_tokens); then another replica too. 0: no cap",
+        ge=0,
+    )
+    stream_header: str = option(
+        "x-extproc-stream", "marks streaming requests for Envoy's idle-timeout route", min_length=1
+    )
+
+    @field_validator("stream_header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+    @model_validator(mode="after")
+    def _unary_after_first_byte(self) -> UpstreamTimeouts:
+        if 0 < self.unary_max_s < self.first_byte_s:
+            # Below the first-byte budget every non-streaming request would be sent twice.
+            raise field_error(
+                UpstreamTimeouts,
+                "unary_max_s",
+                f"{self.unary_max_s:g} s is below first_byte_s {self.first_byte_s:g} s "
+                "(a non-streaming answer comes after its prefill at the earliest)",
+                self.unary_max_s,
+            )
+        return self
 
     def unary_budget_s(self, max_output_tokens: int | None) -> float | None:
         """A non-streaming try's budget: what its whole generation may take, at most

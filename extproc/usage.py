@@ -26,10 +26,11 @@ _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Tokens one response reported (``input`` includes the ``cached_input`` ones)."""
+    """Tokens one response reported (``input`` includes the ``cached_input`` ones; None: the
+    server reported no cached tokens, e.g. vLLM without ``--enable-prompt-tokens-details``)."""
 
     input: int = 0
-    cached_input: int = 0
+    cached_input: int | None = 0
     output: int = 0
 
     @property
@@ -45,7 +46,7 @@ def _int(value: Any) -> int:
 def parse_usage(obj: Mapping[str, Any]) -> Usage:
     """A ``usage`` object as :class:`Usage` (what is missing or malformed counts 0)."""
     details = obj.get("prompt_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) and "cached_tokens" in details else None
     return Usage(_int(obj.get("prompt_tokens")), cached, _int(obj.get("completion_tokens")))
 
 
@@ -77,6 +78,11 @@ class UsageTail:
             if isinstance(obj, dict):
                 return parse_usage(obj)
         return None
+
+    def cached_tokens(self) -> int | None:
+        """The cached prompt tokens the body reported; None if it reported none."""
+        usage = self.usage()
+        return usage.cached_input if usage is not None else None
 
 
 def ask_for_usage(body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.config import Config
+from extproc.config import Config, Metrics, Prefix, Sessions
+from extproc.plan import Planner
 from extproc.request import FeatureSettings, extract_features
 from extproc.router import Router
 from extproc.routing import Replica
@@ -36,7 +37,14 @@ MAX_SESSIONS = 200
 def new_router() -> Router:
     """A router with small bounds, so a long fuzz run checks that they hold."""
     replicas = tuple(Replica(f"r{i}", f"127.0.0.{i + 1}:8000") for i in range(3))
-    return Router(Config(replicas=replicas, metrics_listen=None, max_sessions=MAX_SESSIONS, blocks_per_replica=500))
+    return Router(
+        Config(
+            replicas=replicas,
+            metrics=Metrics(enabled=False),
+            sessions=Sessions(max_sessions=MAX_SESSIONS),
+            prefix=Prefix(blocks_per_replica=500),
+        )
+    )
 
 
 def headers_from(data: bytes) -> dict[str, str]:
@@ -106,7 +114,7 @@ async def run_stream(router: Router, messages: Sequence[pb.ProcessingRequest]) -
         for m in messages:
             yield m
 
-    return [r async for r in RequestStream(router).run(source())]
+    return [r async for r in RequestStream(Planner(router)).run(source())]
 
 
 def check_stream(router: Router, data: bytes) -> None:

@@ -15,10 +15,11 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import settings
 
-from extproc.config import Config
+from extproc.config import Config, Metrics
 from extproc.routing import Replica
 from extproc_lab.demo.processes import ProcessGroup
 from extproc_lab.demo.redis_server import LocalRedis
+from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -52,12 +53,18 @@ def redis_server() -> Iterator[LocalRedis]:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Hugging Face tokenizer directory (the lab's), built once a test module."""
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
 def replicas(n: int = 3) -> tuple[Replica, ...]:
     return tuple(Replica(f"r{i}", f"10.0.0.{i + 1}:8000") for i in range(n))
 
 
 def make_config(**changes: object) -> Config:
-    base: dict[str, object] = {"replicas": replicas(), "metrics_listen": None}
+    base: dict[str, object] = {"replicas": replicas(), "metrics": Metrics(enabled=False)}
     base.update(changes)
     return Config(**base)  # type: ignore[arg-type]
 

@@ -10,20 +10,19 @@ import json
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc import cli
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.admin import client as admin_client
 from extproc.admin.client import add_parser as add_admin_parser
 from extproc.admin.server import AdminServer, place_admin
 from extproc.config import AdminSettings, ConfigError, ListenerTls, config_from_mapping
+from extproc.config.cli_flags import add_config_flags, config_from_flags
 from extproc.router import Router
 from extproc.server import ProcessorServer
 from tests.conftest import chat_body, make_config
@@ -34,7 +33,7 @@ MUTATIONS = ("ForgetSession", "Cordon", "Uncordon", "Drain")
 
 
 async def _admin(router: Router, settings: AdminSettings) -> AdminServer:
-    server = AdminServer(router, replace(settings, listen="127.0.0.1:0"))
+    server = AdminServer(router, settings.model_copy(update={"listen": "127.0.0.1:0"}))
     await server.bind()
     await server.start()
     return server
@@ -221,9 +220,11 @@ async def test_the_admin_api_goes_where_the_config_says() -> None:
     assert off.listeners == [] and off.services == []
     same = place_admin(Router(make_config(listen="127.0.0.1:9002", admin=AdminSettings(listen="127.0.0.1:9002"))))
     assert same.listeners == [] and len(same.services) == 1  # its own port named as ext_proc's: shared
-    tls = ListenerTls("cert.pem", "key.pem")
-    with pytest.raises(ValueError, match=r"admin\.tls"):  # it would be ignored on the ext_proc port
-        place_admin(Router(make_config(admin=AdminSettings(tls=tls))))
+    tls = ListenerTls(cert_file="cert.pem", key_file="key.pem")
+    with pytest.raises(ValueError, match="separate admin listener"):  # it would be ignored on the ext_proc port
+        AdminSettings(tls=tls)
+    with pytest.raises(ValueError, match=r"admin\.tls"):  # its own port named as ext_proc's: ignored too
+        place_admin(Router(make_config(listen="127.0.0.1:9002", admin=AdminSettings(listen="127.0.0.1:9002", tls=tls))))
 
 
 def test_admin_settings_from_yaml_and_flags() -> None:
@@ -234,11 +235,10 @@ def test_admin_settings_from_yaml_and_flags() -> None:
     with pytest.raises(ConfigError, match=r"admin\.tls"):
         config_from_mapping({"admin": {"tls": {"cert_file": "c.pem", "key_file": "k.pem"}}})
     parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command")
-    cli._serve_parser(sub)
+    add_config_flags(parser)
 
     def flags(*argv: str) -> AdminSettings:
-        return cli._build_config(parser.parse_args(["serve", "--replica", "r0=127.0.0.1:9", *argv])).admin
+        return config_from_flags(None, parser.parse_args(["--replica", "r0=127.0.0.1:9", *argv])).admin
 
     assert flags() == AdminSettings()
     assert flags("--admin-listen", "off") == AdminSettings(enabled=False)

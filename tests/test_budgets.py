@@ -19,7 +19,8 @@ NOW = 1_000_000.0 * 60  # the start of a minute (and of nothing else in particul
 
 
 def _ledger(per_minute: float = 1000, per_day: float | None = None, store: object = None) -> BudgetLedger:
-    settings = BudgetSettings({"acme": TokenBudget(per_minute, per_day)}, TokenWeights(1.0, 0.25, 1.0))
+    budget = TokenBudget(per_minute=per_minute, per_day=per_day)
+    settings = BudgetSettings(enabled=True, tenants={"acme": budget}, weights=TokenWeights())
     return BudgetLedger(settings, store)  # type: ignore[arg-type]
 
 

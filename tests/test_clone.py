@@ -146,10 +146,10 @@ def test_the_router_wheel_holds_no_lab_and_routes_alone(wheels: tuple[Path, Path
     script = """
 import asyncio, importlib.util, json, sys
 import extproc
-from extproc.config import Config
+from extproc.config import Config, Metrics
 from extproc.routing import Replica
 from extproc.router import Router
-cfg = Config(replicas=(Replica("a", "127.0.0.1:8001"), Replica("b", "127.0.0.1:8002")), metrics_listen=None)
+cfg = Config(replicas=(Replica("a", "127.0.0.1:8001"), Replica("b", "127.0.0.1:8002")), metrics=Metrics(enabled=False))
 body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
 routed = asyncio.run(Router(cfg).route({":path": "/v1/chat/completions", "x-session-id": "s1"}, body))
 assert importlib.util.find_spec("extproc_lab") is None, "the lab is importable"

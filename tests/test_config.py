@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from extproc.cli import main
 from extproc.config import Config, ConfigError, config_from_mapping, load_config, parse_replica
@@ -20,7 +22,7 @@ GOOD = {
 
 def test_good_config() -> None:
     cfg = config_from_mapping(GOOD)
-    assert cfg.mode == "endpoint" and cfg.replicas[1].weight == 2 and cfg.session_ttl_s == 60
+    assert cfg.mode == "endpoint" and cfg.replicas[1].weight == 2 and cfg.sessions.ttl_s == 60
     assert cfg.features.session_sources[0].name == "x-conversation"
 
 
@@ -109,7 +111,7 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_example_config_is_generated_from_the_schema_and_loads() -> None:
-    from extproc.config_schema import example_yaml
+    from extproc.config.example import example_yaml
     from extproc.routing.registry import DEFAULT_PROFILE, build_profile
     from tests.conftest import ROOT
 
@@ -202,8 +204,68 @@ def test_health_listen_and_response_sample_rate_are_read_and_checked() -> None:
     cfg = config_from_mapping(
         {**GOOD, "grpc": {"health_listen": "0.0.0.0:9003"}, "health": {"response_sample_rate": 0.25}}
     )
-    assert cfg.health_listen == "0.0.0.0:9003"
+    assert cfg.grpc.health_listen == "0.0.0.0:9003"
     assert cfg.health.response_sample_rate == 0.25
-    assert config_from_mapping(GOOD).health_listen is None
+    assert config_from_mapping(GOOD).grpc.health_listen is None
     with pytest.raises(ConfigError, match="response_sample_rate"):
         config_from_mapping({**GOOD, "health": {"response_sample_rate": 1.5}})
+
+
+def _model(annotation: object) -> type[BaseModel] | None:
+    """The section model a field holds (``X | None`` too), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+
+def test_every_serve_flag_that_sets_config_is_a_key_of_the_file_and_shows_it() -> None:
+    from extproc.cli import build_parser
+    from extproc.config.cli_flags import SERVE_FLAGS
+
+    for flag in SERVE_FLAGS:
+        model: type[BaseModel] | None = Config
+        *sections, last = flag.key.split(".")
+        for name in sections:
+            assert model is not None and name in model.model_fields, flag.name
+            model = _model(model.model_fields[name].annotation)
+        assert model is not None and last in model.model_fields, f"{flag.name}: no key {flag.key}"
+        if flag.switch is not None:
+            assert flag.switch.rpartition(".")[0] == flag.key.rpartition(".")[0]
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]  # type: ignore[union-attr]
+    options = {o for action in serve._actions for o in action.option_strings}
+    not_config = {"-h", "--help", "--config", "--log-level", "--log-format"}
+    assert options - not_config == {f.name for f in SERVE_FLAGS}
+    help_text = serve.format_help()
+    assert all(f"[config {f.key}]" in " ".join(help_text.split()) for f in SERVE_FLAGS)
+
+
+def test_a_replicas_per_replica_keys_are_the_replica_flags_labels() -> None:
+    from extproc.config import REPLICA_KV_FIELDS, ReplicaEntry
+
+    # Every key of a replicas: entry can be given with --replica (NAME=HOST:PORT, its labels, its
+    # KV-event endpoints as labels) but its weight, which a flag's replica keeps at 1.
+    assert set(ReplicaEntry.model_fields) == {"name", "address", "labels", "weight", *REPLICA_KV_FIELDS}
+    flag = parse_replica("a=h:1,pool=gold,kv_events=tcp://h:2,kv_replay=tcp://h:3,kv_dp=2")
+    entry = {"name": "a", "address": "h:1", "labels": {"pool": "gold"}}
+    kv = {"kv_events": "tcp://h:2", "kv_replay": "tcp://h:3", "kv_dp": 2}
+    assert config_from_mapping({"replicas": [{**entry, **kv}]}).replicas == (flag,)
+
+
+def test_flags_override_the_file_and_are_checked_as_its_keys(tmp_path: Path) -> None:
+    import argparse
+
+    from extproc.config.cli_flags import add_config_flags, config_from_flags
+
+    path = tmp_path / "router.yaml"
+    path.write_text("metrics: {enabled: false}\nkv_events: {tokenizers: {a: /a}}\nsessions: {ttl_s: 60}\n")
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    cfg = config_from_flags(path, parser.parse_args(["--metrics-listen", "127.0.0.1:1", "--tokenizer", "b=/b"]))
+    assert cfg.metrics.address == "127.0.0.1:1" and cfg.kv_events.tokenizers == {"a": "/a", "b": "/b"}
+    assert cfg.sessions.ttl_s == 60
+    assert config_from_flags(None, parser.parse_args(["--metrics-listen", "off"])).metrics.address is None
+    with pytest.raises(ConfigError, match=re.escape("health.response_sample_rate (--response-sample-rate):")):
+        config_from_flags(None, parser.parse_args(["--response-sample-rate", "1.5"]))
+    with pytest.raises(ConfigError, match=re.escape("store (--store):")):
+        config_from_flags(None, parser.parse_args(["--store", "mongodb://x"]))

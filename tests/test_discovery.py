@@ -8,7 +8,7 @@ import contextlib
 import copy
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from extproc.discovery import (
     SliceSet,
     SrvRecord,
     StaticDiscovery,
-    parse_discovery,
+    StaticSource,
     replicas_of_slice,
     run_discovery,
 )
@@ -37,6 +37,7 @@ from extproc.metrics import RouterMetrics
 from extproc.router import Router
 from extproc.routing import Replica
 from tests.conftest import make_config
+from tests.helpers import wait_for
 
 NAMESPACE = "llm"
 SERVICE = "vllm"
@@ -44,15 +45,6 @@ SERVICE = "vllm"
 
 def members(router: Router) -> dict[str, str]:
     return {rec.replica.name: rec.replica.address for rec in router.replicas.records()}
-
-
-async def eventually(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
@@ -85,16 +77,21 @@ class RecordingRouter:
 def test_default_discovery_is_static() -> None:
     cfg = config_from_mapping({})
     assert cfg.discovery.is_static
-    assert parse_discovery(None).is_static
+    assert config_from_mapping({"discovery": None}).discovery.is_static
+    assert config_from_mapping({"discovery": {"debounce_s": 2}}).discovery == StaticSource(debounce_s=2, max_delay_s=10)
+
+
+def discovery(section: dict[str, object]) -> object:
+    return config_from_mapping({"discovery": section}).discovery
 
 
 def test_dns_and_kubernetes_settings_parse() -> None:
-    dns = parse_discovery({"type": "dns", "name": "vllm.llm.svc", "port": 8000, "interval_s": 5, "debounce_s": 0.5})
-    assert dns.source == DnsSource("vllm.llm.svc", 8000, "A", 5.0) and dns.debounce_s == 0.5
-    srv = parse_discovery({"type": "dns", "name": "_http._tcp.vllm.llm.svc", "record": "SRV"})
-    assert isinstance(srv.source, DnsSource) and srv.source.port is None
+    dns = discovery({"type": "dns", "name": "vllm.llm.svc", "port": 8000, "interval_s": 5, "debounce_s": 0.5})
+    assert dns == DnsSource(name="vllm.llm.svc", port=8000, record="A", interval_s=5.0, debounce_s=0.5)
+    srv = discovery({"type": "dns", "name": "_http._tcp.vllm.llm.svc", "record": "SRV"})
+    assert isinstance(srv, DnsSource) and srv.port is None
     kube = config_from_mapping({"discovery": {"type": "kubernetes", "service": "vllm", "port_name": "http"}})
-    assert kube.discovery.source == KubernetesSource("vllm", port_name="http") and not kube.discovery.is_static
+    assert kube.discovery == KubernetesSource(service="vllm", port_name="http") and not kube.discovery.is_static
 
 
 @pytest.mark.parametrize(
@@ -150,7 +147,7 @@ async def test_loop_applies_the_first_list_at_once_and_debounces_changes() -> No
     loop = DiscoveryLoop(source, target, debounce_s=0.3, max_delay_s=5.0)
     async with running(loop.run()):
         source.queue.put_nowait(fleet("a", "b"))
-        await eventually(lambda: len(target.calls) == 1, "the first list")
+        await wait_for(lambda: len(target.calls) == 1, "the first list")
         assert members(target.router) == {"a": "127.0.1.1:8000", "b": "127.0.1.2:8000"}
         # A repeat is no change; a flap undone within the debounce is no change either.
         source.queue.put_nowait(fleet("b", "a")[::-1])
@@ -163,7 +160,7 @@ async def test_loop_applies_the_first_list_at_once_and_debounces_changes() -> No
         source.queue.put_nowait(fleet("a", "b", "c"))
         await asyncio.sleep(0.05)
         assert "c" not in members(target.router)
-        await eventually(lambda: "c" in members(target.router), "c to join")
+        await wait_for(lambda: "c" in members(target.router), "c to join")
         assert target.calls[-1] == ["a", "b", "c"] and len(target.calls) == 2
 
 
@@ -172,7 +169,7 @@ async def test_loop_max_delay_bounds_a_flapping_fleet() -> None:
     loop = DiscoveryLoop(source, target, debounce_s=0.2, max_delay_s=0.4)
     async with running(loop.run()):
         source.queue.put_nowait(fleet("a"))
-        await eventually(lambda: len(target.calls) == 1, "the first list")
+        await wait_for(lambda: len(target.calls) == 1, "the first list")
         # d flaps every 0.1 s, never quiet for the debounce, while b has joined for good.
         for i in range(8):
             source.queue.put_nowait(fleet("a", "b", "d") if i % 2 else fleet("a", "b"))
@@ -187,12 +184,12 @@ async def test_loop_keeps_static_replicas_and_survives_a_failing_source() -> Non
     loop = DiscoveryLoop(source, target, debounce_s=0.0, static=static, retry_s=0.05, metrics=metrics)
     async with running(loop.run()) as task:
         source.queue.put_nowait(fleet("a"))
-        await eventually(lambda: set(members(target.router)) == {"a", "outside"}, "a and the static replica")
+        await wait_for(lambda: set(members(target.router)) == {"a", "outside"}, "a and the static replica")
         source.queue.put_nowait(RuntimeError("the source broke"))
-        await eventually(lambda: source.starts == 2, "the source to restart")
+        await wait_for(lambda: source.starts == 2, "the source to restart")
         assert set(members(target.router)) == {"a", "outside"}  # kept while the source was down
         source.queue.put_nowait(fleet("b"))
-        await eventually(lambda: set(members(target.router)) == {"b", "outside"}, "b to replace a")
+        await wait_for(lambda: set(members(target.router)) == {"b", "outside"}, "b to replace a")
         source.queue.put_nowait(None)  # a source that ends ends the loop
         await asyncio.wait_for(task, 2.0)
     value = metrics.registry.get_sample_value
@@ -244,14 +241,14 @@ async def test_dns_a_records_join_and_leave_through_the_router() -> None:
     source = DnsDiscovery(HEADLESS, 8000, "A", interval_s=0.02, resolver=resolver)
     target = RecordingRouter()
     async with running(DiscoveryLoop(source, target, debounce_s=0.0).run()):
-        await eventually(lambda: len(members(target.router)) == 2, "two replicas")
+        await wait_for(lambda: len(members(target.router)) == 2, "two replicas")
         assert members(target.router) == {"127.0.1.1:8000": "127.0.1.1:8000", "127.0.1.2:8000": "127.0.1.2:8000"}
         resolver.a[HEADLESS] = ["127.0.1.2", "127.0.1.3"]
-        await eventually(lambda: set(members(target.router)) == {"127.0.1.2:8000", "127.0.1.3:8000"}, "1 -> 3")
+        await wait_for(lambda: set(members(target.router)) == {"127.0.1.2:8000", "127.0.1.3:8000"}, "1 -> 3")
         # Outages, NXDOMAIN and empty answers keep the last list.
         resolver.failing = True
         queries = resolver.queries
-        await eventually(lambda: resolver.queries > queries + 3, "resolutions during the outage")
+        await wait_for(lambda: resolver.queries > queries + 3, "resolutions during the outage")
         resolver.failing = False
         resolver.a[HEADLESS] = []
         await asyncio.sleep(0.1)
@@ -554,41 +551,41 @@ async def test_kubernetes_list_watch_ready_terminating_deleted_gone_and_reconnec
 
     async with running(DiscoveryLoop(kubernetes_source(api), target, debounce_s=0.0).run()):
         # 1. The initial list.
-        await eventually(lambda: names() == {"vllm-0", "vllm-1"}, "the listed ready endpoints")
+        await wait_for(lambda: names() == {"vllm-0", "vllm-1"}, "the listed ready endpoints")
         assert members(router)["vllm-0"] == "127.0.1.1:8000"
         assert api.selectors == {"kubernetes.io/service-name=vllm"}
-        await eventually(lambda: api.watchers == 1, "the watch")
+        await wait_for(lambda: api.watchers == 1, "the watch")
         assert api.watch_versions == [str(api.version)]
         # 2. An endpoint becomes ready.
         slice_a = [endpoint("vllm-0", "127.0.1.1"), endpoint("vllm-1", "127.0.1.2"), endpoint("vllm-2", "127.0.1.3")]
         api.put(endpoint_slice("vllm-abc", slice_a))
-        await eventually(lambda: names() == {"vllm-0", "vllm-1", "vllm-2"}, "vllm-2 to join")
+        await wait_for(lambda: names() == {"vllm-0", "vllm-1", "vllm-2"}, "vllm-2 to join")
         # 3. A second slice of the same service.
         api.put(endpoint_slice("vllm-def", [endpoint("vllm-3", "127.0.1.4")]))
-        await eventually(lambda: "vllm-3" in names(), "the second slice")
+        await wait_for(lambda: "vllm-3" in names(), "the second slice")
         # 4. One terminates: it still serves its requests, but leaves the membership.
         slice_a[1] = endpoint("vllm-1", "127.0.1.2", ready=False, terminating=True)
         api.put(endpoint_slice("vllm-abc", slice_a))
-        await eventually(lambda: names() == {"vllm-0", "vllm-2", "vllm-3"}, "vllm-1 to leave")
+        await wait_for(lambda: names() == {"vllm-0", "vllm-2", "vllm-3"}, "vllm-1 to leave")
         # 5. A slice is deleted.
         api.delete("vllm-def")
-        await eventually(lambda: names() == {"vllm-0", "vllm-2"}, "the deleted slice's endpoints to leave")
+        await wait_for(lambda: names() == {"vllm-0", "vllm-2"}, "the deleted slice's endpoints to leave")
         assert api.lists == 1
         # 6. 410 Gone: only a new list shows the change made meanwhile.
         api.expire(silent_change=endpoint_slice("vllm-abc", [*slice_a, endpoint("vllm-4", "127.0.1.5")]))
-        await eventually(lambda: names() == {"vllm-0", "vllm-2", "vllm-4"}, "the re-list after 410")
+        await wait_for(lambda: names() == {"vllm-0", "vllm-2", "vllm-4"}, "the re-list after 410")
         assert api.lists == 2
         # 7. A bookmark moves the version on; the server closes the watch; the client resumes
         #    from the bookmark's version, without listing again.
-        await eventually(lambda: api.watchers == 1, "the watch after the re-list")
+        await wait_for(lambda: api.watchers == 1, "the watch after the re-list")
         bookmark = api.bookmark()
         await asyncio.sleep(0.05)
         watches = len(api.watch_versions)
         api.close_watches()
-        await eventually(lambda: len(api.watch_versions) == watches + 1 and api.watchers == 1, "the reconnect")
+        await wait_for(lambda: len(api.watch_versions) == watches + 1 and api.watchers == 1, "the reconnect")
         assert api.watch_versions[-1] == bookmark and api.lists == 2
         api.put(endpoint_slice("vllm-abc", [endpoint("vllm-2", "127.0.1.3"), endpoint("vllm-4", "127.0.1.5")]))
-        await eventually(lambda: names() == {"vllm-2", "vllm-4"}, "a change after the reconnect")
+        await wait_for(lambda: names() == {"vllm-2", "vllm-4"}, "a change after the reconnect")
     assert all(target.calls)  # the membership was never emptied on the way
     assert api.lists == 2
 
@@ -599,20 +596,20 @@ async def test_kubernetes_backs_off_on_errors_and_keeps_the_last_list(api_server
     api.fail_next = 2  # the first two lists fail
     target = RecordingRouter()
     async with running(DiscoveryLoop(kubernetes_source(api), target, debounce_s=0.0).run()):
-        await eventually(lambda: set(members(target.router)) == {"vllm-0"}, "the list after two failures")
+        await wait_for(lambda: set(members(target.router)) == {"vllm-0"}, "the list after two failures")
         assert api.lists == 1  # the failed ones are not counted: they were answered 500
-        await eventually(lambda: api.watchers == 1, "the watch")
+        await wait_for(lambda: api.watchers == 1, "the watch")
         # The watch is cut and the API server answers errors for a while: nothing leaves.
         api.fail_next = 3
         api.close_watches()
-        await eventually(lambda: api.fail_next == 0 and api.watchers == 1, "recovery")
+        await wait_for(lambda: api.fail_next == 0 and api.watchers == 1, "recovery")
         assert set(members(target.router)) == {"vllm-0"} and target.calls == [["vllm-0"]]
         # A watch that comes back with HTTP 410 (rather than an ERROR event) forces a list too.
         api.gone_as_status = True
         api.expire()
-        await eventually(lambda: api.lists == 2, "the re-list after HTTP 410")
+        await wait_for(lambda: api.lists == 2, "the re-list after HTTP 410")
         api.put(endpoint_slice("vllm-abc", [endpoint("vllm-0", "127.0.1.1"), endpoint("vllm-1", "127.0.1.2")]))
-        await eventually(lambda: set(members(target.router)) == {"vllm-0", "vllm-1"}, "vllm-1 to join")
+        await wait_for(lambda: set(members(target.router)) == {"vllm-0", "vllm-1"}, "vllm-1 to join")
 
 
 async def test_serve_wiring_kubeconfig_and_config(
@@ -639,7 +636,7 @@ async def test_serve_wiring_kubeconfig_and_config(
     target = RecordingRouter()
     with caplog.at_level(logging.WARNING, logger="extproc.discovery"):
         async with running(run_discovery(cfg.discovery, target, static=cfg.replicas, cluster_mode=True)):
-            await eventually(lambda: members(target.router) == {"vllm-0": "127.0.1.1:8000"}, "vllm-0")
+            await wait_for(lambda: members(target.router) == {"vllm-0": "127.0.1.1:8000"}, "vllm-0")
     assert "cluster mode" in caplog.text
 
 

@@ -6,16 +6,15 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import CHAT, chat, deciding, post
 
 pytestmark = pytest.mark.e2e
-CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module", params=["cluster", "endpoint"])
@@ -23,25 +22,6 @@ def gateway(request: pytest.FixtureRequest) -> Iterator[LocalGateway]:
     require_binary("envoy")
     with LocalGateway(replicas=4, mode=request.param, time_scale=0.02) as gw:
         yield gw
-
-
-def chat(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "demo-model", "messages": [{"role": "user", "content": text}], "max_tokens": 2, **extra}
-
-
-async def post(
-    session: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
-) -> tuple[int, str, dict[str, Any] | None]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with session.post(
-        url + CHAT, data=data, headers={"content-type": "application/json", **(headers or {})}
-    ) as resp:
-        text = await resp.read()
-        try:
-            payload = json.loads(text)
-        except ValueError:
-            payload = None
-        return resp.status, resp.headers.get("x-replica-name", ""), payload
 
 
 async def test_twenty_turns_of_concurrent_sessions_stay_on_one_replica(gateway: LocalGateway) -> None:
@@ -150,6 +130,6 @@ async def test_killing_the_processor_falls_back_to_the_default_route() -> None:
             assert all(s == 200 for s, _ in during), during
             assert len({r for _, r in during}) > 1  # plain round robin now
             gw.start_processor()
-            await asyncio.sleep(0.5)
+            await deciding(http, gw)
             after = await burst("k2", 10)
             assert all(s == 200 for s, _ in after) and len({r for _, r in after}) == 1

@@ -4,7 +4,6 @@ and the shipped files are exactly what ``extproc envoy-config`` renders."""
 from __future__ import annotations
 
 import datetime
-import subprocess
 from pathlib import Path
 
 import pydantic
@@ -17,26 +16,14 @@ from extproc.cli import main
 from extproc.envoy_config import SCENARIOS, GatewaySpec, bootstrap, render, render_yaml
 from extproc.routing import Replica
 from extproc_lab.demo.scenario import SHIPPED_REPLICAS
-from tests.conftest import ROOT, require_binary
+from tests.conftest import ROOT
+from tests.helpers import validate
 
 ENVOY_DIR = ROOT / "envoy"
 SHIPPED = sorted(ENVOY_DIR.glob("*/envoy.yaml"))
 # The k8s scenario is rendered from the k8s router config and lives in k8s/ (tests/test_k8s.py).
 FOLDER_SCENARIOS = sorted(name for name in SCENARIOS if name != "kubernetes")
 REPLICA_FLAGS = [f"--replica={r.name}={r.address}" for r in SHIPPED_REPLICAS]
-
-
-def validate(path: Path) -> None:
-    """``envoy --mode validate`` must accept the file."""
-    envoy = require_binary("envoy")
-    result = subprocess.run(
-        [envoy, "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_scenario_has_a_folder_with_readme_config_and_verify_script() -> None:

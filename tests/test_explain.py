@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from extproc.request.features import RequestFeatures
@@ -9,6 +11,7 @@ from extproc.router import Router
 from extproc.routing import AffinityView, DecisionInputs, Reason, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.trace import DecisionTrace
 from tests.conftest import chat_body, make_config
+from tests.helpers import Clock, chat_request, conversation, feed, kv_router, metric_value, stored_event
 
 CHAT = "/v1/chat/completions"
 
@@ -80,14 +83,14 @@ async def test_explain_pins_counts_and_indexes_nothing() -> None:
     router = Router(make_config())
     body = chat_body("a long shared system prompt " * 40)
     await router.route(_headers("warm"), body)  # a prefix to match, a pin to read
-    sessions, blocks = router.store.stats(), router.metrics.prefix_blocks._value.get()
+    sessions, blocks = router.store.stats(), metric_value(router.metrics.prefix_blocks)
     inflight = [r.inflight for r in router.replicas.records()]
     ledger = len(router.rebalancer.ledger)
     decisions = sum(s.value for m in router.metrics.decisions.collect() for s in m.samples)
     explained = await router.explain(_headers("new-session"), body)
     assert explained.decision.replica is not None
     assert router.store.stats() == sessions
-    assert router.metrics.prefix_blocks._value.get() == blocks
+    assert metric_value(router.metrics.prefix_blocks) == blocks
     assert [r.inflight for r in router.replicas.records()] == inflight
     assert len(router.rebalancer.ledger) == ledger
     assert sum(s.value for m in router.metrics.decisions.collect() for s in m.samples) == decisions
@@ -135,23 +138,18 @@ async def test_drain_moves_the_sessions_it_knows_and_stops_new_work() -> None:
     assert router.cordons == {}
 
 
-async def test_explain_names_kv_events_as_the_source_where_a_feed_is_live(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
+async def test_explain_names_kv_events_as_the_source_where_a_feed_is_live(tokenizer_dir: Path) -> None:
     from extproc.admin.fleet import fleet
     from extproc.admin.service import explanation_message
     from extproc.request.tokenizer import PromptTokenizer
-    from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir
-    from tests.test_kvevents_routing import Clock, chat, conversation, feed, make_router, stored_event
 
-    tokenizer_dir = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)
     tok = PromptTokenizer(tokenizer_dir)
     msgs = conversation(3, seed=7)
     await feed(kv, "r0", 0, stored_event(tok, conversation(1, seed=31)))  # live, unrelated blocks
     await feed(kv, "r2", 0, stored_event(tok, msgs))  # live, holds the prompt
-    explained = await router.explain(*chat(msgs))
+    explained = await router.explain(*chat_request(msgs))
     reply = explanation_message(explained)
     by_name = {r.replica: r for r in reply.replicas}
     assert reply.replica == "r2" and by_name["r2"].match_source == "kv_events"
@@ -159,7 +157,7 @@ async def test_explain_names_kv_events_as_the_source_where_a_feed_is_live(
     assert by_name["r2"].predicted_uncached_tokens < by_name["r1"].predicted_uncached_tokens
     states = {r.name: r.kv_events for r in fleet(router)}
     assert states == {"r0": "live", "r1": "none", "r2": "live"}
-    routed = await router.route(*chat(msgs))
+    routed = await router.route(*chat_request(msgs))
     assert routed.decision.replica is not None and routed.decision.replica.name == reply.replica
 
 

@@ -3,42 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import page_shows, turn, wait_for
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
 FAST_HEALTH = "health:\n  cooldown_s: 1.0\n"
-
-
-async def turn(http: aiohttp.ClientSession, url: str, session: str, history: str) -> tuple[int, str, int]:
-    body = {"model": "demo-model", "messages": [{"role": "user", "content": history}], "max_tokens": 2}
-    async with http.post(url + CHAT, json=body, headers={"x-session-id": session}) as resp:
-        payload: dict[str, Any] = json.loads(await resp.read()) if resp.status == 200 else {}
-        cached = payload.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        return resp.status, resp.headers.get("x-replica-name", ""), cached
-
-
-async def wait_in_rotation(
-    http: aiohttp.ClientSession, gw: LocalGateway, replica: str, timeout_s: float = 15.0
-) -> None:
-    """Poll the processor's metrics until ``replica`` is back in rotation."""
-    line = f'extproc_replica_in_rotation{{replica="{replica}"}} 1.0'
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        async with http.get(gw.metrics_url) as resp:
-            if line in await resp.text():
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{replica} not back in rotation after {timeout_s}s")
 
 
 @pytest.mark.parametrize("mode", ["cluster", "endpoint"])
@@ -83,7 +60,8 @@ async def test_killing_a_replica_mid_replay_costs_no_client_error(mode: str, tmp
 
             victim_replica = next(r for r in gw.members if r.name == victim)
             gw.start_replica(victim_replica)
-            await wait_in_rotation(http, gw, victim)  # cooldown, then two good scrapes
+            back = f'extproc_replica_in_rotation{{replica="{victim}"}} 1.0'  # cooldown, then two good scrapes
+            await wait_for(lambda: page_shows(http, gw.metrics_url, back), back, within_s=15.0, step_s=0.1)
             fresh = await asyncio.gather(*(turn(http, gw.url, f"fresh-{i}", f"new topic {i} " * 60) for i in range(24)))
             assert all(status == 200 for status, _, _ in fresh)
             assert victim in {replica for _, replica, _ in fresh}  # back in rotation, taking new sessions

@@ -20,7 +20,7 @@ from extproc.routing import Replica
 from extproc_lab.demo import fault_matrix as fm
 from extproc_lab.demo.faulty import ABSURD_PAGE, NEGATIVE_PAGE
 from tests.conftest import require_binary
-from tests.test_hung_replica_e2e import assert_every_shape_answered_within_its_budget
+from tests.helpers import assert_every_shape_answered_within_its_budget
 
 pytestmark = pytest.mark.e2e
 SMALL = fm.SMALL

@@ -16,6 +16,7 @@ from extproc.routing.model import Replica
 from extproc_lab.demo.fault_matrix import with_config
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import page_shows, turn, wait_for
 
 pytestmark = pytest.mark.e2e
 BACKEND = Path(__file__).resolve().parent / "backends" / "frozen_vllm.py"
@@ -31,25 +32,6 @@ class FrozenGateway(LocalGateway):
         return [sys.executable, str(BACKEND), "--name", replica.name, "--port", port, "--flags", str(self.dir)]
 
 
-async def turn(http: aiohttp.ClientSession, url: str, session: str, history: str) -> str:
-    body = {"model": "m", "messages": [{"role": "user", "content": history}], "max_tokens": 2}
-    async with http.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": session}) as resp:
-        await resp.read()
-        assert resp.status == 200, resp.status
-        return resp.headers["x-replica-name"]
-
-
-async def scraped(http: aiohttp.ClientSession, url: str, line: str, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        async with http.get(url) as resp:
-            if line in await resp.text():
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{line!r} not on the processor's page within {timeout_s}s")
-
-
 async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> None:
     require_binary("envoy")
     gw = with_config(FrozenGateway(replicas=4, log_dir=tmp_path), CONFIG)
@@ -58,13 +40,16 @@ async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> 
     async def round_of_turns(http: aiohttp.ClientSession, tag: str) -> dict[str, str]:
         async def one(session: str) -> tuple[str, str]:
             histories[session] += f" turn {tag}: a question and its answer " * 10
-            return session, await turn(http, gw.url, session, histories[session])
+            status, replica, _ = await turn(http, gw.url, session, histories[session], model="m")
+            assert status == 200, status
+            return session, replica
 
         return dict(await asyncio.gather(*(one(s) for s in histories)))
 
     with gw:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
-            await scraped(http, gw.metrics_url, 'extproc_replica_queue_requests{replica="replica-3"} 3.0')
+            line = 'extproc_replica_queue_requests{replica="replica-3"} 3.0'
+            await wait_for(lambda: page_shows(http, gw.metrics_url, line), line, within_s=10.0, step_s=0.1)
             first = await round_of_turns(http, "0")
             assert len(set(first.values())) > 1  # spread over the fleet
             moved = 0
@@ -76,7 +61,8 @@ async def test_sessions_stay_when_prefix_counters_never_move(tmp_path: Path) -> 
 
             victim = max(set(first.values()), key=list(first.values()).count)
             (tmp_path / f"{victim}.overloaded").touch()
-            await scraped(http, gw.metrics_url, f'extproc_replica_queue_requests{{replica="{victim}"}} 50.0')
+            line = f'extproc_replica_queue_requests{{replica="{victim}"}} 50.0'
+            await wait_for(lambda: page_shows(http, gw.metrics_url, line), line, within_s=10.0, step_s=0.1)
             placement = await round_of_turns(http, "busy")
             theirs = {s for s, r in first.items() if r == victim}
             assert all(placement[s] != victim for s in theirs)  # spilled over

@@ -234,7 +234,7 @@ def test_a_replica_ejected_for_failures_is_readmitted_on_what_it_shows_afterward
     # Out of rotation it gets no traffic, so what traffic showed of it could never improve: the
     # slow answers and failures that ejected it must not keep it out once it answers well again
     # (the TTFT window is a minute, and the error rate only moves with new responses).
-    book = ReplicaBook([Replica("a", "h:1")], HealthSettings(rotation=RotationPolicy(cooldown_s=1.0)))
+    book = ReplicaBook([Replica("a", "h:1")], HealthSettings(cooldown_s=1.0))
     for i in range(30):  # it slowed down (first bytes after 5 s, twice the TTFT SLO)...
         book.observe("a", 200, 5.0, now=0.001 * i)
     for i in range(12):  # ...then its tries met the first-byte timeout, enough to eject it

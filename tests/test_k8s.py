@@ -36,7 +36,7 @@ from extproc.envoy_config import (
     to_dict,
 )
 from tests.conftest import ROOT, require_binary
-from tests.test_envoy_config import validate
+from tests.helpers import validate
 
 K8S = ROOT / "k8s"
 TARGETS = {
@@ -436,7 +436,7 @@ def test_router_config_loads_with_the_real_loader_redis_and_endpoint_slices() ->
     cfg = config_from_mapping(yaml.safe_load(config_map_data("base", "extproc-router")["router.yaml"]))
     assert cfg.store.startswith("redis://extproc-redis:")
     assert cfg.mode == "endpoint"
-    source = cfg.discovery.source
+    source = cfg.discovery
     assert isinstance(source, KubernetesSource)
     assert (source.namespace, source.service, source.port) == ("llm", "vllm", 8000)
     redis = one("base", "Service", "extproc-redis")
@@ -541,7 +541,7 @@ def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Pa
 
 def test_the_overlays_point_at_the_services_the_router_discovers() -> None:
     cfg = config_from_mapping(yaml.safe_load(config_map_data("istio", "extproc-router")["router.yaml"]))
-    source = cfg.discovery.source
+    source = cfg.discovery
     assert isinstance(source, KubernetesSource)
     models = f"{source.service}.{source.namespace}.svc.cluster.local"
     processor = one("istio", "Service", "extproc")
@@ -735,7 +735,7 @@ def test_network_policy_ports_are_the_ports_the_gateway_pod_serves() -> None:
 def test_network_policy_lets_the_processor_reach_only_replicas_redis_dns_and_the_api_server(target: str) -> None:
     egress = _gateway_policy("base" if target == "base" else target)["spec"]["egress"]
     router = config_from_mapping(yaml.safe_load(config_map_data("base", "extproc-router")["router.yaml"]))
-    source = router.discovery.source
+    source = router.discovery
     assert isinstance(source, KubernetesSource) and source.port is not None
     pool = one("inference-pool", "InferencePool", "vllm")["spec"]["selector"]["matchLabels"]
     redis = one("base", "Service", "extproc-redis")["spec"]

@@ -12,15 +12,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 from tests.conftest import require_binary
+from tests.helpers import metrics_page, scrape, wait_for
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -69,30 +68,8 @@ async def post(http: aiohttp.ClientSession, url: str, messages: list[dict[str, s
         return resp.headers.get("x-replica-name", "")
 
 
-def scrape(text: str, name: str, **labels: str) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
-
-
 async def metrics(http: aiohttp.ClientSession, gw: LocalGateway) -> list[str]:
-    out = []
-    for url in gw.metrics_urls:
-        async with http.get(url) as resp:
-            out.append(await resp.text())
-    return out
-
-
-async def wait_until(check: Any, within_s: float = 10.0, step_s: float = 0.01) -> float:
-    """Poll ``check`` (async, returns bool) until true; the seconds it took."""
-    start = time.monotonic()
-    while not await check():
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"not within {within_s}s")
-        await asyncio.sleep(step_s)
-    return time.monotonic() - start
+    return [await metrics_page(http, url) for url in gw.metrics_urls]
 
 
 async def synced(http: aiohttp.ClientSession, gw: LocalGateway) -> None:
@@ -112,7 +89,7 @@ async def synced(http: aiohttp.ClientSession, gw: LocalGateway) -> None:
         )
 
     try:
-        await wait_until(check)
+        await wait_for(check, within_s=10.0)
     except AssertionError:
         pages = await metrics(http, gw)
         seen = [
@@ -163,7 +140,7 @@ async def test_reset_moves_the_prompt_within_200ms(gateway: LocalGateway) -> Non
             pages = await metrics(http, gateway)
             return all(scrape(p, "extproc_kv_index_blocks", replica="replica-1") == 0 for p in pages)
 
-        await wait_until(cleared, within_s=2.0)
+        await wait_for(cleared, within_s=2.0)
         took = time.monotonic() - start
         assert took < 0.2, f"the processors forgot replica-1's blocks after {took:.3f}s"
         assert await routed(http, gateway, full) == {"replica-0"}
@@ -186,7 +163,7 @@ async def test_engine_restart_clears_its_blocks(gateway: LocalGateway) -> None:
             pages = await metrics(http, gateway)
             return all(scrape(p, "extproc_kv_event_restarts_total", replica="replica-2") == 1 for p in pages)
 
-        await wait_until(restarted)
+        await wait_for(restarted, within_s=10.0)
         await synced(http, gateway)
         assert await routed(http, gateway, full) == {"replica-0"}
 
@@ -255,7 +232,7 @@ async def test_predicted_hits_are_checked_against_the_cached_tokens_in_response_
             now = await prediction_checks(http, gateway, "replica-2")
             return now["agree"] == before["agree"] + 2
 
-        await wait_until(agreed, within_s=5.0)
+        await wait_for(agreed, within_s=5.0)
         # A stale index: the replica's reset never reaches the processors (its batch is lost), so
         # they still predict the whole prompt cached there, and the replica reports nothing cached.
         async with http.post(gateway.replica_url("replica-2") + "/kv_events/drop?n=1") as resp:
@@ -270,7 +247,7 @@ async def test_predicted_hits_are_checked_against_the_cached_tokens_in_response_
             now = await prediction_checks(http, gateway, "replica-2")
             return now["over"] == before["over"] + 1
 
-        await wait_until(overpredicted, within_s=5.0)
+        await wait_for(overpredicted, within_s=5.0)
         await synced(http, gateway)  # the next batch showed the gap; the replay brought the reset
 
 
@@ -304,7 +281,7 @@ def test_replicas_connecting_to_one_bound_endpoint(tmp_path_factory: pytest.Temp
                     (scrape(page, "extproc_kv_index_blocks", replica=n) or 0) > 0 for n in ("replica-0", "replica-2")
                 )
 
-            await wait_until(connected, step_s=0.2)
+            await wait_for(connected, step_s=0.2, within_s=10.0)
             full = conversation(7, 2)
             await seed(http, gw, "replica-0", conversation(7, 1))
             await seed(http, gw, "replica-2", full)
@@ -320,7 +297,7 @@ def test_replicas_connecting_to_one_bound_endpoint(tmp_path_factory: pytest.Temp
                             return False
                 return True
 
-            await wait_until(applied)
+            await wait_for(applied, within_s=10.0)
             assert await routed(http, gw, full) == {"replica-2"}
 
     with gw:

@@ -3,9 +3,8 @@ the fake replica's publisher (ipc:// and tcp://127.0.0.1, both layouts)."""
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,9 @@ import zmq
 
 from extproc.kvevents.feed import KvEventSource, ReplayError
 from extproc.kvevents.subscriber import Subscriptions, ZmqReplayer
-from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
+from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch, seq_frame
 from extproc_lab.replica.kv_publisher import KvEventPublisher
+from tests.helpers import Clock, metric_value, wait_for
 
 
 def stored(*hashes: int) -> BlockStored:
@@ -40,14 +40,6 @@ class FakeReplayer:
         return [m for m in self.messages if m.seq >= start]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def matches(source: KvEventSource, *keys: int) -> dict[str, float]:
     return source.matches("m", list(keys), ["a", "b"], 0.0)
 
@@ -71,8 +63,8 @@ async def test_a_gap_is_filled_by_replay() -> None:
     await source.receive(history[3])  # 1 and 2 were lost
     assert replayer.asked == [1]
     assert matches(source, 1) == {} and source.index.model("m").blocks("a") == 2  # 2 and 9; 1 removed
-    assert source.metrics.gaps.labels("a")._value.get() == 1
-    assert source.metrics.replays.labels("a", "ok")._value.get() == 1
+    assert metric_value(source.metrics.gaps.labels("a")) == 1
+    assert metric_value(source.metrics.replays.labels("a", "ok")) == 1
 
 
 @pytest.mark.parametrize("replayer", [None, FakeReplayer(fail=True), FakeReplayer([msg(2, stored(5))])])
@@ -83,7 +75,7 @@ async def test_a_gap_that_cannot_be_filled_clears_the_replica(replayer) -> None:
     await source.receive(msg(3, stored(7)))  # seq 1 and 2 lost; the replay (if any) lacks seq 1
     assert matches(source, 1) == {}
     assert matches(source, 7) == {"a": 1.0}
-    assert source.metrics.clears.labels("a", "gap")._value.get() == 1
+    assert metric_value(source.metrics.clears.labels("a", "gap")) == 1
 
 
 async def test_sequence_going_back_is_a_restart() -> None:
@@ -92,7 +84,7 @@ async def test_sequence_going_back_is_a_restart() -> None:
     await source.receive(msg(1, stored(2)))
     await source.receive(msg(0, stored(5)))  # a new engine process
     assert source.index.model("m").blocks("a") == 1 and matches(source, 5) == {"a": 1.0}
-    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert metric_value(source.metrics.restarts.labels("a")) == 1
 
 
 async def test_undecodable_payload_counts_and_shows_as_a_gap() -> None:
@@ -101,7 +93,7 @@ async def test_undecodable_payload_counts_and_shows_as_a_gap() -> None:
     await source.receive(Message("kv@a@m", 1, b"\xc1garbage"))
     assert source.feeds["a"].last_seq == 0
     await source.receive(msg(2, stored(2)))  # no replayer: the lost batch clears the replica
-    assert source.metrics.dropped.labels("a")._value.get() == 1
+    assert metric_value(source.metrics.dropped.labels("a")) == 1
     assert matches(source, 1) == {} and matches(source, 2) == {"a": 1.0}
 
 
@@ -112,7 +104,7 @@ async def test_catch_up_replays_from_zero_and_skips_duplicates() -> None:
     assert await source.catch_up("a")
     assert source.is_live("a", 0.0) and matches(source, 1, 2) == {"a": 1.0}
     await source.receive(history[3])  # queued in the socket during the replay
-    assert source.metrics.restarts.labels("a")._value.get() == 0
+    assert metric_value(source.metrics.restarts.labels("a")) == 0
     await source.receive(msg(4, stored(2), topic="kv@a@m"))
     assert matches(source, 1, 2) == {"a": 2.0}
 
@@ -139,13 +131,30 @@ async def test_topic_without_replica_is_dropped_when_no_replica_given() -> None:
 # -- over ZMQ ----------------------------------------------------------------------------------
 
 
-async def wait_for(predicate, within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + within_s
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+async def subscribed(publisher: KvEventPublisher | Callable[[], object], seen: Callable[[], bool]) -> None:
+    """Send probes (a publisher's empty batches, or what a callable sends) until ``seen()``: a SUB
+    socket misses what is sent before its subscription reaches the publisher (ZMQ's slow joiner),
+    and no fixed pause is sure to cover that."""
+    send = (lambda: publisher.publish([])) if isinstance(publisher, KvEventPublisher) else publisher
+
+    def probe() -> bool:
+        if seen():
+            return True
+        send()
+        return False
+
+    await wait_for(probe, "a subscribed socket", step_s=0.05)
+
+
+def applied_since(source: KvEventSource, replica: str, seq: int) -> Callable[[], bool]:
+    """Predicate: ``replica``'s feed has applied batch ``seq`` or a later one."""
+
+    def check() -> bool:
+        feed = source.feeds.get(replica)
+        last = None if feed is None else feed.last_seq
+        return last is not None and last >= seq
+
+    return check
 
 
 @pytest.fixture
@@ -166,12 +175,13 @@ async def test_connect_layout_over_ipc_with_replay_of_a_lost_message(ipc_dir: Pa
         subs.follow("replica-0", pub_ep, replay_ep)
         await wait_for(lambda: source.is_live("replica-0", 0.0))
         assert source.matches("m", [1], ["replica-0"], 0.0) == {"replica-0": 1.0}
-        await asyncio.sleep(0.1)  # the SUB connection is up (slow joiner)
+        await subscribed(publisher, applied_since(source, "replica-0", publisher.seq))
+        gaps = metric_value(source.metrics.gaps.labels("replica-0"))  # probes sent too early leave gaps
         publisher.drop_next = 1
         publisher.publish([stored(2)])  # lost
         publisher.publish([stored(3)])
         await wait_for(lambda: source.index.model("m").blocks("replica-0") == 3)
-        assert source.metrics.gaps.labels("replica-0")._value.get() == 1
+        assert metric_value(source.metrics.gaps.labels("replica-0")) == gaps + 1
         publisher.publish([BlockRemoved((1,))])
         await wait_for(lambda: source.matches("m", [1], ["replica-0"], 0.0) == {})
     finally:
@@ -188,7 +198,7 @@ async def test_listen_layout_over_tcp_names_replicas_by_topic() -> None:
     endpoint = f"tcp://127.0.0.1:{port}"
     source = KvEventSource()
     subs = Subscriptions(source)
-    names = {"replica-0": "replica-0", "10.0.0.2:8000": "replica-1"}
+    names = {"replica-0": "replica-0", "10.0.0.2:8000": "replica-1", "probe": "probe"}
     subs.listen(endpoint, names.get)
     publishers = [
         KvEventPublisher(endpoint, topic="kv@replica-0@m"),
@@ -196,13 +206,25 @@ async def test_listen_layout_over_tcp_names_replicas_by_topic() -> None:
         KvEventPublisher(endpoint, topic="kv@stranger@m"),
     ]
     try:
-        await asyncio.sleep(0.3)  # connections up
+        await subscribed(publishers[0], applied_since(source, "replica-0", 0))
+        await subscribed(publishers[1], applied_since(source, "replica-1", 0))
+        # The stranger's connection is probed under a known name: its own messages count as unknown.
+        probe = [b"kv@probe@m", seq_frame(0), encode_batch(1.0, [])]
+        await subscribed(lambda: publishers[2].pub.send_multipart(probe), lambda: "probe" in source.feeds)
         for i, p in enumerate(publishers):
             p.publish([stored(10 + i)])
-        await wait_for(lambda: len(source.feeds) == 2)
+        unknown = source.metrics.dropped.labels("unknown")
+        await wait_for(
+            lambda: (
+                source.matches("m", [10], ["replica-0"], 0.0) != {}
+                and source.matches("m", [11], ["replica-1"], 0.0) != {}
+                and metric_value(unknown) > 0
+            )
+        )
+        assert set(source.feeds) == {"replica-0", "replica-1", "probe"}
         assert source.matches("m", [10], ["replica-0", "replica-1"], 0.0) == {"replica-0": 1.0}
         assert source.matches("m", [11], ["replica-0", "replica-1"], 0.0) == {"replica-1": 1.0}
-        assert source.metrics.dropped.labels("unknown")._value.get() == 1
+        assert metric_value(unknown) == 1
     finally:
         for p in publishers:
             await p.close()
@@ -225,12 +247,12 @@ async def test_garbage_frames_never_stop_the_subscriber(ipc_dir: Path) -> None:
     subs = Subscriptions(source)
     try:
         subs.follow("a", pub_ep)
-        await asyncio.sleep(0.2)
+        await subscribed(publisher, applied_since(source, "a", 0))
         publisher.pub.send_multipart([b"kv@a@m", b"short", b"x"])
         publisher.pub.send_multipart([b"one frame"])
         publisher.publish([stored(4)])
         await wait_for(lambda: source.matches("m", [4], ["a"], 0.0) == {"a": 1.0})
-        assert source.metrics.dropped.labels("a")._value.get() == 2
+        assert metric_value(source.metrics.dropped.labels("a")) == 2
     finally:
         await subs.close()
         await publisher.close()
@@ -246,7 +268,7 @@ async def test_reconnect_to_the_same_engine_fills_what_was_missed() -> None:
     await source.reconnected("a")  # seq 2 was sent while we were disconnected
     assert replayer.asked == [1] and source.feeds["a"].last_seq == 2
     assert matches(source, 1, 2, 3) == {"a": 3.0}
-    assert source.metrics.restarts.labels("a")._value.get() == 0
+    assert metric_value(source.metrics.restarts.labels("a")) == 0
 
 
 async def test_reconnect_to_a_new_engine_is_a_restart_and_catches_up() -> None:
@@ -257,11 +279,11 @@ async def test_reconnect_to_a_new_engine_is_a_restart_and_catches_up() -> None:
     await source.receive(replayer.messages[1])
     replayer.messages = [msg(0, stored(7))]  # a new process: its own seq 0, never received live
     await source.reconnected("a")
-    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert metric_value(source.metrics.restarts.labels("a")) == 1
     assert matches(source, 1) == {} and matches(source, 7) == {"a": 1.0}
     await source.receive(replayer.messages[0])  # queued live copy: a duplicate, not a restart
     await source.receive(msg(1, stored(8)))
-    assert source.metrics.restarts.labels("a")._value.get() == 1 and source.feeds["a"].last_seq == 1
+    assert metric_value(source.metrics.restarts.labels("a")) == 1 and source.feeds["a"].last_seq == 1
 
 
 async def test_restart_after_a_catch_up_is_not_taken_for_duplicates() -> None:
@@ -271,7 +293,7 @@ async def test_restart_after_a_catch_up_is_not_taken_for_duplicates() -> None:
     assert await source.catch_up("a")
     await source.receive(msg(5, stored(9)))  # live, after the replay
     await source.receive(msg(0, stored(20)))  # a new engine, seq 0 again
-    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert metric_value(source.metrics.restarts.labels("a")) == 1
     assert matches(source, 20) == {"a": 1.0} and matches(source, 1) == {}
 
 
@@ -282,9 +304,9 @@ async def test_a_new_engine_seq_the_replay_covered_is_a_restart_not_a_duplicate(
     source.add_feed("a", FakeReplayer([msg(0, stored(1))]))
     assert await source.catch_up("a")
     await source.receive(msg(0, stored(1)))  # the replayed batch itself, queued live: a duplicate
-    assert source.metrics.restarts.labels("a")._value.get() == 0
+    assert metric_value(source.metrics.restarts.labels("a")) == 0
     await source.receive(msg(0, stored(20)))
-    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert metric_value(source.metrics.restarts.labels("a")) == 1
     assert matches(source, 20) == {"a": 1.0} and matches(source, 1) == {}
 
 
@@ -302,7 +324,7 @@ async def test_ranks_interleave_on_one_topic_without_gaps_or_restarts() -> None:
         await source.receive(ranked(seq, 0, stored(10 + seq)))
         await source.receive(ranked(seq, 1, stored(20 + seq)))
     m = source.metrics
-    assert m.gaps.labels("a")._value.get() == 0 and m.restarts.labels("a")._value.get() == 0
+    assert metric_value(m.gaps.labels("a")) == 0 and metric_value(m.restarts.labels("a")) == 0
     assert source.index.model("m").ranks("a") == [0, 1]
     assert source.index.model("m").blocks("a") == 6 and source.index.model("m").blocks("a", 1) == 3
     assert matches(source, 20) == {"a": 1} and matches(source, 12) == {"a": 1}
@@ -326,7 +348,7 @@ async def test_one_ranks_removal_clear_or_restart_leaves_anothers_copy() -> None
     assert matches(source, 5, 6) == {} and matches(source, 1, 2) == {"a": 2}
     await source.receive(ranked(4, 1, stored(7)))
     await source.receive(ranked(0, 1, stored(8)))  # rank 1's engine restarted
-    assert source.metrics.restarts.labels("a")._value.get() == 1
+    assert metric_value(source.metrics.restarts.labels("a")) == 1
     assert matches(source, 7) == {} and matches(source, 8) == {"a": 1} and matches(source, 1, 2) == {"a": 2}
     await source.receive(ranked(1, 0, BlockRemoved((2,))))
     assert matches(source, 1, 2) == {"a": 1}  # now no rank holds block 2
@@ -337,7 +359,7 @@ async def test_a_gap_on_one_rank_clears_only_that_rank() -> None:
     await source.receive(ranked(0, 0, stored(1)))
     await source.receive(ranked(0, 1, stored(2)))
     await source.receive(ranked(2, 1, stored(3)))  # rank 1 lost its seq 1
-    assert source.metrics.gaps.labels("a")._value.get() == 1
+    assert metric_value(source.metrics.gaps.labels("a")) == 1
     assert matches(source, 1) == {"a": 1} and matches(source, 2) == {} and matches(source, 3) == {"a": 1}
 
 
@@ -388,9 +410,9 @@ async def test_connect_layout_reads_every_rank_with_its_own_replay(ipc_dir: Path
         publishers[0].publish([stored(7)])
         await wait_for(lambda: matches(source, 9) == {"a": 1} and matches(source, 7) == {"a": 1})
         assert matches(source, 1, 2, 3) == {"a": 2}  # rank 1 removed block 3; rank 0 never held it
-        assert source.metrics.gaps.labels("a")._value.get() == 1
-        assert source.metrics.restarts.labels("a")._value.get() == 0
-        assert source.metrics.clears.labels("a", "gap")._value.get() == 0
+        assert metric_value(source.metrics.gaps.labels("a")) == 1
+        assert metric_value(source.metrics.restarts.labels("a")) == 0
+        assert metric_value(source.metrics.clears.labels("a", "gap")) == 0
         subs.unfollow("a", 1)  # the server now runs one engine: rank 1's entries go, rank 0's stay
         assert matches(source, 9) == {} and matches(source, 1, 2) == {"a": 2}
     finally:

@@ -14,41 +14,18 @@ from extproc.admin.fleet import _feed_state
 from extproc.health.vllm_metrics import parse_vllm_metrics
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo
-from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.usage import RESUME_AFTER, PredictionStreaks
-from extproc.kvevents.wire import BlockStored, Message, encode_batch
-from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
+from extproc.kvevents.wire import BlockStored
+from extproc.request.tokenizer import PromptTokenizer
 from extproc.router import Router
 from extproc.routing.model import AffinityView
 from extproc_lab.replica.engine import ReplicaEngine
 from extproc_lab.replica.kv_events import TokenBlocks
 from extproc_lab.replica.timing import get_profile
-from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
-from tests.conftest import make_config
+from extproc_lab.replica.tokenizer_dir import sample_text
+from tests.helpers import Clock, chat_request, feed, kv_router
 
 NAMES = ("r0", "r1", "r2")
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_router(tokenizer_dir: Path, clock: Clock, **settings: object) -> tuple[Router, EventCacheState]:
-    kv = EventCacheState(
-        KvEventSettings(tokenizers={"m": str(tokenizer_dir)}, **settings),  # type: ignore[arg-type]
-        clock=clock,
-        tokenizers=TokenizerRegistry({"m": str(tokenizer_dir)}),
-    )
-    return Router(make_config(), clock=clock, kv_events=kv), kv
 
 
 def conversation(seed: int) -> list[dict[str, str]]:
@@ -58,20 +35,10 @@ def conversation(seed: int) -> list[dict[str, str]]:
     ]
 
 
-def chat(messages: list[dict[str, str]]) -> tuple[dict[str, str], bytes]:
-    return {":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(
-        {"model": "m", "messages": messages}
-    ).encode()
-
-
 def stored(ids: tuple[int, ...], bs: int, algo: HashAlgo = HashAlgo.SHA256) -> BlockStored:
     """What vLLM publishes after prefilling ``ids`` with blocks of ``bs`` tokens."""
     n = len(ids) // bs
     return BlockStored(tuple(EngineChain(algo).hashes(ids, bs)), None, list(ids[: n * bs]), bs)
-
-
-async def feed(kv: EventCacheState, replica: str, seq: int, *events: object) -> None:
-    await kv.source.receive(Message(f"kv@{replica}@m", seq, encode_batch(1.0, events)), replica)  # type: ignore[arg-type]
 
 
 def fake_page(block_size: int, algo: HashAlgo = HashAlgo.SHA256) -> str:
@@ -98,18 +65,18 @@ def gauge(kv: EventCacheState, name: str, *labels: str) -> float:
 async def test_block_size_is_learned_from_events_with_a_warning_and_a_metric(
     tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock)  # kv_events.block_size left at 16
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)  # kv_events.block_size left at 16
     tok = PromptTokenizer(tokenizer_dir)
     msgs = conversation(3)
     ids = tok.chat_ids(msgs).ids
-    before = await router.route(*chat(msgs))
+    before = await router.route(*chat_request(msgs))
     assert before.features.tokens_per_block == 16  # nothing reported yet: the configured value
     with caplog.at_level(logging.WARNING, "extproc.kvevents"):
         for seq, name in enumerate(NAMES):
             await feed(kv, name, 0, stored(tok.chat_ids(conversation(40 + seq)).ids, 32))
         await feed(kv, "r2", 1, stored(ids, 32))
-    routed = await router.route(*chat(msgs))
+    routed = await router.route(*chat_request(msgs))
     assert routed.features.tokens_per_block == 32
     assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256).hashes(ids, 32)
     assert routed.decision.replica is not None and routed.decision.replica.name == "r2"
@@ -126,8 +93,8 @@ async def test_block_size_is_learned_from_events_with_a_warning_and_a_metric(
 async def test_block_size_and_hash_algo_are_learned_from_a_metrics_page(
     tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, block_size=32)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, block_size=32)
     msgs = conversation(5)
     ids = PromptTokenizer(tokenizer_dir).chat_ids(msgs).ids
     with caplog.at_level(logging.WARNING, "extproc.kvevents"):
@@ -136,7 +103,7 @@ async def test_block_size_and_hash_algo_are_learned_from_a_metrics_page(
     assert [gauge(kv, "extproc_kv_events_block_size_mismatch", n) for n in NAMES] == [0.0, 0.0, 0.0]
     with caplog.at_level(logging.WARNING, "extproc.kvevents"):
         await scrape(router, {n: fake_page(128, HashAlgo.SHA256_CBOR) for n in NAMES})
-    routed = await router.route(*chat(msgs))
+    routed = await router.route(*chat_request(msgs))
     assert routed.features.tokens_per_block == 128
     assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256_CBOR).hashes(ids, 128)
     text = caplog.text
@@ -149,15 +116,15 @@ async def test_block_size_and_hash_algo_are_learned_from_a_metrics_page(
 async def test_replicas_of_one_model_that_disagree_are_named_and_the_odd_one_is_not_used(
     tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)
     tok = PromptTokenizer(tokenizer_dir)
     ids = tok.chat_ids(conversation(7)).ids
     with caplog.at_level(logging.WARNING, "extproc.kvevents"):
         await scrape(router, {"r0": fake_page(32), "r1": fake_page(32), "r2": fake_page(128)})
         for seq, name in enumerate(NAMES):
             await feed(kv, name, 0, stored(tok.chat_ids(conversation(50 + seq)).ids, 128 if name == "r2" else 32))
-        routed = await router.route(*chat(conversation(7)))
+        routed = await router.route(*chat_request(conversation(7)))
     assert routed.features.tokens_per_block == 32  # the majority
     assert "the replicas of model 'm' report different block sizes (r0 32, r1 32, r2 128): hashing with 32" in (
         caplog.text
@@ -177,8 +144,8 @@ async def test_replicas_of_one_model_that_disagree_are_named_and_the_odd_one_is_
 
 
 async def test_a_tie_keeps_the_configured_block_size_and_xxhash_is_a_misfit(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, block_size=128)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, block_size=128)
     await scrape(router, {"r0": fake_page(32), "r1": fake_page(128)})
     assert kv.layouts.block_size("m") == 128
     page = fake_page(128).replace('prefix_caching_hash_algo="sha256"', 'prefix_caching_hash_algo="xxhash"')
@@ -192,7 +159,7 @@ async def test_a_tie_keeps_the_configured_block_size_and_xxhash_is_a_misfit(toke
 
 
 async def test_a_tie_without_the_configured_value_takes_the_smaller_block_size(tokenizer_dir: Path) -> None:
-    router, kv = make_router(tokenizer_dir, Clock())
+    router, kv = kv_router(tokenizer_dir, Clock(1000.0))
     await scrape(router, {"r0": fake_page(128), "r1": fake_page(32)})
     assert kv.layouts.block_size("m") == 32  # by number, not as text ("128" < "32")
 
@@ -201,7 +168,7 @@ async def test_a_tie_without_the_configured_value_takes_the_smaller_block_size(t
 
 
 async def route_and_check(router: Router, kv: EventCacheState, msgs: list[dict[str, str]], reported: int) -> int:
-    routed = await router.route(*chat(msgs))
+    routed = await router.route(*chat_request(msgs))
     replica = routed.decision.replica
     assert replica is not None
     predicted = kv.predicted_tokens(routed.features, replica.name, routed.decision.matched_blocks, routed.decided_at)
@@ -213,8 +180,8 @@ async def route_and_check(router: Router, kv: EventCacheState, msgs: list[dict[s
 async def test_predictions_that_keep_disagreeing_make_the_feed_stale_until_they_agree(
     tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, block_size=32, speculative_ttl_s=0.0, stale_after_mispredictions=3)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, block_size=32, speculative_ttl_s=0.0, stale_after_mispredictions=3)
     tok = PromptTokenizer(tokenizer_dir)
     msgs = conversation(9)
     ids = tok.chat_ids(msgs).ids
@@ -230,7 +197,7 @@ async def test_predictions_that_keep_disagreeing_make_the_feed_stale_until_they_
         assert kv.source.suspended == {"r1": {"predictions"}}
         assert not kv.source.is_live("r1", clock.now) and kv.source.speaks("r1", clock.now)
         # The estimate answers for r1 now: its events' claim is not in the view.
-        routed = await router.route(*chat(msgs))
+        routed = await router.route(*chat_request(msgs))
         assert kv.view(AffinityView(), routed.features, NAMES, clock.now).prefix_matches.get("r1") is None
         # Still checked (what its index would have predicted), never credited meanwhile.
         for _ in range(3):
@@ -248,8 +215,8 @@ async def test_predictions_that_keep_disagreeing_make_the_feed_stale_until_they_
 
 
 async def test_a_feed_that_resyncs_is_used_again(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    _, kv = make_router(tokenizer_dir, clock, block_size=32, stale_after_mispredictions=2)
+    clock = Clock(1000.0)
+    _, kv = kv_router(tokenizer_dir, clock, block_size=32, stale_after_mispredictions=2)
     tok = PromptTokenizer(tokenizer_dir)
     ids = tok.chat_ids(conversation(11)).ids
     await feed(kv, "r0", 0, stored(ids, 32))
@@ -297,8 +264,8 @@ async def test_a_router_left_at_16_predicts_an_engine_of_32_exactly(tokenizer_di
     from extproc_lab.replica import build_app
     from extproc_lab.replica.kv_publisher import KvEventPublisher
 
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock)  # block_size: the default 16
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)  # block_size: the default 16
     with tempfile.TemporaryDirectory(prefix="kvl-") as d:
         pub, replay = f"ipc://{d}/pub", f"ipc://{d}/replay"
         publisher = KvEventPublisher(pub, replay, "kv@r0@m", "map")
@@ -317,7 +284,7 @@ async def test_a_router_left_at_16_predicts_an_engine_of_32_exactly(tokenizer_di
                 previous = 0
                 for turn in range(4):
                     msgs.append({"role": "user", "content": sample_text(40, 30 + turn)})
-                    headers, body = chat(msgs)
+                    headers, body = chat_request(msgs)
                     features = await kv.tokenized(
                         extract_features(headers, body, router.config.features), json.loads(body)
                     )

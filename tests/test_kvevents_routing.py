@@ -4,7 +4,6 @@ fallback to the estimate, speculative credit."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,44 +13,12 @@ from hypothesis import strategies as st
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
 from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch
-from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
+from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved
+from extproc.request.tokenizer import PromptTokenizer, TokenizerError
 from extproc.router import Router
 from extproc.routing.model import AffinityView
-from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 from tests.conftest import make_config
-
-BS = 16
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def conversation(turns: int, seed: int = 0) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": sample_text(120, seed)}]
-    for t in range(turns):
-        msgs.append({"role": "user", "content": sample_text(40, seed * 100 + t)})
-        if t < turns - 1:
-            msgs.append({"role": "assistant", "content": sample_text(20, seed * 1000 + t)})
-    return msgs
-
-
-def chat(messages: list[dict[str, str]], session: str | None = None) -> tuple[dict[str, str], bytes]:
-    headers = {":path": "/v1/chat/completions", ":method": "POST"}
-    if session:
-        headers["x-session-id"] = session
-    return headers, json.dumps({"model": "m", "messages": messages}).encode()
-
+from tests.helpers import BS, Clock, chat_request, conversation, feed, kv_router, metric_value, stored_event
 
 # -- tokenizing --------------------------------------------------------------------------------
 
@@ -96,32 +63,11 @@ def test_bad_tokenizer_directory_and_media_are_refused(tmp_path: Path, tokenizer
 # -- routing -----------------------------------------------------------------------------------
 
 
-def make_router(tokenizer_dir: Path, clock: Clock, **settings: object) -> tuple[Router, EventCacheState]:
-    kv = EventCacheState(
-        KvEventSettings(tokenizers={"m": str(tokenizer_dir)}, **settings),  # type: ignore[arg-type]
-        clock=clock,
-        tokenizers=TokenizerRegistry({"m": str(tokenizer_dir)}),
-    )
-    return Router(make_config(), clock=clock, kv_events=kv), kv
-
-
-def stored_event(tok: PromptTokenizer, messages: list[dict[str, str]], algo: HashAlgo = HashAlgo.SHA256) -> BlockStored:
-    """What vLLM would publish after prefilling ``messages``: its full blocks, hashed its way."""
-    ids = tok.chat_ids(messages).ids
-    n = len(ids) // BS
-    hashes = EngineChain(algo).hashes(ids, BS) if algo is not HashAlgo.CONTENT else list(range(500, 500 + n))
-    return BlockStored(tuple(hashes), None, list(ids[: n * BS]), BS)
-
-
-async def feed(kv: EventCacheState, replica: str, seq: int, *events: object) -> None:
-    await kv.source.receive(Message(f"kv@{replica}@m", seq, encode_batch(1.0, events)), replica)  # type: ignore[arg-type]
-
-
 async def test_tokenized_features_carry_vllm_block_hashes(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    router, _ = make_router(tokenizer_dir, clock)
+    clock = Clock(1000.0)
+    router, _ = kv_router(tokenizer_dir, clock)
     msgs = conversation(2)
-    routed = await router.route(*chat(msgs))
+    routed = await router.route(*chat_request(msgs))
     tok = PromptTokenizer(tokenizer_dir)
     ids = tok.chat_ids(msgs).ids
     assert routed.features.prompt_tokens == len(ids)
@@ -131,14 +77,14 @@ async def test_tokenized_features_carry_vllm_block_hashes(tokenizer_dir: Path) -
 
 @pytest.mark.parametrize("algo", [HashAlgo.SHA256, HashAlgo.SHA256_CBOR, HashAlgo.CONTENT])
 async def test_a_prompt_goes_where_events_say_its_blocks_are(tokenizer_dir: Path, algo: HashAlgo) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, hash_algo=algo)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, hash_algo=algo)
     tok = PromptTokenizer(tokenizer_dir)
     msgs = conversation(3, seed=7)
     for i, name in enumerate(("r0", "r1", "r2")):
         await feed(kv, name, 0, stored_event(tok, conversation(1, seed=30 + i), algo))  # unrelated blocks
     await feed(kv, "r2", 1, stored_event(tok, msgs, algo))
-    routed = await router.route(*chat(msgs))
+    routed = await router.route(*chat_request(msgs))
     assert routed.decision.replica is not None and routed.decision.replica.name == "r2"
     assert routed.decision.matched_blocks == routed.decision.total_blocks > 0
     if algo is not HashAlgo.CONTENT:
@@ -148,8 +94,8 @@ async def test_a_prompt_goes_where_events_say_its_blocks_are(tokenizer_dir: Path
 
 
 async def test_removal_reset_and_restart_end_the_attraction(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
     tok = PromptTokenizer(tokenizer_dir)
     msgs = conversation(3, seed=9)
     ev = stored_event(tok, msgs)
@@ -162,7 +108,7 @@ async def test_removal_reset_and_restart_end_the_attraction(tokenizer_dir: Path)
         seqs[name] += 1
 
     async def matched() -> dict[str, int]:
-        features = (await router.route(*chat(msgs))).features
+        features = (await router.route(*chat_request(msgs))).features
         estimate = await router.store.lookup(None, features.prefix_hashes, clock.now)
         view = kv.view(estimate, features, ["r0", "r1", "r2"], clock.now)
         return {k: v for k, v in view.prefix_matches.items() if v}
@@ -181,14 +127,14 @@ async def test_removal_reset_and_restart_end_the_attraction(tokenizer_dir: Path)
 
 @pytest.mark.parametrize("ttl", [2.0, 0.0])
 async def test_speculative_credit_keeps_a_burst_together_until_events_arrive(tokenizer_dir: Path, ttl: float) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=ttl)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, speculative_ttl_s=ttl)
     for name in ("r0", "r1", "r2"):
         await feed(kv, name, 0)
     msgs = conversation(2, seed=11)
     chosen = []
     for session in ("s1", "s2", "s3", "s4", "s5"):  # new sessions sharing one long prompt
-        routed = await router.route(*chat(msgs, session=session))
+        routed = await router.route(*chat_request(msgs, session=session))
         router.release(routed)
         chosen.append((routed.decision.replica.name, routed.decision.matched_blocks))  # type: ignore[union-attr]
         clock.now += 0.1
@@ -203,10 +149,10 @@ async def test_speculative_credit_keeps_a_burst_together_until_events_arrive(tok
 
 
 async def test_stale_or_silent_replicas_fall_back_to_the_estimate(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, stale_after_s=5.0, speculative_ttl_s=0.0)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, stale_after_s=5.0, speculative_ttl_s=0.0)
     msgs = conversation(2, seed=13)
-    routed = await router.route(*chat(msgs, session="s1"))  # no feed is live: the estimate indexes it
+    routed = await router.route(*chat_request(msgs, session="s1"))  # no feed is live: the estimate indexes it
     chosen = routed.decision.replica.name  # type: ignore[union-attr]
     features = routed.features
     view = await router.store.lookup(None, features.prefix_hashes, clock.now)
@@ -219,9 +165,9 @@ async def test_stale_or_silent_replicas_fall_back_to_the_estimate(tokenizer_dir:
 
 
 async def test_models_without_tokenizer_keep_character_blocks(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    router, _ = make_router(tokenizer_dir, clock)
-    headers, _ = chat([])
+    clock = Clock(1000.0)
+    router, _ = kv_router(tokenizer_dir, clock)
+    headers, _ = chat_request([])
     body = json.dumps({"model": "other", "messages": [{"role": "user", "content": "x" * 500}]}).encode()
     routed = await router.route(headers, body)
     assert routed.features.tokens_per_block == 0 and len(routed.features.prefix_hashes) > 0
@@ -244,20 +190,20 @@ def test_settings_validation_names_the_field() -> None:
             config_from_mapping({"kv_events": raw})
 
 
-def test_lora_adapters_from_the_file_and_flags() -> None:
+def test_lora_adapters_from_the_file_and_flags(tmp_path: Path) -> None:
     import argparse
 
-    from extproc.config import config_from_mapping
-    from extproc.kvevents.flags import add_kv_event_flags, kv_event_overrides
+    from extproc.config.cli_flags import add_config_flags, config_from_flags
 
-    kv = config_from_mapping({"kv_events": {"lora_adapters": {"sql-lora": "m"}}}).kv_events
+    path = tmp_path / "router.yaml"
+    path.write_text("kv_events:\n  lora_adapters: {sql-lora: m}\n")
     parser = argparse.ArgumentParser()
-    add_kv_event_flags(parser)
-    kv = kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora=m"]))
+    add_config_flags(parser)
+    kv = config_from_flags(path, parser.parse_args(["--lora-adapter", "poem-lora=m"])).kv_events
     assert kv.resolve("sql-lora") == ("m", "sql-lora") and kv.resolve("poem-lora") == ("m", "poem-lora")
     assert kv.resolve("m") == ("m", None)
     with pytest.raises(ValueError, match="--lora-adapter"):
-        kv_event_overrides(kv, parser.parse_args(["--lora-adapter", "poem-lora"]))
+        config_from_flags(path, parser.parse_args(["--lora-adapter", "poem-lora"]))
 
 
 def test_discovered_replicas_publish_on_the_configured_ports() -> None:
@@ -293,33 +239,33 @@ async def test_membership_changes_follow_and_unfollow_publishers(tmp_path: Path,
 
 
 async def test_predicted_and_reported_cached_tokens_are_counted_for_live_replicas(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)
     tok = PromptTokenizer(tokenizer_dir)
     msgs = conversation(2, seed=21)
     await feed(kv, "r1", 0, stored_event(tok, msgs))
     kv.collect({"r1": 1000.0, "r2": 50.0})
-    routed = await router.route(*chat(msgs))
+    routed = await router.route(*chat_request(msgs))
     assert routed.decision.replica is not None and routed.decision.replica.name == "r1"
-    predicted = kv.metrics.predicted_tokens.labels("r1")._value.get()
+    predicted = metric_value(kv.metrics.predicted_tokens.labels("r1"))
     assert predicted == routed.decision.matched_blocks * BS > 0
     kv.collect({"r1": 1000.0 + predicted, "r2": 80.0})  # r2 has no live feed: not counted
-    assert kv.metrics.reported_tokens.labels("r1")._value.get() == predicted
-    assert kv.metrics.reported_tokens.labels("r2")._value.get() == 0
+    assert metric_value(kv.metrics.reported_tokens.labels("r1")) == predicted
+    assert metric_value(kv.metrics.reported_tokens.labels("r2")) == 0
 
 
 async def test_a_pin_whose_replica_lost_the_conversation_is_judged_lost(tokenizer_dir: Path) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, speculative_ttl_s=0.0)
     tok = PromptTokenizer(tokenizer_dir)
     msgs = conversation(2, seed=23)
     ev = stored_event(tok, msgs)
     for name in ("r0", "r1", "r2"):
         await feed(kv, name, 0)
-    first = await router.route(*chat(msgs, session="s"))
+    first = await router.route(*chat_request(msgs, session="s"))
     pinned = first.decision.replica.name  # type: ignore[union-attr]
     await feed(kv, pinned, 1, ev)
-    again = await router.route(*chat(msgs, session="s"))
+    again = await router.route(*chat_request(msgs, session="s"))
     assert again.decision.reason.value == "sticky"
     await feed(kv, pinned, 2, BlockRemoved(ev.block_hashes[len(ev.block_hashes) // 3 :]))  # evicted: a third left
     estimate = await router.store.lookup("s", again.features.prefix_hashes, clock.now, model="m")
@@ -327,7 +273,7 @@ async def test_a_pin_whose_replica_lost_the_conversation_is_judged_lost(tokenize
     # The pin is kept, marked lost: it is worth what the replica still holds, not dropped.
     lost = kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now)
     assert lost.pinned == pinned and lost.pin_lost == "kv_events"
-    kv.settings = replace(kv.settings, unpin_below=0.0)  # pins never judged lost
+    kv.settings = kv.settings.model_copy(update={"unpin_below": 0.0})  # pins never judged lost
     kept = kv.view(estimate, again.features, ["r0", "r1", "r2"], clock.now)
     assert kept.pinned == pinned and kept.pin_lost is None
 
@@ -345,8 +291,8 @@ _json = st.recursive(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=_json, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
 async def test_odd_bodies_are_routed_on_what_is_known(tokenizer_dir: Path, messages: object, path: str) -> None:
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock)
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)
     body = json.dumps({"model": "m", "messages": messages, "prompt": messages}).encode()
     try:
         routed = await router.route({":path": path}, body)
@@ -375,31 +321,26 @@ def test_incremental_tokenizing_equals_full_on_any_turns(tokenizer_dir: Path, co
 async def test_response_bodies_are_streamed_to_the_processor_only_for_a_checkable_prediction(
     tokenizer_dir: Path,
 ) -> None:
-    from collections.abc import AsyncIterator
-
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from extproc.server.stream import RequestStream
     from tests.conftest import body_message, headers_message, response_headers_message
+    from tests.helpers import run
 
     streamed = pm.ProcessingMode.STREAMED
 
-    async def run(router: Router, msgs: list[dict[str, str]], reply: bytes) -> list[pb.ProcessingResponse]:
-        headers, body = chat(msgs)
-        requests = [
-            headers_message(headers),
-            body_message(body),
-            response_headers_message(200),
-            pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[:40], end_of_stream=False)),
-            pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[40:], end_of_stream=True)),
-        ]
-
-        async def source() -> AsyncIterator[pb.ProcessingRequest]:
-            for m in requests:
-                yield m
-
-        return [r async for r in RequestStream(router).run(source())]
+    async def answered(router: Router, msgs: list[dict[str, str]], reply: bytes) -> list[pb.ProcessingResponse]:
+        headers, body = chat_request(msgs)
+        return await run(
+            router,
+            [
+                headers_message(headers),
+                body_message(body),
+                response_headers_message(200),
+                pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[:40], end_of_stream=False)),
+                pb.ProcessingRequest(response_body=pb.HttpBody(body=reply[40:], end_of_stream=True)),
+            ],
+        )
 
     def body_modes(out: list[pb.ProcessingResponse]) -> list[int]:
         return [r.mode_override.response_body_mode for r in out if r.HasField("mode_override")]
@@ -409,24 +350,24 @@ async def test_response_bodies_are_streamed_to_the_processor_only_for_a_checkabl
     n = len(tok.chat_ids(msgs).ids) // BS
     reply = json.dumps({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": n * BS}}}).encode()
     # Without KV events, Envoy is never asked for a response body.
-    assert streamed not in body_modes(await run(Router(make_config()), msgs, reply))
-    clock = Clock()
-    router, kv = make_router(tokenizer_dir, clock, check_sample_rate=1.0)
+    assert streamed not in body_modes(await answered(Router(make_config()), msgs, reply))
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock, check_sample_rate=1.0)
     # With them but no live feed, nothing was predicted: the body is not asked for either.
-    assert streamed not in body_modes(await run(router, msgs, reply))
+    assert streamed not in body_modes(await answered(router, msgs, reply))
     for seq, name in enumerate(("r0", "r1", "r2")):
         await feed(kv, name, 0, stored_event(tok, conversation(1, seed=40 + seq)))
     await feed(kv, "r1", 1, stored_event(tok, msgs))
-    out = await run(router, msgs, reply)
+    out = await answered(router, msgs, reply)
     assert body_modes(out)[-1] == streamed  # asked in the response headers' answer
     assert [r.WhichOneof("response") for r in out][-2:] == ["response_body", "response_body"]
     checks = kv.metrics.prediction_checks
-    assert checks.labels("r1", "agree")._value.get() == 1
+    assert metric_value(checks.labels("r1", "agree")) == 1
     # A replica reporting nothing cached where the index predicted everything: over.
     empty = reply.replace(f'"cached_tokens": {n * BS}'.encode(), b'"cached_tokens": 0')
-    await run(router, msgs, empty)
-    assert checks.labels("r1", "over")._value.get() == 1
+    await answered(router, msgs, empty)
+    assert metric_value(checks.labels("r1", "over")) == 1
     # Sampling off: no body again.
-    router_off, kv_off = make_router(tokenizer_dir, clock, check_sample_rate=0.0)
+    router_off, kv_off = kv_router(tokenizer_dir, clock, check_sample_rate=0.0)
     await feed(kv_off, "r1", 0, stored_event(tok, msgs))
-    assert streamed not in body_modes(await run(router_off, msgs, reply))
+    assert streamed not in body_modes(await answered(router_off, msgs, reply))

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from extproc.kvevents.usage import TAIL_BYTES, UsageTail, outcome
+from extproc.kvevents.usage import outcome
+from extproc.usage import TAIL_BYTES, UsageTail
 
 
 def usage(cached: int) -> dict[str, object]:

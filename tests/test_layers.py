@@ -1,9 +1,10 @@
 """The layering of docs/architecture.md, checked on every import: the router never imports the lab,
-and within the router imports point down."""
+within the router imports point down, and the lab uses only the router's public names."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +21,10 @@ RANKS = {
     "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
     "extproc.telemetry": 7,
     "extproc.router": 6,
+    "extproc.plan": 6,  # what the router wants done with a request, for an adapter to carry out
     "extproc.bookkeeping": 5,  # what routing a request changes (load, caches, tenants), and undoes
     "extproc.membership": 5,  # membership, cordons and drains, and the moves they cause
     "extproc.config": 5,
-    "extproc.config_schema": 5,
     "extproc.health": 4,
     "extproc.discovery": 4,
     "extproc.rebalance": 4,
@@ -90,3 +91,77 @@ def test_router_imports_point_down() -> None:
             upward.add((src, dst))
     assert unranked == set(), "place new modules in RANKS and docs/architecture.md"
     assert upward == set(), "an import points up a layer"
+
+
+def _private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
+def _router_module(name: str | None) -> bool:
+    return name is not None and (name == "extproc" or name.startswith("extproc."))
+
+
+def test_the_lab_imports_no_private_name_of_the_router() -> None:
+    offenders = []
+    for path in sorted((ROOT / "lab").rglob("*.py")):
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                offenders += [f"{where}: {a.name}" for a in node.names if _router_module(a.name) and _private(a.name)]
+            elif isinstance(node, ast.ImportFrom) and _router_module(node.module):
+                assert node.module is not None
+                names = [f"{node.module}.{a.name}" for a in node.names]
+                offenders += [f"{where}: {name}" for name in names if _private(name)]
+    assert offenders == []
+
+
+def test_lab_subclasses_of_router_classes_touch_no_private_member() -> None:
+    """A lab class built on a router class neither overrides nor uses the base's private members:
+    a driver of its own goes through the public API, so the router may change its insides."""
+    offenders = []
+    for path in sorted((ROOT / "lab").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {
+            alias.asname or alias.name: node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and _router_module(node.module)
+            for alias in node.names
+        }
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            bases = [
+                getattr(importlib.import_module(imported[b.id]), b.id)
+                for b in cls.bases
+                if isinstance(b, ast.Name) and b.id in imported
+            ]
+            if not bases:
+                continue
+            own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+            own |= {
+                n.attr
+                for n in ast.walk(cls)
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and _is_self(n.value)
+            }
+            for node in ast.walk(cls):
+                name = node.name if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
+                if isinstance(node, ast.Attribute) and _is_self(node.value):
+                    name = node.attr
+                if name is None or not _private(name):
+                    continue
+                if name not in own or any(hasattr(base, name) for base in bases):
+                    offenders.append(f"{path.relative_to(ROOT)}: {cls.name}.{name}")
+    assert offenders == []
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def test_test_files_import_no_other_test_file() -> None:
+    """What tests share lives in tests/helpers.py and tests/conftest.py, so any test file can move
+    on its own."""
+    offenders = [
+        f"{where}: {target}"
+        for _, target, where in _imports(ROOT / "tests")
+        if target.rpartition(".")[2].startswith("test_")
+    ]
+    assert offenders == []

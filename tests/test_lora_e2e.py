@@ -10,6 +10,7 @@ import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import metrics_page, turn, wait_for
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -21,28 +22,14 @@ REPLICA_ARGS = {
 }
 
 
-async def wait_scraped(http: aiohttp.ClientSession, gw: LocalGateway, timeout_s: float = 10.0) -> None:
-    """Poll the processor's metrics until every replica has been scraped and is in rotation."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        async with http.get(gw.metrics_url) as resp:
-            text = await resp.text()
-        if all(
-            f'extproc_replica_last_scrape_timestamp_seconds{{replica="{r.name}"}}' in text
-            and f'extproc_replica_in_rotation{{replica="{r.name}"}} 1.0' in text
-            for r in gw.members
-        ):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"replicas not scraped after {timeout_s}s")
-
-
-async def turn(http: aiohttp.ClientSession, url: str, model: str, session: str, text: str) -> tuple[int, str]:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-    async with http.post(url + CHAT, json=body, headers={"x-session-id": session}) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get("x-replica-name", "")
+async def all_scraped(http: aiohttp.ClientSession, gw: LocalGateway) -> bool:
+    """Whether the processor has scraped every replica and has it in rotation."""
+    text = await metrics_page(http, gw.metrics_url)
+    return all(
+        f'extproc_replica_last_scrape_timestamp_seconds{{replica="{r.name}"}}' in text
+        and f'extproc_replica_in_rotation{{replica="{r.name}"}} 1.0' in text
+        for r in gw.members
+    )
 
 
 async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
@@ -50,7 +37,7 @@ async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
     with LocalGateway(replicas=4, time_scale=0.05, replica_args=REPLICA_ARGS) as gw:
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            await asyncio.wait_for(wait_scraped(http, gw), 15)
+            await wait_for(lambda: all_scraped(http, gw), "every replica scraped", within_s=10.0, step_s=0.1)
             # The replica's own view: sql-lora is loaded on replica-0 only.
             async with http.get(gw.replica_url("replica-0") + "/metrics") as resp:
                 assert 'running_lora_adapters="sql-lora"' in await resp.text()
@@ -59,7 +46,7 @@ async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
                 history, out = f"{session}: write SQL for the report", []
                 for t in range(3):
                     history += f" turn {t} more details"
-                    out.append(await turn(http, gw.url, "sql-lora", session, history))
+                    out.append((await turn(http, gw.url, session, history, model="sql-lora"))[:2])
                     await asyncio.sleep(0.02)
                 return out
 
@@ -72,5 +59,5 @@ async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
             print(f"sql-lora turns per replica: {dict(sorted(where.items()))}")
 
             # The base model is still served anywhere, full replicas included.
-            base = await asyncio.gather(*(turn(http, gw.url, "demo-model", f"b{i}", f"base {i}") for i in range(8)))
-            assert all(status == 200 for status, _ in base)
+            base = await asyncio.gather(*(turn(http, gw.url, f"b{i}", f"base {i}") for i in range(8)))
+            assert all(status == 200 for status, _, _ in base)

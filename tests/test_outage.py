@@ -7,18 +7,11 @@ import logging
 import pytest
 
 from extproc.state.outage import Outage
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import Clock
 
 
 def test_an_episode_is_logged_once_and_probes_back_off(caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeClock()
+    clock = Clock(0.0)
     outage = Outage("redis://h", base_delay_s=0.05, max_delay_s=0.3, clock=clock)
     caplog.set_level(logging.DEBUG, "extproc.state")
     assert outage.failed("lookup", ConnectionError("refused"))
@@ -32,7 +25,7 @@ def test_an_episode_is_logged_once_and_probes_back_off(caplog: pytest.LogCapture
 
 
 def test_a_flapping_store_is_reported_without_flooding_the_log(caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeClock()
+    clock = Clock(0.0)
     outage = Outage("redis://h", quiet_s=30, clock=clock)
     caplog.set_level(logging.WARNING, "extproc.state")
     for second in range(20):  # slow, not gone: a timeout, then a probe answers, again and again

@@ -11,7 +11,7 @@ import yaml
 from extproc.cli import main
 from extproc.config import config_from_mapping
 from extproc.envoy_config import GatewaySpec, render_yaml
-from extproc.queueing import FairQueue, QueueClass, QueueSettings, Refusal, Ticket, saturated
+from extproc.queueing import Admission, FairQueue, QueueClass, QueueSettings, Refusal, Ticket, Waiter, saturated
 from extproc.routing.model import Replica, ReplicaState, Snapshot
 
 SETTINGS = QueueSettings(
@@ -68,7 +68,9 @@ async def test_with_headroom_and_nobody_ahead_a_request_goes_straight_on() -> No
 
 async def test_past_the_limit_a_request_is_refused_and_leaves() -> None:
     fleet = Fleet()
-    settings = QueueSettings(enabled=True, classes={"batch": QueueClass(0, max_wait_s=0.1, max_queued=2, status=503)})
+    settings = QueueSettings(
+        enabled=True, classes={"batch": QueueClass(priority=0, max_wait_s=0.1, max_queued=2, status=503)}
+    )
     queue = FairQueue(settings, fleet)
     waiting = [asyncio.create_task(queue.admit("batch", "t", ())) for _ in range(2)]
     await asyncio.sleep(0.01)
@@ -90,6 +92,37 @@ async def test_a_cancelled_waiter_frees_its_place() -> None:
     await asyncio.gather(task, return_exceptions=True)
     assert len(queue) == 0
     await queue.close()
+
+
+def test_the_core_expires_every_waiter_past_its_limit_and_tenants_keep_their_turn() -> None:
+    now = [0.0]
+    fleet = Fleet()
+    settings = QueueSettings(
+        enabled=True,
+        classes={
+            "batch": QueueClass(priority=0, max_wait_s=5.0, max_queued=4),
+            "bulk": QueueClass(priority=0, max_wait_s=1.0),
+        },
+    )
+    core: Admission[str] = Admission(settings, fleet, lambda: now[0])
+    for name, cls, tenant in (("a0", "bulk", "a"), ("a1", "batch", "a"), ("b0", "batch", "b")):
+        assert isinstance(core.admit(cls, tenant, (), name), Waiter)
+    now[0] = 0.5
+    assert isinstance(core.admit("bulk", "a", (), "a2"), Waiter)
+    full = core.admit("batch", "c", (), "c0")
+    assert isinstance(full, Refusal) and full.kind == "queue_full"
+    assert core.next_to_go() is None and core.next_deadline() == 1.0  # saturated: the head waits
+    now[0] = 1.0
+    expired = core.expire()
+    assert [(w.item, r.kind, r.message) for w, r in expired] == [
+        ("a0", "queue_timeout", "every replica stayed saturated for 1 s")
+    ]
+    now[0] = 1.5
+    assert [w.item for w, _ in core.expire()] == ["a2"]  # behind a1 in its line: it expires all the same
+    fleet.full = False
+    # Tenant a lost its waiters, not its turn: a1 goes first, then b0.
+    assert [w.item for w in iter(core.next_to_go, None)] == ["a1", "b0"]
+    assert len(core) == 0 and core.next_deadline() is None
 
 
 def test_saturation_is_every_candidate_of_the_pool() -> None:

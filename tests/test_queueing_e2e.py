@@ -14,6 +14,7 @@ import yaml
 
 from extproc_lab.demo.fault_matrix import FaultyGateway
 from tests.conftest import require_binary
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -53,13 +54,6 @@ async def waiting(http: aiohttp.ClientSession, gw: FaultyGateway, priority: int)
     return samples(page, "extproc_queue_waiting").get(f'extproc_queue_waiting{{priority="{priority}"}}', 0.0)
 
 
-async def until(condition: Any, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 async def saturate(http: aiohttp.ClientSession, gw: FaultyGateway, mode: str) -> None:
     for name in NAMES:
         await asyncio.to_thread(gw.set_metrics_fault, name, mode)
@@ -72,7 +66,7 @@ async def saturate(http: aiohttp.ClientSession, gw: FaultyGateway, mode: str) ->
         full = len(values) == len(NAMES) and all(v >= 50 for v in values)
         return full if mode == "overloaded" else len(values) == len(NAMES) and all(v < 50 for v in values)
 
-    await until(seen)
+    await wait_for(seen, within_s=15.0, step_s=0.05)
 
 
 class Client:
@@ -109,9 +103,9 @@ async def test_interactive_goes_first_and_tenants_share_dispatch(tmp_path: Path)
                 asyncio.create_task(client.send(f"batch-{i}", {"x-request-class": "batch", "x-tenant-id": "x"}))
                 for i in range(8)
             ]
-            await until(lambda: _at_least(http, gw, 0, 8))
+            await wait_for(lambda: _at_least(http, gw, 0, 8), within_s=15.0, step_s=0.05)
             interactive = [asyncio.create_task(client.send(f"chat-{i}", {"x-tenant-id": "y"})) for i in range(4)]
-            await until(lambda: _at_least(http, gw, 1, 4))
+            await wait_for(lambda: _at_least(http, gw, 1, 4), within_s=15.0, step_s=0.05)
             await saturate(http, gw, "ok")
             results = await asyncio.gather(*batch, *interactive)
             assert all(status == 200 for status, _ in results)
@@ -128,12 +122,12 @@ async def test_interactive_goes_first_and_tenants_share_dispatch(tmp_path: Path)
                 asyncio.create_task(client.send(f"a-{i}", {"x-request-class": "batch", "x-tenant-id": "a"}))
                 for i in range(20)
             ]
-            await until(lambda: _at_least(http, gw, 0, 20))
+            await wait_for(lambda: _at_least(http, gw, 0, 20), within_s=15.0, step_s=0.05)
             b = [
                 asyncio.create_task(client.send(f"b-{i}", {"x-request-class": "batch", "x-tenant-id": "b"}))
                 for i in range(20)
             ]
-            await until(lambda: _at_least(http, gw, 0, 40))
+            await wait_for(lambda: _at_least(http, gw, 0, 40), within_s=15.0, step_s=0.05)
             await saturate(http, gw, "ok")
             results = await asyncio.gather(*a, *b)
             assert all(status == 200 for status, _ in results)
@@ -165,14 +159,14 @@ async def test_a_wait_past_the_limit_gets_429_and_a_departed_client_frees_its_pl
             assert 0.9 <= time.monotonic() - start < 5
 
             gone = asyncio.create_task(client.send("gone", {"x-request-class": "batch"}))
-            await until(lambda: _at_least(http, gw, 0, 1))
+            await wait_for(lambda: _at_least(http, gw, 0, 1), within_s=15.0, step_s=0.05)
             gone.cancel()  # the client closes its connection: Envoy ends the ext_proc stream
             await asyncio.gather(gone, return_exceptions=True)
 
             async def left() -> bool:
                 return await waiting(http, gw, 0) == 0
 
-            await until(left, timeout_s=5)  # well before its 10 s limit
+            await wait_for(left, within_s=5, step_s=0.05)  # well before its 10 s limit
             async with http.get(gw.metrics_url) as resp:
                 page = await resp.text()
             outcomes = samples(page, "extproc_queue_outcomes_total")
@@ -190,7 +184,7 @@ async def test_requests_held_when_the_processor_restarts_are_not_lost(tmp_path: 
             client = Client(http, gw)
             await saturate(http, gw, "overloaded")
             held = [asyncio.create_task(client.send(f"held-{i}", {})) for i in range(6)]
-            await until(lambda: _at_least(http, gw, 1, 6))
+            await wait_for(lambda: _at_least(http, gw, 1, 6), within_s=15.0, step_s=0.05)
             start = time.monotonic()
             await asyncio.to_thread(gw.procs.stop, gw.processor_name(0))
             results = await asyncio.wait_for(asyncio.gather(*held), timeout=10)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 
 from extproc.health.replicas import LoadReport
 from extproc.rebalance import (
     LedgerEntry,
+    Prewarm,
     Prewarmer,
+    PrewarmQueue,
     PrewarmSettings,
     SessionLedger,
     plan_join,
@@ -23,6 +24,7 @@ from extproc.rebalance import (
 from extproc.router import Router
 from extproc.routing import HashRing, Replica, ReplicaState
 from tests.conftest import chat_body, make_config
+from tests.helpers import metric_value
 
 
 def entries(n: int, replicas: list[str]) -> list[LedgerEntry]:
@@ -106,6 +108,29 @@ async def test_prewarmer_sends_at_its_rate_and_drops_the_oldest_when_full() -> N
     assert not Prewarmer(PrewarmSettings(enabled=False), loop.time, send=send).submit("h:1", "/p", b"{}")
 
 
+def test_the_prewarm_queue_lets_one_go_per_token_on_any_clock() -> None:
+    now = [0.0]
+    outcomes: list[str] = []
+    queue = PrewarmQueue(
+        PrewarmSettings(enabled=True, rate_per_s=2.0, burst=1, queue=2), lambda: now[0], outcomes.append
+    )
+    assert queue.take() is None
+    for i in range(3):
+        assert queue.submit(f"h{i}:1", "/v1/chat/completions", chat_body("x"))
+    assert outcomes == ["dropped"] and len(queue) == 2
+    first = queue.take()
+    assert isinstance(first, Prewarm) and first.address == "h1:1"
+    assert queue.take() == pytest.approx(0.5)  # the bucket is empty: a token every half second
+    now[0] = 0.5
+    second = queue.take()
+    assert isinstance(second, Prewarm) and second.address == "h2:1" and queue.take() is None
+    queue.sent(200)
+    queue.sent(503)
+    queue.sent(None)
+    assert outcomes == ["dropped", "ok", "error", "error"]
+    assert not queue.submit("h:1", "/p", b"not json") and outcomes[-1] == "unusable"
+
+
 async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
     router = Router(make_config(replicas=tuple(Replica(f"r{i}", f"10.0.0.{i}:80") for i in range(4))))
     sent: list[str] = []
@@ -114,9 +139,11 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
         sent.append(address)
         return 200
 
-    router.rebalancer.settings = replace(router.rebalancer.settings, move_on_join=True)
+    router.rebalancer.settings = router.rebalancer.settings.model_copy(update={"move_on_join": True})
     router.rebalancer.prewarmer.send = send
-    router.rebalancer.prewarmer.settings = PrewarmSettings(enabled=True, rate_per_s=10_000, burst=10_000, queue=10_000)
+    router.rebalancer.prewarmer.queue.settings = PrewarmSettings(
+        enabled=True, rate_per_s=10_000, burst=10_000, queue=10_000
+    )
     headers = {":path": "/v1/chat/completions"}
     for i in range(400):
         routed = await router.route({**headers, "x-session-id": f"s{i}"}, chat_body(f"conversation {i} " * 20))
@@ -126,7 +153,7 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
 
     await router.set_replicas([*router.config.replicas, Replica("r9", "10.0.0.9:80")])
     await router.rebalancer.prewarmer.drain()
-    moved = router.metrics.sessions_moved.labels("join")._value.get()
+    moved = metric_value(router.metrics.sessions_moved.labels("join"))
     assert 20 < moved < 140 and sent.count("10.0.0.9:80") == moved
     some = next(e for e in router.rebalancer.ledger.live(router.clock()) if e.replica == "r9")
     view = await router.store.lookup(some.session, (), router.clock(), model="m")
@@ -134,27 +161,27 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
 
     on_r1 = sum(1 for e in router.rebalancer.ledger.live(router.clock()) if e.replica == "r1")
     await router.set_replicas([r for r in [*router.config.replicas, Replica("r9", "10.0.0.9:80")] if r.name != "r1"])
-    assert router.metrics.sessions_moved.labels("leave")._value.get() == on_r1
+    assert metric_value(router.metrics.sessions_moved.labels("leave")) == on_r1
     assert not any(e.replica == "r1" for e in router.rebalancer.ledger.live(router.clock()))
 
 
 async def test_a_replica_hot_for_long_enough_sheds_once_per_cooldown() -> None:
     clock = [1000.0]
     router = Router(make_config(), clock=lambda: clock[0])
-    router.rebalancer.prewarmer.settings = PrewarmSettings(enabled=False)
+    router.rebalancer.prewarmer.queue.settings = PrewarmSettings(enabled=False)
     for i in range(60):
         await router.route({":path": "/v1/chat/completions", "x-session-id": f"s{i}"}, chat_body(f"c{i} " * 30))
     hot = Counter(e.replica for e in router.rebalancer.ledger.live(clock[0])).most_common(1)[0][0]
     router.replicas.apply_report(hot, LoadReport(queue=2, running=10, kv_usage=0.97))
     await router.after_scrape([])
-    assert router.metrics.sessions_moved.labels("hot")._value.get() == 0  # not hot for long yet
+    assert metric_value(router.metrics.sessions_moved.labels("hot")) == 0  # not hot for long yet
     clock[0] += 11
     await router.after_scrape([])
-    shed = router.metrics.sessions_moved.labels("hot")._value.get()
+    shed = metric_value(router.metrics.sessions_moved.labels("hot"))
     assert shed >= 1
     clock[0] += 5
     await router.after_scrape([])
-    assert router.metrics.sessions_moved.labels("hot")._value.get() == shed  # replica cooldown
+    assert metric_value(router.metrics.sessions_moved.labels("hot")) == shed  # replica cooldown
 
 
 @pytest.mark.parametrize("bad", [{"rebalance": {"shed_fraction": 2}}, {"rebalance": {"prewarm": {"rate_per_s": 0}}}])

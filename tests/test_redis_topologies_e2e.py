@@ -11,7 +11,6 @@ Redis, so a conversation's turns alternate processors and must stay on one repli
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -26,13 +25,13 @@ from redis.crc import key_slot
 from extproc.state.redis_keys import KeySpace
 from extproc_lab.demo.certificates import make_certificates
 from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.load import read_metrics
 from extproc_lab.demo.redis_server import LocalCluster, LocalRedis, LocalSentinel
 from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import require_binary
-from tests.test_shared_store_e2e import metrics_of
+from tests.helpers import decisions, send_turn
 
 pytestmark = pytest.mark.e2e
-CHAT = "/v1/chat/completions"
 NAMESPACE = "topo"
 # The first burst of requests opens a connection each: over TLS, Python's handshakes on two busy
 # cores outlast the 50 ms default timeouts (measured: lookups timed out, the store routed on local
@@ -62,29 +61,6 @@ def running(gw: LocalGateway, *redis: LocalRedis) -> Iterator[LocalGateway]:
         gw.stop()  # the Redis processes are in the gateway's process group: stopped by PID
 
 
-async def decisions(http: aiohttp.ClientSession, gw: LocalGateway) -> list[Counter[str]]:
-    """Decisions by reason per processor, summed over models."""
-    out = []
-    for url in gw.metrics_urls:
-        counts: Counter[str] = Counter()
-        for key, value in (await metrics_of(http, url)).items():
-            if key.startswith("extproc_decisions_total{"):
-                counts[key.split("reason=")[1].split(",")[0].rstrip("}")] += int(value)
-        out.append(counts)
-    return out
-
-
-async def send_turn(
-    http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int, model: str = "demo-model"
-) -> tuple[int, str]:
-    body = {"model": model, "messages": conv.next_messages(turn), "max_tokens": 2}
-    async with http.post(url + CHAT, data=json.dumps(body), headers={"x-session-id": conv.session_id}) as resp:
-        payload: Any = await resp.read()
-        if resp.status == 200:
-            conv.add_answer(json.loads(payload)["choices"][0]["message"]["content"])
-        return resp.status, resp.headers.get("x-replica-name", "")
-
-
 async def replay(
     gw: LocalGateway, convs: list[Conversation], turns: int, models: list[str] | None = None
 ) -> tuple[list[set[str]], list[Counter[str]], Counter[int]]:
@@ -92,7 +68,7 @@ async def replay(
     used, the decisions per processor during the replay, and the statuses."""
     statuses: Counter[int] = Counter()
     async with aiohttp.ClientSession() as http:
-        before = await decisions(http, gw)
+        before = await decisions(http, gw.metrics_urls)
 
         async def converse(index: int, conv: Conversation) -> set[str]:
             used = set()
@@ -105,7 +81,7 @@ async def replay(
             return used
 
         used = await asyncio.gather(*(converse(i, c) for i, c in enumerate(convs)))
-        after = await decisions(http, gw)
+        after = await decisions(http, gw.metrics_urls)
     return list(used), [after[i] - before[i] for i in range(2)], statuses
 
 
@@ -183,7 +159,7 @@ def _replicas_per_session(turns: Iterable[Turn]) -> dict[str, set[str]]:
 
 
 async def _store_available(http: aiohttp.ClientSession, gw: LocalGateway) -> bool:
-    values = [(await metrics_of(http, url)).get("extproc_store_available{}") for url in gw.metrics_urls]
+    values = [(await read_metrics(http, url)).get("extproc_store_available{}") for url in gw.metrics_urls]
     return all(v == 1.0 for v in values)
 
 

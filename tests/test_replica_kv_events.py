@@ -3,7 +3,6 @@ evictions and resets, and a router's index built from them agrees with its own h
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -21,23 +20,10 @@ from extproc.request.tokenizer import PromptTokenizer
 from extproc_lab.replica import ReplicaEngine, build_app, get_profile
 from extproc_lab.replica.kv_events import TokenBlocks
 from extproc_lab.replica.kv_publisher import KvEventPublisher
-from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
+from extproc_lab.replica.tokenizer_dir import sample_text
+from tests.helpers import metric_value, wait_for
 
 MODEL = "m"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-
-
-async def wait_for(predicate, within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + within_s
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 class Rig:
@@ -125,7 +111,7 @@ async def test_a_dropped_batch_is_replayed(rig: Rig) -> None:
     await rig.chat(msgs)  # its stores are lost on the way...
     await rig.chat(convo(4))  # ...and the next batch shows the gap
     await wait_for(lambda: rig.source.matches(MODEL, keys, ["replica-a"], 0.0).get("replica-a") == len(keys))
-    assert rig.source.metrics.replays.labels("replica-a", "ok")._value.get() >= 2  # catch-up, then the gap
+    assert metric_value(rig.source.metrics.replays.labels("replica-a", "ok")) >= 2  # catch-up, then the gap
 
 
 def vllm_chain_by_hand(ids: tuple[int, ...], extra: tuple[str, ...] | None, salt: str | None = None) -> list[int]:

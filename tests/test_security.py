@@ -11,7 +11,6 @@ routing headers are covered elsewhere: ``tests/test_e2e.py::test_client_set_rout
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from extproc_lab.demo.load import chat_body, read_metrics, send, total
 from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_port
 from tests.conftest import body_message, headers_message, make_config, require_binary, set_headers
 from tests.conftest import chat_body as stream_chat_body
-from tests.test_envoy_config import validate
+from tests.helpers import deciding, validate
 
 SERVER_NAME = "extproc.local"
 
@@ -111,8 +110,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def test_every_listener_defaults_to_loopback() -> None:
     cfg = Config()
-    assert cfg.listen == "127.0.0.1:9002" and cfg.metrics_listen == "127.0.0.1:9190"
-    assert cfg.grpc_tls is None  # plaintext is for loopback (or a unix socket); TLS is opt-in
+    assert cfg.listen == "127.0.0.1:9002" and cfg.metrics.address == "127.0.0.1:9190"
+    assert cfg.grpc.tls is None  # plaintext is for loopback (or a unix socket); TLS is opt-in
     spec = GatewaySpec(replicas=[Replica("r", "127.0.0.1:8000")])
     assert spec.listen.startswith("127.0.0.1:") and spec.admin.startswith("127.0.0.1:")
     assert spec.processor.startswith("127.0.0.1:") and spec.processor_tls is None
@@ -137,7 +136,11 @@ async def test_a_plaintext_listener_off_loopback_is_warned_about(caplog: pytest.
 @pytest.fixture
 async def tls_server(pki: Pki, request: pytest.FixtureRequest) -> AsyncIterator[ProcessorServer]:
     mutual = getattr(request, "param", False)
-    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem") if mutual else None)
+    tls = ListenerTls(
+        cert_file=pki.path("server.pem"),
+        key_file=pki.path("server.key"),
+        client_ca_file=pki.path("ca.pem") if mutual else None,
+    )
     server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls)
     await server.start()
     yield server
@@ -196,7 +199,9 @@ async def test_tls_listener_serves_tls_clients_and_refuses_plaintext(tls_server:
 async def test_a_plaintext_health_port_beside_an_mtls_listener_serves_health_alone(pki: Pki) -> None:
     """kubelet's gRPC probes speak plaintext: grpc.health_listen gives them the health service,
     with the status of the TLS listener, and nothing else."""
-    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
+    tls = ListenerTls(
+        cert_file=pki.path("server.pem"), key_file=pki.path("server.key"), client_ca_file=pki.path("ca.pem")
+    )
     server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls, health_listen="127.0.0.1:0")
     await server.start()
     try:
@@ -239,7 +244,9 @@ async def test_a_rotated_certificate_is_served_without_a_restart(pki: Pki, tmp_p
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_bytes(pki.read("server.pem"))
     key.write_bytes(pki.read("server.key"))
-    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=ListenerTls(str(cert), str(key)))
+    server = ProcessorServer(
+        Router(make_config()), "127.0.0.1:0", tls=ListenerTls(cert_file=str(cert), key_file=str(key))
+    )
     await server.start()
     trusts_next = grpc.ssl_channel_credentials(root_certificates=(tmp_path / "next-ca.pem").read_bytes())
     try:
@@ -261,20 +268,31 @@ async def test_tls_settings_come_from_files_and_errors_name_the_field(pki: Pki, 
     cfg = config_from_mapping(
         {"grpc": {"tls": {"cert_file": "/c.pem", "key_file": "/k.pem", "client_ca_file": "/ca.pem"}}}
     )
-    assert cfg.grpc_tls == ListenerTls("/c.pem", "/k.pem", "/ca.pem") and cfg.grpc_tls.mutual
+    assert (
+        cfg.grpc.tls == ListenerTls(cert_file="/c.pem", key_file="/k.pem", client_ca_file="/ca.pem")
+        and cfg.grpc.tls.mutual
+    )
     for tls, message in (
         ({"cert_file": "/c.pem"}, r"grpc\.tls\.key_file: Field required"),
         ({"cert_file": "/c.pem", "key_file": "/k.pem", "key": "-----BEGIN"}, r"grpc\.tls\.key: unknown key"),
-        ("yes", r"grpc\.tls: Input should be .*ListenerTlsFiles"),
+        ("yes", r"grpc\.tls: Input should be .*ListenerTls"),
     ):
         with pytest.raises(ConfigError, match=message):
             config_from_mapping({"grpc": {"tls": tls}})
     with pytest.raises(ValueError, match=r"grpc\.tls\.key_file: cannot read"):
-        ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=ListenerTls(pki.path("server.pem"), "/nope.key"))
+        ProcessorServer(
+            Router(make_config()),
+            "127.0.0.1:0",
+            tls=ListenerTls(cert_file=pki.path("server.pem"), key_file="/nope.key"),
+        )
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("hello")
     with pytest.raises(ValueError, match=r"grpc\.tls\.cert_file: .* holds no PEM block"):
-        ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=ListenerTls(str(not_pem), pki.path("server.key")))
+        ProcessorServer(
+            Router(make_config()),
+            "127.0.0.1:0",
+            tls=ListenerTls(cert_file=str(not_pem), key_file=pki.path("server.key")),
+        )
 
 
 def test_serve_with_an_unreadable_key_exits_2(pki: Pki, capsys: pytest.CaptureFixture[str]) -> None:
@@ -416,7 +434,7 @@ async def test_info_logs_hold_no_prompt_key_session_or_password(tmp_path: Path) 
             gw.procs.stop("processor")
             gw.processor_args = (*base, "--log-level", "info", "--log-format", "json")
             gw.start_processor()
-            await asyncio.sleep(0.3)
+            await deciding(http, gw)
             await traffic(http, "json")
         log = (gw.dir / "processor.log").read_text()
     assert "listening on" in log and "store URL carries its password inline" in log  # not an empty log
@@ -435,7 +453,9 @@ async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: P
     from extproc.config import AdminSettings
 
     router = Router(make_config())
-    tls = ListenerTls(pki.path("server.pem"), pki.path("server.key"), pki.path("ca.pem"))
+    tls = ListenerTls(
+        cert_file=pki.path("server.pem"), key_file=pki.path("server.key"), client_ca_file=pki.path("ca.pem")
+    )
     admin = AdminServer(router, AdminSettings(listen="127.0.0.1:0", tls=tls))
     await admin.bind()
     await admin.start()

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from extproc.router import Router
 from extproc.server import ProcessorServer
 from tests.conftest import body_message, chat_body, headers_message, make_config, set_headers
+from tests.helpers import wait_for
 
 
 @pytest.fixture
@@ -109,16 +110,17 @@ async def test_with_discovery_pending_ext_proc_is_not_serving_until_a_replica_is
 
 
 async def test_a_discovery_that_never_answers_still_ends_in_serving() -> None:
-    import asyncio
-
     server = ProcessorServer(Router(make_config(replicas=())), "127.0.0.1:0")
     await server.start(ready_when=lambda: False, ready_timeout_s=0.3)
     try:
-        await asyncio.sleep(0.6)
         async with grpc.aio.insecure_channel(server.address) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="envoy.service.ext_proc.v3.ExternalProcessor"), timeout=3
-            )
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # Envoy fails open: let it
+            health = health_pb2_grpc.HealthStub(channel)
+            service = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+            async def serving() -> bool:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=3)
+                return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+            await wait_for(serving, "SERVING after the ready timeout", within_s=5.0, step_s=0.05)  # Envoy fails open
     finally:
         await server.stop(0)

@@ -4,23 +4,21 @@ round-robins ext_proc streams between them, so a conversation's turns alternate 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.load import read_metrics
 from extproc_lab.demo.processes import free_port
 from extproc_lab.demo.redis_server import LocalRedis
 from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import require_binary
+from tests.helpers import decisions, send_turn
 
 pytestmark = pytest.mark.e2e
-CHAT = "/v1/chat/completions"
 NAMESPACE = "e2e"
 
 
@@ -58,49 +56,14 @@ def shared() -> Iterator[SharedGateway]:
         yield gateway
 
 
-async def metrics_of(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Samples of one processor's /metrics, keyed ``name{label=value}``."""
-    async with http.get(url) as resp:
-        text = await resp.text()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}"] = sample.value
-    return out
-
-
-async def decisions(http: aiohttp.ClientSession, gw: LocalGateway) -> list[Counter[str]]:
-    """Decisions by reason, per processor."""
-    per_processor = []
-    for url in gw.metrics_urls:
-        samples = await metrics_of(http, url)
-        counts: Counter[str] = Counter()
-        for key, value in samples.items():
-            if key.startswith("extproc_decisions_total{"):
-                counts[key.split("reason=")[1].rstrip("}")] = int(value)
-        per_processor.append(counts)
-    return per_processor
-
-
-async def send_turn(http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int) -> tuple[int, str]:
-    body = {"model": "demo-model", "messages": conv.next_messages(turn), "max_tokens": 2}
-    async with http.post(url + CHAT, data=json.dumps(body), headers={"x-session-id": conv.session_id}) as resp:
-        payload: Any = await resp.read()
-        if resp.status == 200:
-            content = json.loads(payload)["choices"][0]["message"]["content"]
-            conv.add_answer(content)
-        return resp.status, resp.headers.get("x-replica-name", "")
-
-
 async def test_turns_alternate_processors_and_stay_on_one_replica(shared: SharedGateway) -> None:
     gw = shared.gw
     async with aiohttp.ClientSession() as http:
         # One conversation alone: Envoy's round robin hands its turns to the processors in turn.
-        before = await decisions(http, gw)
+        before = await decisions(http, gw.metrics_urls)
         (alone,) = multi_turn(1, 6, seed=1, system_tokens=100, document_tokens=300, run_id="alone")
         seen = {(await send_turn(http, gw.url, alone, t))[1] for t in range(6)}
-        after = await decisions(http, gw)
+        after = await decisions(http, gw.metrics_urls)
         per_processor = [after[i] - before[i] for i in range(2)]
         assert len(seen) == 1, seen
         assert [sum(c.values()) for c in per_processor] == [3, 3], per_processor
@@ -119,9 +82,9 @@ async def test_turns_alternate_processors_and_stay_on_one_replica(shared: Shared
                 replicas.add(replica)
             return replicas
 
-        before = await decisions(http, gw)
+        before = await decisions(http, gw.metrics_urls)
         results = await asyncio.gather(*(converse(c) for c in convs))
-        after = await decisions(http, gw)
+        after = await decisions(http, gw.metrics_urls)
     assert all(len(r) == 1 for r in results), results
     assert len({next(iter(r)) for r in results}) >= 2  # the conversations themselves are spread
     per_processor = [after[i] - before[i] for i in range(2)]
@@ -144,16 +107,16 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
             progress.set()
             await asyncio.sleep(0.01)
 
-    async def wait_for(count: int) -> None:
+    async def answered(count: int) -> None:
         while len(statuses) < count:
             progress.clear()
             await progress.wait()
 
     async with aiohttp.ClientSession() as http:
         replay = asyncio.gather(*(converse(http, c) for c in convs))
-        await wait_for(total // 3)
+        await answered(total // 3)
         redis.kill()
-        await wait_for(2 * total // 3)
+        await answered(2 * total // 3)
         during = len(statuses)
         redis.start()
         await replay
@@ -163,11 +126,11 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
         # Both processors noticed the outage, and both are back on Redis.
         for url in gw.metrics_urls:
             deadline = asyncio.get_running_loop().time() + 5
-            while (await metrics_of(http, url))["extproc_store_available{}"] != 1:
+            while (await read_metrics(http, url))["extproc_store_available{}"] != 1:
                 assert asyncio.get_running_loop().time() < deadline, f"{url}: store still unavailable"
                 await asyncio.sleep(0.1)
         errors = [
-            sum(v for k, v in (await metrics_of(http, url)).items() if k.startswith("extproc_store_errors_total"))
+            sum(v for k, v in (await read_metrics(http, url)).items() if k.startswith("extproc_store_errors_total"))
             for url in gw.metrics_urls
         ]
         assert sum(errors) >= 1, errors

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from extproc.config import Config
 from extproc.queueing import QueueClass, QueueSettings
 from extproc_lab.replica.timing import get_profile
@@ -24,11 +22,14 @@ def test_queueing_keeps_interactive_ttft_low_when_batch_overloads_the_fleet() ->
     workload = merge("mix", [batch, chat])
     unlimited = QueueClass(priority=1, max_wait_s=1e9, max_queued=10**9)
     queued = QueueSettings(
-        enabled=True, max_inflight_per_replica=8, default=unlimited, classes={"batch": replace(unlimited, priority=0)}
+        enabled=True,
+        max_inflight_per_replica=8,
+        default=unlimited,
+        classes={"batch": unlimited.model_copy(update={"priority": 0})},
     )
     runs = {}
     for name, settings in (("without", QueueSettings()), ("with", queued)):
-        config = replace(Config(), queueing=settings)
+        config = Config(queueing=settings)
         runs[name] = PrioritySimulation(workload, get_profile("demo"), 2, None, config, _class).run()
     for run in runs.values():
         assert len(run.served) == len(workload) and not run.refused
@@ -45,7 +46,7 @@ def test_a_request_held_past_its_limit_is_refused() -> None:
     settings = QueueSettings(
         enabled=True, max_inflight_per_replica=4, classes={"batch": QueueClass(priority=0, max_wait_s=0.5)}
     )
-    run = PrioritySimulation(batch, get_profile("demo"), 1, None, replace(Config(), queueing=settings), _class).run()
+    run = PrioritySimulation(batch, get_profile("demo"), 1, None, Config(queueing=settings), _class).run()
     assert run.refused.get("timeout", 0) > 0
     assert len(run.served) + run.refused["timeout"] == len(batch)
     assert all(s.dispatched - s.arrival <= 0.5 + 1e-9 for s in run.served)

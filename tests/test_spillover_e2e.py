@@ -14,6 +14,7 @@ import pytest
 
 from extproc_lab.demo.fault_matrix import FAST_HEALTH, FaultyGateway
 from tests.conftest import require_binary
+from tests.helpers import turn
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -24,13 +25,6 @@ SPILLOVER = re.compile(r'^extproc_decisions_total\{[^}]*reason="spillover"[^}]*\
 async def spillovers(http: aiohttp.ClientSession, metrics_url: str) -> float:
     async with http.get(metrics_url) as resp:
         return sum(float(v) for v in SPILLOVER.findall(await resp.text()))
-
-
-async def turn(http: aiohttp.ClientSession, url: str, session: str, history: str) -> tuple[int, str]:
-    body = {"model": "demo-model", "messages": [{"role": "user", "content": history}], "max_tokens": 2}
-    async with http.post(url + CHAT, json=body, headers={"x-session-id": session}) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get("x-replica-name", "")
 
 
 async def test_overloaded_replica_spills_over_then_gets_its_sessions_back(tmp_path: Path) -> None:
@@ -45,7 +39,7 @@ async def test_overloaded_replica_spills_over_then_gets_its_sessions_back(tmp_pa
     async def round_of_turns(http: aiohttp.ClientSession, tag: str) -> dict[str, str]:
         async def one(session: str) -> tuple[str, str]:
             histories[session] += f" turn {tag} question and answer"
-            status, replica = await turn(http, gw.url, session, histories[session])
+            status, replica, _ = await turn(http, gw.url, session, histories[session])
             if status != 200:
                 errors.append((session, status))
             return session, replica
@@ -72,7 +66,7 @@ async def test_overloaded_replica_spills_over_then_gets_its_sessions_back(tmp_pa
                 # Placement follows the ring and the load: add sessions until the victim holds some.
                 new = f"s{len(histories)}"
                 histories[new] = f"conversation {new} " + "background text " * 100
-                status, first[new] = await turn(http, gw.url, new, histories[new])
+                status, first[new], _ = await turn(http, gw.url, new, histories[new])
                 assert status == 200
             for _ in range(2):
                 placement = await round_of_turns(http, "warm")

@@ -16,6 +16,7 @@ import yaml
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
+from tests.helpers import chat, scrape_total
 
 pytestmark = pytest.mark.e2e
 
@@ -28,8 +29,9 @@ SPLITS = [
 ]
 
 
-def chat(text: str, model: str = "support") -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+def support(text: str) -> dict[str, Any]:
+    """A one-token chat for the model the split rule matches."""
+    return chat(text, model="support", max_tokens=1)
 
 
 async def served(http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]) -> str:
@@ -38,16 +40,6 @@ async def served(http: aiohttp.ClientSession, url: str, body: dict[str, Any], he
         assert resp.status == 200, text
         model: str = json.loads(text)["model"]
         return model
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    assert want, name
-    return total
 
 
 @pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full-duplex"])
@@ -63,7 +55,7 @@ async def test_a_90_10_split_by_session_rewrites_the_model(tmp_path: Path, full_
 
             async def first_turn(i: int) -> str:
                 async with gate:
-                    return await served(http, gw.url, chat(f"hello {i}"), {"x-session-id": f"s{i}"})
+                    return await served(http, gw.url, support(f"hello {i}"), {"x-session-id": f"s{i}"})
 
             arms = await asyncio.gather(*(first_turn(i) for i in range(sessions)))
             assert set(arms) <= {"support-v1", "support-v2"}  # every answer came from a rewritten body
@@ -80,7 +72,7 @@ async def test_a_90_10_split_by_session_rewrites_the_model(tmp_path: Path, full_
                 for t in range(3):
                     history += f" turn {t}"
                     async with gate:
-                        seen.add(await served(http, gw.url, chat(history), {"x-session-id": f"s{i}"}))
+                        seen.add(await served(http, gw.url, support(history), {"x-session-id": f"s{i}"}))
                 return seen
 
             sample = range(0, sessions, sessions // 40)
@@ -90,20 +82,20 @@ async def test_a_90_10_split_by_session_rewrites_the_model(tmp_path: Path, full_
             # A header naming a target pins that arm, whatever the hash says.
             v1_session = arms.index("support-v1")
             pinned = await served(
-                http, gw.url, chat("pinned"), {"x-session-id": f"s{v1_session}", "x-canary": "support-v2"}
+                http, gw.url, support("pinned"), {"x-session-id": f"s{v1_session}", "x-canary": "support-v2"}
             )
             assert pinned == "support-v2"
             # A model no rule matches goes unchanged; a body not JSON still gets an answer.
-            assert await served(http, gw.url, chat("other", model="demo-model"), {}) == "demo-model"
+            assert await served(http, gw.url, chat("other", max_tokens=1), {}) == "demo-model"
             async with http.post(f"{gw.url}/v1/chat/completions", data=b"{not json", headers={}) as resp:
                 assert resp.status == 400
 
             async with http.get(gw.metrics_url) as resp:
                 page = await resp.text()
-            v2 = metric(page, "extproc_split_requests_total", rule="support-canary", arm="support-v2")
-            v1 = metric(page, "extproc_split_requests_total", rule="support-canary", arm="support-v1")
+            v2 = scrape_total(page, "extproc_split_requests_total", rule="support-canary", arm="support-v2")
+            v1 = scrape_total(page, "extproc_split_requests_total", rule="support-canary", arm="support-v1")
             assert v1 + v2 >= sessions and v2 >= arms.count("support-v2")
-            ttft = metric(page, "extproc_split_ttft_seconds_count", rule="support-canary", arm="support-v2")
+            ttft = scrape_total(page, "extproc_split_ttft_seconds_count", rule="support-canary", arm="support-v2")
             assert ttft >= arms.count("support-v2")
 
 
@@ -115,7 +107,7 @@ async def test_a_large_body_is_rewritten_whole_in_full_duplex(tmp_path: Path) ->
     args = ("--config", str(tmp_path / "router.yaml"))
     with LocalGateway(replicas=1, processor_args=args, full_duplex=True, time_scale=0.001) as gw:
         async with aiohttp.ClientSession() as http:
-            body = chat("x" * 200_000)
+            body = support("x" * 200_000)
             async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
                 payload = json.loads(await resp.read())
                 assert resp.status == 200, payload

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
-from extproc.cli import _build_config, main
+from extproc.cli import main
 from extproc.config import ConfigError, config_from_mapping
+from extproc.config.cli_flags import add_config_flags, config_from_flags
 from extproc.state import MemoryStore
 from extproc.state.factory import open_store
 from extproc.state.redis_store import RedisStore
@@ -105,15 +107,10 @@ def test_config_and_command_line_accept_every_supported_store() -> None:
     cfg = config_from_mapping({"store": "redis+sentinel://s:26379/mymaster"})
     assert cfg.store.startswith("redis+sentinel://")
 
-    class Args:
-        config = None
-        replica = ["a=127.0.0.1:1"]
-        mode = None
-        store = "redis://127.0.0.1:6379"
-        listen = None
-        metrics_listen = None
-
-    assert _build_config(Args()).store == "redis://127.0.0.1:6379"  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    args = parser.parse_args(["--replica", "a=127.0.0.1:1", "--store", "redis://127.0.0.1:6379"])
+    assert config_from_flags(None, args).store == "redis://127.0.0.1:6379"
 
 
 def test_serve_rejects_a_bad_store_before_starting(capsys: pytest.CaptureFixture[str]) -> None:

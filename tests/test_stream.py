@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
-
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.config import with_overrides
+from extproc.plan import Planner
 from extproc.router import Router
-from extproc.server.stream import RequestStream
+from extproc.server.stream import Phase, RequestStream
 from tests.conftest import (
     body_message,
     chat_body,
@@ -16,16 +16,9 @@ from tests.conftest import (
     response_headers_message,
     set_headers,
 )
+from tests.helpers import metric_value, run
 
 CHAT = {":path": "/v1/chat/completions", ":method": "POST"}
-
-
-async def run(router: Router, messages: Iterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
-    async def source() -> AsyncIterator[pb.ProcessingRequest]:
-        for m in messages:
-            yield m
-
-    return [r async for r in RequestStream(router).run(source())]
 
 
 async def test_body_phase_carries_the_decision_in_cluster_mode() -> None:
@@ -82,7 +75,7 @@ async def test_partial_body_chunks_are_accumulated() -> None:
     )
     assert out[1].request_body.response.header_mutation.set_headers == []
     assert set_headers(out[2].request_body.response.header_mutation)["x-target-cluster"]
-    assert router.metrics.body_errors._value.get() == 0
+    assert metric_value(router.metrics.body_errors) == 0
 
 
 async def test_malformed_and_huge_bodies_are_routed_by_fallback() -> None:
@@ -90,7 +83,7 @@ async def test_malformed_and_huge_bodies_are_routed_by_fallback() -> None:
     for body in (b"{nope", b"", b"\x00\xff" * 10, chat_body("x" * (9 * 1024 * 1024))):
         out = await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(body)])
         assert set_headers(out[-1].request_body.response.header_mutation)["x-target-cluster"]
-    assert router.metrics.body_errors._value.get() == 4
+    assert metric_value(router.metrics.body_errors) == 4
 
 
 async def test_no_replicas_lets_envoy_route_on_its_own() -> None:
@@ -98,7 +91,7 @@ async def test_no_replicas_lets_envoy_route_on_its_own() -> None:
     out = await run(router, [headers_message(CHAT), body_message(chat_body("x"))])
     assert out[1].WhichOneof("response") == "request_body"
     assert not out[1].request_body.response.header_mutation.set_headers
-    assert router.metrics.decisions.labels("no_replica", "m")._value.get() == 1
+    assert metric_value(router.metrics.decisions.labels("no_replica", "m")) == 1
 
 
 async def test_messages_out_of_order_are_let_through() -> None:
@@ -194,12 +187,10 @@ async def test_full_duplex_holds_the_headers_answer_and_streams_the_body_back() 
 async def test_response_sampling_skips_the_response_headers_of_the_unsampled_requests() -> None:
     """health.response_sample_rate 0.25: every fourth request keeps its response-headers phase;
     the others are told (mode_override, repeating the buffered body mode) to skip it."""
-    from dataclasses import replace
-
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 
     cfg = make_config()
-    router = Router(replace(cfg, health=replace(cfg.health, response_sample_rate=0.25)))
+    router = Router(with_overrides(cfg, health=cfg.health.model_copy(update={"response_sample_rate": 0.25})))
     overrides = []
     for i in range(8):
         out = await run(router, [headers_message({**CHAT, "x-session-id": f"s{i}"}), body_message(chat_body("hi"))])
@@ -218,3 +209,95 @@ async def test_by_default_every_response_is_observed() -> None:
     router = Router(make_config())
     out = await run(router, [headers_message(CHAT), body_message(chat_body("hi"))])
     assert not out[0].HasField("mode_override")
+
+
+def _duplex(headers: dict[str, str]) -> pb.ProcessingRequest:
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+    first = headers_message(headers)
+    first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    return first
+
+
+async def test_a_failing_router_in_full_duplex_releases_the_held_back_request_unrouted() -> None:
+    router = Router(make_config())
+
+    async def broken(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    router.route = broken  # type: ignore[method-assign,assignment]
+    body = chat_body("z" * 100)
+    out = await run(
+        router,
+        [
+            _duplex(CHAT),
+            body_message(body[:50], False),
+            body_message(body[50:], False),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+        ],
+    )
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "request_trailers"]
+    assert not out[0].request_headers.response.header_mutation.set_headers  # unrouted: Envoy's default route
+    assert out[1].request_body.response.body_mutation.streamed_response.body == body
+    assert metric_value(router.metrics.stream_errors.labels("answer")) == 1
+
+
+async def test_the_phases_of_a_buffered_request_and_of_a_full_duplex_one() -> None:
+    router = Router(make_config())
+    stream = RequestStream(Planner(router))
+    seen = []
+    for message in (
+        headers_message(CHAT),
+        body_message(b"{", False),
+        body_message(chat_body("x")),
+        response_headers_message(200),
+    ):
+        await stream.answer(message)
+        seen.append(stream.phase)
+    assert seen == [Phase.REQUEST_BODY, Phase.REQUEST_BODY, Phase.RESPONSE_HEADERS, Phase.DONE]
+    duplex = RequestStream(Planner(router))
+    answers = [await duplex.answer(m) for m in (_duplex(CHAT), body_message(b"{", False), body_message(b"}", True))]
+    assert [len(a) for a in answers] == [0, 0, 2]  # held back, then the decision and the body
+    assert duplex.phase is Phase.RESPONSE_HEADERS
+    assert duplex.plan is not None
+    router.release(duplex.plan.routed)
+
+
+async def test_a_message_out_of_its_phase_is_let_through_and_changes_nothing() -> None:
+    router = Router(make_config())
+    out = await run(
+        router,
+        [
+            headers_message(CHAT),
+            body_message(chat_body("x")),
+            response_headers_message(200),
+            response_headers_message(503),
+        ],
+    )
+    assert [r.WhichOneof("response") for r in out][-1] == "response_headers"
+    assert metric_value(router.metrics.responses_observed) == 1  # the second is not a response of its own
+
+
+async def test_the_plan_says_where_and_the_refusal_wording_is_the_planners() -> None:
+    from extproc.config import config_from_mapping
+    from extproc.plan import QUOTA_MESSAGE, Forward, Refuse
+
+    planner = Planner(Router(make_config(mode="endpoint")))
+    plan = await planner.plan({**CHAT, "x-session-id": "s"}, chat_body("x"))
+    action = plan.action
+    assert isinstance(action, Forward) and action.to_replica and action.body is None
+    endpoint = dict(action.set_headers)["x-gateway-destination-endpoint"]
+    assert action.lb_metadata[0][1].split(",")[0] == endpoint
+    assert "x-gateway-destination-endpoint" not in action.remove_headers
+    planner.end(plan)
+    unrouted = await Planner(Router(make_config(replicas=()))).plan(CHAT, chat_body("x"))
+    assert unrouted.action == Forward((), Router(make_config()).config.routing_headers)
+    quota = {"definitions": {"t": {"max_concurrent": 1, "retry_after_s": 3}}}
+    replicas = [{"name": "r0", "address": "10.0.0.1:8000"}]
+    planner = Planner(
+        Router(config_from_mapping({"replicas": replicas, "metrics": {"enabled": False}, "tenants": quota}))
+    )
+    held = await planner.plan({**CHAT, "x-tenant-id": "t"}, chat_body("x"))
+    refused = await planner.plan({**CHAT, "x-tenant-id": "t"}, chat_body("y"))
+    assert refused.action == Refuse(429, QUOTA_MESSAGE, "quota_exceeded", 3)
+    planner.end(held)

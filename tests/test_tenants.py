@@ -15,15 +15,9 @@ from extproc.request.tenant import api_key_digest
 from extproc.router import Router
 from extproc.routing import Reason
 from tests.conftest import body_message, chat_body, headers_message
-from tests.test_stream import run
+from tests.helpers import SEED_CLASSES, metric_value, run
 
 CHAT = {":path": "/v1/chat/completions"}
-SEED_CLASSES = [
-    {"name": "batch", "match": {"headers": {"x-request-class": "batch"}}, "pool": {"pool": "batch"}},
-    {"name": "multimodal", "match": {"media": True}, "pool": {"pool": "multimodal"}},
-    {"name": "long-context", "match": {"min_tokens": 2049, "stream": True}, "pool": {"pool": "long"}},
-    {"name": "short", "match": {"max_tokens": 512, "stream": False}, "pool": {"pool": "short"}},
-]
 POOLS = ["short", "short", "long", "long", "multimodal", "batch", "overflow"]
 
 
@@ -122,7 +116,7 @@ async def test_over_quota_is_refused_with_429_and_retry_after_while_others_go_on
     router.release(held[0])
     again = await router.route({**CHAT, "x-tenant-id": "noisy"}, chat_body("n4"))
     assert again.decision.replica is not None  # a slot came free
-    assert router.metrics.decisions.labels(Reason.QUOTA.value, "m")._value.get() == 1
+    assert metric_value(router.metrics.decisions.labels(Reason.QUOTA.value, "m")) == 1
 
 
 async def test_over_quota_can_overflow_to_a_shared_pool() -> None:

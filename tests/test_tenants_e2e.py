@@ -12,7 +12,7 @@ import yaml
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
-from tests.test_tenants import SEED_CLASSES
+from tests.helpers import SEED_CLASSES, chat
 
 pytestmark = pytest.mark.e2e
 POOLS = {
@@ -32,10 +32,6 @@ async def send(
         return resp.status, resp.headers.get("x-replica-name", ""), {k.lower(): v for k, v in resp.headers.items()}
 
 
-def chat(content: Any, **extra: Any) -> dict[str, Any]:
-    return {"model": "demo-model", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
-
-
 async def test_classes_go_to_their_pools_and_a_noisy_tenant_gets_429(tmp_path: Path) -> None:
     require_binary("envoy")
     config = {
@@ -48,22 +44,24 @@ async def test_classes_go_to_their_pools_and_a_noisy_tenant_gets_429(tmp_path: P
         async with aiohttp.ClientSession() as http:
             image = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": "http://x/a"}}]
             cases = [
-                (chat("a short question"), {}, "short"),
-                (chat("a long document " * 700, stream=True), {}, "long"),
-                (chat(image), {}, "multimodal"),
-                (chat("nightly summaries " * 20), {"x-request-class": "batch"}, "batch"),
+                (chat("a short question", max_tokens=4), {}, "short"),
+                (chat("a long document " * 700, stream=True, max_tokens=4), {}, "long"),
+                (chat(image, max_tokens=4), {}, "multimodal"),
+                (chat("nightly summaries " * 20, max_tokens=4), {"x-request-class": "batch"}, "batch"),
             ]
             for body, headers, pool in cases:
                 for i in range(3):
                     status, replica, _ = await send(http, gw.url, body, {**headers, "x-session-id": f"{pool}-{i}"})
                     assert status == 200 and POOLS[replica] == pool, (pool, replica)
 
-            slow = chat("a long prompt to keep the replica busy " * 150)  # ~1,500 tokens: 0.15 s of prefill each
+            slow = chat(
+                "a long prompt to keep the replica busy " * 150, max_tokens=4
+            )  # ~1,500 tokens: 0.15 s of prefill each
             noisy = await asyncio.gather(
                 *(send(http, gw.url, slow, {"x-tenant-id": "noisy", "x-session-id": f"n{i}"}) for i in range(8))
             )
             steady = await asyncio.gather(
-                *(send(http, gw.url, chat(f"steady {i}"), {"x-tenant-id": "steady"}) for i in range(4))
+                *(send(http, gw.url, chat(f"steady {i}", max_tokens=4), {"x-tenant-id": "steady"}) for i in range(4))
             )
             statuses = [s for s, _, _ in noisy]
             assert statuses.count(429) >= 4 and statuses.count(200) >= 2, statuses

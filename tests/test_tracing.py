@@ -102,3 +102,22 @@ async def test_an_unreachable_collector_costs_the_request_nothing() -> None:
     finally:
         await asyncio.to_thread(tracer.close)
     assert routed.decision.replica is not None and routed.traceparent is not None
+
+
+async def test_the_plan_hands_the_replica_the_decisions_traceparent(receiver: tuple[Receiver, int]) -> None:
+    from extproc.plan import Forward, Planner
+
+    collected, port = receiver
+    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=f"127.0.0.1:{port}", sample_rate=1.0))
+    planner = Planner(Router(make_config(), tracer=tracer))
+    try:
+        plan = await planner.plan({":path": "/v1/chat/completions"}, chat_body("a prompt"))
+        await _flushed(tracer, collected, 1)
+    finally:
+        tracer.close()
+    assert isinstance(plan.action, Forward)
+    sent = dict(plan.action.set_headers)
+    span = collected.spans[0]
+    _, trace_id, parent, flags = sent["traceparent"].split("-")
+    assert (trace_id, parent) == (span.trace_id.hex(), span.span_id.hex())  # type: ignore[attr-defined]
+    assert int(flags, 16) & 1  # sampled: the engine traces it too

@@ -13,12 +13,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.config import ConfigError, config_from_mapping
 from extproc.envoy_config import GatewaySpec, render
 from extproc.health.replicas import ReplicaBook
+from extproc.plan import Planner
 from extproc.request.openai_body import max_output_tokens
 from extproc.router import Router
 from extproc.routing.model import Replica
 from extproc.server.stream import RequestStream
 from extproc.upstream_timeouts import PER_TRY_TIMEOUT_HEADER, UpstreamTimeouts, attempts
 from tests.conftest import body_message, headers_message, make_config, set_headers
+from tests.helpers import Clock
 
 
 def test_streams_are_marked_and_non_streaming_requests_get_a_bound_from_max_tokens() -> None:
@@ -78,9 +80,10 @@ def test_upstream_section_is_validated_naming_the_field() -> None:
 
 def _decide(body: dict[str, object]) -> dict[str, str]:
     async def run() -> pb.ProcessingResponse:
-        stream = RequestStream(Router(make_config()))
+        stream = RequestStream(Planner(Router(make_config())))
         await stream.answer(headers_message({":path": "/v1/chat/completions", "x-session-id": "a"}))
-        return await stream.answer(body_message(json.dumps(body).encode()))
+        (answer,) = await stream.answer(body_message(json.dumps(body).encode()))
+        return answer
 
     return set_headers(asyncio.run(run()).request_body.response.header_mutation)
 
@@ -139,28 +142,21 @@ def _response_headers(status: int, attempt_count: int, answered_by: str | None =
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv)))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_answers_retried_after_the_first_byte_timeout_eject_the_chosen_replica() -> None:
     clock = Clock()
     router = Router(make_config(), clock=clock)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
 
     async def one(attempt_count: int, waited_s: float = 0.01) -> str:
-        stream = RequestStream(router)
+        stream = RequestStream(Planner(router))
         await stream.answer(headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}))
         await stream.answer(body_message(body))
-        assert stream.routed is not None and stream.routed.decision.replica is not None
+        assert stream.plan is not None and stream.plan.routed.decision.replica is not None
+        routed = stream.plan.routed
         clock.now += waited_s
         await stream.answer(_response_headers(200, attempt_count))
-        router.release(stream.routed)
-        return stream.routed.decision.replica.name
+        router.release(routed)
+        return routed.decision.replica.name
 
     async def run() -> tuple[str, list[str]]:
         first = await one(1)
@@ -185,14 +181,14 @@ def test_a_hedged_answer_from_the_chosen_replica_is_not_its_failure() -> None:
     waited_s = router.config.upstream.first_byte_s + 0.1
 
     async def one(answered_by: str | None) -> str:
-        stream = RequestStream(router)
+        stream = RequestStream(Planner(router))
         await stream.answer(headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}))
         await stream.answer(body_message(body))
-        assert stream.routed is not None and stream.routed.decision.replica is not None
-        chosen = stream.routed.decision.replica
+        assert stream.plan is not None and stream.plan.routed.decision.replica is not None
+        chosen = stream.plan.routed.decision.replica
         clock.now += waited_s
         await stream.answer(_response_headers(200, 2, answered_by or chosen.address))
-        router.release(stream.routed)
+        router.release(stream.plan.routed)
         return chosen.name
 
     async def run() -> tuple[str, list[str]]:

@@ -36,6 +36,7 @@ from extproc_lab.demo.workload import Conversation, multi_turn, words
 from extproc_lab.engines import install
 from extproc_lab.engines.fleet import EngineSettings
 from tests.conftest import IN_CI, require_binary
+from tests.helpers import scrape_total
 
 pytestmark = pytest.mark.e2e
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -90,22 +91,12 @@ def _post(url: str, body: dict[str, Any], session: str | None = None, timeout_s:
         return dict(json.loads(resp.read()))
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 def done_counts(gw: LocalGateway) -> dict[str, float]:
     """Requests each engine has finished, from its own /metrics (-1 for one that is down)."""
     out = {}
     for r in gw.members:
         try:
-            out[r.name] = metric(_get(gw.replica_url(r.name) + "/metrics"), _DONE)
+            out[r.name] = scrape_total(_get(gw.replica_url(r.name) + "/metrics"), _DONE)
         except OSError:
             out[r.name] = -1.0
     return out
@@ -300,7 +291,7 @@ def test_evicted_blocks_leave_the_index(gw: LocalGateway, admin: pb_grpc.AdminSt
     engine = first.engine
     second = converse(gw, admin, convo, 1)
     assert second.engine == engine and second.predicted == second.cached >= 10 * BLOCK, second
-    removed_before = metric(_get(gw.metrics_url), "extproc_kv_event_blocks_total", op="removed", replica=engine)
+    removed_before = scrape_total(_get(gw.metrics_url), "extproc_kv_event_blocks_total", op="removed", replica=engine)
 
     # Fill that engine's cache past its capacity with other prompts, sent to it directly.
     rng = random.Random(27)
@@ -309,11 +300,12 @@ def test_evicted_blocks_leave_the_index(gw: LocalGateway, admin: pb_grpc.AdminSt
     removed = wait_until(
         "BlockRemoved events in the index",
         lambda: (
-            metric(_get(gw.metrics_url), "extproc_kv_event_blocks_total", op="removed", replica=engine) - removed_before
+            scrape_total(_get(gw.metrics_url), "extproc_kv_event_blocks_total", op="removed", replica=engine)
+            - removed_before
         ),
     )
     assert removed >= 10, removed
-    index_blocks = metric(_get(gw.metrics_url), "extproc_kv_index_blocks", replica=engine)
+    index_blocks = scrape_total(_get(gw.metrics_url), "extproc_kv_index_blocks", replica=engine)
     assert index_blocks <= BLOCKS, index_blocks
 
     third = converse(gw, admin, convo, 2)
@@ -329,7 +321,7 @@ def test_a_killed_engine_is_dropped_fails_over_and_comes_back(gw: LocalGateway, 
     survivor = next(r.name for r in gw.members if r.name != victim)
     on_victim = [c for c in convos if home[c.session_id] == victim]
     assert on_victim
-    restarts_before = metric(_get(gw.metrics_url), "extproc_kv_event_restarts_total", replica=victim)
+    restarts_before = scrape_total(_get(gw.metrics_url), "extproc_kv_event_restarts_total", replica=victim)
 
     assert gw.fleet is not None
     gw.fleet.kill(victim)
@@ -343,8 +335,8 @@ def test_a_killed_engine_is_dropped_fails_over_and_comes_back(gw: LocalGateway, 
     wait_until(f"{victim} back in rotation", lambda: replicas(admin)[victim].in_rotation, timeout_s=60)
     # Its index was dropped: nothing claimed there before it serves again.
     page = _get(gw.metrics_url)
-    assert metric(page, "extproc_kv_index_blocks", replica=victim) == 0
-    assert metric(page, "extproc_kv_event_restarts_total", replica=victim) >= restarts_before
+    assert scrape_total(page, "extproc_kv_index_blocks", replica=victim) == 0
+    assert scrape_total(page, "extproc_kv_event_restarts_total", replica=victim) >= restarts_before
 
     # The moved sessions stay where they moved (their cache is there now), the others at home,
     # predictions exact on both; the engine back takes new sessions again.

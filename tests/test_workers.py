@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from extproc_lab.demo.processes import free_port
-from tests.test_startup_bind import HOST, serve_argv, serving
+from tests.helpers import HOST, serve_argv, serving
 
 
 def children(pid: int) -> list[int]:

@@ -5,7 +5,6 @@ whichever worker each of its turns reaches."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 
 import aiohttp
 import pytest
@@ -13,19 +12,10 @@ import pytest
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import require_binary
-from tests.test_shared_store_e2e import metrics_of, send_turn
+from tests.helpers import decisions, send_turn
 
 pytestmark = pytest.mark.e2e
 CONVERSATIONS, TURNS = 20, 4
-
-
-async def decisions(http: aiohttp.ClientSession, url: str) -> Counter[str]:
-    """One worker's decisions by reason, from its own /metrics."""
-    counts: Counter[str] = Counter()
-    for key, value in (await metrics_of(http, url)).items():
-        if key.startswith("extproc_decisions_total{"):
-            counts[key.split("reason=")[1].rstrip("}")] = int(value)
-    return counts
 
 
 async def test_two_workers_share_one_port_and_keep_sessions_sticky() -> None:
@@ -42,7 +32,7 @@ async def test_two_workers_share_one_port_and_keep_sessions_sticky() -> None:
                 return [status for status, _ in answers], {replica for _, replica in answers}
 
             results = await asyncio.gather(*(converse(c) for c in convs))
-            per_worker = [await decisions(http, url) for url in worker_metrics]
+            per_worker = await decisions(http, worker_metrics)
     assert all(statuses == [200] * TURNS for statuses, _ in results), results
     assert all(len(replicas) == 1 for _, replicas in results), results
     totals = [sum(c.values()) for c in per_worker]

@@ -98,7 +98,7 @@ def on_ext_proc_port(router: Router) -> Service | None:
             cfg.listen,
         )
         return None
-    if not local and cfg.grpc_tls is None:
+    if not local and cfg.grpc.tls is None:
         log.warning("admin API on %s, not loopback and without TLS: its token travels in clear", cfg.listen)
     policy = MutationPolicy(token, mutual_tls=False, reads_need_token=not local)
     service = AdminService(router, policy, settings.watch_sample_rate)

@@ -11,18 +11,17 @@ from extproc.discovery.factory import build_discovery, run_discovery
 from extproc.discovery.kubernetes_watch import KubernetesDiscovery
 from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
 from extproc.discovery.settings import (
-    DiscoveryConfigError,
+    SOURCE_KINDS,
     DiscoverySettings,
     DnsSource,
     KubernetesSource,
     StaticSource,
-    parse_discovery,
 )
 from extproc.discovery.source import Discovery, StaticDiscovery, canonical
 
 __all__ = [
+    "SOURCE_KINDS",
     "Discovery",
-    "DiscoveryConfigError",
     "DiscoveryLoop",
     "DiscoverySettings",
     "DnsDiscovery",
@@ -40,7 +39,6 @@ __all__ = [
     "StaticSource",
     "build_discovery",
     "canonical",
-    "parse_discovery",
     "replicas_of_slice",
     "run_discovery",
 ]

@@ -18,7 +18,7 @@ log = logging.getLogger("extproc.discovery")
 
 def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = ()) -> Discovery:
     """The source ``settings`` describe (``replicas`` are the static source's list)."""
-    source = settings.source
+    source = settings
     if isinstance(source, DnsSource):
         return DnsDiscovery(source.name, source.port, source.record, source.interval_s, timeout_s=source.timeout_s)
     if isinstance(source, KubernetesSource):

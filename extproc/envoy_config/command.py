@@ -25,7 +25,7 @@ def _loopback(address: str) -> str:
 
 def _replicas_dns(cfg: Config) -> str | None:
     """The replicas' DNS name from the ``discovery:`` section (None when they are static)."""
-    source = cfg.discovery.source
+    source = cfg.discovery
     if isinstance(source, KubernetesSource):
         if source.namespace is None or source.port is None:
             raise ConfigError(
@@ -74,8 +74,8 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         probe_listen=args.probe_listen,
         round_robin_listen=args.round_robin_listen,
         replicas_dns=replicas_dns,
-        cluster_header=cfg.target_cluster_header,
-        endpoint_header=cfg.destination_endpoint_header,
+        cluster_header=cfg.headers.target_cluster,
+        endpoint_header=cfg.headers.destination_endpoint,
         processor_tls=_processor_tls(args),
         first_byte_timeout_s=cfg.upstream.first_byte_s,
         stream_idle_timeout_s=cfg.upstream.stream_idle_s,

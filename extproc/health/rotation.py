@@ -12,16 +12,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pydantic import model_validator
 
-@dataclass(frozen=True, slots=True)
-class RotationPolicy:
-    """Thresholds of the state machine (config ``health``)."""
+from extproc.validation import Section, field_error, option
 
-    eject_below: float = 0.5
-    eject_after: int = 3
-    readmit_above: float = 0.7
-    readmit_after: int = 2
-    cooldown_s: float = 10.0
+
+class RotationPolicy(Section):
+    """Thresholds of the state machine (the rotation keys of config ``health:``)."""
+
+    eject_below: float = option(0.5, "a health score below this counts toward ejection", ge=0, le=1)
+    eject_after: int = option(3, "scores below eject_below in a row before ejection", ge=1)
+    readmit_above: float = option(0.7, "a score above this counts toward readmission", ge=0, le=1)
+    readmit_after: int = option(2, "scores above readmit_above in a row to readmit", ge=1)
+    cooldown_s: float = option(10.0, "an ejected replica stays out at least this long", ge=0)
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> RotationPolicy:
+        if self.readmit_above < self.eject_below:
+            raise field_error(
+                type(self), "readmit_above", "must not be below eject_below (hysteresis)", self.readmit_above
+            )
+        return self
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,26 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median_low
 
-
-@dataclass(frozen=True, slots=True)
-class HealthWeights:
-    """How much each signal counts (config ``health.weights``)."""
-
-    queue: float = 0.3
-    kv_cache: float = 0.2
-    ttft: float = 0.25
-    errors: float = 0.25
+from extproc.validation import Section, option
 
 
-@dataclass(frozen=True, slots=True)
-class HealthLimits:
-    """Where each penalty starts and where it is full (config ``health``)."""
+class HealthWeights(Section):
+    """``health.weights:``: how much each signal counts in the health score."""
 
-    queue_full: int = 64
-    kv_start: float = 0.85
-    ttft_slo_s: float = 2.0
-    error_rate_full: float = 0.5
-    unreachable_after: int = 2
+    queue: float = option(0.3, "queued requests", ge=0)
+    kv_cache: float = option(0.2, "KV-cache usage", ge=0)
+    ttft: float = option(0.25, "time to first token over the SLO", ge=0)
+    errors: float = option(0.25, "upstream error rate", ge=0)
+
+
+class HealthLimits(Section):
+    """``health.limits:``: where each penalty starts and where it is full."""
+
+    queue_full: int = option(64, "queue length at which the queue penalty is full", ge=1)
+    kv_start: float = option(0.85, "KV usage where its penalty starts", ge=0, le=1)
+    ttft_slo_s: float = option(2.0, "TTFT p99 target", gt=0)
+    error_rate_full: float = option(0.5, "error rate at which its penalty is full", gt=0, le=1)
+    unreachable_after: int = option(2, "failed scrapes in a row before unreachable", ge=1)
 
 
 @dataclass(frozen=True, slots=True)

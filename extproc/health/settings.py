@@ -1,28 +1,32 @@
-"""Health settings: scraping, the score and the rotation state machine (config ``health:``)."""
+"""Config ``health:``: scraping, the score and the rotation state machine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
+from extproc.validation import option
 
 
-@dataclass(frozen=True, slots=True)
-class HealthSettings:
-    """Everything the replica book and the scraper need to judge replicas."""
+class HealthSettings(RotationPolicy):
+    """``health:``: scraping vLLM's /metrics, the health score and the rotation (its thresholds
+    are this section's own keys: the section is the rotation's policy)."""
 
-    scrape_interval_s: float = 0.25
-    scrape_timeout_s: float = 0.2
-    stale_after_s: float = 2.0
-    metrics_path: str = "/metrics"
-    weights: HealthWeights = field(default_factory=HealthWeights)
-    limits: HealthLimits = field(default_factory=HealthLimits)
-    rotation: RotationPolicy = field(default_factory=RotationPolicy)
-    upstream_fail_after: int = 3
-    ttft_window_s: float = 60.0
-    recent_half_life_s: float = 60.0
-    # The share of requests whose response headers the processor asks Envoy for (status and time
-    # to first byte for passive health; the end of prefill). Below 1.0 the others skip that
-    # ext_proc message: fewer round trips, a cheaper processor (docs/performance.md).
-    response_sample_rate: float = 1.0
+    scrape_interval_s: float = option(0.25, "how often each replica's /metrics is read", ge=0.01)
+    scrape_timeout_s: float = option(0.2, "a scrape slower than this failed", ge=0.001)
+    stale_after_s: float = option(2.0, "load figures older than this are ignored", ge=0.01)
+    metrics_path: str = option("/metrics", "the replicas' metrics path")
+    upstream_fail_after: int = option(3, "502/503/504 or no answer in a row seen by Envoy: ejected at once", ge=1)
+    ttft_window_s: float = option(60.0, "window of the TTFT p99", ge=1)
+    recent_half_life_s: float = option(
+        60.0, "half-life of the decayed count of requests recently sent to a replica", gt=0
+    )
+    # Below 1.0 the other requests skip the response-headers ext_proc message: fewer round trips,
+    # a cheaper processor (docs/performance.md), less passive health.
+    response_sample_rate: float = option(1.0, "share of requests whose response headers are observed", ge=0, le=1)
+    weights: HealthWeights = option(HealthWeights(), "how much each signal counts")
+    limits: HealthLimits = option(HealthLimits(), "where each penalty starts and is full")
+
+    @property
+    def rotation(self) -> RotationPolicy:
+        """The rotation's thresholds: this section's own."""
+        return self

@@ -35,6 +35,7 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.routing.hot import fingerprint
+from extproc.validation import Section, option
 
 _MASK_BITS = 64
 _MIN_PEERS = 8
@@ -45,28 +46,30 @@ def label(fp: int) -> str:
     return f"{fp:016x}"
 
 
-@dataclass(frozen=True, slots=True)
-class HotKeySettings:
-    """The ``hot_keys:`` section as runtime values."""
+class HotKeySettings(Section):
+    """``hot_keys:``: find prefixes that carry a disproportionate share and serve each from k replicas.
 
-    enabled: bool = False
-    sample_rate: float = 0.005
-    window_s: float = 10.0
-    buckets: int = 1024
-    per_bucket: int = 5
-    threshold: float = 8.0
-    windows: int = 2
-    min_samples: int = 8
-    max_hot: int = 32
-    max_replicas: int = 4
-    replica_prefill_tokens_per_s: float = 20_000.0
-    """One replica's prefill capacity: a hot key gets a replica per this much of its demand."""
-    linger_windows: int = 6
-    """Windows a cooled key keeps a replica set sized by its rate (k = 1 without traffic) before it
-    is routed as any other."""
-    warm_on_join: bool = True
-    warm_top: int = 4
-    warm_max_bytes: int = 65_536
+    ``linger_windows``: a cooled key keeps a replica set sized by its rate (k = 1 without traffic)
+    this many windows before it is routed as any other.
+    """
+
+    enabled: bool = option(False, "sample prefix fingerprints and spread hot prefixes")
+    sample_rate: float = option(0.005, "share of requests whose fingerprint is counted", gt=0, le=1)
+    window_s: float = option(10.0, "length of a counting window", gt=0)
+    buckets: int = option(1024, "buckets of the sketch (fingerprints hashed into them)", ge=1)
+    per_bucket: int = option(5, "top fingerprints kept per bucket", ge=1)
+    threshold: float = option(8.0, "hot at this many times the mean count per key", gt=1)
+    windows: int = option(2, "consecutive windows above (below) it to turn hot (cool)", ge=1)
+    min_samples: int = option(8, "sampled requests a key needs in a window to be hot", ge=1)
+    max_hot: int = option(32, "hot keys kept at most (also bounds the metric's labels)", ge=1)
+    max_replicas: int = option(4, "replicas a hot prefix is spread over at most", ge=1)
+    replica_prefill_tokens_per_s: float = option(
+        20_000.0, "one replica's prefill capacity: a replica per this much demand", gt=0
+    )
+    linger_windows: int = option(6, "windows a cooled prefix keeps k by its own rate (1 without traffic)", ge=0)
+    warm_on_join: bool = option(True, "send a joining replica the top hot prefixes, prefill only")
+    warm_top: int = option(4, "hot prefixes a joining replica is warmed with at most", ge=0)
+    warm_max_bytes: int = option(65_536, "a hot prefix's kept request body at most (bytes)", ge=1)
 
 
 @dataclass(frozen=True, slots=True)

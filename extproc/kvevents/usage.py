@@ -2,8 +2,8 @@
 
 vLLM reports a request's cached prompt tokens as ``usage.prompt_tokens_details.cached_tokens``
 (with ``--enable-prompt-tokens-details``): at the end of a JSON body, and in the last chunk of a
-stream whose client asked ``stream_options.include_usage``. Both sit in the last bytes of the body,
-so only a bounded tail is kept while the body passes through unchanged (a stream is never held).
+stream whose client asked ``stream_options.include_usage``; :class:`extproc.usage.UsageTail` reads
+it from the body's last bytes as the body passes.
 
 A prediction agrees when it is within one block of the report: vLLM recomputes a prompt's last
 token, so a fully cached, block-aligned prompt reports one block fewer than it holds.
@@ -18,31 +18,7 @@ proves nothing either way: it neither breaks a wrong streak nor counts towards r
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-
-TAIL_BYTES = 4096
-"""The usage object is a few hundred bytes: the last 4 KB of a body hold it whatever the chunking."""
-
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-
-
-class UsageTail:
-    """The last :data:`TAIL_BYTES` of a response body, and the cached tokens they report."""
-
-    __slots__ = ("_tail",)
-
-    def __init__(self) -> None:
-        self._tail = b""
-
-    def feed(self, chunk: bytes) -> None:
-        """One more piece of the body."""
-        self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
-
-    def cached_tokens(self) -> int | None:
-        """The last ``cached_tokens`` the body reported; None if it reported none."""
-        found = _CACHED.findall(self._tail)
-        return int(found[-1]) if found else None
 
 
 def outcome(predicted: int, reported: int, block_size: int) -> str:

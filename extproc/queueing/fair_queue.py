@@ -9,6 +9,9 @@ headroom. It releases the next one only after the last has been routed (its tick
 each release sees the load the previous one added. A waiter past its class's limit is refused
 (429 or 503 with Retry-After); one whose client went away (its task cancelled: Envoy closed the
 ext_proc stream) leaves the queue.
+
+The decisions are :class:`~extproc.queueing.admission.Admission`'s (the simulator drives the same
+class on its virtual clock); this module is their asyncio driver and the metrics.
 """
 
 from __future__ import annotations
@@ -16,38 +19,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extproc.metrics import RouterMetrics
-from extproc.queueing.levels import PriorityLevels
+from extproc.queueing.admission import Admission, Pool, Refusal, Waiter
 from extproc.queueing.settings import QueueSettings
 
 log = logging.getLogger("extproc.queueing")
 
-Pool = tuple[tuple[str, str], ...]
 TICK_S = 0.05  # how often a pump blocked on saturation looks again without being woken
 SETTLE_S = 1.0  # a released waiter that never reports being routed stops blocking the pump after this
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A request the queue would not hold or held too long."""
-
-    status: int
-    retry_after_s: int
-    message: str
-    kind: str
-
-
 @dataclass(eq=False, slots=True)
 class Ticket:
-    """A request's place: granted when the pump releases it, settled once it is routed."""
+    """A request's place: granted (None) when the pump releases it, or its refusal when its time is
+    up; settled once it is routed."""
 
-    tenant: str
-    pool: Pool
-    priority: int
-    granted: asyncio.Future[None]
+    granted: asyncio.Future[Refusal | None]
     settled: asyncio.Event = field(default_factory=asyncio.Event)
 
     def settle(self) -> None:
@@ -59,22 +51,28 @@ class FairQueue:
     """Priority queues, fair by tenant, drained as the candidates of their head have headroom."""
 
     def __init__(
-        self, settings: QueueSettings, saturated: Callable[[Pool], bool], metrics: RouterMetrics | None = None
+        self,
+        settings: QueueSettings,
+        saturated: Callable[[Pool], bool],
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``saturated(pool)`` says whether every candidate of a pool is saturated now."""
-        self.settings = settings
-        self.saturated = saturated
+        """``saturated(pool)`` says whether every candidate of a pool is saturated now; ``clock``
+        must run with the event loop's (waits are timed with both)."""
         self.metrics = metrics
-        self._levels: PriorityLevels[Ticket] = PriorityLevels()
+        self.clock = clock
+        self.admission: Admission[Ticket] = Admission(settings, saturated, clock)
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf
 
     def __len__(self) -> int:
-        return len(self._levels)
+        return len(self.admission)
 
     def waiting(self, priority: int) -> int:
         """Requests waiting at ``priority``."""
-        return self._levels.waiting(priority)
+        return self.admission.waiting(priority)
 
     def wake(self) -> None:
         """Something changed (a scrape, a request ended): look at the head again."""
@@ -83,62 +81,69 @@ class FairQueue:
     async def admit(self, request_class: str, tenant: str, pool: Pool) -> Refusal | Ticket | None:
         """Wait until the request may be routed. None: it went straight on; a :class:`Ticket`: it
         waited and was released (settle it once routed); a :class:`Refusal`: answer it with that."""
-        terms = self.settings.for_class(request_class)
-        if not self._levels.ahead(terms.priority) and not self.saturated(pool):
+        ticket = Ticket(asyncio.get_running_loop().create_future())
+        waiter = self.admission.admit(request_class, tenant, pool, ticket)
+        if waiter is None:
             return None
-        if self._levels.waiting(terms.priority) >= terms.max_queued:
+        if isinstance(waiter, Refusal):
             self._count(request_class, "full")
-            return Refusal(
-                terms.status, terms.retry_after_s, "every replica is saturated and the queue is full", "queue_full"
-            )
-        ticket = Ticket(tenant, pool, terms.priority, asyncio.get_running_loop().create_future())
-        self._levels.push(terms.priority, tenant, ticket)
-        self._gauge(terms.priority)
+            return waiter
+        self._gauge(waiter.priority)
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run(), name="extproc-queue-pump")
         self.wake()
-        start = asyncio.get_running_loop().time()
+        self._arm_expiry()
         try:
-            done, _ = await asyncio.wait((ticket.granted,), timeout=terms.max_wait_s)
+            refusal = await ticket.granted
         except asyncio.CancelledError:
             # The client went away (Envoy closed the stream): give up the place, or the grant.
-            self._leave(ticket, request_class, "gone")
+            self._leave(waiter)
             raise
-        waited = asyncio.get_running_loop().time() - start
         if self.metrics is not None:
-            self.metrics.queue_wait_seconds.labels(request_class).observe(waited)
-        if not done:
-            self._leave(ticket, request_class, "timeout")
-            return Refusal(
-                terms.status,
-                terms.retry_after_s,
-                f"every replica stayed saturated for {terms.max_wait_s:g} s",
-                "queue_timeout",
-            )
+            self.metrics.queue_wait_seconds.labels(request_class).observe(self.clock() - waiter.since)
+        if refusal is not None:
+            return refusal
         self._count(request_class, "dispatched")
         return ticket
 
-    def _leave(self, ticket: Ticket, request_class: str, outcome: str) -> None:
-        if self._levels.remove(ticket.priority, ticket.tenant, ticket):
-            self._gauge(ticket.priority)
-            self._count(request_class, outcome)
+    def _leave(self, waiter: Waiter[Ticket]) -> None:
+        if self.admission.leave(waiter):
+            self._gauge(waiter.priority)
+            self._count(waiter.request_class, "gone")
         else:
-            ticket.settle()  # released just now: do not hold the pump for it
-        if not ticket.granted.done():
-            ticket.granted.cancel()
+            waiter.item.settle()  # released just now: do not hold the pump for it
+
+    def _arm_expiry(self) -> None:
+        """A timer for the next deadline, unless one as early is set."""
+        deadline = self.admission.next_deadline()
+        if deadline is None or deadline >= self._expiry_at:
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = deadline
+        self._expiry = asyncio.get_running_loop().call_later(max(0.0, deadline - self.clock()), self._expire)
+
+    def _expire(self) -> None:
+        self._expiry, self._expiry_at = None, math.inf
+        for waiter, refusal in self.admission.expire():
+            self._gauge(waiter.priority)
+            self._count(waiter.request_class, "timeout")
+            if not waiter.item.granted.done():
+                waiter.item.granted.set_result(refusal)
+        self._arm_expiry()
 
     async def _run(self) -> None:
-        while True:
-            ticket = self._levels.head()
-            if ticket is None:
-                return
-            if self.saturated(ticket.pool):
+        while len(self.admission):
+            waiter = self.admission.next_to_go()
+            if waiter is None:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), TICK_S)
                 continue
-            self._levels.pop()
-            self._gauge(ticket.priority)
+            self._gauge(waiter.priority)
+            ticket = waiter.item
+            if ticket.granted.done():
+                continue  # cancelled, its task not yet told: it leaves without holding the pump
             ticket.granted.set_result(None)
             try:
                 await asyncio.wait_for(ticket.settled.wait(), SETTLE_S)

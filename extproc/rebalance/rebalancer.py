@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from extproc.metrics import RouterMetrics
 from extproc.rebalance.ledger import SessionLedger
@@ -19,28 +18,28 @@ from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
 from extproc.routing.model import Snapshot
 from extproc.routing.ring import HashRing
 from extproc.state.store import AffinityStore
+from extproc.validation import Section, option
 
 log = logging.getLogger("extproc.rebalance")
 
 
-@dataclass(frozen=True, slots=True)
-class RebalanceSettings:
-    """Config ``rebalance:``."""
+class RebalanceSettings(Section):
+    """``rebalance:``: moving sessions when replicas leave, join or run hot."""
 
-    enabled: bool = True
+    enabled: bool = option(True, "rebalance at all")
     # Off by default: in the simulator (benchmarks/scaling.md) moving a newcomer's ring share of live
     # sessions at once cost more TTFT p99 (cold prefills, pre-warms landing together on the new
     # replicas) than it won back; new sessions fill a newcomer through the load scorer instead.
-    move_on_join: bool = False
-    session_cooldown_s: float = 300.0
-    hot_kv: float = 0.85
-    hot_queue: int = 16
-    hot_for_s: float = 10.0
-    shed_fraction: float = 0.1
-    replica_cooldown_s: float = 60.0
-    ledger_sessions: int = 10_000
-    ledger_bytes: int = 64 * 1024 * 1024
-    prewarm: PrewarmSettings = field(default_factory=PrewarmSettings)
+    move_on_join: bool = option(False, "move a newcomer's ring share of live sessions to it")
+    session_cooldown_s: float = option(300.0, "a moved session is not moved again sooner", ge=0)
+    hot_kv: float = option(0.85, "KV usage over which a replica is hot", ge=0, le=1)
+    hot_queue: int = option(16, "queue over which a replica is hot", ge=0)
+    hot_for_s: float = option(10.0, "hot this long before it sheds sessions", ge=0)
+    shed_fraction: float = option(0.1, "share of a hot replica's sessions moved", ge=0, le=1)
+    replica_cooldown_s: float = option(60.0, "a replica sheds at most this often", ge=0)
+    ledger_sessions: int = option(10_000, "sessions whose last request is kept for moves", ge=1)
+    ledger_bytes: int = option(64 * 1024 * 1024, "bytes of kept requests at most", ge=1)
+    prewarm: PrewarmSettings = option(PrewarmSettings(), "warming a moved session's new replica")
 
 
 IndexHashes = Callable[[str, bytes], Sequence[int]]

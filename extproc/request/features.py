@@ -11,14 +11,16 @@ from extproc.request.classes import ClassRule, classify
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
-from extproc.request.tenant import resolve_tenant
+from extproc.request.tenant import TENANT_HEADER, resolve_tenant
 
 CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True, slots=True)
 class FeatureSettings:
-    """How features are extracted (from the config's ``request:`` section)."""
+    """How features are extracted: the request layer's view of the config's ``request:``,
+    ``prefix:``, ``tenants:`` and ``classes:`` (``Config.features`` gathers it once). Its defaults
+    are those sections' defaults, which read them from here."""
 
     session_sources: tuple[SessionSource, ...] = (
         SessionSource("header", "x-session-id"),
@@ -26,7 +28,7 @@ class FeatureSettings:
         SessionSource("body", "metadata.session_id"),
         SessionSource("body", "user"),
     )
-    tenant_header: str = "x-tenant-id"
+    tenant_header: str = TENANT_HEADER
     block_chars: int = 64
     max_blocks: int = 2048
     max_body_bytes: int = 8 * 1024 * 1024

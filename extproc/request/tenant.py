@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+TENANT_HEADER = "x-tenant-id"
+"""The header naming the tenant when no API key maps the request (config ``tenants.header``)."""
+
 
 def api_key_digest(token: str) -> str:
     """The hex SHA-256 of an API key: what tenant mappings are keyed by."""

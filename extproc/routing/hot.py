@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import xxhash
 
 from extproc.routing.model import ReplicaState
-from extproc.routing.plugins import CycleState, _relative
+from extproc.routing.plugins import CycleState, _held, _relative
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -108,5 +108,5 @@ class HotPrefixScorer:
             if c.name in chosen:
                 work[c.name] = float(c.work(self.tokens_per_request))
                 if self.count_uncached and total:
-                    work[c.name] += f.estimated_prompt_tokens * (1.0 - matches.get(c.name, 0) / total)
+                    work[c.name] += f.estimated_prompt_tokens * (1.0 - _held(matches, c.name, total))
         return _relative(work, float(self.floor_tokens)) if work else {}

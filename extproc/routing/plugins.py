@@ -278,8 +278,7 @@ class SessionAffinityScorer:
         total = len(cycle.features.prefix_hashes)
         if not self.by_cache or not total or view.pin_lost is None:
             return {pinned: 1.0}
-        held = view.prefix_matches.get(pinned, 0) / total
-        return {pinned: max(self.floor, held)}
+        return {pinned: max(self.floor, _held(view.prefix_matches, pinned, total))}
 
 
 @dataclass(slots=True)
@@ -307,7 +306,13 @@ class PrefixScorer:
         base = _median_held(matches, candidates)
         if base >= total:
             return {}
-        return {name: (n - base) / (total - base) for name, n in matches.items() if n > base}
+        return {name: (min(n, total) - base) / (total - base) for name, n in matches.items() if n > base}
+
+
+def _held(matches: Mapping[str, int], name: str, total: int) -> float:
+    """The share of the prompt's ``total`` blocks that ``name`` is believed to hold, in [0, 1]
+    (0 for a prompt without blocks)."""
+    return min(1.0, max(0.0, matches.get(name, 0) / total)) if total else 0.0
 
 
 def _median_held(matches: Mapping[str, int], candidates: Sequence[ReplicaState]) -> int:
@@ -321,6 +326,8 @@ def _relative(values: Mapping[str, float], floor: float) -> dict[str, float]:
     (never by less than ``floor``, so near-idle replicas score alike)."""
     lo = min(values.values(), default=0.0)
     scale = max(max(values.values(), default=0.0), floor)
+    if scale <= 0:  # a floor of 0 and nothing anywhere: all alike
+        return dict.fromkeys(values, 1.0)
     return {name: 1.0 - (v - lo) / scale for name, v in values.items()}
 
 
@@ -381,8 +388,7 @@ class PrefillCostScorer:
         matches = cycle.view.prefix_matches
         cost = {}
         for c in candidates:
-            held = matches.get(c.name, 0) / total if total else 0.0
-            cost[c.name] = float(c.pending_prefill_tokens) + tokens * (1.0 - held)
+            cost[c.name] = float(c.pending_prefill_tokens) + tokens * (1.0 - _held(matches, c.name, total))
             if self.kv_weight or self.overflow_weight:
                 # KV held by running requests (what the router's requests in flight added, or what
                 # the replica last reported if more): beyond the cache, this request queues until some finish,

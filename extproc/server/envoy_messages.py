@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -12,7 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from extproc.routing.model import Decision
+from extproc.plan import Forward, Refuse, ResponseHeaders
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 BUFFERED: int = pm.ProcessingMode.BUFFERED
@@ -96,61 +96,47 @@ def continue_response_headers(mode_override: pm.ProcessingMode | None = None) ->
     return response
 
 
-def routing_mutation(
-    decision: Decision,
-    mode: str,
-    cluster_header: str,
-    endpoint_header: str,
-    remove: Iterable[str],
-    extra: Iterable[tuple[str, str]] = (),
-) -> tuple[pb.CommonResponse, struct_pb2.Struct | None]:
-    """The header mutation (and, in endpoint mode, ``envoy.lb`` metadata) that carries a decision;
-    ``extra`` headers (the request's per-try timeouts) go with it."""
-    replica = decision.replica
-    assert replica is not None
+def forward(plan: Forward, in_body: bool) -> pb.ProcessingResponse:
+    """A :class:`~extproc.plan.Forward` as the request-headers answer or (``in_body``, buffered
+    mode) the body answer.
+
+    A replaced body's ``content-length`` is in the plan's headers, which apply in both modes: in
+    buffered mode the headers wait with the body, and in full-duplex mode the headers answer was
+    held back until the body was complete. The body itself replaces Envoy's buffer in a body
+    answer; in full-duplex mode the caller streams it after the headers answer
+    (:func:`streamed_body`).
+    """
+    if in_body and plan.only_strips:
+        return continue_body()
+    common = pb.CommonResponse(clear_route_cache=plan.to_replica)
+    if plan.set_headers or plan.remove_headers:
+        common.header_mutation.CopyFrom(mutation(plan.set_headers, plan.remove_headers))
     metadata = None
-    if mode == "endpoint":
-        headers = [(endpoint_header, replica.address)]
+    if plan.lb_metadata:
         metadata = struct_pb2.Struct()
-        chain = ",".join([replica.address, *(f.address for f in decision.fallbacks)])
-        metadata.get_or_create_struct(LB_NAMESPACE)[endpoint_header] = chain
-    else:
-        headers = [(cluster_header, replica.name)]
-    headers.extend(extra)
-    removals = [h for h in remove if h not in dict(headers)]
-    common = pb.CommonResponse(header_mutation=mutation(headers, removals), clear_route_cache=True)
-    return common, metadata
-
-
-def routed_headers_response(common: pb.CommonResponse, metadata: struct_pb2.Struct | None) -> pb.ProcessingResponse:
-    """Answer the request-headers phase with a decision (requests without a body)."""
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
-
-
-def routed_body_response(common: pb.CommonResponse, metadata: struct_pb2.Struct | None) -> pb.ProcessingResponse:
-    """Answer the buffered-body phase with a decision."""
+        lb = metadata.get_or_create_struct(LB_NAMESPACE)
+        for key, value in plan.lb_metadata:
+            lb[key] = value
+    if not in_body:
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+    if plan.body is not None:
+        common.body_mutation.body = plan.body
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
-def rewritten(response: pb.ProcessingResponse, body: bytes, in_body: bool) -> pb.ProcessingResponse:
-    """``response`` (a request headers or body answer) carrying a rewritten request body.
+def refuse(plan: Refuse) -> pb.ProcessingResponse:
+    """A :class:`~extproc.plan.Refuse`: the client answered directly, with an OpenAI-style JSON error."""
+    return immediate(plan.status, plan.message, plan.kind, retry_after_s=plan.retry_after_s, headers=plan.headers)
 
-    The new length goes in ``content-length`` in both modes: in buffered mode the body answer's
-    header mutation still applies (the headers wait with the body), and in full-duplex mode the
-    headers answer was held back until the body was complete. In buffered mode the body replaces
-    Envoy's buffer here; in full-duplex mode the caller streams it after this answer.
-    """
-    if in_body and response.WhichOneof("response") == "request_headers":
-        # A continue-headers answer given in the body phase: the same mutation, as a body answer.
-        response = pb.ProcessingResponse(
-            request_body=pb.BodyResponse(response=response.request_headers.response),
-            dynamic_metadata=response.dynamic_metadata if response.HasField("dynamic_metadata") else None,
-        )
-    common = response.request_body.response if in_body else response.request_headers.response
-    common.header_mutation.set_headers.append(_set("content-length", str(len(body))))
-    if in_body:
-        common.body_mutation.body = body
-    return response
+
+def response_headers_mode(choice: ResponseHeaders, request_body_mode: int) -> pm.ProcessingMode | None:
+    """The mode override a request-headers answer carries for a :class:`~extproc.plan.Watch`'s
+    choice (None: the filter's own mode)."""
+    if choice is ResponseHeaders.SEND:
+        return with_response_headers(request_body_mode)
+    if choice is ResponseHeaders.SKIP:
+        return without_response_headers(request_body_mode)
+    return None
 
 
 STREAMED_CHUNK = 62 * 1024  # as the Inference Extension's picker: well under any message limit
@@ -178,19 +164,33 @@ def continue_body() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
-def immediate(status: int, message: str, kind: str, retry_after_s: int | None = None) -> pb.ProcessingResponse:
-    """Answer the client directly with an OpenAI-style JSON error."""
+def immediate(
+    status: int,
+    message: str,
+    kind: str,
+    retry_after_s: int | None = None,
+    headers: Sequence[tuple[str, str]] = (),
+) -> pb.ProcessingResponse:
+    """Answer the client directly with an OpenAI-style JSON error (``headers``: more to send)."""
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
-    headers = [("content-type", "application/json")]
+    sent = [("content-type", "application/json")]
     if retry_after_s is not None:
-        headers.append(("retry-after", str(retry_after_s)))
+        sent.append(("retry-after", str(retry_after_s)))
+    sent += [(k, v) for k, v in headers if k != "retry-after" or retry_after_s is None]
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=mutation(headers),
+            headers=mutation(sent),
             body=body,
             details=kind,
         )
+    )
+
+
+def replaced_response_body(data: bytes) -> pb.ProcessingResponse:
+    """A streamed response body's piece answered with ``data`` in its place."""
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=data)))
     )
 
 

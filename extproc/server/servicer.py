@@ -9,6 +9,7 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.plan import Planner
 from extproc.router import Router
 from extproc.server.stream import RequestStream
 
@@ -20,12 +21,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        self.planner = Planner(router)
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer every message of one HTTP request's stream."""
-        stream = RequestStream(self.router)
+        stream = RequestStream(self.planner)
         try:
             async for response in stream.run(request_iterator):
                 yield response

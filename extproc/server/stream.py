@@ -1,229 +1,211 @@
-"""One ext_proc stream (one HTTP request) as a small state machine.
+"""One ext_proc stream (one HTTP request) as a state machine.
 
-    HEADERS --(end_of_stream)--------------------------> decide in the headers answer
-    HEADERS --> BODY (accumulate until end_of_stream) --> decide in the body answer
-    any     --> RESPONSE_HEADERS: observe status and time to first byte
-    sampled --> RESPONSE_BODY (streamed, answered at once): the reported cached tokens checked
-                against the KV-event index's prediction (kv_events.check_sample_rate)
-    stream end: the request's in-flight slot is released
+Each phase has one method, which takes the messages expected there (:data:`EXPECTED`)::
 
-Every phase gets an answer, whatever arrives and in whatever order: a message out of order is
-let through unchanged rather than failing the request.
+    REQUEST_HEADERS --request_headers, end_of_stream--> plan; the decision in the headers answer
+                                                        --> RESPONSE_HEADERS (DONE if refused)
+    REQUEST_HEADERS --request_headers--> REQUEST_BODY
+        buffered: answered at once, with the response's watch (a mode override)
+        FULL_DUPLEX_STREAMED (the Inference Extension's endpoint-picker protocol): held back
+    REQUEST_BODY --request_body--> chunks gathered
+        buffered: each chunk answered; at end_of_stream (or past max_body_bytes), plan; the
+                  decision in the body answer --> RESPONSE_HEADERS (DONE if refused)
+        FULL_DUPLEX_STREAMED: nothing answered; at end_of_stream (or request_trailers), plan;
+                  the decision in the held-back headers answer, then the body streamed back
+                  (then the trailers answer) --> RESPONSE_HEADERS (DONE if refused)
+    RESPONSE_HEADERS --request_body, request_trailers--> let through (a body routed early)
+    RESPONSE_HEADERS --response_headers--> a health sample (if watched);
+                                           RESPONSE_BODY if the body is read, else DONE
+    RESPONSE_BODY --response_body--> fed to the usage check, answered at once; DONE at its end
+    RESPONSE_BODY, DONE --response_trailers--> let through
+    stream end, in any phase: a body cut short is checked; the in-flight slot is released
+
+Everything the plan holds (where to, which headers, which response to watch, the wording of a
+refusal) comes from :class:`~extproc.plan.Planner`; this module only speaks Envoy.
+
+Every message gets an answer of its kind, whatever arrives and in whatever order: one not
+expected in the phase is logged and let through unchanged; a failure while answering lets the
+request through unrouted (Envoy's default route). Neither fails the stream.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.kvevents.usage import UsageTail
-from extproc.router import Routed, Router
-from extproc.routing.model import Reason
+from extproc.plan import EVERYTHING, Forward, Plan, Planner, Refuse, Watch
 from extproc.server import envoy_messages as msg
-from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, attempts
 
 log = logging.getLogger("extproc.stream")
 
+Answers = list[pb.ProcessingResponse]
+
 
 class Phase(enum.Enum):
-    """Where a stream is."""
+    """Where a stream is: the next message it expects."""
 
-    HEADERS = "headers"
-    BODY = "body"
-    ROUTED = "routed"
+    REQUEST_HEADERS = "request_headers"
+    REQUEST_BODY = "request_body"
+    RESPONSE_HEADERS = "response_headers"
+    """The request is decided (or let through unrouted): the response is next."""
+    RESPONSE_BODY = "response_body"
+    """The response body is read for the cached tokens it reports."""
     DONE = "done"
 
 
-class RequestStream:
-    """Turns one stream's ProcessingRequests into ProcessingResponses through the router."""
+EXPECTED: dict[Phase, frozenset[str]] = {
+    Phase.REQUEST_HEADERS: frozenset({"request_headers"}),
+    Phase.REQUEST_BODY: frozenset({"request_body", "request_trailers"}),
+    Phase.RESPONSE_HEADERS: frozenset({"request_body", "request_trailers", "response_headers"}),
+    Phase.RESPONSE_BODY: frozenset({"response_body", "response_trailers"}),
+    Phase.DONE: frozenset({"response_trailers"}),
+}
+"""The messages each phase takes; any other is let through unchanged."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        cfg = router.config
-        self.mode = cfg.mode
-        self.remove = cfg.routing_headers
-        self.phase = Phase.HEADERS
+
+class RequestStream:
+    """Turns one stream's ProcessingRequests into ProcessingResponses, carrying out the planner's plan."""
+
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
+        self.phase = Phase.REQUEST_HEADERS
+        self.body_mode: int = msg.BUFFERED  # Envoy says which in the first message's protocol_config
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
         self.size = 0
-        self.routed: Routed | None = None
-        self.body_mode: int = msg.BUFFERED  # Envoy says which in the first message's protocol_config
-        self.observe = True  # response headers feed health (false: asked for only to read the body)
-        self.check_usage = False  # sampled: the response body is read for its reported cached tokens
-        self.predicted: int | None = None  # cached tokens the KV-event index predicted
-        self.usage: UsageTail | None = None
+        self.watch: Watch = EVERYTHING
+        self.plan: Plan | None = None
+        self._phases: dict[Phase, Callable[[pb.ProcessingRequest, str], Awaitable[Answers]]] = {
+            Phase.REQUEST_HEADERS: self._request_headers,
+            Phase.REQUEST_BODY: self._request_body,
+            Phase.RESPONSE_HEADERS: self._response_headers,
+            Phase.RESPONSE_BODY: self._response_body,
+            Phase.DONE: self._done,
+        }
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer each message of the stream; releases the request's in-flight slot at the end."""
         try:
             async for request in requests:
-                if request.HasField("protocol_config"):
-                    self.body_mode = request.protocol_config.request_body_mode
-                try:
-                    responses = await self.answer_duplex(request) if self.duplex else [await self.answer(request)]
-                except Exception:
-                    # Never fail the stream: an unrouted request still goes down Envoy's default route.
-                    log.exception("answering %s failed; letting it through", request.WhichOneof("request"))
-                    self.router.metrics.stream_errors.labels("answer").inc()
-                    responses = (
-                        self._duplex_fallback(request)
-                        if self.duplex
-                        else [msg.passthrough(request.WhichOneof("request") or "")]
-                    )
-                for response in responses:
+                for response in await self.answer(request):
                     yield response
         finally:
-            if self.usage is not None:  # the body ended without end_of_stream (trailers, a reset)
-                self._check_usage()
-            if self.routed is not None:
-                self.router.release(self.routed)
+            if self.plan is not None:
+                self.planner.end(self.plan)
             self.phase = Phase.DONE
 
     @property
     def duplex(self) -> bool:
-        """FULL_DUPLEX_STREAMED: answers are held back until the body is complete."""
+        """FULL_DUPLEX_STREAMED: the headers answer is held back until the body is complete."""
         return self.body_mode == msg.FULL_DUPLEX_STREAMED
 
-    async def answer(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        """The response to one message."""
-        kind = request.WhichOneof("request")
-        if kind == "request_headers" and self.phase is Phase.HEADERS:
-            self.headers = msg.header_map(request.request_headers)
-            if request.request_headers.end_of_stream:
-                return await self._decide(None, in_body=False)
-            self.phase = Phase.BODY
-            observe = self.router.sample_response()
-            kv = self.router.kv_events
-            # Mode overrides are ignored with a FULL_DUPLEX_STREAMED filter: checks need BUFFERED.
-            self.check_usage = kv is not None and self.body_mode == msg.BUFFERED and kv.sample_check()
-            if observe:
-                return msg.continue_headers(self.remove)
-            if self.check_usage:
-                self.observe = False
-                return msg.continue_headers(self.remove, msg.with_response_headers(self.body_mode))
-            return msg.continue_headers(self.remove, msg.without_response_headers(self.body_mode))
-        if kind == "request_body" and self.phase is Phase.BODY:
-            body = request.request_body
-            self.chunks.append(body.body)
-            self.size += len(body.body)
-            if not body.end_of_stream and self.size <= self.router.config.features.max_body_bytes:
-                return msg.continue_body()
-            data = b"".join(self.chunks)
-            self.chunks = []
-            return await self._decide(data, in_body=True)
-        if kind == "response_headers":
-            if self.routed is not None:
-                response = msg.header_map(request.response_headers)
-                status = response.get(":status", "0")
-                tries = attempts(response.get(ATTEMPT_COUNT_HEADER))
-                answered_by = response.get(ANSWERED_BY_HEADER)
-                if self.observe:
-                    code = int(status) if status.isdigit() else 0
-                    self.router.observe_response(self.routed, code, tries, answered_by)
-                chosen = self.routed.decision.replica
-                own = tries == 1 or (chosen is not None and answered_by == chosen.address)
-                # A body another replica answered (after a retry or a hedge): nothing to check.
-                if self.predicted is not None and status == "200" and own:
-                    self.usage = UsageTail()
-                    return msg.continue_response_headers(msg.streamed_response_body(self.body_mode))
-            return msg.continue_response_headers()
-        if kind == "response_body" and self.usage is not None:
-            self.usage.feed(request.response_body.body)
-            if request.response_body.end_of_stream:
-                self._check_usage()
-            return msg.passthrough(kind)
-        log.debug("message %s in phase %s let through", kind, self.phase.value)
-        return msg.passthrough(kind or "")
+    async def answer(self, request: pb.ProcessingRequest) -> Answers:
+        """The answers to one message (none while full duplex holds them back); never raises."""
+        if request.HasField("protocol_config"):
+            self.body_mode = request.protocol_config.request_body_mode
+        kind = request.WhichOneof("request") or ""
+        phase = self.phase
+        if kind not in EXPECTED[phase]:
+            log.debug("%s not expected in phase %s: let through", kind or "empty message", phase.value)
+            return [msg.passthrough(kind)]
+        try:
+            return await self._phases[phase](request, kind)
+        except Exception:
+            log.exception("answering %s in phase %s failed; letting it through", kind, phase.value)
+            self.planner.router.metrics.stream_errors.labels("answer").inc()
+            return self._failed(kind, phase)
 
-    async def answer_duplex(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        """FULL_DUPLEX_STREAMED (the mode the Gateway API Inference Extension's gateways use): the
-        headers answer is held back until the body is complete, then sent with the decision,
-        followed by the body itself, streamed back unchanged."""
-        kind = request.WhichOneof("request")
-        if kind == "request_headers" and self.phase is Phase.HEADERS:
-            self.headers = msg.header_map(request.request_headers)
-            if request.request_headers.end_of_stream:
-                return [await self._decide(None, in_body=False)]
-            self.phase = Phase.BODY
+    async def _request_headers(self, request: pb.ProcessingRequest, kind: str) -> Answers:
+        headers = request.request_headers
+        self.headers = msg.header_map(headers)
+        if headers.end_of_stream:
+            return await self._decide(None)
+        self.phase = Phase.REQUEST_BODY
+        # Only this answer may change what Envoy sends next (and not with FULL_DUPLEX_STREAMED).
+        self.watch = self.planner.watch(can_override=not self.duplex, whole_body=self.body_mode == msg.BUFFERED)
+        if self.duplex:
             return []
-        if kind == "request_body" and self.phase is Phase.BODY:
-            self.chunks.append(request.request_body.body)
-            self.size += len(request.request_body.body)
-            return await self._duplex_end(trailers=False) if request.request_body.end_of_stream else []
-        if kind == "request_trailers" and self.phase is Phase.BODY:
-            return await self._duplex_end(trailers=True)
-        return [await self.answer(request)]
+        override = msg.response_headers_mode(self.watch.response_headers, self.body_mode)
+        return [msg.continue_headers(self.planner.strip, override)]
 
-    async def _duplex_end(self, trailers: bool) -> list[pb.ProcessingResponse]:
+    async def _request_body(self, request: pb.ProcessingRequest, kind: str) -> Answers:
+        if kind == "request_trailers":
+            # Trailers end a full-duplex body; a buffered filter is configured not to send them.
+            return await self._duplex_end(trailers=True) if self.duplex else [msg.passthrough(kind)]
+        body = request.request_body
+        self.chunks.append(body.body)
+        self.size += len(body.body)
+        if self.duplex:
+            return await self._duplex_end(trailers=False) if body.end_of_stream else []
+        if not body.end_of_stream and self.size <= self.planner.max_body_bytes:
+            return [msg.continue_body()]
+        return await self._decide(self._take_body())
+
+    async def _duplex_end(self, trailers: bool) -> Answers:
         data = b"".join(self.chunks)
+        parse = data if self.size <= self.planner.max_body_bytes else b""
+        out = await self._decide(parse)
         self.chunks = []
-        parse = data if self.size <= self.router.config.features.max_body_bytes else b""
-        first = await self._decide(parse, in_body=False)
-        if first.WhichOneof("response") == "immediate_response":
-            return [first]
-        if self.routed is not None and self.routed.body is not None:
-            data = self.routed.body  # rewritten for its split arm; content-length set in `first`
-        out = [first, *msg.streamed_body(data)]
+        action = self.plan.action if self.plan is not None else None
+        if not isinstance(action, Forward):  # refused: the client has its answer, nothing is streamed
+            return out
+        out.extend(msg.streamed_body(data if action.body is None else action.body))
         if trailers:
             out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
         return out
 
-    def _check_usage(self) -> None:
-        usage, self.usage = self.usage, None
-        kv, routed = self.router.kv_events, self.routed
-        if usage is None or kv is None or routed is None or self.predicted is None or routed.decision.replica is None:
-            return
-        kv.check(routed.decision.replica.name, self.predicted, usage.cached_tokens(), routed.features.tokens_per_block)
+    def _take_body(self) -> bytes:
+        data, self.chunks = b"".join(self.chunks), []
+        return data
 
-    def _duplex_fallback(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        """After a failure in duplex mode: release what was held back, unrouted."""
-        if self.phase is Phase.BODY and request.WhichOneof("request") in ("request_body", "request_trailers"):
-            self.phase = Phase.ROUTED
-            data, self.chunks = b"".join(self.chunks), []
-            return [msg.continue_headers(self.remove), *msg.streamed_body(data)]
-        return [msg.passthrough(request.WhichOneof("request") or "")]
+    async def _decide(self, body: bytes | None) -> Answers:
+        """Plan the request; its decision answers the message that completed it: the request
+        headers (no body, or full duplex) or, buffered, the body. Should planning fail, the
+        request goes on unrouted."""
+        self.phase = Phase.RESPONSE_HEADERS
+        plan = await self.planner.plan(self.headers, body, self.watch)
+        self.plan = plan
+        if isinstance(plan.action, Refuse):
+            self.phase = Phase.DONE
+            return [msg.refuse(plan.action)]
+        in_body = body is not None and not self.duplex
+        return [msg.forward(plan.action, in_body)]
 
-    async def _decide(self, body: bytes | None, in_body: bool) -> pb.ProcessingResponse:
-        self.phase = Phase.ROUTED
-        routed = await self.router.route(self.headers, body)
-        self.routed = routed
-        decision = routed.decision
-        kv = self.router.kv_events
-        if self.check_usage and kv is not None and decision.replica is not None:
-            self.predicted = kv.predicted_tokens(
-                routed.features, decision.replica.name, decision.matched_blocks, routed.decided_at
-            )
-        if routed.refusal is not None:
-            refusal = routed.refusal
-            return msg.immediate(refusal.status, refusal.message, refusal.kind, retry_after_s=refusal.retry_after_s)
-        if decision.reason is Reason.QUOTA:
-            return msg.immediate(
-                429,
-                "this tenant is over its quota of concurrent requests; retry later",
-                "quota_exceeded",
-                retry_after_s=routed.decision.retry_after_s,
-            )
-        if decision.replica is None:
-            # No replica known (discovery has not answered yet, or the fleet is empty): let Envoy
-            # route it on its own (the default route); Envoy answers 503 itself if it has none.
-            if routed.body is not None:
-                return msg.rewritten(msg.continue_headers(self.remove), routed.body, in_body)
-            return msg.continue_body() if in_body else msg.continue_headers(self.remove)
-        cfg = self.router.config
-        features = routed.features
-        common, metadata = msg.routing_mutation(
-            decision,
-            self.mode,
-            cfg.target_cluster_header,
-            cfg.destination_endpoint_header,
-            self.remove,
-            cfg.upstream.request_headers(features.stream, features.max_output_tokens),
-        )
-        if in_body:
-            response = msg.routed_body_response(common, metadata)
-        else:
-            response = msg.routed_headers_response(common, metadata)
-        return response if routed.body is None else msg.rewritten(response, routed.body, in_body)
+    async def _response_headers(self, request: pb.ProcessingRequest, kind: str) -> Answers:
+        if kind != "response_headers":  # the rest of a body routed before its end
+            return [msg.passthrough(kind)]
+        self.phase = Phase.DONE
+        if self.plan is None:  # let through unrouted after a failure: nothing to learn from
+            return [msg.continue_response_headers()]
+        if self.planner.response_headers(self.plan, msg.header_map(request.response_headers)):
+            self.phase = Phase.RESPONSE_BODY
+            return [msg.continue_response_headers(msg.streamed_response_body(self.body_mode))]
+        return [msg.continue_response_headers()]
+
+    async def _response_body(self, request: pb.ProcessingRequest, kind: str) -> Answers:
+        if kind == "response_body":
+            assert self.plan is not None  # the phase is entered only with a plan
+            body = request.response_body
+            if body.end_of_stream:
+                self.phase = Phase.DONE
+            replaced = await self.planner.response_body(self.plan, body.body, body.end_of_stream)
+            if replaced is not None:
+                return [msg.replaced_response_body(replaced)]
+        return [msg.passthrough(kind)]
+
+    async def _done(self, request: pb.ProcessingRequest, kind: str) -> Answers:
+        return [msg.passthrough(kind)]
+
+    def _failed(self, kind: str, phase: Phase) -> Answers:
+        """The answer after a failure in ``phase``: the message let through unchanged, and in full
+        duplex, what was held back released with it (the request goes on unrouted)."""
+        if phase is Phase.REQUEST_BODY and self.duplex:
+            self.phase = Phase.RESPONSE_HEADERS
+            out = [msg.continue_headers(self.planner.strip), *msg.streamed_body(self._take_body())]
+            if kind == "request_trailers":
+                out.append(msg.passthrough(kind))
+            return out
+        return [msg.passthrough(kind)]

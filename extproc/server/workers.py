@@ -22,7 +22,7 @@ import multiprocessing
 import signal
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from types import FrameType
 from typing import Any
@@ -47,19 +47,17 @@ class WorkerSlot:
     listen: str
     health_listen: str | None
 
-    def config(self, cfg: Config) -> Config:
-        """``cfg`` as this worker serves it: the shared ports as the parent resolved them, its own
-        ports offset by its index."""
-        admin = cfg.admin
-        if admin.listen is not None and admin.listen != cfg.listen:
-            admin = replace(admin, listen=offset_port(admin.listen, self.index))
-        return replace(
-            cfg,
-            listen=self.listen,
-            health_listen=self.health_listen,
-            metrics_listen=offset_port(cfg.metrics_listen, self.index) if cfg.metrics_listen else None,
-            admin=admin,
-        )
+    def flags(self, cfg: Config) -> list[str]:
+        """The ``serve`` flags that make ``cfg`` this worker's: the shared ports as the parent
+        resolved them, its own ports offset by its index."""
+        out = ["--listen", self.listen]
+        if self.health_listen is not None:
+            out += ["--health-listen", self.health_listen]
+        if cfg.metrics.address:
+            out += ["--metrics-listen", offset_port(cfg.metrics.address, self.index)]
+        if cfg.admin.enabled and cfg.admin.listen is not None and cfg.admin.listen != cfg.listen:
+            out += ["--admin-listen", offset_port(cfg.admin.listen, self.index)]
+        return out
 
 
 def offset_port(listen: str, by: int) -> str:
@@ -70,7 +68,7 @@ def offset_port(listen: str, by: int) -> str:
 
 def check_workers(cfg: Config) -> str | None:
     """Why ``cfg`` cannot run with several workers, None when it can."""
-    if cfg.listen.startswith("unix:") or (cfg.health_listen or "").startswith("unix:"):
+    if cfg.listen.startswith("unix:") or (cfg.grpc.health_listen or "").startswith("unix:"):
         return "workers: a unix socket cannot be shared by several processes; listen on HOST:PORT"
     if cfg.kv_events.listen:
         return "workers: kv_events.listen binds one endpoint; with several workers let each connect (kv_events)"
@@ -101,7 +99,7 @@ def segment_size(cfg: Config, workers: int) -> SegmentSize:
     :data:`MIN_REPLICA_ROWS`."""
     replicas = max(MIN_REPLICA_ROWS, 2 * len(cfg.replicas))
     if cfg.store.startswith("memory:"):
-        return SegmentSize.for_config(cfg.max_sessions, cfg.blocks_per_replica, replicas, workers)
+        return SegmentSize.for_config(cfg.sessions.max_sessions, cfg.prefix.blocks_per_replica, replicas, workers)
     return SegmentSize(replicas, 16, 16, workers)
 
 
@@ -114,8 +112,8 @@ def supervise(cfg: Config, target: Callable[[Sequence[str], WorkerSlot], None], 
         sock, listen = hold_port("ext_proc", cfg.listen)
         held.append(sock)
         health_listen = None
-        if cfg.health_listen is not None:
-            sock, health_listen = hold_port("gRPC health", cfg.health_listen)
+        if cfg.grpc.health_listen is not None:
+            sock, health_listen = hold_port("gRPC health", cfg.grpc.health_listen)
             held.append(sock)
     except BindError:
         for sock in held:
@@ -153,9 +151,9 @@ def supervise(cfg: Config, target: Callable[[Sequence[str], WorkerSlot], None], 
     finally:
         for process in processes:
             if process.is_alive():
-                process.terminate()  # SIGTERM: a worker drains within cfg.grace_s
+                process.terminate()  # SIGTERM: a worker drains within grpc.grace_s
         for process in processes:
-            process.join(cfg.grace_s + 5.0)
+            process.join(cfg.grpc.grace_s + 5.0)
             if process.is_alive():
                 process.kill()
                 process.join()

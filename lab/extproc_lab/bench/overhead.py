@@ -196,7 +196,7 @@ def swap_in_bare_processor(gw: LocalGateway) -> str:
     cfg = Config()  # the gateway's processor runs with the default headers
     cluster_mode = gw.mode == "cluster"
     target = gw.members[0].name if cluster_mode else gw.members[0].address
-    header = cfg.target_cluster_header if cluster_mode else cfg.destination_endpoint_header
+    header = cfg.headers.target_cluster if cluster_mode else cfg.headers.destination_endpoint
     argv = [sys.executable, "-m", "extproc_lab.bench.bare_processor", "--listen", f"{HOST}:{gw.processor_port}",
             "--header", header, "--target", target]  # fmt: skip
     proc = gw.procs.start(BARE, argv)

@@ -118,7 +118,7 @@ def policy_profile(
         return PEER_DEFS[name].spec(probe, seed, replica)
     else:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(ALL)}")
-    return build_profile({**spec, "name": name}, vnodes=config.vnodes, ring_key_blocks=config.ring_key_blocks)
+    return build_profile({**spec, "name": name}, vnodes=config.ring.vnodes, ring_key_blocks=config.ring.key_blocks)
 
 
 def scrape_interval(name: str) -> float | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from extproc.config import Config, load_config
+from extproc.config import Config, load_config, with_overrides
 from extproc_lab.bench.policies import (
     ALL,
     CEILINGS,
@@ -113,7 +113,7 @@ def run_policy(setup: BenchSetup, policy: str, on_progress: Callable[[int], None
     replica = setup.replica_profile()
     config = setup.config()
     if policy == HOT_KEYS:
-        config = dataclasses.replace(config, hot_keys=dataclasses.replace(config.hot_keys, enabled=True))
+        config = with_overrides(config, hot_keys=config.hot_keys.model_copy(update={"enabled": True}))
     variants = setup.variant_profiles()
     progress = _WORKER.get("progress")
     if on_progress is None and progress is not None:

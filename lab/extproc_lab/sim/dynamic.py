@@ -10,10 +10,10 @@ experiments need:
   models that left drain what they already hold and take nothing new;
 - **the session ledger**: each routed session request is noted in the rebalancer's ledger with
   its OpenAI body, as :meth:`Router.route` does (the simulator calls ``route_features``);
-- **pre-warming**: the rebalancer's prewarmer is a :class:`SimPrewarmer`, the real
-  :class:`~extproc.rebalance.prewarm.Prewarmer` (its token bucket, queue and
-  ``prefill_only`` body) pumped by the virtual clock instead of asyncio; its ``send`` turns the
-  pre-warm body into a prefill-only request (``max_tokens`` 1) on the target replica model;
+- **pre-warming**: the rebalancer's prewarmer is the real
+  :class:`~extproc.rebalance.prewarm.Prewarmer` (its token bucket, queue and ``prefill_only``
+  body) driven by a :class:`SimPrewarmer` on the virtual clock instead of asyncio, which sends
+  each pre-warm body as a prefill-only request (``max_tokens`` 1) on the target replica model;
 - **refusals**: a request the router refuses (no replica, reason ``quota``) is dropped and
   counted (closed-loop follow-ups of a refused request are dropped with it).
 """
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
 from extproc.request.features import RequestFeatures
@@ -39,39 +39,37 @@ from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL, SimRequest
 from extproc_lab.stats import percentile
 
 
-class SimPrewarmer(Prewarmer):
-    """The real prewarmer with its background task replaced by virtual-clock pumping: the
-    simulation calls :meth:`pump` at the time :meth:`submit` or the token bucket asks for."""
+class SimPrewarmer:
+    """The router's pre-warmer driven by the virtual clock instead of asyncio: its queue
+    (:class:`~extproc.rebalance.prewarm.PrewarmQueue`) asks for a pump now whenever a pre-warm
+    is queued, and :meth:`pump` sends, through ``send(address, path, body) -> status``, what the
+    token bucket lets go, then asks to be woken when the next token is due."""
 
     def __init__(
         self,
         settings: PrewarmSettings,
         clock: Callable[[], float],
-        send: Callable[[str, str, bytes, float], Any],
+        send: Callable[[str, str, bytes], int],
         wake: Callable[[float], None],
     ) -> None:
-        super().__init__(settings, clock, send)
+        self.clock = clock
+        self.send = send
         self.wake_at = wake
         self.results: dict[str, int] = {}
-        self.on_result = lambda outcome: self.results.__setitem__(outcome, self.results.get(outcome, 0) + 1)
+        self.prewarmer = Prewarmer(settings, clock, on_result=self._count, schedule=lambda: wake(clock()))
 
-    def _start(self) -> None:
-        """Instead of a background task: ask the simulation to pump now."""
-        self.wake_at(self.clock())
+    def _count(self, outcome: str) -> None:
+        self.results[outcome] = self.results.get(outcome, 0) + 1
 
     def pump(self) -> None:
         """Send what the token bucket allows now; ask to be woken when the next token is due."""
-        while self._pending:
-            wait = self._take_token()
-            if wait > 0:
+        queue = self.prewarmer.queue
+        while (warm := queue.take()) is not None:
+            if isinstance(warm, float):
                 # Not sooner than a microsecond: float rounding could otherwise wake it at now.
-                self.wake_at(self.clock() + max(wait, 1e-6))
+                self.wake_at(self.clock() + max(warm, 1e-6))
                 return
-            address, path, body = self._pending.popleft()
-            status: int = run_sync(
-                cast("Coroutine[Any, Any, int]", self.send(address, path, body, self.settings.timeout_s))
-            )
-            self.on_result("ok" if status < 400 else "error")
+            queue.sent(self.send(warm.address, warm.path, warm.body))
 
 
 @dataclass
@@ -138,9 +136,10 @@ class DynamicSimulation(Simulation):
 
     def _prewarmer(self) -> Prewarmer:
         """Pre-warms delivered to the replica models on the virtual clock."""
-        return SimPrewarmer(self.config.rebalance.prewarm, self.clock, self._send, self._wakes.append)
+        self._prewarms = SimPrewarmer(self.config.rebalance.prewarm, self.clock, self._send, self._wakes.append)
+        return self._prewarms.prewarmer
 
-    async def _send(self, address: str, path: str, body: bytes, timeout_s: float) -> int:
+    def _send(self, address: str, path: str, body: bytes) -> int:
         index = int(address.rsplit(":", 1)[1])
         if index >= len(self.models):
             return 503
@@ -160,15 +159,12 @@ class DynamicSimulation(Simulation):
         self._tenants: dict[int, str] = {}
         self._members = len(self.router.replicas)
         self._followers = self.workload.followers()
-        prewarmer = self.router.rebalancer.prewarmer
-        assert isinstance(prewarmer, SimPrewarmer)
-        self._prewarmer_ = prewarmer
         self._loop()
         return DynamicRun(
             self._sim_run(),
             self._changes_made,
             self.prewarms_sent,
-            dict(prewarmer.results),
+            dict(self._prewarms.results),
             self._refused_counts,
             self._session_keys,
             self._tenants,
@@ -211,7 +207,7 @@ class DynamicSimulation(Simulation):
         if kind == self.CONTROL:
             self._change(self.changes[a][1], now)
         elif kind == self.PUMP:
-            self._prewarmer_.pump()
+            self._prewarms.pump()
         else:
             super()._on_event(kind, a, now)
         for at in self._wakes:

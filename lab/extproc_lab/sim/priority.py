@@ -5,12 +5,13 @@
 ``route_features``, ``observe_response`` and ``release``, scrapes into the replica book) and, with
 ``config.queueing.enabled``, holds requests as the ext_proc server does: a request goes on when
 nothing of its priority or above waits and its candidates are not all saturated
-(:meth:`Router.fleet_saturated`, the server's test), else it waits in the server's own release
-order (:class:`~extproc.queueing.PriorityLevels`: priority, then round robin by tenant) and
-leaves, one at a time, whenever the head's candidates have headroom: after a scrape and after a
-request ends. A request held past its class's ``max_wait_s``, or arriving at a full queue, is
-refused and counted. Without queueing every request goes to a replica at once (its own vLLM
-queue holds it), which is what the queue is compared with.
+(:meth:`Router.fleet_saturated`, the server's test), else it waits. The decisions are the
+server's own (:class:`~extproc.queueing.Admission`, on the virtual clock): release order
+(priority, then round robin by tenant), one at a time whenever the head's candidates have
+headroom (looked at after a scrape and after a request ends), and refusal of a request arriving
+at a full queue or of every request held past its class's ``max_wait_s``, counted. Without
+queueing every request goes to a replica at once (its own vLLM queue holds it), which is what
+the queue is compared with.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from extproc.config import Config
 from extproc.health.replicas import LoadReport
-from extproc.queueing import PriorityLevels
+from extproc.queueing import Admission, Refusal
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed
 from extproc.routing.pipeline import Profile
@@ -87,7 +88,7 @@ class PrioritySimulation(Simulation):
 
     def run(self, on_progress: Callable[[int], None] | None = None, progress_every: int = 200) -> PriorityRun:  # type: ignore[override]
         """Replay the workload to its end."""
-        self._held: PriorityLevels[int] = PriorityLevels()
+        self._held: Admission[int] = Admission(self.config.queueing, self.router.fleet_saturated, self.clock)
         self._features: dict[int, RequestFeatures] = {}
         self._dispatched_at: dict[int, float] = {}
         self._out = PriorityRun([])
@@ -115,20 +116,18 @@ class PrioritySimulation(Simulation):
         out = self._out
         out.classes[i] = cls
         f = replace(req.features(self.config.features), request_class=cls)
-        queueing = self.config.queueing
-        if not queueing.enabled:
+        if not self.config.queueing.enabled:
             self._dispatch(i, f, now)
             return
-        held = self._held
-        terms = queueing.for_class(cls)
-        if not held.ahead(terms.priority) and not self.router.fleet_saturated(f.pool):
+        self._expire()
+        held = self._held.admit(cls, f.tenant, f.pool, i)
+        if held is None:
             self._dispatch(i, f, now)
-        elif held.waiting(terms.priority) >= terms.max_queued:
+        elif isinstance(held, Refusal):
             self._refuse(i, "full")
         else:
             self._features[i] = f
-            held.push(terms.priority, f.tenant, i)
-            out.max_waiting = max(out.max_waiting, len(held))
+            out.max_waiting = max(out.max_waiting, len(self._held))
             self._pump(now)
 
     def _decided(self, i: int, features: RequestFeatures, routed: Routed, now: float) -> None:
@@ -166,24 +165,18 @@ class PrioritySimulation(Simulation):
         self._features.pop(i, None)
         self._out.refused[why] = self._out.refused.get(why, 0) + 1
 
+    def _expire(self) -> None:
+        # Every waiter past its limit, wherever it is in the queue: as the server's timers would
+        # have refused it by now (nothing looks at the queue between events).
+        for waiter, _ in self._held.expire():
+            self._refuse(waiter.item, "timeout")
+
     def _pump(self, now: float) -> None:
-        """Release the head of the queue while its candidates have headroom; refuse the expired."""
+        """Refuse the expired; release the head of the queue while its candidates have headroom."""
+        self._expire()
         held = self._held
-        queueing = self.config.queueing
-        reqs = self.workload.requests
-        while len(held):
-            i = held.head()
-            assert i is not None
-            f = self._features[i]
-            terms = queueing.for_class(f.request_class)
-            if now - reqs[i].arrival_s > terms.max_wait_s:
-                held.pop()
-                self._refuse(i, "timeout")
-                continue
-            if self.router.fleet_saturated(f.pool):
-                break
-            held.pop()
-            self._dispatch(i, self._features.pop(i), now)
+        while (waiter := held.next_to_go()) is not None:
+            self._dispatch(waiter.item, self._features.pop(waiter.item), now)
         if len(held) and not self._tick_pending:
             self._tick_pending = True  # look again at the next scrape even if nothing ends before
             self._push((int(now // self.interval) + 1) * self.interval, self.TICK, 0)

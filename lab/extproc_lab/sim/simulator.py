@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from extproc.config import Config
+from extproc.config import Config, Metrics, with_overrides
 from extproc.health.vllm_metrics import ReplicaMetrics
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.request.features import RequestFeatures
@@ -231,7 +231,7 @@ class Simulation:
         self.names = [f"replica-{i}" for i in range(replicas)]
         members = tuple(Replica(n, f"sim:{i}") for i, n in enumerate(self.names))
         base = config or Config()
-        self.config = replace(base, replicas=members, metrics_listen=None)
+        self.config = with_overrides(base, replicas=members, metrics=Metrics(enabled=False))
         self.clock = VirtualClock()
         self.probe = SimCacheProbe(self)
         self.routing: Seq | None = None
@@ -246,10 +246,12 @@ class Simulation:
             # the peer ranks the replicas itself.
             routing_profile = build_profile(
                 {"filters": [], "scorers": [], "picker": {"type": "max_score"}, "name": routing.name},
-                vnodes=self.config.vnodes,
-                ring_key_blocks=self.config.ring_key_blocks,
+                vnodes=self.config.ring.vnodes,
+                ring_key_blocks=self.config.ring.key_blocks,
             )
-        store = MemoryStore(self.config.session_ttl_s, self.config.max_sessions, self.config.blocks_per_replica)
+        store = MemoryStore(
+            self.config.sessions.ttl_s, self.config.sessions.max_sessions, self.config.prefix.blocks_per_replica
+        )
         self.models = [ReplicaModel(profile) for _ in range(replicas)]
         # The kv_events policy: the models' stores and evictions reach the router as KV events.
         self.kv_feed = (

@@ -1,0 +1,235 @@
+"""The ``serve`` flags that set config: one table, each flag a key of the file.
+
+A flag's value goes into the file's mapping at its key before the mapping is validated, so a
+flag is checked exactly as the key is and wins over the file; an error about a key a flag sets
+names the flag too. ``extproc serve --help`` shows each flag's key.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from extproc.config import config_from_mapping, read_mapping
+from extproc.config.model import Config, ConfigError, parse_replica, replica_entry
+from extproc.kvevents.hashing import HashAlgo
+
+Kind = Literal["value", "pairs", "replicas"]
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One flag: its name, the file's key it sets (dotted), and how.
+
+    ``value``: the key takes the flag's value. ``pairs``: a repeated ``KEY=VALUE`` flag adds to
+    the key's mapping (``form`` names the two). ``replicas``: repeated ``--replica`` specs replace
+    ``replicas:``. With ``switch`` (the section's ``enabled`` key), ``off`` turns the section off
+    and any other value turns it on.
+    """
+
+    name: str
+    key: str
+    help: str
+    kind: Kind = "value"
+    type: Callable[[str], Any] = str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    switch: str | None = None
+    form: str = ""
+
+    @property
+    def dest(self) -> str:
+        """The flag's attribute on the parsed arguments."""
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("--listen", "listen", "HOST:PORT or unix:/path (default 127.0.0.1:9002)"),
+    Flag(
+        "--replica",
+        "replicas",
+        "a replica (repeatable); in cluster mode NAME is its Envoy cluster; its engines' KV events with "
+        ",kv_events=tcp://H:P[,kv_replay=tcp://H:P][,kv_dp=N]",
+        kind="replicas",
+        metavar="NAME=HOST:PORT[,LABEL=VALUE...]",
+    ),
+    Flag("--mode", "mode", "cluster: a target-cluster header; endpoint: GIE's header", choices=("cluster", "endpoint")),
+    Flag(
+        "--workers",
+        "workers",
+        "N processes serving the --listen port, sharing pins, prefix index and load in memory (default 1)",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "--store",
+        "store",
+        "affinity store URL: memory:// (default), redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
+    ),
+    Flag(
+        "--metrics-listen",
+        "metrics.listen",
+        "HOST:PORT for /metrics (default 127.0.0.1:9190), 'off' to disable",
+        switch="metrics.enabled",
+    ),
+    Flag(
+        "--response-sample-rate",
+        "health.response_sample_rate",
+        "share of requests whose response headers are observed (default 1)",
+        type=float,
+        metavar="R",
+    ),
+    Flag(
+        "--health-listen",
+        "grpc.health_listen",
+        "also serve gRPC health alone, in plaintext, here (for probes)",
+        metavar="HOST:PORT",
+    ),
+    Flag(
+        "--tls-cert",
+        "grpc.tls.cert_file",
+        "PEM certificate chain: serve gRPC over TLS (with --tls-key)",
+        metavar="FILE",
+    ),
+    Flag("--tls-key", "grpc.tls.key_file", "PEM private key of --tls-cert", metavar="FILE"),
+    Flag(
+        "--tls-client-ca",
+        "grpc.tls.client_ca_file",
+        "PEM CA bundle: require client certificates (mTLS)",
+        metavar="FILE",
+    ),
+    Flag(
+        "--admin-listen",
+        "admin.listen",
+        "the admin API on a port of its own (default: on the --listen port, docs/ports.md), 'off' to disable",
+        metavar="HOST:PORT",
+        switch="admin.enabled",
+    ),
+    Flag("--admin-token-file", "admin.token_file", "bearer token for the admin API's mutating calls", metavar="FILE"),
+    Flag(
+        "--tokenizer",
+        "kv_events.tokenizers",
+        "tokenize MODEL's prompts with DIR (tokenizer.json, tokenizer_config.json): its requests match vLLM's "
+        "KV events (repeatable)",
+        kind="pairs",
+        metavar="MODEL=DIR",
+        form="MODEL=DIR",
+    ),
+    Flag(
+        "--lora-adapter",
+        "kv_events.lora_adapters",
+        "requests naming ADAPTER are tokenized as MODEL's and hashed with the adapter's name, as vLLM (repeatable)",
+        kind="pairs",
+        metavar="ADAPTER=MODEL",
+        form="ADAPTER=MODEL",
+    ),
+    Flag("--kv-events-listen", "kv_events.listen", "bind one SUB endpoint replicas connect to", metavar="ENDPOINT"),
+    Flag("--kv-events-port", "kv_events.port", "discovered replicas publish on this port", type=int, metavar="PORT"),
+    Flag(
+        "--kv-replay-port", "kv_events.replay_port", "discovered replicas answer replays here", type=int, metavar="PORT"
+    ),
+    Flag(
+        "--kv-hash-algo",
+        "kv_events.hash_algo",
+        "the engines' prefix hash (sha256)",
+        choices=tuple(a.value for a in HashAlgo),
+    ),
+    Flag("--kv-hash-seed", "kv_events.hash_seed", "the engines' PYTHONHASHSEED, if set", metavar="SEED"),
+    Flag(
+        "--kv-check-sample-rate",
+        "kv_events.check_sample_rate",
+        "share of responses read for usage.prompt_tokens_details.cached_tokens to check predictions",
+        type=float,
+        metavar="RATE",
+    ),
+)
+
+_TLS = ("--tls-cert", "--tls-key", "--tls-client-ca")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...] = SERVE_FLAGS) -> None:
+    """Add ``flags`` to ``parser``, each help naming the key it sets."""
+    for flag in flags:
+        repeated = flag.kind in ("pairs", "replicas")
+        parser.add_argument(
+            flag.name,
+            dest=flag.dest,
+            action="append" if repeated else "store",
+            default=[] if repeated else None,
+            type=flag.type,
+            metavar=flag.metavar,
+            choices=flag.choices,
+            help=f"{flag.help} [config {flag.key}]",
+        )
+
+
+def _set(raw: dict[str, Any], key: str, value: Any) -> None:
+    *sections, last = key.split(".")
+    for name in sections:
+        inner = raw.get(name)
+        raw[name] = inner = dict(inner) if isinstance(inner, Mapping) else {}
+        raw = inner
+    raw[last] = value
+
+
+def _get(raw: Mapping[str, Any], key: str) -> Any:
+    for name in key.split("."):
+        raw = raw.get(name) if isinstance(raw, Mapping) else None  # type: ignore[assignment]
+    return raw
+
+
+def _pairs(flag: Flag, base: Any, specs: list[str]) -> dict[str, Any]:
+    out = dict(base) if isinstance(base, Mapping) else {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not key or not value:
+            raise ConfigError(f"{flag.name}: expected {flag.form}, got {spec!r}")
+        out[key] = value
+    return out
+
+
+def with_flags(
+    raw: Mapping[str, Any], args: argparse.Namespace, flags: tuple[Flag, ...] = SERVE_FLAGS
+) -> dict[str, Any]:
+    """The file's mapping with the flags given in ``args`` set at their keys."""
+    out = dict(raw)
+    for flag in flags:
+        value = getattr(args, flag.dest, None)
+        if value is None or value == []:
+            continue
+        if flag.kind == "replicas":
+            _set(out, flag.key, [replica_entry(parse_replica(spec)) for spec in value])
+        elif flag.kind == "pairs":
+            _set(out, flag.key, _pairs(flag, _get(out, flag.key), value))
+        elif flag.switch is not None and value == "off":
+            _set(out, flag.switch, False)
+        else:
+            _set(out, flag.key, value)
+            if flag.switch is not None:
+                _set(out, flag.switch, True)
+    tls = _get(out, "grpc.tls")
+    if any(getattr(args, f.dest, None) for f in flags if f.name in _TLS) and not (
+        isinstance(tls, Mapping) and tls.get("cert_file") and tls.get("key_file")
+    ):
+        raise ConfigError("--tls-cert and --tls-key: both are needed for TLS (--tls-client-ca adds mTLS)")
+    return out
+
+
+def _naming_flags(message: str, flags: tuple[Flag, ...]) -> str:
+    for flag in flags:
+        message = message.replace(f"{flag.key}:", f"{flag.key} ({flag.name}):")
+    return message
+
+
+def config_from_flags(
+    path: str | Path | None, args: argparse.Namespace, flags: tuple[Flag, ...] = SERVE_FLAGS
+) -> Config:
+    """The config file at ``path`` (None: every default) with the flags over it, validated."""
+    raw = with_flags(read_mapping(path) if path else {}, args, flags)
+    try:
+        return config_from_mapping(raw)
+    except ConfigError as exc:
+        raise ConfigError(_naming_flags(str(exc), flags)) from None

@@ -1,0 +1,252 @@
+"""What the router wants done with one request, in plain values: the plan an adapter carries out.
+
+The ext_proc stream (:mod:`extproc.server.stream`) only translates these into Envoy's messages;
+every choice is made here, through the :class:`~extproc.router.Router`:
+
+- when the request's headers arrive, a :class:`Watch`: what to see of its response (sampled by
+  ``health.response_sample_rate`` and ``kv_events.check_sample_rate``), decided then because
+  only the request-headers answer can change what Envoy sends next;
+- once it is routed, a :class:`Plan`: :class:`Forward` it (to a replica, with these headers set
+  and these removed, its body replaced or not; or unrouted, down Envoy's default route), or
+  :class:`Refuse` it with a status and a message;
+- when its response headers arrive, whether to read its response body (a usage check), and
+  what that body reports once it is over.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from extproc.bookkeeping import Routed
+from extproc.router import Router
+from extproc.routing.model import Reason
+from extproc.tracing import TRACEPARENT
+from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, attempts
+from extproc.usage import UsageStripper, UsageTail
+
+QUOTA_MESSAGE = "this tenant is over its quota of concurrent requests; retry later"
+
+
+class ResponseHeaders(enum.Enum):
+    """What a request's headers answer asks of Envoy for its response headers."""
+
+    AS_CONFIGURED = "as_configured"
+    """No change: the filter's own processing mode."""
+    SEND = "send"
+    """Send them even so: asked for only to read the body (a usage check, not a health sample)."""
+    SKIP = "skip"
+    """Skip them: the request is not a health sample."""
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """What the processor wants to see of one request's response."""
+
+    sampled: bool = True
+    """A health sample: its response headers are wanted for the replicas' health (status, time
+    to first byte)."""
+    check_usage: bool = False
+    """Its response body is read for the cached tokens it reports, against the KV-event index's
+    prediction (when one is made)."""
+    meter: bool = False
+    """Its response body is read for the tokens it used (``budgets:``)."""
+
+    @property
+    def reads_body(self) -> bool:
+        """Whether its response body may be read."""
+        return self.check_usage or self.meter
+
+    @property
+    def response_headers(self) -> ResponseHeaders:
+        """How the headers answer has Envoy treat the response headers."""
+        if self.sampled:
+            return ResponseHeaders.AS_CONFIGURED
+        return ResponseHeaders.SEND if self.reads_body else ResponseHeaders.SKIP
+
+    @property
+    def observe(self) -> bool:
+        """Whether response headers that arrive feed health: all but those asked for only to read
+        the body (an Envoy without ``allow_mode_override`` sends every request's)."""
+        return self.sampled or not self.reads_body
+
+
+EVERYTHING = Watch()
+"""A request whose watch is not sampled: its response headers observed, its body not read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send the request upstream: to a chosen replica (``to_replica``: headers set, Envoy's route
+    chosen again) or, without one, down Envoy's default route."""
+
+    set_headers: tuple[tuple[str, str], ...] = ()
+    """Headers to set (overwriting), in order; ``content-length`` last when the body is replaced."""
+    remove_headers: tuple[str, ...] = ()
+    """Headers to remove: the routing headers a client may have set."""
+    to_replica: bool = False
+    lb_metadata: tuple[tuple[str, str], ...] = ()
+    """``envoy.lb`` dynamic metadata (endpoint mode: the replica and its fallbacks, in order)."""
+    body: bytes | None = None
+    """The body to send instead of the client's (rewritten for its split arm)."""
+
+    @property
+    def only_strips(self) -> bool:
+        """Unrouted, body unchanged: nothing to do but the removals (a request-headers answer makes them)."""
+        return not self.to_replica and not self.set_headers and self.body is None
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer the client at once with an error (OpenAI's JSON shape), never sending it upstream."""
+
+    status: int
+    message: str
+    kind: str
+    retry_after_s: int | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    """More response headers (a token budget's ``x-ratelimit-*-tokens``)."""
+
+
+@dataclass(slots=True)
+class Plan:
+    """One routed request: what to do with it, and what is still to be learnt from its response."""
+
+    action: Forward | Refuse
+    routed: Routed
+    watch: Watch
+    predicted: int | None = None
+    """Cached tokens the KV-event index predicted (a usage check was sampled and can be made)."""
+    usage: UsageTail | None = None
+    """The response body's tail, while it is read."""
+    stripper: UsageStripper | None = None
+    """While a stream is read whose client did not ask for its usage chunk: takes it out."""
+
+
+class Planner:
+    """Makes a request's plan through the router, and learns from its response."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        cfg = router.config
+        self.strip: tuple[str, ...] = cfg.routing_headers
+        """The routing headers a client must not set: removed from every request."""
+        self.max_body_bytes = cfg.features.max_body_bytes
+        """Past this much body the request is routed on what has come (the rest let through)."""
+
+    def watch(self, *, can_override: bool, whole_body: bool) -> Watch:
+        """The watch of a request with a body, decided with its headers. ``can_override``: its
+        headers answer can change Envoy's processing mode (not with FULL_DUPLEX_STREAMED);
+        ``whole_body``: its body comes in one buffered piece (a usage check needs all of it)."""
+        if not can_override:
+            return EVERYTHING
+        sampled = self.router.sample_response()
+        kv = self.router.kv_events
+        return Watch(sampled, kv is not None and whole_body and kv.sample_check(), self.router.budgets is not None)
+
+    async def plan(self, headers: Mapping[str, str], body: bytes | None, watch: Watch = EVERYTHING) -> Plan:
+        """Route the request and say what to do with it."""
+        router = self.router
+        routed = await router.route(headers, body)
+        decision = routed.decision
+        replica = decision.replica
+        kv = router.kv_events
+        predicted = None
+        if watch.check_usage and kv is not None and replica is not None:
+            predicted = kv.predicted_tokens(routed.features, replica.name, decision.matched_blocks, routed.decided_at)
+        return Plan(self._action(routed), routed, watch, predicted)
+
+    def _action(self, routed: Routed) -> Forward | Refuse:
+        decision = routed.decision
+        if routed.refusal is not None:
+            refusal = routed.refusal
+            extra = tuple(routed.budget.headers().items()) if routed.budget is not None else ()
+            return Refuse(refusal.status, refusal.message, refusal.kind, refusal.retry_after_s, extra)
+        if decision.reason is Reason.QUOTA:
+            return Refuse(429, QUOTA_MESSAGE, "quota_exceeded", decision.retry_after_s)
+        length = () if routed.body is None else (("content-length", str(len(routed.body))),)
+        replica = decision.replica
+        if replica is None:
+            # No replica known (discovery has not answered yet, or the fleet is empty): Envoy
+            # routes it on its own (the default route), and answers 503 itself if it has none.
+            return Forward(length, self.strip, body=routed.body)
+        cfg = self.router.config
+        lb: tuple[tuple[str, str], ...] = ()
+        if cfg.mode == "endpoint":
+            target = [(cfg.headers.destination_endpoint, replica.address)]
+            chain = ",".join([replica.address, *(f.address for f in decision.fallbacks)])
+            lb = ((cfg.headers.destination_endpoint, chain),)
+        else:
+            target = [(cfg.headers.target_cluster, replica.name)]
+        features = routed.features
+        headers = [*target, *cfg.upstream.request_headers(features.stream, features.max_output_tokens)]
+        if routed.traceparent is not None:  # the replica continues the trace under the decision
+            headers.append((TRACEPARENT, routed.traceparent))
+        names = {name for name, _ in headers}
+        removals = tuple(h for h in self.strip if h not in names)
+        return Forward((*headers, *length), removals, to_replica=True, lb_metadata=lb, body=routed.body)
+
+    def response_headers(self, plan: Plan, headers: Mapping[str, str]) -> bool:
+        """Learn from the response headers (a health sample); True to read the response body."""
+        routed = plan.routed
+        status = headers.get(":status", "0")
+        tries = attempts(headers.get(ATTEMPT_COUNT_HEADER))
+        answered_by = headers.get(ANSWERED_BY_HEADER)
+        if plan.watch.observe:
+            self.router.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by)
+        chosen = routed.decision.replica
+        own = tries == 1 or (chosen is not None and answered_by == chosen.address)
+        metered = routed.budget is not None and status == "200"
+        if metered and routed.strip_usage:
+            plan.stripper = UsageStripper()  # every such stream is read, to take the chunk out
+        # A body another replica answered (after a retry or a hedge): nothing to check.
+        check = plan.predicted is not None and status == "200" and own
+        if check or metered:
+            plan.usage = UsageTail()
+            return True
+        return False
+
+    async def response_body(self, plan: Plan, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        """One piece of a response body being read: the bytes to pass on instead (None: the
+        piece unchanged). At its end, the usage check is made and the usage charged."""
+        out = None
+        if plan.stripper is not None:
+            out = plan.stripper.feed(chunk, end_of_stream)
+            out = None if out == chunk else out
+        if plan.usage is not None:
+            plan.usage.feed(chunk)
+        if end_of_stream:
+            await self._body_over(plan)
+        return out
+
+    def end(self, plan: Plan) -> None:
+        """The stream is over: a body cut short (trailers, a reset) is checked on what came, a
+        reservation nothing was charged against handed back, and the in-flight slot released."""
+        if plan.usage is not None:
+            self._check_usage(plan, plan.usage)
+            plan.usage = None
+        routed, budgets = plan.routed, self.router.budgets
+        if budgets is not None and routed.budget is not None:
+            budgets.release(routed.features.tenant, routed.budget)
+            routed.budget = None
+        self.router.release(routed)
+
+    async def _body_over(self, plan: Plan) -> None:
+        tail, plan.usage = plan.usage, None
+        if tail is None:
+            return
+        self._check_usage(plan, tail)
+        routed, budgets = plan.routed, self.router.budgets
+        usage = plan.stripper.usage if plan.stripper is not None and plan.stripper.usage else tail.usage()
+        if budgets is not None and routed.budget is not None and usage is not None:
+            admission, routed.budget = routed.budget, None
+            await budgets.settle(routed.features.tenant, admission, usage, time.time())
+
+    def _check_usage(self, plan: Plan, tail: UsageTail) -> None:
+        kv, routed = self.router.kv_events, plan.routed
+        replica = routed.decision.replica
+        if kv is None or plan.predicted is None or replica is None:
+            return
+        kv.check(replica.name, plan.predicted, tail.cached_tokens(), routed.features.tokens_per_block)

@@ -1,0 +1,316 @@
+"""What several test files share: a settable clock, polling for a condition, reading metrics (in
+process or from a /metrics page), requests through the demo gateway or one ext_proc stream, a
+router fed by KV events, and expectations two files assert alike. Test files import from here and
+from ``conftest``, never from each other (tests/test_layers.py checks), so any of them can move."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.kvevents.cache_state import EventCacheState
+from extproc.kvevents.hashing import EngineChain, HashAlgo
+from extproc.kvevents.settings import KvEventSettings
+from extproc.kvevents.wire import BlockStored, Message, encode_batch
+from extproc.plan import Planner
+from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
+from extproc.router import Router
+from extproc.server.stream import RequestStream
+from extproc_lab.demo import fault_matrix as fm
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.load import read_metrics
+from extproc_lab.demo.processes import wait_for_port
+from extproc_lab.demo.workload import Conversation
+from extproc_lab.replica.tokenizer_dir import sample_text
+from tests.conftest import make_config, require_binary
+
+CHAT = "/v1/chat/completions"
+HOST = "127.0.0.1"
+
+
+class Clock:
+    """A clock the test sets: ``clock.now += 5`` is five seconds later."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def wait_for(
+    check: Callable[[], bool | Awaitable[bool]],
+    what: str = "the condition",
+    within_s: float = 5.0,
+    step_s: float = 0.01,
+) -> float:
+    """Poll ``check`` (plain or async) until it holds; the seconds it took. Fails after ``within_s``."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return loop.time() - start
+        if loop.time() - start > within_s:
+            raise AssertionError(f"{what}: not within {within_s}s")
+        await asyncio.sleep(step_s)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+def metric_value(metric: MetricWrapperBase) -> float:
+    """The value of a counter or gauge without labels, or of one labelled child (``m.labels(...)``),
+    read through its public ``collect()``: whichever registry it is on."""
+    (family,) = metric.collect()
+    (found,) = [s.value for s in family.samples if s.name in (family.name, family.name + "_total")]
+    return found
+
+
+def scrape(text: str, name: str, **labels: str) -> float | None:
+    """The sum of the samples of ``name`` on a /metrics page whose labels include ``labels``; None
+    when the page has no such sample."""
+    values = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(values) if values else None
+
+
+def scrape_total(text: str, name: str, **labels: str) -> float:
+    """Like :func:`scrape`, with 0 for a page that has no such sample."""
+    return scrape(text, name, **labels) or 0.0
+
+
+async def metrics_page(http: aiohttp.ClientSession, url: str) -> str:
+    """The text of a /metrics page."""
+    async with http.get(url) as resp:
+        return await resp.text()
+
+
+async def page_shows(http: aiohttp.ClientSession, url: str, line: str) -> bool:
+    """Whether the /metrics page at ``url`` has ``line`` (a sample as the page renders it)."""
+    return line in await metrics_page(http, url)
+
+
+async def decisions(http: aiohttp.ClientSession, metrics_urls: Iterable[str]) -> list[Counter[str]]:
+    """Routing decisions by reason, summed over models, one counter per processor."""
+    out = []
+    for url in metrics_urls:
+        counts: Counter[str] = Counter()
+        for key, count in (await read_metrics(http, url)).items():
+            if key.startswith("extproc_decisions_total{"):
+                counts[key.split("reason=")[1].split(",")[0].rstrip("}")] += int(count)
+        out.append(counts)
+    return out
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def chat(text: Any, model: str = "demo-model", max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
+    """A one-message chat completion for the demo gateway (``text`` may be a list of content parts)."""
+    return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **extra}
+
+
+async def post(
+    session: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, str, dict[str, Any] | None]:
+    """POST a chat completion through the gateway: status, the replica that answered, the JSON answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(
+        url + CHAT, data=data, headers={"content-type": "application/json", **(headers or {})}
+    ) as resp:
+        text = await resp.read()
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            payload = None
+        return resp.status, resp.headers.get("x-replica-name", ""), payload
+
+
+async def turn(
+    http: aiohttp.ClientSession, url: str, session: str, text: str, model: str = "demo-model"
+) -> tuple[int, str, int]:
+    """One turn of a session through the gateway: the status, the replica that answered and the
+    prompt tokens it had cached (0 for an error)."""
+    status, replica, payload = await post(http, url, chat(text, model=model), {"x-session-id": session})
+    usage = (payload or {}).get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return status, replica, int(cached) if status == 200 else 0
+
+
+async def send_turn(
+    http: aiohttp.ClientSession, url: str, conv: Conversation, turn: int, model: str = "demo-model"
+) -> tuple[int, str]:
+    """Send turn ``turn`` of a workload conversation, keep the answer in it; status and replica."""
+    body = {"model": model, "messages": conv.next_messages(turn), "max_tokens": 2}
+    async with http.post(url + CHAT, data=json.dumps(body), headers={"x-session-id": conv.session_id}) as resp:
+        payload: Any = await resp.read()
+        if resp.status == 200:
+            conv.add_answer(json.loads(payload)["choices"][0]["message"]["content"])
+        return resp.status, resp.headers.get("x-replica-name", "")
+
+
+async def deciding(http: aiohttp.ClientSession, gw: LocalGateway, within_s: float = 15.0) -> None:
+    """Send probe requests until the processor has decided one: the open port of a processor just
+    (re)started does not mean that Envoy has reconnected to it."""
+    probes = 0
+
+    async def decided() -> bool:
+        nonlocal probes
+        probes += 1
+        await post(http, gw.url, chat(f"probe {probes}"), {"x-session-id": f"probe-{probes}"})
+        return scrape_total(await metrics_page(http, gw.metrics_url), "extproc_decisions_total") > 0
+
+    await wait_for(decided, "a decision by the processor", within_s=within_s, step_s=0.1)
+
+
+async def run(router: Router, messages: Iterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    """Play one ext_proc stream of ``messages`` through the router; its responses."""
+
+    async def source() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in messages:
+            yield m
+
+    return [r async for r in RequestStream(Planner(router)).run(source())]
+
+
+def validate(path: Path) -> None:
+    """``envoy --mode validate`` must accept the file."""
+    envoy = require_binary("envoy")
+    result = subprocess.run(
+        [envoy, "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- shared expectations -------------------------------------------------------------------
+
+# The request classes the tenant tests route by (in process and through Envoy).
+SEED_CLASSES = [
+    {"name": "batch", "match": {"headers": {"x-request-class": "batch"}}, "pool": {"pool": "batch"}},
+    {"name": "multimodal", "match": {"media": True}, "pool": {"pool": "multimodal"}},
+    {"name": "long-context", "match": {"min_tokens": 2049, "stream": True}, "pool": {"pool": "long"}},
+    {"name": "short", "match": {"max_tokens": 512, "stream": False}, "pool": {"pool": "short"}},
+]
+
+# Slack for a loaded 2-core machine on a timeout-bound latency; still far below a route timeout.
+SLACK_S = 3.0
+
+
+def assert_every_shape_answered_within_its_budget(row: fm.CaseResult, scale: fm.Scale) -> None:
+    """Every request of every shape answered 200 by another replica, after its try's budget (it
+    did go to the hung replica first) and within that budget plus the retry and some slack."""
+    assert row.requests > 0 and row.lost == 0, row
+    per_shape = row.facts["per_shape"]
+    assert len(per_shape) == 12, per_shape
+    for name, facts in per_shape.items():
+        budget = facts["budget_s"]
+        assert budget <= max(scale.first_byte_s, scale.unary_max_s), (name, facts)
+        assert facts["from_victim"] == 0, (name, facts)
+        assert len(facts["latency_s"]) == scale.shape_requests, (name, facts)
+        assert all(0.9 * budget <= t < budget + SLACK_S for t in facts["latency_s"]), (name, facts)
+
+
+# -- a router fed by KV events (model "m", the lab's tokenizer) ----------------------------------
+
+BS = 16  # tokens a block, as the test replicas publish them
+
+
+def kv_router(tokenizer_dir: Path, clock: Clock, **settings: object) -> tuple[Router, EventCacheState]:
+    """A router whose cache view comes from KV events, tokenizing model ``m`` with ``tokenizer_dir``."""
+    kv = EventCacheState(
+        KvEventSettings(tokenizers={"m": str(tokenizer_dir)}, **settings),  # type: ignore[arg-type]
+        clock=clock,
+        tokenizers=TokenizerRegistry({"m": str(tokenizer_dir)}),
+    )
+    return Router(make_config(), clock=clock, kv_events=kv), kv
+
+
+def conversation(turns: int, seed: int = 0) -> list[dict[str, str]]:
+    """A system prompt and ``turns`` user turns with the assistant's answers between them."""
+    msgs = [{"role": "system", "content": sample_text(120, seed)}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": sample_text(40, seed * 100 + t)})
+        if t < turns - 1:
+            msgs.append({"role": "assistant", "content": sample_text(20, seed * 1000 + t)})
+    return msgs
+
+
+def chat_request(messages: list[dict[str, str]], session: str | None = None) -> tuple[dict[str, str], bytes]:
+    """Headers and body of a chat completion for model ``m``, as :meth:`Router.route` takes them."""
+    headers = {":path": CHAT, ":method": "POST"}
+    if session:
+        headers["x-session-id"] = session
+    return headers, json.dumps({"model": "m", "messages": messages}).encode()
+
+
+def stored_event(tok: PromptTokenizer, messages: list[dict[str, str]], algo: HashAlgo = HashAlgo.SHA256) -> BlockStored:
+    """What vLLM would publish after prefilling ``messages``: its full blocks, hashed its way."""
+    ids = tok.chat_ids(messages).ids
+    n = len(ids) // BS
+    hashes = EngineChain(algo).hashes(ids, BS) if algo is not HashAlgo.CONTENT else list(range(500, 500 + n))
+    return BlockStored(tuple(hashes), None, list(ids[: n * BS]), BS)
+
+
+async def feed(kv: EventCacheState, replica: str, seq: int, *events: object) -> None:
+    """Deliver one batch of ``events`` from ``replica`` with sequence number ``seq``."""
+    await kv.source.receive(Message(f"kv@{replica}@m", seq, encode_batch(1.0, events)), replica)  # type: ignore[arg-type]
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def serve_argv(port: int, metrics_port: int, *extra: str) -> list[str]:
+    """``extproc serve`` as two gateways on one host run it: no admin flag (the default)."""
+    return [
+        sys.executable,
+        "-m",
+        "extproc",
+        "serve",
+        "--listen",
+        f"{HOST}:{port}",
+        "--metrics-listen",
+        f"{HOST}:{metrics_port}",
+        "--replica",
+        "r0=127.0.0.1:9",
+        *extra,
+    ]
+
+
+@contextmanager
+def serving(argv: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` (an ``extproc serve``) until the block ends, once ``port`` accepts."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_port(HOST, port, proc=proc)
+        yield proc
+    finally:
+        proc.terminate()  # this test's own child, by its handle
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -1,0 +1,87 @@
+"""Token metering and budgets through real Envoy, the processor and fake replicas: streams reach
+the client as the replica sent them whether or not it asked for usage, and a tenant over its
+token budget is refused within one request of crossing it while another tenant is served."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from extproc_lab.demo.gateway import LocalGateway
+from tests.conftest import require_binary
+
+pytestmark = pytest.mark.e2e
+VOLATILE = re.compile(rb'"(id|created)":\s*("[^"]*"|\d+)')
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "demo-model", "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], tenant: str) -> tuple[int, bytes, Any]:
+    headers = {"x-tenant-id": tenant, "x-session-id": f"{tenant}-s"}
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+        return resp.status, await resp.read(), resp.headers
+
+
+def usage_of(raw: bytes) -> dict[str, int]:
+    events = [e[len(b"data: ") :] for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    return next(json.loads(e)["usage"] for e in reversed(events) if b'"usage"' in e)
+
+
+async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp_path: Path) -> None:
+    require_binary("envoy")
+    tenants = {"acme": {"per_minute": 400}, "streamer": {"per_minute": 400}, "other": {"per_minute": 10**6}}
+    config = {"budgets": {"enabled": True, "tenants": tenants}}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    with LocalGateway(replicas=1, processor_args=("--config", str(tmp_path / "router.yaml"))) as gw:
+        direct = f"http://{gw.members[0].address}"
+        async with aiohttp.ClientSession() as http:
+            # A stream whose client did not ask for usage: the router asks, and takes the chunk out.
+            body = chat("tell me a story about caches", stream=True)
+            status, through, _ = await post(http, gw.url, body, "other")
+            _, replica, _ = await post(http, direct, body, "other")
+            assert status == 200 and b'"usage"' not in through
+            assert VOLATILE.sub(b"", through) == VOLATILE.sub(b"", replica)
+            # A client that asked gets the chunk, as the replica sent it.
+            asked = chat("tell me a story about caches", stream=True, stream_options={"include_usage": True})
+            _, through, _ = await post(http, gw.url, asked, "other")
+            _, replica, _ = await post(http, direct, asked, "other")
+            assert VOLATILE.sub(b"", through) == VOLATILE.sub(b"", replica)
+            assert usage_of(through)["completion_tokens"] == 8
+
+            # acme: 400 weighted tokens a minute. Each request is charged what its response reports.
+            charged, last = 0.0, 0.0
+            for i in range(30):
+                status, raw, headers = await post(http, gw.url, chat(f"question {i} " * 20), "acme")
+                if status == 429:
+                    assert int(headers["retry-after"]) >= 1
+                    assert headers["x-ratelimit-limit-tokens"] == "400"
+                    assert json.loads(raw)["error"]["type"] == "tokens_exceeded"
+                    break
+                assert status == 200
+                usage = json.loads(raw)["usage"]
+                cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                last = usage["prompt_tokens"] - cached + 0.25 * cached + usage["completion_tokens"]
+                charged += last
+            else:
+                pytest.fail("never refused")
+            # Within one request of crossing: admitted while under the limit, refused once over
+            # what the next request's prompt estimate (about 60 tokens) would leave.
+            assert charged - last < 400 and charged > 400 - 100, (charged, last)
+            # A streaming tenant whose client never asks for usage is charged all the same.
+            for i in range(30):
+                status, raw, _ = await post(http, gw.url, chat(f"streamed {i} " * 20, stream=True), "streamer")
+                if status == 429:
+                    break
+                assert b'"usage"' not in raw
+            else:
+                pytest.fail("the streams were never charged")
+            status, _, _ = await post(http, gw.url, chat("and another tenant"), "other")
+            assert status == 200
