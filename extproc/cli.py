@@ -23,6 +23,9 @@ from extproc.logs import setup_logging
 
 if TYPE_CHECKING:
     from extproc.kvevents.cache_state import EventCacheState
+    from extproc.metrics import RouterMetrics
+    from extproc.server.workers import WorkerSlot
+    from extproc.state.shared_memory import SharedSegment
     from extproc.state.store import AffinityStore
 
 COMMANDS_GROUP = "extproc.commands"
@@ -74,7 +77,66 @@ def _check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("file", help="router YAML config")
 
 
-async def _serve(cfg: Config) -> None:
+def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
+    """One worker of ``serve --workers N`` (in its own spawned process)."""
+    from extproc.server.listeners import BindError
+    from extproc.state.shared_memory import SharedSegment
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    _stop_with_parent()
+    segment = SharedSegment.attach(slot.segment, slot.lock)
+    try:
+        # The worker's own ports as flags, which win over the file as any flag does.
+        args = parser.parse_args([*argv, *slot.flags(config_from_flags(args.config, args))])
+        asyncio.run(_serve(config_from_flags(args.config, args), (slot, segment)))
+    except BindError as exc:
+        print(f"extproc: worker {slot.index}: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None
+    except ConfigError as exc:
+        print(f"extproc: worker {slot.index}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        segment.close()
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM ourselves when the parent is gone (killed, say): a worker never serves orphaned."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+
+        def watch() -> None:
+            parent.join()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _open_store(cfg: Config, metrics: RouterMetrics, worker: tuple[WorkerSlot, SharedSegment] | None) -> AffinityStore:
+    """The configured store; a worker's memory store is the segment its parent shares."""
+    from extproc.state.factory import open_store
+
+    if worker is not None and cfg.store.startswith("memory:"):
+        from extproc.state.shared_memory import SharedMemoryStore
+
+        return SharedMemoryStore(worker[1], cfg.sessions.ttl_s, cfg.prefix.blocks_per_replica)
+    try:
+        return open_store(
+            cfg.store, cfg.sessions.ttl_s, cfg.sessions.max_sessions, cfg.prefix.blocks_per_replica, observer=metrics
+        )
+    except ValueError as exc:  # e.g. an unreadable password file
+        raise ConfigError(f"store: {exc}") from None
+
+
+async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = None) -> None:
     # Imported before any port binds: a client that sees the ext_proc port accepting finds the
     # other listeners serving without waiting on these imports.
     from extproc.admin.console import install as install_console
@@ -85,19 +147,13 @@ async def _serve(cfg: Config) -> None:
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
-    from extproc.state.factory import open_store
     from extproc.state.redis_budgets import RedisBudgetStore
     from extproc.state.redis_store import RedisStore
     from extproc.telemetry import export
     from extproc.tracing import DecisionTracer
 
     metrics = RouterMetrics()
-    try:
-        store = open_store(
-            cfg.store, cfg.sessions.ttl_s, cfg.sessions.max_sessions, cfg.prefix.blocks_per_replica, observer=metrics
-        )
-    except ValueError as exc:  # e.g. an unreadable password file
-        raise ConfigError(f"store: {exc}") from None
+    store = _open_store(cfg, metrics, worker)
     kv_events = None
     kv = cfg.kv_events
     if kv.enabled or kv.listen or any("kv_events" in r.labels for r in cfg.replicas):
@@ -116,6 +172,10 @@ async def _serve(cfg: Config) -> None:
     # With Redis, every gateway's charges count against one budget.
     budget_store = RedisBudgetStore(store.client, store.keys.namespace) if isinstance(store, RedisStore) else None
     router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events, tracer=tracer, budget_store=budget_store)
+    if worker is not None:
+        from extproc.health.shared_load import PeerLoad
+
+        router.replicas.peers = PeerLoad(worker[1], worker[0].index, cfg.health.recent_half_life_s)
     if kv_events is not None:
         if not kv.enabled:
             logging.getLogger("extproc.kvevents").warning(
@@ -142,6 +202,7 @@ async def _serve(cfg: Config) -> None:
             health_listen=cfg.grpc.health_listen,
             services=admin.services,
             bind=False,
+            reuse_port=worker is not None,
         )
     except ValueError as exc:  # the token file or a certificate or key file
         await _close_early(kv_events, store)
@@ -226,6 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from extproc.server.listeners import BindError
 
             try:
+                if cfg.workers > 1:
+                    from extproc.server.workers import check_workers, supervise
+
+                    problem = check_workers(cfg)
+                    if problem is not None:
+                        raise ConfigError(problem)
+                    return supervise(cfg, _serve_worker, sys.argv[1:] if argv is None else argv)
                 asyncio.run(_serve(cfg))
             except BindError as exc:
                 # Nothing was reported SERVING: a port in use stops the start, naming the address.

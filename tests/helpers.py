@@ -9,8 +9,10 @@ import asyncio
 import inspect
 import json
 import subprocess
+import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +33,13 @@ from extproc.server.stream import RequestStream
 from extproc_lab.demo import fault_matrix as fm
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
+from extproc_lab.demo.processes import wait_for_port
 from extproc_lab.demo.workload import Conversation
 from extproc_lab.replica.tokenizer_dir import sample_text
 from tests.conftest import make_config, require_binary
 
 CHAT = "/v1/chat/completions"
+HOST = "127.0.0.1"
 
 
 class Clock:
@@ -276,3 +280,39 @@ def stored_event(tok: PromptTokenizer, messages: list[dict[str, str]], algo: Has
 async def feed(kv: EventCacheState, replica: str, seq: int, *events: object) -> None:
     """Deliver one batch of ``events`` from ``replica`` with sequence number ``seq``."""
     await kv.source.receive(Message(f"kv@{replica}@m", seq, encode_batch(1.0, events)), replica)  # type: ignore[arg-type]
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def serve_argv(port: int, metrics_port: int, *extra: str) -> list[str]:
+    """``extproc serve`` as two gateways on one host run it: no admin flag (the default)."""
+    return [
+        sys.executable,
+        "-m",
+        "extproc",
+        "serve",
+        "--listen",
+        f"{HOST}:{port}",
+        "--metrics-listen",
+        f"{HOST}:{metrics_port}",
+        "--replica",
+        "r0=127.0.0.1:9",
+        *extra,
+    ]
+
+
+@contextmanager
+def serving(argv: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` (an ``extproc serve``) until the block ends, once ``port`` accepts."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_port(HOST, port, proc=proc)
+        yield proc
+    finally:
+        proc.terminate()  # this test's own child, by its handle
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -161,6 +161,20 @@ def test_the_processor_address_comes_from_the_config_listen(tmp_path: Path, caps
     assert socket == {"address": "127.0.0.1", "port_value": 9333}  # a wildcard listen is dialled on loopback
 
 
+@pytest.mark.parametrize(("workers", "streams"), [(1, None), (4, 1)])
+def test_a_processor_with_workers_gets_one_stream_a_connection(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], workers: int, streams: int | None
+) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump({"workers": workers, "replicas": [{"name": "a", "address": "10.0.0.1:8000"}]}))
+    assert main(["envoy-config", "--config", str(config)]) == 0
+    clusters = yaml.safe_load(capsys.readouterr().out)["static_resources"]["clusters"]
+    processor = next(c for c in clusters if c["name"] == "extproc")
+    (options,) = processor["typed_extension_protocol_options"].values()
+    http2 = options["explicit_http_config"]["http2_protocol_options"]
+    assert http2.get("max_concurrent_streams") == streams
+
+
 def test_check_config_accepts_a_good_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", str(ROOT / "examples" / "router.yaml")]) == 0
     assert "ok" in capsys.readouterr().out

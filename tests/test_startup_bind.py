@@ -22,40 +22,7 @@ from extproc._proto.admin.v1 import admin_pb2 as admin_pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as admin_grpc
 from extproc.server.listeners import BindError, GrpcListener, Listener, MetricsListener, bind_all
 from extproc_lab.demo.processes import free_port, wait_for_port
-
-HOST = "127.0.0.1"
-
-
-def serve_argv(port: int, metrics_port: int, *extra: str) -> list[str]:
-    """``extproc serve`` as two gateways on one host run it: no admin flag (the default)."""
-    return [
-        sys.executable,
-        "-m",
-        "extproc",
-        "serve",
-        "--listen",
-        f"{HOST}:{port}",
-        "--metrics-listen",
-        f"{HOST}:{metrics_port}",
-        "--replica",
-        "r0=127.0.0.1:9",
-        *extra,
-    ]
-
-
-@contextmanager
-def serving(argv: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_for_port(HOST, port, proc=proc)
-        yield proc
-    finally:
-        proc.terminate()  # this test's own child, by its handle
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+from tests.helpers import HOST, serve_argv, serving
 
 
 def run_to_exit(argv: list[str]) -> subprocess.CompletedProcess[str]:

@@ -5,6 +5,7 @@ both: ``advance`` adds to ``now`` and, for Redis, also sleeps that long (TTLs ar
 
 ``redis-peer`` writes through one gateway's store and reads through another's, with no
 near-cache: what it sees can only come from Redis, not from the writer's local mirror.
+``shared-memory-peer`` likewise: one worker's store writes, another attached to the same segment reads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from extproc.state import AffinityStore, MemoryStore
 from extproc.state.factory import open_store
 from extproc.state.redis_store import RedisStore
+from extproc.state.shared_memory import SegmentSize, SharedMemoryStore, SharedSegment
 from extproc_lab.demo.redis_server import LocalRedis
 
 _namespaces = itertools.count()
@@ -51,11 +53,19 @@ class Harness:
             assert await self.store.flush()
 
 
-@pytest.fixture(params=["memory", "redis", "redis-peer"])
+@pytest.fixture(params=["memory", "shared-memory", "shared-memory-peer", "redis", "redis-peer"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    segments: list[SharedSegment] = []
     if request.param == "memory":
         memory = MemoryStore(ttl_s=TTL_S, max_sessions=1000, blocks_per_replica=8)
         h = Harness(memory, memory)
+    elif request.param.startswith("shared-memory"):
+        created = SharedSegment.create(SegmentSize.for_config(1000, 8, replicas=8, workers=2))
+        segments.append(created)
+        if request.param == "shared-memory-peer":
+            segments.append(SharedSegment.attach(created.name, created.lock))
+        writer = SharedMemoryStore(created, ttl_s=TTL_S, blocks_per_replica=8)
+        h = Harness(writer, SharedMemoryStore(segments[-1], ttl_s=TTL_S, blocks_per_replica=8))
     else:
         server: LocalRedis = request.getfixturevalue("redis_server")
         namespace = f"contract-{next(_namespaces)}"
@@ -71,6 +81,8 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     finally:
         await h.store.close()
         await h.reader.close()
+        for segment in reversed(segments):
+            segment.close()
 
 
 async def test_a_recorded_decision_is_what_the_next_lookup_sees(harness: Harness) -> None:

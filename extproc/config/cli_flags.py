@@ -58,6 +58,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--mode", "mode", "cluster: a target-cluster header; endpoint: GIE's header", choices=("cluster", "endpoint")),
     Flag(
+        "--workers",
+        "workers",
+        "N processes serving the --listen port, sharing pins, prefix index and load in memory (default 1)",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
         "--store",
         "store",
         "affinity store URL: memory:// (default), redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",

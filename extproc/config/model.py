@@ -452,6 +452,7 @@ class Config(Section):
     discovery: DiscoverySettings = option(
         StaticSource(), "where members come from: type static (default), dns or kubernetes; see docs/configuration.md"
     )
+    workers: int = option(1, "processes serving the ext_proc port, sharing state in memory (docs/performance.md)", ge=1)
     store: str = option(
         "memory://", "affinity store URL: memory://, redis://, rediss://, unix://, redis+sentinel://, ..."
     )

@@ -425,10 +425,14 @@ def processor_transport_socket(tls: ProcessorTls) -> TransportSocket:
     return TransportSocket(name="envoy.transport_sockets.tls", typed_config=AnyMessage.pack(context))
 
 
-def processor_cluster(name: str, addresses: Sequence[str], tls: ProcessorTls | None = None) -> Cluster:
-    """The cluster of the processor(s): HTTP/2 (gRPC), TCP or unix sockets, TLS when ``tls``."""
+def processor_cluster(
+    name: str, addresses: Sequence[str], tls: ProcessorTls | None = None, streams_per_connection: int | None = None
+) -> Cluster:
+    """The cluster of the processor(s): HTTP/2 (gRPC), TCP or unix sockets, TLS when ``tls``;
+    at most ``streams_per_connection`` ext_proc streams on one connection when given."""
+    http2 = Http2ProtocolOptions(max_concurrent_streams=streams_per_connection)
     options = HttpProtocolOptions(
-        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=Http2ProtocolOptions())
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=http2)
     )
     return Cluster(
         name=name,
@@ -483,7 +487,12 @@ def bootstrap(spec: GatewaySpec) -> Bootstrap:
             outlier_detection=_outlier_detection(),
             health_checks=checks,
         ),
-        processor_cluster(PROCESSOR_CLUSTER, [spec.processor, *spec.extra_processors], spec.processor_tls),
+        processor_cluster(
+            PROCESSOR_CLUSTER,
+            [spec.processor, *spec.extra_processors],
+            spec.processor_tls,
+            spec.processor_streams_per_connection,
+        ),
     ]
     if spec.mode == "cluster":
         for replica in spec.replicas:

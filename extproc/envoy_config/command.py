@@ -81,6 +81,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         stream_idle_timeout_s=cfg.upstream.stream_idle_s,
         stream_header=cfg.upstream.stream_header,
         queue_wait_s=cfg.queueing.longest_wait_s,
+        processor_streams_per_connection=1 if cfg.workers > 1 else None,
     )
 
 

@@ -69,6 +69,10 @@ class GatewaySpec:
     full_duplex: bool = False
     # More processors sharing one affinity store (active-active): Envoy round-robins streams.
     extra_processors: tuple[str, ...] = ()
+    # ext_proc streams Envoy multiplexes on one connection to the processor (None: HTTP/2's own
+    # limit). A processor with several workers (`serve --workers`) shares its port by
+    # SO_REUSEPORT, which spreads connections, not streams: one stream a connection spreads them.
+    processor_streams_per_connection: int | None = None
     # Active HTTP health checks on every replica cluster (the failover scenario): Envoy takes a
     # dead replica out of its own priority 0 within a second, before the processor has noticed.
     health_check_path: str | None = None

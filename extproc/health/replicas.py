@@ -17,10 +17,12 @@ from extproc.health.rotation import Rotation, step
 from extproc.health.score import HealthSignals, fleet_baseline, health_score
 from extproc.health.sessions import LiveSessions
 from extproc.health.settings import HealthSettings
+from extproc.health.shared_load import PeerCounts, PeerLoad
 from extproc.health.vllm_metrics import ReplicaMetrics, bucket_delta, histogram_quantile
 from extproc.routing.model import Replica, ReplicaState, Snapshot
 
 ERROR_EWMA_ALPHA = 0.1
+_NO_PEERS = PeerCounts()
 MIN_TTFT_SAMPLES = 20
 
 
@@ -80,8 +82,12 @@ def _kv_tokens(metrics: ReplicaMetrics | None) -> int:
 class ReplicaBook:
     """All replicas' records; produces the immutable :class:`Snapshot` each decision reads."""
 
-    def __init__(self, replicas: Iterable[Replica], settings: HealthSettings | None = None) -> None:
+    def __init__(
+        self, replicas: Iterable[Replica], settings: HealthSettings | None = None, peers: PeerLoad | None = None
+    ) -> None:
         self.settings = settings or HealthSettings()
+        self.peers = peers
+        """The other workers of this host (``serve --workers``): their in-flight load is added to ours."""
         self._records: dict[str, ReplicaRecord] = {r.name: ReplicaRecord(r) for r in replicas}
         # Ejections decided between evaluations (upstream failures seen by Envoy), reported by the
         # next evaluate() so that they are counted and their sessions moved like any other.
@@ -134,19 +140,21 @@ class ReplicaBook:
         stale_before = now - self.settings.stale_after_s
         live = self.sessions.counts(now)
         states = []
+        peers = self.peers.others(now) if self.peers is not None else {}
         for r in self._records.values():
             fresh = r.scraped_at >= stale_before
+            peer = peers.get(r.replica.name, _NO_PEERS)
             lora = r.metrics.lora if r.metrics is not None else None
             states.append(
                 ReplicaState(
                     replica=r.replica,
                     in_rotation=r.rotation.in_rotation,
                     health=r.health,
-                    inflight=r.inflight,
-                    inflight_tokens=r.inflight_tokens,
-                    pending_prefill_tokens=r.pending_prefill_tokens,
+                    inflight=r.inflight + peer.inflight,
+                    inflight_tokens=r.inflight_tokens + peer.inflight_tokens,
+                    pending_prefill_tokens=r.pending_prefill_tokens + peer.pending_prefill_tokens,
                     live_sessions=live.get(r.replica.name, 0),
-                    recent_requests=self._decayed(r, now),
+                    recent_requests=self._decayed(r, now) + peer.recent,
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
                     kv_usage=r.kv_usage if fresh else 0.0,
@@ -177,12 +185,16 @@ class ReplicaBook:
             rec.inflight_tokens += kv_tokens
             rec.requests += 1
             rec.pending_prefill_tokens += prefill_tokens
+            if self.peers is not None:
+                self.peers.publish(rec)
 
     def prefilled(self, name: str, prefill_tokens: int) -> None:
         """The first byte came back: that request's prefill is done."""
         rec = self._records.get(name)
         if rec is not None:
             rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
+            if self.peers is not None:
+                self.peers.publish(rec)
 
     def end(self, name: str, prefill_tokens: int = 0, kv_tokens: int = 0, session: str | None = None) -> None:
         """A request to ``name`` finished (or was abandoned); ``prefill_tokens`` still pending are
@@ -194,6 +206,8 @@ class ReplicaBook:
             rec.inflight -= 1
             rec.inflight_tokens = max(0, rec.inflight_tokens - kv_tokens)
             rec.pending_prefill_tokens = max(0, rec.pending_prefill_tokens - prefill_tokens)
+            if self.peers is not None:
+                self.peers.publish(rec)
 
     # --- what the world says -------------------------------------------------------------------
 

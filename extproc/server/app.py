@@ -36,6 +36,11 @@ class ProcessorServer:
     (:func:`~extproc.server.listeners.bind_all`, after the processor's other listeners), so that
     the ext_proc port is taken only once every other port is. ``services`` share the ext_proc
     port (the admin API by default).
+
+    A processor does not share its ports with another process (a second one on the same port
+    fails to start, rather than silently take half the traffic), except with ``reuse_port``: the
+    workers of one ``extproc serve --workers N``, whose parent checked the ports were free and
+    holds them (:mod:`extproc.server.workers`).
     """
 
     def __init__(
@@ -47,6 +52,7 @@ class ProcessorServer:
         health_listen: str | None = None,
         services: Sequence[Service] = (),
         bind: bool = True,
+        reuse_port: bool = False,
     ) -> None:
         self.router = router
         self.listen = listen
@@ -56,7 +62,7 @@ class ProcessorServer:
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(reuse_port)),
                 ("grpc.http2.max_pings_without_data", 0),
             ]
         )
@@ -73,16 +79,18 @@ class ProcessorServer:
             # Anything that reaches a plaintext listener can have requests routed and hold
             # in-flight slots; off loopback that wants TLS or a network policy in front.
             log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
-        self.ext_proc = GrpcListener("ext_proc", listen, self.server, credentials)
+        self.ext_proc = GrpcListener("ext_proc", listen, self.server, credentials, shared=reuse_port)
 
         # Health alone, in plaintext: the same servicer, so both ports report the same status.
         self._readiness: asyncio.Task[None] | None = None
         self.health_server: grpc.aio.Server | None = None
         self.health_listener: GrpcListener | None = None
         if health_listen is not None:
-            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(reuse_port))])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_listener = GrpcListener("gRPC health", health_listen, self.health_server, grace_s=0)
+            self.health_listener = GrpcListener(
+                "gRPC health", health_listen, self.health_server, grace_s=0, shared=reuse_port
+            )
         self.listeners: list[GrpcListener] = [
             *([self.health_listener] if self.health_listener is not None else []),
             self.ext_proc,

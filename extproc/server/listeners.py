@@ -81,7 +81,11 @@ def is_loopback(listen: str) -> bool:
 
 
 class GrpcListener:
-    """One port of a ``grpc.aio`` server (several may share a server)."""
+    """One port of a ``grpc.aio`` server (several may share a server).
+
+    ``shared``: the port is shared with the other workers of one ``serve --workers`` (whose
+    parent checked it was free), so it is not test-bound first: a worker's own port is taken.
+    """
 
     def __init__(
         self,
@@ -90,8 +94,10 @@ class GrpcListener:
         server: grpc.aio.Server,
         credentials: grpc.ServerCredentials | None = None,
         grace_s: float = 0.5,
+        shared: bool = False,
     ) -> None:
         self.role = role
+        self.shared = shared
         self.listen = listen
         self.server = server
         self.credentials = credentials
@@ -104,9 +110,10 @@ class GrpcListener:
     def bind_now(self) -> None:
         """Bind (synchronously: grpc's ``add_*_port`` is); raises :class:`BindError`."""
         try:
-            _try_bind(self.listen)
+            if not self.shared:
+                try_bind(self.listen)
         except OSError as exc:
-            raise BindError(self.role, self.listen, _reason(exc)) from None
+            raise BindError(self.role, self.listen, bind_failure(exc)) from None
         try:
             if self.credentials is not None:
                 port = self.server.add_secure_port(self.listen, self.credentials)
@@ -164,7 +171,7 @@ class MetricsListener:
         try:
             self._sockets = await _listening_sockets(self.address)
         except (OSError, ValueError) as exc:
-            raise BindError(self.role, self.address, _reason(exc)) from None
+            raise BindError(self.role, self.address, bind_failure(exc)) from None
         if self.address.rpartition(":")[2] == "0":
             self.address = f"{self.address.rpartition(':')[0]}:{self._sockets[0].getsockname()[1]}"
 
@@ -189,7 +196,7 @@ class MetricsListener:
             await runner.cleanup()
 
 
-def _try_bind(listen: str) -> None:
+def try_bind(listen: str) -> None:
     """Bind a throwaway socket to ``listen`` (TCP, a fixed port) and release it: OSError if taken.
 
     Only so that a port in use is reported on one line of ours: grpc, finding it taken, also
@@ -242,7 +249,8 @@ async def _listening_sockets(address: str) -> list[socket.socket]:
     return sockets
 
 
-def _reason(exc: BaseException) -> str:
+def bind_failure(exc: BaseException) -> str:
+    """What went wrong binding, in a few words (the OS's reason, without its prefix)."""
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.rpartition(": ")[2] or exc.strerror
     return str(exc)

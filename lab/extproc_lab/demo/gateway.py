@@ -111,6 +111,22 @@ class LocalGateway:
         port, where ``extproc serve`` serves it by default (no ``--admin-listen`` here)."""
         return self.processor_addresses
 
+    @property
+    def processor_workers(self) -> int:
+        """The ``--workers`` of each processor (``processor_args``), 1 without."""
+        args = list(self.processor_args)
+        for i, arg in enumerate(args):
+            if arg.startswith("--workers="):
+                return int(arg.partition("=")[2])
+            if arg == "--workers" and i + 1 < len(args):
+                return int(args[i + 1])
+        return 1
+
+    @property
+    def worker_metrics_urls(self) -> list[str]:
+        """Processor 0's workers' /metrics, worker 0 first (each serves its own, on the port plus its index)."""
+        return [f"http://{HOST}:{self.metrics_port + i}/metrics" for i in range(self.processor_workers)]
+
     def processor_name(self, index: int = 0) -> str:
         """The process name of processor ``index`` (``processor``, ``processor-1``, ...)."""
         return "processor" if index == 0 else f"processor-{index}"
@@ -226,6 +242,8 @@ class LocalGateway:
             observe_responses=self.observe_responses,
             full_duplex=self.full_duplex,
             extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
+            # As `extproc envoy-config` renders it for a processor with several workers.
+            processor_streams_per_connection=1 if self.processor_workers > 1 else None,
             **self.envoy_options,
         )
         path = self.dir / "envoy.yaml"
