@@ -26,11 +26,11 @@ os-deps:
 engines: $(STAMP)
 	$(PY) -m extproc_lab.engines.install --model tiny --model small
 
-# examples/router.yaml is generated from the config models (extproc/config); tests/test_config.py keeps it equal.
+# examples/router.yaml is generated from the config models (extproc/config); tests/unit/config/test_config.py keeps it equal.
 example-config: $(STAMP)
 	$(PY) -c "from extproc.config.example import example_yaml; print(example_yaml(), end='')" > examples/router.yaml
 
-# The admin API's Python code, generated from proto/ and committed (tests/test_proto.py compares).
+# The admin API's Python code, generated from proto/ and committed (tests/project/test_proto.py compares).
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 

@@ -105,7 +105,7 @@ NOTES = """## Reading the table
   scorer, weight 3 for about 0.9 of the prompt matched, outweighed at most 3 x 0.8 of load); the
   default profile has since weighed prefix and queued work in one unit (the `prefill_cost`
   scorer), and the suite asserts it
-  (`tests/test_fault_matrix.py::test_a_burst_of_new_sessions_sharing_a_system_prompt_spreads`).
+  (`tests/e2e/test_fault_matrix.py::test_a_burst_of_new_sessions_sharing_a_system_prompt_spreads`).
   The 200-session row is the suite's size: a burst that ends before the next scrape; a bigger one
   also builds a queue the scraper sees, and the overload filter spills over.
 """

@@ -1,7 +1,7 @@
 """What the fuzzers drive: the request parser and the ext_proc stream handler, from raw bytes.
 
 Shared by the atheris harnesses (``fuzz/fuzz_*.py``, coverage-guided, long runs) and the
-hypothesis tests (``tests/test_fuzz.py``, bounded runs in the suite). The invariants: every
+hypothesis tests (``tests/project/test_fuzz.py``, bounded runs in the suite). The invariants: every
 message gets exactly one answer of the matching kind, no exception escapes, and the router's
 state stays within its bounds.
 """

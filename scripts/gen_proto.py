@@ -1,4 +1,4 @@
-"""Generate the admin API's Python code from proto/ (``make proto``; tests/test_proto.py checks the
+"""Generate the admin API's Python code from proto/ (``make proto``; tests/project/test_proto.py checks the
 committed files are what this produces).
 
 The proto is mapped to the import path ``extproc/_proto/admin/v1`` so the generated modules import

@@ -1,7 +1,7 @@
 """What several test files share: a settable clock, polling for a condition, reading metrics (in
 process or from a /metrics page), requests through the demo gateway or one ext_proc stream, a
 router fed by KV events, and expectations two files assert alike. Test files import from here and
-from ``conftest``, never from each other (tests/test_layers.py checks), so any of them can move."""
+from ``conftest``, never from each other (tests/project/test_layers.py checks), so any of them can move."""
 
 from __future__ import annotations
 

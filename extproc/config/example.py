@@ -16,7 +16,7 @@ from extproc.routing.registry import DEFAULT_PROFILE, REGISTRY
 HEADER = """\
 # extproc router config: every key, its default and what it does.
 # Generated from the models of extproc/config (`make example-config`);
-# tests/test_config.py keeps the two equal. Every key is optional.
+# tests/unit/config/test_config.py keeps the two equal. Every key is optional.
 """
 COMMENT_COLUMN = 40
 

@@ -4,11 +4,11 @@ fake replicas, Redis) while conversations run through it, with what the clients 
 Every case starts its own gateway, runs for a bounded time, stops every process it started by PID,
 and returns :class:`CaseResult` rows: requests sent, requests lost (anything but a 200), and the
 time to recover, whose meaning is given per case (``recover_what``). The tests
-(``tests/test_fault_matrix.py``) run the cases at :data:`SMALL` scale and assert on the rows;
+(``tests/e2e/test_fault_matrix.py``) run the cases at :data:`SMALL` scale and assert on the rows;
 ``benchmarks/fault_matrix.py`` runs them at :data:`LARGE` scale and writes the table.
 
-A replica killed mid-replay is asserted in ``tests/test_failover_e2e.py`` (both modes, re-pinning,
-readmission) and Redis killed under two processors in ``tests/test_shared_store_e2e.py``; here
+A replica killed mid-replay is asserted in ``tests/e2e/test_failover_e2e.py`` (both modes, re-pinning,
+readmission) and Redis killed under two processors in ``tests/e2e/test_shared_store_e2e.py``; here
 :func:`replica_killed` measures the first under more concurrent load (the benchmark only), and
 :func:`redis_outage` adds a hung Redis and the time to recover. The processes are started with
 :class:`~extproc_lab.demo.gateway.LocalGateway`; a replica whose /metrics page breaks is
@@ -373,7 +373,7 @@ async def redis_outage(scale: Scale = SMALL) -> list[CaseResult]:
 async def replica_killed(scale: Scale = SMALL) -> CaseResult:
     """SIGKILL the replica holding most sessions under load, restart it after ``fault_s``.
 
-    The assertions live in ``tests/test_failover_e2e.py``; this measures. Envoy retries connect
+    The assertions live in ``tests/e2e/test_failover_e2e.py``; this measures. Envoy retries connect
     failures and resets on another replica, and the processor ejects at once on connection
     refused. ``recover_s``: from the kill to the replica out of rotation."""
     with with_config(LocalGateway(replicas=3, time_scale=TIME_SCALE), FAST_HEALTH) as gw:

@@ -6,7 +6,7 @@ take longer than the run to fill) so that every bounded structure reaches its st
 the warm-up: the session map through its TTL, the prefix index through its per-replica bound, the
 rebalancer's session ledger through its own. After the warm-up nothing should grow; the report
 compares the processor's resident memory then and at the end, and checks every size against its
-bound. ``benchmarks/soak.py`` runs it for ten minutes; ``tests/test_soak.py`` for sixteen seconds.
+bound. ``benchmarks/soak.py`` runs it for ten minutes; ``tests/e2e/test_soak.py`` for sixteen seconds.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ SHORT = SoakSettings(
     max_sessions=120,
     blocks_per_replica=400,
     ledger_sessions=60,
-    prefix_chars=16_000,  # request-sized leaks stand out (tests/test_soak.py)
+    prefix_chars=16_000,  # request-sized leaks stand out (tests/e2e/test_soak.py)
 )
 
 

@@ -3,10 +3,11 @@ reloaded from their files), Envoy's TLS to the processor, Redis over TLS with AU
 files, and logs at info level that hold no prompt, API key, session id or password.
 
 Certificates are throwaway ones made with the ``openssl`` command line for each run. Client-set
-routing headers are covered elsewhere: ``tests/test_e2e.py::test_client_set_routing_headers_are_ignored``
-(through Envoy, processor up), ``tests/test_envoy_config.py::test_client_routing_headers_are_stripped_before_ext_proc``
-(Envoy strips them before ext_proc, so also when the processor is down) and ``tests/test_stream.py``
-(the processor removes them again).
+routing headers are covered elsewhere: through Envoy with the processor up
+(``tests/e2e/test_e2e.py::test_client_set_routing_headers_are_ignored``), stripped by Envoy before
+ext_proc, so also when the processor is down
+(``tests/unit/envoy_config/test_envoy_config.py::test_client_routing_headers_are_stripped_before_ext_proc``),
+and removed again by the processor (``tests/unit/server/test_stream.py``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from tests.helpers import validate
 
 ENVOY_DIR = ROOT / "envoy"
 SHIPPED = sorted(ENVOY_DIR.glob("*/envoy.yaml"))
-# The k8s scenario is rendered from the k8s router config and lives in k8s/ (tests/test_k8s.py).
+# The k8s scenario is rendered from the k8s router config and lives in k8s/ (tests/project/test_k8s.py).
 FOLDER_SCENARIOS = sorted(name for name in SCENARIOS if name != "kubernetes")
 REPLICA_FLAGS = [f"--replica={r.name}={r.address}" for r in SHIPPED_REPLICAS]
 

@@ -22,12 +22,12 @@ from tests.conftest import ROOT, require_binary
 # Every test that reads a file the repository ships (traces, workload parameters, the vLLM metrics
 # page), plus the unit tests of what the benchmark is built on.
 QUICK_SUBSET = (
-    "tests/test_workloads.py",
-    "tests/test_health.py",
-    "tests/test_request.py",
-    "tests/test_config.py",
-    "tests/test_decision.py",
-    "tests/test_sim.py::test_generated_workloads_run_through_the_simulator",
+    "lab/tests/test_workloads.py",
+    "tests/unit/health/test_health.py",
+    "tests/unit/request/test_request.py",
+    "tests/unit/config/test_config.py",
+    "tests/unit/routing/test_decision.py",
+    "lab/tests/test_sim.py::test_generated_workloads_run_through_the_simulator",
 )
 BENCH = (sys.executable, "-m", "extproc", "bench", "routing", "--workload", "mooncake-synthetic", "--limit", "200")
 OUTSIDE = ".." + "/shared"  # spelled apart so this file does not match its own check

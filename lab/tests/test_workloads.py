@@ -28,7 +28,7 @@ from extproc_lab.sim.traces import (
 )
 
 SETTINGS = FeatureSettings()
-TRACES = Path(__file__).resolve().parents[1] / "lab" / "extproc_lab" / "sim" / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "extproc_lab" / "sim" / "data" / "traces"
 
 
 def test_traces_ship_in_the_package_and_are_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -15,11 +15,11 @@ import pytest
 from extproc.routing.model import Replica
 from extproc_lab.demo.fault_matrix import with_config
 from extproc_lab.demo.gateway import LocalGateway
-from tests.conftest import require_binary
+from tests.conftest import ROOT, require_binary
 from tests.helpers import page_shows, turn, wait_for
 
 pytestmark = pytest.mark.e2e
-BACKEND = Path(__file__).resolve().parent / "backends" / "frozen_vllm.py"
+BACKEND = ROOT / "tests" / "backends" / "frozen_vllm.py"
 CONFIG = "health:\n  scrape_interval_s: 0.2\n  cooldown_s: 1.0\n"
 CONVERSATIONS, TURNS = 24, 8
 

@@ -110,7 +110,7 @@ PARAMETERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "prefill_cost": st.fixed_dictionaries(
         {"floor_tokens": floors, "kv_weight": st.floats(0.0, 2.0), "overflow_weight": st.floats(0.0, 2.0)}
     ),
-    # Its range with objectives and warm models drawn is tests/test_latency.py's own property test.
+    # Its range with objectives and warm models drawn is tests/unit/routing/test_latency.py's own property test.
     "slo_headroom": st.just({}),
     "hot_prefix": st.fixed_dictionaries(
         {"tokens_per_request": st.integers(0, 4096), "floor_tokens": floors, "count_uncached": st.booleans()}

@@ -4,15 +4,15 @@ page has the engine's names and labels (tests/data/vllm_metrics_sample.txt, test
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.health.vllm_metrics import ReplicaMetrics, parse_vllm_metrics
 from extproc_lab.replica.engine import ReplicaEngine
 from extproc_lab.replica.timing import get_profile
+from tests.conftest import ROOT
 
-SAMPLE = (Path(__file__).parent / "data" / "vllm_metrics_sample.txt").read_text()
+SAMPLE = (ROOT / "tests" / "data" / "vllm_metrics_sample.txt").read_text()
 
 READ = (
     "vllm:num_requests_running",

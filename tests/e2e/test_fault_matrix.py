@@ -3,9 +3,9 @@ gateway of its own, with bounded durations, and what the clients saw asserted.
 
 The cases live in :mod:`extproc_lab.demo.fault_matrix`; ``benchmarks/fault_matrix.py`` runs them
 bigger and writes ``benchmarks/fault_matrix.md``. Two faults of the matrix are asserted elsewhere
-and not repeated here: a replica killed mid-replay (``tests/test_failover_e2e.py``: no client
+and not repeated here: a replica killed mid-replay (``tests/e2e/test_failover_e2e.py``: no client
 error, sessions re-pinned and sticky again, readmission, in both modes) and Redis killed under
-two processors (``tests/test_shared_store_e2e.py``); the Redis case here adds a hung Redis and
+two processors (``tests/e2e/test_shared_store_e2e.py``); the Redis case here adds a hung Redis and
 the time to recover, and the killed-replica case here is the one the replay cannot show: streams
 already flowing from it.
 """
@@ -68,7 +68,7 @@ async def test_streams_cut_by_a_killed_replica_end_with_an_error_and_nothing_els
 def test_every_request_in_flight_to_a_dead_replica_may_be_retried() -> None:
     # Envoy's default retry circuit breaker (3 concurrent retries per cluster) made the fourth and
     # later requests in flight to a killed replica fail with a 503 in the full-size matrix; the
-    # replay of tests/test_failover_e2e.py never has that many in flight at once.
+    # replay of tests/e2e/test_failover_e2e.py never has that many in flight at once.
     replicas = [Replica(f"r{i}", f"127.0.0.1:{8000 + i}") for i in range(3)]
     for mode in ("cluster", "endpoint"):
         clusters = render(GatewaySpec(replicas=replicas, mode=mode))["static_resources"]["clusters"]

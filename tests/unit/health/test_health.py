@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -25,8 +24,9 @@ from extproc.health.replicas import ReplicaBook
 from extproc.health.scraper import ScrapeError, Scraper
 from extproc.health.vllm_metrics import bucket_delta, histogram_quantile
 from extproc.routing import Replica
+from tests.conftest import ROOT
 
-SAMPLE_PATH = Path(__file__).parent / "data" / "vllm_metrics_sample.txt"
+SAMPLE_PATH = ROOT / "tests" / "data" / "vllm_metrics_sample.txt"
 
 
 def page(running: int = 0, waiting: int = 0, kv: float = 0.0, legacy: bool = False) -> str:

@@ -172,7 +172,7 @@ def test_a_long_non_streaming_answer_is_not_cut_at_the_first_byte_timeout() -> N
 def test_every_request_shape_on_a_hung_replica_is_answered_elsewhere_within_its_budget() -> None:
     """Chat and completions, streamed and not, without max_tokens, with a small one and a huge one,
     all sent at once to the sessions of a replica that just hung (endpoint mode here, without
-    Envoy's health checks; tests/test_fault_matrix.py runs the failover scenario). Before the
+    Envoy's health checks; tests/e2e/test_fault_matrix.py runs the failover scenario). Before the
     non-streaming budget had a cap, those without max_tokens or with a huge one waited for the
     route timeout and got a 504."""
     require_binary("envoy")
