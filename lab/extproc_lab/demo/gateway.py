@@ -212,6 +212,11 @@ class LocalGateway:
         proc = self.procs.start(name, argv)
         try:
             wait_for_port(HOST, port, proc=proc)
+            # The port answers once the first worker serves; each worker serves its /metrics just
+            # before its ext_proc port, so traffic waits for all of them (or it all reaches one).
+            workers = self.processor_workers if index == 0 else 1
+            for i in range(workers if workers > 1 else 0):
+                wait_for_port(HOST, metrics_port + i, proc=proc)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}\n{self.procs.log_tail(name)}") from None
 
