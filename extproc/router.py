@@ -13,7 +13,6 @@ It knows no gRPC. The ext_proc servicer hands it headers and body bytes and gets
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +52,7 @@ from extproc.request.features import (
     with_model,
 )
 from extproc.request.openai_body import INFERENCE_PATHS
-from extproc.request.splits import Arm, choose_arm, rewrite_model
+from extproc.request.splits import Arm, choose_arm, encode_body
 from extproc.routing.latency import LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Decider, DecisionInputs, Profile, Profiles, decide
@@ -185,14 +184,16 @@ class Router:
         request = read_request(headers, body, self.config.features)
         if request.features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
-        arm, rewritten = None, None
+        arm, changed, strip_usage = None, False, False
         if self.config.splits and request.body is not None:
-            request, arm, rewritten = self._split(headers, request)
-        strip_usage = False
+            request, arm, changed = self._split(headers, request)
         if self.budgets is not None and request.body is not None:
             asked = ask_for_usage(request.body.body)  # so that a stream reports what it used
             if asked is not None:
-                rewritten, strip_usage = json.dumps(asked, ensure_ascii=False, separators=(",", ":")).encode(), True
+                request = ParsedRequest(request.features, replace(request.body, body=asked))
+                changed = strip_usage = True
+        # The body sent instead of the client's, serialized once whatever changed it.
+        rewritten = encode_body(request.body.body) if changed and request.body is not None else None
         features = request.features
         if self.kv_events is not None:
             features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
@@ -334,26 +335,23 @@ class Router:
         if self.warmer is not None:
             self.warmer.offer(self.profiles.for_request(features).prefix_key(features), features.path, body)
 
-    def _split(
-        self, headers: Mapping[str, str], request: ParsedRequest
-    ) -> tuple[ParsedRequest, Arm | None, bytes | None]:
-        """The request's split arm; its body rewritten to the arm's model and its features taken
-        again from that body (not parsed again), so the prefix hashes are seeded with the model
-        actually served."""
+    def _split(self, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, Arm | None, bool]:
+        """The request's split arm, and whether its body changed: rewritten to the arm's model,
+        its features taken again from that body (not parsed again), so the prefix hashes are
+        seeded with the model actually served."""
         features, parsed = request.features, request.body
         if parsed is None:
-            return request, None, None
+            return request, None, False
         key = features.session_key or parsed.user or features.request_id or None
         arm = choose_arm(self.config.splits, features.model, headers, key)
         if arm is None:
-            return request, None, None
-        rewritten = None
-        if arm.target.model != features.model:
-            rewritten = rewrite_model(parsed.body, arm.target.model)
+            return request, None, False
+        changed = arm.target.model != features.model
+        if changed:
             request = with_model(request, arm.target.model, headers, self.config.features)
         if arm.target.pool is not None:
             request = ParsedRequest(replace(request.features, pool=(("pool", arm.target.pool),)), request.body)
-        return request, arm, rewritten
+        return request, arm, changed
 
     def fleet_saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
         """Whether every candidate of ``pool`` is saturated now (``queueing:`` thresholds)."""

@@ -109,6 +109,11 @@ def choose_arm(rules: tuple[SplitRule, ...], model: str, headers: Mapping[str, s
     return None
 
 
+def encode_body(body: Mapping[str, object]) -> bytes:
+    """A parsed request body as JSON again, to send in the client's body's place."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def rewrite_model(body: Mapping[str, object], model: str) -> bytes:
     """The JSON of ``body`` (a parsed request body) with its ``model`` replaced."""
-    return json.dumps({**body, "model": model}, ensure_ascii=False, separators=(",", ":")).encode()
+    return encode_body({**body, "model": model})
