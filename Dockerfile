@@ -23,9 +23,13 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # The wheels are bind-mounted rather than copied, so they add nothing to the image; pip compiles
-# the bytecode at install time, while the filesystem is still writable.
+# the bytecode at install time, while the filesystem is still writable. xds-protos ships older
+# copies of opentelemetry-proto's files (same paths); that one is reinstalled last, so the OTLP
+# exporter finds its own.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-index --find-links /wheels extproc-router \
+    && pip install --no-index --find-links /wheels --no-deps --force-reinstall \
+       "opentelemetry-proto==$(python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
     && groupadd --system --gid 10001 extproc \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin extproc

@@ -3,6 +3,10 @@ VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# xds-protos ships its own, older copy of opentelemetry-proto's files (same paths); whichever pip
+# installs last wins, and the OTLP exporter needs opentelemetry-proto's. Reinstalled last, so it wins.
+OTEL_PROTOS = $(PY) -m pip install -q --no-deps --force-reinstall \
+	"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
 .PHONY: install demo test lint example-config proto os-deps engines bench-overhead bench-store bench-faults bench-soak fuzz clean
 
@@ -10,6 +14,7 @@ $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]' -e ./lab
+	$(OTEL_PROTOS)
 	touch $(STAMP)
 
 install: $(STAMP)

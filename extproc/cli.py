@@ -150,7 +150,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     from extproc.state.redis_budgets import RedisBudgetStore
     from extproc.state.redis_store import RedisStore
     from extproc.telemetry import export
-    from extproc.tracing import DecisionTracer
+    from extproc.tracing import DecisionTracer, TracingUnavailable
 
     metrics = RouterMetrics()
     store = _open_store(cfg, metrics, worker)
@@ -168,7 +168,11 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         except TokenizerError as exc:
             await store.close()
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None
-    tracer = DecisionTracer(cfg.tracing) if cfg.tracing.enabled else None
+    try:
+        tracer = DecisionTracer(cfg.tracing) if cfg.tracing.enabled else None
+    except TracingUnavailable as exc:
+        await store.close()
+        raise ConfigError(str(exc)) from None
     # With Redis, every gateway's charges count against one budget.
     budget_store = RedisBudgetStore(store.client, store.keys.namespace) if isinstance(store, RedisStore) else None
     router = Router(cfg, store=store, metrics=metrics, kv_events=kv_events, tracer=tracer, budget_store=budget_store)

@@ -42,6 +42,23 @@ class TracingSettings(Section):
     propagate: bool = option(True, "hand the replica a traceparent whose parent is the decision's span")
 
 
+class TracingUnavailable(RuntimeError):
+    """The OTLP exporter cannot be loaded; the message says how to repair the install."""
+
+
+def _otlp_exporter(settings: TracingSettings) -> SpanExporter:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        # xds-protos (the ext_proc messages) ships older copies of opentelemetry-proto's files under
+        # the same paths; when pip installs it last, the exporter finds the old ones.
+        raise TracingUnavailable(
+            f"tracing: the OTLP exporter does not load ({exc}); if xds-protos overwrote opentelemetry-proto's "
+            "files, reinstall it last: pip install --no-deps --force-reinstall opentelemetry-proto"
+        ) from None
+    return OTLPSpanExporter(endpoint=settings.endpoint, insecure=settings.insecure)
+
+
 class DecisionTracer:
     """Spans for routing decisions (see the module docstring); ``exporter`` replaces the OTLP
     exporter (tests)."""
@@ -54,9 +71,7 @@ class DecisionTracer:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         if exporter is None:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=settings.endpoint, insecure=settings.insecure)
+            exporter = _otlp_exporter(settings)
         self.settings = settings
         self.provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),

@@ -4,6 +4,7 @@ parented to the client's ``traceparent``, and the replica is handed a context of
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -121,3 +122,12 @@ async def test_the_plan_hands_the_replica_the_decisions_traceparent(receiver: tu
     _, trace_id, parent, flags = sent["traceparent"].split("-")
     assert (trace_id, parent) == (span.trace_id.hex(), span.span_id.hex())  # type: ignore[attr-defined]
     assert int(flags, 16) & 1  # sampled: the engine traces it too
+
+
+def test_an_exporter_that_does_not_load_is_a_clear_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.tracing import TracingUnavailable
+
+    # As when xds-protos' older copies of opentelemetry-proto's files were installed last.
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(TracingUnavailable, match="force-reinstall opentelemetry-proto"):
+        DecisionTracer(TracingSettings(enabled=True))
