@@ -159,7 +159,9 @@ class Router:
             warmer=self.warmer,
             kv_events=kv_events,
         )
-        self.latency = LatencyBook(block_tokens)  # each replica's TTFT and TPOT, learned from responses
+        # Each replica's TTFT and TPOT, learned from responses where objectives are in use.
+        self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always")
+        self._learn_on_objective = config.health.latency_models == "auto"
         self.hooks: tuple[Hook, ...] = (
             LoadHook(self.replicas),
             CacheHook(self.caches),
@@ -258,8 +260,10 @@ class Router:
             routed.sent_tokens = features.estimated_prompt_tokens
             claimed = cached.claims.get(replica.name, 0)
             routed.claimed_tokens = routed.sent_tokens - uncached_tokens(features, claimed, block_chars)
+            if self._learn_on_objective and (features.slo_ttft_ms is not None or features.slo_tpot_ms is not None):
+                self.latency.wanted()
             state = given.snapshot.get(replica.name)
-            if state is not None:
+            if state is not None and self.latency.learning:
                 routed.load_point = LoadPoint.of(state, routed.prefill_tokens)
             decided(self.hooks, routed, start)
             if self.warmer is not None:
