@@ -33,7 +33,7 @@ async def test_a_tenant_over_its_minute_is_refused_until_the_window_resets() -> 
     ledger = _ledger(per_minute=1000)
     first = await ledger.admit("acme", 100, NOW)
     assert first.admitted and first.limit == 1000 and first.remaining == 900
-    await ledger.settle("acme", first, Usage(input=100, output=850), NOW + 1)
+    await ledger.settle(first, Usage(input=100, output=850), NOW + 1)
     refused = await ledger.admit("acme", 100, NOW + 2)
     assert not refused.admitted and refused.reset_s == pytest.approx(58)
     assert refused.headers() == {
@@ -51,7 +51,7 @@ async def test_requests_in_flight_reserve_their_estimate_so_a_burst_stops_at_the
     burst = [await ledger.admit("acme", 300, NOW) for _ in range(5)]
     assert [a.admitted for a in burst] == [True, True, True, False, False]
     for admission in burst[:3]:
-        ledger.release("acme", admission)  # ended without usage (a reset stream)
+        ledger.release(admission)  # ended without usage (a reset stream)
     assert ledger.reserved == {}
 
 
@@ -59,7 +59,7 @@ async def test_the_day_limit_binds_when_it_is_the_tighter() -> None:
     ledger = _ledger(per_minute=1000, per_day=1500)
     for minute in range(2):
         admitted = await ledger.admit("acme", 10, NOW + 60 * minute)
-        await ledger.settle("acme", admitted, Usage(input=700), NOW + 60 * minute)
+        await ledger.settle(admitted, Usage(input=700), NOW + 60 * minute)
     refused = await ledger.admit("acme", 200, NOW + 120)
     assert not refused.admitted and refused.limit == 1500
 
@@ -76,12 +76,12 @@ async def test_two_gateways_on_one_redis_enforce_one_budget(redis_server: LocalR
             admission = await ledger.admit("acme", 100, NOW)
             if admission.admitted:
                 admitted += 1
-                await ledger.settle("acme", admission, Usage(input=100, output=400), NOW)
+                await ledger.settle(admission, Usage(input=100, output=400), NOW)
 
         # A concurrent burst from both gateways: 500 weighted tokens a request, 10,000 a minute.
         for _ in range(5):
             await asyncio.gather(*(one(g) for g in gateways for _ in range(8)))
-        used = await gateways[0].store.used("acme", NOW)
+        (used,) = await gateways[0].store.used(["acme"], NOW)
         assert used["minute"] == admitted * 500
         # Each gateway admits at most what it has in flight beyond the limit: 8 at a time each.
         assert 10_000 <= used["minute"] <= 10_000 + 2 * 8 * 500
@@ -98,7 +98,7 @@ async def test_a_redis_outage_degrades_to_this_gateways_own_counts() -> None:
     try:
         first = await ledger.admit("acme", 100, NOW)
         assert first.admitted  # not refused for an unreachable store ...
-        await ledger.settle("acme", first, Usage(input=100, output=900), NOW)
+        await ledger.settle(first, Usage(input=100, output=900), NOW)
         assert not (await ledger.admit("acme", 100, NOW)).admitted  # ... and not unlimited either
         assert ledger.store_failures >= 2
     finally:
