@@ -1,6 +1,7 @@
 """Token budgets: admission against the weighted tokens charged, the reservation that bounds a
 burst, OpenAI's headers, one budget across two gateways on a real Redis, and a Redis outage
-degrading to each gateway's own counts."""
+degrading to each gateway's own counts; budgets per API key and per model beside the tenant's,
+the tightest deciding, on memory and on Redis."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from extproc.budgets import BudgetLedger, BudgetSettings, TokenBudget, TokenWeights
+from extproc.budgets import FREE, BudgetLedger, BudgetSettings, KeyBudget, TokenBudget, TokenWeights, window_start
+from extproc.config import ConfigError, config_from_mapping
+from extproc.plan import Forward, Planner, Refuse
+from extproc.request.tenant import api_key_digest
+from extproc.router import Router
 from extproc.state.redis_budgets import RedisBudgetStore
 from extproc.usage import Usage
 from extproc_lab.demo.redis_server import LocalRedis
+from tests.conftest import chat_body, make_config
 
 NOW = 1_000_000.0 * 60  # the start of a minute (and of nothing else in particular)
 
@@ -103,3 +109,135 @@ async def test_a_redis_outage_degrades_to_this_gateways_own_counts() -> None:
         assert ledger.store_failures >= 2
     finally:
         await client.aclose()
+
+
+# --- budgets per API key and per model ----------------------------------------------------------
+
+KEY = "sk-ci-bot-0001"
+
+
+def _layered(store: object = None) -> BudgetLedger:
+    """acme: 10,000 a minute; the CI bot's key: 500; the big model: 2,000 over every tenant."""
+    settings = BudgetSettings(
+        enabled=True,
+        tenants={"acme": TokenBudget(per_minute=10_000)},
+        keys={"ci-bot": KeyBudget(per_minute=500, sha256=api_key_digest(KEY))},
+        models={"big": TokenBudget(per_minute=2_000)},
+    )
+    return BudgetLedger(settings, store)  # type: ignore[arg-type]
+
+
+def test_the_key_is_known_by_its_digest_and_hashed_only_when_a_key_has_a_budget() -> None:
+    ledger = _layered()
+    assert ledger.key_digest({"authorization": f"Bearer {KEY}"}) == api_key_digest(KEY)
+    assert ledger.key_digest({"authorization": "Basic abc"}) is None
+    assert _ledger().key_digest({"authorization": f"Bearer {KEY}"}) is None  # no key budgets: no hashing
+    assert ledger.subjects("acme", api_key_digest(KEY), "big") == ("acme", "key/ci-bot", "model/big")
+    assert ledger.subjects("walk-in", api_key_digest("another key"), "small") == ()
+
+
+async def test_the_tightest_applying_budget_decides_and_says_whose_it_is() -> None:
+    ledger = _layered()
+    bot = api_key_digest(KEY)
+    first = await ledger.admit("acme", 100, NOW, key_digest=bot, model="big")
+    assert first.admitted and first.limit == 500 and first.remaining == 400  # the key's is tightest
+    await ledger.settle(first, Usage(input=100, output=380), NOW)
+    refused = await ledger.admit("acme", 100, NOW + 1, key_digest=bot, model="big")
+    assert not refused.admitted and refused.refused_by == "key" and refused.headers()["retry-after"] == "59"
+    # The same tenant with another key still has room: then the model's budget is the tightest.
+    other_key = await ledger.admit("acme", 100, NOW + 1, key_digest=api_key_digest("sk-other"), model="big")
+    assert other_key.admitted and other_key.limit == 2_000 and other_key.remaining == 2_000 - 480 - 100
+    assert other_key.subjects == ("acme", "model/big")
+    ledger.release(other_key)
+    assert ledger.reserved == {}
+
+
+async def test_a_model_budget_binds_every_tenant_and_no_other_model() -> None:
+    ledger = _layered()
+    for tenant in ("t1", "t2"):  # tenants without budgets of their own
+        admitted = await ledger.admit(tenant, 10, NOW, model="big")
+        assert admitted.subjects == ("model/big",)
+        await ledger.settle(admitted, Usage(input=1_000), NOW)
+    refused = await ledger.admit("t3", 10, NOW, model="big")
+    assert not refused.admitted and refused.refused_by == "model" and refused.limit == 2_000
+    assert (await ledger.admit("t3", 10, NOW, model="small")) is FREE
+
+
+async def test_of_two_windows_out_of_room_the_later_reset_is_the_retry_after() -> None:
+    ledger = _ledger(per_minute=1_000, per_day=1_000)
+    admitted = await ledger.admit("acme", 10, NOW)
+    await ledger.settle(admitted, Usage(input=1_000), NOW)
+    refused = await ledger.admit("acme", 10, NOW + 30)
+    assert not refused.admitted and refused.reset_s > 60  # the day's end, not the minute's
+    assert refused.reset_s == window_start(86_400, NOW) + 86_400 - (NOW + 30)
+
+
+async def test_standings_list_every_configured_budget_with_what_is_left() -> None:
+    ledger = _layered()
+    admitted = await ledger.admit("acme", 100, NOW, key_digest=api_key_digest(KEY), model="big")
+    await ledger.settle(admitted, Usage(input=100, output=100), NOW)
+    held = await ledger.admit("acme", 50, NOW, key_digest=api_key_digest(KEY), model="big")  # in flight
+    standings = {(s.kind, s.name): s.windows for s in await ledger.standings(NOW + 10)}
+    assert set(standings) == {("tenant", "acme"), ("key", "ci-bot"), ("model", "big")}
+    (minute,) = standings[("key", "ci-bot")]
+    assert (minute.window, minute.limit, minute.used, minute.remaining) == ("minute", 500, 200, 250)
+    assert minute.reset_s == 50
+    ledger.release(held)
+
+
+def test_key_budgets_hold_digests_never_keys() -> None:
+    digest = api_key_digest(KEY)
+    by_digest = config_from_mapping({"budgets": {"keys": {digest: {"per_minute": 10}}}})
+    assert BudgetLedger(by_digest.budgets).subjects("", digest) == (f"key/{digest}",)
+    for keys, words in (
+        ({"ci-bot": {"per_minute": 10}}, "give sha256"),
+        ({"ci-bot": {"per_minute": 10, "sha256": KEY}}, "never the key itself"),
+        ({"a": {"sha256": digest}, "b": {"sha256": digest}}, "name one key"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            config_from_mapping({"budgets": {"keys": keys}})
+        assert "budgets.keys" in str(err.value) and words in str(err.value)
+        assert KEY not in str(err.value) or words == "never the key itself"
+    with pytest.raises(ConfigError, match="may not start with"):
+        config_from_mapping({"budgets": {"tenants": {"key/x": {"per_minute": 1}}}})
+
+
+async def test_key_and_model_budgets_are_one_budget_across_gateways_on_redis(redis_server: LocalRedis) -> None:
+    namespace = uuid.uuid4().hex
+    clients = [aioredis.from_url(redis_server.url) for _ in range(2)]
+    a, b = (_layered(RedisBudgetStore(c, namespace)) for c in clients)
+    bot = api_key_digest(KEY)
+    try:
+        first = await a.admit("acme", 100, NOW, key_digest=bot, model="big")
+        await a.settle(first, Usage(input=100, output=380), NOW)
+        # Gateway b sees gateway a's charge to the key, the tenant and the model alike.
+        refused = await b.admit("acme", 100, NOW, key_digest=bot, model="big")
+        assert not refused.admitted and refused.refused_by == "key"
+        used = await b.store.used(["acme", "key/ci-bot", "model/big", "model/small"], NOW)
+        assert [u["minute"] for u in used] == [480, 480, 480, 0]
+        # Two tenants on two gateways spend the model's budget together.
+        for gateway, tenant in ((a, "t1"), (b, "t2"), (a, "t3")):
+            admitted = await gateway.admit(tenant, 10, NOW, model="big")
+            assert admitted.admitted, tenant
+            await gateway.settle(admitted, Usage(input=500), NOW)
+        assert (await b.admit("t4", 10, NOW, model="big")).admitted  # 480 + 1,500 + 10 fits in 2,000
+        assert not (await b.admit("t5", 30, NOW, model="big")).admitted  # ... 30 more does not
+        assert a.store_failures == b.store_failures == 0
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_a_key_over_its_budget_is_refused_by_the_router_with_the_rate_limit_headers() -> None:
+    settings = BudgetSettings(enabled=True, keys={"ci-bot": KeyBudget(per_minute=50, sha256=api_key_digest(KEY))})
+    planner = Planner(Router(make_config(budgets=settings)))
+    headers = {":path": "/v1/chat/completions", "authorization": f"Bearer {KEY}"}
+    plan = await planner.plan(headers, chat_body("hello " * 40))  # about 60 tokens: more than 50
+    assert isinstance(plan.action, Refuse) and plan.action.status == 429
+    assert plan.action.kind == "tokens_exceeded" and "API key's token budget" in plan.action.message
+    extra = dict(plan.action.headers)
+    assert extra["x-ratelimit-limit-tokens"] == "50" and int(extra["retry-after"]) >= 1
+    assert KEY not in repr(plan) and api_key_digest(KEY) not in repr(plan)
+    other = await planner.plan({**headers, "authorization": "Bearer sk-someone-else"}, chat_body("hello " * 40))
+    assert isinstance(other.action, Forward)
+    planner.end(other)
