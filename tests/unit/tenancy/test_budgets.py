@@ -6,10 +6,15 @@ the tightest deciding, on memory and on Redis."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from extproc.budgets import FREE, BudgetLedger, BudgetSettings, KeyBudget, TokenBudget, TokenWeights, window_start
 from extproc.config import ConfigError, config_from_mapping
@@ -17,9 +22,12 @@ from extproc.plan import Forward, Planner, Refuse
 from extproc.request.tenant import api_key_digest
 from extproc.router import Router
 from extproc.state.redis_budgets import RedisBudgetStore
+from extproc.state.redis_client import connect
+from extproc.state.store_url import parse_store_url
 from extproc.usage import Usage
-from extproc_lab.demo.redis_server import LocalRedis
-from tests.conftest import chat_body, make_config
+from extproc_lab.demo.processes import ProcessGroup
+from extproc_lab.demo.redis_server import LocalCluster, LocalRedis
+from tests.conftest import chat_body, make_config, require_binary
 
 NOW = 1_000_000.0 * 60  # the start of a minute (and of nothing else in particular)
 
@@ -241,3 +249,38 @@ async def test_a_key_over_its_budget_is_refused_by_the_router_with_the_rate_limi
     other = await planner.plan({**headers, "authorization": "Bearer sk-someone-else"}, chat_body("hello " * 40))
     assert isinstance(other.action, Forward)
     planner.end(other)
+
+
+def _spread_namespace(subjects: tuple[str, ...], shards: int) -> str:
+    """A namespace under which each subject's hash slot is on another of ``shards`` even shards."""
+    for i in range(10_000):
+        namespace = f"spread-{i}"
+        nodes = {key_slot(f"budget:{namespace}:{s}".encode()) * shards // 16384 for s in subjects}
+        if len(nodes) == len(subjects):
+            return namespace
+    raise AssertionError("no namespace spreads them")
+
+
+async def test_a_request_s_budgets_on_three_shards_of_a_redis_cluster() -> None:
+    require_binary("redis-server")
+    directory = Path(tempfile.mkdtemp(prefix="extproc-budget-cluster-"))  # short: unix socket paths
+    try:
+        with ProcessGroup(directory) as procs:
+            cluster = LocalCluster(procs, directory, shards=3).start()
+            client = connect(parse_store_url(cluster.url))
+            assert isinstance(client, RedisCluster)
+            try:
+                namespace = _spread_namespace(("acme", "key/ci-bot", "model/big"), shards=3)
+                a, b = _layered(RedisBudgetStore(client, namespace)), _layered(RedisBudgetStore(client, namespace))
+                first = await a.admit("acme", 100, NOW, key_digest=api_key_digest(KEY), model="big")
+                await a.settle(first, Usage(input=100, output=380), NOW)
+                used = await b.store.used(["acme", "key/ci-bot", "model/big"], NOW)
+                assert [u["minute"] for u in used] == [480, 480, 480]
+                refused = await b.admit("acme", 100, NOW, key_digest=api_key_digest(KEY), model="big")
+                assert not refused.admitted and refused.refused_by == "key"
+                assert a.store_failures == b.store_failures == 0  # no CROSSSLOT: one command per slot
+                assert cluster.keys_per_node(f"{{budget:{namespace}:*") == [2, 2, 2]  # one budget a shard
+            finally:
+                await client.aclose()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
