@@ -1,6 +1,7 @@
 """Traces of routing decisions: OpenTelemetry spans in the GenAI conventions, over OTLP.
 
-A request's W3C ``traceparent`` (from the client, or from Envoy's own tracing) parents a span for
+A request's W3C ``traceparent`` (from the client, or from Envoy's own tracing: the ext_proc
+stream's gRPC metadata, which :mod:`extproc.server.stream` puts first) parents a span for
 the routing decision: the chosen replica, the reason, the cached tokens predicted there, the
 candidates considered, the profile, and the request's model in the GenAI semantic conventions
 (``gen_ai.request.model``, ``gen_ai.operation.name``, ``gen_ai.request.max_tokens``). Without one, a
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
 TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+TRACE_CONTEXT = (TRACEPARENT, TRACESTATE)
+"""The W3C trace-context headers."""
 
 
 class TracingSettings(Section):
