@@ -1,6 +1,6 @@
 """One trace holds Envoy's spans, the processor's decision and the replica's context: real Envoy
 rendered with its own tracing (``envoy-config --tracing-collector``) and the processor with
-``tracing:`` both export to one in-test OTLP receiver; the fake replica lists the ``traceparent``
+``serve --tracing-endpoint`` both export to one in-test OTLP receiver; the fake replica lists the ``traceparent``
 it was sent (``GET /trace_context``), the one a real engine would continue."""
 
 from __future__ import annotations
@@ -27,16 +27,8 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 def traced() -> Iterator[tuple[LocalGateway, SpanReceiver]]:
     require_binary("envoy")
     with otlp_receiver() as receiver:
-        # Envoy samples every request; the processor none on its own (sample_rate 0), so each of
-        # its spans shows that it found a sampled parent.
-        gw = LocalGateway(
-            replicas=1,
-            time_scale=0.02,
-            envoy_options={"tracing_collector": receiver.address, "tracing_sample_percent": 100.0},
-        )
-        config = gw.dir / "router-tracing.yaml"
-        config.write_text(f"tracing:\n  enabled: true\n  endpoint: {receiver.address}\n  sample_rate: 0.0\n")
-        gw.processor_args = ("--config", str(config))
+        # Envoy samples every request (GatewaySpec's default); the processor follows its context.
+        gw = LocalGateway(replicas=1, time_scale=0.02, tracing_collector=receiver.address)
         with gw:
             yield gw, receiver
 

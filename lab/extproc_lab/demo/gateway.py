@@ -55,6 +55,9 @@ class LocalGateway:
     engine_settings: EngineSettings = field(default_factory=EngineSettings)
     # With real engines: also give the processor the engines' KV events (else the estimate only).
     kv_events: bool = True
+    # HOST:PORT of an OTLP/gRPC collector: Envoy traces every request there and the processor
+    # its decisions (`serve --tracing-endpoint`), joined to Envoy's spans.
+    tracing_collector: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -207,6 +210,7 @@ class LocalGateway:
             f"{HOST}:{metrics_port}",
             *[f"--replica={replica_flag(r, *self._kv_endpoints(r))}" for r in self.members],
             *self._engine_processor_args(),
+            *([f"--tracing-endpoint={self.tracing_collector}"] if self.tracing_collector else []),
             *self.processor_args,
         ]
         proc = self.procs.start(name, argv)
@@ -249,6 +253,7 @@ class LocalGateway:
             extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
             # As `extproc envoy-config` renders it for a processor with several workers.
             processor_streams_per_connection=1 if self.processor_workers > 1 else None,
+            **({"tracing_collector": self.tracing_collector} if self.tracing_collector else {}),
             **self.envoy_options,
         )
         path = self.dir / "envoy.yaml"
