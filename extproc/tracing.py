@@ -7,7 +7,8 @@ candidates considered, the profile, and the request's model in the GenAI semanti
 (``gen_ai.request.model``, ``gen_ai.operation.name``, ``gen_ai.request.max_tokens``). Without one, a
 trace is started. The replica is handed a ``traceparent`` of the same trace with the decision as
 its parent (vLLM continues it with ``--otlp-traces-endpoint``), so one trace holds Envoy's span,
-ours and the engine's.
+ours and the engine's. With Envoy's own tracing on, Envoy's router writes its upstream span's
+context over that header (Envoy 1.40): the engine's parent is then Envoy's span, of the same trace.
 
 Off by default. Sampling is parent-based: a sampled parent is always followed; a request without
 one starts a sampled trace at ``sample_rate``. Spans are exported in batches from a thread of the
