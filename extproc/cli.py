@@ -72,6 +72,15 @@ def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--processor-cert", metavar="FILE", help="mTLS: Envoy's client certificate for the processor")
     p.add_argument("--processor-key", metavar="FILE", help="mTLS: the key of --processor-cert")
     p.add_argument("--processor-server-name", metavar="NAME", help="TLS: SNI and the SAN the processor must have")
+    p.add_argument(
+        "--tracing-collector", metavar="HOST:PORT", help="Envoy's own spans to this OTLP/gRPC collector (plaintext)"
+    )
+    p.add_argument(
+        "--tracing-sample-percent",
+        type=float,
+        metavar="PERCENT",
+        help="share of requests without a sampled traceparent Envoy traces (default: the config's tracing.sample_rate)",
+    )
 
 
 def _check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

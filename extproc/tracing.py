@@ -1,12 +1,14 @@
 """Traces of routing decisions: OpenTelemetry spans in the GenAI conventions, over OTLP.
 
-A request's W3C ``traceparent`` (from the client, or from Envoy's own tracing) parents a span for
+A request's W3C ``traceparent`` (from the client, or from Envoy's own tracing: the ext_proc
+stream's gRPC metadata, which :mod:`extproc.server.stream` puts first) parents a span for
 the routing decision: the chosen replica, the reason, the cached tokens predicted there, the
 candidates considered, the profile, and the request's model in the GenAI semantic conventions
 (``gen_ai.request.model``, ``gen_ai.operation.name``, ``gen_ai.request.max_tokens``). Without one, a
 trace is started. The replica is handed a ``traceparent`` of the same trace with the decision as
 its parent (vLLM continues it with ``--otlp-traces-endpoint``), so one trace holds Envoy's span,
-ours and the engine's.
+ours and the engine's. With Envoy's own tracing on, Envoy's router writes its upstream span's
+context over that header (Envoy 1.40): the engine's parent is then Envoy's span, of the same trace.
 
 Off by default. Sampling is parent-based: a sampled parent is always followed; a request without
 one starts a sampled trace at ``sample_rate``. Spans are exported in batches from a thread of the
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
 TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+TRACE_CONTEXT = (TRACEPARENT, TRACESTATE)
+"""The W3C trace-context headers."""
 
 
 class TracingSettings(Section):

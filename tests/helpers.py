@@ -10,14 +10,20 @@ import inspect
 import json
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from concurrent import futures
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -316,3 +322,74 @@ def serving(argv: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedSpan:
+    """One span an OTLP exporter sent, with the ``service.name`` of its resource; ids in hex."""
+
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict[str, Any]
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
+
+
+class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+    """A real OTLP/gRPC trace collector (opentelemetry-proto's service): keeps every span sent."""
+
+    def __init__(self) -> None:
+        self.address = ""
+        self._lock = threading.Lock()
+        self._spans: list[ReceivedSpan] = []
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        """Keep the request's spans."""
+        for resource in request.resource_spans:
+            attrs = {a.key: _value(a.value) for a in resource.resource.attributes}
+            service = str(attrs.get("service.name", ""))
+            for scope in resource.scope_spans:
+                with self._lock:
+                    self._spans.extend(self._received(service, span) for span in scope.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    @staticmethod
+    def _received(service: str, span: trace_pb2.Span) -> ReceivedSpan:
+        return ReceivedSpan(
+            service,
+            span.name,
+            span.trace_id.hex(),
+            span.span_id.hex(),
+            span.parent_span_id.hex(),
+            {a.key: _value(a.value) for a in span.attributes},
+        )
+
+    @property
+    def spans(self) -> list[ReceivedSpan]:
+        """The spans received so far, in the order they came."""
+        with self._lock:
+            return list(self._spans)
+
+
+@contextmanager
+def otlp_receiver() -> Iterator[SpanReceiver]:
+    """A :class:`SpanReceiver` on a free loopback port (``receiver.address``) for the block, on
+    threads of its own: an exporter in the test's process or another one reaches it alike."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    receiver = SpanReceiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port(f"{HOST}:0")
+    receiver.address = f"{HOST}:{port}"
+    server.start()
+    try:
+        yield receiver
+    finally:
+        server.stop(None)

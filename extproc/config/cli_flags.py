@@ -108,6 +108,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="HOST:PORT",
         switch="admin.enabled",
     ),
+    Flag(
+        "--tracing-endpoint",
+        "tracing.endpoint",
+        "decision spans to this OTLP/gRPC collector (turns tracing on), 'off' to disable",
+        metavar="HOST:PORT",
+        switch="tracing.enabled",
+    ),
     Flag("--admin-token-file", "admin.token_file", "bearer token for the admin API's mutating calls", metavar="FILE"),
     Flag(
         "--tokenizer",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +54,7 @@ from envoy_data_plane.envoy.config.route.v3 import (
     RouteMatch,
     VirtualHost,
 )
+from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
     ProcessingMode,
@@ -63,6 +65,7 @@ from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import He
 from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
     HttpConnectionManager,
+    HttpConnectionManagerTracing,
     HttpFilter,
 )
 from envoy_data_plane.envoy.extensions.load_balancing_policies.override_host.v3 import (
@@ -86,6 +89,7 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 )
 from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.envoy.type.metadata.v3 import MetadataKey, MetadataKeyPathSegment
+from envoy_data_plane.envoy.type.v3 import Percent
 from envoy_data_plane.google.protobuf import Any as AnyMessage
 
 from extproc.envoy_config.spec import (
@@ -97,11 +101,14 @@ from extproc.envoy_config.spec import (
     HEADER_MUTATION_FILTER,
     HTTP_OPTIONS,
     MAX_RETRIES,
+    OPENTELEMETRY_TRACER,
     ORIGINAL_DST_CLUSTER,
     OVERRIDE_HOST_CLUSTER,
     PROCESSOR_CLUSTER,
     ROUND_ROBIN_CLUSTER,
     ROUTER_FILTER,
+    TRACING_CLUSTER,
+    TRACING_SERVICE_NAME,
     GatewaySpec,
     ProcessorTls,
 )
@@ -269,6 +276,28 @@ def _routes(spec: GatewaySpec, with_processor: bool) -> list[Route]:
     ]
 
 
+def tracing(spec: GatewaySpec) -> HttpConnectionManagerTracing | None:
+    """Envoy's own spans over OTLP/gRPC to ``spec.tracing_collector`` (None without one).
+
+    A span per request (the ingress span) and one per upstream try (``spawn_upstream_span``: a
+    retry or a hedge is a span of its own, as for a gateway rather than a sidecar). Envoy starts
+    the ext_proc stream as a child of the ingress span and puts that context in the stream's gRPC
+    metadata, which is where the processor reads its parent when the client sent none; its
+    router then writes the upstream span's ``traceparent`` into the request to the replica.
+    """
+    if spec.tracing_collector is None:
+        return None
+    otel = OpenTelemetryConfig(
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=TRACING_CLUSTER)),
+        service_name=TRACING_SERVICE_NAME,
+    )
+    return HttpConnectionManagerTracing(
+        random_sampling=Percent(value=spec.tracing_sample_percent),
+        provider=TracingHttp(name=OPENTELEMETRY_TRACER, typed_config=AnyMessage.pack(otel)),
+        spawn_upstream_span=True,
+    )
+
+
 def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool) -> Filter:
     filters = [header_mutation_filter(spec)]
     if with_processor:
@@ -291,6 +320,7 @@ def _http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool)
             ],
         ),
         http_filters=filters,
+        tracing=tracing(spec),
     )
     return Filter(name=HCM_FILTER, typed_config=AnyMessage.pack(hcm))
 
@@ -448,6 +478,29 @@ def processor_cluster(
     )
 
 
+def collector_cluster(address: str) -> Cluster:
+    """The OTLP/gRPC collector's cluster: HTTP/2, plaintext (a sidecar or node agent); a host
+    name is resolved by DNS (a Service), an IP address taken as it is."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        dns = False
+    except ValueError:
+        dns = True
+    options = HttpProtocolOptions(
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=Http2ProtocolOptions())
+    )
+    return Cluster(
+        name=TRACING_CLUSTER,
+        type=ClusterDiscoveryType.STRICT_DNS if dns else ClusterDiscoveryType.STATIC,
+        connect_timeout=_seconds(1),
+        load_assignment=ClusterLoadAssignment(
+            cluster_name=TRACING_CLUSTER, endpoints=[LocalityLbEndpoints(lb_endpoints=[_endpoint(address)])]
+        ),
+        typed_extension_protocol_options={HTTP_OPTIONS: AnyMessage.pack(options)},
+    )
+
+
 def _check(spec: GatewaySpec) -> None:
     if spec.mode not in ("cluster", "endpoint"):
         raise ValueError(f"mode: expected cluster or endpoint, got {spec.mode!r}")
@@ -461,6 +514,12 @@ def _check(spec: GatewaySpec) -> None:
             f"stream_idle_timeout_s: {spec.stream_idle_timeout_s:g} s would end a stream still waiting for "
             f"its headers; it must exceed {tries} tries x first_byte_timeout_s {spec.first_byte_timeout_s:g} s"
         )
+    if spec.tracing_collector is not None:
+        host, _, port = spec.tracing_collector.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"tracing_collector: expected HOST:PORT, got {spec.tracing_collector!r}")
+    if not 0 <= spec.tracing_sample_percent <= 100:
+        raise ValueError(f"tracing_sample_percent: expected 0 to 100, got {spec.tracing_sample_percent:g}")
     if spec.replicas_dns is None and not spec.replicas:
         raise ValueError("replicas: none given (a replica list, or replicas_dns in endpoint mode)")
 
@@ -533,6 +592,8 @@ def bootstrap(spec: GatewaySpec) -> Bootstrap:
                 ),
             )
         )
+    if spec.tracing_collector is not None:
+        clusters.append(collector_cluster(spec.tracing_collector))
     if spec.probe_listen:
         clusters.append(_static_cluster(ADMIN_CLUSTER, [LocalityLbEndpoints(lb_endpoints=[_endpoint(spec.admin)])]))
     return Bootstrap(

@@ -82,7 +82,22 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         stream_header=cfg.upstream.stream_header,
         queue_wait_s=cfg.queueing.longest_wait_s,
         processor_streams_per_connection=1 if cfg.workers > 1 else None,
+        **_tracing(args, cfg),
     )
+
+
+def _tracing(args: argparse.Namespace, cfg: Config) -> dict[str, object]:
+    """``--tracing-collector`` and its sampling: by default the share the processor samples
+    (``tracing.sample_rate``), since Envoy then decides for both."""
+    collector = getattr(args, "tracing_collector", None)
+    percent = getattr(args, "tracing_sample_percent", None)
+    if collector is None:
+        if percent is not None:
+            raise ConfigError("--tracing-sample-percent: needs --tracing-collector")
+        return {}
+    if percent is None:
+        percent = cfg.tracing.sample_rate * 100
+    return {"tracing_collector": collector, "tracing_sample_percent": percent}
 
 
 def _processor_tls(args: argparse.Namespace) -> ProcessorTls | None:

@@ -16,6 +16,9 @@ ORIGINAL_DST_CLUSTER = "replicas_original_dst"
 OVERRIDE_HOST_CLUSTER = "replicas_endpoint"
 PROCESSOR_CLUSTER = "extproc"
 ADMIN_CLUSTER = "envoy_admin"
+TRACING_CLUSTER = "otel_collector"
+OPENTELEMETRY_TRACER = "envoy.tracers.opentelemetry"
+TRACING_SERVICE_NAME = "envoy-gateway"
 BUFFER_LIMIT = 16 * 1024 * 1024
 MAX_RETRIES = 1024  # concurrent retries per replica cluster (Envoy's default: 3)
 HEADER_MUTATION_FILTER = "envoy.filters.http.header_mutation"
@@ -84,6 +87,11 @@ class GatewaySpec:
     probe_listen: str | None = None
     # TLS (mTLS with a client certificate) from Envoy to the processor, when it listens with grpc.tls.
     processor_tls: ProcessorTls | None = None
+    # HOST:PORT of an OTLP/gRPC collector (plaintext): Envoy's own spans for the requests it samples
+    # (tracing_sample_percent of those that arrive without a sampled traceparent). The processor
+    # and the replica join the same trace through the context Envoy propagates.
+    tracing_collector: str | None = None
+    tracing_sample_percent: float = 100.0
 
 
 @dataclass(frozen=True, slots=True)

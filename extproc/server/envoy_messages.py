@@ -13,6 +13,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.plan import Forward, Refuse, ResponseHeaders
+from extproc.tracing import TRACE_CONTEXT
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 BUFFERED: int = pm.ProcessingMode.BUFFERED
@@ -26,6 +27,13 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
     for h in headers.headers.headers:
         out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return out
+
+
+def trace_context(metadata: Iterable[tuple[str, str]] | None) -> dict[str, str]:
+    """The W3C trace context (``traceparent``, ``tracestate``) among an ext_proc stream's gRPC
+    metadata: with its own tracing on, Envoy starts the stream as a child span of the request's
+    and sends that span's context there (Envoy 1.40), not in the request headers."""
+    return {key: value for key, value in metadata or () if key in TRACE_CONTEXT and isinstance(value, str)}
 
 
 def _set(name: str, value: str) -> base_pb2.HeaderValueOption:

@@ -11,6 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.plan import Planner
 from extproc.router import Router
+from extproc.server import envoy_messages as msg
 from extproc.server.stream import RequestStream
 
 log = logging.getLogger("extproc.servicer")
@@ -27,7 +28,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer every message of one HTTP request's stream."""
-        stream = RequestStream(self.planner)
+        stream = RequestStream(self.planner, msg.trace_context(context.invocation_metadata()))
         try:
             async for response in stream.run(request_iterator):
                 yield response

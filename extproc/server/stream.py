@@ -23,6 +23,11 @@ Each phase has one method, which takes the messages expected there (:data:`EXPEC
 Everything the plan holds (where to, which headers, which response to watch, the wording of a
 refusal) comes from :class:`~extproc.plan.Planner`; this module only speaks Envoy.
 
+The trace context Envoy sends in the stream's gRPC metadata (its own tracing on) takes the place
+of the request's ``traceparent`` in the headers planned on: it is the span Envoy started for the
+stream, a child of the request's span, which itself continues the client's context, so the
+decision's span joins Envoy's trace whether or not the client sent one.
+
 Every message gets an answer of its kind, whatever arrives and in whatever order: one not
 expected in the phase is logged and let through unchanged; a failure while answering lets the
 request through unrouted (Envoy's default route). Neither fails the stream.
@@ -32,12 +37,13 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.plan import EVERYTHING, Forward, Plan, Planner, Refuse, Watch
 from extproc.server import envoy_messages as msg
+from extproc.tracing import TRACEPARENT, TRACESTATE
 
 log = logging.getLogger("extproc.stream")
 
@@ -69,8 +75,10 @@ EXPECTED: dict[Phase, frozenset[str]] = {
 class RequestStream:
     """Turns one stream's ProcessingRequests into ProcessingResponses, carrying out the planner's plan."""
 
-    def __init__(self, planner: Planner) -> None:
+    def __init__(self, planner: Planner, trace_context: Mapping[str, str] | None = None) -> None:
         self.planner = planner
+        self.trace_context = dict(trace_context or {})
+        """Envoy's span for this stream (``traceparent``, ``tracestate``), from the gRPC metadata."""
         self.phase = Phase.REQUEST_HEADERS
         self.body_mode: int = msg.BUFFERED  # Envoy says which in the first message's protocol_config
         self.headers: dict[str, str] = {}
@@ -121,6 +129,10 @@ class RequestStream:
     async def _request_headers(self, request: pb.ProcessingRequest, kind: str) -> Answers:
         headers = request.request_headers
         self.headers = msg.header_map(headers)
+        if TRACEPARENT in self.trace_context:
+            # The client's tracestate belongs to the client's traceparent, not to Envoy's.
+            self.headers.pop(TRACESTATE, None)
+            self.headers.update(self.trace_context)
         if headers.end_of_stream:
             return await self._decide(None)
         self.phase = Phase.REQUEST_BODY

@@ -3,6 +3,7 @@ the processor and real Envoy, as processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ class LocalGateway:
     engine_settings: EngineSettings = field(default_factory=EngineSettings)
     # With real engines: also give the processor the engines' KV events (else the estimate only).
     kv_events: bool = True
+    # HOST:PORT of an OTLP/gRPC collector: Envoy traces every request there, the processor its
+    # decisions (`serve --tracing-endpoint`), joined to Envoy's spans, and real engines their
+    # requests (vLLM's --otlp-traces-endpoint), under the context Envoy sends them.
+    tracing_collector: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -73,6 +78,8 @@ class LocalGateway:
             Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
             for i in range(self.replicas)
         ]
+        if self.tracing_collector and self.engine_settings.traces_endpoint is None:
+            self.engine_settings = dataclasses.replace(self.engine_settings, traces_endpoint=self.tracing_collector)
         self.fleet = (
             VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
             if self.engine == "vllm"
@@ -207,6 +214,7 @@ class LocalGateway:
             f"{HOST}:{metrics_port}",
             *[f"--replica={replica_flag(r, *self._kv_endpoints(r))}" for r in self.members],
             *self._engine_processor_args(),
+            *([f"--tracing-endpoint={self.tracing_collector}"] if self.tracing_collector else []),
             *self.processor_args,
         ]
         proc = self.procs.start(name, argv)
@@ -235,6 +243,10 @@ class LocalGateway:
         config.write_text(f"kv_events:\n  block_size: {self.engine_settings.block_size}\n")
         return ["--config", str(config), f"--tokenizer={self.engine_settings.served_name}={self.fleet.model_dir}"]
 
+    def _tracing_options(self) -> dict[str, Any]:
+        """Envoy's own tracing to ``tracing_collector`` (every request: GatewaySpec's default)."""
+        return {"tracing_collector": self.tracing_collector} if self.tracing_collector else {}
+
     def start_envoy(self) -> None:
         """Start Envoy with a config rendered for these replicas and wait for its listeners."""
         spec = GatewaySpec(
@@ -249,6 +261,7 @@ class LocalGateway:
             extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
             # As `extproc envoy-config` renders it for a processor with several workers.
             processor_streams_per_connection=1 if self.processor_workers > 1 else None,
+            **self._tracing_options(),
             **self.envoy_options,
         )
         path = self.dir / "envoy.yaml"

@@ -33,6 +33,8 @@ from extproc_lab.engines import install
 
 HOST = "127.0.0.1"
 SERVED_MODEL = "demo-model"
+ENGINE_SERVICE = "vllm-engine"
+"""The engines' ``service.name`` in their traces (vLLM's own default: ``unknown_service:python``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,9 @@ class EngineSettings:
     kv_events: bool = True
     startup_timeout_s: float = 240.0
     extra_args: tuple[str, ...] = ()
+    traces_endpoint: str | None = None
+    """HOST:PORT of an OTLP/gRPC collector: each request's span (``--otlp-traces-endpoint``), under
+    the ``traceparent`` the engine is sent, as service :data:`ENGINE_SERVICE`."""
     base_dir: Path | None = None
     """Where the venv and models live (default: ``~/.cache/extproc``)."""
 
@@ -60,10 +65,13 @@ class EngineSettings:
             raise ValueError("num_blocks x block_size must exceed max_model_len (one full-length request)")
 
 
-def engine_env() -> dict[str, str]:
+def engine_env(settings: EngineSettings | None = None) -> dict[str, str]:
     """Environment for an engine: the CPU backend with a small KV space and one thread, the engine
-    core in the server's own process (one PID, faster start), and no hub access."""
+    core in the server's own process (one PID, faster start), and no hub access; with traces, the
+    service's name."""
+    traced = settings is not None and settings.traces_endpoint is not None
     return {
+        **({"OTEL_SERVICE_NAME": ENGINE_SERVICE} if traced else {}),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
@@ -184,6 +192,8 @@ class VllmFleet:
                 "replay_endpoint": f"tcp://*:{self.replay_ports[replica.name]}",
             }
             argv += ["--kv-events-config", json.dumps(config)]
+        if s.traces_endpoint is not None:
+            argv += ["--otlp-traces-endpoint", s.traces_endpoint]
         return argv + list(s.extra_args)
 
     def start(self, names: list[str] | None = None, wait: bool = True) -> VllmFleet:
@@ -191,7 +201,7 @@ class VllmFleet:
         chosen = [self.member(n) for n in names] if names else self.members
         try:
             for replica in chosen:
-                self.group.start(replica.name, self.argv(replica), env=engine_env())
+                self.group.start(replica.name, self.argv(replica), env=engine_env(self.settings))
             if wait:
                 self.wait([r.name for r in chosen])
         except BaseException:

@@ -2,7 +2,9 @@
 
 Every response carries ``x-replica-name`` and completions carry ``system_fingerprint`` set to
 the replica's name and ``usage.prompt_tokens_details.cached_tokens``, so a client can tell which
-replica served it and how much of its prompt was already cached there.
+replica served it and how much of its prompt was already cached there. ``GET /trace_context``
+lists the trace headers (W3C ``traceparent``, ``tracestate``) and ``x-request-id`` of the last
+completions received, oldest first: the context a real engine would continue.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +45,10 @@ log = logging.getLogger("extproc_lab.replica")
 
 REPLICA_HEADER = "x-replica-name"
 """Response header naming the replica that answered."""
+
+TRACE_HEADERS = ("traceparent", "tracestate", "x-request-id")
+"""What ``GET /trace_context`` keeps of each completion's request headers."""
+_TRACE_CONTEXTS_KEPT = 256
 
 # Long contexts (capacity planning with 100k-token prompts) exceed aiohttp's 1 MiB default.
 _MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -120,6 +127,7 @@ class _ReplicaApi:
         self.tokenizer = tokenizer
         self.publisher = publisher
         self.kv = KvConnector(engine, name)
+        self.trace_contexts: deque[dict[str, str]] = deque(maxlen=_TRACE_CONTEXTS_KEPT)
 
     def _token_ids(self, chat: bool, body: dict[str, Any]) -> tuple[int, ...] | None:
         """The prompt's token ids as vLLM builds them, with a tokenizer (else None: text blocks)."""
@@ -136,6 +144,7 @@ class _ReplicaApi:
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming or not."""
         chat = request.path == CHAT_PATH
+        self.trace_contexts.append({k: v for k in TRACE_HEADERS if (v := request.headers.get(k)) is not None})
         try:
             parsed = parse_request_body(request.path, await request.read())
             sampling = _sampling(parsed.body)
@@ -292,6 +301,10 @@ class _ReplicaApi:
             page += self.lora.exposition().encode()
         return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def trace_context(self, request: web.Request) -> web.Response:
+        """``GET /trace_context``: the trace headers of the last completions received, oldest first."""
+        return web.json_response(list(self.trace_contexts))
+
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """``POST /reset_prefix_cache``: drop every cached block, as vLLM's endpoint does."""
         self.engine.reset_prefix_cache()
@@ -376,6 +389,7 @@ def build_app(
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
+    app.router.add_get("/trace_context", api.trace_context)
     app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
     app.router.add_post("/kv_events/drop", api.drop_kv_events)
     app.router.add_get("/kv_events", api.kv_events_state)

@@ -5,59 +5,35 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from extproc.router import Router
 from extproc.tracing import DecisionTracer, TracingSettings
 from tests.conftest import chat_body, make_config
+from tests.helpers import SpanReceiver, otlp_receiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """Collects every span exported to it."""
-
-    def __init__(self) -> None:
-        self.spans: list[object] = []
-
-    async def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        for resource in request.resource_spans:
-            for scope in resource.scope_spans:
-                self.spans.extend(scope.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 @pytest.fixture
-async def receiver() -> AsyncIterator[tuple[Receiver, int]]:
-    server = grpc.aio.server()
-    collected = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collected, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield collected, port
-    finally:
-        await server.stop(None)
+def collected() -> Iterator[SpanReceiver]:
+    with otlp_receiver() as receiver:
+        yield receiver
 
 
-async def _flushed(tracer: DecisionTracer, collected: Receiver, want: int) -> None:
+async def _flushed(tracer: DecisionTracer, collected: SpanReceiver, want: int) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + 10.0
     while len(collected.spans) < want and loop.time() < end:
-        await asyncio.to_thread(tracer.provider.force_flush)  # off the loop: the receiver runs on it
+        await asyncio.to_thread(tracer.provider.force_flush)
         await asyncio.sleep(0.05)
 
 
-async def test_the_decision_span_is_parented_to_the_clients_traceparent(receiver: tuple[Receiver, int]) -> None:
-    collected, port = receiver
-    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=f"127.0.0.1:{port}", sample_rate=0.0))
+async def test_the_decision_span_is_parented_to_the_clients_traceparent(collected: SpanReceiver) -> None:
+    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0))
     router = Router(make_config(), tracer=tracer)
     headers = {":path": "/v1/chat/completions", "x-session-id": "s", "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
     try:
@@ -67,22 +43,21 @@ async def test_the_decision_span_is_parented_to_the_clients_traceparent(receiver
         tracer.close()
     assert len(collected.spans) == 1
     span = collected.spans[0]
-    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == CLIENT_SPAN  # type: ignore[attr-defined]
-    attrs = {a.key: a.value for a in span.attributes}  # type: ignore[attr-defined]
-    assert attrs["gen_ai.request.model"].string_value == "m"
-    assert attrs["gen_ai.operation.name"].string_value == "chat"
-    assert attrs["gen_ai.request.max_tokens"].int_value == 7
+    assert span.trace_id == TRACE_ID and span.parent_span_id == CLIENT_SPAN
+    attrs = span.attributes
+    assert attrs["gen_ai.request.model"] == "m"
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.request.max_tokens"] == 7
     assert routed.decision.replica is not None
-    assert attrs["extproc.replica"].string_value == routed.decision.replica.name
-    assert attrs["extproc.reason"].string_value == routed.decision.reason.value
-    assert attrs["extproc.candidates"].int_value == 3
+    assert attrs["extproc.replica"] == routed.decision.replica.name
+    assert attrs["extproc.reason"] == routed.decision.reason.value
+    assert attrs["extproc.candidates"] == 3
     # The replica continues the same trace, under the decision's span.
-    assert routed.traceparent == f"00-{TRACE_ID}-{span.span_id.hex()}-01"  # type: ignore[attr-defined]
+    assert routed.traceparent == f"00-{TRACE_ID}-{span.span_id}-01"
 
 
-async def test_an_unsampled_request_is_neither_exported_nor_given_a_context(receiver: tuple[Receiver, int]) -> None:
-    collected, port = receiver
-    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=f"127.0.0.1:{port}", sample_rate=0.0))
+async def test_an_unsampled_request_is_neither_exported_nor_given_a_context(collected: SpanReceiver) -> None:
+    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0))
     router = Router(make_config(), tracer=tracer)
     try:
         plain = await router.route({":path": "/v1/chat/completions"}, chat_body("a prompt"))
@@ -105,11 +80,10 @@ async def test_an_unreachable_collector_costs_the_request_nothing() -> None:
     assert routed.decision.replica is not None and routed.traceparent is not None
 
 
-async def test_the_plan_hands_the_replica_the_decisions_traceparent(receiver: tuple[Receiver, int]) -> None:
+async def test_the_plan_hands_the_replica_the_decisions_traceparent(collected: SpanReceiver) -> None:
     from extproc.plan import Forward, Planner
 
-    collected, port = receiver
-    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=f"127.0.0.1:{port}", sample_rate=1.0))
+    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=1.0))
     planner = Planner(Router(make_config(), tracer=tracer))
     try:
         plan = await planner.plan({":path": "/v1/chat/completions"}, chat_body("a prompt"))
@@ -120,7 +94,7 @@ async def test_the_plan_hands_the_replica_the_decisions_traceparent(receiver: tu
     sent = dict(plan.action.set_headers)
     span = collected.spans[0]
     _, trace_id, parent, flags = sent["traceparent"].split("-")
-    assert (trace_id, parent) == (span.trace_id.hex(), span.span_id.hex())  # type: ignore[attr-defined]
+    assert (trace_id, parent) == (span.trace_id, span.span_id)
     assert int(flags, 16) & 1  # sampled: the engine traces it too
 
 
