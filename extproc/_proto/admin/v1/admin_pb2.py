@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#extproc/_proto/admin/v1/admin.proto\x12\x10\x65xtproc.admin.v1\"$\n\x06Header\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"I\n\x0e\x45xplainRequest\x12)\n\x07headers\x18\x01 \x03(\x0b\x32\x18.extproc.admin.v1.Header\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\"d\n\nFilterStep\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\x31\n\x07removed\x18\x02 \x03(\x0b\x32 .extproc.admin.v1.RemovedReplica\x12\x13\n\x0b\x66\x61iled_open\x18\x03 \x01(\x08\".\n\x0eRemovedReplica\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0b\n\x03why\x18\x02 \x01(\t\"N\n\tScorePart\x12\x0e\n\x06scorer\x18\x01 \x01(\t\x12\x0b\n\x03raw\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x14\n\x0c\x63ontribution\x18\x04 \x01(\x01\"\xc2\x02\n\x12ReplicaExplanation\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x11\n\tcandidate\x18\x02 \x01(\x08\x12\x12\n\nremoved_by\x18\x03 \x01(\t\x12\x13\n\x0bremoved_why\x18\x04 \x01(\t\x12+\n\x06scores\x18\x05 \x03(\x0b\x32\x1b.extproc.admin.v1.ScorePart\x12\r\n\x05total\x18\x06 \x01(\x01\x12\x16\n\x0ematched_blocks\x18\x07 \x01(\x05\x12\x14\n\x0cmatch_source\x18\x08 \x01(\t\x12!\n\x19predicted_uncached_tokens\x18\t \x01(\x05\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_trust\x18\x0b \x01(\x01\x12\x1c\n\x14\x63\x61\x63he_evidence_age_s\x18\x0c \x01(\x01\x12\x11\n\tkv_events\x18\r \x01(\t\"\x88\x03\n\x0f\x45xplainResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05order\x18\x03 \x03(\t\x12\x11\n\tfallbacks\x18\x04 \x03(\t\x12-\n\x07\x66ilters\x18\x05 \x03(\x0b\x32\x1c.extproc.admin.v1.FilterStep\x12\x36\n\x08replicas\x18\x06 \x03(\x0b\x32$.extproc.admin.v1.ReplicaExplanation\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\x05\x12\x16\n\x0ematched_blocks\x18\x08 \x01(\x05\x12!\n\x19predicted_uncached_tokens\x18\t \x01(\x05\x12\x0e\n\x06pinned\x18\n \x01(\t\x12\x12\n\nkey_source\x18\x0b \x01(\t\x12\x0f\n\x07profile\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x12\n\nbody_error\x18\x0e \x01(\t\x12\x10\n\x08moved_by\x18\x0f \x01(\t\x12\x10\n\x08pin_lost\x18\x10 \x01(\t\"\x15\n\x13ListReplicasRequest\"\xac\x03\n\x0bReplicaInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\x01\x12L\n\x10health_penalties\x18\x04 \x03(\x0b\x32\x32.extproc.admin.v1.ReplicaInfo.HealthPenaltiesEntry\x12\x13\n\x0bin_rotation\x18\x05 \x01(\x08\x12\x16\n\x0erotation_state\x18\x06 \x01(\t\x12\x0e\n\x06\x63ordon\x18\x07 \x01(\t\x12\x10\n\x08inflight\x18\x08 \x01(\x05\x12\r\n\x05queue\x18\t \x01(\x05\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x17\n\x0fsessions_pinned\x18\x0b \x01(\x05\x12\x11\n\tkv_events\x18\x0c \x01(\t\x12\x1e\n\x16pending_prefill_tokens\x18\r \x01(\x03\x12\x17\n\x0fscrape_failures\x18\x0e \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_trust\x18\x0f \x01(\x01\x1a\x36\n\x14HealthPenaltiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"G\n\x14ListReplicasResponse\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.extproc.admin.v1.ReplicaInfo\"4\n\x0eSessionRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"V\n\x0cSessionReply\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x11\n\tforgotten\x18\x04 \x01(\x08\"!\n\x0eReplicaRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"F\n\x0b\x43ordonReply\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0e\n\x06\x63ordon\x18\x02 \x01(\t\x12\x16\n\x0esessions_moved\x18\x03 \x01(\x05\"#\n\x0cWatchRequest\x12\x13\n\x0bsample_rate\x18\x01 \x01(\x01\"\xa1\x01\n\rDecisionEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65\x63ision_ms\x18\x07 \x01(\x01\x12\x0f\n\x07skipped\x18\x08 \x01(\x03\"\x14\n\x12ListHotKeysRequest\"\x8b\x01\n\nHotKeyInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1b\n\x13requests_per_second\x18\x02 \x01(\x01\x12\x1a\n\x12mean_prompt_tokens\x18\x03 \x01(\x01\x12\x10\n\x08replicas\x18\x04 \x01(\x05\x12\x11\n\thot_for_s\x18\x05 \x01(\x01\x12\x12\n\nwarm_ready\x18\x06 \x01(\x08\"g\n\x13ListHotKeysResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12.\n\x08hot_keys\x18\x02 \x03(\x0b\x32\x1c.extproc.admin.v1.HotKeyInfo\x12\x0f\n\x07\x63ooling\x18\x03 \x01(\x05\x32\xec\x05\n\x05\x41\x64min\x12N\n\x07\x45xplain\x12 .extproc.admin.v1.ExplainRequest\x1a!.extproc.admin.v1.ExplainResponse\x12]\n\x0cListReplicas\x12%.extproc.admin.v1.ListReplicasRequest\x1a&.extproc.admin.v1.ListReplicasResponse\x12N\n\nGetSession\x12 .extproc.admin.v1.SessionRequest\x1a\x1e.extproc.admin.v1.SessionReply\x12Q\n\rForgetSession\x12 .extproc.admin.v1.SessionRequest\x1a\x1e.extproc.admin.v1.SessionReply\x12I\n\x06\x43ordon\x12 .extproc.admin.v1.ReplicaRequest\x1a\x1d.extproc.admin.v1.CordonReply\x12K\n\x08Uncordon\x12 .extproc.admin.v1.ReplicaRequest\x1a\x1d.extproc.admin.v1.CordonReply\x12H\n\x05\x44rain\x12 .extproc.admin.v1.ReplicaRequest\x1a\x1d.extproc.admin.v1.CordonReply\x12S\n\x0eWatchDecisions\x12\x1e.extproc.admin.v1.WatchRequest\x1a\x1f.extproc.admin.v1.DecisionEvent0\x01\x12Z\n\x0bListHotKeys\x12$.extproc.admin.v1.ListHotKeysRequest\x1a%.extproc.admin.v1.ListHotKeysResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#extproc/_proto/admin/v1/admin.proto\x12\x10\x65xtproc.admin.v1\"$\n\x06Header\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"I\n\x0e\x45xplainRequest\x12)\n\x07headers\x18\x01 \x03(\x0b\x32\x18.extproc.admin.v1.Header\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\"d\n\nFilterStep\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\x31\n\x07removed\x18\x02 \x03(\x0b\x32 .extproc.admin.v1.RemovedReplica\x12\x13\n\x0b\x66\x61iled_open\x18\x03 \x01(\x08\".\n\x0eRemovedReplica\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0b\n\x03why\x18\x02 \x01(\t\"N\n\tScorePart\x12\x0e\n\x06scorer\x18\x01 \x01(\t\x12\x0b\n\x03raw\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x14\n\x0c\x63ontribution\x18\x04 \x01(\x01\"\xf8\x02\n\x12ReplicaExplanation\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x11\n\tcandidate\x18\x02 \x01(\x08\x12\x12\n\nremoved_by\x18\x03 \x01(\t\x12\x13\n\x0bremoved_why\x18\x04 \x01(\t\x12+\n\x06scores\x18\x05 \x03(\x0b\x32\x1b.extproc.admin.v1.ScorePart\x12\r\n\x05total\x18\x06 \x01(\x01\x12\x16\n\x0ematched_blocks\x18\x07 \x01(\x05\x12\x14\n\x0cmatch_source\x18\x08 \x01(\t\x12!\n\x19predicted_uncached_tokens\x18\t \x01(\x05\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_trust\x18\x0b \x01(\x01\x12\x1c\n\x14\x63\x61\x63he_evidence_age_s\x18\x0c \x01(\x01\x12\x11\n\tkv_events\x18\r \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x0e \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x0f \x01(\x01\"\x83\x04\n\x0f\x45xplainResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05order\x18\x03 \x03(\t\x12\x11\n\tfallbacks\x18\x04 \x03(\t\x12-\n\x07\x66ilters\x18\x05 \x03(\x0b\x32\x1c.extproc.admin.v1.FilterStep\x12\x36\n\x08replicas\x18\x06 \x03(\x0b\x32$.extproc.admin.v1.ReplicaExplanation\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\x05\x12\x16\n\x0ematched_blocks\x18\x08 \x01(\x05\x12!\n\x19predicted_uncached_tokens\x18\t \x01(\x05\x12\x0e\n\x06pinned\x18\n \x01(\t\x12\x12\n\nkey_source\x18\x0b \x01(\t\x12\x0f\n\x07profile\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x12\n\nbody_error\x18\x0e \x01(\t\x12\x10\n\x08moved_by\x18\x0f \x01(\t\x12\x10\n\x08pin_lost\x18\x10 \x01(\t\x12\x19\n\x11objective_ttft_ms\x18\x11 \x01(\x01\x12\x19\n\x11objective_tpot_ms\x18\x12 \x01(\x01\x12\x1b\n\x13objective_predicted\x18\x13 \x01(\t\x12\x0f\n\x07on_miss\x18\x14 \x01(\t\x12\x15\n\robjective_why\x18\x15 \x01(\t\"\x15\n\x13ListReplicasRequest\"\xac\x03\n\x0bReplicaInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\x01\x12L\n\x10health_penalties\x18\x04 \x03(\x0b\x32\x32.extproc.admin.v1.ReplicaInfo.HealthPenaltiesEntry\x12\x13\n\x0bin_rotation\x18\x05 \x01(\x08\x12\x16\n\x0erotation_state\x18\x06 \x01(\t\x12\x0e\n\x06\x63ordon\x18\x07 \x01(\t\x12\x10\n\x08inflight\x18\x08 \x01(\x05\x12\r\n\x05queue\x18\t \x01(\x05\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x17\n\x0fsessions_pinned\x18\x0b \x01(\x05\x12\x11\n\tkv_events\x18\x0c \x01(\t\x12\x1e\n\x16pending_prefill_tokens\x18\r \x01(\x03\x12\x17\n\x0fscrape_failures\x18\x0e \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_trust\x18\x0f \x01(\x01\x1a\x36\n\x14HealthPenaltiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"G\n\x14ListReplicasResponse\x12/\n\x08replicas\x18\x01 \x03(\x0b\x32\x1d.extproc.admin.v1.ReplicaInfo\"4\n\x0eSessionRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"V\n\x0cSessionReply\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x11\n\tforgotten\x18\x04 \x01(\x08\"!\n\x0eReplicaRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"F\n\x0b\x43ordonReply\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0e\n\x06\x63ordon\x18\x02 \x01(\t\x12\x16\n\x0esessions_moved\x18\x03 \x01(\x05\"#\n\x0cWatchRequest\x12\x13\n\x0bsample_rate\x18\x01 \x01(\x01\"\xa1\x01\n\rDecisionEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65\x63ision_ms\x18\x07 \x01(\x01\x12\x0f\n\x07skipped\x18\x08 \x01(\x03\"\x14\n\x12ListHotKeysRequest\"\x8b\x01\n\nHotKeyInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1b\n\x13requests_per_second\x18\x02 \x01(\x01\x12\x1a\n\x12mean_prompt_tokens\x18\x03 \x01(\x01\x12\x10\n\x08replicas\x18\x04 \x01(\x05\x12\x11\n\thot_for_s\x18\x05 \x01(\x01\x12\x12\n\nwarm_ready\x18\x06 \x01(\x08\"g\n\x13ListHotKeysResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12.\n\x08hot_keys\x18\x02 \x03(\x0b\x32\x1c.extproc.admin.v1.HotKeyInfo\x12\x0f\n\x07\x63ooling\x18\x03 \x01(\x05\x32\xec\x05\n\x05\x41\x64min\x12N\n\x07\x45xplain\x12 .extproc.admin.v1.ExplainRequest\x1a!.extproc.admin.v1.ExplainResponse\x12]\n\x0cListReplicas\x12%.extproc.admin.v1.ListReplicasRequest\x1a&.extproc.admin.v1.ListReplicasResponse\x12N\n\nGetSession\x12 .extproc.admin.v1.SessionRequest\x1a\x1e.extproc.admin.v1.SessionReply\x12Q\n\rForgetSession\x12 .extproc.admin.v1.SessionRequest\x1a\x1e.extproc.admin.v1.SessionReply\x12I\n\x06\x43ordon\x12 .extproc.admin.v1.ReplicaRequest\x1a\x1d.extproc.admin.v1.CordonReply\x12K\n\x08Uncordon\x12 .extproc.admin.v1.ReplicaRequest\x1a\x1d.extproc.admin.v1.CordonReply\x12H\n\x05\x44rain\x12 .extproc.admin.v1.ReplicaRequest\x1a\x1d.extproc.admin.v1.CordonReply\x12S\n\x0eWatchDecisions\x12\x1e.extproc.admin.v1.WatchRequest\x1a\x1f.extproc.admin.v1.DecisionEvent0\x01\x12Z\n\x0bListHotKeys\x12$.extproc.admin.v1.ListHotKeysRequest\x1a%.extproc.admin.v1.ListHotKeysResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREPART']._serialized_start=320
   _globals['_SCOREPART']._serialized_end=398
   _globals['_REPLICAEXPLANATION']._serialized_start=401
-  _globals['_REPLICAEXPLANATION']._serialized_end=723
-  _globals['_EXPLAINRESPONSE']._serialized_start=726
-  _globals['_EXPLAINRESPONSE']._serialized_end=1118
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1120
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1141
-  _globals['_REPLICAINFO']._serialized_start=1144
-  _globals['_REPLICAINFO']._serialized_end=1572
-  _globals['_REPLICAINFO_HEALTHPENALTIESENTRY']._serialized_start=1518
-  _globals['_REPLICAINFO_HEALTHPENALTIESENTRY']._serialized_end=1572
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1574
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1645
-  _globals['_SESSIONREQUEST']._serialized_start=1647
-  _globals['_SESSIONREQUEST']._serialized_end=1699
-  _globals['_SESSIONREPLY']._serialized_start=1701
-  _globals['_SESSIONREPLY']._serialized_end=1787
-  _globals['_REPLICAREQUEST']._serialized_start=1789
-  _globals['_REPLICAREQUEST']._serialized_end=1822
-  _globals['_CORDONREPLY']._serialized_start=1824
-  _globals['_CORDONREPLY']._serialized_end=1894
-  _globals['_WATCHREQUEST']._serialized_start=1896
-  _globals['_WATCHREQUEST']._serialized_end=1931
-  _globals['_DECISIONEVENT']._serialized_start=1934
-  _globals['_DECISIONEVENT']._serialized_end=2095
-  _globals['_LISTHOTKEYSREQUEST']._serialized_start=2097
-  _globals['_LISTHOTKEYSREQUEST']._serialized_end=2117
-  _globals['_HOTKEYINFO']._serialized_start=2120
-  _globals['_HOTKEYINFO']._serialized_end=2259
-  _globals['_LISTHOTKEYSRESPONSE']._serialized_start=2261
-  _globals['_LISTHOTKEYSRESPONSE']._serialized_end=2364
-  _globals['_ADMIN']._serialized_start=2367
-  _globals['_ADMIN']._serialized_end=3115
+  _globals['_REPLICAEXPLANATION']._serialized_end=777
+  _globals['_EXPLAINRESPONSE']._serialized_start=780
+  _globals['_EXPLAINRESPONSE']._serialized_end=1295
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1297
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1318
+  _globals['_REPLICAINFO']._serialized_start=1321
+  _globals['_REPLICAINFO']._serialized_end=1749
+  _globals['_REPLICAINFO_HEALTHPENALTIESENTRY']._serialized_start=1695
+  _globals['_REPLICAINFO_HEALTHPENALTIESENTRY']._serialized_end=1749
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1751
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1822
+  _globals['_SESSIONREQUEST']._serialized_start=1824
+  _globals['_SESSIONREQUEST']._serialized_end=1876
+  _globals['_SESSIONREPLY']._serialized_start=1878
+  _globals['_SESSIONREPLY']._serialized_end=1964
+  _globals['_REPLICAREQUEST']._serialized_start=1966
+  _globals['_REPLICAREQUEST']._serialized_end=1999
+  _globals['_CORDONREPLY']._serialized_start=2001
+  _globals['_CORDONREPLY']._serialized_end=2071
+  _globals['_WATCHREQUEST']._serialized_start=2073
+  _globals['_WATCHREQUEST']._serialized_end=2108
+  _globals['_DECISIONEVENT']._serialized_start=2111
+  _globals['_DECISIONEVENT']._serialized_end=2272
+  _globals['_LISTHOTKEYSREQUEST']._serialized_start=2274
+  _globals['_LISTHOTKEYSREQUEST']._serialized_end=2294
+  _globals['_HOTKEYINFO']._serialized_start=2297
+  _globals['_HOTKEYINFO']._serialized_end=2436
+  _globals['_LISTHOTKEYSRESPONSE']._serialized_start=2438
+  _globals['_LISTHOTKEYSRESPONSE']._serialized_end=2541
+  _globals['_ADMIN']._serialized_start=2544
+  _globals['_ADMIN']._serialized_end=3292
 # @@protoc_insertion_point(module_scope)
