@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+from extproc.admin.client import render
 from extproc.admin.service import explanation_message
 from extproc.plan import Planner, Refuse
 from extproc.queueing import QueueClass, QueueSettings
@@ -164,6 +165,8 @@ async def test_explain_shows_each_candidates_predictions_the_objective_and_why()
     assert "every candidate is predicted to miss" in reply.objective_why and "of 100" in reply.objective_why
     assert all(abs(r.predicted_ttft_ms - 500) < 25 for r in reply.replicas)
     assert all(r.predicted_tpot_ms == -1 for r in reply.replicas)  # no TPOT model warm
+    shown = render("explain", reply)
+    assert "objectives TTFT 100 ms: predicted missed, on_miss shed" in shown and "TTFT/TPOT MS" in shown
     met = explanation_message(await router.explain(headers(1000), chat_body("hi")))
     assert met.objective_predicted == "met" and met.on_miss == "" and "predicted to meet" in met.objective_why
     none = explanation_message(await router.explain(headers(None), chat_body("hi")))
