@@ -34,6 +34,7 @@ def main() -> int:
         slow_replicas=args.replicas // 2 if args.slow_profile else 0,
     )
     replica, config = setup.replica_profile(), setup.config()
+    config = config.model_copy(update={"health": config.health.model_copy(update={"latency_models": "always"})})
     sim = Simulation(
         setup.workload.build(),
         replica,

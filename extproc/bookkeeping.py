@@ -70,7 +70,8 @@ class Routed:
     traceparent: str | None = None
     """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
     budget: Admission | None = None
-    """The tenant's token budget as the request was admitted (its estimate reserved), when metered."""
+    """The request's token budgets (tenant, API key, model) as it was admitted (its estimate
+    reserved), when metered."""
     strip_usage: bool = False
     """The router asked the stream for its usage: the client did not, so that chunk is taken out."""
 

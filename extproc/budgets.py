@@ -1,32 +1,50 @@
-"""Token budgets: tokens per minute and per day for a tenant, charged from the usage replicas report.
+"""Token budgets: tokens per minute and per day for a tenant, an API key or a model, charged from
+the usage replicas report.
 
-Platforms meter in tokens, not requests. A budget limits a weighted total of the tokens a tenant's
-requests used (``weights``: input, cached input and output tokens each count for their weight; a
-cached token is cheaper to serve than one prefilled) over fixed windows, a minute and a day, that
-reset on the clock's boundaries. Each response's reported usage is charged when it is read; a
-request is admitted while the tenant's window has room for its estimated prompt tokens on top of
-what is charged and what its requests in flight have reserved, so a burst overshoots by at most
-the requests in flight. Over budget: 429 with ``Retry-After`` (seconds to the window's end) and
-OpenAI's ``x-ratelimit-*-tokens`` headers.
+Platforms meter in tokens, not requests. A budget limits a weighted total of the tokens used
+(``weights``: input, cached input and output tokens each count for their weight; a cached token is
+cheaper to serve than one prefilled) over fixed windows, a minute and a day, that reset on the
+clock's boundaries. A budget belongs to a subject: a tenant (``tenants``), an API key (``keys``:
+the ``Authorization`` bearer token, known by its SHA-256 digest only) or a model (``models``, over
+every tenant's requests for it). A request is charged to every subject that applies to it and is
+admitted while each has room for its estimated prompt tokens on top of what is charged and what
+its requests in flight have reserved, so the tightest limit decides and a burst overshoots by at
+most the requests in flight. Over budget: 429 with ``Retry-After`` (seconds to the refusing
+window's end) and OpenAI's ``x-ratelimit-*-tokens`` headers.
 
 Where the counts live is a :class:`BudgetStore`: process memory for one gateway, Redis for several
-(one atomic round trip per charge). The ledger never raises for its store: a store that fails
-degrades to this gateway's own counts, never to no limit and never to refusing everyone.
+(one round trip for every subject of a request). The ledger never raises for its store: a store
+that fails degrades to this gateway's own counts, never to no limit and never to refusing everyone.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
+from pydantic import model_validator
+
+from extproc.request.tenant import api_key_digest, bearer_token
 from extproc.usage import Usage
-from extproc.validation import Section, option
+from extproc.validation import Section, field_error, option
 
 log = logging.getLogger("extproc.budgets")
 
 WINDOWS: tuple[tuple[str, int], ...] = (("minute", 60), ("day", 86_400))
+KEY_PREFIX = "key/"
+"""Subjects of API-key budgets are ``key/NAME`` (a tenant's subject is its bare name, as before)."""
+MODEL_PREFIX = "model/"
+"""Subjects of model budgets are ``model/NAME``."""
+_HEX = frozenset("0123456789abcdef")
+
+SubjectKind = Literal["tenant", "key", "model"]
+
+
+def _is_digest(value: str) -> bool:
+    return len(value) == 64 and set(value) <= _HEX
 
 
 class TokenWeights(Section):
@@ -43,7 +61,7 @@ class TokenWeights(Section):
 
 
 class TokenBudget(Section):
-    """One tenant's limits (None: no limit in that window)."""
+    """One subject's limits (None: no limit in that window)."""
 
     per_minute: float | None = option(None, "weighted tokens a minute (the clock's minutes)", gt=0)
     per_day: float | None = option(None, "weighted tokens a day (UTC days)", gt=0)
@@ -53,12 +71,46 @@ class TokenBudget(Section):
         return self.per_minute if window == "minute" else self.per_day
 
 
+class KeyBudget(TokenBudget):
+    """One API key's limits (config ``budgets.keys.NAME``): the key is known by its digest only."""
+
+    sha256: str | None = option(None, "hex SHA-256 of the bearer key (omit when the entry's name is the digest itself)")
+
+    def digest(self, name: str) -> str:
+        """The digest the entry matches (its ``sha256``, else its name)."""
+        return self.sha256 or name
+
+
 class BudgetSettings(Section):
-    """Config ``budgets:``: token metering and the budgets by tenant."""
+    """Config ``budgets:``: token metering and the budgets by tenant, API key and model."""
 
     enabled: bool = option(False, "read every response's usage: token counters, and the budgets below enforced")
     tenants: dict[str, TokenBudget] = option({}, "budgets by tenant name (tenants without one are metered only)")
+    keys: dict[str, KeyBudget] = option(
+        {}, "budgets by API key: a name (with sha256: the key's hex SHA-256) or the digest itself; never the key"
+    )
+    models: dict[str, TokenBudget] = option({}, "budgets by model, over every tenant's requests for it")
     weights: TokenWeights = option(TokenWeights(), "what each kind of token counts for")
+
+    @model_validator(mode="after")
+    def _subjects(self) -> BudgetSettings:
+        for tenant in self.tenants:
+            if tenant.startswith((KEY_PREFIX, MODEL_PREFIX)):
+                message = f"{tenant!r}: a tenant's name may not start with {KEY_PREFIX!r} or {MODEL_PREFIX!r}"
+                raise field_error(BudgetSettings, "tenants", message, tenant)
+        seen: dict[str, str] = {}
+        for name, entry in self.keys.items():
+            digest = entry.digest(name)
+            if not _is_digest(digest):
+                message = (
+                    f"{name!r}: give sha256 (the hex SHA-256 of the API key) or name the entry by the digest; "
+                    "never the key itself"
+                )
+                raise field_error(BudgetSettings, "keys", message, name)
+            if digest in seen:
+                raise field_error(BudgetSettings, "keys", f"{name!r} and {seen[digest]!r} name one key", name)
+            seen[digest] = name
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +119,17 @@ class Admission:
 
     admitted: bool
     limit: float | None = None
-    """The tightest window's limit (None: the tenant has no budget)."""
+    """The deciding window's limit: the refusing one, else the tightest (None: no budget applies)."""
     remaining: float | None = None
     """What is left of it once this request's estimate is reserved."""
     reset_s: float = 0.0
     """Seconds until that window resets (the ``Retry-After`` of a refusal)."""
     reservation: float = 0.0
-    """Tokens reserved for the request: handed back to :meth:`BudgetLedger.settle`."""
+    """Tokens reserved for the request on each subject: handed back to :meth:`BudgetLedger.settle`."""
+    subjects: tuple[str, ...] = ()
+    """The budgets the request is charged to (its tenant's, its key's, its model's)."""
+    refused_by: SubjectKind | None = None
+    """Whose budget refused it."""
 
     @property
     def retry_after_s(self) -> int:
@@ -97,15 +153,35 @@ class Admission:
 FREE = Admission(True)
 
 
+@dataclass(frozen=True, slots=True)
+class WindowStanding:
+    """One window of a budget as it stands: its limit, what is used and reserved, what is left."""
+
+    window: str
+    limit: float
+    used: float
+    remaining: float
+    reset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetStanding:
+    """One configured budget as it stands now (the usage export's view)."""
+
+    kind: SubjectKind
+    name: str
+    windows: tuple[WindowStanding, ...]
+
+
 class BudgetStore(Protocol):
     """Where the charged tokens are counted, per subject and window."""
 
-    async def charge(self, subject: str, tokens: float, now: float) -> dict[str, float]:
-        """Add ``tokens`` to ``subject``'s current windows; the new totals by window name."""
+    async def charge(self, subjects: Sequence[str], tokens: float, now: float) -> None:
+        """Add ``tokens`` to each of ``subjects``' current windows."""
         ...
 
-    async def used(self, subject: str, now: float) -> dict[str, float]:
-        """``subject``'s totals in its current windows, by window name."""
+    async def used(self, subjects: Sequence[str], now: float) -> list[dict[str, float]]:
+        """Each subject's totals in its current windows, by window name, in the order given."""
         ...
 
 
@@ -120,27 +196,29 @@ class MemoryBudgetStore:
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str, int], float] = {}
 
-    async def charge(self, subject: str, tokens: float, now: float) -> dict[str, float]:
+    async def charge(self, subjects: Sequence[str], tokens: float, now: float) -> None:
         """Add, and forget windows that are over."""
-        out = {}
-        for name, length in WINDOWS:
-            key = (subject, name, window_start(length, now))
-            out[name] = self._counts[key] = self._counts.get(key, 0.0) + tokens
+        for subject in subjects:
+            for name, length in WINDOWS:
+                key = (subject, name, window_start(length, now))
+                self._counts[key] = self._counts.get(key, 0.0) + tokens
         if len(self._counts) > 4 * 1024:
             self._counts = {k: v for k, v in self._counts.items() if k[2] + dict(WINDOWS)[k[1]] > now}
-        return out
 
-    async def used(self, subject: str, now: float) -> dict[str, float]:
+    async def used(self, subjects: Sequence[str], now: float) -> list[dict[str, float]]:
         """The current windows' totals."""
-        return {name: self._counts.get((subject, name, window_start(length, now)), 0.0) for name, length in WINDOWS}
+        return [
+            {name: self._counts.get((subject, name, window_start(length, now)), 0.0) for name, length in WINDOWS}
+            for subject in subjects
+        ]
 
 
 class BudgetLedger:
-    """Admission against each tenant's budget, and the charges of reported usage.
+    """Admission against the budgets that apply to a request, and the charges of reported usage.
 
     ``store`` holds the counts (shared across gateways with Redis); when it fails, ``local`` (this
     gateway's own counts, always kept) answers instead. ``reserved`` is this gateway's estimate for
-    its requests in flight, per tenant.
+    its requests in flight, per subject.
     """
 
     def __init__(self, settings: BudgetSettings, store: BudgetStore | None = None) -> None:
@@ -149,69 +227,138 @@ class BudgetLedger:
         self.store: BudgetStore = store or self.local
         self.reserved: dict[str, float] = {}
         self.store_failures = 0
+        # Subjects spelled once, at start: a request looks them up, it never builds a string.
+        self._budgets: dict[str, TokenBudget] = dict(settings.tenants)
+        self._kinds: dict[str, tuple[SubjectKind, str]] = {t: ("tenant", t) for t in settings.tenants}
+        self._by_digest: dict[str, str] = {}
+        for name, key_budget in settings.keys.items():
+            subject = KEY_PREFIX + name
+            self._budgets[subject], self._kinds[subject] = key_budget, ("key", name)
+            self._by_digest[key_budget.digest(name)] = subject
+        self._by_model: dict[str, str] = {}
+        for model, model_budget in settings.models.items():
+            subject = MODEL_PREFIX + model
+            self._budgets[subject], self._kinds[subject] = model_budget, ("model", model)
+            self._by_model[model] = subject
+        self._alone = {subject: (subject,) for subject in self._budgets}
 
     def budget(self, tenant: str) -> TokenBudget | None:
         """The tenant's budget, if it has one."""
         return self.settings.tenants.get(tenant) if tenant else None
 
-    async def admit(self, tenant: str, estimated_tokens: int, now: float) -> Admission:
-        """Whether a request of ``tenant`` estimated at ``estimated_tokens`` prompt tokens fits
-        (its estimate reserved if so); ``now`` is the wall clock."""
-        budget = self.budget(tenant)
-        if budget is None:
+    def key_digest(self, headers: Mapping[str, str]) -> str | None:
+        """The digest of the request's bearer key, when some key has a budget (else None: no
+        key is hashed for nothing)."""
+        if not self._by_digest:
+            return None
+        auth = headers.get("authorization")
+        token = bearer_token(auth) if auth else None
+        return api_key_digest(token) if token else None
+
+    def subjects(self, tenant: str, key_digest: str | None = None, model: str = "") -> tuple[str, ...]:
+        """The budgets that apply to a request of ``tenant``, with that key, for ``model``."""
+        own = tenant if tenant and tenant in self.settings.tenants else None
+        key = self._by_digest.get(key_digest) if key_digest else None
+        of_model = self._by_model.get(model) if model and self._by_model else None
+        if key is None and of_model is None:
+            return self._alone[own] if own is not None else ()
+        return tuple(s for s in (own, key, of_model) if s is not None)
+
+    async def admit(
+        self, tenant: str, estimated_tokens: int, now: float, *, key_digest: str | None = None, model: str = ""
+    ) -> Admission:
+        """Whether a request of ``tenant`` (with the key of ``key_digest``, for ``model``)
+        estimated at ``estimated_tokens`` prompt tokens fits every budget that applies (its
+        estimate reserved on each if so); ``now`` is the wall clock."""
+        subjects = self.subjects(tenant, key_digest, model)
+        if not subjects:
             return FREE
-        used = await self._used(tenant, now)
+        used = await self._used(subjects, now)
         estimate = estimated_tokens * self.settings.weights.input
-        pending = self.reserved.get(tenant, 0.0)
         tightest: tuple[float, float, float] | None = None  # (remaining, limit, reset_s)
-        for name, length in WINDOWS:
-            limit = budget.limit(name)
-            if limit is None:
-                continue
-            remaining = limit - used.get(name, 0.0) - pending
-            reset = window_start(length, now) + length - now
-            if remaining < estimate or (remaining <= 0 and estimate == 0):
-                return Admission(False, limit, max(0.0, remaining), reset)
-            if tightest is None or remaining < tightest[0]:
-                tightest = (remaining, limit, reset)
+        refused: tuple[float, float, float] | None = None
+        refuser = subjects[0]
+        for subject, counts in zip(subjects, used, strict=True):
+            budget = self._budgets[subject]
+            pending = self.reserved.get(subject, 0.0)
+            for name, length in WINDOWS:
+                limit = budget.limit(name)
+                if limit is None:
+                    continue
+                remaining = limit - counts.get(name, 0.0) - pending
+                reset = window_start(length, now) + length - now
+                if remaining < estimate or (remaining <= 0 and estimate == 0):
+                    # Of several windows out of room, the last to reset says when to retry.
+                    if refused is None or reset > refused[2]:
+                        refused, refuser = (remaining, limit, reset), subject
+                elif tightest is None or remaining < tightest[0]:
+                    tightest = (remaining, limit, reset)
+        if refused is not None:
+            remaining, limit, reset = refused
+            return Admission(False, limit, max(0.0, remaining), reset, refused_by=self._kinds[refuser][0])
         if tightest is None:
             return FREE
-        self.reserved[tenant] = pending + estimate
+        for subject in subjects:
+            self.reserved[subject] = self.reserved.get(subject, 0.0) + estimate
         remaining, limit, reset = tightest
-        return Admission(True, limit, remaining - estimate, reset, estimate)
+        return Admission(True, limit, remaining - estimate, reset, estimate, subjects)
 
-    def release(self, tenant: str, admission: Admission) -> None:
+    def release(self, admission: Admission) -> None:
         """A request admitted with ``admission`` ended without usage to charge (its reservation
         goes back)."""
-        if admission.reservation:
-            left = self.reserved.get(tenant, 0.0) - admission.reservation
+        if not admission.reservation:
+            return
+        for subject in admission.subjects:
+            left = self.reserved.get(subject, 0.0) - admission.reservation
             if left > 1e-9:
-                self.reserved[tenant] = left
+                self.reserved[subject] = left
             else:
-                self.reserved.pop(tenant, None)
+                self.reserved.pop(subject, None)
 
-    async def settle(self, tenant: str, admission: Admission, usage: Usage, now: float) -> None:
-        """Charge ``usage`` (a response's report) to ``tenant`` and hand back the reservation."""
-        self.release(tenant, admission)
-        if self.budget(tenant) is None:
+    async def settle(self, admission: Admission, usage: Usage, now: float) -> None:
+        """Charge ``usage`` (a response's report) to the request's budgets and hand back the
+        reservation."""
+        self.release(admission)
+        if not admission.subjects:
             return
         tokens = self.settings.weights.total(usage)
         if tokens <= 0:
             return
-        await self.local.charge(tenant, tokens, now)
+        await self.local.charge(admission.subjects, tokens, now)
         if self.store is not self.local:
             try:
-                await self.store.charge(tenant, tokens, now)
+                await self.store.charge(admission.subjects, tokens, now)
             except Exception as exc:  # shared counts unreachable: this gateway's own still limit
                 self._failed("charge", exc)
 
-    async def _used(self, tenant: str, now: float) -> dict[str, float]:
+    async def standings(self, now: float) -> list[BudgetStanding]:
+        """Every configured budget as it stands (one store read for all of them)."""
+        subjects = list(self._budgets)
+        if not subjects:
+            return []
+        used = await self._used(subjects, now)
+        out = []
+        for subject, counts in zip(subjects, used, strict=True):
+            budget, pending = self._budgets[subject], self.reserved.get(subject, 0.0)
+            windows = []
+            for name, length in WINDOWS:
+                limit = budget.limit(name)
+                if limit is None:
+                    continue
+                spent = counts.get(name, 0.0)
+                reset = window_start(length, now) + length - now
+                windows.append(WindowStanding(name, limit, spent, max(0.0, limit - spent - pending), reset))
+            kind, name = self._kinds[subject]
+            out.append(BudgetStanding(kind, name, tuple(windows)))
+        return out
+
+    async def _used(self, subjects: Sequence[str], now: float) -> list[dict[str, float]]:
         if self.store is not self.local:
             try:
-                return await self.store.used(tenant, now)
+                return await self.store.used(subjects, now)
             except Exception as exc:
                 self._failed("read", exc)
-        return await self.local.used(tenant, now)
+        return await self.local.used(subjects, now)
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.store_failures += 1

@@ -16,7 +16,6 @@ every choice is made here, through the :class:`~extproc.router.Router`:
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -227,22 +226,17 @@ class Planner:
         if plan.usage is not None:
             self._check_usage(plan, plan.usage)
             plan.usage = None
-        routed, budgets = plan.routed, self.router.budgets
-        if budgets is not None and routed.budget is not None:
-            budgets.release(routed.features.tenant, routed.budget)
-            routed.budget = None
-        self.router.release(routed)
+        self.router.release_budget(plan.routed)
+        self.router.release(plan.routed)
 
     async def _body_over(self, plan: Plan) -> None:
         tail, plan.usage = plan.usage, None
         if tail is None:
             return
         self._check_usage(plan, tail)
-        routed, budgets = plan.routed, self.router.budgets
         usage = plan.stripper.usage if plan.stripper is not None and plan.stripper.usage else tail.usage()
-        if budgets is not None and routed.budget is not None and usage is not None:
-            admission, routed.budget = routed.budget, None
-            await budgets.settle(routed.features.tenant, admission, usage, time.time())
+        if usage is not None:
+            await self.router.charge_usage(plan.routed, usage)
 
     def _check_usage(self, plan: Plan, tail: UsageTail) -> None:
         kv, routed = self.router.kv_events, plan.routed

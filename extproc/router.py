@@ -41,6 +41,7 @@ from extproc.health.replicas import ReplicaBook, Transition
 from extproc.hotkeys.detector import HotKeyDetector
 from extproc.hotkeys.warming import HotKeyWarmer
 from extproc.membership import FleetControl, Membership
+from extproc.metering import TokenMeter
 from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
@@ -65,7 +66,7 @@ from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
 from extproc.tracing import DecisionTracer
-from extproc.usage import ask_for_usage
+from extproc.usage import Usage, ask_for_usage
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
     from extproc.kvevents.cache_state import EventCacheState
@@ -74,10 +75,20 @@ __all__ = ["Membership", "Routed", "Router", "build_profiles"]
 
 log = logging.getLogger("extproc.router")
 
-BUDGET_MESSAGE = "this tenant's token budget is spent for now; retry after the window resets"
 OBJECTIVE_MESSAGE = "no replica is predicted to meet this request's latency objectives now; retry later"
+BUDGET_MESSAGES = {
+    kind: f"this {whose} token budget is spent for now; retry after the window resets"
+    for kind, whose in (("tenant", "tenant's"), ("key", "API key's"), ("model", "model's"))
+}
+"""The refusal's words, by the budget that refused (a tenant's, an API key's, a model's)."""
 
 Clock = Callable[[], float]
+
+
+def known_tenants(config: Config) -> set[str]:
+    """The tenants the config names (quotas, API keys, budgets): metered under their own names."""
+    tenants = config.tenants
+    return {*tenants.definitions, *tenants.api_keys.values(), *config.budgets.tenants}
 
 
 def build_profiles(config: Config, default: Profile | None = None) -> Profiles:
@@ -118,7 +129,8 @@ class Router:
         self.config = config
         self.decide = decider
         self.tracer = tracer  # ``tracing:``: decision spans over OTLP
-        # ``budgets:``: every response's usage read, tenants' token budgets (shared with Redis).
+        # ``budgets:``: every response's usage read and metered; token budgets by tenant, API key
+        # and model (shared with Redis).
         self.budgets = BudgetLedger(config.budgets, budget_store) if config.budgets.enabled else None
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._responses = RateSampler()  # health.response_sample_rate
@@ -127,6 +139,9 @@ class Router:
         )
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
+        self.meter: TokenMeter | None = None
+        if config.budgets.enabled:
+            self.meter = TokenMeter(known_tenants(config), self.metrics, time.time())
         self.profiles = build_profiles(config, profile)
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
@@ -162,7 +177,9 @@ class Router:
             warmer=self.warmer,
             kv_events=kv_events,
         )
-        self.latency = LatencyBook(block_tokens)  # each replica's TTFT and TPOT, learned from responses
+        # Each replica's TTFT and TPOT, learned from responses where objectives are in use.
+        self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always")
+        self._learn_on_objective = config.health.latency_models == "auto"
         self.hooks: tuple[Hook, ...] = (
             LoadHook(self.replicas),
             CacheHook(self.caches),
@@ -204,9 +221,13 @@ class Router:
             features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
         budget = None
         if self.budgets is not None and features.path in INFERENCE_PATHS:
-            budget = await self.budgets.admit(features.tenant, features.estimated_prompt_tokens, time.time())
+            key = self.budgets.key_digest(headers)
+            budget = await self.budgets.admit(
+                features.tenant, features.estimated_prompt_tokens, time.time(), key_digest=key, model=features.model
+            )
             if not budget.admitted:
-                refusal = Refusal(429, budget.retry_after_s, BUDGET_MESSAGE, "tokens_exceeded")
+                words = BUDGET_MESSAGES[budget.refused_by or "tenant"]
+                refusal = Refusal(429, budget.retry_after_s, words, "tokens_exceeded")
                 self.metrics.shed(features.request_class, refusal.kind)
                 return Routed(features, Decision(None, Reason.QUOTA), self.clock(), refusal=refusal, budget=budget)
         ticket = None
@@ -254,7 +275,7 @@ class Router:
         self, features: RequestFeatures, refusal: Refusal, arm: Arm | None, budget: BudgetAdmission | None
     ) -> Routed:
         if self.budgets is not None and budget is not None:
-            self.budgets.release(features.tenant, budget)
+            self.budgets.release(budget)
         self.metrics.shed(features.request_class, refusal.kind)
         return Routed(features, Decision(None, Reason.NO_REPLICA), self.clock(), arm=arm, refusal=refusal)
 
@@ -303,8 +324,10 @@ class Router:
             routed.sent_tokens = features.estimated_prompt_tokens
             claimed = cached.claims.get(replica.name, 0)
             routed.claimed_tokens = routed.sent_tokens - uncached_tokens(features, claimed, block_chars)
+            if self._learn_on_objective and (features.slo_ttft_ms is not None or features.slo_tpot_ms is not None):
+                self.latency.wanted()
             state = given.snapshot.get(replica.name)
-            if state is not None:
+            if state is not None and self.latency.learning:
                 routed.load_point = LoadPoint.of(state, routed.prefill_tokens)
             decided(self.hooks, routed, start)
             if self.warmer is not None:
@@ -535,6 +558,22 @@ class Router:
             if status >= 400 or status == 0:
                 routed.load_point = None  # an error's latency is not the replica's serving time
             answered(self.hooks, routed)
+
+    async def charge_usage(self, routed: Routed, usage: Usage) -> None:
+        """A response's reported ``usage``: metered (tenant, model, replica) and charged to the
+        request's budgets, once."""
+        if self.meter is not None:
+            replica = routed.decision.replica
+            self.meter.charge(routed.features.tenant, routed.features.model, replica.name if replica else "", usage)
+        if self.budgets is not None and routed.budget is not None:
+            admission, routed.budget = routed.budget, None
+            await self.budgets.settle(admission, usage, time.time())
+
+    def release_budget(self, routed: Routed) -> None:
+        """The request ended without usage to charge: its budgets' reservation goes back."""
+        if self.budgets is not None and routed.budget is not None:
+            self.budgets.release(routed.budget)
+            routed.budget = None
 
     def release(self, routed: Routed) -> None:
         """The request is over (or abandoned): its in-flight slot is freed, once."""

@@ -3,15 +3,19 @@
 extproc admin [--server HOST:PORT] [--token-file F] explain --body FILE [--header K:V ...]
 extproc admin replicas | hot-keys | session KEY [--model M] | forget KEY [--model M]
 extproc admin cordon NAME | uncordon NAME | drain NAME | watch [--count N] [--sample-rate R]
+extproc admin usage [--json | --csv]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
+import io
 import json
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -50,6 +54,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ):
         c = calls.add_parser(name, help=text)
         c.add_argument("name", help="the replica's name")
+    u = calls.add_parser("usage", help="tokens by tenant and model since start, and the token budgets left")
+    shape = u.add_mutually_exclusive_group()
+    # SUPPRESS: absent here, ``admin --json usage`` keeps the value the parent parser set.
+    shape.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    shape.add_argument("--csv", action="store_true", help="print the usage as CSV, one row per tenant and model")
     w = calls.add_parser("watch", help="a sampled stream of decisions")
     w.add_argument("--count", type=int, default=0, help="stop after this many (default: until interrupted)")
     w.add_argument("--sample-rate", type=float, default=0.0, help="share of decisions, in (0, 1] (default: server's)")
@@ -112,6 +121,8 @@ async def _run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...], 
                 reply = await stub.ListReplicas(pb.ListReplicasRequest(), **kw)
             elif args.call == "hot-keys":
                 reply = await stub.ListHotKeys(pb.ListHotKeysRequest(), **kw)
+            elif args.call == "usage":
+                reply = await stub.GetUsage(pb.UsageRequest(), **kw)
             elif args.call in ("session", "forget"):
                 call = stub.GetSession if args.call == "session" else stub.ForgetSession
                 reply = await call(pb.SessionRequest(session_key=args.key, model=args.model), **kw)
@@ -127,7 +138,9 @@ async def _run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...], 
                     file=sys.stderr,
                 )
             return 1
-    if args.json:
+    if args.call == "usage" and (args.json or args.csv):
+        out.write(json.dumps(usage_dict(reply), indent=2) + "\n" if args.json else usage_csv(reply))
+    elif args.json:
         out.write(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2) + "\n")
     else:
         out.write(render(args.call, reply))
@@ -167,6 +180,76 @@ def _predicted(ttft_ms: float, tpot_ms: float) -> str:
     ttft = f"{ttft_ms:.0f}" if ttft_ms >= 0 else "-"
     tpot = f"{tpot_ms:.1f}" if tpot_ms >= 0 else "-"
     return "-" if ttft == tpot == "-" else f"{ttft}/{tpot}"
+
+
+USAGE_COLUMNS = ("tenant", "model", "input_tokens", "cached_input_tokens", "output_tokens", "total_tokens")
+
+
+def _iso(unix: float) -> str:
+    return datetime.fromtimestamp(unix, UTC).isoformat(timespec="seconds")
+
+
+def _usage_rows(reply: Any) -> list[dict[str, Any]]:
+    rows = []
+    for u in reply.usage:
+        total = u.input_tokens + u.cached_input_tokens + u.output_tokens
+        values = (u.tenant, u.model, u.input_tokens, u.cached_input_tokens, u.output_tokens, total)
+        rows.append(dict(zip(USAGE_COLUMNS, values, strict=True)))
+    return rows
+
+
+def usage_dict(reply: Any) -> dict[str, Any]:
+    """A GetUsage reply as plain JSON values (token counts as numbers, every field present)."""
+    return {
+        "enabled": reply.enabled,
+        "since": _iso(reply.since) if reply.enabled else None,
+        "usage": _usage_rows(reply),
+        "budgets": [
+            {
+                "kind": b.kind,
+                "name": b.name,
+                "windows": [
+                    {
+                        "window": w.window,
+                        "limit": w.limit,
+                        "used": w.used,
+                        "remaining": w.remaining,
+                        "reset_s": w.reset_s,
+                    }
+                    for w in b.windows
+                ],
+            }
+            for b in reply.budgets
+        ],
+    }
+
+
+def usage_csv(reply: Any) -> str:
+    """A GetUsage reply's tokens as CSV: one row per tenant and model, with when counting began."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=[*USAGE_COLUMNS, "since"], lineterminator="\n")
+    writer.writeheader()
+    since = _iso(reply.since) if reply.enabled else ""
+    for row in _usage_rows(reply):
+        writer.writerow({**row, "since": since})
+    return buffer.getvalue()
+
+
+def _render_usage(reply: Any) -> str:
+    if not reply.enabled:
+        return "metering is off (budgets.enabled)\n"
+    rows = [list(r.values()) for r in _usage_rows(reply)]
+    out = f"tokens since {_iso(reply.since)}\n" + _table(
+        ["TENANT", "MODEL", "INPUT", "CACHED", "OUTPUT", "TOTAL"], rows
+    )
+    budgets = [
+        [b.kind, b.name, w.window, f"{w.limit:.0f}", f"{w.used:.0f}", f"{w.remaining:.0f}", f"{w.reset_s:.0f}s"]
+        for b in reply.budgets
+        for w in b.windows
+    ]
+    if budgets:
+        out += "\n" + _table(["BUDGET", "NAME", "WINDOW", "LIMIT", "USED", "REMAINING", "RESETS IN"], budgets)
+    return out
 
 
 def render(call: str, reply: Any) -> str:
@@ -229,6 +312,8 @@ def render(call: str, reply: Any) -> str:
         ]
         header = ["NAME", "ADDRESS", "HEALTH", "ROTATION", "CORDON", "INFLIGHT", "QUEUE", "KV", "SESSIONS", "TRUST"]
         return _table(header, rows)
+    if call == "usage":
+        return _render_usage(reply)
     if call == "hot-keys":
         if not reply.enabled:
             return "hot keys are off (hot_keys.enabled)\n"

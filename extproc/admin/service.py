@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -98,8 +99,43 @@ def _ms(seconds: float | None) -> float:
     return -1.0 if seconds is None else seconds * 1000.0
 
 
+async def usage_message(router: Router) -> pb.UsageResponse:
+    """The router's metered tokens and its budgets' standing, as the API returns them."""
+    meter, budgets = router.meter, router.budgets
+    if meter is None:
+        return pb.UsageResponse(enabled=False)
+    standings = await budgets.standings(time.time()) if budgets is not None else []
+    return pb.UsageResponse(
+        enabled=True,
+        since=meter.started_at,
+        usage=[
+            pb.TenantUsage(
+                tenant=row.tenant,
+                model=row.model,
+                input_tokens=row.input,
+                cached_input_tokens=row.cached_input,
+                output_tokens=row.output,
+            )
+            for row in meter.rows()
+        ],
+        budgets=[
+            pb.BudgetUsage(
+                kind=b.kind,
+                name=b.name,
+                windows=[
+                    pb.BudgetWindow(
+                        window=w.window, limit=w.limit, used=w.used, remaining=w.remaining, reset_s=w.reset_s
+                    )
+                    for w in b.windows
+                ],
+            )
+            for b in standings
+        ],
+    )
+
+
 class AdminService(pb_grpc.AdminServicer):
-    """Explain, replicas, sessions, cordons and the decision feed of one router."""
+    """Explain, replicas, sessions, cordons, the decision feed and the token usage of one router."""
 
     def __init__(self, router: Router, policy: MutationPolicy, default_sample_rate: float = 0.1) -> None:
         self.router = router
@@ -181,6 +217,11 @@ class AdminService(pb_grpc.AdminServicer):
                 for h in ranked
             ],
         )
+
+    async def GetUsage(self, request: pb.UsageRequest, context: Any) -> pb.UsageResponse:
+        """Tokens by tenant and model since start, and the budgets as they stand."""
+        await self._may_read(context, "GetUsage")
+        return await usage_message(self.router)
 
     async def GetSession(self, request: pb.SessionRequest, context: Any) -> pb.SessionReply:
         """Where the session is pinned."""

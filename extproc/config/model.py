@@ -492,7 +492,7 @@ class Config(Section):
     queueing: QueueSettings = option(QueueSettings(), "priority and fair queueing when the fleet is full")
     hot_keys: HotKeySettings = option(HotKeySettings(), "hot-prefix detection and replication")
     tracing: TracingSettings = option(TracingSettings(), "OpenTelemetry spans of routing decisions")
-    budgets: BudgetSettings = option(BudgetSettings(), "token metering, and token budgets per tenant")
+    budgets: BudgetSettings = option(BudgetSettings(), "token metering; token budgets per tenant, API key and model")
 
     @field_validator("store")
     @classmethod

@@ -7,7 +7,9 @@ linear models per replica (TTFT and TPOT over the point's terms) are fitted by r
 squares, weighted by the inverse square of the observed value so that the fit minimises
 *relative* error (a 20 ms prediction 20 ms off is as wrong as a 2 s one 2 s off).
 
-Cheap and bounded: an update is a few hundred float operations on a 7x7 matrix, done when a
+Learned only where wanted (``health.latency_models``): by default from the first request that
+carries an objective on (:meth:`LatencyBook.wanted`), so a fleet that never states one does not pay
+for fitting. Cheap and bounded: an update is a few hundred float operations on a 7x7 matrix, done when a
 response is observed, never while deciding; the decision reads the fits as they were last
 updated (:meth:`LatencyBook.view`). Before ``warm_after`` observations a model starts from a
 prior (an engine prefilling 10k tokens/s with 20 ms steps) and is not used. Old observations are
@@ -109,14 +111,27 @@ class LatencyBook:
     """Every replica's latency models; :meth:`view` is what the decision reads."""
 
     def __init__(
-        self, block_tokens: int = 16, *, warm_after: int = 32, forget: float = 0.999, error_window: int = 128
+        self,
+        block_tokens: int = 16,
+        *,
+        warm_after: int = 32,
+        forget: float = 0.999,
+        error_window: int = 128,
+        learning: bool = True,
     ) -> None:
+        self.learning = learning
+        """Whether responses are observed at all (see :meth:`wanted`)."""
         self.warm_after = warm_after
         self.forget = forget
         self.error_window = error_window
         self._replicas: dict[str, _Replica] = {}
         self._fits: dict[str, LatencyFit] = {}
         self._view = LatencyView(self._fits, block_tokens)
+
+    def wanted(self) -> None:
+        """A request stated an objective: learn from now on (models warm after ``warm_after``
+        responses a replica; until then the decision is what it would be without objectives)."""
+        self.learning = True
 
     def view(self) -> LatencyView:
         """The fits as last updated (the same object between updates; the decision only reads it)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.validation import option
@@ -23,6 +25,13 @@ class HealthSettings(RotationPolicy):
     # Below 1.0 the other requests skip the response-headers ext_proc message: fewer round trips,
     # a cheaper processor (docs/performance.md), less passive health.
     response_sample_rate: float = option(1.0, "share of requests whose response headers are observed", ge=0, le=1)
+    # Fitting a model costs ~20 us a response in pure Python (benchmarks/overhead.md): not paid
+    # by fleets that never state an objective.
+    latency_models: Literal["auto", "always", "off"] = option(
+        "auto",
+        "learn each replica's TTFT/TPOT from responses: auto = once a request carries an objective "
+        "(x-slo-ttft-ms, x-slo-tpot-ms), always = from the start, off = never (objectives are then ignored)",
+    )
     weights: HealthWeights = option(HealthWeights(), "how much each signal counts")
     limits: HealthLimits = option(HealthLimits(), "where each penalty starts and is full")
 

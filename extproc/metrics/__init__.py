@@ -2,19 +2,22 @@
 
 Each subsystem says what it reports in an observer protocol of its own (``health.observer``,
 ``discovery.observer``, ``rebalance.observer``, ``queueing.observer``, ``kvevents.observer``,
-``state.store.StoreObserver``), with a null default; :class:`RouterMetrics` implements all but the
-KV events', which :class:`~extproc.metrics.kv_events.KvEventMetrics` implements. Only the wiring
-(the router facade, the server, the CLI) knows these classes.
+``state.store.StoreObserver``, ``metering.MeterObserver``), with a null default;
+:class:`RouterMetrics` implements all but the KV events', which
+:class:`~extproc.metrics.kv_events.KvEventMetrics` implements. Only the wiring (the router facade,
+the server, the CLI) knows these classes.
 
 Labels stay bounded: decision reasons, replica names, and model names (the first
 ``MAX_MODEL_LABELS`` seen; any further model is counted as ``other``, since the model comes from
-the client). Never a session, a prompt or a user.
+the client), tenants (the config's; any other is ``other``). Never a session, a prompt, a user or
+an API key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,6 +58,7 @@ STORE_OPERATIONS = ("lookup", "record", "forget", "rebalance")
 MOVE_REASONS = ("join", "leave", "hot")
 PREWARM_OUTCOMES = ("ok", "error", "dropped", "unusable")
 SHED_REASONS = ("objective", "objective_timeout", "queue_full", "queue_timeout", "quota_exceeded", "tokens_exceeded")
+TOKEN_KINDS = ("input", "cached_input", "output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +316,16 @@ class RouterMetrics:
             ["replica", "latency", "quantile"],
             registry=r,
         )
+        # Metering (budgets.enabled): tenants are the config's or "other", models bounded as
+        # above, replicas the members (extproc.metering bounds the first two).
+        self.tokens = Counter(
+            "extproc_tokens",
+            "Tokens responses reported, by tenant, model, replica and kind (input: prefilled, "
+            "cached_input: found cached, output: generated; the kinds add up to the whole).",
+            ["tenant", "model", "replica", "kind"],
+            registry=r,
+        )
+        self._token_series: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
         for kind in STREAM_ERROR_KINDS:
             self.stream_errors.labels(kind)
         for operation in STORE_OPERATIONS:
@@ -389,6 +403,21 @@ class RouterMetrics:
     def shed(self, request_class: str, reason: str) -> None:
         """One request refused, by reason (:data:`SHED_REASONS`)."""
         self.requests_shed.labels(request_class, reason).inc()
+
+    # MeterObserver (extproc.metering).
+    def tokens_used(self, tenant: str, model: str, replica: str, input: int, cached_input: int, output: int) -> None:
+        """One response's tokens, by kind (the series looked up once per tenant, model and replica)."""
+        key = (tenant, self.model_label(model), replica)
+        series = self._token_series.get(key)
+        if series is None:
+            fresh, cached, out = (self.tokens.labels(*key, kind) for kind in TOKEN_KINDS)
+            series = self._token_series[key] = (fresh, cached, out)
+        if input:
+            series[0].inc(input)
+        if cached_input:
+            series[1].inc(cached_input)
+        if output:
+            series[2].inc(output)
 
     # StoreObserver (extproc.state.store): a remote store reports through these.
     def store_error(self, operation: str) -> None:

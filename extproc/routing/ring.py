@@ -18,7 +18,9 @@ _xxh3 = xxhash.xxh3_64_intdigest
 def key_point(key: str | int) -> int:
     """A key's position on the ring."""
     if isinstance(key, int):
-        return _xxh3(key.to_bytes(8, "little"))
+        # Masked: a negative key (Python's own hash, as vLLM's builtin block hash) or one past 64
+        # bits gets a point too; our own keys, unsigned 64-bit, keep theirs.
+        return _xxh3((key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"))
     return _xxh3(key.encode("utf-8", "surrogatepass"))
 
 

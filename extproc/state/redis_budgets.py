@@ -1,14 +1,21 @@
-"""Token budgets shared by every gateway of one Redis: one atomic round trip per charge.
+"""Token budgets shared by every gateway of one Redis: one round trip for all of a request's budgets.
 
 A subject's windows are two keys in one hash slot (``{budget:NS:SUBJECT}:minute:START``, ``...:day:START``)
 so a Redis Cluster serves them from one node. A charge adds to both and sets their expiry in one
-script; a read fetches both with one MGET. Errors reach the ledger
-(:class:`extproc.budgets.BudgetLedger`), which then answers from this gateway's own counts.
+script; a read fetches both with one MGET. A request under several budgets (its tenant's, its API
+key's, its model's) sends one such command per subject: pipelined on one server, side by side on
+a Cluster (each to its slot's node; redis-py refuses scripts in a cluster pipeline), about one
+round trip either way. Errors reach the ledger (:class:`extproc.budgets.BudgetLedger`), which
+then answers from this gateway's own counts.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
 
 from extproc.budgets import WINDOWS, window_start
 
@@ -20,6 +27,8 @@ for i, key in ipairs(KEYS) do
 end
 return out
 """
+# Each key outlives its window by a minute, so a late read of a window just over finds it.
+_TTLS = tuple(str(length + 60) for _, length in WINDOWS)
 
 
 class RedisBudgetStore:
@@ -28,20 +37,39 @@ class RedisBudgetStore:
     def __init__(self, client: Any, namespace: str = "extproc") -> None:
         self.client = client
         self.namespace = namespace
+        self._cluster = isinstance(client, RedisCluster)
 
     def _keys(self, subject: str, now: float) -> list[str]:
         tag = f"{{budget:{self.namespace}:{subject}}}"
         return [f"{tag}:{name}:{window_start(length, now)}" for name, length in WINDOWS]
 
-    async def charge(self, subject: str, tokens: float, now: float) -> dict[str, float]:
-        """Add ``tokens`` to the subject's current windows; their new totals."""
-        keys = self._keys(subject, now)
-        # Each key outlives its window by a minute, so a late read of a window just over finds it.
-        ttls = [str(length + 60) for _, length in WINDOWS]
-        totals = await self.client.eval(CHARGE, len(keys), *keys, repr(float(tokens)), *ttls)
-        return {name: float(v) for (name, _), v in zip(WINDOWS, totals, strict=True)}
+    async def charge(self, subjects: Sequence[str], tokens: float, now: float) -> None:
+        """Add ``tokens`` to each subject's current windows."""
+        amount = repr(float(tokens))
+        calls = [(CHARGE, len(WINDOWS), *self._keys(s, now), amount, *_TTLS) for s in subjects]
+        if len(calls) == 1:
+            await self.client.eval(*calls[0])
+        elif self._cluster:
+            await asyncio.gather(*(self.client.eval(*call) for call in calls))
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                pipe.eval(*call)
+            await pipe.execute()
 
-    async def used(self, subject: str, now: float) -> dict[str, float]:
-        """The subject's current windows' totals (0 for a window nothing was charged to)."""
-        values = await self.client.mget(self._keys(subject, now))
-        return {name: float(v) if v is not None else 0.0 for (name, _), v in zip(WINDOWS, values, strict=True)}
+    async def used(self, subjects: Sequence[str], now: float) -> list[dict[str, float]]:
+        """Each subject's current windows' totals (0 for a window nothing was charged to)."""
+        keys = [self._keys(s, now) for s in subjects]
+        if len(keys) == 1:
+            replies = [await self.client.mget(keys[0])]
+        elif self._cluster:
+            replies = list(await asyncio.gather(*(self.client.mget(k) for k in keys)))
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.mget(k)
+            replies = await pipe.execute()
+        return [
+            {name: float(v) if v is not None else 0.0 for (name, _), v in zip(WINDOWS, values, strict=True)}
+            for values in replies
+        ]

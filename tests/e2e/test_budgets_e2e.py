@@ -1,11 +1,16 @@
 """Token metering and budgets through real Envoy, the processor and fake replicas: streams reach
-the client as the replica sent them whether or not it asked for usage, and a tenant over its
-token budget is refused within one request of crossing it while another tenant is served."""
+the client as the replica sent them whether or not it asked for usage, a tenant over its token
+budget is refused within one request of crossing it while another tenant is served, an API key
+over its own budget is refused while its tenant has room, and the tokens every response reported
+are in /metrics (``extproc_tokens_total``) and in the usage export (``extproc admin usage``)."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +19,7 @@ import pytest
 import yaml
 
 from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.demo.load import read_metrics
 from tests.conftest import require_binary
 
 pytestmark = pytest.mark.e2e
@@ -24,8 +30,15 @@ def chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"model": "demo-model", "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], tenant: str) -> tuple[int, bytes, Any]:
+KEY = "sk-e2e-metered-key"
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], tenant: str, key: str | None = None
+) -> tuple[int, bytes, Any]:
     headers = {"x-tenant-id": tenant, "x-session-id": f"{tenant}-s"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         return resp.status, await resp.read(), resp.headers
 
@@ -37,8 +50,14 @@ def usage_of(raw: bytes) -> dict[str, int]:
 
 async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp_path: Path) -> None:
     require_binary("envoy")
-    tenants = {"acme": {"per_minute": 400}, "streamer": {"per_minute": 400}, "other": {"per_minute": 10**6}}
-    config = {"budgets": {"enabled": True, "tenants": tenants}}
+    tenants = {
+        "acme": {"per_minute": 400},
+        "streamer": {"per_minute": 400},
+        "other": {"per_minute": 10**6},
+        "keyed": {"per_minute": 10**6},
+    }
+    keys = {"bot": {"per_minute": 100, "sha256": hashlib.sha256(KEY.encode()).hexdigest()}}
+    config = {"budgets": {"enabled": True, "tenants": tenants, "keys": keys}}
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
     with LocalGateway(replicas=1, processor_args=("--config", str(tmp_path / "router.yaml"))) as gw:
         direct = f"http://{gw.members[0].address}"
@@ -57,7 +76,7 @@ async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp
             assert usage_of(through)["completion_tokens"] == 8
 
             # acme: 400 weighted tokens a minute. Each request is charged what its response reports.
-            charged, last = 0.0, 0.0
+            charged, last, reported = 0.0, 0.0, {"prompt": 0, "completion": 0}
             for i in range(30):
                 status, raw, headers = await post(http, gw.url, chat(f"question {i} " * 20), "acme")
                 if status == 429:
@@ -67,6 +86,8 @@ async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp
                     break
                 assert status == 200
                 usage = json.loads(raw)["usage"]
+                reported["prompt"] += usage["prompt_tokens"]
+                reported["completion"] += usage["completion_tokens"]
                 cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
                 last = usage["prompt_tokens"] - cached + 0.25 * cached + usage["completion_tokens"]
                 charged += last
@@ -76,12 +97,60 @@ async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp
             # what the next request's prompt estimate (about 60 tokens) would leave.
             assert charged - last < 400 and charged > 400 - 100, (charged, last)
             # A streaming tenant whose client never asks for usage is charged all the same.
+            streams = 0
             for i in range(30):
                 status, raw, _ = await post(http, gw.url, chat(f"streamed {i} " * 20, stream=True), "streamer")
                 if status == 429:
                     break
                 assert b'"usage"' not in raw
+                streams += 1
             else:
                 pytest.fail("the streams were never charged")
             status, _, _ = await post(http, gw.url, chat("and another tenant"), "other")
             assert status == 200
+
+            # An API key with 100 tokens a minute: refused once spent, its tenant still served.
+            for i in range(10):
+                status, raw, headers = await post(http, gw.url, chat(f"key question {i} " * 10), "keyed", KEY)
+                if status == 429:
+                    break
+                assert status == 200
+            else:
+                pytest.fail("the key was never refused")
+            assert i >= 1 and "API key's token budget" in json.loads(raw)["error"]["message"]
+            assert headers["x-ratelimit-limit-tokens"] == "100" and int(headers["retry-after"]) >= 1
+            status, _, _ = await post(http, gw.url, chat("key question " * 10), "keyed")
+            assert status == 200
+
+            # What the responses reported is what /metrics counts (the last body piece is answered
+            # after the charge, so the counters are there once the client has the body).
+            samples = await read_metrics(http, gw.metrics_url)
+
+            def tokens(tenant: str, *kinds: str) -> float:
+                found = 0.0
+                for key, value in samples.items():
+                    name, _, labels = key.partition("{")
+                    pairs = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if p)
+                    if name == "extproc_tokens_total" and pairs["tenant"] == tenant and pairs["kind"] in kinds:
+                        found += value
+                return found
+
+            assert tokens("acme", "input", "cached_input") == reported["prompt"]
+            assert tokens("acme", "output") == reported["completion"]
+            assert tokens("streamer", "output") == 8 * streams
+            digest = hashlib.sha256(KEY.encode()).hexdigest()
+            assert not any(KEY in k or digest in k for k in samples)  # never the key, nor its digest
+
+        # The usage export: the same counts, from the processor's admin API (its ext_proc port).
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "extproc", "admin", "--server", gw.admin_addresses[0], "usage", "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        export = json.loads(out)
+        acme = [row for row in export["usage"] if row["tenant"] == "acme"]
+        assert sum(r["input_tokens"] + r["cached_input_tokens"] for r in acme) == reported["prompt"]
+        assert sum(r["output_tokens"] for r in acme) == reported["completion"]
+        (bot,) = (b for b in export["budgets"] if b["kind"] == "key")
+        assert bot["name"] == "bot" and bot["windows"][0]["used"] > 0

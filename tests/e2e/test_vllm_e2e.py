@@ -264,21 +264,20 @@ def test_a_real_metrics_page_feeds_the_health_score(gw: LocalGateway, admin: pb_
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(_post, gw.replica_url(loaded) + COMPLETIONS, b, None, 120) for b in bodies]
 
+        # The engine's page and the router's view (a scrape behind it) each have to show the burst,
+        # not necessarily in the same poll: under load the burst can drain within one scrape.
         def moved() -> bool:
             page = parse_vllm_metrics(_get(gw.replica_url(loaded) + "/metrics"))
             info = replicas(admin)
             seen.update(page=page, info={n: (r.health, r.queue, r.kv_usage) for n, r in info.items()})
-            return bool(
-                page.running > 0
-                and page.waiting > 0
-                and page.kv_usage > 0.5
-                and info[loaded].queue > 0
-                and info[loaded].kv_usage > 0.5
-                and info[loaded].health < info[idle].health - 0.1
-            )
+            if page.running > 0 and page.waiting > 0 and page.kv_usage > 0.5:
+                seen["engine_loaded"] = True
+            if info[loaded].queue > 0 and info[loaded].kv_usage > 0.5 and info[loaded].health < info[idle].health - 0.1:
+                seen["router_saw_it"] = True
+            return bool(seen.get("engine_loaded") and seen.get("router_saw_it"))
 
         try:
-            wait_until(lambda: f"{loaded}'s health below {idle}'s: {seen}", moved, timeout_s=60, every_s=0.3)
+            wait_until(lambda: f"{loaded}'s health below {idle}'s: {seen}", moved, timeout_s=60, every_s=0.2)
         finally:
             done = [f.result() for f in futures]
     assert all(d["usage"]["completion_tokens"] == 300 for d in done)

@@ -34,7 +34,8 @@ RANKS = {
     "extproc.cache": 4,  # what each replica holds: the estimate, the prompts in flight, their one view
     "extproc.state": 3,
     "extproc.tenancy": 3,
-    "extproc.budgets": 3,  # token budgets per tenant: admission, charges, their stores
+    "extproc.budgets": 3,  # token budgets per tenant, API key and model: admission, charges, their stores
+    "extproc.metering": 3,  # the tokens responses reported, by tenant and model (the usage export)
     "extproc.metrics": 2,
     "extproc.decisions": 2,  # the sampled feed of decisions (WatchDecisions, the console)
     "extproc.hotkeys": 2,  # the hot-key detector (sampled fingerprints, a bucketed heavy-hitter sketch)

@@ -35,4 +35,5 @@ def test_service_has_the_operator_calls() -> None:
         "Drain",
         "WatchDecisions",
         "ListHotKeys",
+        "GetUsage",
     }

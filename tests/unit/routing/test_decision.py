@@ -201,6 +201,12 @@ def test_ring_moves_about_one_nth_of_keys_when_a_replica_joins() -> None:
     assert all(after.preference(k, 1) == ["r8"] for k in keys if before.preference(k, 1) != after.preference(k, 1))
 
 
+@given(st.integers())
+def test_any_integer_key_has_a_place_on_the_ring(key: int) -> None:
+    ring = HashRing([(f"r{i}", 1.0) for i in range(4)])
+    assert len(ring.preference(key, 2)) == 2  # negative (Python's hash) or wider than 64 bits too
+
+
 def test_ring_weight_is_proportional() -> None:
     ring = HashRing([("small", 1.0), ("big", 3.0)])
     owners = Counter(ring.preference(f"k{i}", 1)[0] for i in range(4000))

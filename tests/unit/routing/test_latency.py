@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from extproc.config import Config
 from extproc.health.latency import LatencyBook
+from extproc.health.settings import HealthSettings
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint, SloHeadroomScorer, verdict
@@ -71,7 +72,7 @@ def test_a_term_that_never_varies_does_not_blow_up_the_fit() -> None:
 
 def test_on_the_simulators_replicas_predictions_are_within_20_percent_at_the_median() -> None:
     replica = get_profile("llama-8b-h100")
-    cfg = Config()
+    cfg = Config(health=HealthSettings(latency_models="always"))  # no request here states an objective
     sim = Simulation(
         multi_turn(120, seed=5), replica, 4, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg
     )
@@ -253,3 +254,27 @@ def test_error_quantiles_are_the_windows_nearest_ranks() -> None:
     p50, p90 = book.error_quantiles("r0")["ttft"]
     assert p50 == window[round(0.5 * 15)] and p90 == window[round(0.9 * 15)]
     assert "tpot" not in book.error_quantiles("r0")
+
+
+@pytest.mark.parametrize(
+    ("mode", "learns_before", "learns_after"),
+    [("auto", False, True), ("always", True, True), ("off", False, False)],
+)
+async def test_the_models_learn_only_where_objectives_are_in_use(
+    mode: str, learns_before: bool, learns_after: bool
+) -> None:
+    from extproc.router import Router
+    from tests.conftest import chat_body, make_config
+
+    router = Router(make_config(health=HealthSettings(latency_models=mode)))  # type: ignore[arg-type]
+
+    async def one(headers: dict[str, str]) -> bool:
+        routed = await router.route({":path": "/v1/chat/completions", **headers}, chat_body("a prompt " * 40))
+        assert routed.decision.replica is not None
+        router.observe_response(routed, 200)
+        router.release(routed)
+        return bool(router.latency.view().fits)
+
+    assert await one({}) is learns_before
+    await one({"x-slo-ttft-ms": "500"})  # the first objective: auto learns from this request on
+    assert await one({}) is learns_after

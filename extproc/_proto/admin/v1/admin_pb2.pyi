@@ -274,3 +274,57 @@ class ListHotKeysResponse(_message.Message):
     hot_keys: _containers.RepeatedCompositeFieldContainer[HotKeyInfo]
     cooling: int
     def __init__(self, enabled: _Optional[bool] = ..., hot_keys: _Optional[_Iterable[_Union[HotKeyInfo, _Mapping]]] = ..., cooling: _Optional[int] = ...) -> None: ...
+
+class UsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "model", "input_tokens", "cached_input_tokens", "output_tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model: str
+    input_tokens: int
+    cached_input_tokens: int
+    output_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., input_tokens: _Optional[int] = ..., cached_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+
+class BudgetWindow(_message.Message):
+    __slots__ = ("window", "limit", "used", "remaining", "reset_s")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    RESET_S_FIELD_NUMBER: _ClassVar[int]
+    window: str
+    limit: float
+    used: float
+    remaining: float
+    reset_s: float
+    def __init__(self, window: _Optional[str] = ..., limit: _Optional[float] = ..., used: _Optional[float] = ..., remaining: _Optional[float] = ..., reset_s: _Optional[float] = ...) -> None: ...
+
+class BudgetUsage(_message.Message):
+    __slots__ = ("kind", "name", "windows")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    windows: _containers.RepeatedCompositeFieldContainer[BudgetWindow]
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[BudgetWindow, _Mapping]]] = ...) -> None: ...
+
+class UsageResponse(_message.Message):
+    __slots__ = ("enabled", "since", "usage", "budgets")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    since: float
+    usage: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    budgets: _containers.RepeatedCompositeFieldContainer[BudgetUsage]
+    def __init__(self, enabled: _Optional[bool] = ..., since: _Optional[float] = ..., usage: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., budgets: _Optional[_Iterable[_Union[BudgetUsage, _Mapping]]] = ...) -> None: ...

@@ -79,6 +79,11 @@ class AdminStub:
                 request_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysRequest.SerializeToString,
                 response_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysResponse.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/extproc.admin.v1.Admin/GetUsage',
+                request_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
+                response_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -149,6 +154,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUsage(self, request, context):
+        """Tokens the responses reported, by tenant and model, since this process started (budgets.enabled),
+        and every configured token budget's minute and day as they stand: the usage export for billing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +209,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListHotKeys,
                     request_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysRequest.FromString,
                     response_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageRequest.FromString,
+                    response_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +459,33 @@ class Admin:
             '/extproc.admin.v1.Admin/ListHotKeys',
             extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysRequest.SerializeToString,
             extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.ListHotKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/extproc.admin.v1.Admin/GetUsage',
+            extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
+            extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

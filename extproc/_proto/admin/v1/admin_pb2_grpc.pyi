@@ -60,6 +60,10 @@ class AdminStub:
     """A sampled stream of decisions: reason, replica, matched blocks, latency. No prompt, no key."""
     ListHotKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListHotKeysRequest, _admin_pb2.ListHotKeysResponse]
     """The prefixes the hot-key detector finds hot (hot_keys:), by fingerprint: never their text."""
+    GetUsage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UsageRequest, _admin_pb2.UsageResponse]
+    """Tokens the responses reported, by tenant and model, since this process started (budgets.enabled),
+    and every configured token budget's minute and day as they stand: the usage export for billing.
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -86,6 +90,10 @@ class AdminAsyncStub(AdminStub):
     """A sampled stream of decisions: reason, replica, matched blocks, latency. No prompt, no key."""
     ListHotKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListHotKeysRequest, _admin_pb2.ListHotKeysResponse]  # type: ignore[assignment]
     """The prefixes the hot-key detector finds hot (hot_keys:), by fingerprint: never their text."""
+    GetUsage: _aio.UnaryUnaryMultiCallable[_admin_pb2.UsageRequest, _admin_pb2.UsageResponse]  # type: ignore[assignment]
+    """Tokens the responses reported, by tenant and model, since this process started (budgets.enabled),
+    and every configured token budget's minute and day as they stand: the usage export for billing.
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -163,5 +171,15 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListHotKeysResponse, _abc.Awaitable[_admin_pb2.ListHotKeysResponse]]:
         """The prefixes the hot-key detector finds hot (hot_keys:), by fingerprint: never their text."""
+
+    @_abc_1.abstractmethod
+    def GetUsage(
+        self,
+        request: _admin_pb2.UsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.UsageResponse, _abc.Awaitable[_admin_pb2.UsageResponse]]:
+        """Tokens the responses reported, by tenant and model, since this process started (budgets.enabled),
+        and every configured token budget's minute and day as they stand: the usage export for billing.
+        """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
