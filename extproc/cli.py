@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from extproc.logs import setup_logging
 if TYPE_CHECKING:
     from extproc.kvevents.cache_state import EventCacheState
     from extproc.metrics import RouterMetrics
+    from extproc.router import Router
     from extproc.server.workers import WorkerSlot
     from extproc.state.shared_memory import SharedSegment
     from extproc.state.store import AffinityStore
@@ -220,6 +222,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         raise
     scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
     scraping = asyncio.create_task(scraper.run(), name="scraper")
+    reporting = asyncio.create_task(_report_budgets(router), name="budgets") if router.budgets else None
     discovering = asyncio.create_task(
         run_discovery(cfg.discovery, router, router.metrics, static=cfg.replicas, cluster_mode=cfg.mode == "cluster"),
         name="discovery",
@@ -236,6 +239,8 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     finally:
         scraping.cancel()
         discovering.cancel()
+        if reporting is not None:
+            reporting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await scraping
         with contextlib.suppress(asyncio.CancelledError):
@@ -246,6 +251,24 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         if tracer is not None:
             await asyncio.to_thread(tracer.close)  # the spans still batched are exported
         await store.close()  # idempotent: a graceful stop has closed it already
+
+
+BUDGET_REPORT_S = 5.0
+
+
+async def _report_budgets(router: Router) -> None:
+    """Every configured budget's remaining tokens into /metrics, every few seconds (one store read
+    for all of them; off the request path)."""
+    assert router.budgets is not None
+    log = logging.getLogger("extproc.budgets")
+    while True:
+        try:
+            for standing in await router.budgets.standings(time.time()):  # budgets keep wall-clock windows
+                for w in standing.windows:
+                    router.metrics.budget_stands(standing.kind, standing.name, w.window, w.remaining, w.limit)
+        except Exception:  # a store that fails is the ledger's to degrade; the gauges wait
+            log.debug("budget standings unavailable", exc_info=True)
+        await asyncio.sleep(BUDGET_REPORT_S)
 
 
 async def _close_early(kv_events: EventCacheState | None, store: AffinityStore) -> None:

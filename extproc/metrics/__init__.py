@@ -326,6 +326,19 @@ class RouterMetrics:
             registry=r,
         )
         self._token_series: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+        # One series per configured budget and window (the config bounds them; keys by their name).
+        self.budget_remaining = Gauge(
+            "extproc_budget_remaining_tokens",
+            "Weighted tokens left in a configured budget's window (less what requests in flight reserve).",
+            ["kind", "name", "window"],
+            registry=r,
+        )
+        self.budget_limit = Gauge(
+            "extproc_budget_limit_tokens",
+            "A configured budget's limit per window, in weighted tokens.",
+            ["kind", "name", "window"],
+            registry=r,
+        )
         for kind in STREAM_ERROR_KINDS:
             self.stream_errors.labels(kind)
         for operation in STORE_OPERATIONS:
@@ -418,6 +431,11 @@ class RouterMetrics:
             series[1].inc(cached_input)
         if output:
             series[2].inc(output)
+
+    def budget_stands(self, kind: str, name: str, window: str, remaining: float, limit: float) -> None:
+        """One configured budget's window as it stands (read periodically, not per request)."""
+        self.budget_remaining.labels(kind, name, window).set(remaining)
+        self.budget_limit.labels(kind, name, window).set(limit)
 
     # StoreObserver (extproc.state.store): a remote store reports through these.
     def store_error(self, operation: str) -> None:

@@ -21,6 +21,7 @@ import yaml
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
 from tests.conftest import require_binary
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 VOLATILE = re.compile(rb'"(id|created)":\s*("[^"]*"|\d+)')
@@ -140,6 +141,16 @@ async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp
             assert tokens("streamer", "output") == 8 * streams
             digest = hashlib.sha256(KEY.encode()).hexdigest()
             assert not any(KEY in k or digest in k for k in samples)  # never the key, nor its digest
+
+            # Each budget's standing, as the dashboards read it (reported every few seconds).
+            spent = "extproc_budget_remaining_tokens{kind=tenant,name=acme,window=minute}"
+
+            async def acme_spent() -> bool:
+                return (await read_metrics(http, gw.metrics_url)).get(spent, 400.0) < 100.0
+
+            await wait_for(acme_spent, "acme's remaining budget in /metrics", within_s=12, step_s=0.5)
+            limit = "extproc_budget_limit_tokens{kind=key,name=bot,window=minute}"
+            assert (await read_metrics(http, gw.metrics_url))[limit] == 100.0
 
         # The usage export: the same counts, from the processor's admin API (its ext_proc port).
         proc = await asyncio.create_subprocess_exec(
