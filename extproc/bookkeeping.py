@@ -23,7 +23,7 @@ from extproc.queueing import Refusal
 from extproc.request.features import RequestFeatures
 from extproc.request.splits import Arm
 from extproc.routing.latency import LoadPoint
-from extproc.routing.model import Decision
+from extproc.routing.model import AffinityView, Decision
 from extproc.tenancy import TenantLedger
 
 
@@ -59,6 +59,14 @@ class Routed:
     e.g. its first byte was another replica's)."""
     answered_at: float | None = None
     """When its first byte came back, if that was seen."""
+    status: int = 0
+    """The response's status, once its headers were seen (0: not seen, or no answer)."""
+    arrived_at: float | None = None
+    """When the router was first given it (before any wait in its queue): the client's clock for
+    its objectives. None: when it was decided."""
+    objective_wait: AffinityView | None = None
+    """Every candidate was predicted to miss its objectives and its class queues on a miss: the
+    store's view it was decided on, to judge again while it waits. Nothing is counted for it."""
     traceparent: str | None = None
     """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
     budget: Admission | None = None
@@ -107,6 +115,47 @@ class LoadHook:
         routed.prefill_tokens = 0
 
 
+class ObjectiveObserver(Protocol):
+    """Where the judgement of each served request's objectives goes (the router's metrics)."""
+
+    def objective_judged(self, request_class: str, met: bool) -> None:
+        """A request of ``request_class`` with objectives met them all, or missed one."""
+        ...
+
+
+class ObjectiveHook:
+    """Whether a request with latency objectives met them, as the client saw it: its time to first
+    byte from when the router was given it (its wait in the router's queue included), judged at
+    the response headers, and its time per output token after the first (the stream's length
+    after the first byte over the output tokens it asked for, as the latency models learn it),
+    judged at the stream's end. A response that failed misses; a request whose response headers
+    were not seen (not a sample, a stream reset first) is not judged."""
+
+    def __init__(self, observer: ObjectiveObserver, clock: Callable[[], float]) -> None:
+        self.observer = observer
+        self.clock = clock
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Nothing: judged when it is answered and when it ends."""
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Nothing yet: the first byte's time is on ``routed``, judged with the rest at the end."""
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Judge it, once, if its response headers were seen."""
+        f = routed.features
+        if routed.answered_at is None or (f.slo_ttft_ms is None and f.slo_tpot_ms is None):
+            return
+        met = 0 < routed.status < 400
+        if met and f.slo_ttft_ms is not None:
+            since = routed.arrived_at if routed.arrived_at is not None else routed.decided_at
+            met = (routed.answered_at - since) * 1000.0 <= f.slo_ttft_ms
+        tokens = f.max_output_tokens
+        if met and f.slo_tpot_ms is not None and tokens and tokens > 1:
+            met = (self.clock() - routed.answered_at) * 1000.0 / (tokens - 1) <= f.slo_tpot_ms
+        self.observer.objective_judged(f.request_class, met)
+
+
 class LatencyHook:
     """The replica's latency models: its time to first byte, then its time per output token
     (the stream's length after the first byte over the output tokens it asked for)."""
@@ -119,11 +168,9 @@ class LatencyHook:
         """Nothing: the router notes the load point with the decision."""
 
     def answered(self, routed: Routed, replica: str) -> None:
-        """Learn its time to first byte."""
-        if routed.load_point is not None:
-            now = self.clock()
-            routed.answered_at = now
-            self.book.observe_ttft(replica, routed.load_point, now - routed.decided_at)
+        """Learn its time to first byte (``routed.answered_at``, set as its headers were seen)."""
+        if routed.load_point is not None and routed.answered_at is not None:
+            self.book.observe_ttft(replica, routed.load_point, routed.answered_at - routed.decided_at)
 
     def ended(self, routed: Routed, replica: str) -> None:
         """Learn its time per output token, when its first byte was seen and its length is known."""

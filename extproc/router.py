@@ -24,12 +24,14 @@ from extproc.bookkeeping import (
     Hook,
     LatencyHook,
     LoadHook,
+    ObjectiveHook,
     Routed,
     TenantHook,
     answered,
     decided,
     ended,
 )
+from extproc.budgets import Admission as BudgetAdmission
 from extproc.budgets import BudgetLedger, BudgetStore
 from extproc.cache import CacheView, ReplicaCaches
 from extproc.config import Config
@@ -73,6 +75,7 @@ __all__ = ["Membership", "Routed", "Router", "build_profiles"]
 
 log = logging.getLogger("extproc.router")
 
+OBJECTIVE_MESSAGE = "no replica is predicted to meet this request's latency objectives now; retry later"
 BUDGET_MESSAGES = {
     kind: f"this {whose} token budget is spent for now; retry after the window resets"
     for kind, whose in (("tenant", "tenant's"), ("key", "API key's"), ("model", "model's"))
@@ -182,6 +185,7 @@ class Router:
             CacheHook(self.caches),
             TenantHook(self.tenants),
             LatencyHook(self.latency, clock),
+            ObjectiveHook(self.metrics, clock),
         )
 
     @property
@@ -198,6 +202,7 @@ class Router:
     async def route(self, headers: Mapping[str, str], body: bytes | None) -> Routed:
         """Decide where a request goes and record the decision (pin, prefix index, in-flight)."""
         start, started_ns = self.clock(), time.time_ns()
+        arrived = start
         request = read_request(headers, body, self.config.features)
         if request.features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
@@ -223,22 +228,36 @@ class Router:
             if not budget.admitted:
                 words = BUDGET_MESSAGES[budget.refused_by or "tenant"]
                 refusal = Refusal(429, budget.retry_after_s, words, "tokens_exceeded")
+                self.metrics.shed(features.request_class, refusal.kind)
                 return Routed(features, Decision(None, Reason.QUOTA), self.clock(), refusal=refusal, budget=budget)
         ticket = None
-        if self.queue is not None and features.path in INFERENCE_PATHS:  # /v1/models is never held
+        held_by_queue = self.queue is not None and features.path in INFERENCE_PATHS  # /v1/models is never held
+        if self.queue is not None and held_by_queue:
             held = await self.queue.admit(features.request_class, features.tenant, features.pool)
             if isinstance(held, Refusal):
-                if self.budgets is not None and budget is not None:
-                    self.budgets.release(budget)
-                return Routed(features, Decision(None, Reason.NO_REPLICA), self.clock(), arm=arm, refusal=held)
+                return self._refused_by_queue(features, held, arm, budget)
             ticket = held
             start = self.clock()  # the decision is made now, on the load as it is now
         sent = (rewritten or body) if request.body is not None else None  # a usable body, as sent
         try:
-            routed = await self._route(features, start, sent)
+            routed = await self._route(features, start, sent, may_wait=held_by_queue)
         finally:
             if ticket is not None:
                 ticket.settle()
+        if routed.objective_wait is not None and self.queue is not None:
+            # Every candidate is predicted to miss and the class queues: wait until one is predicted
+            # to meet them (or the fleet is idle), then decide again and go wherever that says.
+            ready = self.objective_ready(features, routed.objective_wait)
+            held = await self.queue.admit(features.request_class, features.tenant, features.pool, ready)
+            if isinstance(held, Refusal):
+                return self._refused_by_queue(features, held, arm, budget)
+            start = self.clock()
+            try:
+                routed = await self._route(features, start, sent)
+            finally:
+                if held is not None:
+                    held.settle()
+        routed.arrived_at = arrived
         routed.arm, routed.body, routed.budget, routed.strip_usage = arm, rewritten, budget, strip_usage
         if self.tracer is not None:
             profile = self.profiles.for_request(features).name
@@ -252,13 +271,33 @@ class Router:
             self.rebalancer.note(features.session_key, features.model, replica.name, features.path, sent, start)
         return routed
 
-    async def route_features(self, features: RequestFeatures, start: float | None = None) -> Routed:
-        """:meth:`route` for a request already turned into features (the simulator's entry point)."""
-        return await self._route(features, self.clock() if start is None else start, None)
+    def _refused_by_queue(
+        self, features: RequestFeatures, refusal: Refusal, arm: Arm | None, budget: BudgetAdmission | None
+    ) -> Routed:
+        if self.budgets is not None and budget is not None:
+            self.budgets.release(budget)
+        self.metrics.shed(features.request_class, refusal.kind)
+        return Routed(features, Decision(None, Reason.NO_REPLICA), self.clock(), arm=arm, refusal=refusal)
 
-    async def _route(self, features: RequestFeatures, start: float, body: bytes | None) -> Routed:
+    async def route_features(
+        self, features: RequestFeatures, start: float | None = None, *, may_wait: bool = False
+    ) -> Routed:
+        """:meth:`route` for a request already turned into features (the simulator's entry point,
+        which holds requests itself: with ``may_wait`` a request whose class queues on a predicted
+        miss comes back unrouted with ``objective_wait`` set, for its own queue to hold)."""
+        start = self.clock() if start is None else start
+        routed = await self._route(features, start, None, may_wait=may_wait)
+        routed.arrived_at = start
+        return routed
+
+    async def _route(
+        self, features: RequestFeatures, start: float, body: bytes | None, *, may_wait: bool = False
+    ) -> Routed:
         """Decide on the inputs as they are at ``start``, count the request where it went, record
-        its pin and prefix; ``body`` (a usable one) is kept as a hot prefix's exemplar if wanted."""
+        its pin and prefix; ``body`` (a usable one) is kept as a hot prefix's exemplar if wanted.
+        A request every candidate is predicted to miss goes as its class's ``on_miss`` says: shed
+        (refused, nothing counted), held (``may_wait``: returned unrouted with ``objective_wait``,
+        nothing counted) or routed as decided."""
         try:
             stored = await self.store.lookup(features.session_key, features.prefix_hashes, start, model=features.model)
         except Exception as exc:  # the store is an optimisation: route on hashing without it
@@ -271,6 +310,12 @@ class Router:
             self.hot_keys.observe(given.prefix_key, features.prompt_chars // CHARS_PER_TOKEN, start)
             given = replace(given, hot=self.hot_keys.table())
         decision = self.decide(given)
+        if decision.reason is Reason.QUOTA:
+            self.metrics.shed(features.request_class, "quota_exceeded")
+        elif decision.objective_missed:
+            unrouted = self._missed(features, stored, start, may_wait)
+            if unrouted is not None:
+                return unrouted
         routed = Routed(features, decision, start)
         replica = decision.replica
         if replica is not None:
@@ -305,6 +350,40 @@ class Router:
         routed.decided_at = self.clock()
         self._report(features, decision, given.view, start, routed.decided_at)
         return routed
+
+    def _missed(self, features: RequestFeatures, stored: AffinityView, now: float, may_wait: bool) -> Routed | None:
+        """A request every candidate is predicted to miss: refused if its class sheds, returned to
+        wait if it queues and may, else None (routed best effort)."""
+        terms = self.config.queueing.for_class(features.request_class)
+        if terms.on_miss == "shed":
+            refusal = Refusal(429, terms.retry_after_s, OBJECTIVE_MESSAGE, "objective")
+            self.metrics.shed(features.request_class, refusal.kind)
+            return Routed(
+                features, Decision(None, Reason.NO_REPLICA, retry_after_s=terms.retry_after_s), now, refusal=refusal
+            )
+        if terms.on_miss == "queue" and may_wait and not self._idle(now):
+            return Routed(features, Decision(None, Reason.NO_REPLICA), now, objective_wait=stored)
+        return None
+
+    def _idle(self, now: float) -> bool:
+        """Nothing in flight anywhere: waiting for load to drain cannot bring an objective closer."""
+        return all(max(s.inflight, s.running + s.queue) == 0 for s in self.replicas.snapshot(now).replicas)
+
+    def objective_ready(self, features: RequestFeatures, stored: AffinityView) -> Callable[[], bool]:
+        """For a request held for its objectives: whether it may go now, judged on the fleet as it
+        is (the store's view as it was when it was held): a decision made now would not predict
+        a miss, or the fleet has nothing in flight. Nothing is recorded."""
+
+        def ready() -> bool:
+            now = self.clock()
+            try:
+                given, _ = self.inputs(features, stored, now)
+                return self._idle(now) or not self.decide(given).objective_missed
+            except Exception:  # never hold a request on a failing judgement
+                log.exception("judging a held request's objectives failed; releasing it")
+                return True
+
+        return ready
 
     def inputs(
         self, features: RequestFeatures, stored: AffinityView, now: float, *, explain: bool = False
@@ -348,8 +427,18 @@ class Router:
         uncached = {n: uncached_tokens(features, given.view.prefix_matches.get(n, 0), block_chars) for n in names}
         evidence = self.caches.evidence(names, now)
         cordons = dict(self.fleet.cordons)
+        on_miss = self.config.queueing.for_class(features.request_class).on_miss if decision.objective_missed else ""
         return Explanation(
-            features, decision, trace, given.view, given.snapshot, uncached, cordons, cached.sources, evidence
+            features,
+            decision,
+            trace,
+            given.view,
+            given.snapshot,
+            uncached,
+            cordons,
+            cached.sources,
+            evidence,
+            on_miss=on_miss,
         )
 
     def offer_hot_body(self, features: RequestFeatures, body: bytes | Callable[[], bytes]) -> None:
@@ -458,6 +547,7 @@ class Router:
                 self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
             now = self.clock()
+            routed.answered_at, routed.status = now, status
             waited = now - routed.decided_at
             if attempts <= 1 or answered_by == replica.address:
                 self.replicas.observe(replica.name, status, waited, now)

@@ -15,6 +15,7 @@ from extproc.metrics import ReplicaReport, ReplicaReportCollector
 from extproc.router import Router
 
 CORDON_GAUGE = {"cordoned": 1, "drained": 2}
+ERROR_QUANTILES = (0.5, 0.9)
 
 
 def export(router: Router) -> Callable[[], None]:
@@ -48,6 +49,7 @@ def collect(router: Router) -> None:
     m = router.metrics
     now = router.clock()
     pinned = Counter(e.replica for e in router.rebalancer.ledger.live(now))
+    m.latency_prediction_error.clear()  # members only, and only models that have predicted
     for rec in router.replicas.records():
         name = rec.replica.name
         m.replica_seen(name)
@@ -61,6 +63,9 @@ def collect(router: Router) -> None:
         m.replica_cache_evidence_age.labels(name).set(-1.0 if age is None else age)
         m.replica_sessions.labels(name).set(pinned.get(name, 0))
         m.replica_cordon.labels(name).set(CORDON_GAUGE.get(router.cordons.get(name, ""), 0))
+        for latency, values in router.latency.error_quantiles(name, ERROR_QUANTILES).items():
+            for q, value in zip(ERROR_QUANTILES, values, strict=True):
+                m.latency_prediction_error.labels(name, latency, f"{q:g}").set(value)
     stats = router.store.stats()
     m.sessions.set(stats.sessions)
     m.prefix_index_blocks.set(stats.prefix_blocks)

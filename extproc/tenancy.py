@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import field_validator, model_validator
 
+from extproc.request.objectives import Objectives
 from extproc.request.tenant import TENANT_HEADER
 from extproc.routing.model import NO_TERMS, TenantTerms
 from extproc.validation import Section, field_error, option
@@ -31,6 +32,9 @@ class TenantPolicy(Section):
     shard_size: int = option(0, "replicas of its shard (0: the whole fleet)", ge=0)
     over_quota: OverQuota = option("reject", "429 + Retry-After, or the overflow pool")
     retry_after_s: int = option(1, "the Retry-After of a rejection", ge=1)
+    objectives: Objectives | None = option(
+        None, "latency objectives (ttft_ms, tpot_ms) of its requests that neither send nor get from their class"
+    )
 
 
 class TenantSettings(Section):

@@ -176,6 +176,12 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n" for r in cells)
 
 
+def _predicted(ttft_ms: float, tpot_ms: float) -> str:
+    ttft = f"{ttft_ms:.0f}" if ttft_ms >= 0 else "-"
+    tpot = f"{tpot_ms:.1f}" if tpot_ms >= 0 else "-"
+    return "-" if ttft == tpot == "-" else f"{ttft}/{tpot}"
+
+
 USAGE_COLUMNS = ("tenant", "model", "input_tokens", "cached_input_tokens", "output_tokens", "total_tokens")
 
 
@@ -260,6 +266,13 @@ def render(call: str, reply: Any) -> str:
             head += f"moved off {reply.pinned} by {reply.moved_by}\n"
         elif reply.pin_lost:
             head += f"pin kept, its cache judged lost ({reply.pin_lost})\n"
+        if reply.objective_predicted:
+            asked = [f"TTFT {reply.objective_ttft_ms:g} ms"] if reply.objective_ttft_ms else []
+            asked += [f"TPOT {reply.objective_tpot_ms:g} ms"] if reply.objective_tpot_ms else []
+            action = f", on_miss {reply.on_miss}" if reply.on_miss else ""
+            head += (
+                f"objectives {', '.join(asked)}: predicted {reply.objective_predicted}{action}: {reply.objective_why}\n"
+            )
         rows = []
         for r in sorted(reply.replicas, key=lambda r: (r.rank < 0, r.rank, r.replica)):
             parts = " ".join(f"{p.scorer}={p.contribution:.2f}" for p in r.scores if p.contribution)
@@ -274,10 +287,12 @@ def render(call: str, reply: Any) -> str:
                     f"{r.matched_blocks} ({r.match_source})",
                     r.predicted_uncached_tokens,
                     cache,
+                    _predicted(r.predicted_ttft_ms, r.predicted_tpot_ms),
                     removed or parts,
                 ]
             )
-        table = _table(["REPLICA", "RANK", "TOTAL", "MATCHED", "UNCACHED", "CACHE", "SCORES / REMOVED"], rows)
+        header = ["REPLICA", "RANK", "TOTAL", "MATCHED", "UNCACHED", "CACHE", "TTFT/TPOT MS", "SCORES / REMOVED"]
+        table = _table(header, rows)
         return head + table + f"order {' > '.join(reply.order)}  fallbacks {', '.join(reply.fallbacks) or '-'}\n"
     if call == "replicas":
         rows = [

@@ -14,6 +14,7 @@ from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.admin.auth import MutationPolicy, Verdict
 from extproc.admin.fleet import fleet
 from extproc.router import Router
+from extproc.routing.latency import verdict
 from extproc.routing.trace import Explanation
 
 log = logging.getLogger("extproc.admin")
@@ -25,6 +26,7 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
     removed = trace.removed_by()
     rank = {name: i for i, name in enumerate(trace.order)}
     sources = ex.match_sources
+    predicted = trace.predicted
     replicas = []
     for state in ex.snapshot.replicas:
         name = state.name
@@ -54,9 +56,13 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
                 if evidence is None or evidence.evidence_age_s is None
                 else evidence.evidence_age_s,
                 kv_events=evidence.kv_events if evidence else "",
+                predicted_ttft_ms=_ms(predicted[name].ttft_s if name in predicted else None),
+                predicted_tpot_ms=_ms(predicted[name].tpot_s if name in predicted else None),
             )
         )
     chosen = d.replica.name if d.replica is not None else ""
+    f = ex.features
+    outcome, why = verdict(f, predicted, d.objective_missed)
     return pb.ExplainResponse(
         replica=chosen,
         reason=d.reason.value,
@@ -81,7 +87,16 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
         body_error=ex.features.body_error or "",
         moved_by=d.moved_by,
         pin_lost=view.pin_lost or "",
+        objective_ttft_ms=f.slo_ttft_ms or 0.0,
+        objective_tpot_ms=f.slo_tpot_ms or 0.0,
+        objective_predicted=outcome,
+        on_miss=ex.on_miss,
+        objective_why=why if outcome else "",
     )
+
+
+def _ms(seconds: float | None) -> float:
+    return -1.0 if seconds is None else seconds * 1000.0
 
 
 async def usage_message(router: Router) -> pb.UsageResponse:

@@ -29,6 +29,7 @@ from extproc.queueing.settings import QueueSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.classes import ClassRule
 from extproc.request.features import FeatureSettings
+from extproc.request.objectives import Objectives
 from extproc.request.session import SessionSource
 from extproc.request.splits import SplitRule, SplitTarget
 from extproc.routing.model import Replica
@@ -313,6 +314,9 @@ class ClassEntry(Section):
     match: ClassMatch = option(ClassMatch(), "which requests belong to it")
     pool: dict[str, str] = option({}, "replica labels its requests are confined to")
     profile: str | None = option(None, "a profile under profiles: (else the default)")
+    objectives: Objectives | None = option(
+        None, "latency objectives (ttft_ms, tpot_ms) of its requests that send none (x-slo-ttft-ms, x-slo-tpot-ms)"
+    )
 
     def rule(self) -> ClassRule:
         """The class as the request layer matches it."""
@@ -327,6 +331,7 @@ class ClassEntry(Section):
             models=tuple(m.models if isinstance(m.models, list) else [m.models]),
             pool=dict(self.pool),
             profile=self.profile,
+            objectives=self.objectives,
         )
 
 
@@ -339,7 +344,14 @@ def _class_entry(rule: ClassRule) -> dict[str, Any]:
     }
     match = {k: v for k, v in match.items() if v is not None} | {"headers": dict(rule.headers)}
     match["models"] = list(rule.models)
-    return {"name": rule.name, "match": match, "pool": dict(rule.pool), "profile": rule.profile}
+    objectives = rule.objectives.model_dump() if rule.objectives is not None else None
+    return {
+        "name": rule.name,
+        "match": match,
+        "pool": dict(rule.pool),
+        "profile": rule.profile,
+        "objectives": objectives,
+    }
 
 
 ClassItem = Annotated[ClassRule, held_as(ClassEntry, ClassRule, ClassEntry.rule, _class_entry)]
@@ -529,6 +541,11 @@ class Config(Section):
             max_body_bytes=self.request.max_body_bytes,
             api_keys=self.tenants.api_keys,
             classes=self.classes,
+            tenant_objectives={
+                name: p.objectives
+                for name, p in self.tenants.definitions.items()
+                if p.objectives is not None and not p.objectives.empty
+            },
         )
 
     @property

@@ -91,6 +91,13 @@ class _Model:
     def error(self) -> float | None:
         return median(self.errors) if self.errors else None
 
+    def quantiles(self, qs: Sequence[float]) -> tuple[float, ...] | None:
+        if not self.errors:
+            return None
+        ordered = sorted(self.errors)
+        last = len(ordered) - 1
+        return tuple(ordered[min(last, max(0, round(q * last)))] for q in qs)
+
 
 class _Replica:
     __slots__ = ("tpot", "ttft")
@@ -143,6 +150,19 @@ class LatencyBook:
             rec = self._replica(name)
             rec.tpot.observe(point.tpot_terms(), seconds_per_token, self.warm_after)
             self._refit(name, rec)
+
+    def error_quantiles(self, name: str, qs: Sequence[float] = (0.5, 0.9)) -> dict[str, tuple[float, ...]]:
+        """The quantiles ``qs`` of replica ``name``'s recent absolute relative errors, per latency
+        (``ttft``, ``tpot``) that has any: sorted from the window when asked (at a scrape), never
+        per request."""
+        rec = self._replicas.get(name)
+        out: dict[str, tuple[float, ...]] = {}
+        if rec is not None:
+            for latency, model in (("ttft", rec.ttft), ("tpot", rec.tpot)):
+                values = model.quantiles(qs)
+                if values is not None:
+                    out[latency] = values
+        return out
 
     def _replica(self, name: str) -> _Replica:
         rec = self._replicas.get(name)

@@ -57,6 +57,7 @@ STREAM_ERROR_KINDS = ("answer", "stream")
 STORE_OPERATIONS = ("lookup", "record", "forget", "rebalance")
 MOVE_REASONS = ("join", "leave", "hot")
 PREWARM_OUTCOMES = ("ok", "error", "dropped", "unusable")
+SHED_REASONS = ("objective", "objective_timeout", "queue_full", "queue_timeout", "quota_exceeded", "tokens_exceeded")
 TOKEN_KINDS = ("input", "cached_input", "output")
 
 
@@ -292,6 +293,29 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        # Latency objectives: classes come from the config; replicas are members.
+        self.objective_requests = Counter(
+            "extproc_objective_requests",
+            "Requests with latency objectives by class and outcome (met, missed), judged on the TTFT at the "
+            "response headers (the router's queue included) and the TPOT at the stream's end.",
+            ["class", "outcome"],
+            registry=r,
+        )
+        self.requests_shed = Counter(
+            "extproc_requests_shed",
+            "Requests refused by the router, by class and reason (objective: every replica predicted to miss "
+            "its objectives; objective_timeout: held for them past max_wait_s; queue_full; queue_timeout; "
+            "quota_exceeded; tokens_exceeded).",
+            ["class", "reason"],
+            registry=r,
+        )
+        self.latency_prediction_error = Gauge(
+            "extproc_latency_prediction_error",
+            "Absolute relative error of a replica's latency model over its recent predictions (each made before "
+            "its observation), by latency (ttft, tpot) and quantile (0.5, 0.9); computed at scrape time.",
+            ["replica", "latency", "quantile"],
+            registry=r,
+        )
         # Metering (budgets.enabled): tenants are the config's or "other", models bounded as
         # above, replicas the members (extproc.metering bounds the first two).
         self.tokens = Counter(
@@ -383,6 +407,15 @@ class RouterMetrics:
     def queue_outcome(self, request_class: str, outcome: str) -> None:
         """One held request's outcome."""
         self.queue_outcomes.labels(request_class, outcome).inc()
+
+    # ObjectiveObserver (extproc.bookkeeping) and the router's refusals.
+    def objective_judged(self, request_class: str, met: bool) -> None:
+        """One request with objectives, met or missed."""
+        self.objective_requests.labels(request_class, "met" if met else "missed").inc()
+
+    def shed(self, request_class: str, reason: str) -> None:
+        """One request refused, by reason (:data:`SHED_REASONS`)."""
+        self.requests_shed.labels(request_class, reason).inc()
 
     # MeterObserver (extproc.metering).
     def tokens_used(self, tenant: str, model: str, replica: str, input: int, cached_input: int, output: int) -> None:

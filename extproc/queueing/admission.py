@@ -44,6 +44,8 @@ class Waiter(Generic[T]):
     since: float
     deadline: float
     held: bool = True
+    ready: Callable[[], bool] | None = None
+    """Held for its latency objective: it may go only once this says so (and its pool has headroom)."""
 
     @property
     def priority(self) -> int:
@@ -72,28 +74,35 @@ class Admission(Generic[T]):
         """Requests waiting at ``priority``."""
         return self._levels.waiting(priority)
 
-    def admit(self, request_class: str, tenant: str, pool: Pool, item: T) -> Waiter[T] | Refusal | None:
+    def admit(
+        self, request_class: str, tenant: str, pool: Pool, item: T, ready: Callable[[], bool] | None = None
+    ) -> Waiter[T] | Refusal | None:
         """A request arrives. None: it goes straight on (nothing of its priority or above waits and
         its candidates have headroom); a :class:`Refusal`: its priority's queue is full; a
-        :class:`Waiter`: it waits, as ``item``, until :meth:`next_to_go` or :meth:`expire` returns it."""
+        :class:`Waiter`: it waits, as ``item``, until :meth:`next_to_go` or :meth:`expire` returns it.
+
+        With ``ready`` it was decided on already and every candidate was predicted to miss its
+        latency objectives: it waits whatever the fleet's load, until ``ready()`` (and headroom)."""
         terms = self.settings.for_class(request_class)
-        if not self._levels.ahead(terms.priority) and not self.saturated(pool):
+        if ready is None and not self._levels.ahead(terms.priority) and not self.saturated(pool):
             return None
         if self._levels.waiting(terms.priority) >= terms.max_queued:
             return Refusal(
                 terms.status, terms.retry_after_s, "every replica is saturated and the queue is full", "queue_full"
             )
         now = self.clock()
-        waiter = Waiter(item, request_class, tenant, pool, terms, now, now + terms.max_wait_s)
+        waiter = Waiter(item, request_class, tenant, pool, terms, now, now + terms.max_wait_s, ready=ready)
         self._levels.push(terms.priority, tenant, waiter)
         heapq.heappush(self._deadlines, (waiter.deadline, next(self._order), waiter))
         return waiter
 
     def next_to_go(self) -> Waiter[T] | None:
         """Take the waiter that goes now: the head (highest priority, the tenant whose turn it is)
-        when its candidates have headroom; None when nothing waits or the head must wait on."""
+        when its candidates have headroom (and, held for its objectives, when one is predicted to
+        meet them); None when nothing waits or the head must wait on. The head holds back those
+        behind it, as a saturated pool does: a class that queues on a miss is worth the wait."""
         waiter = self._levels.head()
-        if waiter is None or self.saturated(waiter.pool):
+        if waiter is None or self.saturated(waiter.pool) or (waiter.ready is not None and not waiter.ready()):
             return None
         self._levels.pop()
         self._gone(waiter)
@@ -110,8 +119,13 @@ class Admission(Generic[T]):
                 self._levels.remove(waiter.priority, waiter.tenant, waiter)
                 waiter.held = False
                 terms = waiter.terms
-                message = f"every replica stayed saturated for {terms.max_wait_s:g} s"
-                out.append((waiter, Refusal(terms.status, terms.retry_after_s, message, "queue_timeout")))
+                if waiter.ready is not None:
+                    message = f"no replica was predicted to meet the latency objectives within {terms.max_wait_s:g} s"
+                    refusal = Refusal(terms.status, terms.retry_after_s, message, "objective_timeout")
+                else:
+                    message = f"every replica stayed saturated for {terms.max_wait_s:g} s"
+                    refusal = Refusal(terms.status, terms.retry_after_s, message, "queue_timeout")
+                out.append((waiter, refusal))
         return out
 
     def next_deadline(self) -> float | None:

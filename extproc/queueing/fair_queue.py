@@ -78,11 +78,14 @@ class FairQueue:
         """Something changed (a scrape, a request ended): look at the head again."""
         self._wake.set()
 
-    async def admit(self, request_class: str, tenant: str, pool: Pool) -> Refusal | Ticket | None:
+    async def admit(
+        self, request_class: str, tenant: str, pool: Pool, ready: Callable[[], bool] | None = None
+    ) -> Refusal | Ticket | None:
         """Wait until the request may be routed. None: it went straight on; a :class:`Ticket`: it
-        waited and was released (settle it once routed); a :class:`Refusal`: answer it with that."""
+        waited and was released (settle it once routed); a :class:`Refusal`: answer it with that.
+        With ``ready`` it waits for its latency objectives (:meth:`Admission.admit`)."""
         ticket = Ticket(asyncio.get_running_loop().create_future())
-        waiter = self.admission.admit(request_class, tenant, pool, ticket)
+        waiter = self.admission.admit(request_class, tenant, pool, ticket, ready)
         if waiter is None:
             return None
         if isinstance(waiter, Refusal):

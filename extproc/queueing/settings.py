@@ -4,19 +4,31 @@ from __future__ import annotations
 
 from typing import Literal
 
-from extproc.validation import Section, option
+from pydantic import model_validator
+
+from extproc.validation import Section, field_error, option
+
+OnMiss = Literal["best_effort", "queue", "shed"]
+"""What a request gets when no replica is predicted to meet its latency objectives."""
 
 
 class QueueClass(Section):
     """What a request class gets when the fleet is full: its priority (higher goes first), how
     long it may wait, how many of its priority may wait at once, and the refusal past either
-    (``queueing.default``, ``queueing.classes.NAME``)."""
+    (``queueing.default``, ``queueing.classes.NAME``); and what it gets when every candidate's
+    latency model (warm ones only) predicts a miss of its objectives (``on_miss``): routed anyway
+    to the least late (``best_effort``, as without it), held in this queue until a candidate is
+    predicted to meet them or the fleet has nothing in flight (``queue``, within ``max_wait_s``),
+    or refused at once with 429 and ``retry_after_s`` (``shed``)."""
 
     priority: int = option(1, "higher is released first and never waits behind lower")
     max_wait_s: float = option(10.0, "held at most this long, then refused", gt=0)
     max_queued: int = option(1000, "requests of its priority held at most", ge=1)
     status: Literal[429, 503] = option(429, "the refusal's status (with Retry-After)")
     retry_after_s: int = option(1, "the refusal's Retry-After", ge=1)
+    on_miss: OnMiss = option(
+        "best_effort", "no replica predicted to meet its latency objectives: best_effort, queue (needs enabled) or shed"
+    )
 
 
 class QueueSettings(Section):
@@ -42,6 +54,15 @@ class QueueSettings(Section):
         {"batch": QueueClass(priority=0, max_wait_s=60.0, max_queued=5000, retry_after_s=10)},
         "terms by request class (classes:)",
     )
+
+    @model_validator(mode="after")
+    def _queue_on_miss_needs_the_queue(self) -> QueueSettings:
+        if not self.enabled:
+            for name, terms in [("default", self.default), *((f"classes.{n}", c) for n, c in self.classes.items())]:
+                if terms.on_miss == "queue":
+                    message = f"{name}.on_miss is queue: set queueing.enabled too (or on_miss: shed / best_effort)"
+                    raise field_error(QueueSettings, "enabled", message, False)
+        return self
 
     def for_class(self, name: str) -> QueueClass:
         """The terms of request class ``name``."""

@@ -7,10 +7,13 @@ import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from extproc.request.objectives import Objectives
+
 
 @dataclass(frozen=True, slots=True)
 class ClassRule:
-    """One class: what it matches, the replicas it may use (a label selector), its profile."""
+    """One class: what it matches, the replicas it may use (a label selector), its profile, and
+    the latency objectives its requests are held to when they carry none."""
 
     name: str
     min_tokens: int | None = None
@@ -21,6 +24,7 @@ class ClassRule:
     models: tuple[str, ...] = ()
     pool: Mapping[str, str] = field(default_factory=dict)
     profile: str | None = None
+    objectives: Objectives | None = None
 
     def matches(self, tokens: int, stream: bool, media: bool, model: str, headers: Mapping[str, str]) -> bool:
         """Whether a request with these properties belongs to this class."""

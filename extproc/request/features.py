@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.request.classes import ClassRule, classify
+from extproc.request.objectives import Objectives, fill
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
@@ -38,6 +39,8 @@ class FeatureSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     api_keys: Mapping[str, str] = field(default_factory=dict)
     classes: tuple[ClassRule, ...] = ()
+    tenant_objectives: Mapping[str, Objectives] = field(default_factory=dict)
+    """Per tenant: the objectives its requests are held to when neither they nor their class say."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +66,10 @@ class RequestFeatures:
     tokens_per_block: int = 0
     """Set when ``prefix_hashes`` are over the model's tokens (the engine's KV blocks), not characters."""
     slo_ttft_ms: float | None = None
-    """The time-to-first-token objective the client asked for (``x-slo-ttft-ms``), if any."""
+    """The time-to-first-token objective: the client's (``x-slo-ttft-ms``), else its class's or
+    its tenant's default (:mod:`extproc.request.objectives`), if any."""
     slo_tpot_ms: float | None = None
-    """The time-per-output-token objective the client asked for (``x-slo-tpot-ms``), if any."""
+    """The time-per-output-token objective (``x-slo-tpot-ms``), filled the same way."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -131,7 +135,6 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
     if key is not None and tenant:
         # Tenants live in their own key space: equal session ids of two tenants are two sessions.
         key = f"{tenant}\x1f{key}"
-    ttft, tpot = objective_ms(headers, SLO_TTFT_HEADERS), objective_ms(headers, SLO_TPOT_HEADERS)
     if parsed is None:
         features = RequestFeatures(
             path=path,
@@ -140,13 +143,11 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
             body_error=body_error,
             request_id=request_id,
             model=headers.get("x-model", "")[:256],
-            slo_ttft_ms=ttft,
-            slo_tpot_ms=tpot,
+            slo_ttft_ms=objective_ms(headers, SLO_TTFT_HEADERS),
+            slo_tpot_ms=objective_ms(headers, SLO_TPOT_HEADERS),
         )
-        return ParsedRequest(_classified(features, headers, settings) if settings.classes else features)
-    bare = RequestFeatures(
-        path=path, session_key=key, tenant=tenant, request_id=request_id, slo_ttft_ms=ttft, slo_tpot_ms=tpot
-    )
+        return ParsedRequest(_classified(features, headers, settings))
+    bare = RequestFeatures(path=path, session_key=key, tenant=tenant, request_id=request_id)
     return ParsedRequest(_from_body(bare, parsed, headers, settings), parsed)
 
 
@@ -176,24 +177,35 @@ def _from_body(
         max_output_tokens=parsed.max_output_tokens,
         has_media=parsed.has_media,
         request_id=bare.request_id,
-        slo_ttft_ms=bare.slo_ttft_ms,
-        slo_tpot_ms=bare.slo_tpot_ms,
+        # From the headers, not ``bare``: a split's arm may change the class, and so its defaults.
+        slo_ttft_ms=objective_ms(headers, SLO_TTFT_HEADERS),
+        slo_tpot_ms=objective_ms(headers, SLO_TPOT_HEADERS),
     )
-    return _classified(features, headers, settings) if settings.classes else features
+    return _classified(features, headers, settings)
 
 
 def _classified(features: RequestFeatures, headers: Mapping[str, str], settings: FeatureSettings) -> RequestFeatures:
-    rule = classify(
-        settings.classes,
-        features.estimated_prompt_tokens,
-        features.stream,
-        features.has_media,
-        features.model,
-        headers,
-    )
-    if rule is None:
+    """The request's class (the first rule that matches), and the objectives its class or its
+    tenant gives where its headers give none."""
+    rule = None
+    if settings.classes:
+        rule = classify(
+            settings.classes,
+            features.estimated_prompt_tokens,
+            features.stream,
+            features.has_media,
+            features.model,
+            headers,
+        )
+    if rule is not None:
+        features = replace(
+            features, request_class=rule.name, pool=tuple(sorted(rule.pool.items())), profile=rule.profile
+        )
+    tenant = settings.tenant_objectives.get(features.tenant) if settings.tenant_objectives else None
+    if (rule is None or rule.objectives is None) and tenant is None:
         return features
-    return replace(features, request_class=rule.name, pool=tuple(sorted(rule.pool.items())), profile=rule.profile)
+    ttft, tpot = fill(features.slo_ttft_ms, features.slo_tpot_ms, rule.objectives if rule else None, tenant)
+    return replace(features, slo_ttft_ms=ttft, slo_tpot_ms=tpot)
 
 
 def uncached_tokens(features: RequestFeatures, matched_blocks: int, block_chars: int) -> int:

@@ -157,6 +157,44 @@ def headroom(features: RequestFeatures, prediction: Prediction) -> float | None:
     return min(shares) if shares else None
 
 
+def every_candidate_misses(cycle: CycleState, candidates: Sequence[ReplicaState]) -> bool:
+    """Whether the request has objectives and every candidate is predicted to miss them: each has
+    a warm model for an objective asked for, and is late on one of them. A candidate without such
+    a model might meet them, so then this is False (and with no warm model at all, always)."""
+    features = cycle.features
+    if not candidates or not has_objectives(features):
+        return False
+    predicted = predictions(cycle, candidates)
+    for c in candidates:
+        p = predicted.get(c.name)
+        h = headroom(features, p) if p is not None else None
+        if h is None or h >= 0.0:
+            return False
+    return True
+
+
+def verdict(features: RequestFeatures, predicted: Mapping[str, Prediction], missed: bool) -> tuple[str, str]:
+    """What a decision predicted of the request's objectives, and why: ``("", ...)`` without
+    objectives, ``"unknown"`` where no candidate has a warm model for them, else ``"met"`` or
+    ``"missed"`` (every candidate late), with the best candidate's prediction (for Explain)."""
+    if not has_objectives(features):
+        return "", "the request has no latency objectives"
+    judged = {n: h for n, p in predicted.items() if (h := headroom(features, p)) is not None}
+    if not judged:
+        return "unknown", "no candidate's latency model is warm for these objectives: routed as without them"
+    best = max(judged, key=lambda n: judged[n])
+    p = predicted[best]
+    parts = []
+    if p.ttft_s is not None and features.slo_ttft_ms is not None:
+        parts.append(f"TTFT {p.ttft_s * 1000:.0f} ms of {features.slo_ttft_ms:g}")
+    if p.tpot_s is not None and features.slo_tpot_ms is not None:
+        parts.append(f"TPOT {p.tpot_s * 1000:.1f} ms of {features.slo_tpot_ms:g}")
+    shown = ", ".join(parts)
+    if missed:
+        return "missed", f"every candidate is predicted to miss; the least late is {best} ({shown})"
+    return "met", f"{best} is predicted to meet them ({shown}, headroom {judged[best]:.0%})"
+
+
 @dataclass(slots=True)
 class SloFilter:
     """Drops the candidates predicted to miss the request's objectives (by more than ``slack``, a

@@ -148,3 +148,7 @@ class Decision:
     """For a session sent off its pinned replica: what did it (the filter that removed the pin,
     ``"membership"`` when the replica is gone, the evidence of ``AffinityView.pin_lost`` when it was
     outscored, ``"scores"`` otherwise); empty when the session stayed or had no pin."""
+    objective_missed: bool = False
+    """The request has latency objectives and every candidate left is predicted, by a warm latency
+    model, to miss them (:func:`extproc.routing.latency.every_candidate_misses`); what then
+    becomes of it is its class's ``on_miss``, the router's to carry out."""

@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 from extproc.request.features import RequestFeatures
 from extproc.routing.cordon import CordonFilter
 from extproc.routing.hot import fingerprint
-from extproc.routing.latency import LatencyView, predictions
+from extproc.routing.latency import LatencyView, every_candidate_misses, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
@@ -201,7 +201,10 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         trace.order = [s.name for s in ordered]
         trace.predicted = dict(predictions(cycle, candidates))
     hot_set = tuple(sorted(cycle.hot_set or ()))
-    return _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
+    decision = _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
+    if every_candidate_misses(cycle, candidates):
+        decision = replace(decision, objective_missed=True)
+    return decision
 
 
 class Decider(Protocol):

@@ -86,3 +86,6 @@ class Explanation:
     "in_flight" (prompts of requests still running or queued there)."""
     evidence: Mapping[str, CacheEvidence] = field(default_factory=dict)
     """Per replica: the trust and freshness of what the caches are believed to hold."""
+    on_miss: str = ""
+    """Where every candidate is predicted to miss the objectives: what the request's class does
+    then (``best_effort``, ``queue`` or ``shed``); empty otherwise."""

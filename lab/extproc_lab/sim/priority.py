@@ -12,6 +12,11 @@ headroom (looked at after a scrape and after a request ends), and refusal of a r
 at a full queue or of every request held past its class's ``max_wait_s``, counted. Without
 queueing every request goes to a replica at once (its own vLLM queue holds it), which is what
 the queue is compared with.
+
+A request every candidate is predicted to miss goes as its class's ``on_miss`` says, as in the
+server: shed (refused, counted as ``objective``), held in the same queue until a decision would
+meet its objectives or the fleet is idle (:meth:`Router.objective_ready`; ``objective_timeout``
+past its limit), or routed best effort.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class PriorityRun:
     refused: dict[str, int] = field(default_factory=dict)
     classes: dict[int, str] = field(default_factory=dict)
     max_waiting: int = 0
+    refusals: dict[int, str] = field(default_factory=dict)
+    """Request index -> why it was refused (full, timeout, objective, objective_timeout)."""
 
 
 class PrioritySimulation(Simulation):
@@ -93,6 +100,7 @@ class PrioritySimulation(Simulation):
         self._dispatched_at: dict[int, float] = {}
         self._out = PriorityRun([])
         self._tick_pending = False
+        self._objective_held: set[int] = set()
         self._loop(on_progress, progress_every)
         held = self._held
         if len(held):
@@ -122,7 +130,7 @@ class PrioritySimulation(Simulation):
         self._expire()
         held = self._held.admit(cls, f.tenant, f.pool, i)
         if held is None:
-            self._dispatch(i, f, now)
+            self._dispatch(i, f, now, may_wait=True)
         elif isinstance(held, Refusal):
             self._refuse(i, "full")
         else:
@@ -133,6 +141,22 @@ class PrioritySimulation(Simulation):
     def _decided(self, i: int, features: RequestFeatures, routed: Routed, now: float) -> None:
         # The replica sees the request when it was dispatched; its wait in our queue is added back.
         self._dispatched_at[i] = now
+
+    def _refused(self, i: int, routed: Routed, now: float) -> None:
+        self._dispatched_at.pop(i, None)
+        if routed.objective_wait is not None:
+            f = routed.features
+            ready = self.router.objective_ready(f, routed.objective_wait)
+            held = self._held.admit(self._out.classes[i], f.tenant, f.pool, i, ready)
+            if isinstance(held, Refusal):
+                self._refuse(i, "full")
+            elif held is not None:
+                self._features[i] = f
+                self._objective_held.add(i)
+                self._out.max_waiting = max(self._out.max_waiting, len(self._held))
+                self._pump(now)
+            return
+        self._refuse(i, routed.refusal.kind if routed.refusal is not None else "no_replica")
 
     def _finished(self, i: int, seq: Seq) -> None:
         req = self.workload.requests[i]
@@ -163,20 +187,27 @@ class PrioritySimulation(Simulation):
 
     def _refuse(self, i: int, why: str) -> None:
         self._features.pop(i, None)
+        self._objective_held.discard(i)
         self._out.refused[why] = self._out.refused.get(why, 0) + 1
+        self._out.refusals[i] = why
 
     def _expire(self) -> None:
         # Every waiter past its limit, wherever it is in the queue: as the server's timers would
         # have refused it by now (nothing looks at the queue between events).
-        for waiter, _ in self._held.expire():
-            self._refuse(waiter.item, "timeout")
+        for waiter, refusal in self._held.expire():
+            self._refuse(waiter.item, "timeout" if refusal.kind == "queue_timeout" else refusal.kind)
 
     def _pump(self, now: float) -> None:
         """Refuse the expired; release the head of the queue while its candidates have headroom."""
         self._expire()
         held = self._held
         while (waiter := held.next_to_go()) is not None:
-            self._dispatch(waiter.item, self._features.pop(waiter.item), now)
+            i = waiter.item
+            # Held for its objectives: decided once more and sent wherever that says. Held for
+            # saturation: judged on its objectives now, for the first time.
+            objective = i in self._objective_held
+            self._objective_held.discard(i)
+            self._dispatch(i, self._features.pop(i), now, may_wait=not objective)
         if len(held) and not self._tick_pending:
             self._tick_pending = True  # look again at the next scrape even if nothing ends before
             self._push((int(now // self.interval) + 1) * self.interval, self.TICK, 0)

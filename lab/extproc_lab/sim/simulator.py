@@ -389,15 +389,17 @@ class Simulation(ReplicaSteps):
             series[w] += (edge - start) * rate
             start = edge
 
-    def _dispatch(self, i: int, features: RequestFeatures, now: float) -> None:
-        """Route workload request ``i`` now and hand it to the replica chosen."""
+    def _dispatch(self, i: int, features: RequestFeatures, now: float, *, may_wait: bool = False) -> None:
+        """Route workload request ``i`` now and hand it to the replica chosen; with ``may_wait``
+        one whose class queues on a predicted miss of its objectives comes back to :meth:`_refused`
+        unrouted (``objective_wait`` set), for the variant's queue to hold."""
         req = self.workload.requests[i]
         seq = Seq(req.request_id, req.prompt_tokens, req.output_tokens, req.keys, req.key_span, req.tail_span, handle=i)
         self.routing = seq
         if self.kv_feed is not None:
             self.kv_feed.deliver(now)
             features = self.kv_feed.features(features, req, self.config.features.max_blocks)
-        decision = run_sync(self.router.route_features(features, now))
+        decision = run_sync(self.router.route_features(features, now, may_wait=may_wait))
         self.routing = None
         reason = decision.decision.reason.value
         self._decisions[reason] = self._decisions.get(reason, 0) + 1

@@ -125,6 +125,37 @@ def test_the_core_expires_every_waiter_past_its_limit_and_tenants_keep_their_tur
     assert len(core) == 0 and core.next_deadline() is None
 
 
+def test_a_request_held_for_its_objective_waits_on_an_idle_fleet_until_it_is_ready() -> None:
+    now = [0.0]
+    fleet = Fleet()
+    fleet.full = False
+    core: Admission[str] = Admission(SETTINGS, fleet, lambda: now[0])
+    ready = [False]
+    held = core.admit("default", "a", (), "slo", lambda: ready[0])
+    assert isinstance(held, Waiter) and held.ready is not None
+    # Nothing is saturated, yet it waits; and it holds back what comes behind at its priority.
+    assert core.next_to_go() is None
+    assert isinstance(core.admit("default", "b", (), "next"), Waiter)
+    assert core.admit("batch", "c", (), "batch") is not None
+    ready[0] = True
+    assert [w.item for w in iter(core.next_to_go, None)] == ["slo", "next", "batch"]
+    # One that never becomes ready leaves at its class's limit, refused for its objective.
+    assert isinstance(core.admit("default", "a", (), "late", lambda: False), Waiter)
+    now[0] = 5.0
+    [(waiter, refusal)] = core.expire()
+    assert waiter.item == "late" and refusal.kind == "objective_timeout" and refusal.status == 429
+    assert "latency objectives within 5 s" in refusal.message
+
+
+def test_queue_on_miss_needs_the_queue_on() -> None:
+    with pytest.raises(ValueError, match="on_miss is queue"):
+        config_from_mapping({"queueing": {"classes": {"chat": {"on_miss": "queue"}}}})
+    assert (
+        config_from_mapping({"queueing": {"classes": {"chat": {"on_miss": "shed"}}}}).queueing.for_class("chat").on_miss
+        == "shed"
+    )
+
+
 def test_saturation_is_every_candidate_of_the_pool() -> None:
     settings = QueueSettings(enabled=True, max_inflight_per_replica=2)
     a = ReplicaState(Replica("a", "h:1", labels={"pool": "x"}), kv_usage=0.95)

@@ -14,7 +14,7 @@ from extproc.health.latency import LatencyBook
 from extproc.health.settings import HealthSettings
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
-from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint, SloHeadroomScorer
+from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint, SloHeadroomScorer, verdict
 from extproc.routing.plugins import CycleState
 from extproc.routing.trace import DecisionTrace
 from extproc_lab.bench.policies import policy_profile
@@ -211,6 +211,49 @@ def test_the_headroom_scorers_raw_scores_lie_in_0_1(
     assert all(0.0 <= v <= 1.0 for v in scores.values())
     if (ttft_ms is None and tpot_ms is None) or not any(w for *_, w in models):
         assert scores == {}
+
+
+def test_a_decision_says_it_misses_only_when_every_candidate_is_predicted_to() -> None:
+    slow = {n: fit(0.5) for n in ("r0", "r1", "r2", "r3")}
+    assert decide(inputs(slow)).objective_missed
+    # One replica that meets it, or one whose model is cold (it might), and it is not a miss.
+    assert not decide(inputs({**slow, "r3": fit(0.05)})).objective_missed
+    assert not decide(inputs({**slow, "r3": fit(0.5, warm=False)})).objective_missed
+    # Without objectives, or with an objective no warm model predicts (TPOT here), never.
+    assert not decide(inputs(slow, ttft_ms=None)).objective_missed
+    tpot_cold = {n: replace(f, tpot_warm=False) for n, f in slow.items()}
+    assert not decide(inputs(tpot_cold, ttft_ms=None, tpot_ms=5)).objective_missed
+    # A replica another filter removed does not count: the candidates left all miss.
+    assert decide(inputs({**slow, "r3": fit(0.05)}, r3={"in_rotation": False, "health": 0.0})).objective_missed
+
+
+def test_the_verdict_names_the_least_late_candidate_and_its_predictions() -> None:
+    slow = {"r0": fit(0.5), "r1": fit(0.3), "r2": fit(0.9), "r3": fit(0.4)}
+    trace = DecisionTrace()
+    d = decide(inputs(slow), trace)
+    outcome, why = verdict(d_features(slow), trace.predicted, d.objective_missed)
+    assert outcome == "missed" and "r1" in why and "TTFT 300 ms of 200" in why
+    outcome, why = verdict(d_features(slow, ttft_ms=400), trace.predicted, False)
+    assert outcome == "met" and "r1" in why
+    assert verdict(d_features(slow), {}, False)[0] == "unknown"
+    assert verdict(d_features(slow, ttft_ms=None), trace.predicted, False)[0] == ""
+
+
+def d_features(fits: dict[str, LatencyFit], ttft_ms: float | None = 200.0) -> RequestFeatures:
+    return inputs(fits, ttft_ms=ttft_ms).features
+
+
+def test_error_quantiles_are_the_windows_nearest_ranks() -> None:
+    book = LatencyBook(warm_after=4, error_window=16)
+    rng = random.Random(4)
+    assert book.error_quantiles("r0") == {}
+    for _ in range(40):
+        book.observe_ttft("r0", point(rng), rng.uniform(0.05, 0.5))
+    window = sorted(book._replicas["r0"].ttft.errors)
+    assert len(window) == 16
+    p50, p90 = book.error_quantiles("r0")["ttft"]
+    assert p50 == window[round(0.5 * 15)] and p90 == window[round(0.9 * 15)]
+    assert "tpot" not in book.error_quantiles("r0")
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ class ScorePart(_message.Message):
     def __init__(self, scorer: _Optional[str] = ..., raw: _Optional[float] = ..., weight: _Optional[float] = ..., contribution: _Optional[float] = ...) -> None: ...
 
 class ReplicaExplanation(_message.Message):
-    __slots__ = ("replica", "candidate", "removed_by", "removed_why", "scores", "total", "matched_blocks", "match_source", "predicted_uncached_tokens", "rank", "cache_trust", "cache_evidence_age_s", "kv_events")
+    __slots__ = ("replica", "candidate", "removed_by", "removed_why", "scores", "total", "matched_blocks", "match_source", "predicted_uncached_tokens", "rank", "cache_trust", "cache_evidence_age_s", "kv_events", "predicted_ttft_ms", "predicted_tpot_ms")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class ReplicaExplanation(_message.Message):
     CACHE_TRUST_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVIDENCE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     candidate: bool
     removed_by: str
@@ -80,10 +82,12 @@ class ReplicaExplanation(_message.Message):
     cache_trust: float
     cache_evidence_age_s: float
     kv_events: str
-    def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., cache_trust: _Optional[float] = ..., cache_evidence_age_s: _Optional[float] = ..., kv_events: _Optional[str] = ...) -> None: ...
+    predicted_ttft_ms: float
+    predicted_tpot_ms: float
+    def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., cache_trust: _Optional[float] = ..., cache_evidence_age_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost")
+    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost", "objective_ttft_ms", "objective_tpot_ms", "objective_predicted", "on_miss", "objective_why")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +104,11 @@ class ExplainResponse(_message.Message):
     BODY_ERROR_FIELD_NUMBER: _ClassVar[int]
     MOVED_BY_FIELD_NUMBER: _ClassVar[int]
     PIN_LOST_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    ON_MISS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_WHY_FIELD_NUMBER: _ClassVar[int]
     replica: str
     reason: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -116,7 +125,12 @@ class ExplainResponse(_message.Message):
     body_error: str
     moved_by: str
     pin_lost: str
-    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ..., moved_by: _Optional[str] = ..., pin_lost: _Optional[str] = ...) -> None: ...
+    objective_ttft_ms: float
+    objective_tpot_ms: float
+    objective_predicted: str
+    on_miss: str
+    objective_why: str
+    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ..., moved_by: _Optional[str] = ..., pin_lost: _Optional[str] = ..., objective_ttft_ms: _Optional[float] = ..., objective_tpot_ms: _Optional[float] = ..., objective_predicted: _Optional[str] = ..., on_miss: _Optional[str] = ..., objective_why: _Optional[str] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
