@@ -349,6 +349,8 @@ class RouterMetrics:
             self.sessions_moved.labels(reason)
         for outcome in PREWARM_OUTCOMES:
             self.prewarms.labels(outcome)
+        for reason in SHED_REASONS:  # at zero for the default class: a dashboard shows "none" as 0
+            self.requests_shed.labels("default", reason)
 
     def _new_model(self, model: str) -> None:
         for reason in Reason:
