@@ -80,6 +80,9 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
         body_error=ex.features.body_error or "",
         moved_by=d.moved_by,
         pin_lost=view.pin_lost or "",
+        prefill=d.prefill.name if d.prefill is not None else "",
+        pair_reason=d.pair.value if d.pair is not None else "",
+        transfer_blocks=d.transfer_blocks,
     )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.routing.roles import Role, role_of
+from extproc.routing.roles import PairReason, Role, role_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,3 +148,11 @@ class Decision:
     """For a session sent off its pinned replica: what did it (the filter that removed the pin,
     ``"membership"`` when the replica is gone, the evidence of ``AffinityView.pin_lost`` when it was
     outscored, ``"scores"`` otherwise); empty when the session stayed or had no pin."""
+    prefill: Replica | None = None
+    """The replica that prefills the prompt for ``replica`` (the decode replica), when the pair is
+    disaggregated (:mod:`extproc.routing.disagg`); None: ``replica`` serves the whole request."""
+    pair: PairReason | None = None
+    """Why the pair is what it is, for fleets whose candidates carry roles; None for an aggregated
+    fleet (no replica labelled ``llm-d.ai/role`` prefill or decode)."""
+    transfer_blocks: int = 0
+    """KV blocks that cross from ``prefill`` to ``replica`` (0 without a prefill hop)."""

@@ -6,13 +6,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
-from extproc.request.features import RequestFeatures
+from extproc.request.features import FeatureSettings, RequestFeatures, uncached_tokens
 from extproc.routing.cordon import CordonFilter
+from extproc.routing.disagg import PairInputs, PairSettings, choose_prefill
 from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
+from extproc.routing.roles import PairReason, Role
 from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass
 
 KeySource = Literal["session", "prefix", "request", "none"]
@@ -103,7 +105,10 @@ class DecisionInputs:
     ``hot`` the hot prefixes' fingerprints and how many replicas each should have
     (:mod:`extproc.routing.hot`), ``prefix_key`` the request's prefix ring key as the profile
     computes it (:meth:`Profile.prefix_key`; computed once per request by the router), ``latency``
-    the replicas' latency models (:mod:`extproc.routing.latency`).
+    the replicas' latency models (:mod:`extproc.routing.latency`), ``pairing`` how a disaggregated
+    pair is weighed where the candidates carry roles (:mod:`extproc.routing.disagg`), and
+    ``block_chars`` the characters of a prefix block (what a match is worth in tokens without a
+    tokenizer).
     """
 
     features: RequestFeatures
@@ -116,6 +121,8 @@ class DecisionInputs:
     hot: Mapping[int, int] | None = None
     prefix_key: str | int | None = None
     latency: LatencyView | None = None
+    pairing: PairSettings = field(default_factory=PairSettings)
+    block_chars: int = FeatureSettings().block_chars
 
     @classmethod
     def of(
@@ -130,9 +137,24 @@ class DecisionInputs:
         cordons: Mapping[str, str] | None = None,
         hot: Mapping[int, int] | None = None,
         latency: LatencyView | None = None,
+        pairing: PairSettings | None = None,
+        block_chars: int | None = None,
     ) -> DecisionInputs:
         """The inputs with the prefix key computed from ``profile``."""
-        return cls(features, snapshot, view, now, profile, tenant, cordons, hot, profile.prefix_key(features), latency)
+        return cls(
+            features,
+            snapshot,
+            view,
+            now,
+            profile,
+            tenant,
+            cordons,
+            hot,
+            profile.prefix_key(features),
+            latency,
+            pairing if pairing is not None else PairSettings(),
+            block_chars if block_chars is not None else FeatureSettings().block_chars,
+        )
 
 
 def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
@@ -183,6 +205,15 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         candidates = flt.filter(cycle, candidates) if trace is None else _traced_filter(flt, cycle, candidates, trace)
         if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):
             moved_by = flt.name
+    # Where replicas carry roles, the decode replica is the pipeline's pick among those that
+    # decode (a prefill-only replica never serves the request itself); the prefill hop is weighed
+    # after, over all the candidates (:func:`_paired`). A fleet without roles skips all of this.
+    everyone = candidates
+    paired = any(c.role is not Role.BOTH for c in candidates)
+    if paired:
+        candidates = [c for c in candidates if c.role.decodes]
+        if not candidates:
+            return Decision(replica=None, reason=Reason.NO_REPLICA, pair=PairReason.NO_DECODER)
     totals: dict[str, float] = {c.name: 0.0 for c in candidates}
     for weighted in profile.scorers:
         scores = weighted.scorer.score(cycle, candidates)
@@ -201,7 +232,25 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         trace.order = [s.name for s in ordered]
         trace.predicted = dict(predictions(cycle, candidates))
     hot_set = tuple(sorted(cycle.hot_set or ()))
-    return _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
+    decision = _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
+    return _paired(given, features, decision, everyone, ordered[0]) if paired else decision
+
+
+def _paired(
+    given: DecisionInputs,
+    features: RequestFeatures,
+    decision: Decision,
+    candidates: Sequence[ReplicaState],
+    decode: ReplicaState,
+) -> Decision:
+    """``decision`` with its prefill hop, if one repays itself (:func:`choose_prefill`): what each
+    candidate holds of the prompt is its matched blocks in tokens, as the bookkeeping counts it."""
+    prompt = features.estimated_prompt_tokens
+    matches = given.view.prefix_matches
+    cached = {c.name: prompt - uncached_tokens(features, matches.get(c.name, 0), given.block_chars) for c in candidates}
+    pair = choose_prefill(PairInputs(candidates, prompt, cached, given.view.pinned), decode, given.pairing)
+    prefill = pair.prefill.replica if pair.prefill is not None else None
+    return replace(decision, prefill=prefill, pair=pair.reason, transfer_blocks=pair.transfer_blocks)
 
 
 class Decider(Protocol):

@@ -83,7 +83,7 @@ class ReplicaExplanation(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., cache_trust: _Optional[float] = ..., cache_evidence_age_s: _Optional[float] = ..., kv_events: _Optional[str] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost")
+    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost", "prefill", "pair_reason", "transfer_blocks")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,9 @@ class ExplainResponse(_message.Message):
     BODY_ERROR_FIELD_NUMBER: _ClassVar[int]
     MOVED_BY_FIELD_NUMBER: _ClassVar[int]
     PIN_LOST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PAIR_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     reason: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -116,7 +119,10 @@ class ExplainResponse(_message.Message):
     body_error: str
     moved_by: str
     pin_lost: str
-    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ..., moved_by: _Optional[str] = ..., pin_lost: _Optional[str] = ...) -> None: ...
+    prefill: str
+    pair_reason: str
+    transfer_blocks: int
+    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ..., moved_by: _Optional[str] = ..., pin_lost: _Optional[str] = ..., prefill: _Optional[str] = ..., pair_reason: _Optional[str] = ..., transfer_blocks: _Optional[int] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
