@@ -307,11 +307,18 @@ class Disaggregation(Section):
         ge=0,
     )
 
+    weigh_local: bool = option(
+        True,
+        "hop only if the prefill replica finishes the prompt sooner than the decode replica would; "
+        "false: whenever the decode replica lacks threshold_tokens (llm-d's threshold decider)",
+    )
+
     def pair_settings(self, block_tokens: int) -> PairSettings:
         """The pair's settings, with the KV block size in tokens."""
         return PairSettings(
             threshold_tokens=self.threshold_tokens,
             decode_interference=self.decode_interference,
+            weigh_local=self.weigh_local,
             block_tokens=max(1, block_tokens),
         )
 

@@ -52,7 +52,9 @@ class PairSettings:
     at ``max_kv_usage`` or more are passed over while another has room. Above the threshold a
     hop is made when the prefill replica would finish the prompt sooner than the decode replica
     (:func:`local_cost`, where ``decode_interference`` weighs the stall of each sequence
-    decoding there against the request's own wait). ``block_tokens`` is the KV block size.
+    decoding there against the request's own wait); without ``weigh_local`` it is made whenever
+    the decode replica lacks ``threshold_tokens`` or more, as llm-d's threshold decider does.
+    ``block_tokens`` is the KV block size.
     """
 
     threshold_tokens: int = 256
@@ -63,6 +65,7 @@ class PairSettings:
     max_kv_usage: float = 0.95
     decode_interference: float = 0.1
     block_tokens: int = 16
+    weigh_local: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold_tokens < 0 or self.block_tokens < 1:
@@ -186,7 +189,7 @@ def choose_prefill(
     if not prefillers:
         return aggregated(PairReason.NO_PREFILLER)
     prefill = min(prefillers, key=lambda s: (prefill_cost(s, inputs), s.name))
-    if local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
+    if settings.weigh_local and local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
         return aggregated(PairReason.LOCAL)
     bt = settings.block_tokens
     transfer = max(0, inputs.prompt_tokens // bt - held // bt)

@@ -55,6 +55,9 @@ class LocalGateway:
     engine_settings: EngineSettings = field(default_factory=EngineSettings)
     # With real engines: also give the processor the engines' KV events (else the estimate only).
     kv_events: bool = True
+    # Fake replicas served behind the fake of llm-d's routing sidecar (`extproc replica
+    # --sidecar-port`): the member's address is the sidecar's, the replica's own port another.
+    sidecars: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -73,6 +76,7 @@ class LocalGateway:
             Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
             for i in range(self.replicas)
         ]
+        self.backend_ports = {name: free_port() for name in self.sidecars}
         self.fleet = (
             VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
             if self.engine == "vllm"
@@ -138,11 +142,19 @@ class LocalGateway:
                 return f"http://{r.address}"
         raise KeyError(name)
 
+    def backend_url(self, name: str) -> str:
+        """A replica's own base URL: behind a sidecar, the replica's rather than the sidecar's."""
+        port = self.backend_ports.get(name)
+        return f"http://{HOST}:{port}" if port is not None else self.replica_url(name)
+
     def replica_argv(self, replica: Replica) -> list[str]:
         """The ``extproc replica`` command line of one member (the engine's, with real engines)."""
         if self.fleet is not None:
             return self.fleet.argv(replica)
         port = replica.address.rpartition(":")[2]
+        sidecar: list[str] = []
+        if replica.name in self.backend_ports:
+            sidecar, port = ["--sidecar-port", port], str(self.backend_ports[replica.name])
         argv = [
             sys.executable,
             "-m",
@@ -157,7 +169,7 @@ class LocalGateway:
         ]
         if self.time_scale is not None:
             argv += ["--time-scale", str(self.time_scale)]
-        return argv + list(self.replica_args.get(replica.name, ()))
+        return argv + sidecar + list(self.replica_args.get(replica.name, ()))
 
     def start_replica(self, replica: Replica) -> None:
         """Start (or restart) one replica and wait for /health (a real engine: on the same ports)."""
