@@ -18,6 +18,12 @@ class Replica:
     address: str
     weight: float = 1.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    role: Role = field(init=False, repr=False, compare=False)
+    """Its part in disaggregated serving, from its labels (:mod:`extproc.routing.roles`): read once,
+    since every decision asks it of every candidate."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", role_of(self.labels))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,7 @@ class ReplicaState:
     @property
     def role(self) -> Role:
         """Its part in disaggregated serving, from its labels (:mod:`extproc.routing.roles`)."""
-        return role_of(self.replica.labels)
+        return self.replica.role
 
     def work(self, tokens_per_request: int) -> int:
         """Outstanding work in prompt-token equivalents: prefills not yet answered, plus a fixed

@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 
 from extproc.request.features import FeatureSettings, RequestFeatures, uncached_tokens
 from extproc.routing.cordon import CordonFilter
-from extproc.routing.disagg import PairInputs, PairSettings, choose_prefill
+from extproc.routing.disagg import Pair, PairInputs, PairSettings, choose_prefill
 from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
@@ -94,6 +94,10 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+_PAIRING = PairSettings()
+_BLOCK_CHARS = FeatureSettings().block_chars
+
+
 @dataclass(frozen=True, slots=True)
 class DecisionInputs:
     """Everything one decision reads, as the router assembled it.
@@ -121,8 +125,8 @@ class DecisionInputs:
     hot: Mapping[int, int] | None = None
     prefix_key: str | int | None = None
     latency: LatencyView | None = None
-    pairing: PairSettings = field(default_factory=PairSettings)
-    block_chars: int = FeatureSettings().block_chars
+    pairing: PairSettings = _PAIRING
+    block_chars: int = _BLOCK_CHARS
 
     @classmethod
     def of(
@@ -152,8 +156,8 @@ class DecisionInputs:
             hot,
             profile.prefix_key(features),
             latency,
-            pairing if pairing is not None else PairSettings(),
-            block_chars if block_chars is not None else FeatureSettings().block_chars,
+            pairing if pairing is not None else _PAIRING,
+            block_chars if block_chars is not None else _BLOCK_CHARS,
         )
 
 
@@ -207,7 +211,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
             moved_by = flt.name
     # Where replicas carry roles, the decode replica is the pipeline's pick among those that
     # decode (a prefill-only replica never serves the request itself); the prefill hop is weighed
-    # after, over all the candidates (:func:`_paired`). A fleet without roles skips all of this.
+    # after, over all the candidates (:func:`_pair`). A fleet without roles skips all of this.
     everyone = candidates
     paired = any(c.role is not Role.BOTH for c in candidates)
     if paired:
@@ -232,25 +236,19 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         trace.order = [s.name for s in ordered]
         trace.predicted = dict(predictions(cycle, candidates))
     hot_set = tuple(sorted(cycle.hot_set or ()))
-    decision = _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
-    return _paired(given, features, decision, everyone, ordered[0]) if paired else decision
+    pair = _pair(given, features, everyone, ordered[0]) if paired else None
+    return _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by, pair)
 
 
-def _paired(
-    given: DecisionInputs,
-    features: RequestFeatures,
-    decision: Decision,
-    candidates: Sequence[ReplicaState],
-    decode: ReplicaState,
-) -> Decision:
-    """``decision`` with its prefill hop, if one repays itself (:func:`choose_prefill`): what each
+def _pair(
+    given: DecisionInputs, features: RequestFeatures, candidates: Sequence[ReplicaState], decode: ReplicaState
+) -> Pair:
+    """The prefill hop for ``decode``, if one repays itself (:func:`choose_prefill`): what each
     candidate holds of the prompt is its matched blocks in tokens, as the bookkeeping counts it."""
     prompt = features.estimated_prompt_tokens
     matches = given.view.prefix_matches
     cached = {c.name: prompt - uncached_tokens(features, matches.get(c.name, 0), given.block_chars) for c in candidates}
-    pair = choose_prefill(PairInputs(candidates, prompt, cached, given.view.pinned), decode, given.pairing)
-    prefill = pair.prefill.replica if pair.prefill is not None else None
-    return replace(decision, prefill=prefill, pair=pair.reason, transfer_blocks=pair.transfer_blocks)
+    return choose_prefill(PairInputs(candidates, prompt, cached, given.view.pinned), decode, given.pairing)
 
 
 class Decider(Protocol):
@@ -289,6 +287,7 @@ def _conclude(
     overloaded: frozenset[str],
     hot_set: tuple[str, ...] = (),
     moved_by: str = "",
+    pair: Pair | None = None,
 ) -> Decision:
     chosen = ordered[0]
     matched = view.prefix_matches.get(chosen.name, 0)
@@ -307,6 +306,9 @@ def _conclude(
         scores=totals,
         hot_set=hot_set,
         moved_by=moved_by,
+        prefill=pair.prefill.replica if pair is not None and pair.prefill is not None else None,
+        pair=pair.reason if pair is not None else None,
+        transfer_blocks=pair.transfer_blocks if pair is not None else 0,
     )
 
 
