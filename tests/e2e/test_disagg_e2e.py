@@ -193,3 +193,23 @@ async def test_a_prefill_replica_named_by_the_client_never_reaches_the_sidecar(g
         assert cached_tokens(long[2]) >= 800  # the router's own hop was made instead
         stats = await sidecar_stats(http, gw)
         assert spoofed not in stats["prefillers"]
+
+
+async def test_with_the_processor_down_envoy_itself_strips_a_clients_prefill_header(gw: LocalGateway) -> None:
+    """Failing open (the processor gone, Envoy's default route), the request reaches a replica
+    unrouted; Envoy's own header filter has taken the client's ``x-prefiller-host-port`` out, or a
+    decode replica's sidecar would send the prompt wherever it names. Runs last: it restarts the
+    processor."""
+    spoofed = "127.0.0.1:7"
+    async with aiohttp.ClientSession() as http:
+        gw.procs.stop("processor")
+        try:
+            answers = [
+                await post(http, gw.url, chat(f"unrouted {i} " + long_prompt()), {PREFILLER_HEADER: spoofed})
+                for i in range(12)
+            ]
+        finally:
+            gw.start_processor()
+        assert [status for status, _, _ in answers] == [200] * 12
+        assert {replica for _, replica, _ in answers} & set(DECODE)  # some went through a sidecar
+        assert spoofed not in (await sidecar_stats(http, gw))["prefillers"]
