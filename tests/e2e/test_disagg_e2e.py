@@ -33,21 +33,27 @@ CONFIG = "disaggregation:\n  weigh_local: false\n"
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
+def disaggregated_gateway(directory: Path, mode: str = "cluster") -> LocalGateway:
+    """Two prefill replicas, two decode replicas each behind its sidecar, Envoy in ``mode``."""
     require_binary("envoy")
-    config = Path(tmp_path_factory.mktemp("disagg")) / "router.yaml"
+    config = directory / "router.yaml"
     config.write_text(CONFIG)
     labels = {name: {ROLE_LABEL: "prefill"} for name in PREFILL} | {name: {ROLE_LABEL: "decode"} for name in DECODE}
     timeout = ("--sidecar-prefill-timeout-s", str(HOP_TIMEOUT_S))
-    with LocalGateway(
+    return LocalGateway(
         replicas=4,
+        mode=mode,
         time_scale=0.05,
         labels=labels,
         sidecars=DECODE,
         replica_args={name: timeout for name in DECODE},
         processor_args=("--config", str(config)),
-    ) as gateway:
+    )
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
+    with disaggregated_gateway(Path(tmp_path_factory.mktemp("disagg"))) as gateway:
         yield gateway
 
 
@@ -193,6 +199,19 @@ async def test_a_prefill_replica_named_by_the_client_never_reaches_the_sidecar(g
         assert cached_tokens(long[2]) >= 800  # the router's own hop was made instead
         stats = await sidecar_stats(http, gw)
         assert spoofed not in stats["prefillers"]
+
+
+async def test_in_endpoint_mode_the_hop_is_made_the_same_way(tmp_path: Path) -> None:
+    """GIE's protocol: the decode replica's sidecar is the endpoint Envoy is told to use, the
+    prefill replica still named in the header beside it."""
+    with disaggregated_gateway(tmp_path, mode="endpoint") as endpoint_gw:
+        async with client(endpoint_gw) as http:
+            answers = await send_long(http, endpoint_gw, 4)
+            assert [status for status, _, _ in answers] == [200] * 4
+            assert {replica for _, replica, _ in answers} <= set(DECODE)
+            assert all(cached >= 800 for _, _, cached in answers), answers
+            stats = await sidecar_stats(http, endpoint_gw)
+            assert stats["hops"] == 4 and stats["failed_hops"] == 0
 
 
 async def test_with_the_processor_down_envoy_itself_strips_a_clients_prefill_header(gw: LocalGateway) -> None:
