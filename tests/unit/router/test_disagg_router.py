@@ -17,6 +17,7 @@ from extproc.router import Router
 from extproc.routing.model import Replica
 from extproc.routing.roles import ROLE_LABEL, PairReason
 from extproc.server.stream import RequestStream
+from extproc.tracing import DecisionTracer
 from tests.conftest import body_message, headers_message, make_config, response_headers_message
 from tests.helpers import Clock, metric_value
 
@@ -146,3 +147,14 @@ def test_the_headers_answer_strips_a_clients_prefill_header_before_the_body() ->
         return list(answer.request_headers.response.header_mutation.remove_headers)
 
     assert PREFILLER_HEADER in asyncio.run(run())
+
+
+def test_the_decision_span_carries_the_pair() -> None:
+    r = router()
+    hop = asyncio.run(r.explain({":path": CHAT, "x-session-id": "s"}, body(LONG)))
+    attrs = DecisionTracer._attributes(hop.features, hop.decision, 2, "default")
+    assert attrs["extproc.pair"] == "disaggregated" and attrs["extproc.prefill.replica"] == "p0"
+    assert attrs["extproc.prefill.transfer_blocks"] == hop.decision.transfer_blocks
+    short = asyncio.run(r.explain({":path": CHAT}, body("hi")))
+    attrs = DecisionTracer._attributes(short.features, short.decision, 2, "default")
+    assert attrs["extproc.pair"] == "short" and "extproc.prefill.replica" not in attrs
