@@ -94,6 +94,9 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+ROLE_STEP = "role"
+"""The step that keeps only replicas that decode, where replicas carry roles (in the trace and as
+``Decision.moved_by``)."""
 _PAIRING = PairSettings()
 _BLOCK_CHARS = FeatureSettings().block_chars
 
@@ -215,9 +218,16 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     everyone = candidates
     paired = any(c.role is not Role.BOTH for c in candidates)
     if paired:
-        candidates = [c for c in candidates if c.role.decodes]
+        decoders = [c for c in candidates if c.role.decodes]
+        if trace is not None:
+            step = FilterPass(ROLE_STEP)
+            step.removed = [(c.name, "prefill only (llm-d.ai/role)") for c in candidates if not c.role.decodes]
+            trace.filters.append(step)
+        candidates = decoders
+        if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):
+            moved_by = ROLE_STEP
         if not candidates:
-            return Decision(replica=None, reason=Reason.NO_REPLICA, pair=PairReason.NO_DECODER)
+            return Decision(replica=None, reason=Reason.NO_REPLICA, pair=PairReason.NO_DECODER, moved_by=moved_by)
     totals: dict[str, float] = {c.name: 0.0 for c in candidates}
     for weighted in profile.scorers:
         scores = weighted.scorer.score(cycle, candidates)

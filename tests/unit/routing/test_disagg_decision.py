@@ -9,6 +9,7 @@ from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState,
 from extproc.routing.disagg import PairSettings
 from extproc.routing.model import Decision, Reason
 from extproc.routing.roles import ROLE_LABEL, PairReason
+from extproc.routing.trace import DecisionTrace
 
 CHAT = "/v1/chat/completions"
 LLM_D = PairSettings(weigh_local=False)  # a hop whenever the decode replica lacks 256 tokens
@@ -88,3 +89,15 @@ def test_a_fleet_without_roles_decides_as_before_and_has_no_pair() -> None:
         with_pairing = decided(f, plain)
         assert with_pairing.pair is None and with_pairing.prefill is None
         assert with_pairing == decide(DecisionInputs.of(f, plain, AffinityView(), 0.0, build_profile()))
+
+
+def test_the_trace_names_the_role_step_and_a_pin_on_a_prefill_replica_moves_by_it() -> None:
+    trace = DecisionTrace()
+    f = features("s", 4000)
+    view = AffinityView(pinned="p0")  # pinned before the fleet had roles
+    d = decide(DecisionInputs.of(f, ROLES, view, 0.0, build_profile(), pairing=LLM_D), trace=trace)
+    assert d.replica is not None and d.replica.name in {"d0", "d1"} and d.moved_by == "role"
+    removed = trace.removed_by()
+    assert removed["p0"] == ("role", "prefill only (llm-d.ai/role)") and "p1" in removed
+    assert set(trace.totals) == {"d0", "d1"}
+    assert d == decide(DecisionInputs.of(f, ROLES, view, 0.0, build_profile(), pairing=LLM_D))
