@@ -7,6 +7,12 @@ later judge), the tenant's requests in flight. Each hook is told when the reques
 its first byte came back (its prefill is over) and when it ended; the last is called once,
 whatever ended it (the response, a reset stream, a refused request). The store's pin and prefix
 index are written by the router itself: that step is I/O and may fail.
+
+A disaggregated request (its decision names a prefill replica) is counted on both replicas: on
+the decode replica as any request (its KV, the part of the prompt it lacks), and on the prefill
+replica as a :class:`PrefillHop`: the tokens it computes are pending there, its prompt in flight
+there, until the decode replica's first byte, the only one the router sees (the sidecar makes
+the hop behind it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,21 @@ from extproc.request.splits import Arm
 from extproc.routing.latency import LoadPoint
 from extproc.routing.model import AffinityView, Decision
 from extproc.tenancy import TenantLedger
+
+
+@dataclass(slots=True)
+class PrefillHop:
+    """What a disaggregated request is counted for on its prefill replica until its first byte."""
+
+    replica: str
+    tokens: int = 0
+    """Prompt tokens not believed cached there: what it computes, pending there."""
+    matched_blocks: int = 0
+    """Prompt blocks believed held there (its prompt is in flight there meanwhile)."""
+    claimed_tokens: int = 0
+    """Prompt tokens the prefix index claimed cached there, for its hit counters to judge."""
+    over: bool = False
+    """The first byte came back, or the request ended: nothing is counted there any more."""
 
 
 @dataclass(slots=True)
@@ -74,6 +95,8 @@ class Routed:
     reserved), when metered."""
     strip_usage: bool = False
     """The router asked the stream for its usage: the client did not, so that chunk is taken out."""
+    hop: PrefillHop | None = None
+    """The prefill hop, when the decision disaggregates the request (``decision.prefill``)."""
 
 
 class Hook(Protocol):
@@ -103,16 +126,26 @@ class LoadHook:
         """Count it: what it adds to the replica's KV is the part not believed cached (a shared
         prefix is held once, however many requests use it)."""
         self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
+        if routed.hop is not None:
+            self.book.hop(routed.hop.replica, routed.hop.tokens)
 
     def answered(self, routed: Routed, replica: str) -> None:
-        """Its prefill no longer waits."""
+        """Its prefill no longer waits (on its prefill replica either)."""
         self.book.prefilled(replica, routed.prefill_tokens)
         routed.prefill_tokens = 0
+        self._hop_over(routed)
 
     def ended(self, routed: Routed, replica: str) -> None:
         """Uncount it."""
         self.book.end(replica, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
         routed.prefill_tokens = 0
+        self._hop_over(routed)
+
+    def _hop_over(self, routed: Routed) -> None:
+        hop = routed.hop
+        if hop is not None and hop.tokens:
+            self.book.prefilled(hop.replica, hop.tokens)
+            hop.tokens = 0
 
 
 class ObjectiveObserver(Protocol):
@@ -188,22 +221,37 @@ class CacheHook:
         self.caches = caches
 
     def decided(self, routed: Routed, replica: str, now: float) -> None:
-        """Its prompt is in flight there."""
+        """Its prompt is in flight there (and on its prefill replica, which computes it)."""
         self.caches.sent(replica, routed.features, routed.decision.matched_blocks, now)
+        if routed.hop is not None:
+            self.caches.sent(routed.hop.replica, routed.features, routed.hop.matched_blocks, now)
 
     def answered(self, routed: Routed, replica: str) -> None:
-        """Its claim is weighed against the hits the replica reports from now on."""
+        """Its claim is weighed against the hits the replica reports from now on; its prefill
+        replica is done with it."""
         self._settle(routed, replica)
+        self._hop_over(routed)
 
     def ended(self, routed: Routed, replica: str) -> None:
         """Its prompt is no longer in flight (its claim settled if no first byte was seen)."""
         self._settle(routed, replica)
         self.caches.ended(replica, routed.features)
+        self._hop_over(routed)
 
     def _settle(self, routed: Routed, replica: str) -> None:
         if routed.claimed_tokens or routed.sent_tokens:
             self.caches.prefilled(replica, routed.claimed_tokens, routed.sent_tokens)
             routed.claimed_tokens = routed.sent_tokens = 0
+
+    def _hop_over(self, routed: Routed) -> None:
+        hop = routed.hop
+        if hop is None or hop.over:
+            return
+        hop.over = True
+        # The prefill replica computed the whole prompt but what it held: its hit counters judge
+        # the index's claim there as they do on any replica.
+        self.caches.prefilled(hop.replica, hop.claimed_tokens, routed.features.estimated_prompt_tokens)
+        self.caches.ended(hop.replica, routed.features)
 
 
 class TenantHook:

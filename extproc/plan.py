@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.bookkeeping import Routed
+from extproc.request.kv_transfer import prefiller_header
 from extproc.router import Router
 from extproc.routing.model import Reason
 from extproc.tracing import TRACEPARENT
@@ -183,6 +184,8 @@ class Planner:
         headers = [*target, *cfg.upstream.request_headers(features.stream, features.max_output_tokens)]
         if routed.traceparent is not None:  # the replica continues the trace under the decision
             headers.append((TRACEPARENT, routed.traceparent))
+        if decision.prefill is not None:  # the decode replica's sidecar makes the prefill hop
+            headers.append(prefiller_header(decision.prefill.address))
         names = {name for name, _ in headers}
         removals = tuple(h for h in self.strip if h not in names)
         return Forward((*headers, *length), removals, to_replica=True, lb_metadata=lb, body=routed.body)

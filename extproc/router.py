@@ -25,6 +25,7 @@ from extproc.bookkeeping import (
     LatencyHook,
     LoadHook,
     ObjectiveHook,
+    PrefillHop,
     Routed,
     TenantHook,
     answered,
@@ -146,6 +147,7 @@ class Router:
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
         block_tokens = config.features.block_chars // CHARS_PER_TOKEN
+        self.pairing = config.disaggregation.pair_settings(block_tokens)  # read where replicas carry roles
         self.caches = ReplicaCaches(self.replicas, self.store, block_tokens, kv_events)
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
@@ -324,10 +326,14 @@ class Router:
             routed.sent_tokens = features.estimated_prompt_tokens
             claimed = cached.claims.get(replica.name, 0)
             routed.claimed_tokens = routed.sent_tokens - uncached_tokens(features, claimed, block_chars)
+            if decision.prefill is not None:
+                routed.hop = self._hop(features, decision.prefill.name, given.view, cached)
+                routed.prefill_tokens = 0  # the decode replica takes the prompt's blocks, computes none
             if self._learn_on_objective and (features.slo_ttft_ms is not None or features.slo_tpot_ms is not None):
                 self.latency.wanted()
             state = given.snapshot.get(replica.name)
-            if state is not None and self.latency.learning:
+            # A hop's first byte is two replicas' work: not the decode replica's latency to learn.
+            if state is not None and routed.hop is None and self.latency.learning:
                 routed.load_point = LoadPoint.of(state, routed.prefill_tokens)
             decided(self.hooks, routed, start)
             if self.warmer is not None:
@@ -342,6 +348,10 @@ class Router:
                     decision.pin,
                     model=features.model,
                 )
+                if decision.prefill is not None:  # it holds the prompt too once it prefilled it
+                    await self.store.record(
+                        None, decision.prefill.name, features.prefix_hashes, start, False, model=features.model
+                    )
             except Exception as exc:
                 self.metrics.store_error("record")
                 log.debug("store record failed: %s", exc)
@@ -385,6 +395,13 @@ class Router:
 
         return ready
 
+    def _hop(self, features: RequestFeatures, name: str, view: AffinityView, cached: CacheView) -> PrefillHop:
+        """What a prefill hop to ``name`` is counted for there (:class:`PrefillHop`)."""
+        block_chars = self.config.features.block_chars
+        matched = view.prefix_matches.get(name, 0)
+        claimed = features.estimated_prompt_tokens - uncached_tokens(features, cached.claims.get(name, 0), block_chars)
+        return PrefillHop(name, uncached_tokens(features, matched, block_chars), matched, claimed)
+
     def inputs(
         self, features: RequestFeatures, stored: AffinityView, now: float, *, explain: bool = False
     ) -> tuple[DecisionInputs, CacheView]:
@@ -401,6 +418,8 @@ class Router:
             self.tenants.terms(features.tenant, len(self.replicas)),
             cordons=self.fleet.cordons,
             latency=self.latency.view(),
+            pairing=self.pairing,
+            block_chars=self.config.features.block_chars,
         )
         return given, cached
 
@@ -483,6 +502,10 @@ class Router:
         m = self.metrics
         m.decisions.labels(decision.reason.value, m.model_label(features.model or "none")).inc()
         m.decision_seconds.observe(now - start)
+        if decision.pair is not None:
+            m.disaggregated(
+                decision.pair.value, decision.prefill.name if decision.prefill else None, decision.transfer_blocks
+            )
         if decision.total_blocks:
             m.prefix_blocks.inc(decision.total_blocks)
             m.prefix_blocks_matched.inc(decision.matched_blocks)
@@ -509,6 +532,8 @@ class Router:
                     "matched_blocks": decision.matched_blocks,
                     "total_blocks": decision.total_blocks,
                     "moved_by": decision.moved_by,
+                    "prefill": decision.prefill.name if decision.prefill else None,
+                    "pair": decision.pair.value if decision.pair else None,
                     "stream": features.stream,
                     "decision_ms": round((now - start) * 1000, 3),
                 },

@@ -136,6 +136,11 @@ class DecisionTracer:
                 attrs["server.port"] = int(port)
         if decision.moved_by:
             attrs["extproc.moved_by"] = decision.moved_by
+        if decision.pair is not None:  # a fleet with roles: the pair, and its prefill hop if any
+            attrs["extproc.pair"] = decision.pair.value
+            if decision.prefill is not None:
+                attrs["extproc.prefill.replica"] = decision.prefill.name
+                attrs["extproc.prefill.transfer_blocks"] = decision.transfer_blocks
         if features.request_id:
             attrs["extproc.request_id"] = features.request_id
         return attrs

@@ -262,6 +262,9 @@ def render(call: str, reply: Any) -> str:
         )
         if reply.body_error:
             head += f"body: {reply.body_error}\n"
+        if reply.pair_reason:
+            hop = f"prefill on {reply.prefill}, {reply.transfer_blocks} blocks cross" if reply.prefill else "no hop"
+            head += f"pair {reply.pair_reason}: decode on {reply.replica or '-'}, {hop}\n"
         if reply.moved_by:
             head += f"moved off {reply.pinned} by {reply.moved_by}\n"
         elif reply.pin_lost:

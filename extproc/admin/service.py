@@ -92,6 +92,9 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
         objective_predicted=outcome,
         on_miss=ex.on_miss,
         objective_why=why if outcome else "",
+        prefill=d.prefill.name if d.prefill is not None else "",
+        pair_reason=d.pair.value if d.pair is not None else "",
+        transfer_blocks=d.transfer_blocks,
     )
 
 

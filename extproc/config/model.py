@@ -29,9 +29,11 @@ from extproc.queueing.settings import QueueSettings
 from extproc.rebalance.rebalancer import RebalanceSettings
 from extproc.request.classes import ClassRule
 from extproc.request.features import FeatureSettings
+from extproc.request.kv_transfer import PREFILLER_HEADER
 from extproc.request.objectives import Objectives
 from extproc.request.session import SessionSource
 from extproc.request.splits import SplitRule, SplitTarget
+from extproc.routing.disagg import PairSettings
 from extproc.routing.model import Replica
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.state.store_url import parse_store_url
@@ -293,6 +295,35 @@ class Spillover(Section):
     repin: bool = option(False, "move the session's pin to where it spilled (else it returns when the load drops)")
 
 
+class Disaggregation(Section):
+    """``disaggregation:``: how a prefill/decode pair is weighed where replicas carry roles
+    (``llm-d.ai/role``; docs/disaggregation.md). A fleet without roles never reads it."""
+
+    threshold_tokens: int = option(
+        PairSettings().threshold_tokens, "prompt tokens the decode replica lacks below which it prefills itself", ge=0
+    )
+    decode_interference: float = option(
+        PairSettings().decode_interference,
+        "the stall of each sequence decoding, per prompt token a decode replica prefills itself",
+        ge=0,
+    )
+
+    weigh_local: bool = option(
+        True,
+        "hop only if the prefill replica finishes the prompt sooner than the decode replica would; "
+        "false: whenever the decode replica lacks threshold_tokens (llm-d's threshold decider)",
+    )
+
+    def pair_settings(self, block_tokens: int) -> PairSettings:
+        """The pair's settings, with the KV block size in tokens."""
+        return PairSettings(
+            threshold_tokens=self.threshold_tokens,
+            decode_interference=self.decode_interference,
+            weigh_local=self.weigh_local,
+            block_tokens=max(1, block_tokens),
+        )
+
+
 # --- request classes ------------------------------------------------------------------------------
 
 
@@ -479,6 +510,7 @@ class Config(Section):
     )
     health: HealthSettings = option(HealthSettings(), "replica health and rotation")
     spillover: Spillover = option(Spillover(), "overloaded replicas")
+    disaggregation: Disaggregation = option(Disaggregation(), "prefill/decode pairs, where replicas carry roles")
     upstream: UpstreamTimeouts = option(UpstreamTimeouts(), "how long Envoy waits for a replica")
     kv_events: KvEventSettings = option(KvEventSettings(), "vLLM's KV-cache events")
     rebalance: RebalanceSettings = option(RebalanceSettings(), "moving sessions")
@@ -550,5 +582,11 @@ class Config(Section):
 
     @property
     def routing_headers(self) -> tuple[str, ...]:
-        """Headers a client must never set itself."""
-        return (self.headers.target_cluster, self.headers.destination_endpoint, self.upstream.stream_header)
+        """Headers a client must never set itself (the prefill replica's among them: a client naming
+        one would have the decode replica's sidecar send its prompt anywhere)."""
+        return (
+            self.headers.target_cluster,
+            self.headers.destination_endpoint,
+            self.upstream.stream_header,
+            PREFILLER_HEADER,
+        )

@@ -112,6 +112,7 @@ from extproc.envoy_config.spec import (
     GatewaySpec,
     ProcessorTls,
 )
+from extproc.request.kv_transfer import PREFILLER_HEADER
 from extproc.upstream_timeouts import ANSWERED_BY_HEADER, PER_TRY_TIMEOUT_HEADER
 
 
@@ -168,7 +169,15 @@ def header_mutation_filter(spec: GatewaySpec) -> HttpFilter:
     chain is the last on the way back)."""
     removals = [
         HeaderMutationRule(remove=name)
-        for name in (spec.cluster_header, spec.endpoint_header, spec.stream_header, PER_TRY_TIMEOUT_HEADER)
+        for name in (
+            spec.cluster_header,
+            spec.endpoint_header,
+            spec.stream_header,
+            PER_TRY_TIMEOUT_HEADER,
+            # Past a processor that is down (failure_mode_allow), a decode replica's sidecar
+            # would otherwise make a prefill hop to wherever the client said.
+            PREFILLER_HEADER,
+        )
     ]
     mutations = Mutations(
         request_mutations=removals, response_mutations=[HeaderMutationRule(remove=ANSWERED_BY_HEADER)]

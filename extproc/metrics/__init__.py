@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from extproc.routing.model import Reason
+from extproc.routing.roles import PairReason
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 MAX_MODEL_LABELS = 32
@@ -130,6 +131,26 @@ class RouterMetrics:
         self.prefix_blocks_round_robin = Counter(
             "extproc_prefix_blocks_expected_round_robin",
             "Prefix blocks a replica picked uniformly at random would have held (the round-robin expectation).",
+            registry=r,
+        )
+        self.disagg_decisions = Counter(
+            "extproc_disagg_decisions",
+            "Decisions where replicas carry roles (llm-d.ai/role), by the pair's outcome: disaggregated "
+            "(a prefill hop), short, held, local, no_prefiller (aggregated on the decode replica), no_decoder.",
+            ["outcome"],
+            registry=r,
+        )
+        for pair_reason in PairReason:
+            self.disagg_decisions.labels(pair_reason.value)
+        self.prefill_hops = Counter(
+            "extproc_disagg_prefill_hops",
+            "Prefill hops asked of a replica for requests another replica decodes (x-prefiller-host-port).",
+            ["replica"],
+            registry=r,
+        )
+        self.transfer_blocks = Counter(
+            "extproc_disagg_transfer_blocks",
+            "KV blocks expected to cross from prefill to decode replicas (those the decode replica lacks).",
             registry=r,
         )
         self.discovery_lists = Counter(
@@ -355,6 +376,13 @@ class RouterMetrics:
     def _new_model(self, model: str) -> None:
         for reason in Reason:
             self.decisions.labels(reason.value, model)
+
+    def disaggregated(self, outcome: str, prefill: str | None, transfer_blocks: int) -> None:
+        """One decision over replicas with roles: its outcome, and its prefill hop if it made one."""
+        self.disagg_decisions.labels(outcome).inc()
+        if prefill is not None:
+            self.prefill_hops.labels(prefill).inc()
+            self.transfer_blocks.inc(transfer_blocks)
 
     def replica_seen(self, replica: str) -> None:
         """Create a replica's counter series at zero (called for every member at each scrape)."""

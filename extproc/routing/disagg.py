@@ -21,28 +21,23 @@ own prefix cache first), so ``Pair.transfer_blocks`` counts those.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.routing.model import ReplicaState
+from extproc.routing.roles import PairReason
 
-
-class PairReason(enum.StrEnum):
-    """Why a pair is what it is (a metric label: keep the set small)."""
-
-    DISAGGREGATED = "disaggregated"
-    """Prefilled on one replica, decoded on another."""
-    SHORT = "short"
-    """The prompt is below the threshold: aggregated on the decode replica."""
-    HELD = "held"
-    """The decode replica holds all but fewer than the threshold's tokens: aggregated there."""
-    LOCAL = "local"
-    """The decode replica would finish what it lacks of the prompt as soon as any prefill replica."""
-    NO_PREFILLER = "no_prefiller"
-    """No other replica may prefill: aggregated on the decode replica."""
-    NO_DECODER = "no_decoder"
-    """No candidate may decode: no pair."""
+__all__ = [
+    "Pair",
+    "PairInputs",
+    "PairReason",
+    "PairSettings",
+    "choose_pair",
+    "choose_prefill",
+    "decode_scores",
+    "local_cost",
+    "prefill_cost",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +52,9 @@ class PairSettings:
     at ``max_kv_usage`` or more are passed over while another has room. Above the threshold a
     hop is made when the prefill replica would finish the prompt sooner than the decode replica
     (:func:`local_cost`, where ``decode_interference`` weighs the stall of each sequence
-    decoding there against the request's own wait). ``block_tokens`` is the KV block size.
+    decoding there against the request's own wait); without ``weigh_local`` it is made whenever
+    the decode replica lacks ``threshold_tokens`` or more, as llm-d's threshold decider does.
+    ``block_tokens`` is the KV block size.
     """
 
     threshold_tokens: int = 256
@@ -68,6 +65,7 @@ class PairSettings:
     max_kv_usage: float = 0.95
     decode_interference: float = 0.1
     block_tokens: int = 16
+    weigh_local: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold_tokens < 0 or self.block_tokens < 1:
@@ -164,9 +162,23 @@ def choose_pair(inputs: PairInputs, settings: PairSettings | None = None) -> Pai
     roomy = [s for s in decoders if s.kv_usage < settings.max_kv_usage] or decoders
     pinned = next((s for s in roomy if s.name == inputs.pinned), None)
     decode = pinned if pinned is not None else _best(roomy, scores)
+    return choose_prefill(inputs, decode, settings, scores)
+
+
+def choose_prefill(
+    inputs: PairInputs,
+    decode: ReplicaState,
+    settings: PairSettings | None = None,
+    scores: Mapping[str, float] | None = None,
+) -> Pair:
+    """Whether and where to prefill for ``decode``, a decode replica already chosen (by
+    :func:`choose_pair`, or by the pipeline's scorers and picker among the decode-capable
+    candidates): steps 2 and 3 of the module docstring. ``scores`` are carried into the pair."""
+    settings = settings or PairSettings()
     held = min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(decode.name, 0)))
     new_tokens = inputs.prompt_tokens - held
-    sticky = pinned is not None
+    sticky = decode.name == inputs.pinned
+    scores = scores if scores is not None else {}
 
     def aggregated(reason: PairReason) -> Pair:
         return Pair(decode, None, reason, new_tokens, 0, sticky, scores)
@@ -177,7 +189,7 @@ def choose_pair(inputs: PairInputs, settings: PairSettings | None = None) -> Pai
     if not prefillers:
         return aggregated(PairReason.NO_PREFILLER)
     prefill = min(prefillers, key=lambda s: (prefill_cost(s, inputs), s.name))
-    if local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
+    if settings.weigh_local and local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
         return aggregated(PairReason.LOCAL)
     bt = settings.block_tokens
     transfer = max(0, inputs.prompt_tokens // bt - held // bt)

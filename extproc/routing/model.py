@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.routing.roles import Role, role_of
+from extproc.routing.roles import PairReason, Role, role_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +18,12 @@ class Replica:
     address: str
     weight: float = 1.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    role: Role = field(init=False, repr=False, compare=False)
+    """Its part in disaggregated serving, from its labels (:mod:`extproc.routing.roles`): read once,
+    since every decision asks it of every candidate."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", role_of(self.labels))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,7 @@ class ReplicaState:
     @property
     def role(self) -> Role:
         """Its part in disaggregated serving, from its labels (:mod:`extproc.routing.roles`)."""
-        return role_of(self.replica.labels)
+        return self.replica.role
 
     def work(self, tokens_per_request: int) -> int:
         """Outstanding work in prompt-token equivalents: prefills not yet answered, plus a fixed
@@ -152,3 +158,11 @@ class Decision:
     """The request has latency objectives and every candidate left is predicted, by a warm latency
     model, to miss them (:func:`extproc.routing.latency.every_candidate_misses`); what then
     becomes of it is its class's ``on_miss``, the router's to carry out."""
+    prefill: Replica | None = None
+    """The replica that prefills the prompt for ``replica`` (the decode replica), when the pair is
+    disaggregated (:mod:`extproc.routing.disagg`); None: ``replica`` serves the whole request."""
+    pair: PairReason | None = None
+    """Why the pair is what it is, for fleets whose candidates carry roles; None for an aggregated
+    fleet (no replica labelled ``llm-d.ai/role`` prefill or decode)."""
+    transfer_blocks: int = 0
+    """KV blocks that cross from ``prefill`` to ``replica`` (0 without a prefill hop)."""

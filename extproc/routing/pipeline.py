@@ -6,13 +6,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
-from extproc.request.features import RequestFeatures
+from extproc.request.features import FeatureSettings, RequestFeatures, uncached_tokens
 from extproc.routing.cordon import CordonFilter
+from extproc.routing.disagg import Pair, PairInputs, PairSettings, choose_prefill
 from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, every_candidate_misses, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
+from extproc.routing.roles import PairReason, Role
 from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass
 
 KeySource = Literal["session", "prefix", "request", "none"]
@@ -92,6 +94,13 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+ROLE_STEP = "role"
+"""The step that keeps only replicas that decode, where replicas carry roles (in the trace and as
+``Decision.moved_by``)."""
+_PAIRING = PairSettings()
+_BLOCK_CHARS = FeatureSettings().block_chars
+
+
 @dataclass(frozen=True, slots=True)
 class DecisionInputs:
     """Everything one decision reads, as the router assembled it.
@@ -103,7 +112,10 @@ class DecisionInputs:
     ``hot`` the hot prefixes' fingerprints and how many replicas each should have
     (:mod:`extproc.routing.hot`), ``prefix_key`` the request's prefix ring key as the profile
     computes it (:meth:`Profile.prefix_key`; computed once per request by the router), ``latency``
-    the replicas' latency models (:mod:`extproc.routing.latency`).
+    the replicas' latency models (:mod:`extproc.routing.latency`), ``pairing`` how a disaggregated
+    pair is weighed where the candidates carry roles (:mod:`extproc.routing.disagg`), and
+    ``block_chars`` the characters of a prefix block (what a match is worth in tokens without a
+    tokenizer).
     """
 
     features: RequestFeatures
@@ -116,6 +128,8 @@ class DecisionInputs:
     hot: Mapping[int, int] | None = None
     prefix_key: str | int | None = None
     latency: LatencyView | None = None
+    pairing: PairSettings = _PAIRING
+    block_chars: int = _BLOCK_CHARS
 
     @classmethod
     def of(
@@ -130,9 +144,24 @@ class DecisionInputs:
         cordons: Mapping[str, str] | None = None,
         hot: Mapping[int, int] | None = None,
         latency: LatencyView | None = None,
+        pairing: PairSettings | None = None,
+        block_chars: int | None = None,
     ) -> DecisionInputs:
         """The inputs with the prefix key computed from ``profile``."""
-        return cls(features, snapshot, view, now, profile, tenant, cordons, hot, profile.prefix_key(features), latency)
+        return cls(
+            features,
+            snapshot,
+            view,
+            now,
+            profile,
+            tenant,
+            cordons,
+            hot,
+            profile.prefix_key(features),
+            latency,
+            pairing if pairing is not None else _PAIRING,
+            block_chars if block_chars is not None else _BLOCK_CHARS,
+        )
 
 
 def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
@@ -183,6 +212,22 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         candidates = flt.filter(cycle, candidates) if trace is None else _traced_filter(flt, cycle, candidates, trace)
         if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):
             moved_by = flt.name
+    # Where replicas carry roles, the decode replica is the pipeline's pick among those that
+    # decode (a prefill-only replica never serves the request itself); the prefill hop is weighed
+    # after, over all the candidates (:func:`_pair`). A fleet without roles skips all of this.
+    everyone = candidates
+    paired = any(c.role is not Role.BOTH for c in candidates)
+    if paired:
+        decoders = [c for c in candidates if c.role.decodes]
+        if trace is not None:
+            step = FilterPass(ROLE_STEP)
+            step.removed = [(c.name, "prefill only (llm-d.ai/role)") for c in candidates if not c.role.decodes]
+            trace.filters.append(step)
+        candidates = decoders
+        if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):
+            moved_by = ROLE_STEP
+        if not candidates:
+            return Decision(replica=None, reason=Reason.NO_REPLICA, pair=PairReason.NO_DECODER, moved_by=moved_by)
     totals: dict[str, float] = {c.name: 0.0 for c in candidates}
     for weighted in profile.scorers:
         scores = weighted.scorer.score(cycle, candidates)
@@ -201,10 +246,24 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         trace.order = [s.name for s in ordered]
         trace.predicted = dict(predictions(cycle, candidates))
     hot_set = tuple(sorted(cycle.hot_set or ()))
-    decision = _conclude(features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by)
+    pair = _pair(given, features, everyone, ordered[0]) if paired else None
+    decision = _conclude(
+        features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by, pair
+    )
     if every_candidate_misses(cycle, candidates):
         decision = replace(decision, objective_missed=True)
     return decision
+
+
+def _pair(
+    given: DecisionInputs, features: RequestFeatures, candidates: Sequence[ReplicaState], decode: ReplicaState
+) -> Pair:
+    """The prefill hop for ``decode``, if one repays itself (:func:`choose_prefill`): what each
+    candidate holds of the prompt is its matched blocks in tokens, as the bookkeeping counts it."""
+    prompt = features.estimated_prompt_tokens
+    matches = given.view.prefix_matches
+    cached = {c.name: prompt - uncached_tokens(features, matches.get(c.name, 0), given.block_chars) for c in candidates}
+    return choose_prefill(PairInputs(candidates, prompt, cached, given.view.pinned), decode, given.pairing)
 
 
 class Decider(Protocol):
@@ -243,6 +302,7 @@ def _conclude(
     overloaded: frozenset[str],
     hot_set: tuple[str, ...] = (),
     moved_by: str = "",
+    pair: Pair | None = None,
 ) -> Decision:
     chosen = ordered[0]
     matched = view.prefix_matches.get(chosen.name, 0)
@@ -261,6 +321,9 @@ def _conclude(
         scores=totals,
         hot_set=hot_set,
         moved_by=moved_by,
+        prefill=pair.prefill.replica if pair is not None and pair.prefill is not None else None,
+        pair=pair.reason if pair is not None else None,
+        transfer_blocks=pair.transfer_blocks if pair is not None else 0,
     )
 
 

@@ -4,6 +4,9 @@ llm-d's guides deploy prefill and decode pods of one model side by side and tell
 the pod label ``llm-d.ai/role``: ``prefill``, ``decode``, or ``both`` for a pod that serves
 whole requests (aggregated; some of llm-d's components also write ``prefill-decode``). A replica
 without the label serves whole requests, as every replica did before disaggregation.
+
+Why a pair is what it is (:class:`PairReason`) lives here, beside the roles, so that the decision
+(:class:`~extproc.routing.model.Decision`) can carry it without importing the pair's module.
 """
 
 from __future__ import annotations
@@ -49,3 +52,20 @@ def role_of(labels: Mapping[str, str]) -> Role:
         return Role(value)
     except ValueError:
         return Role.BOTH
+
+
+class PairReason(enum.StrEnum):
+    """Why a pair is what it is (a metric label: keep the set small)."""
+
+    DISAGGREGATED = "disaggregated"
+    """Prefilled on one replica, decoded on another."""
+    SHORT = "short"
+    """The prompt is below the threshold: aggregated on the decode replica."""
+    HELD = "held"
+    """The decode replica holds all but fewer than the threshold's tokens: aggregated there."""
+    LOCAL = "local"
+    """The decode replica would finish what it lacks of the prompt as soon as any prefill replica."""
+    NO_PREFILLER = "no_prefiller"
+    """No other replica may prefill: aggregated on the decode replica."""
+    NO_DECODER = "no_decoder"
+    """No candidate may decode: no pair."""

@@ -40,6 +40,18 @@ def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="time a decode hop takes to pull one KV block from a prefill replica (the profile's overridden)",
     )
+    p.add_argument(
+        "--sidecar-port",
+        type=int,
+        default=None,
+        help="also serve a fake of llm-d's routing sidecar on this port, in front of this replica",
+    )
+    p.add_argument(
+        "--sidecar-prefill-timeout-s",
+        type=float,
+        default=30.0,
+        help="the sidecar's bound on a prefill hop, after which it decodes without it",
+    )
     p.add_argument("--lora-adapters", default="", metavar="A,B", help="LoRA adapters loaded at start (comma-separated)")
     p.add_argument("--max-lora", type=int, default=None, help="LoRA adapter slots (default: one per --lora-adapters)")
     p.add_argument(
@@ -72,31 +84,43 @@ def run_replica_command(args: argparse.Namespace) -> int:
     if args.kv_transfer_ms_per_block is not None and args.kv_transfer_ms_per_block < 0:
         print("extproc replica: --kv-transfer-ms-per-block must not be negative", file=sys.stderr)
         return 2
-    asyncio.run(
-        _until_signalled(
-            serve_replica(
-                args.name,
-                args.host,
-                args.port,
-                args.profile,
-                args.model,
-                args.time_scale,
-                lora_adapters=adapters,
-                max_lora=args.max_lora,
-                lora_on_demand=args.lora_on_demand,
-                tokenizer_dir=args.tokenizer,
-                kv_events=args.kv_events,
-                kv_replay=args.kv_replay,
-                kv_events_encoding=args.kv_events_encoding,
-                hash_algo=args.prefix_caching_hash_algo,
-                kv_blocks=args.kv_blocks,
-                kv_transfer_s_per_block=(
-                    None if args.kv_transfer_ms_per_block is None else args.kv_transfer_ms_per_block / 1000
-                ),
-            )
-        )
+    if args.sidecar_prefill_timeout_s <= 0:
+        print("extproc replica: --sidecar-prefill-timeout-s must be positive", file=sys.stderr)
+        return 2
+    replica = serve_replica(
+        args.name,
+        args.host,
+        args.port,
+        args.profile,
+        args.model,
+        args.time_scale,
+        lora_adapters=adapters,
+        max_lora=args.max_lora,
+        lora_on_demand=args.lora_on_demand,
+        tokenizer_dir=args.tokenizer,
+        kv_events=args.kv_events,
+        kv_replay=args.kv_replay,
+        kv_events_encoding=args.kv_events_encoding,
+        hash_algo=args.prefix_caching_hash_algo,
+        kv_blocks=args.kv_blocks,
+        kv_transfer_s_per_block=(
+            None if args.kv_transfer_ms_per_block is None else args.kv_transfer_ms_per_block / 1000
+        ),
     )
+    asyncio.run(_until_signalled(_with_sidecar(replica, args)))
     return 0
+
+
+async def _with_sidecar(replica: Coroutine[Any, Any, None], args: argparse.Namespace) -> None:
+    """The replica, and its sidecar when ``--sidecar-port`` asks for one."""
+    if args.sidecar_port is None:
+        await replica
+        return
+    from extproc_lab.replica.sidecar import serve_sidecar
+
+    decode_url = f"http://{args.host}:{args.port}"
+    sidecar = serve_sidecar(args.host, args.sidecar_port, decode_url, args.sidecar_prefill_timeout_s)
+    await asyncio.gather(replica, sidecar)
 
 
 async def _until_signalled(work: Coroutine[Any, Any, None]) -> None:

@@ -60,6 +60,9 @@ class LocalGateway:
     # decisions (`serve --tracing-endpoint`), joined to Envoy's spans, and real engines their
     # requests (vLLM's --otlp-traces-endpoint), under the context Envoy sends them.
     tracing_collector: str | None = None
+    # Fake replicas served behind the fake of llm-d's routing sidecar (`extproc replica
+    # --sidecar-port`): the member's address is the sidecar's, the replica's own port another.
+    sidecars: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -80,6 +83,7 @@ class LocalGateway:
         ]
         if self.tracing_collector and self.engine_settings.traces_endpoint is None:
             self.engine_settings = dataclasses.replace(self.engine_settings, traces_endpoint=self.tracing_collector)
+        self.backend_ports = {name: free_port() for name in self.sidecars}
         self.fleet = (
             VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
             if self.engine == "vllm"
@@ -145,11 +149,19 @@ class LocalGateway:
                 return f"http://{r.address}"
         raise KeyError(name)
 
+    def backend_url(self, name: str) -> str:
+        """A replica's own base URL: behind a sidecar, the replica's rather than the sidecar's."""
+        port = self.backend_ports.get(name)
+        return f"http://{HOST}:{port}" if port is not None else self.replica_url(name)
+
     def replica_argv(self, replica: Replica) -> list[str]:
         """The ``extproc replica`` command line of one member (the engine's, with real engines)."""
         if self.fleet is not None:
             return self.fleet.argv(replica)
         port = replica.address.rpartition(":")[2]
+        sidecar: list[str] = []
+        if replica.name in self.backend_ports:
+            sidecar, port = ["--sidecar-port", port], str(self.backend_ports[replica.name])
         argv = [
             sys.executable,
             "-m",
@@ -164,7 +176,7 @@ class LocalGateway:
         ]
         if self.time_scale is not None:
             argv += ["--time-scale", str(self.time_scale)]
-        return argv + list(self.replica_args.get(replica.name, ()))
+        return argv + sidecar + list(self.replica_args.get(replica.name, ()))
 
     def start_replica(self, replica: Replica) -> None:
         """Start (or restart) one replica and wait for /health (a real engine: on the same ports)."""

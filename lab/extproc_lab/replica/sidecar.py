@@ -1,17 +1,22 @@
 """A fake of llm-d's routing sidecar: in front of a decode replica, it makes the prefill hop the
 router asked for in ``x-prefiller-host-port``, then forwards the decode hop to its replica.
 
-A request without the header passes through unchanged (the router kept it aggregated). When the
-prefill hop fails (an error, no answer within ``prefill_timeout_s``, an answer without
-``kv_transfer_params``) the decode hop goes without parameters and the decode replica computes the
-prompt itself. The bodies are :mod:`extproc.request.kv_transfer`'s, as the processor would build
-them in the other design (docs/disaggregation.md).
+A request without the header passes through unchanged (the router kept it aggregated), and so does
+every other path (``/metrics``, ``/health``, ``/v1/models``: the router scrapes the replica through
+it, as the address it routes to). ``GET /sidecar`` shows its counters: the hops made, those that
+failed, and the prefill replicas the header named. When the prefill hop fails (an error, no
+answer within ``prefill_timeout_s``, an answer without ``kv_transfer_params``) the decode hop goes
+without parameters and the decode replica computes the prompt itself. The bodies are
+:mod:`extproc.request.kv_transfer`'s, as the processor would build them in the other design
+(docs/disaggregation.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -34,6 +39,8 @@ class Sidecar:
         self.prefill_timeout_s = prefill_timeout_s
         self.hops = 0
         self.failed_hops = 0
+        self.prefillers: Counter[str] = Counter()
+        """Each ``x-prefiller-host-port`` value received, with how many requests named it."""
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -66,6 +73,7 @@ class Sidecar:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         prefiller = request.headers.get(PREFILLER_HEADER)
         if prefiller:
+            self.prefillers[prefiller] += 1
             try:
                 body = json.loads(raw)
             except ValueError:
@@ -86,6 +94,21 @@ class Sidecar:
             await response.write_eof()
             return response
 
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other request, to the decode replica as it came."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        data = await request.read()
+        async with self._client().request(
+            request.method, self.decode_url + request.path_qs, data=data or None, headers=headers
+        ) as upstream:
+            body = await upstream.read()
+            kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
+            return web.Response(status=upstream.status, body=body, headers=kept)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """``GET /sidecar``: the hops made, those that failed, the prefill replicas named."""
+        return web.json_response({"hops": self.hops, "failed_hops": self.failed_hops, "prefillers": self.prefillers})
+
     async def close(self) -> None:
         """Close the client."""
         if self._session is not None:
@@ -98,9 +121,23 @@ def build_sidecar_app(sidecar: Sidecar) -> web.Application:
     app = web.Application(client_max_size=32 * 1024 * 1024)
     app.router.add_post(CHAT_PATH, sidecar.handle)
     app.router.add_post(COMPLETIONS_PATH, sidecar.handle)
+    app.router.add_get("/sidecar", sidecar.stats)
+    app.router.add_route("*", "/{tail:.*}", sidecar.passthrough)
 
     async def close(app: web.Application) -> None:
         await sidecar.close()
 
     app.on_cleanup.append(close)
     return app
+
+
+async def serve_sidecar(host: str, port: int, decode_url: str, prefill_timeout_s: float = 30.0) -> None:
+    """Serve a sidecar in front of ``decode_url`` on ``host:port`` until cancelled."""
+    runner = web.AppRunner(build_sidecar_app(Sidecar(decode_url, prefill_timeout_s)), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("sidecar on %s:%d in front of %s", host, port, decode_url)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

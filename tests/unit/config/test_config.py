@@ -269,3 +269,14 @@ def test_flags_override_the_file_and_are_checked_as_its_keys(tmp_path: Path) -> 
         config_from_flags(None, parser.parse_args(["--response-sample-rate", "1.5"]))
     with pytest.raises(ConfigError, match=re.escape("store (--store):")):
         config_from_flags(None, parser.parse_args(["--store", "mongodb://x"]))
+
+
+def test_the_disaggregation_section_reaches_the_pair_and_is_checked() -> None:
+    cfg = config_from_mapping({"disaggregation": {"threshold_tokens": 512, "weigh_local": False}})
+    pairing = cfg.disaggregation.pair_settings(block_tokens=16)
+    assert (pairing.threshold_tokens, pairing.weigh_local, pairing.block_tokens) == (512, False, 16)
+    with pytest.raises(ConfigError, match=r"disaggregation\.threshold_tokens"):
+        config_from_mapping({"disaggregation": {"threshold_tokens": -1}})
+    with pytest.raises(ConfigError, match=r"disaggregation\.threshold: unknown key"):
+        config_from_mapping({"disaggregation": {"threshold": 5}})
+    assert "x-prefiller-host-port" in cfg.routing_headers  # a client never names a prefill replica

@@ -76,6 +76,7 @@ def test_client_routing_headers_are_stripped_before_ext_proc() -> None:
         {"remove": "x-gateway-destination-endpoint"},
         {"remove": "x-extproc-stream"},
         {"remove": "x-envoy-upstream-rq-per-try-timeout-ms"},
+        {"remove": "x-prefiller-host-port"},
     ]
     ext_proc = hcm["http_filters"][1]["typed_config"]
     assert ext_proc["failure_mode_allow"] is True

@@ -91,3 +91,22 @@ async def test_the_sidecar_makes_the_hop_the_header_names_and_passes_other_reque
             late = await (await s.post("/v1/chat/completions", json=other, headers=header)).json()
             assert late["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             assert sidecar.failed_hops == 1
+
+
+async def test_the_sidecar_passes_other_paths_to_its_replica_and_counts_the_prefillers_named() -> None:
+    profile = get_profile("demo", 0.01)
+    d_server = test_utils.TestServer(build_app(ReplicaEngine(profile), "decode-0", MODEL), host="127.0.0.1")
+    async with test_utils.TestClient(d_server) as d:
+        sidecar = Sidecar(f"http://127.0.0.1:{d.server.port}", prefill_timeout_s=0.5)
+        s_server = test_utils.TestServer(build_sidecar_app(sidecar), host="127.0.0.1")
+        async with test_utils.TestClient(s_server) as s:
+            metrics = await s.get("/metrics")  # the router scrapes the replica through its sidecar
+            assert metrics.status == 200 and "vllm:num_requests_running" in await metrics.text()
+            assert (await s.get("/health")).status == 200
+            faults = await s.post("/kv_transfer/faults", json={"fetch": "fail"})
+            assert faults.status == 200 and (await (await d.get("/kv_transfer")).json())["faults"]["fetch"] == "fail"
+            gone = dict([prefiller_header("127.0.0.1:9")])  # nothing listens: the hop fails, the decode runs
+            answer = await s.post("/v1/chat/completions", json=client_body(max_tokens=2), headers=gone)
+            assert answer.status == 200
+            stats = await (await s.get("/sidecar")).json()
+            assert stats == {"hops": 1, "failed_hops": 1, "prefillers": {"127.0.0.1:9": 1}}
