@@ -123,6 +123,8 @@ class Plan:
     """The response body's tail, while it is read."""
     stripper: UsageStripper | None = None
     """While a stream is read whose client did not ask for its usage chunk: takes it out."""
+    response_set_headers: tuple[tuple[str, str], ...] = ()
+    """Headers added to the response (a budgeted request's ``x-ratelimit-*``), set with its headers."""
 
 
 class Planner:
@@ -201,6 +203,9 @@ class Planner:
         chosen = routed.decision.replica
         own = tries == 1 or (chosen is not None and answered_by == chosen.address)
         metered = routed.budget is not None and status == "200"
+        if routed.budget is not None and routed.budget.admitted:
+            # OpenAI's clients read these on every answer, not only on a 429.
+            plan.response_set_headers = tuple(routed.budget.headers().items())
         if metered and routed.strip_usage:
             plan.stripper = UsageStripper()  # every such stream is read, to take the chunk out
         # A body another replica answered (after a retry or a hedge): nothing to check.

@@ -96,9 +96,13 @@ def streamed_response_body(request_body_mode: int) -> pm.ProcessingMode:
     return _mode(request_body_mode, pm.ProcessingMode.SEND, pm.ProcessingMode.STREAMED)
 
 
-def continue_response_headers(mode_override: pm.ProcessingMode | None = None) -> pb.ProcessingResponse:
-    """Let response headers through unchanged (with ``mode_override``, change what follows)."""
-    response = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+def continue_response_headers(
+    mode_override: pm.ProcessingMode | None = None, set_headers: Sequence[tuple[str, str]] = ()
+) -> pb.ProcessingResponse:
+    """Let response headers through, with ``set_headers`` added (with ``mode_override``, change
+    what follows)."""
+    common = pb.CommonResponse(header_mutation=mutation(set_headers)) if set_headers else pb.CommonResponse()
+    response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
     if mode_override is not None:
         response.mode_override.CopyFrom(mode_override)
     return response

@@ -192,10 +192,12 @@ class RequestStream:
         self.phase = Phase.DONE
         if self.plan is None:  # let through unrouted after a failure: nothing to learn from
             return [msg.continue_response_headers()]
-        if self.planner.response_headers(self.plan, msg.header_map(request.response_headers)):
+        read_body = self.planner.response_headers(self.plan, msg.header_map(request.response_headers))
+        added = self.plan.response_set_headers
+        if read_body:
             self.phase = Phase.RESPONSE_BODY
-            return [msg.continue_response_headers(msg.streamed_response_body(self.body_mode))]
-        return [msg.continue_response_headers()]
+            return [msg.continue_response_headers(msg.streamed_response_body(self.body_mode), added)]
+        return [msg.continue_response_headers(set_headers=added)]
 
     async def _response_body(self, request: pb.ProcessingRequest, kind: str) -> Answers:
         if kind == "response_body":

@@ -86,6 +86,9 @@ async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp
                     assert json.loads(raw)["error"]["type"] == "tokens_exceeded"
                     break
                 assert status == 200
+                # An admitted answer carries the budget's standing as OpenAI's do.
+                assert headers["x-ratelimit-limit-tokens"] == "400", dict(headers)
+                assert 0 <= int(headers["x-ratelimit-remaining-tokens"]) < 400 - charged
                 usage = json.loads(raw)["usage"]
                 reported["prompt"] += usage["prompt_tokens"]
                 reported["completion"] += usage["completion_tokens"]
