@@ -1,6 +1,7 @@
 """A sampled feed of decisions for watchers (the admin API's WatchDecisions).
 
-What goes out is a :class:`DecisionSummary`: reason, replica, model, matched blocks, latency.
+What goes out is a :class:`DecisionSummary`: reason, replica, model, matched blocks, latency, and
+in a disaggregated fleet the prefill replica and the pair's reason.
 Never the prompt, the session key, the request id or any header: a watcher can be anyone holding
 the admin listener's read access. With nobody watching, publishing is skipped by the router.
 """
@@ -28,6 +29,11 @@ class DecisionSummary:
     decision_ms: float
     skipped: int = 0
     """Decisions this watcher did not get since the previous one (sampling or a full queue)."""
+    prefill: str = ""
+    """The replica that prefills for ``replica`` (empty: no prefill hop)."""
+    pair_reason: str = ""
+    """Why the pair is what it is (:class:`~extproc.routing.roles.PairReason`); empty for a fleet
+    without roles."""
 
 
 class _Watcher:
@@ -72,6 +78,8 @@ class DecisionFeed:
                     decision.matched_blocks,
                     decision.total_blocks,
                     round(seconds * 1000, 3),
+                    prefill=decision.prefill.name if decision.prefill is not None else "",
+                    pair_reason=decision.pair.value if decision.pair is not None else "",
                 )
             w.queue.put_nowait(replace(summary, skipped=w.skipped) if w.skipped else summary)
             w.skipped = 0

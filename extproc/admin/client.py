@@ -152,7 +152,7 @@ async def _watch(stub: Any, request: Any, args: argparse.Namespace, metadata: An
 
     seen = 0
     if not args.json:
-        out.write(_table(["TIME", "REPLICA", "REASON", "MODEL", "MATCHED", "MS", "SKIPPED"], []))
+        out.write(_table(["TIME", "REPLICA", "REASON", "MODEL", "MATCHED", "MS", "SKIPPED", "PREFILL"], []))
     async for event in stub.WatchDecisions(request, metadata=metadata):
         if args.json:
             out.write(json.dumps(MessageToDict(event, preserving_proto_field_name=True)) + "\n")
@@ -162,7 +162,9 @@ async def _watch(stub: Any, request: Any, args: argparse.Namespace, metadata: An
             stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
             matched = f"{event.matched_blocks}/{event.total_blocks}"
             row = [stamp, event.replica or "-", event.reason, event.model or "-", matched, f"{event.decision_ms:.2f}"]
-            out.write("  ".join([*row, str(event.skipped)]) + "\n")
+            # The pair, in a disaggregated fleet: "replica-0 (disaggregated)", or "- (short)".
+            pair = f"{event.prefill or '-'} ({event.pair_reason})" if event.pair_reason else "-"
+            out.write("  ".join([*row, str(event.skipped), pair]) + "\n")
         out.flush()
         seen += 1
         if args.count and seen >= args.count:
@@ -310,10 +312,23 @@ def render(call: str, reply: Any) -> str:
                 f"{r.kv_usage:.2f}",
                 r.sessions_pinned,
                 f"{r.cache_trust:.2f}",
+                r.role or "both",
             ]
             for r in reply.replicas
         ]
-        header = ["NAME", "ADDRESS", "HEALTH", "ROTATION", "CORDON", "INFLIGHT", "QUEUE", "KV", "SESSIONS", "TRUST"]
+        header = [
+            "NAME",
+            "ADDRESS",
+            "HEALTH",
+            "ROTATION",
+            "CORDON",
+            "INFLIGHT",
+            "QUEUE",
+            "KV",
+            "SESSIONS",
+            "TRUST",
+            "ROLE",
+        ]
         return _table(header, rows)
     if call == "usage":
         return _render_usage(reply)

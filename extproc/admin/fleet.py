@@ -29,6 +29,8 @@ class ReplicaRow:
     pending_prefill_tokens: int = 0
     scrape_failures: int = 0
     cache_trust: float = 1.0
+    role: str = "both"
+    """Its part in disaggregated serving (``llm-d.ai/role``): prefill, decode or both."""
 
 
 def fleet(router: Router) -> list[ReplicaRow]:
@@ -61,6 +63,7 @@ def fleet(router: Router) -> list[ReplicaRow]:
                 scrape_failures=rec.scrape_failures,
                 kv_events=_feed_state(feeds, name, now),
                 cache_trust=round(router.caches.estimate.trust(name), 4),
+                role=rec.replica.role.value,
             )
         )
     return rows

@@ -192,6 +192,7 @@ class AdminService(pb_grpc.AdminServicer):
                     pending_prefill_tokens=r.pending_prefill_tokens,
                     scrape_failures=r.scrape_failures,
                     cache_trust=r.cache_trust,
+                    role=r.role,
                 )
                 for r in fleet(self.router)
             ]
@@ -275,4 +276,6 @@ class AdminService(pb_grpc.AdminServicer):
                 total_blocks=s.total_blocks,
                 decision_ms=s.decision_ms,
                 skipped=s.skipped,
+                prefill=s.prefill,
+                pair_reason=s.pair_reason,
             )

@@ -21,6 +21,7 @@ import pytest
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.routing.roles import ROLE_LABEL
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import IN_CI, ROOT, require_binary
@@ -125,7 +126,8 @@ async def test_console_shows_every_replica_and_the_hit_ratio_curve_during_a_repl
             assert [r[0] for r in rows] == names
             for row in rows:
                 assert any(cell.replace(".", "").replace("%", "").isdigit() for cell in row[1:]), row
-                assert row[6].endswith("%")  # KV usage
+                assert row[1] == "both"  # no role labels: whole requests
+                assert row[7].endswith("%")  # KV usage
             points = await page.eval_on_selector_all("#hitratio circle.pt", "c => c.map(x => x.dataset.series)")
             assert points.count("estimated") >= 3 and points.count("round_robin") >= 3
             assert await page.locator("#heatmap rect").count() >= len(names) * 2
@@ -192,6 +194,35 @@ async def test_no_prompt_session_key_or_api_key_in_the_console_or_the_decision_f
         for canary in (CANARY_PROMPT, CANARY_SESSION, CANARY_KEY):
             assert canary.encode() not in blob, canary
     assert b"replica-0" in console  # the data is there, only the secrets are not
+
+
+async def test_the_replica_table_shows_each_replicas_role(http: aiohttp.ClientSession) -> None:
+    """A disaggregated fleet (llm-d's role labels, one replica without): each row names its role,
+    as ListReplicas does."""
+    _need_chromium()
+    require_binary("envoy")
+    from playwright.async_api import async_playwright
+
+    labels = {"replica-0": {ROLE_LABEL: "prefill"}, "replica-1": {ROLE_LABEL: "decode"}}
+    with LocalGateway(replicas=3, time_scale=0.02, labels=labels) as gw:
+        async with grpc.aio.insecure_channel(gw.admin_addresses[0]) as channel:
+            listed = await pb_grpc.AdminStub(channel).ListReplicas(pb.ListReplicasRequest(), timeout=10)
+        async with async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = await browser.new_page()
+                await page.goto(console_base(gw) + "/console")
+                await page.wait_for_function("() => document.querySelectorAll('#fleet tbody tr').length === 3")
+                headers = await page.eval_on_selector_all("#fleet thead th", "hs => hs.map(h => h.textContent)")
+                rows = await page.eval_on_selector_all(
+                    "#fleet tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))"
+                )
+            finally:
+                await browser.close()
+    assert headers[:2] == ["replica", "role"]
+    expected = {"replica-0": "prefill", "replica-1": "decode", "replica-2": "both"}
+    assert {r[0]: r[1] for r in rows} == expected
+    assert {r.name: r.role for r in listed.replicas} == expected
 
 
 def test_the_console_ships_in_the_package() -> None:

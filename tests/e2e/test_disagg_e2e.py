@@ -7,6 +7,7 @@ replicas each behind its sidecar; every test uses prompts of its own and counts 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -14,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
+from extproc._proto.admin.v1 import admin_pb2 as pb
+from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.request.kv_transfer import PREFILLER_HEADER
 from extproc.routing.roles import ROLE_LABEL
 from extproc_lab.demo.gateway import LocalGateway
@@ -232,3 +236,43 @@ async def test_with_the_processor_down_envoy_itself_strips_a_clients_prefill_hea
         assert [status for status, _, _ in answers] == [200] * 12
         assert {replica for _, replica, _ in answers} & set(DECODE)  # some went through a sidecar
         assert spoofed not in (await sidecar_stats(http, gw))["prefillers"]
+
+
+async def test_the_decision_feed_names_each_pair(gw: LocalGateway) -> None:
+    """WatchDecisions carries the prefill replica and the pair's reason: a long prompt's hop, a
+    short prompt's none."""
+    events: list[pb.DecisionEvent] = []
+    async with client(gw) as http, grpc.aio.insecure_channel(gw.admin_addresses[0]) as channel:
+        watch = pb_grpc.AdminStub(channel).WatchDecisions(pb.WatchRequest(sample_rate=1.0))
+
+        async def collect() -> None:
+            async for event in watch:
+                events.append(event)
+
+        collecting = asyncio.create_task(collect())
+        # The watch is registered when its call reaches the server: short prompts until one shows.
+        for i in range(50):
+            assert (await post(http, gw.url, chat(f"warm-up {i}")))[0] == 200
+            if events:
+                break
+            await asyncio.sleep(0.1)
+        assert events, "WatchDecisions sent nothing"
+        await asyncio.sleep(0.3)  # a warm-up decision still in transit
+        before = len(events)
+        status, decoder, _ = await post(http, gw.url, chat(long_prompt()), {"x-session-id": f"feed-{next(_ids)}"})
+        assert status == 200
+        status, short_decoder, _ = await post(http, gw.url, chat("hello feed"))
+        assert status == 200
+        for _ in range(50):
+            if len(events) - before >= 2:
+                break
+            await asyncio.sleep(0.1)
+        watch.cancel()
+        collecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await collecting
+    long_event, short_event = events[before : before + 2]
+    assert (long_event.replica, long_event.pair_reason) == (decoder, "disaggregated")
+    assert long_event.prefill in PREFILL
+    assert (short_event.replica, short_event.prefill, short_event.pair_reason) == (short_decoder, "", "short")
+    assert all(e.replica in DECODE for e in events)  # a prefill replica never decodes

@@ -19,7 +19,7 @@ function drawFleet(replicas) {
   for (const r of replicas) {
     const tr = el("tr", { "data-replica": r.name });
     const cells = [
-      [r.name], [r.health.toFixed(2), r.health < 0.5], [r.rotation_state, !r.in_rotation],
+      [r.name], [r.role || "both"], [r.health.toFixed(2), r.health < 0.5], [r.rotation_state, !r.in_rotation],
       [r.cordon || "-", !!r.cordon], [r.inflight], [r.queue], [pct(r.kv_usage)], [r.sessions_pinned], [r.kv_events],
     ];
     for (const [value, bad] of cells) tr.append(el("td", bad ? { class: "bad" } : {}, String(value)));

@@ -11,6 +11,7 @@ import json
 from extproc.admin.client import render
 from extproc.admin.service import explanation_message
 from extproc.config import Disaggregation
+from extproc.decisions import DecisionSummary
 from extproc.plan import Planner
 from extproc.request.kv_transfer import PREFILLER_HEADER
 from extproc.router import Router
@@ -158,3 +159,28 @@ def test_the_decision_span_carries_the_pair() -> None:
     short = asyncio.run(r.explain({":path": CHAT}, body("hi")))
     attrs = DecisionTracer._attributes(short.features, short.decision, 2, "default")
     assert attrs["extproc.pair"] == "short" and "extproc.prefill.replica" not in attrs
+
+
+def test_the_decision_feed_and_the_fleet_carry_pairs_and_roles() -> None:
+    from extproc.admin.fleet import fleet
+
+    r = router()
+
+    async def watched() -> list[DecisionSummary]:
+        seen: list[DecisionSummary] = []
+        watch = r.feed.watch(1.0)
+        first = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0)  # the watcher is registered
+        await decide(r, LONG)
+        seen.append(await first)
+        await decide(r, "hi")
+        seen.append(await anext(watch))
+        await watch.aclose()
+        return seen
+
+    long, short = asyncio.run(watched())
+    assert (long.replica, long.prefill, long.pair_reason) == ("d0", "p0", "disaggregated")
+    assert (short.replica, short.prefill, short.pair_reason) == ("d0", "", "short")
+    assert {row.name: row.role for row in fleet(r)} == {"p0": "prefill", "d0": "decode"}
+    aggregated = Router(make_config(replicas=(Replica("a", "127.0.0.1:1"),)), clock=Clock())
+    assert [row.role for row in fleet(aggregated)] == ["both"]

@@ -143,7 +143,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("name", "address", "health", "health_penalties", "in_rotation", "rotation_state", "cordon", "inflight", "queue", "kv_usage", "sessions_pinned", "kv_events", "pending_prefill_tokens", "scrape_failures", "cache_trust")
+    __slots__ = ("name", "address", "health", "health_penalties", "in_rotation", "rotation_state", "cordon", "inflight", "queue", "kv_usage", "sessions_pinned", "kv_events", "pending_prefill_tokens", "scrape_failures", "cache_trust", "role")
     class HealthPenaltiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class ReplicaInfo(_message.Message):
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCRAPE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     CACHE_TRUST_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     health: float
@@ -181,7 +182,8 @@ class ReplicaInfo(_message.Message):
     pending_prefill_tokens: int
     scrape_failures: int
     cache_trust: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[float] = ..., health_penalties: _Optional[_Mapping[str, float]] = ..., in_rotation: _Optional[bool] = ..., rotation_state: _Optional[str] = ..., cordon: _Optional[str] = ..., inflight: _Optional[int] = ..., queue: _Optional[int] = ..., kv_usage: _Optional[float] = ..., sessions_pinned: _Optional[int] = ..., kv_events: _Optional[str] = ..., pending_prefill_tokens: _Optional[int] = ..., scrape_failures: _Optional[int] = ..., cache_trust: _Optional[float] = ...) -> None: ...
+    role: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[float] = ..., health_penalties: _Optional[_Mapping[str, float]] = ..., in_rotation: _Optional[bool] = ..., rotation_state: _Optional[str] = ..., cordon: _Optional[str] = ..., inflight: _Optional[int] = ..., queue: _Optional[int] = ..., kv_usage: _Optional[float] = ..., sessions_pinned: _Optional[int] = ..., kv_events: _Optional[str] = ..., pending_prefill_tokens: _Optional[int] = ..., scrape_failures: _Optional[int] = ..., cache_trust: _Optional[float] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)
@@ -232,7 +234,7 @@ class WatchRequest(_message.Message):
     def __init__(self, sample_rate: _Optional[float] = ...) -> None: ...
 
 class DecisionEvent(_message.Message):
-    __slots__ = ("time", "replica", "reason", "model", "matched_blocks", "total_blocks", "decision_ms", "skipped")
+    __slots__ = ("time", "replica", "reason", "model", "matched_blocks", "total_blocks", "decision_ms", "skipped", "prefill", "pair_reason")
     TIME_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,8 @@ class DecisionEvent(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECISION_MS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PAIR_REASON_FIELD_NUMBER: _ClassVar[int]
     time: float
     replica: str
     reason: str
@@ -249,7 +253,9 @@ class DecisionEvent(_message.Message):
     total_blocks: int
     decision_ms: float
     skipped: int
-    def __init__(self, time: _Optional[float] = ..., replica: _Optional[str] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., decision_ms: _Optional[float] = ..., skipped: _Optional[int] = ...) -> None: ...
+    prefill: str
+    pair_reason: str
+    def __init__(self, time: _Optional[float] = ..., replica: _Optional[str] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., decision_ms: _Optional[float] = ..., skipped: _Optional[int] = ..., prefill: _Optional[str] = ..., pair_reason: _Optional[str] = ...) -> None: ...
 
 class ListHotKeysRequest(_message.Message):
     __slots__ = ()
