@@ -185,7 +185,11 @@ def _add_inference_perf_parser(kinds: Any) -> None:
         "KV hit ratio from the replicas' counters, TTFT and end-to-end latency from inference-perf, requests per "
         "replica and our decisions by reason.",
     )
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated (default: {','.join(WORKLOADS)})")
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated (default: {','.join(WORKLOADS)})",
+    )
     p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated (default: {','.join(ROUTERS)})")
     p.add_argument(
         "--session-tokens",
@@ -206,6 +210,11 @@ def _add_inference_perf_parser(kinds: Any) -> None:
     p.add_argument("--output-tokens", type=int, default=d["output_tokens"].default, help="each answer (mean)")
     p.add_argument(
         "--think-max", type=int, default=d["think_max_s"].default, help="whole seconds between turns, uniform 0..N"
+    )
+    p.add_argument(
+        "--no-session-header",
+        action="store_true",
+        help="conversations without x-session-id (inference-perf's default: no session_id_header_key)",
     )
     p.add_argument("--groups", type=int, default=d["groups"].default, help="shared prefixes (shared_prefix)")
     p.add_argument("--prompts-per-group", type=int, default=d["prompts_per_group"].default)
@@ -256,6 +265,7 @@ def run_inference_perf_command(args: argparse.Namespace) -> int:
         turn_tokens=args.turn_tokens,
         output_tokens=args.output_tokens,
         think_max_s=args.think_max,
+        session_header=not args.no_session_header,
         groups=args.groups,
         prompts_per_group=args.prompts_per_group,
         prefix_tokens=args.prefix_tokens,
@@ -282,11 +292,18 @@ def run_inference_perf_command(args: argparse.Namespace) -> int:
         f"{s['inference_perf']}; {s['replicas']} x {s['profile']} fake replicas, fresh for each run. "
         f"conversations: {s['conversations']} live x {s['turns']} turns x {s['rounds']} rounds, "
         f"{s['system_tokens']}-token shared system prompt + {s['document_tokens']} of its own, "
-        f"~{s['turn_tokens']} tokens a turn, ~{s['output_tokens']} out, 0-{s['think_max_s']} s between turns. "
+        f"~{s['turn_tokens']} tokens a turn, ~{s['output_tokens']} out, 0-{s['think_max_s']} s between turns, "
+        f"{'with' if s['session_header'] else 'without'} x-session-id. "
         f"shared_prefix: {s['groups']} groups x "
         f"{s['prompts_per_group']} prompts, {s['prefix_tokens']}-token prefixes + {s['question_tokens']}, "
         f"{s['prefix_output_tokens']} out, {s['rate']:g}/s for {s['duration_s']} s. Seed {s['seed']}.\n"
     )
+    if "multi_turn_chat" in s["workloads"]:
+        print(
+            f"multi_turn_chat: {s['chat_groups']} groups x {s['chat_users']} users x {s['chat_turns']} turns, "
+            f"{s['chat_prefix_tokens']}-token prefixes + {s['chat_question_tokens']}, ~{s['output_tokens']} out, "
+            f"{s['chat_rate']:g}/s.\n"
+        )
     print(format_table(result))
     print("\nrequests per replica (replica-0 first):")
     for line in per_replica_lines(result):

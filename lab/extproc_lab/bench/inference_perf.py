@@ -9,9 +9,12 @@ time), never imported here: this module writes its YAML configs, runs it as a pr
   prompt starts with one shared part (then a document of each conversation's own), each turn
   resending the growing history, a fixed number of conversations live at once (``concurrent``
   load; a slot that finishes a conversation starts a new one), a pause of 0 to 2 s between turns,
-  every request carrying ``x-session-id``;
+  every request carrying ``x-session-id`` (unless told not to: inference-perf sends none by default);
 - ``shared_prefix``: its ``shared_prefix`` generator, groups of prompts that share a system prompt,
-  sent at a constant rate.
+  sent at a constant rate;
+- ``multi_turn_chat``: the same generator with ``enable_multi_turn_chat``, each user
+  of a group a conversation that starts from the group's prefix and sends its prompt (prefix and
+  question) again each turn after the history, at a constant rate, with ``x-session-id``.
 
 Each (router, workload) runs on a fleet of its own: fake replicas (``extproc replica --profile
 demo``) started afresh, then our processor and Envoy (:class:`~extproc_lab.demo.gateway.LocalGateway`,
@@ -64,7 +67,8 @@ PROFILE = "demo"
 SESSION_HEADER = "x-session-id"
 CONVERSATIONS = "conversations"
 SHARED_PREFIX = "shared_prefix"
-WORKLOADS = (CONVERSATIONS, SHARED_PREFIX)
+MULTI_TURN_CHAT = "multi_turn_chat"
+WORKLOADS = (CONVERSATIONS, SHARED_PREFIX, MULTI_TURN_CHAT)
 ROUTERS = (OURS, ROUND_ROBIN)
 _HITS, _QUERIES, _DONE = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
 _INSTALL_TIMEOUT_S = 1200
@@ -102,6 +106,9 @@ class InferencePerfSetup:
     """Each turn's new input, on average (normal, 30% spread)."""
     output_tokens: int = 32
     """Each answer, on average (uniform from half to one and a half times)."""
+    session_header: bool = True
+    """Send each conversation's session id as ``x-session-id`` (inference-perf's
+    ``api.session_id_header_key``; it sends none unless told)."""
     think_max_s: int = 2
     """Whole seconds between an answer and the next turn, uniform from 0 to this (inference-perf
     takes whole seconds). Varied so that conversations do not move in lockstep: with fixed pauses
@@ -115,6 +122,16 @@ class InferencePerfSetup:
     prefix_output_tokens: int = 32
     rate: float = 20.0
     duration_s: int = 30
+    # multi_turn_chat: chat_groups x chat_users conversations of chat_turns turns, at chat_rate; a
+    # conversation grows by its prompt and answer each turn (~5,000 tokens after 6 turns). Request i
+    # is user i % users' next turn, so Envoy's round robin sends a user's turns to replicas `users`
+    # apart: an odd count, or a multiple of the replicas would keep every user on one by accident.
+    chat_groups: int = 5
+    chat_users: int = 7
+    chat_turns: int = 6
+    chat_prefix_tokens: int = 600
+    chat_question_tokens: int = 100
+    chat_rate: float = 7.0
     seed: int = 7
     venv: Path = field(default_factory=default_venv)
     install: bool = True
@@ -282,7 +299,8 @@ def _common(setup: InferencePerfSetup, url: str, tokenizer: Path, out: Path) -> 
 def conversations_config(setup: InferencePerfSetup, url: str, tokenizer: Path, out: Path) -> dict[str, Any]:
     """inference-perf's config for the multi-turn workload (``conversation_replay``, concurrent)."""
     cfg = _common(setup, url, tokenizer, out)
-    cfg["api"]["session_id_header_key"] = SESSION_HEADER
+    if setup.session_header:
+        cfg["api"]["session_id_header_key"] = SESSION_HEADER
     turn, answer = setup.turn_tokens, setup.output_tokens
     replay: dict[str, Any] = {
         "seed": setup.seed,
@@ -337,9 +355,37 @@ def shared_prefix_config(setup: InferencePerfSetup, url: str, tokenizer: Path, o
     return cfg
 
 
+def multi_turn_chat_config(setup: InferencePerfSetup, url: str, tokenizer: Path, out: Path) -> dict[str, Any]:
+    """inference-perf's config for its shared-prefix multi-turn chat (``enable_multi_turn_chat``)."""
+    cfg = _common(setup, url, tokenizer, out)
+    cfg["api"]["session_id_header_key"] = SESSION_HEADER
+    cfg["data"] = {
+        "type": "shared_prefix",
+        "shared_prefix": {
+            "num_groups": setup.chat_groups,
+            "num_prompts_per_group": setup.chat_users,
+            "system_prompt_len": setup.chat_prefix_tokens,
+            "question_len": setup.chat_question_tokens,
+            "output_len": setup.output_tokens,
+            "seed": setup.seed,
+            "enable_multi_turn_chat": True,
+        },
+    }
+    requests = setup.chat_groups * setup.chat_users * setup.chat_turns
+    cfg["load"] = {
+        "type": "constant",
+        "stages": [{"rate": setup.chat_rate, "duration": max(1, round(requests / setup.chat_rate))}],
+        "num_workers": setup.workers,
+        "base_seed": setup.seed,
+        "request_timeout": 60,
+    }
+    return cfg
+
+
 CONFIGS: dict[str, Callable[[InferencePerfSetup, str, Path, Path], dict[str, Any]]] = {
     CONVERSATIONS: conversations_config,
     SHARED_PREFIX: shared_prefix_config,
+    MULTI_TURN_CHAT: multi_turn_chat_config,
 }
 
 
