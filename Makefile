@@ -63,7 +63,7 @@ bench-realstack: $(STAMP) os-deps
 # About 9 minutes (benchmarks/inference_perf.md).
 .PHONY: bench-inference-perf
 bench-inference-perf: $(STAMP) os-deps
-	nice -n 10 $(VENV)/bin/extproc bench inference-perf --session-tokens 512,2048 --json benchmarks/inference_perf.json
+	nice -n 10 $(VENV)/bin/extproc bench inference-perf --session-tokens 512,2048 --json benchmarks/inference_perf/run.json
 
 # The same on real vLLM engines (docs/real-vllm.md; benchmarks/realstack-vllm.md).
 .PHONY: bench-realstack-vllm

@@ -1,6 +1,7 @@
 """``extproc bench``: ``routing`` (our routing against the peers' policies, in the simulator),
-``overhead`` (Envoy with our processor beside the real peer routers, on loopback) and
-``realstack`` (a multi-turn workload through the real routers, each on fresh replicas)."""
+``overhead`` (Envoy with our processor beside the real peer routers, on loopback),
+``realstack`` (a multi-turn workload through the real routers, each on fresh replicas) and
+``inference-perf`` (GIE's load generator through ours and Envoy's round robin)."""
 
 from __future__ import annotations
 
