@@ -57,6 +57,14 @@ bench-realstack: $(STAMP) os-deps
 	nice -n 10 $(VENV)/bin/extproc bench realstack --conversations 48 --json benchmarks/realstack/48.json
 	nice -n 10 $(VENV)/bin/extproc bench realstack --conversations 240 --kv-blocks 384 --json benchmarks/realstack/240-kv384.json
 
+# GIE's inference-perf (pip-installed into ~/.cache/extproc/inference-perf on first use, from a
+# Python 3.12+: $$EXTPROC_INFERENCE_PERF_PYTHON) through ours and Envoy's round robin, three workloads,
+# each run on fresh fake replicas; ours also with prefill_cost.session_tokens 512 and 2048 (opt-in).
+# About 9 minutes (benchmarks/inference_perf.md).
+.PHONY: bench-inference-perf
+bench-inference-perf: $(STAMP) os-deps
+	nice -n 10 $(VENV)/bin/extproc bench inference-perf --session-tokens 512,2048 --json benchmarks/inference_perf/run.json
+
 # The same on real vLLM engines (docs/real-vllm.md; benchmarks/realstack-vllm.md).
 .PHONY: bench-realstack-vllm
 bench-realstack-vllm: $(STAMP) os-deps engines

@@ -1,6 +1,7 @@
 """``extproc bench``: ``routing`` (our routing against the peers' policies, in the simulator),
-``overhead`` (Envoy with our processor beside the real peer routers, on loopback) and
-``realstack`` (a multi-turn workload through the real routers, each on fresh replicas)."""
+``overhead`` (Envoy with our processor beside the real peer routers, on loopback),
+``realstack`` (a multi-turn workload through the real routers, each on fresh replicas) and
+``inference-perf`` (GIE's load generator through ours and Envoy's round robin)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_overhead_parser(kinds)
     _add_realstack_parser(kinds)
+    _add_inference_perf_parser(kinds)
     return bench  # type: ignore[no-any-return]
 
 
@@ -169,6 +171,158 @@ def _add_realstack_parser(kinds: Any) -> None:
     p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
     p.add_argument("--log-dir", help="keep every process's log here, a folder per router (default: discarded)")
     p.add_argument("--json", dest="json_path", help="write the figures here")
+
+
+def _add_inference_perf_parser(kinds: Any) -> None:
+    from extproc_lab.bench.inference_perf import PYTHON_ENV, ROUTERS, WORKLOADS, InferencePerfSetup
+
+    d = InferencePerfSetup.__dataclass_fields__
+    p = kinds.add_parser(
+        "inference-perf",
+        help="GIE's inference-perf (multi-turn conversations, shared prefix) through our router and Envoy's "
+        "round robin, each on freshly started fake replicas",
+        description="inference-perf is pip-installed into a venv of its own on first use (Python 3.12+: "
+        f"${PYTHON_ENV}); its configs are written to a temporary folder and its tokenizer is trained locally. "
+        "KV hit ratio from the replicas' counters, TTFT and end-to-end latency from inference-perf, requests per "
+        "replica and our decisions by reason.",
+    )
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated (default: {','.join(WORKLOADS)})",
+    )
+    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated (default: {','.join(ROUTERS)})")
+    p.add_argument(
+        "--session-tokens",
+        default="",
+        metavar="N,N,...",
+        help="one more row of ours for each: the default profile with prefill_cost.session_tokens=N (opt-in; 0 by "
+        "default)",
+    )
+    p.add_argument("--replicas", type=int, default=d["replicas"].default)
+    p.add_argument("--conversations", type=int, default=d["conversations"].default, help="live at once")
+    p.add_argument("--turns", type=int, default=d["turns"].default)
+    p.add_argument("--rounds", type=int, default=d["rounds"].default, help="conversations each slot runs in turn")
+    p.add_argument("--system-tokens", type=int, default=d["system_tokens"].default, help="the shared system prompt")
+    p.add_argument(
+        "--document-tokens", type=int, default=d["document_tokens"].default, help="each conversation's own prompt part"
+    )
+    p.add_argument("--turn-tokens", type=int, default=d["turn_tokens"].default, help="each turn's new input (mean)")
+    p.add_argument("--output-tokens", type=int, default=d["output_tokens"].default, help="each answer (mean)")
+    p.add_argument(
+        "--think-max", type=int, default=d["think_max_s"].default, help="whole seconds between turns, uniform 0..N"
+    )
+    p.add_argument(
+        "--no-session-header",
+        action="store_true",
+        help="conversations without x-session-id (inference-perf's default: no session_id_header_key)",
+    )
+    p.add_argument("--groups", type=int, default=d["groups"].default, help="shared prefixes (shared_prefix)")
+    p.add_argument("--prompts-per-group", type=int, default=d["prompts_per_group"].default)
+    p.add_argument("--prefix-tokens", type=int, default=d["prefix_tokens"].default)
+    p.add_argument("--question-tokens", type=int, default=d["question_tokens"].default)
+    p.add_argument("--prefix-output-tokens", type=int, default=d["prefix_output_tokens"].default)
+    p.add_argument("--rate", type=float, default=d["rate"].default, help="requests per second (shared_prefix)")
+    p.add_argument("--duration", type=int, default=d["duration_s"].default, help="seconds (shared_prefix)")
+    p.add_argument("--seed", type=int, default=d["seed"].default)
+    p.add_argument("--venv", help="inference-perf's venv (default: ~/.cache/extproc/inference-perf)")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install inference-perf when missing")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer directory (default: one trained on the spot)")
+    p.add_argument("--workers", type=int, default=d["workers"].default, help="inference-perf's worker processes")
+    p.add_argument("--run-timeout", type=float, default=d["run_timeout_s"].default, help="seconds one run may take")
+    p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
+    p.add_argument("--log-dir", help="keep configs, logs and inference-perf's reports here (default: discarded)")
+    p.add_argument("--json", dest="json_path", help="write the figures here")
+
+
+def run_inference_perf_command(args: argparse.Namespace) -> int:
+    """Run ``extproc bench inference-perf``."""
+    from extproc_lab.bench.inference_perf import (
+        InferencePerfSetup,
+        default_venv,
+        format_table,
+        per_replica_lines,
+        run_inference_perf_bench,
+    )
+
+    def names(value: str) -> tuple[str, ...]:
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+
+    try:
+        session_tokens = tuple(int(v) for v in names(args.session_tokens))
+    except ValueError:
+        print(f"extproc bench: --session-tokens {args.session_tokens!r}: expected integers", file=sys.stderr)
+        return 2
+    setup = InferencePerfSetup(
+        replicas=args.replicas,
+        workloads=names(args.workloads),
+        routers=names(args.routers),
+        session_tokens=session_tokens,
+        conversations=args.conversations,
+        turns=args.turns,
+        rounds=args.rounds,
+        system_tokens=args.system_tokens,
+        document_tokens=args.document_tokens,
+        turn_tokens=args.turn_tokens,
+        output_tokens=args.output_tokens,
+        think_max_s=args.think_max,
+        session_header=not args.no_session_header,
+        groups=args.groups,
+        prompts_per_group=args.prompts_per_group,
+        prefix_tokens=args.prefix_tokens,
+        question_tokens=args.question_tokens,
+        prefix_output_tokens=args.prefix_output_tokens,
+        rate=args.rate,
+        duration_s=args.duration,
+        seed=args.seed,
+        venv=Path(args.venv) if args.venv else default_venv(),
+        install=not args.no_install,
+        tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None,
+        run_timeout_s=args.run_timeout,
+        workers=args.workers,
+        processor_args=tuple(args.processor_arg),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+    try:
+        result = run_inference_perf_bench(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError) as exc:
+        print(f"extproc bench: {exc}", file=sys.stderr)
+        return 2
+    s = result["setup"]
+    print(
+        f"{s['inference_perf']}; {s['replicas']} x {s['profile']} fake replicas, fresh for each run. "
+        f"conversations: {s['conversations']} live x {s['turns']} turns x {s['rounds']} rounds, "
+        f"{s['system_tokens']}-token shared system prompt + {s['document_tokens']} of its own, "
+        f"~{s['turn_tokens']} tokens a turn, ~{s['output_tokens']} out, 0-{s['think_max_s']} s between turns, "
+        f"{'with' if s['session_header'] else 'without'} x-session-id. "
+        f"shared_prefix: {s['groups']} groups x "
+        f"{s['prompts_per_group']} prompts, {s['prefix_tokens']}-token prefixes + {s['question_tokens']}, "
+        f"{s['prefix_output_tokens']} out, {s['rate']:g}/s for {s['duration_s']} s. Seed {s['seed']}.\n"
+    )
+    if "multi_turn_chat" in s["workloads"]:
+        print(
+            f"multi_turn_chat: {s['chat_groups']} groups x {s['chat_users']} users x {s['chat_turns']} turns, "
+            f"{s['chat_prefix_tokens']}-token prefixes + {s['chat_question_tokens']}, ~{s['output_tokens']} out, "
+            f"{s['chat_rate']:g}/s.\n"
+        )
+    print(format_table(result))
+    print("\nrequests per replica (replica-0 first):")
+    for line in per_replica_lines(result):
+        print(f"  {line}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"figures written to {args.json_path}")
+    failed = [
+        f"{w}/{label}"
+        for w, rows in result["runs"].items()
+        for label, r in rows.items()
+        if "error" in r or r["failures"]
+    ]
+    if failed:
+        print(f"extproc bench: failed runs or requests: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_realstack_command(args: argparse.Namespace) -> int:
@@ -289,6 +443,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_overhead_command(args)
     if getattr(args, "bench_command", "routing") == "realstack":
         return run_realstack_command(args)
+    if getattr(args, "bench_command", "routing") == "inference-perf":
+        return run_inference_perf_command(args)
     from extproc_lab.bench.plots import write_plots
     from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
     from extproc_lab.sim.objectives import parse_mix, uniform
