@@ -101,6 +101,7 @@ def test_tiny_ramp_through_envoy_probe_objectives_and_round_robin(tmp_path: Path
             assert c["abandoned"] <= c["shed"] * (setup.turns - 1), name
             assert 0 <= c["met"] <= c["served"]
         assert row["classes"][PREMIUM]["shed"] == 0
+        assert 0.0 < row["hit_ratio"] <= 1.0, name  # follow-ups resend the history
     ours = result["routers"][OBJECTIVES]["loads"]["1"]
     shed_by_router = sum(v for k, v in ours["processor"]["shed"].items() if k.startswith(f"{STANDARD}/"))
     assert shed_by_router == ours["classes"][STANDARD]["shed"]

@@ -192,6 +192,7 @@ def _add_objectives_ramp_parser(kinds: Any) -> None:
     p.add_argument("--seconds", type=float, default=d["seconds"].default, help="conversations arrive this long a load")
     p.add_argument("--turns", type=int, default=d["turns"].default)
     p.add_argument("--gap", type=float, default=d["gap_s"].default, help="seconds between a conversation's turns")
+    p.add_argument("--kv-blocks", type=int, default=d["kv_blocks"].default, help="KV blocks (16 tokens) per replica")
     p.add_argument("--capacity", type=float, default=None, help="requests/s of the fleet (default: probed)")
     p.add_argument("--probe-seconds", type=float, default=d["probe_s"].default)
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma-separated, of {','.join(ROUTERS)}")
@@ -212,6 +213,7 @@ def run_objectives_ramp_command(args: argparse.Namespace) -> int:
             seconds=args.seconds,
             turns=args.turns,
             gap_s=args.gap,
+            kv_blocks=args.kv_blocks,
             capacity_rps=args.capacity,
             probe_s=args.probe_seconds,
             probe_warmup_s=min(RampSetup.__dataclass_fields__["probe_warmup_s"].default, args.probe_seconds / 3),

@@ -47,7 +47,7 @@ import aiohttp
 import yaml
 
 from extproc_lab.bench.peer_routers import wait_serving
-from extproc_lab.bench.realstack import read_decisions
+from extproc_lab.bench.realstack import read_counters, read_decisions
 from extproc_lab.demo import load as metrics
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
@@ -69,6 +69,8 @@ ABANDONED = "not sent: an earlier turn was refused or failed"
 _UNSENT = (NOT_SENT, ABANDONED)
 # Counters of ours kept beside each load: what the router did with the objectives.
 _SHED, _JUDGED = "extproc_requests_shed_total", "extproc_objective_requests_total"
+_ERROR = "extproc_latency_prediction_error"
+_HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,10 @@ class RampSetup:
     document_tokens: int = 1200
     followup_tokens: int = 120
     max_tokens: int = 16
+    kv_blocks: int = 4096
+    """KV blocks per replica (16 tokens each): room for the conversations live at 1.5x, so the
+    ramp saturates compute rather than thrashing the caches (the demo profile's 1,024 hold
+    about a third of them)."""
     # Premium's objectives are loose, standard's tighter: a class is shed on a miss of its own
     # objectives, so standard's set the load at which shedding starts, before premium would miss.
     premium: Tier = Tier(PREMIUM, 0.3, 1500.0, 80.0)
@@ -124,8 +130,12 @@ class RampSetup:
         unknown = [r for r in self.routers if r not in ROUTERS]
         if unknown:
             raise ValueError(f"unknown routers {unknown}; known: {', '.join(ROUTERS)}")
-        if min(self.replicas, self.turns, self.max_tokens) < 1 or not self.loads or min(self.loads) <= 0:
-            raise ValueError("replicas, turns and max_tokens must be at least 1, loads positive")
+        if (
+            min(self.replicas, self.turns, self.max_tokens, self.kv_blocks) < 1
+            or not self.loads
+            or min(self.loads) <= 0
+        ):
+            raise ValueError("replicas, turns, max_tokens and kv_blocks must be at least 1, loads positive")
         if self.seconds <= 0 or self.time_scale <= 0 or self.gap_s < 0:
             raise ValueError("seconds and time_scale must be positive, gap_s not negative")
         if self.capacity_rps is not None and self.capacity_rps <= 0:
@@ -365,10 +375,11 @@ def load_figures(setup: RampSetup, outcomes: Sequence[Outcome], offered_rps: flo
 
 
 async def processor_counters(url: str) -> dict[str, dict[str, float]]:
-    """Our processor's sheds and judged objectives by class (cumulative)."""
+    """Our processor's sheds and judged objectives by class (cumulative), and its latency models'
+    error (p50 and p90 of the absolute relative error of their recent predictions, by replica)."""
     async with aiohttp.ClientSession() as http:
         samples = await metrics.read_metrics(http, url)
-    out: dict[str, dict[str, float]] = {"shed": {}, "judged": {}}
+    out: dict[str, dict[str, float]] = {"shed": {}, "judged": {}, "prediction_error": {}}
     for key, value in samples.items():
         name, _, raw = key.partition("{")
         labels = dict(kv.split("=", 1) for kv in raw.rstrip("}").split(",") if "=" in kv)
@@ -379,6 +390,9 @@ async def processor_counters(url: str) -> dict[str, dict[str, float]]:
         elif name == _JUDGED:
             k = f"{labels.get('class', '')}/{labels.get('outcome', '')}"
             out["judged"][k] = out["judged"].get(k, 0.0) + value
+        elif name == _ERROR:
+            k = f"{labels.get('replica', '')}/{labels.get('latency', '')}/p{float(labels.get('quantile', 0)) * 100:g}"
+            out["prediction_error"][k] = round(value, 4)
     return out
 
 
@@ -388,6 +402,7 @@ def _gateway(setup: RampSetup, name: str) -> LocalGateway:
         log_dir = setup.log_dir / name
         log_dir.mkdir(parents=True, exist_ok=True)
     gw = LocalGateway(replicas=setup.replicas, profile=PROFILE, time_scale=setup.time_scale, log_dir=log_dir)
+    gw.replica_args = {r.name: ("--kv-blocks", str(setup.kv_blocks)) for r in gw.members}
     if name != ROUND_ROBIN:
         config = gw.dir / "router-objectives.yaml"
         config.write_text(yaml.safe_dump(router_config(setup, name), sort_keys=False))
@@ -403,6 +418,13 @@ def _start(gw: LocalGateway, name: str) -> str:
     url = gw.round_robin_url if name == ROUND_ROBIN else gw.url
     wait_serving(url)
     return url
+
+
+def _hit_ratio(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> float:
+    """The replicas' own prefix-cache hit ratio over one load (tokens)."""
+    hits = sum(after[n][_HITS] - before[n][_HITS] for n in after)
+    queries = sum(after[n][_QUERIES] - before[n][_QUERIES] for n in after)
+    return round(hits / queries, 4) if queries else 0.0
 
 
 def measure_capacity(setup: RampSetup, progress: Callable[[str], None]) -> float:
@@ -426,9 +448,11 @@ def run_router(name: str, setup: RampSetup, capacity: float, progress: Callable[
         loads: dict[str, Any] = {}
         for i, factor in enumerate(setup.loads):
             rate = factor * capacity
+            before = asyncio.run(read_counters(gw))
             # Each load its own seed: new documents, so nothing is cached from the load before.
             outcomes = asyncio.run(drive(url, setup, rate, setup.seed + 100 * i, f"{name}-{i}"))
             row = load_figures(setup, outcomes, rate)
+            row["hit_ratio"] = _hit_ratio(before, asyncio.run(read_counters(gw)))
             if name != ROUND_ROBIN:
                 row["processor"] = asyncio.run(processor_counters(gw.metrics_url))
             loads[f"{factor:g}"] = row
@@ -500,9 +524,9 @@ def format_tables(result: dict[str, Any]) -> str:
         out.append("")
     out.append(
         "| load | router | offered (req/s) | goodput, both classes (tok/s) | requests | shed | failed or timed out "
-        "| abandoned after | not sent (time up) | span |"
+        "| abandoned after | not sent (time up) | hit ratio | span |"
     )
-    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for load, name, row in _rows(result):
         if row is None:
             continue
@@ -510,8 +534,7 @@ def format_tables(result: dict[str, Any]) -> str:
         out.append(
             f"| {load}x | {name} | {row['offered_rps']:.1f} | {row['goodput_tps']:.1f} | {row['requests']} "
             f"| {sum(x['shed'] for x in c)} | {sum(x['failed'] for x in c)} | {sum(x['abandoned'] for x in c)} "
-            f"| {sum(x['not_sent'] for x in c)} "
-            f"| {row['span_s']:.0f} s |"
+            f"| {sum(x['not_sent'] for x in c)} | {row.get('hit_ratio', 0.0):.1%} | {row['span_s']:.0f} s |"
         )
     return "\n".join(out)
 
