@@ -188,7 +188,7 @@ def _add_objectives_ramp_parser(kinds: Any) -> None:
     p.add_argument(
         "--time-scale", type=float, default=d["time_scale"].default, help="the demo profile's speed (1.0: as written)"
     )
-    p.add_argument("--loads", default=",".join(f"{x:g}" for x in d["loads"].default), help="factors of the capacity")
+    p.add_argument("--loads", default=",".join(f"{x:g}" for x in RampSetup().loads), help="factors of the capacity")
     p.add_argument("--seconds", type=float, default=d["seconds"].default, help="conversations arrive this long a load")
     p.add_argument("--turns", type=int, default=d["turns"].default)
     p.add_argument("--gap", type=float, default=d["gap_s"].default, help="seconds between a conversation's turns")
