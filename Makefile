@@ -70,6 +70,12 @@ bench-inference-perf: $(STAMP) os-deps
 bench-realstack-vllm: $(STAMP) os-deps engines
 	nice -n 10 $(VENV)/bin/extproc bench realstack --engine vllm --json benchmarks/realstack/vllm.json
 
+# Latency objectives over a load ramp through real Envoy, judged by the client (about 5 minutes;
+# benchmarks/objectives_ramp.md).
+.PHONY: bench-objectives-ramp
+bench-objectives-ramp: $(STAMP) os-deps
+	nice -n 10 $(VENV)/bin/extproc bench objectives-ramp --json benchmarks/objectives_ramp/run.json
+
 bench-store: $(STAMP) os-deps
 	$(PY) benchmarks/store_latency.py
 

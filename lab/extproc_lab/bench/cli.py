@@ -1,7 +1,8 @@
 """``extproc bench``: ``routing`` (our routing against the peers' policies, in the simulator),
 ``overhead`` (Envoy with our processor beside the real peer routers, on loopback),
-``realstack`` (a multi-turn workload through the real routers, each on fresh replicas) and
-``inference-perf`` (GIE's load generator through ours and Envoy's round robin)."""
+``realstack`` (a multi-turn workload through the real routers, each on fresh replicas),
+``inference-perf`` (GIE's load generator through ours and Envoy's round robin) and
+``objectives-ramp`` (latency objectives over a load ramp through real Envoy, judged by the client)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     _add_overhead_parser(kinds)
     _add_realstack_parser(kinds)
     _add_inference_perf_parser(kinds)
+    _add_objectives_ramp_parser(kinds)
     return bench  # type: ignore[no-any-return]
 
 
@@ -235,6 +237,34 @@ def _add_inference_perf_parser(kinds: Any) -> None:
     p.add_argument("--json", dest="json_path", help="write the figures here")
 
 
+def _add_objectives_ramp_parser(kinds: Any) -> None:
+    from extproc_lab.bench.objectives_ramp import DEFAULT_ROUTERS, ROUTERS, RampSetup
+
+    d = RampSetup.__dataclass_fields__
+    p = kinds.add_parser(
+        "objectives-ramp",
+        help="latency objectives over an open-loop load ramp through real Envoy, our router with and without "
+        "objectives and Envoy's round robin, each on fresh fake replicas; met share and goodput by the client",
+        description="Probe the fleet's capacity, then send LOADS x that, two classes of multi-turn chats "
+        "(premium: loose objectives, never shed; standard: tighter, shed or queued), on 127.0.0.1.",
+    )
+    p.add_argument("--replicas", type=int, default=d["replicas"].default)
+    p.add_argument(
+        "--time-scale", type=float, default=d["time_scale"].default, help="the demo profile's speed (1.0: as written)"
+    )
+    p.add_argument("--loads", default=",".join(f"{x:g}" for x in RampSetup().loads), help="factors of the capacity")
+    p.add_argument("--seconds", type=float, default=d["seconds"].default, help="conversations arrive this long a load")
+    p.add_argument("--turns", type=int, default=d["turns"].default)
+    p.add_argument("--gap", type=float, default=d["gap_s"].default, help="seconds between a conversation's turns")
+    p.add_argument("--kv-blocks", type=int, default=d["kv_blocks"].default, help="KV blocks (16 tokens) per replica")
+    p.add_argument("--capacity", type=float, default=None, help="requests/s of the fleet (default: probed)")
+    p.add_argument("--probe-seconds", type=float, default=d["probe_s"].default)
+    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma-separated, of {','.join(ROUTERS)}")
+    p.add_argument("--seed", type=int, default=d["seed"].default)
+    p.add_argument("--log-dir", help="keep every process's log here, a folder per router (default: discarded)")
+    p.add_argument("--json", dest="json_path", help="write the figures here")
+
+
 def run_inference_perf_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench inference-perf``."""
     from extproc_lab.bench.inference_perf import (
@@ -321,6 +351,46 @@ def run_inference_perf_command(args: argparse.Namespace) -> int:
     ]
     if failed:
         print(f"extproc bench: failed runs or requests: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_objectives_ramp_command(args: argparse.Namespace) -> int:
+    """Run ``extproc bench objectives-ramp``."""
+    from extproc_lab.bench.objectives_ramp import RampSetup, format_tables, run_ramp, verdict
+
+    try:
+        setup = RampSetup(
+            replicas=args.replicas,
+            time_scale=args.time_scale,
+            loads=tuple(float(x) for x in args.loads.split(",") if x.strip()),
+            seconds=args.seconds,
+            turns=args.turns,
+            gap_s=args.gap,
+            kv_blocks=args.kv_blocks,
+            capacity_rps=args.capacity,
+            probe_s=args.probe_seconds,
+            probe_warmup_s=min(RampSetup.__dataclass_fields__["probe_warmup_s"].default, args.probe_seconds / 3),
+            routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+            seed=args.seed,
+            log_dir=Path(args.log_dir) if args.log_dir else None,
+        )
+        result = run_ramp(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as exc:
+        print(f"extproc bench: {exc}", file=sys.stderr)
+        return 2
+    how = "probed" if result["capacity_probed"] else "given"
+    print(f"capacity {result['capacity_rps']:g} req/s ({how}); {result['wall_s']:g} s wall\n")
+    print(format_tables(result))
+    for line in verdict(result):
+        print(f"  {line}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"figures written to {args.json_path}")
+    failed = [name for name, r in result["routers"].items() if "error" in r]
+    if failed:
+        print(f"extproc bench: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -445,6 +515,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_realstack_command(args)
     if getattr(args, "bench_command", "routing") == "inference-perf":
         return run_inference_perf_command(args)
+    if getattr(args, "bench_command", "routing") == "objectives-ramp":
+        return run_objectives_ramp_command(args)
     from extproc_lab.bench.plots import write_plots
     from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
     from extproc_lab.sim.objectives import parse_mix, uniform
