@@ -42,6 +42,20 @@ def require_binary(name: str) -> str:
     return path
 
 
+def require_engines(*models: str) -> None:
+    """vLLM's CPU build and the lab's ``models``, installed if missing (``make engines``): a
+    failed install fails under CI, skips elsewhere."""
+    from extproc_lab.engines import install
+
+    try:
+        install.ensure(models)
+    except Exception as exc:  # the install's own error, whatever it is
+        message = f"vLLM's CPU build could not be installed (make engines): {exc}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[LocalRedis]:
     """One redis-server for the run (each test uses its own key namespace), stopped by its PID."""

@@ -24,10 +24,9 @@ from aiohttp import web
 
 from extproc.request.kv_transfer import PREFILLER_HEADER
 from extproc_lab.demo.processes import free_port
-from extproc_lab.engines import install
 from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 from extproc_lab.replica.sidecar import Sidecar, build_sidecar_app
-from tests.conftest import IN_CI
+from tests.conftest import require_engines
 from tests.helpers import metrics_page, scrape_total
 
 pytestmark = pytest.mark.e2e
@@ -49,13 +48,7 @@ def connector(store: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    try:
-        install.ensure(("tiny",))
-    except Exception as exc:  # the install's own error, whatever it is
-        message = f"vLLM's CPU build could not be installed (make engines): {exc}"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+    require_engines("tiny")
     store = tmp_path_factory.mktemp("kv-store")
     settings = EngineSettings(
         model="tiny",

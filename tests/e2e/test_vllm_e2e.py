@@ -33,9 +33,8 @@ from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.health.vllm_metrics import parse_vllm_metrics
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn, words
-from extproc_lab.engines import install
 from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import IN_CI, require_binary
+from tests.conftest import require_binary, require_engines
 from tests.helpers import scrape_total
 
 pytestmark = pytest.mark.e2e
@@ -50,13 +49,7 @@ _DONE = "vllm:request_success_total"
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     require_binary("envoy")
-    try:
-        install.ensure(("tiny",))
-    except Exception as exc:  # the install's own error, whatever it is
-        message = f"vLLM's CPU build could not be installed (make engines): {exc}"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+    require_engines("tiny")
     settings = EngineSettings(model="tiny", block_size=BLOCK, num_blocks=BLOCKS, max_model_len=2048)
     gateway = LocalGateway(
         replicas=2,

@@ -11,10 +11,9 @@ import aiohttp
 import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
-from extproc_lab.engines import install
 from extproc_lab.engines.fleet import ENGINE_SERVICE as ENGINE
 from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import IN_CI, require_binary
+from tests.conftest import require_binary, require_engines
 from tests.helpers import ReceivedSpan, SpanReceiver, chat, otlp_receiver, post, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -26,13 +25,7 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalGateway, SpanReceiver]]:
     require_binary("envoy")
-    try:
-        install.ensure(("tiny",))
-    except Exception as exc:  # the install's own error, whatever it is
-        message = f"vLLM's CPU build could not be installed (make engines): {exc}"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+    require_engines("tiny")
     with otlp_receiver() as receiver:
         # Envoy, the processor and the engine all to the receiver (the engine: --otlp-traces-endpoint).
         gw = LocalGateway(
