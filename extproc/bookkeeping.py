@@ -31,6 +31,7 @@ from extproc.request.splits import Arm
 from extproc.routing.latency import LoadPoint
 from extproc.routing.model import AffinityView, Decision
 from extproc.tenancy import TenantLedger
+from extproc.tracing import InferenceSpan
 
 
 @dataclass(slots=True)
@@ -88,8 +89,9 @@ class Routed:
     objective_wait: AffinityView | None = None
     """Every candidate was predicted to miss its objectives and its class queues on a miss: the
     store's view it was decided on, to judge again while it waits. Nothing is counted for it."""
-    traceparent: str | None = None
-    """The W3C trace context to hand the replica (parented to the decision's span), when traced."""
+    trace: InferenceSpan | None = None
+    """Its call to the replica, when traced: the span open until it is over, and the W3C trace
+    context handed to the replica."""
     budget: Admission | None = None
     """The request's token budgets (tenant, API key, model) as it was admitted (its estimate
     reserved), when metered."""

@@ -184,8 +184,9 @@ class Planner:
             target = [(cfg.headers.target_cluster, replica.name)]
         features = routed.features
         headers = [*target, *cfg.upstream.request_headers(features.stream, features.max_output_tokens)]
-        if routed.traceparent is not None:  # the replica continues the trace under the decision
-            headers.append((TRACEPARENT, routed.traceparent))
+        if routed.trace is not None and routed.trace.traceparent is not None:
+            # The replica continues the trace under its call's span.
+            headers.append((TRACEPARENT, routed.trace.traceparent))
         if decision.prefill is not None:  # the decode replica's sidecar makes the prefill hop
             headers.append(prefiller_header(decision.prefill.address))
         names = {name for name, _ in headers}
@@ -196,6 +197,7 @@ class Planner:
         """Learn from the response headers (a health sample); True to read the response body."""
         routed = plan.routed
         status = headers.get(":status", "0")
+        routed.status = int(status) if status.isdigit() else 0  # seen, sampled for health or not
         tries = attempts(headers.get(ATTEMPT_COUNT_HEADER))
         answered_by = headers.get(ANSWERED_BY_HEADER)
         if plan.watch.observe:

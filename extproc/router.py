@@ -263,7 +263,7 @@ class Router:
         routed.arm, routed.body, routed.budget, routed.strip_usage = arm, rewritten, budget, strip_usage
         if self.tracer is not None:
             profile = self.profiles.for_request(features).name
-            routed.traceparent = self.tracer.decided(
+            routed.trace = self.tracer.decided(
                 headers, features, routed.decision, started_ns, len(self.replicas), profile
             )
         if arm is not None:
@@ -587,6 +587,8 @@ class Router:
     async def charge_usage(self, routed: Routed, usage: Usage) -> None:
         """A response's reported ``usage``: metered (tenant, model, replica) and charged to the
         request's budgets, once."""
+        if routed.trace is not None:
+            routed.trace.usage(usage)
         if self.meter is not None:
             replica = routed.decision.replica
             self.meter.charge(routed.features.tenant, routed.features.model, replica.name if replica else "", usage)
@@ -602,6 +604,9 @@ class Router:
 
     def release(self, routed: Routed) -> None:
         """The request is over (or abandoned): its in-flight slot is freed, once."""
+        if routed.trace is not None:
+            trace, routed.trace = routed.trace, None
+            trace.end(routed.status)
         if ended(self.hooks, routed) and self.queue is not None:
             self.queue.wake()  # a slot freed: the head of the queue may go
 

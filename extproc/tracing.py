@@ -5,9 +5,13 @@ stream's gRPC metadata, which :mod:`extproc.server.stream` puts first) parents a
 the routing decision: the chosen replica, the reason, the cached tokens predicted there, the
 candidates considered, the profile, and the request's model in the GenAI semantic conventions
 (``gen_ai.request.model``, ``gen_ai.operation.name``, ``gen_ai.request.max_tokens``). Without one, a
-trace is started. The replica is handed a ``traceparent`` of the same trace with the decision as
-its parent (vLLM continues it with ``--otlp-traces-endpoint``), so one trace holds Envoy's span,
-ours and the engine's. With Envoy's own tracing on, Envoy's router writes its upstream span's
+trace is started. Under the decision, a GenAI client span (``chat MODEL``, kind CLIENT) is the
+request's call to its replica: opened when it is decided, ended when its stream is over, with the
+response's status and, where the response's usage is read (``budgets:`` reads every one; the
+KV-event usage check its samples), ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``
+and ``gen_ai.usage.cache_read.input_tokens``. The replica is handed a ``traceparent`` of the same
+trace with that call as its parent (vLLM continues it with ``--otlp-traces-endpoint``), so one
+trace holds Envoy's span, ours and the engine's. With Envoy's own tracing on, Envoy's router writes its upstream span's
 context over that header (Envoy 1.40): the engine's parent is then Envoy's span, of the same trace.
 
 Off by default. Sampling is parent-based: a sampled parent is always followed; a request without
@@ -24,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH
 from extproc.routing.model import Decision
+from extproc.usage import Usage
 from extproc.validation import Section, option
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -64,6 +70,39 @@ def _otlp_exporter(settings: TracingSettings) -> SpanExporter:
     return OTLPSpanExporter(endpoint=settings.endpoint, insecure=settings.insecure)
 
 
+class InferenceSpan:
+    """A request's call to its replica, as an OpenTelemetry GenAI client span: open from the
+    decision until :meth:`end`. ``traceparent`` is its context, handed to the replica (None:
+    propagation is off)."""
+
+    __slots__ = ("_span", "traceparent")
+
+    def __init__(self, span: Span, traceparent: str | None) -> None:
+        self._span = span
+        self.traceparent = traceparent
+
+    def usage(self, usage: Usage) -> None:
+        """The tokens the response reported, in the GenAI conventions."""
+        attrs = {"gen_ai.usage.input_tokens": usage.input, "gen_ai.usage.output_tokens": usage.output}
+        if usage.cached_input is not None:
+            attrs["gen_ai.usage.cache_read.input_tokens"] = usage.cached_input
+        self._span.set_attributes(attrs)
+
+    def end(self, status: int) -> None:
+        """The request is over; ``status`` its response's, 0 when its headers were not seen (not
+        asked for, or no answer came: the span cannot tell which, so claims neither)."""
+        if not self._span.is_recording():
+            return
+        if status:
+            self._span.set_attribute("http.response.status_code", status)
+        if status >= 400:
+            from opentelemetry.trace import Status, StatusCode
+
+            self._span.set_attribute("error.type", str(status))
+            self._span.set_status(Status(StatusCode.ERROR))
+        self._span.end()
+
+
 class DecisionTracer:
     """Spans for routing decisions (see the module docstring); ``exporter`` replaces the OTLP
     exporter (tests)."""
@@ -94,10 +133,10 @@ class DecisionTracer:
         started_ns: int,
         candidates: int,
         profile: str,
-    ) -> str | None:
-        """Record the decision's span (from ``started_ns``, wall clock, to now); the
-        ``traceparent`` to hand the replica, or None when the span is not sampled (the client's
-        header, if any, then goes on unchanged) or propagation is off."""
+    ) -> InferenceSpan | None:
+        """Record the decision's span (from ``started_ns``, wall clock, to now) and open the call
+        to the chosen replica under it; None when the request is not sampled (the client's
+        ``traceparent``, if any, then goes on unchanged) or has no replica."""
         from opentelemetry import trace
 
         parent = self.propagator.extract(carrier=dict(headers) if TRACEPARENT in headers else {})
@@ -106,17 +145,35 @@ class DecisionTracer:
             return None
         span.set_attributes(self._attributes(features, decision, candidates, profile))
         span.end()
-        if not self.settings.propagate or decision.replica is None:
+        if decision.replica is None:
             return None
-        carrier: dict[str, str] = {}
-        self.propagator.inject(carrier, context=trace.set_span_in_context(span))
-        return carrier.get(TRACEPARENT)
+        call = self.tracer.start_span(
+            f"{_operation(features)} {features.model}".rstrip(),
+            context=trace.set_span_in_context(span),
+            kind=trace.SpanKind.CLIENT,
+            attributes=self._call_attributes(features, decision),
+        )
+        traceparent = None
+        if self.settings.propagate:
+            carrier: dict[str, str] = {}
+            self.propagator.inject(carrier, context=trace.set_span_in_context(call))
+            traceparent = carrier.get(TRACEPARENT)
+        return InferenceSpan(call, traceparent)
+
+    @staticmethod
+    def _call_attributes(features: RequestFeatures, decision: Decision) -> dict[str, Any]:
+        attrs: dict[str, Any] = {"gen_ai.operation.name": _operation(features), "gen_ai.request.model": features.model}
+        if features.max_output_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = features.max_output_tokens
+        if decision.replica is not None:
+            attrs.update(_server(decision.replica.address))
+            attrs["extproc.replica"] = decision.replica.name
+        return attrs
 
     @staticmethod
     def _attributes(features: RequestFeatures, decision: Decision, candidates: int, profile: str) -> dict[str, Any]:
-        chat = features.path.startswith(CHAT_PATH)
         attrs: dict[str, Any] = {
-            "gen_ai.operation.name": "chat" if chat else "text_completion",
+            "gen_ai.operation.name": _operation(features),
             "gen_ai.request.model": features.model,
             "extproc.reason": decision.reason.value,
             "extproc.profile": profile,
@@ -130,10 +187,7 @@ class DecisionTracer:
             attrs["extproc.predicted_cached_tokens"] = decision.matched_blocks * features.tokens_per_block
         if decision.replica is not None:
             attrs["extproc.replica"] = decision.replica.name
-            host, _, port = decision.replica.address.rpartition(":")
-            attrs["server.address"] = host
-            if port.isdigit():
-                attrs["server.port"] = int(port)
+            attrs.update(_server(decision.replica.address))
         if decision.moved_by:
             attrs["extproc.moved_by"] = decision.moved_by
         if decision.pair is not None:  # a fleet with roles: the pair, and its prefill hop if any
@@ -148,3 +202,12 @@ class DecisionTracer:
     def close(self) -> None:
         """Export what is pending and stop."""
         self.provider.shutdown()
+
+
+def _operation(features: RequestFeatures) -> str:
+    return "chat" if features.path.startswith(CHAT_PATH) else "text_completion"
+
+
+def _server(address: str) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    return {"server.address": host, "server.port": int(port)} if port.isdigit() else {"server.address": address}

@@ -60,7 +60,7 @@ async def test_envoy_the_decision_and_the_engine_share_the_clients_trace(
     await wait_for(whole, "Envoy's, the processor's and the engine's spans in the client's trace", 30.0)
     spans = _by_trace(receiver, CLIENT_TRACE)
     envoy = {s.span_id: s for s in spans if s.service == "envoy-gateway"}
-    (ours,) = [s for s in spans if s.service == "extproc-router"]
+    (ours,) = [s for s in spans if s.service == "extproc-router" and s.name == "route"]
     (engine,) = [s for s in spans if s.service == ENGINE and s.name == "llm_request"]
     assert ours.parent_span_id in envoy
     # The engine continues the context Envoy's router sends it: its upstream try's span.

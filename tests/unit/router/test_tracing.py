@@ -11,6 +11,7 @@ import pytest
 
 from extproc.router import Router
 from extproc.tracing import DecisionTracer, TracingSettings
+from extproc.usage import Usage
 from tests.conftest import chat_body, make_config
 from tests.helpers import SpanReceiver, otlp_receiver
 
@@ -41,8 +42,10 @@ async def test_the_decision_span_is_parented_to_the_clients_traceparent(collecte
         await _flushed(tracer, collected, 1)
     finally:
         tracer.close()
+    # The call to the replica is still open (the request is not over): only the decision is out.
     assert len(collected.spans) == 1
     span = collected.spans[0]
+    assert span.name == "route"
     assert span.trace_id == TRACE_ID and span.parent_span_id == CLIENT_SPAN
     attrs = span.attributes
     assert attrs["gen_ai.request.model"] == "m"
@@ -52,8 +55,61 @@ async def test_the_decision_span_is_parented_to_the_clients_traceparent(collecte
     assert attrs["extproc.replica"] == routed.decision.replica.name
     assert attrs["extproc.reason"] == routed.decision.reason.value
     assert attrs["extproc.candidates"] == 3
-    # The replica continues the same trace, under the decision's span.
-    assert routed.traceparent == f"00-{TRACE_ID}-{span.span_id}-01"
+    assert routed.trace is not None and routed.trace.traceparent is not None
+    assert routed.trace.traceparent.startswith(f"00-{TRACE_ID}-")
+
+
+async def test_the_call_to_the_replica_carries_the_usage_its_response_reported(collected: SpanReceiver) -> None:
+    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=1.0))
+    router = Router(make_config(), tracer=tracer)
+    try:
+        routed = await router.route({":path": "/v1/chat/completions"}, chat_body("a prompt", max_tokens=9))
+        assert routed.trace is not None
+        sent = routed.trace.traceparent
+        routed.status = 200
+        await router.charge_usage(routed, Usage(input=120, cached_input=96, output=9))
+        router.release(routed)
+        router.release(routed)  # a second release ends nothing twice
+        await _flushed(tracer, collected, 2)
+    finally:
+        tracer.close()
+    spans = {s.name: s for s in collected.spans}
+    assert len(collected.spans) == 2 and set(spans) == {"route", "chat m"}
+    route, call = spans["route"], spans["chat m"]
+    # One trace: the call under the decision, and the replica's context under the call.
+    assert call.trace_id == route.trace_id and call.parent_span_id == route.span_id
+    assert sent is not None and sent.startswith(f"00-{call.trace_id}-{call.span_id}-")
+    assert int(sent.rpartition("-")[2], 16) & 1  # sampled
+    assert call.attributes["gen_ai.usage.input_tokens"] == 120
+    assert call.attributes["gen_ai.usage.output_tokens"] == 9
+    assert call.attributes["gen_ai.usage.cache_read.input_tokens"] == 96
+    assert call.attributes["http.response.status_code"] == 200
+    assert call.attributes["gen_ai.request.model"] == "m" and call.attributes["gen_ai.request.max_tokens"] == 9
+    assert routed.decision.replica is not None
+    assert call.attributes["server.port"] == int(routed.decision.replica.address.rpartition(":")[2])
+    assert "error.type" not in call.attributes
+
+
+async def test_a_failed_call_is_an_error_and_unreported_usage_is_absent(collected: SpanReceiver) -> None:
+    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=1.0))
+    router = Router(make_config(), tracer=tracer)
+    try:
+        failed = await router.route({":path": "/v1/chat/completions"}, chat_body("a prompt"))
+        failed.status = 503
+        router.release(failed)
+        unseen = await router.route({":path": "/v1/completions"}, b'{"model": "m", "prompt": "p"}')
+        router.release(unseen)  # its response headers were never seen
+        await _flushed(tracer, collected, 4)
+    finally:
+        tracer.close()
+    calls = [s for s in collected.spans if s.name != "route"]
+    by_name = {s.name: s for s in calls}
+    assert set(by_name) == {"chat m", "text_completion m"}
+    error = by_name["chat m"].attributes
+    assert error["error.type"] == "503" and error["http.response.status_code"] == 503
+    assert not any(k.startswith("gen_ai.usage.") for k in error)
+    # Not seen is not claimed as a failure: no status, no error.
+    assert not {"error.type", "http.response.status_code"} & set(by_name["text_completion m"].attributes)
 
 
 async def test_an_unsampled_request_is_neither_exported_nor_given_a_context(collected: SpanReceiver) -> None:
@@ -66,7 +122,7 @@ async def test_an_unsampled_request_is_neither_exported_nor_given_a_context(coll
         await asyncio.to_thread(tracer.provider.force_flush)
     finally:
         tracer.close()
-    assert plain.traceparent is None and declined.traceparent is None
+    assert plain.trace is None and declined.trace is None
     assert collected.spans == []
 
 
@@ -77,22 +133,23 @@ async def test_an_unreachable_collector_costs_the_request_nothing() -> None:
         routed = await router.route({":path": "/v1/chat/completions"}, chat_body("a prompt"))
     finally:
         await asyncio.to_thread(tracer.close)
-    assert routed.decision.replica is not None and routed.traceparent is not None
+    assert routed.decision.replica is not None and routed.trace is not None and routed.trace.traceparent
 
 
-async def test_the_plan_hands_the_replica_the_decisions_traceparent(collected: SpanReceiver) -> None:
+async def test_the_plan_hands_the_replica_its_calls_traceparent(collected: SpanReceiver) -> None:
     from extproc.plan import Forward, Planner
 
     tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=1.0))
     planner = Planner(Router(make_config(), tracer=tracer))
     try:
         plan = await planner.plan({":path": "/v1/chat/completions"}, chat_body("a prompt"))
-        await _flushed(tracer, collected, 1)
+        planner.end(plan)
+        await _flushed(tracer, collected, 2)
     finally:
         tracer.close()
     assert isinstance(plan.action, Forward)
     sent = dict(plan.action.set_headers)
-    span = collected.spans[0]
+    (span,) = [s for s in collected.spans if s.name == "chat m"]
     _, trace_id, parent, flags = sent["traceparent"].split("-")
     assert (trace_id, parent) == (span.trace_id, span.span_id)
     assert int(flags, 16) & 1  # sampled: the engine traces it too

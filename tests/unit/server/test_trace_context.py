@@ -54,14 +54,18 @@ async def _route(
     return set_headers(responses[-1].request_body.response.header_mutation)
 
 
-async def _one_span(tracer: DecisionTracer, collected: SpanReceiver) -> ReceivedSpan:
+async def _spans(tracer: DecisionTracer, collected: SpanReceiver) -> tuple[ReceivedSpan, ReceivedSpan]:
+    """The request's decision span and its call's (ended with the stream)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + 10.0
-    while not collected.spans and loop.time() < end:
+    while len(collected.spans) < 2 and loop.time() < end:
         await asyncio.to_thread(tracer.provider.force_flush)
         await asyncio.sleep(0.05)
-    assert len(collected.spans) == 1
-    return collected.spans[0]
+    assert len(collected.spans) == 2
+    spans = {s.name: s for s in collected.spans}
+    route, call = spans["route"], spans["chat m"]
+    assert (call.trace_id, call.parent_span_id) == (route.trace_id, route.span_id)
+    return route, call
 
 
 async def test_envoys_context_in_the_metadata_parents_the_decision_without_a_client_header(
@@ -69,9 +73,9 @@ async def test_envoys_context_in_the_metadata_parents_the_decision_without_a_cli
 ) -> None:
     server, tracer = served
     sent = await _route(server, {}, (("traceparent", f"00-{TRACE}-{ENVOY_SPAN}-01"), ("tracestate", "")))
-    span = await _one_span(tracer, collected)
+    span, call = await _spans(tracer, collected)
     assert (span.trace_id, span.parent_span_id) == (TRACE, ENVOY_SPAN)
-    assert sent["traceparent"] == f"00-{TRACE}-{span.span_id}-01"
+    assert sent["traceparent"] == f"00-{TRACE}-{call.span_id}-01"
 
 
 async def test_envoys_context_wins_over_the_clients_header_it_descends_from(
@@ -80,7 +84,7 @@ async def test_envoys_context_wins_over_the_clients_header_it_descends_from(
     server, tracer = served
     client = {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01", "tracestate": "client=1"}
     await _route(server, client, (("traceparent", f"00-{TRACE}-{ENVOY_SPAN}-01"),))
-    span = await _one_span(tracer, collected)
+    span, _ = await _spans(tracer, collected)
     assert (span.trace_id, span.parent_span_id) == (TRACE, ENVOY_SPAN)
 
 
@@ -89,7 +93,7 @@ async def test_without_envoys_context_the_clients_header_parents_the_decision(
 ) -> None:
     server, tracer = served
     await _route(server, {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"}, (("x-envoy-internal", "true"),))
-    span = await _one_span(tracer, collected)
+    span, _ = await _spans(tracer, collected)
     assert (span.trace_id, span.parent_span_id) == (TRACE, CLIENT_SPAN)
 
 
