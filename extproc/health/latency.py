@@ -4,8 +4,12 @@ For every answered request the router knows the :class:`~extproc.routing.latency
 was sent at (its uncached prompt, the prefill queued there, the batch, KV usage) and, from the
 response, its time to first byte; at its end, the time per output token after the first. Two
 linear models per replica (TTFT and TPOT over the point's terms) are fitted by recursive least
-squares, weighted by the inverse square of the observed value so that the fit minimises
-*relative* error (a 20 ms prediction 20 ms off is as wrong as a 2 s one 2 s off).
+squares, weighted by the inverse square of the model's own prediction so that errors count
+relative to the latency (a 20 ms prediction 20 ms off is as wrong as a 2 s one 2 s off) while the
+fit stays on the mean: the quasi-likelihood of noise proportional to the latency, fitted as
+iteratively reweighted least squares. (Weighing by the observed value instead gives the fastest
+outliers the most say, and the fit settles below the mean: under noisy overload it predicted a
+third of the TPOT that came, so every objective looked met.)
 
 Learned only where wanted (``health.latency_models``): by default from the first request that
 carries an objective on (:meth:`LatencyBook.wanted`), so a fleet that never states one does not pay
@@ -13,7 +17,8 @@ for fitting. Cheap and bounded: an update is a few hundred float operations on a
 response is observed, never while deciding; the decision reads the fits as they were last
 updated (:meth:`LatencyBook.view`). Before ``warm_after`` observations a model starts from a
 prior (an engine prefilling 10k tokens/s with 20 ms steps) and is not used. Old observations are
-slowly forgotten (the fleet's load and the replica's speed drift), without letting the
+forgotten (``forget`` 0.99: about the last hundred weigh; the fleet's load and the replica's speed
+drift, and a load ramp changes what a batch costs within seconds), without letting the
 uncertainty of a term that never varies blow up.
 """
 
@@ -81,10 +86,14 @@ class _Model:
         self.errors: deque[float] = deque(maxlen=window)
 
     def observe(self, terms: Sequence[float], seconds: float, warm_after: int) -> None:
+        scale = seconds
         if self.samples >= warm_after:
             predicted = max(self.fit.predict(terms), 0.0)
             self.errors.append(abs(predicted - seconds) / max(seconds, FLOOR_S))
-        floor = max(seconds, FLOOR_S)
+            # Weighed by the prediction, not the observation (the module docstring says why);
+            # until warm the prior's prediction means nothing, so the observation stands in.
+            scale = predicted
+        floor = max(scale, FLOOR_S)
         self.fit.update(terms, seconds, 1.0 / (floor * floor))
         self.samples += 1
 
@@ -115,7 +124,7 @@ class LatencyBook:
         block_tokens: int = 16,
         *,
         warm_after: int = 32,
-        forget: float = 0.999,
+        forget: float = 0.99,
         error_window: int = 128,
         learning: bool = True,
     ) -> None:

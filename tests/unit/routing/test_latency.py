@@ -278,3 +278,15 @@ async def test_the_models_learn_only_where_objectives_are_in_use(
     assert await one({}) is learns_before
     await one({"x-slo-ttft-ms": "500"})  # the first objective: auto learns from this request on
     assert await one({}) is learns_after
+
+
+def test_the_fit_stays_on_the_mean_when_the_noise_grows_with_the_latency() -> None:
+    # Latencies scattered around 50 ms by a factor with mean 1 (a busy replica's steps): a fit that
+    # weighs each observation by its own size settles far below the mean (about half of it here)
+    # and every objective looks met; weighed by its prediction, it stays near the mean.
+    book = LatencyBook()
+    rng = random.Random(11)
+    p = LoadPoint(0, 0, 8, 0.5)
+    for _ in range(2000):
+        book.observe_tpot("r0", p, 0.05 * rng.uniform(0.2, 1.8))
+    assert book.view().fits["r0"].tpot_s(p) == pytest.approx(0.05, rel=0.1)
