@@ -162,6 +162,7 @@ class DecisionTracer:
 
     @staticmethod
     def _call_attributes(features: RequestFeatures, decision: Decision) -> dict[str, Any]:
+        """The request's, in the GenAI conventions, and the replica it goes to: both spans'."""
         attrs: dict[str, Any] = {"gen_ai.operation.name": _operation(features), "gen_ai.request.model": features.model}
         if features.max_output_tokens is not None:
             attrs["gen_ai.request.max_tokens"] = features.max_output_tokens
@@ -170,24 +171,22 @@ class DecisionTracer:
             attrs["extproc.replica"] = decision.replica.name
         return attrs
 
-    @staticmethod
-    def _attributes(features: RequestFeatures, decision: Decision, candidates: int, profile: str) -> dict[str, Any]:
-        attrs: dict[str, Any] = {
-            "gen_ai.operation.name": _operation(features),
-            "gen_ai.request.model": features.model,
-            "extproc.reason": decision.reason.value,
-            "extproc.profile": profile,
-            "extproc.candidates": candidates,
-            "extproc.prefix.total_blocks": decision.total_blocks,
-            "extproc.prefix.matched_blocks": decision.matched_blocks,
-        }
-        if features.max_output_tokens is not None:
-            attrs["gen_ai.request.max_tokens"] = features.max_output_tokens
+    @classmethod
+    def _attributes(
+        cls, features: RequestFeatures, decision: Decision, candidates: int, profile: str
+    ) -> dict[str, Any]:
+        attrs = cls._call_attributes(features, decision)
+        attrs.update(
+            {
+                "extproc.reason": decision.reason.value,
+                "extproc.profile": profile,
+                "extproc.candidates": candidates,
+                "extproc.prefix.total_blocks": decision.total_blocks,
+                "extproc.prefix.matched_blocks": decision.matched_blocks,
+            }
+        )
         if features.tokens_per_block:
             attrs["extproc.predicted_cached_tokens"] = decision.matched_blocks * features.tokens_per_block
-        if decision.replica is not None:
-            attrs["extproc.replica"] = decision.replica.name
-            attrs.update(_server(decision.replica.address))
         if decision.moved_by:
             attrs["extproc.moved_by"] = decision.moved_by
         if decision.pair is not None:  # a fleet with roles: the pair, and its prefill hop if any
