@@ -15,9 +15,11 @@ The fleet's capacity is measured first (the mix at four times a guess, every req
 requests finished per second). Each run then sends ``load`` x that. "met" is the share of a
 class's requests that met both objectives, TTFT from arrival (the router's queue included) to
 the first token and TPOT after it; a refused request counts as missed in "met (all)" and is left
-out of "met (served)". A shed request is not retried. Deterministic for a seed.
+out of "met (served)". A shed request is not retried. The classes that shed or queue are
+admitted with ``--margins`` as their ``admit_margin`` (one run each; the config's default if not
+given). Deterministic for a seed.
 
-    .venv/bin/python benchmarks/objective_shedding.py [--replicas 2 --seconds 60 --loads 0.5,0.75,1,1.25,1.5]
+    .venv/bin/python benchmarks/objective_shedding.py [--replicas 2 --seconds 60 --loads 0.5,1,1.5 --margins 0,0.2]
 """
 
 from __future__ import annotations
@@ -80,16 +82,16 @@ def mix(rate: float, seconds: float, seed: int) -> Workload:
     return merge("premium+standard+batch", parts, {"rate": rate, "seconds": seconds, "seed": seed})
 
 
-def settings(mode: str) -> QueueSettings:
+def settings(mode: str, margin: float = 0.0) -> QueueSettings:
     """The queueing section of a run: ``off`` (today: every class best effort), ``shed``,
-    ``shed+queue``."""
+    ``shed+queue``; ``margin``: the ``admit_margin`` of the classes that shed or queue."""
     best = QueueClass(priority=2, max_wait_s=LONG, max_queued=10**9)
     if mode == "off":
         return QueueSettings(default=best)
-    shed = best.model_copy(update={"priority": 1, "on_miss": "shed"})
+    shed = best.model_copy(update={"priority": 1, "on_miss": "shed", "admit_margin": margin})
     if mode == "shed":
         return QueueSettings(default=best, classes={"premium": best, "standard": shed, "batch": shed})
-    queue = best.model_copy(update={"priority": 0, "on_miss": "queue", "max_wait_s": 60.0})
+    queue = best.model_copy(update={"priority": 0, "on_miss": "queue", "max_wait_s": 60.0, "admit_margin": margin})
     return QueueSettings(
         enabled=True,
         kv_threshold=1.0,  # held for objectives only: never for saturation
@@ -99,9 +101,9 @@ def settings(mode: str) -> QueueSettings:
     )
 
 
-def simulate(workload: Workload, replicas: int, mode: str) -> PriorityRun:
+def simulate(workload: Workload, replicas: int, mode: str, margin: float = 0.0) -> PriorityRun:
     sim = PrioritySimulation(
-        workload, get_profile("llama-8b-h100"), replicas, None, Config(queueing=settings(mode)), request_class
+        workload, get_profile("llama-8b-h100"), replicas, None, Config(queueing=settings(mode, margin)), request_class
     )
     return sim.run()
 
@@ -192,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="off,shed,shed+queue")
     ap.add_argument("--guess", type=float, default=20.0, help="requests/s: the capacity run sends four times this")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--margins",
+        default=f"{QueueClass().admit_margin:g}",
+        help="admit_margin of the classes shed or queued, comma-separated: a run each (default: the config's)",
+    )
     args = ap.parse_args(argv)
     started = time.monotonic()
     cap = capacity(args.replicas, args.guess, args.seconds, args.seed)
@@ -199,11 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for load in (float(x) for x in args.loads.split(",")):
         workload = mix(load * cap, args.seconds, args.seed)
+        margins = [float(m) for m in args.margins.split(",")]
         for mode in args.modes.split(","):
-            run = simulate(workload, args.replicas, mode)
-            start = min(r.arrival_s for r in workload.requests)
-            rows.append(Row(load, mode, figures(workload, run), max(s.finish for s in run.served) - start))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+            for margin in margins if mode != "off" else [0.0]:
+                run = simulate(workload, args.replicas, mode, margin)
+                start = min(r.arrival_s for r in workload.requests)
+                label = f"{mode}, margin {margin:g}" if mode != "off" else mode
+                rows.append(Row(load, label, figures(workload, run), max(s.finish for s in run.served) - start))
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     print(f"{time.monotonic() - started:.0f} s wall")
     return 0

@@ -314,7 +314,7 @@ class Router:
         decision = self.decide(given)
         if decision.reason is Reason.QUOTA:
             self.metrics.shed(features.request_class, "quota_exceeded")
-        elif decision.objective_missed:
+        elif self._misses(features, decision):
             unrouted = self._missed(features, stored, start, may_wait)
             if unrouted is not None:
                 return unrouted
@@ -361,6 +361,17 @@ class Router:
         self._report(features, decision, given.view, start, routed.decided_at)
         return routed
 
+    def _misses(self, features: RequestFeatures, decision: Decision) -> bool:
+        """Whether the request is predicted to miss its objectives everywhere, as its class judges
+        it: short of the class's ``admit_margin`` where it sheds or queues."""
+        if decision.objective_missed:
+            return True
+        headroom = decision.objective_headroom
+        if headroom is None:
+            return False
+        terms = self.config.queueing.for_class(features.request_class)
+        return terms.on_miss != "best_effort" and headroom < terms.admit_margin
+
     def _missed(self, features: RequestFeatures, stored: AffinityView, now: float, may_wait: bool) -> Routed | None:
         """A request every candidate is predicted to miss: refused if its class sheds, returned to
         wait if it queues and may, else None (routed best effort)."""
@@ -388,7 +399,7 @@ class Router:
             now = self.clock()
             try:
                 given, _ = self.inputs(features, stored, now)
-                return self._idle(now) or not self.decide(given).objective_missed
+                return self._idle(now) or not self._misses(features, self.decide(given))
             except Exception:  # never hold a request on a failing judgement
                 log.exception("judging a held request's objectives failed; releasing it")
                 return True
@@ -446,7 +457,9 @@ class Router:
         uncached = {n: uncached_tokens(features, given.view.prefix_matches.get(n, 0), block_chars) for n in names}
         evidence = self.caches.evidence(names, now)
         cordons = dict(self.fleet.cordons)
-        on_miss = self.config.queueing.for_class(features.request_class).on_miss if decision.objective_missed else ""
+        on_miss = (
+            self.config.queueing.for_class(features.request_class).on_miss if self._misses(features, decision) else ""
+        )
         return Explanation(
             features,
             decision,

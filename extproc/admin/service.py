@@ -62,7 +62,7 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
         )
     chosen = d.replica.name if d.replica is not None else ""
     f = ex.features
-    outcome, why = verdict(f, predicted, d.objective_missed)
+    outcome, why = verdict(f, predicted, d.objective_missed or bool(ex.on_miss))
     return pb.ExplainResponse(
         replica=chosen,
         reason=d.reason.value,

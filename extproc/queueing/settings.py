@@ -19,7 +19,11 @@ class QueueClass(Section):
     latency model (warm ones only) predicts a miss of its objectives (``on_miss``): routed anyway
     to the least late (``best_effort``, as without it), held in this queue until a candidate is
     predicted to meet them or the fleet has nothing in flight (``queue``, within ``max_wait_s``),
-    or refused at once with 429 and ``retry_after_s`` (``shed``)."""
+    or refused at once with 429 and ``retry_after_s`` (``shed``). With ``admit_margin``, a class
+    that sheds or queues is admitted only when a candidate is predicted to leave that share of its
+    objectives unused: the models are about 10% off, so a request predicted to just meet them is
+    as often late, and the load it adds makes the classes above it late too (0.2 by default:
+    benchmarks/latency_objectives.md)."""
 
     priority: int = option(1, "higher is released first and never waits behind lower")
     max_wait_s: float = option(10.0, "held at most this long, then refused", gt=0)
@@ -28,6 +32,12 @@ class QueueClass(Section):
     retry_after_s: int = option(1, "the refusal's Retry-After", ge=1)
     on_miss: OnMiss = option(
         "best_effort", "no replica predicted to meet its latency objectives: best_effort, queue (needs enabled) or shed"
+    )
+    admit_margin: float = option(
+        0.2,
+        "with on_miss shed or queue: the share of its objectives a replica must be predicted to leave unused",
+        ge=0,
+        lt=1,
     )
 
 

@@ -157,26 +157,29 @@ def headroom(features: RequestFeatures, prediction: Prediction) -> float | None:
     return min(shares) if shares else None
 
 
-def every_candidate_misses(cycle: CycleState, candidates: Sequence[ReplicaState]) -> bool:
-    """Whether the request has objectives and every candidate is predicted to miss them: each has
-    a warm model for an objective asked for, and is late on one of them. A candidate without such
-    a model might meet them, so then this is False (and with no warm model at all, always)."""
+def best_headroom(cycle: CycleState, candidates: Sequence[ReplicaState]) -> float | None:
+    """For a request with objectives, the most headroom (:func:`headroom`) any candidate is
+    predicted to leave, when every candidate has a warm model for an objective asked for; None
+    otherwise (a candidate without one might meet them: nothing is known of the best)."""
     features = cycle.features
     if not candidates or not has_objectives(features):
-        return False
+        return None
     predicted = predictions(cycle, candidates)
+    best: float | None = None
     for c in candidates:
         p = predicted.get(c.name)
         h = headroom(features, p) if p is not None else None
-        if h is None or h >= 0.0:
-            return False
-    return True
+        if h is None:
+            return None
+        best = h if best is None else max(best, h)
+    return best
 
 
 def verdict(features: RequestFeatures, predicted: Mapping[str, Prediction], missed: bool) -> tuple[str, str]:
     """What a decision predicted of the request's objectives, and why: ``("", ...)`` without
     objectives, ``"unknown"`` where no candidate has a warm model for them, else ``"met"`` or
-    ``"missed"`` (every candidate late), with the best candidate's prediction (for Explain)."""
+    ``"missed"`` (every candidate late, or short of its class's margin), with the best
+    candidate's prediction (for Explain)."""
     if not has_objectives(features):
         return "", "the request has no latency objectives"
     judged = {n: h for n, p in predicted.items() if (h := headroom(features, p)) is not None}
@@ -190,6 +193,11 @@ def verdict(features: RequestFeatures, predicted: Mapping[str, Prediction], miss
     if p.tpot_s is not None and features.slo_tpot_ms is not None:
         parts.append(f"TPOT {p.tpot_s * 1000:.1f} ms of {features.slo_tpot_ms:g}")
     shown = ", ".join(parts)
+    if missed and judged[best] >= 0.0:  # short of its class's admit_margin
+        return (
+            "missed",
+            f"no candidate leaves the class's margin; the best is {best} ({shown}, headroom {judged[best]:.0%})",
+        )
     if missed:
         return "missed", f"every candidate is predicted to miss; the least late is {best} ({shown})"
     return "met", f"{best} is predicted to meet them ({shown}, headroom {judged[best]:.0%})"

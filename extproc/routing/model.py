@@ -156,8 +156,12 @@ class Decision:
     outscored, ``"scores"`` otherwise); empty when the session stayed or had no pin."""
     objective_missed: bool = False
     """The request has latency objectives and every candidate left is predicted, by a warm latency
-    model, to miss them (:func:`extproc.routing.latency.every_candidate_misses`); what then
+    model, to miss them (:func:`extproc.routing.latency.best_headroom` below 0); what then
     becomes of it is its class's ``on_miss``, the router's to carry out."""
+    objective_headroom: float | None = None
+    """The most headroom any candidate is predicted to leave of the request's objectives (a share
+    of them, negative when late), when every candidate has a warm model for them; None otherwise.
+    A class's ``admit_margin`` is judged on it."""
     prefill: Replica | None = None
     """The replica that prefills the prompt for ``replica`` (the decode replica), when the pair is
     disaggregated (:mod:`extproc.routing.disagg`); None: ``replica`` serves the whole request."""

@@ -10,7 +10,7 @@ from extproc.request.features import FeatureSettings, RequestFeatures, uncached_
 from extproc.routing.cordon import CordonFilter
 from extproc.routing.disagg import Pair, PairInputs, PairSettings, choose_prefill
 from extproc.routing.hot import fingerprint
-from extproc.routing.latency import LatencyView, every_candidate_misses, predictions
+from extproc.routing.latency import LatencyView, best_headroom, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.ring import HashRing
@@ -250,8 +250,9 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     decision = _conclude(
         features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by, pair
     )
-    if every_candidate_misses(cycle, candidates):
-        decision = replace(decision, objective_missed=True)
+    best = best_headroom(cycle, candidates)
+    if best is not None:
+        decision = replace(decision, objective_headroom=best, objective_missed=best < 0.0)
     return decision
 
 

@@ -101,6 +101,7 @@ class PrioritySimulation(Simulation):
         self._out = PriorityRun([])
         self._tick_pending = False
         self._objective_held: set[int] = set()
+        self._pumping = False
         self._loop(on_progress, progress_every)
         held = self._held
         if len(held):
@@ -199,15 +200,21 @@ class PrioritySimulation(Simulation):
 
     def _pump(self, now: float) -> None:
         """Refuse the expired; release the head of the queue while its candidates have headroom."""
+        if self._pumping:  # a request released here came back to be held: this loop goes on
+            return
         self._expire()
         held = self._held
-        while (waiter := held.next_to_go()) is not None:
-            i = waiter.item
-            # Held for its objectives: decided once more and sent wherever that says. Held for
-            # saturation: judged on its objectives now, for the first time.
-            objective = i in self._objective_held
-            self._objective_held.discard(i)
-            self._dispatch(i, self._features.pop(i), now, may_wait=not objective)
+        self._pumping = True
+        try:
+            while (waiter := held.next_to_go()) is not None:
+                i = waiter.item
+                # Held for its objectives: decided once more and sent wherever that says. Held for
+                # saturation: judged on its objectives now, for the first time.
+                objective = i in self._objective_held
+                self._objective_held.discard(i)
+                self._dispatch(i, self._features.pop(i), now, may_wait=not objective)
+        finally:
+            self._pumping = False
         if len(held) and not self._tick_pending:
             self._tick_pending = True  # look again at the next scrape even if nothing ends before
             self._push((int(now // self.interval) + 1) * self.interval, self.TICK, 0)

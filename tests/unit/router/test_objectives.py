@@ -63,6 +63,27 @@ async def test_a_class_that_sheds_is_refused_429_with_retry_after_when_every_rep
     assert shed_count(router, "objective") == 1
 
 
+async def test_a_shedding_class_is_admitted_only_with_its_margin_and_best_effort_ignores_it() -> None:
+    # 80 ms predicted against 100: met, with 20% of the objective left.
+    shed = {"default": QueueClass(on_miss="shed", admit_margin=0.3)}
+    router = router_with(**shed)
+    warm(router, 0.08)
+    routed = await router.route(headers(100), chat_body("hi"))
+    assert routed.refusal is not None and routed.refusal.kind == "objective"
+    ex = await router.explain(headers(100, session="e"), chat_body("hi"))
+    assert not ex.decision.objective_missed and abs((ex.decision.objective_headroom or 0) - 0.2) < 0.01
+    explained = explanation_message(ex)
+    assert explained.objective_predicted == "missed" and explained.on_miss == "shed"
+    assert "margin" in explained.objective_why
+    # Within the margin, or for a best-effort class, it goes.
+    router = router_with(default=QueueClass(on_miss="shed", admit_margin=0.1))
+    warm(router, 0.08)
+    assert (await router.route(headers(100), chat_body("hi"))).refusal is None
+    router = router_with(default=QueueClass(on_miss="best_effort", admit_margin=0.5))
+    warm(router, 0.08)
+    assert (await router.route(headers(100), chat_body("hi"))).refusal is None
+
+
 async def test_best_effort_the_default_routes_to_the_least_late() -> None:
     router = router_with()
     warm(router, 0.5)
