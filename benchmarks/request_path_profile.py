@@ -75,8 +75,8 @@ def category(stack: str) -> str:
     return "other"
 
 
-def profile(seconds: float, prompt_kb: int, connections: int, rate_hz: int) -> str:
-    """Run the load and the sampler; the Markdown summary."""
+def profile(seconds: float, prompt_kb: int, connections: int, rate_hz: int, keep: Path | None = None) -> str:
+    """Run the load and the sampler; the Markdown summary (``keep``: where to copy py-spy's raw stacks)."""
     wrk_bin, spy = shutil.which("wrk"), shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if wrk_bin is None or spy is None:
         raise SystemExit("needs wrk (Debian package) and py-spy (pip install py-spy: the dev extra)")
@@ -98,6 +98,8 @@ def profile(seconds: float, prompt_kb: int, connections: int, rate_hz: int) -> s
         subprocess.run(argv, capture_output=True, check=True, timeout=seconds + 60)
         load.join()
         cpu = cpu_seconds(pid) - cpu_before
+        if keep is not None:
+            shutil.copyfile(raw, keep)
         samples: Counter[str] = Counter()
         for line in raw.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
@@ -128,8 +130,9 @@ def main() -> None:
     p.add_argument("--prompt-kb", type=int, default=8)
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--raw", type=Path, help="keep py-spy's collapsed stacks here (for a flame graph)")
     args = p.parse_args()
-    print(profile(args.seconds, args.prompt_kb, args.connections, args.rate), end="")
+    print(profile(args.seconds, args.prompt_kb, args.connections, args.rate, args.raw), end="")
 
 
 if __name__ == "__main__":

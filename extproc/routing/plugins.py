@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from statistics import median_low
 from typing import TYPE_CHECKING, Protocol
 
 from extproc.request.features import RequestFeatures
@@ -325,7 +324,11 @@ def _held(matches: Mapping[str, int], name: str, total: int) -> float:
 def _median_held(matches: Mapping[str, int], candidates: Sequence[ReplicaState]) -> int:
     """The blocks of the prompt that at least half of the candidates hold (the lower median of
     their matches; 0 without candidates)."""
-    return median_low(matches.get(c.name, 0) for c in candidates) if candidates else 0
+    if not candidates or not matches:
+        return 0
+    # statistics.median_low costs ~5 us here (its type checks), twice a decision.
+    held = sorted([matches.get(c.name, 0) for c in candidates])
+    return held[(len(held) - 1) // 2]
 
 
 def _relative(values: Mapping[str, float], floor: float) -> dict[str, float]:

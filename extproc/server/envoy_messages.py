@@ -23,10 +23,7 @@ LB_NAMESPACE = "envoy.lb"
 
 def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
     """Envoy's header list as a dict (Envoy sends values in ``raw_value``; older ones in ``value``)."""
-    out: dict[str, str] = {}
-    for h in headers.headers.headers:
-        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-    return out
+    return {h.key: h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value for h in headers.headers.headers}
 
 
 def trace_context(metadata: Iterable[tuple[str, str]] | None) -> dict[str, str]:
@@ -96,11 +93,16 @@ def streamed_response_body(request_body_mode: int) -> pm.ProcessingMode:
     return _mode(request_body_mode, pm.ProcessingMode.SEND, pm.ProcessingMode.STREAMED)
 
 
+_RESPONSE_HEADERS_THROUGH = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
+
+
 def continue_response_headers(
     mode_override: pm.ProcessingMode | None = None, set_headers: Sequence[tuple[str, str]] = ()
 ) -> pb.ProcessingResponse:
     """Let response headers through, with ``set_headers`` added (with ``mode_override``, change
-    what follows)."""
+    what follows). The plain answer is one shared message: it is only serialized, never changed."""
+    if mode_override is None and not set_headers:
+        return _RESPONSE_HEADERS_THROUGH
     common = pb.CommonResponse(header_mutation=mutation(set_headers)) if set_headers else pb.CommonResponse()
     response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
     if mode_override is not None:
@@ -139,6 +141,13 @@ def forward(plan: Forward, in_body: bool) -> pb.ProcessingResponse:
 def refuse(plan: Refuse) -> pb.ProcessingResponse:
     """A :class:`~extproc.plan.Refuse`: the client answered directly, with an OpenAI-style JSON error."""
     return immediate(plan.status, plan.message, plan.kind, retry_after_s=plan.retry_after_s, headers=plan.headers)
+
+
+@functools.lru_cache(maxsize=64)
+def headers_answer(remove: tuple[str, ...], choice: ResponseHeaders, request_body_mode: int) -> pb.ProcessingResponse:
+    """:func:`continue_headers` with the mode override of ``choice``, built once for each (every
+    request of a kind gets the same answer; it is only serialized, never changed)."""
+    return continue_headers(remove, response_headers_mode(choice, request_body_mode))
 
 
 def response_headers_mode(choice: ResponseHeaders, request_body_mode: int) -> pm.ProcessingMode | None:

@@ -86,6 +86,7 @@ class RequestStream:
         self.size = 0
         self.watch: Watch = EVERYTHING
         self.plan: Plan | None = None
+        self._ended = False
         self._phases: dict[Phase, Callable[[pb.ProcessingRequest, str], Awaitable[Answers]]] = {
             Phase.REQUEST_HEADERS: self._request_headers,
             Phase.REQUEST_BODY: self._request_body,
@@ -101,9 +102,14 @@ class RequestStream:
                 for response in await self.answer(request):
                     yield response
         finally:
-            if self.plan is not None:
-                self.planner.end(self.plan)
-            self.phase = Phase.DONE
+            self.end()
+
+    def end(self) -> None:
+        """The stream is over (in whatever phase): the request's in-flight slot is released."""
+        if self.plan is not None and not self._ended:
+            self.planner.end(self.plan)
+        self._ended = True
+        self.phase = Phase.DONE
 
     @property
     def duplex(self) -> bool:
@@ -140,8 +146,7 @@ class RequestStream:
         self.watch = self.planner.watch(can_override=not self.duplex, whole_body=self.body_mode == msg.BUFFERED)
         if self.duplex:
             return []
-        override = msg.response_headers_mode(self.watch.response_headers, self.body_mode)
-        return [msg.continue_headers(self.planner.strip, override)]
+        return [msg.headers_answer(self.planner.strip, self.watch.response_headers, self.body_mode)]
 
     async def _request_body(self, request: pb.ProcessingRequest, kind: str) -> Answers:
         if kind == "request_trailers":
