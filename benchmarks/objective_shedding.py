@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     cap = capacity(args.replicas, args.guess, args.seconds, args.seed)
     print(f"capacity {cap:.2f} req/s", flush=True)
     rows = []
+    margins = [float(m) for m in args.margins.split(",")]
     for load in (float(x) for x in args.loads.split(",")):
         workload = mix(load * cap, args.seconds, args.seed)
-        margins = [float(m) for m in args.margins.split(",")]
         for mode in args.modes.split(","):
             for margin in margins if mode != "off" else [0.0]:
                 run = simulate(workload, args.replicas, mode, margin)

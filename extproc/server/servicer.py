@@ -29,16 +29,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     ) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer every message of one HTTP request's stream."""
         stream = RequestStream(self.planner, msg.trace_context(context.invocation_metadata()))
-        # RequestStream.run's loop, inlined: an async generator less for every message to pass.
         try:
-            async for request in request_iterator:
-                for response in await stream.answer(request):
-                    yield response
+            async for response in stream.run(request_iterator):
+                yield response
         except Exception as exc:
             # A bug must cost one request its routing, never the server: Envoy's failure_mode_allow
             # then sends it down the default route.
             self.router.metrics.stream_errors.labels("stream").inc()
             log.exception("ext_proc stream failed (%s)", type(exc).__name__)
             raise
-        finally:
-            stream.end()

@@ -86,7 +86,6 @@ class RequestStream:
         self.size = 0
         self.watch: Watch = EVERYTHING
         self.plan: Plan | None = None
-        self._ended = False
         self._phases: dict[Phase, Callable[[pb.ProcessingRequest, str], Awaitable[Answers]]] = {
             Phase.REQUEST_HEADERS: self._request_headers,
             Phase.REQUEST_BODY: self._request_body,
@@ -102,14 +101,9 @@ class RequestStream:
                 for response in await self.answer(request):
                     yield response
         finally:
-            self.end()
-
-    def end(self) -> None:
-        """The stream is over (in whatever phase): the request's in-flight slot is released."""
-        if self.plan is not None and not self._ended:
-            self.planner.end(self.plan)
-        self._ended = True
-        self.phase = Phase.DONE
+            if self.plan is not None:
+                self.planner.end(self.plan)
+            self.phase = Phase.DONE
 
     @property
     def duplex(self) -> bool:
