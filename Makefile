@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 OTEL_PROTOS = $(PY) -m pip install -q --no-deps --force-reinstall \
 	"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
-.PHONY: install demo test lint example-config proto os-deps engines bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config proto os-deps engines peers bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ os-deps:
 engines: $(STAMP)
 	$(PY) -m extproc_lab.engines.install --model tiny --model small
 
+# The peer routers every benchmark compares against (extproc_lab.bench.peer_routers.PEER_ROUTERS),
+# each pip-installed into a venv of its own under ~/.cache/extproc/peer-routers; a no-op after.
+peers: $(STAMP)
+	$(PY) -m extproc_lab.bench.peer_routers
+
 # examples/router.yaml is generated from the config models (extproc/config); tests/unit/config/test_config.py keeps it equal.
 example-config: $(STAMP)
 	$(PY) -c "from extproc.config.example import example_yaml; print(example_yaml(), end='')" > examples/router.yaml
@@ -44,7 +49,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check extproc lab tests benchmarks fuzz envoy
 	$(VENV)/bin/mypy
 
-test: $(STAMP) os-deps engines lint
+test: $(STAMP) os-deps engines peers lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 # Envoy alone, Envoy + our processor, sglang-router and vllm-router side by side (about 3 minutes;

@@ -19,7 +19,7 @@ from extproc_lab.bench.overhead import (
     parse_wrk,
     run_overhead,
 )
-from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir
+from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, install_all
 from tests.conftest import IN_CI, require_binary
 
 WRK_OUTPUT = """Running 5s test @ http://127.0.0.1:1
@@ -87,22 +87,31 @@ def test_unknown_router_is_a_clear_error() -> None:
         run_overhead(OverheadSetup(routers=("nginx",)))
 
 
+def test_every_benchmarks_default_peer_is_in_the_one_install_list() -> None:
+    """``make peers`` installs ``PEER_ROUTERS``; a benchmark whose default names a peer outside it
+    would pass only on a machine where that peer was installed by hand."""
+    from extproc_lab.bench import realstack
+
+    known_not_peers = {"envoy_direct", BARE, OURS, realstack.OURS, realstack.OURS_ESTIMATE, realstack.ROUND_ROBIN}
+    for defaults in (ROUTERS, realstack.ROUTERS, realstack.VLLM_ROUTERS):
+        assert set(defaults) - known_not_peers <= set(PEER_ROUTERS), defaults
+
+
 def test_short_side_by_side_run_of_every_router(tmp_path: Path) -> None:
     """Every router serves the same replicas without errors and the JSON has the agreed shape.
 
-    The peer routers are pip-installed on first use (into ``$EXTPROC_PEERS_DIR`` or ~/.cache);
-    an install that cannot happen fails under CI and skips elsewhere."""
+    ``make test`` installs the peer routers first (``make peers``: into ``$EXTPROC_PEERS_DIR`` or
+    ~/.cache); one missing fails under CI and is installed here elsewhere."""
     require_binary("wrk")
     require_binary("envoy")
     peers_dir = default_peers_dir()
-    for peer in PEER_ROUTERS.values():
-        if not peer.installed(peers_dir):
-            try:
-                peer.install(peers_dir)
-            except (RuntimeError, subprocess.SubprocessError) as exc:
-                if IN_CI:
-                    pytest.fail(f"cannot install {peer.package}: {exc}")
-                pytest.skip(f"cannot install {peer.package}: {exc}")
+    missing = [p.package for p in PEER_ROUTERS.values() if not p.installed(peers_dir)]
+    if missing and IN_CI:
+        pytest.fail(f"peer routers not installed in {peers_dir} (make peers): {missing}")
+    try:
+        install_all(peers_dir)
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot install the peer routers: {exc}")
     out = tmp_path / "overhead.json"
     argv = [sys.executable, "-m", "extproc", "bench", "overhead", "--seconds", "1", "--warmup", "1",
             "--large-kb", "32", "--rate", "200", "--no-install", "--json", str(out)]  # fmt: skip

@@ -4,7 +4,7 @@ The same two fake replicas (profile ``instant``: no model time) sit behind each 
 
 - ``envoy_direct``: Envoy's own round robin, no processor (the floor every Envoy path pays);
 - ``extproc``: Envoy with our ext_proc processor (every request a full routing decision);
-- ``sglang_router`` and ``vllm_router``: the Rust peers, from PyPI, in venvs of their own;
+- ``sglang_router``, ``vllm_router`` and ``smg``: the Rust peers, from PyPI, in venvs of their own;
 - ``bare_extproc``: Envoy with a do-nothing Python ext_proc server (:mod:`extproc_lab.bench.bare_processor`)
   in our processor's place: the floor of any grpc.aio processor, for reference.
 
@@ -33,19 +33,19 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import Config
-from extproc_lab.bench.peer_routers import ALL_PEERS, HOST, default_peers_dir, start_peer, wait_serving
+from extproc_lab.bench.peer_routers import PEER_ROUTERS, HOST, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.processes import wait_for_port
 
 OURS = "extproc"
 BARE = "bare_extproc"
-ROUTERS = ("envoy_direct", OURS, *ALL_PEERS, BARE)
+ROUTERS = ("envoy_direct", OURS, *PEER_ROUTERS, BARE)
 # The processes whose CPU a router costs (the replicas and wrk are the same for every router).
 ROUTER_PROCESSES = {
     "envoy_direct": ("envoy",),
     OURS: ("envoy", "processor"),
-    **{name: (name,) for name in ALL_PEERS},
+    **{name: (name,) for name in PEER_ROUTERS},
     BARE: ("envoy", BARE),
 }
 CHAT_PATH = "/v1/chat/completions"
@@ -290,14 +290,14 @@ def run_overhead(setup: OverheadSetup, progress: Callable[[str], None] = print) 
                 if name == BARE:
                     url = swap_in_bare_processor(gw)
                 else:
-                    url = urls.get(name) or start_peer(gw, ALL_PEERS[name], setup.peers_dir, setup.install)
+                    url = urls.get(name) or start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
                 progress(f"{name}: measuring at {url}")
                 pids = {n: proc.pid for n, proc in gw.procs.procs.items() if proc.poll() is None}
                 routers[name] = measure(wrk, url, setup, lambda: replica_counts(metrics), pids, ROUTER_PROCESSES[name])
             except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                 routers[name] = {"error": str(exc)}
             progress(f"{name}: {json.dumps(routers[name])}")
-            if name in ALL_PEERS and name in gw.procs.procs:
+            if name in PEER_ROUTERS and name in gw.procs.procs:
                 gw.procs.stop(name)
     return {
         "routers": routers,
@@ -311,7 +311,7 @@ def run_overhead(setup: OverheadSetup, progress: Callable[[str], None] = print) 
             "rate": setup.rate,
             "seconds": setup.seconds,
             "observe_responses": setup.observe_responses,
-            "peers": {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in ALL_PEERS.items()},
+            "peers": {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in PEER_ROUTERS.items()},
             "sizes_kb": list(setup.sizes_kb),
             "sweep_rate": setup.sweep_rate,
         },

