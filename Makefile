@@ -50,7 +50,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: $(STAMP) os-deps engines peers lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 # Envoy alone, Envoy + our processor, sglang-router and vllm-router side by side (about 3 minutes;
 # the peer routers are pip-installed into venvs under ~/.cache/extproc on first use).
