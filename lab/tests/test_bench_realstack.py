@@ -56,7 +56,7 @@ def test_unknown_router_and_bad_sizes_are_clear_errors() -> None:
         run_realstack(RealStackSetup(routers=("nginx",)))
     with pytest.raises(ValueError, match="at least 1"):
         run_realstack(RealStackSetup(conversations=0))
-    assert set(ROUTERS) == {OURS, ROUND_ROBIN, "sglang_router", "vllm_router"}
+    assert set(ROUTERS) == {OURS, ROUND_ROBIN, "sglang_router", "vllm_router", "smg"}
 
 
 def test_tiny_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) -> None:
