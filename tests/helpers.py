@@ -33,6 +33,7 @@ from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import BlockStored, Message, encode_batch
 from extproc.metrics.kv_events import KvEventMetrics
 from extproc.plan import Planner
+from extproc.request.tenant import api_key_digest
 from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
 from extproc.router import Router
 from extproc.server.stream import RequestStream
@@ -79,6 +80,21 @@ async def wait_for(
 
 
 # -- metrics ------------------------------------------------------------------------------------
+
+
+def tenant_key(tenant: str) -> str:
+    """The test API key of ``tenant``: a tenant is who a mapped key says, never a client's header."""
+    return f"sk-test-{tenant}"
+
+
+def tenant_api_keys(*tenants: str) -> dict[str, str]:
+    """``tenants.api_keys`` for :func:`tenant_key` of each of ``tenants``."""
+    return {api_key_digest(tenant_key(t)): t for t in tenants}
+
+
+def as_tenant(tenant: str) -> dict[str, str]:
+    """The headers of a request by ``tenant``: its API key."""
+    return {"authorization": f"Bearer {tenant_key(tenant)}"}
 
 
 def metric_value(metric: MetricWrapperBase) -> float:

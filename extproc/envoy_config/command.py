@@ -80,6 +80,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         first_byte_timeout_s=cfg.upstream.first_byte_s,
         stream_idle_timeout_s=cfg.upstream.stream_idle_s,
         stream_header=cfg.upstream.stream_header,
+        identity_headers=cfg.identity_headers,
         queue_wait_s=cfg.queueing.longest_wait_s,
         processor_streams_per_connection=1 if cfg.workers > 1 else None,
         **_tracing(args, cfg),
@@ -133,6 +134,7 @@ def run_envoy_config(args: argparse.Namespace, out: TextIO) -> int:
                 namespace=args.istio_namespace,
                 endpoint_header=spec.endpoint_header,
                 cluster_header=spec.cluster_header,
+                identity_headers=spec.identity_headers,
             )
             out.write(dump_yaml(istio_envoy_filter(istio)))
         else:

@@ -13,7 +13,7 @@ from extproc.request.objectives import Objectives, fill
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
-from extproc.request.tenant import TENANT_HEADER, resolve_tenant
+from extproc.request.tenant import resolve_tenant
 
 CHARS_PER_TOKEN = 4
 SLO_TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
@@ -33,7 +33,9 @@ class FeatureSettings:
         SessionSource("body", "metadata.session_id"),
         SessionSource("body", "user"),
     )
-    tenant_header: str = TENANT_HEADER
+    tenant_header: str = ""
+    """The header naming the tenant, read only when the gateway itself sets it (config
+    ``tenants.trust_header``; usually ``TENANT_HEADER``); empty: none is read."""
     block_chars: int = 64
     max_blocks: int = 2048
     max_body_bytes: int = 8 * 1024 * 1024

@@ -27,6 +27,7 @@ from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.processes import free_port
 from extproc_lab.demo.redis_server import LocalRedis
 from tests.conftest import require_binary
+from tests.helpers import as_tenant, tenant_api_keys
 
 pytestmark = pytest.mark.e2e
 NAMESPACE = "budgets-shared"
@@ -66,7 +67,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     require_binary("envoy")
     require_binary("redis-server")
     config = Path(tmp_path_factory.mktemp("budgets-shared")) / "router.yaml"
-    config.write_text(yaml.safe_dump({"budgets": {"enabled": True, "tenants": TENANTS}}))
+    config.write_text(
+        yaml.safe_dump(
+            {"budgets": {"enabled": True, "tenants": TENANTS}, "tenants": {"api_keys": tenant_api_keys(*TENANTS)}}
+        )
+    )
     redis_port = free_port()
     args = ("--config", str(config), "--store", f"redis://127.0.0.1:{redis_port}?namespace={NAMESPACE}")
     first = LocalGateway(replicas=2, processor_args=args)
@@ -106,7 +111,7 @@ class Answer:
 
 
 async def post(http: aiohttp.ClientSession, gw: LocalGateway, tenant: str, label: str) -> Answer:
-    headers = {"x-tenant-id": tenant, "x-session-id": f"{tenant}-{label}"}
+    headers = {**as_tenant(tenant), "x-session-id": f"{tenant}-{label}"}
     async with http.post(gw.url + CHAT, json=chat(tenant, label), headers=headers) as resp:
         raw = await resp.read()
         if resp.status != 200:

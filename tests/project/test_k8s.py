@@ -462,6 +462,9 @@ def test_istio_envoy_filter_is_rendered_from_the_router_config(capsys: pytest.Ca
     assert capsys.readouterr().out == (K8S / "overlays" / "istio" / "envoyfilter.yaml").read_text()
 
 
+CORS = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"
+
+
 def _apply_istio_patches(bootstrap: dict[str, Any], envoy_filter: dict[str, Any]) -> None:
     """Apply an EnvoyFilter's patches to a bootstrap as Istio does for the kinds we use."""
     listeners = bootstrap["static_resources"]["listeners"]
@@ -469,12 +472,14 @@ def _apply_istio_patches(bootstrap: dict[str, Any], envoy_filter: dict[str, Any]
     for patch in envoy_filter["spec"]["configPatches"]:
         value, operation = patch["patch"]["value"], patch["patch"]["operation"]
         if patch["applyTo"] == "HTTP_FILTER":
-            assert operation == "INSERT_BEFORE"
-            wanted = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            assert operation in ("INSERT_BEFORE", "INSERT_FIRST")
             for listener in listeners:
                 filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-                index = [f["name"] for f in filters].index(wanted)
-                filters.insert(index, copy.deepcopy(value))
+                if operation == "INSERT_FIRST":
+                    filters.insert(0, copy.deepcopy(value))
+                    continue
+                wanted = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+                filters.insert([f["name"] for f in filters].index(wanted), copy.deepcopy(value))
         elif patch["applyTo"] == "CLUSTER":
             assert operation == "MERGE"
             match = patch["match"]["cluster"]
@@ -497,7 +502,11 @@ def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Pa
     gateway = render(GatewaySpec(replicas=(), mode="endpoint", replicas_dns="vllm.llm.svc.cluster.local:8000"))
     listener = gateway["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    # Istio's own filters (authentication among them) sit before the router: the strip goes first.
+    hcm["http_filters"] = [
+        {"name": "envoy.filters.http.cors", "typed_config": {"@type": CORS}},
+        *(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"),
+    ]
     hcm["route_config"]["virtual_hosts"][0]["routes"] = [
         {"match": {"prefix": "/"}, "route": {"cluster": "outbound|8000||vllm.llm.svc.cluster.local"}}
     ]
@@ -527,9 +536,16 @@ def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Pa
     }
     _apply_istio_patches(bootstrap, envoy_filter)
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert names == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.cors",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    removed = {m["remove"] for m in hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]}
+    assert {"x-tenant-id", "x-prefiller-host-port", "x-gateway-destination-endpoint"} <= removed
     # The ext_proc patch is an ExternalProcessor, field for field (the typed class refuses others).
-    ext_proc = {k: v for k, v in hcm["http_filters"][1]["typed_config"].items() if k != "@type"}
+    ext_proc = {k: v for k, v in hcm["http_filters"][2]["typed_config"].items() if k != "@type"}
     parsed = ExternalProcessor.from_dict(ext_proc)
     assert parsed.grpc_service is not None and parsed.grpc_service.envoy_grpc is not None
     assert parsed.grpc_service.envoy_grpc.cluster_name == "outbound|9002||extproc.llm.svc.cluster.local"

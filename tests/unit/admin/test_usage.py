@@ -21,6 +21,7 @@ from extproc.config import AdminSettings
 from extproc.plan import Planner, Watch
 from extproc.request.tenant import api_key_digest
 from extproc.router import Router
+from extproc.tenancy import TenantSettings
 from tests.conftest import chat_body, make_config
 
 CHAT = "/v1/chat/completions"
@@ -33,7 +34,7 @@ def _router() -> Router:
         tenants={"acme": TokenBudget(per_minute=100_000, per_day=10**7)},
         keys={"ci-bot": KeyBudget(per_day=5_000, sha256=api_key_digest(KEY))},
     )
-    return Router(make_config(budgets=budgets))
+    return Router(make_config(budgets=budgets, tenants=TenantSettings(trust_header=True)))
 
 
 async def _answer(planner: Planner, headers: dict[str, str], model: str, usage: dict[str, object]) -> None:

@@ -14,7 +14,10 @@ CONFIG = {
         {"name": "premium", "match": {"headers": {"x-tier": "premium"}}, "objectives": {"ttft_ms": 300}},
         {"name": "batch", "match": {"headers": {"x-tier": "batch"}}},
     ],
-    "tenants": {"definitions": {"acme": {"objectives": {"ttft_ms": 800, "tpot_ms": 40}}, "quiet": {}}},
+    "tenants": {
+        "trust_header": True,
+        "definitions": {"acme": {"objectives": {"ttft_ms": 800, "tpot_ms": 40}}, "quiet": {}},
+    },
 }
 
 
@@ -50,3 +53,4 @@ def test_a_request_without_a_body_gets_its_tenants_defaults_too() -> None:
 def test_bad_objectives_name_their_field(raw: dict[str, object], path: str) -> None:
     with pytest.raises(ConfigError, match=path.replace("[", r"\[").replace("]", r"\]")):
         config_from_mapping(raw)
+
