@@ -346,7 +346,7 @@ class ClassEntry(Section):
     pool: dict[str, str] = option({}, "replica labels its requests are confined to")
     profile: str | None = option(None, "a profile under profiles: (else the default)")
     objectives: Objectives | None = option(
-        None, "latency objectives (ttft_ms, tpot_ms) of its requests that send none (x-slo-ttft-ms, x-slo-tpot-ms)"
+        None, "latency objectives (ttft_ms, tpot_ms) of its requests; their own x-slo-* may only be stricter"
     )
 
     def rule(self) -> ClassRule:

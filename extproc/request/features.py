@@ -68,8 +68,8 @@ class RequestFeatures:
     tokens_per_block: int = 0
     """Set when ``prefix_hashes`` are over the model's tokens (the engine's KV blocks), not characters."""
     slo_ttft_ms: float | None = None
-    """The time-to-first-token objective: the client's (``x-slo-ttft-ms``), else its class's or
-    its tenant's default (:mod:`extproc.request.objectives`), if any."""
+    """The time-to-first-token objective: its class's or its tenant's default, or the client's
+    (``x-slo-ttft-ms``) where it is stricter or there is no default (:mod:`extproc.request.objectives`)."""
     slo_tpot_ms: float | None = None
     """The time-per-output-token objective (``x-slo-tpot-ms``), filled the same way."""
 
