@@ -72,11 +72,20 @@ class RequestFeatures:
     (``x-slo-ttft-ms``) where it is stricter or there is no default (:mod:`extproc.request.objectives`)."""
     slo_tpot_ms: float | None = None
     """The time-per-output-token objective (``x-slo-tpot-ms``), filled the same way."""
+    body_bytes: int = 0
+    """The body's length as the router got it (a body not parsed is charged by it)."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens where known, else an estimate: about four characters a token."""
         return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN
+
+    @property
+    def charged_prompt_tokens(self) -> int:
+        """The prompt tokens a budget reserves and, when the response reports none, charges: the
+        estimate, or for a body that was not parsed (over ``max_body_bytes``, not JSON, another
+        path's) about four bytes a token of it."""
+        return self.estimated_prompt_tokens or self.body_bytes // CHARS_PER_TOKEN
 
 
 def objective_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:
@@ -142,6 +151,7 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
             path=path,
             session_key=key,
             tenant=tenant,
+            body_bytes=len(body) if body is not None else 0,
             body_error=body_error,
             request_id=request_id,
             model=headers.get("x-model", "")[:256],

@@ -5,6 +5,7 @@ without privileges would make it. The engines' own counts are compared in
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,14 @@ import yaml
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
 from tests.conftest import require_binary
-from tests.helpers import as_tenant, tenant_api_keys
+from tests.helpers import (
+    abandon_after_first_chunk,
+    as_tenant,
+    charged_tokens,
+    engine_tokens,
+    settled,
+    tenant_api_keys,
+)
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -23,17 +31,6 @@ CHAT = "/v1/chat/completions"
 
 def chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"model": "demo-model", "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
-
-
-def charged(samples: dict[str, float], tenant: str) -> float:
-    """Every token ``extproc_tokens_total`` holds for ``tenant``."""
-    found = 0.0
-    for key, value in samples.items():
-        name, _, labels = key.partition("{")
-        pairs = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if p)
-        if name == "extproc_tokens_total" and pairs.get("tenant") == tenant:
-            found += value
-    return found
 
 
 def write_config(tmp_path: Path, config: dict[str, Any]) -> tuple[str, str]:
@@ -59,10 +56,91 @@ async def test_a_spoofed_tenant_header_charges_no_one_else(tmp_path: Path, trust
                 async with http.post(gw.url + CHAT, json=chat(f"anon {i}"), headers={"x-tenant-id": "acme"}) as r:
                     assert r.status == 200, await r.text()
             samples = await read_metrics(http, gw.metrics_url)
-            assert charged(samples, "acme") == 0
-            assert charged(samples, "other") > 0  # metered, as nobody's
+            assert charged_tokens(samples, "acme") == 0
+            assert charged_tokens(samples, "other") > 0  # metered, as nobody's
             headers = {**as_tenant("acme"), "x-tenant-id": "beta"}
             async with http.post(gw.url + CHAT, json=chat("keyed"), headers=headers) as r:
                 assert r.status == 200
             samples = await read_metrics(http, gw.metrics_url)
-            assert charged(samples, "acme") > 0 and charged(samples, "beta") == 0
+            assert charged_tokens(samples, "acme") > 0 and charged_tokens(samples, "beta") == 0
+
+
+PROMPT = " ".join(f"word{i % 97}" for i in range(400))  # 400 words, about 850 tokens by the estimate
+
+
+async def test_streams_abandoned_after_the_first_chunk_are_charged_what_the_engines_computed(tmp_path: Path) -> None:
+    """Six streams acme's key abandons after the first chunk (400-word prompts, max_tokens 200)
+    were charged nothing before issue 39; now each is charged its prompt and the chunks seen,
+    within the bound docs/tenancy.md states of what the replicas count."""
+    require_binary("envoy")
+    config = {
+        "budgets": {"enabled": True, "tenants": {"acme": {"per_day": 10**7}}},
+        "tenants": {"api_keys": tenant_api_keys("acme")},
+    }
+    with LocalGateway(replicas=2, processor_args=write_config(tmp_path, config)) as gw:
+        async with aiohttp.ClientSession() as http:
+            before = sum(await engine_tokens(http, gw))
+            bodies = [chat(f"{i} {PROMPT}", max_tokens=200, stream=True) for i in range(6)]
+            firsts = await asyncio.gather(
+                *(abandon_after_first_chunk(http, gw.url + CHAT, b, as_tenant("acme")) for b in bodies)
+            )
+            assert all(f.startswith(b"data: ") for f in firsts)
+
+            async def charged() -> float:
+                return charged_tokens(await read_metrics(http, gw.metrics_url), "acme")
+
+            async def computed() -> float:
+                return sum(await engine_tokens(http, gw)) - before
+
+            spent, engines = await settled(charged), await settled(computed)
+            print(f"\nabandoned streams (fake replicas): charged {spent:.0f}, engines computed {engines:.0f}")
+            assert spent > 0
+            # The bound of docs/tenancy.md: within 10% of what the engines computed, and at most
+            # 8 tokens a stream under it (output the engine made before it saw the client go).
+            assert engines * 0.9 - 8 * len(bodies) <= spent <= engines * 1.1, (spent, engines)
+
+
+async def test_bodies_over_the_limit_or_not_parsed_and_other_apis(tmp_path: Path) -> None:
+    """A streamed body over ``max_body_bytes`` (never asked for its usage) is charged by its size
+    and its chunks; a tenant without room for that estimate is refused before any replica; a body
+    that does not parse is refused by the replica and charged nothing; other APIs refused by config
+    never reach a replica."""
+    require_binary("envoy")
+    config = {
+        "request": {"max_body_bytes": 4096},
+        "budgets": {
+            "enabled": True,
+            "tenants": {"acme": {"per_day": 10**7}, "small": {"per_minute": 300}},
+            "other_paths": "refuse",
+        },
+        "tenants": {"api_keys": tenant_api_keys("acme", "small")},
+    }
+    with LocalGateway(replicas=2, processor_args=write_config(tmp_path, config)) as gw:
+        async with aiohttp.ClientSession() as http:
+
+            async def charged(tenant: str) -> float:
+                return charged_tokens(await read_metrics(http, gw.metrics_url), tenant)
+
+            async def computed() -> float:
+                return sum(await engine_tokens(http, gw))
+
+            big = chat("many words " * 1200, max_tokens=16, stream=True)  # about 13 KB
+            before = await computed()
+            async with http.post(gw.url + CHAT, json=big, headers=as_tenant("acme")) as r:
+                assert r.status == 200 and b'"usage"' not in await r.read()
+            spent, engines = await settled(lambda: charged("acme")), await settled(computed) - before
+            print(f"\nover max_body_bytes (fake replicas): charged {spent:.0f}, engines computed {engines:.0f}")
+            assert engines * 0.9 <= spent <= engines * 1.1, (spent, engines)
+
+            before = await computed()
+            async with http.post(gw.url + CHAT, json=big, headers=as_tenant("small")) as r:
+                assert r.status == 429 and "token budget" in await r.text()
+            bad = {**as_tenant("small"), "content-type": "application/json"}
+            async with http.post(gw.url + CHAT, data=b'{"model": "demo-model", "messages": [', headers=bad) as r:
+                assert r.status == 400
+            for path in ("/v1/embeddings", "/v1/responses", "/rerank"):
+                async with http.post(gw.url + path, json={"model": "demo-model", "input": "x"}) as r:
+                    assert r.status == 403 and "budgets.other_paths" in await r.text(), path
+            await asyncio.sleep(0.5)
+            assert await computed() == before  # none of them reached an engine
+            assert await charged("small") == 0
