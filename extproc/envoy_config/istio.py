@@ -116,5 +116,32 @@ def istio_envoy_filter(spec: IstioSpec) -> dict[str, Any]:
     }
 
 
+def istio_header_strip(spec: IstioSpec) -> dict[str, Any]:
+    """An Istio ``EnvoyFilter`` with the strip alone: the header_mutation filter first in a
+    gateway's chain, for a gateway whose ext_proc filter is not ours (a Gateway API Inference
+    Extension gateway calling our processor as its endpoint picker). With it a client's copy of
+    every header the router trusts is gone before any filter, so a pool that fails open, the
+    processor down, cannot be steered by one (``x-prefiller-host-port`` to a decode replica's
+    sidecar)."""
+    gateway = GatewaySpec(
+        replicas=(),
+        mode="endpoint",
+        endpoint_header=spec.endpoint_header,
+        cluster_header=spec.cluster_header,
+        identity_headers=spec.identity_headers,
+    )
+    patch = {
+        "applyTo": "HTTP_FILTER",
+        "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM_FILTER}}}},
+        "patch": {"operation": "INSERT_FIRST", "value": to_dict(header_mutation_filter(gateway))},
+    }
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": spec.name, "namespace": spec.namespace},
+        "spec": {"workloadSelector": {"labels": dict(spec.gateway_labels)}, "configPatches": [patch]},
+    }
+
+
 # The ``extproc envoy-config`` command (its arguments are declared in extproc.cli, which imports
 # this module only for that command, so ``extproc serve`` never loads envoy_data_plane).

@@ -43,6 +43,7 @@ TARGETS = {
     "base": K8S / "base",
     "istio": K8S / "overlays" / "istio",
     "inference-pool": K8S / "overlays" / "inference-pool",
+    "inference-pool-istio": K8S / "overlays" / "inference-pool-istio",
 }
 # The oldest release the manifests are meant for (gRPC probes, PDB unhealthyPodEvictionPolicy)
 # and the newest whose schemas kubernetes-validate bundles.
@@ -555,6 +556,46 @@ def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Pa
     validate(path)
 
 
+def test_the_header_strip_for_an_inference_gateway_is_rendered_from_the_router_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["envoy-config", "--config", str(K8S / "base" / "router.yaml"), "--output", "istio-header-strip"]
+    assert main([*argv, "--istio-namespace", "llm", "--istio-gateway", "inference-gateway"]) == 0
+    assert capsys.readouterr().out == (K8S / "components" / "istio-header-strip" / "envoyfilter.yaml").read_text()
+
+
+def test_an_inference_pool_fails_open_only_where_envoy_strips_first(tmp_path: Path) -> None:
+    """Issue 39: with the processor down a pool that fails open sends the client's request, headers
+    and all, to a pod: a decode pod's sidecar would make its prefill hop wherever the client's
+    x-prefiller-host-port says. The overlay for any GIE implementation fails closed; the one for
+    Istio fails open behind a strip that runs first in the inference gateway's Envoy."""
+    assert one("inference-pool", "InferencePool", "vllm")["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    assert not objects("inference-pool", "EnvoyFilter")
+    pool = one("inference-pool-istio", "InferencePool", "vllm")
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    strip = one("inference-pool-istio", "EnvoyFilter", "extproc-header-strip")
+    gateway_pods = one("inference-pool-istio", "NetworkPolicy", "extproc")["spec"]["ingress"][1]["from"][0]
+    assert strip["spec"]["workloadSelector"]["labels"] == gateway_pods["podSelector"]["matchLabels"]
+    # Applied as Istio applies it to a GIE gateway's own chain (its ext_proc filter to the
+    # endpoint picker, failing open, then the router): the strip comes first and Envoy takes it.
+    gateway = render(GatewaySpec(replicas=(), mode="endpoint", replicas_dns="vllm.llm.svc.cluster.local:8000"))
+    listener = gateway["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"]
+    bootstrap = {"admin": gateway["admin"], "static_resources": gateway["static_resources"]}
+    _apply_istio_patches(bootstrap, strip)
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    removed = {m["remove"] for m in hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]}
+    assert {"x-prefiller-host-port", "x-tenant-id", "x-gateway-destination-endpoint"} <= removed
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+    validate(path)
+
+
 def test_the_overlays_point_at_the_services_the_router_discovers() -> None:
     cfg = config_from_mapping(yaml.safe_load(config_map_data("istio", "extproc-router")["router.yaml"]))
     source = cfg.discovery
@@ -584,7 +625,7 @@ def test_the_overlays_point_at_the_services_the_router_discovers() -> None:
     }
 
 
-@pytest.mark.parametrize("target", ["istio", "inference-pool"])
+@pytest.mark.parametrize("target", ["istio", "inference-pool", "inference-pool-istio"])
 def test_overlays_run_the_processor_alone(target: str) -> None:
     pod = one(target, "Deployment", "extproc")["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["extproc"]
@@ -732,6 +773,7 @@ def test_network_policy_selects_the_gateway_pods_and_admits_only_their_peers(tar
         "base": (GATEWAY_POD, "llm"),
         "istio": ({"istio": "ingressgateway"}, "istio-system"),
         "inference-pool": ({"gateway.networking.k8s.io/gateway-name": "inference-gateway"}, "llm"),
+        "inference-pool-istio": ({"gateway.networking.k8s.io/gateway-name": "inference-gateway"}, "llm"),
     }[target]
     assert _allows(ingress, "from", envoy[0], 9002, namespace=envoy[1])
     # Client traffic reaches Envoy's listener; nothing else is open to everyone.
