@@ -15,6 +15,8 @@ import yaml
 
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
+from extproc_lab.demo.processes import free_port
+from extproc_lab.demo.redis_server import LocalRedis
 from tests.conftest import require_binary
 from tests.helpers import (
     abandon_after_first_chunk,
@@ -144,3 +146,48 @@ async def test_bodies_over_the_limit_or_not_parsed_and_other_apis(tmp_path: Path
             await asyncio.sleep(0.5)
             assert await computed() == before  # none of them reached an engine
             assert await charged("small") == 0
+
+
+async def test_two_workers_charge_one_count_per_budget(tmp_path: Path) -> None:
+    """``--workers 2`` with a budget: with the memory store it does not start
+    (tests/unit/server/test_workers.py); with Redis both workers charge one count, so a burst
+    overshoots by what is in flight, never by a second budget (each worker counting apart would
+    have admitted up to twice the limit)."""
+    require_binary("envoy")
+    require_binary("redis-server")
+    limit, clients = 2000.0, 20
+    config = {
+        "budgets": {"enabled": True, "tenants": {"acme": {"per_day": limit}}},
+        "tenants": {"api_keys": tenant_api_keys("acme")},
+    }
+    redis_port = free_port()
+    args = (*write_config(tmp_path, config), "--workers", "2", "--store", f"redis://127.0.0.1:{redis_port}")
+    gw = LocalGateway(replicas=2, processor_args=args)
+    redis = LocalRedis(gw.procs, gw.dir, port=redis_port)
+    try:
+        redis.start()
+        gw.start()
+        charged: list[float] = []
+
+        async def client(http: aiohttp.ClientSession, i: int) -> None:
+            for j in range(20):
+                body = chat(f"client {i} request {j}: " + "tell me about token budgets " * 5, max_tokens=4)
+                async with http.post(gw.url + CHAT, json=body, headers=as_tenant("acme")) as r:
+                    payload = await r.json()
+                    if r.status != 200:
+                        assert r.status == 429, payload
+                        return
+                    charged.append(float(payload["usage"]["prompt_tokens"] + payload["usage"]["completion_tokens"]))
+
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(*(client(http, i) for i in range(clients)))
+        total, largest = sum(charged), max(charged)
+        # Each worker sees the other's requests once charged: at most every client's request in
+        # flight on the other worker, each up to the largest, on top of the limit.
+        bound = clients * largest
+        print(f"\ntwo workers, one budget: charged {total:.0f} of {limit:.0f} (overshoot bound {bound:.0f})")
+        assert limit - largest <= total <= limit + bound < 2 * limit, (total, bound)
+        log = (gw.dir / "processor.log").read_text()
+        assert "budgets: the 2 workers charge one count per budget in the shared store" in log
+    finally:
+        gw.stop()
