@@ -248,8 +248,11 @@ class Planner:
             return
         self._check_usage(plan, tail)
         usage = plan.stripper.usage if plan.stripper is not None and plan.stripper.usage else tail.usage()
-        # No report (a stream not asked for it, an API that reports none): what it was seen to use.
-        await self.router.charge_usage(plan.routed, usage or self.router.estimated_usage(plan.routed, tail.events))
+        if usage is None and plan.routed.budget is not None:
+            # Metered, no report (a stream not asked for it, an API that reports none): what it was seen to use.
+            usage = self.router.estimated_usage(plan.routed, tail.events)
+        if usage is not None:
+            await self.router.charge_usage(plan.routed, usage)
 
     def _check_usage(self, plan: Plan, tail: UsageTail) -> None:
         kv, routed = self.router.kv_events, plan.routed
