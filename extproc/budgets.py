@@ -19,6 +19,7 @@ that fails degrades to this gateway's own counts, never to no limit and never to
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -91,6 +92,17 @@ class BudgetSettings(Section):
     )
     models: dict[str, TokenBudget] = option({}, "budgets by model, over every tenant's requests for it")
     weights: TokenWeights = option(TokenWeights(), "what each kind of token counts for")
+    other_paths: Literal["meter", "refuse"] = option(
+        "meter",
+        "the other paths that run the model (/v1/responses, /v1/embeddings, /v1/audio/..., /pooling, /score, "
+        "/rerank, ...): metered like chat, or refused with 403",
+    )
+    output_tokens_per_s: float = option(
+        50.0,
+        "a request abandoned before its answer is charged its prompt and this many output tokens a second it "
+        "ran (at most its max_tokens): an estimate of one sequence's decode speed",
+        gt=0,
+    )
 
     @model_validator(mode="after")
     def _subjects(self) -> BudgetSettings:
@@ -198,6 +210,10 @@ class MemoryBudgetStore:
 
     async def charge(self, subjects: Sequence[str], tokens: float, now: float) -> None:
         """Add, and forget windows that are over."""
+        self.add(subjects, tokens, now)
+
+    def add(self, subjects: Sequence[str], tokens: float, now: float) -> None:
+        """:meth:`charge`, without waiting (it never does)."""
         for subject in subjects:
             for name, length in WINDOWS:
                 key = (subject, name, window_start(length, now))
@@ -227,6 +243,7 @@ class BudgetLedger:
         self.store: BudgetStore = store or self.local
         self.reserved: dict[str, float] = {}
         self.store_failures = 0
+        self._pending: set[asyncio.Task[None]] = set()  # charges on their way to the shared store
         # Subjects spelled once, at start: a request looks them up, it never builds a string.
         self._budgets: dict[str, TokenBudget] = dict(settings.tenants)
         self._kinds: dict[str, tuple[SubjectKind, str]] = {t: ("tenant", t) for t in settings.tenants}
@@ -324,12 +341,32 @@ class BudgetLedger:
         tokens = self.settings.weights.total(usage)
         if tokens <= 0:
             return
-        await self.local.charge(admission.subjects, tokens, now)
+        self.local.add(admission.subjects, tokens, now)
         if self.store is not self.local:
-            try:
-                await self.store.charge(admission.subjects, tokens, now)
-            except Exception as exc:  # shared counts unreachable: this gateway's own still limit
-                self._failed("charge", exc)
+            await self._shared_charge(admission.subjects, tokens, now)
+
+    def settle_soon(self, admission: Admission, usage: Usage, now: float) -> None:
+        """:meth:`settle` from code that cannot wait (a stream's end): this gateway's own counts
+        at once, the shared store's in a task of the running loop."""
+        self.release(admission)
+        tokens = self.settings.weights.total(usage)
+        if not admission.subjects or tokens <= 0:
+            return
+        self.local.add(admission.subjects, tokens, now)
+        if self.store is self.local:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self._shared_charge(admission.subjects, tokens, now))
+        except RuntimeError:  # no loop: this gateway's own counts hold it
+            return
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _shared_charge(self, subjects: Sequence[str], tokens: float, now: float) -> None:
+        try:
+            await self.store.charge(subjects, tokens, now)
+        except Exception as exc:  # shared counts unreachable: this gateway's own still limit
+            self._failed("charge", exc)
 
     async def standings(self, now: float) -> list[BudgetStanding]:
         """Every configured budget as it stands (one store read for all of them)."""

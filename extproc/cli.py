@@ -52,7 +52,11 @@ def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="a preset, as the folders of envoy/: cluster-mode, endpoint-mode, endpoint-original-dst, failover, "
         "unix-socket, kubernetes",
     )
-    p.add_argument("--output", default="bootstrap", help="bootstrap (default) or istio-envoyfilter")
+    p.add_argument(
+        "--output",
+        default="bootstrap",
+        help="bootstrap (default), istio-envoyfilter, or istio-header-strip (the strip alone, for a GIE gateway)",
+    )
     p.add_argument("--replica", action="append", default=[], metavar="NAME=HOST:PORT")
     p.add_argument("--mode", choices=["cluster", "endpoint"])
     p.add_argument("--processor", help="the processor's HOST:PORT or unix:/path (default: the config's listen)")
@@ -68,6 +72,11 @@ def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--probe-listen", help="a listener exposing only the admin's /ready and /stats/prometheus")
     p.add_argument("--replicas-dns", metavar="HOST:PORT", help="endpoint mode: replicas by DNS (default: discovery)")
     p.add_argument("--istio-namespace", default="istio-system", help="istio-envoyfilter: the gateway's namespace")
+    p.add_argument(
+        "--istio-gateway",
+        metavar="NAME",
+        help="istio-header-strip: the Gateway API Gateway whose pods it applies to (default: Istio's ingress gateway)",
+    )
     p.add_argument("--processor-ca", metavar="FILE", help="TLS to the processor: the CA of its certificate")
     p.add_argument("--processor-cert", metavar="FILE", help="mTLS: Envoy's client certificate for the processor")
     p.add_argument("--processor-key", metavar="FILE", help="mTLS: the key of --processor-cert")

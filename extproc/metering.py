@@ -3,7 +3,9 @@ started, and the same counts handed to an observer (``extproc_tokens_total`` in 
 
 Kinds are disjoint, so they add up to what a response used: ``input`` is the prompt tokens the
 replica prefilled, ``cached_input`` those it found cached (the report's ``cached_tokens``; 0 when
-the replica does not report them), ``output`` the completion tokens. Labels stay bounded: a tenant
+the replica does not report them), ``output`` the completion tokens. Each row also says how many
+of its tokens the router estimated (a stream cut short, a body not parsed, an answer without a
+usage report) rather than the replica reported. Labels stay bounded: a tenant
 the config does not name (``tenants:``, ``budgets:``) counts as ``other`` (tenant names may come
 from a client's header), and so does a model past the first :data:`MAX_MODELS` seen.
 """
@@ -46,6 +48,8 @@ class UsageRow:
     input: int
     cached_input: int
     output: int
+    estimated: int = 0
+    """Of the tokens above, those the router estimated (not reported by the replica)."""
 
     @property
     def total(self) -> int:
@@ -72,7 +76,7 @@ class TokenMeter:
         self.started_at = started_at
         self.max_models = max_models
         self._models: set[str] = set()
-        # Per (tenant, model): [input, cached_input, output], updated in place.
+        # Per (tenant, model): [input, cached_input, output, estimated], updated in place.
         self._counts: dict[tuple[str, str], list[int]] = {}
 
     def tenant_label(self, tenant: str) -> str:
@@ -89,7 +93,8 @@ class TokenMeter:
         return model
 
     def charge(self, tenant: str, model: str, replica: str, usage: Usage) -> None:
-        """Count one response's reported ``usage`` (``replica``: where it was sent, "" for none)."""
+        """Count one response's ``usage``, reported or estimated (``replica``: where it was sent,
+        "" for none)."""
         cached = min(usage.cached_input or 0, usage.input)
         fresh, output = usage.input - cached, usage.output
         if not (fresh or cached or output):
@@ -97,10 +102,12 @@ class TokenMeter:
         t, m = self.tenant_label(tenant), self.model_label(model)
         counts = self._counts.get((t, m))
         if counts is None:
-            counts = self._counts[(t, m)] = [0, 0, 0]
+            counts = self._counts[(t, m)] = [0, 0, 0, 0]
         counts[0] += fresh
         counts[1] += cached
         counts[2] += output
+        if usage.estimated:
+            counts[3] += fresh + cached + output
         self.observer.tokens_used(t, m, replica or "none", fresh, cached, output)
 
     def rows(self) -> list[UsageRow]:

@@ -165,7 +165,7 @@ class Planner:
         if routed.refusal is not None:
             refusal = routed.refusal
             extra = tuple(routed.budget.headers().items()) if routed.budget is not None else ()
-            return Refuse(refusal.status, refusal.message, refusal.kind, refusal.retry_after_s, extra)
+            return Refuse(refusal.status, refusal.message, refusal.kind, refusal.retry_after_s or None, extra)
         if decision.reason is Reason.QUOTA:
             return Refuse(429, QUOTA_MESSAGE, "quota_exceeded", decision.retry_after_s)
         length = () if routed.body is None else (("content-length", str(len(routed.body))),)
@@ -232,10 +232,13 @@ class Planner:
 
     def end(self, plan: Plan) -> None:
         """The stream is over: a body cut short (trailers, a reset) is checked on what came, a
-        reservation nothing was charged against handed back, and the in-flight slot released."""
+        request sent upstream and not charged is charged an estimate (issue 39: an abandoned
+        stream's prompt and the output seen), and the in-flight slot released."""
         if plan.usage is not None:
             self._check_usage(plan, plan.usage)
-            plan.usage = None
+        if isinstance(plan.action, Forward):
+            self.router.charge_unreported(plan.routed, plan.usage.events if plan.usage is not None else None)
+        plan.usage = None
         self.router.release_budget(plan.routed)
         self.router.release(plan.routed)
 
@@ -245,6 +248,9 @@ class Planner:
             return
         self._check_usage(plan, tail)
         usage = plan.stripper.usage if plan.stripper is not None and plan.stripper.usage else tail.usage()
+        if usage is None and plan.routed.budget is not None:
+            # Metered, no report (a stream not asked for it, an API that reports none): what it was seen to use.
+            usage = self.router.estimated_usage(plan.routed, tail.events)
         if usage is not None:
             await self.router.charge_usage(plan.routed, usage)
 

@@ -55,7 +55,7 @@ from extproc.request.features import (
     uncached_tokens,
     with_model,
 )
-from extproc.request.openai_body import INFERENCE_PATHS
+from extproc.request.openai_body import INFERENCE_PATHS, costs_tokens
 from extproc.request.splits import Arm, choose_arm, encode_body
 from extproc.routing.latency import LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
@@ -82,6 +82,7 @@ BUDGET_MESSAGES = {
     for kind, whose in (("tenant", "tenant's"), ("key", "API key's"), ("model", "model's"))
 }
 """The refusal's words, by the budget that refused (a tenant's, an API key's, a model's)."""
+PATH_REFUSED = "this API is not served through this gateway (budgets.other_paths: refuse)"
 
 Clock = Callable[[], float]
 
@@ -222,10 +223,15 @@ class Router:
         if self.kv_events is not None:
             features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
         budget = None
-        if self.budgets is not None and features.path in INFERENCE_PATHS:
+        if self.budgets is not None and costs_tokens(features.path):
+            if features.path not in INFERENCE_PATHS and self.config.budgets.other_paths == "refuse":
+                refusal = Refusal(403, 0, PATH_REFUSED, "path_refused")
+                self.metrics.shed(features.request_class, refusal.kind)
+                return Routed(features, Decision(None, Reason.QUOTA), self.clock(), refusal=refusal)
             key = self.budgets.key_digest(headers)
+            # A body not parsed (over max_body_bytes, not JSON, another API's) reserves by its size.
             budget = await self.budgets.admit(
-                features.tenant, features.estimated_prompt_tokens, time.time(), key_digest=key, model=features.model
+                features.tenant, features.charged_prompt_tokens, time.time(), key_digest=key, model=features.model
             )
             if not budget.admitted:
                 words = BUDGET_MESSAGES[budget.refused_by or "tenant"]
@@ -602,12 +608,48 @@ class Router:
         request's budgets, once."""
         if routed.trace is not None:
             routed.trace.usage(usage)
-        if self.meter is not None:
-            replica = routed.decision.replica
-            self.meter.charge(routed.features.tenant, routed.features.model, replica.name if replica else "", usage)
+        self._meter(routed, usage)
         if self.budgets is not None and routed.budget is not None:
             admission, routed.budget = routed.budget, None
             await self.budgets.settle(admission, usage, time.time())
+
+    def estimated_usage(self, routed: Routed, output_seen: int | None = None, ran_s: float = 0.0) -> Usage:
+        """What a request used that its response did not report: its prompt (the tokens known,
+        else the estimate, else its body's size) and the output seen (a stream's events), or,
+        for an answer never seen, an estimate from the time it ran (``budgets.output_tokens_per_s``,
+        at most its ``max_tokens``)."""
+        features = routed.features
+        output = output_seen
+        if output is None:
+            output = int(max(0.0, ran_s) * self.config.budgets.output_tokens_per_s)
+            if features.max_output_tokens is not None:
+                output = min(output, features.max_output_tokens)
+        return Usage(features.charged_prompt_tokens, None, output, estimated=True)
+
+    def charge_unreported(self, routed: Routed, events: int | None) -> None:
+        """A request sent upstream ended without the usage it used being charged (a stream the
+        client abandoned or that was reset; ``events``: what of its body was seen, None when no
+        body was read): charged an estimate now, once. An answer with an error status, and a
+        stream that never answered, cost no engine step worth charging."""
+        if routed.budget is None:  # charged already, or not metered
+            return
+        if events is None:
+            if routed.status != 0 or routed.features.stream:
+                return
+            usage = self.estimated_usage(routed, ran_s=self.clock() - routed.decided_at)
+        else:
+            usage = self.estimated_usage(routed, events)
+        if routed.trace is not None:
+            routed.trace.usage(usage)
+        self._meter(routed, usage)
+        if self.budgets is not None:
+            admission, routed.budget = routed.budget, None
+            self.budgets.settle_soon(admission, usage, time.time())
+
+    def _meter(self, routed: Routed, usage: Usage) -> None:
+        if self.meter is not None:
+            replica = routed.decision.replica
+            self.meter.charge(routed.features.tenant, routed.features.model, replica.name if replica else "", usage)
 
     def release_budget(self, routed: Routed) -> None:
         """The request ended without usage to charge: its budgets' reservation goes back."""

@@ -45,6 +45,11 @@ class TenantSettings(Section):
     """
 
     header: str = option(TENANT_HEADER, "the header naming the tenant when no API key maps the request")
+    trust_header: bool = option(
+        False,
+        "read header: the gateway itself sets it (its authentication: a JWT claim, an auth service); "
+        "otherwise a client's is ignored",
+    )
     api_keys: dict[str, str] = option({}, "hex SHA-256 digest of an API key -> tenant (never the keys)")
     api_keys_file: str | None = option(None, "a YAML/JSON file of the same mapping")
     replica_capacity: int = option(64, "requests one replica takes at once (for shares)", ge=1)

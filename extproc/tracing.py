@@ -14,27 +14,36 @@ trace with that call as its parent (vLLM continues it with ``--otlp-traces-endpo
 trace holds Envoy's span, ours and the engine's. With Envoy's own tracing on, Envoy's router writes its upstream span's
 context over that header (Envoy 1.40): the engine's parent is then Envoy's span, of the same trace.
 
-Off by default. Sampling is parent-based: a sampled parent is always followed; a request without
-one starts a sampled trace at ``sample_rate``. Spans are exported in batches from a thread of the
+Off by default. The operator decides what is traced (``sampler``): ``ratio`` (the default) traces
+``sample_rate`` of the requests, taken evenly, whatever their ``traceparent`` says, so a client's
+sampled flag (or a trace id it chose to pass a ratio test) forces nothing; the spans of a sampled
+request still join the trace of its parent. ``parent_based`` follows a sampled parent (where
+Envoy's own tracing decides for both), but only for ``parent_rate`` of the requests that carry one,
+and starts a trace for ``sample_rate`` of the others. Spans are exported in batches from a thread of the
 SDK's, off the request path; an unreachable collector drops spans (the SDK logs it) and never
 slows or fails a request. The SDK is imported only when tracing is on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH
 from extproc.routing.model import Decision
+from extproc.sampling import RateSampler
 from extproc.usage import Usage
 from extproc.validation import Section, option
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
-    from opentelemetry.trace import Span
+    from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
+    from opentelemetry.trace import Link, Span, SpanKind
+    from opentelemetry.trace.span import TraceState
+    from opentelemetry.util.types import Attributes
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -48,9 +57,58 @@ class TracingSettings(Section):
     enabled: bool = option(False, "export a span per sampled routing decision over OTLP/gRPC")
     endpoint: str = option("127.0.0.1:4317", "the OTLP/gRPC collector, HOST:PORT")
     insecure: bool = option(True, "plaintext to the collector (a sidecar or node agent); false for TLS")
-    sample_rate: float = option(0.01, "share of requests without a sampled traceparent that start a trace", ge=0, le=1)
+    sample_rate: float = option(
+        0.01, "share of requests traced (with sampler parent_based: of those without a sampled parent)", ge=0, le=1
+    )
+    sampler: Literal["ratio", "parent_based"] = option(
+        "ratio",
+        "ratio: sample_rate of every request, whatever its traceparent says; parent_based: follow a sampled "
+        "parent (Envoy's tracing deciding for both) for parent_rate of the requests that carry one",
+    )
+    parent_rate: float = option(
+        1.0, "with sampler parent_based: the share of requests with a sampled parent that are traced", ge=0, le=1
+    )
     service_name: str = option("extproc-router", "the spans' service.name")
     propagate: bool = option(True, "hand the replica a traceparent whose parent is the decision's span")
+
+
+def operator_sampler(settings: TracingSettings) -> Sampler:
+    """The sampler ``settings`` describe: the operator's shares decide, never the trace id's bits
+    (which the client chooses) and, with ``ratio``, never a client's sampled flag. Spans under one
+    of ours (the call under the decision) follow it."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, SamplingResult
+    from opentelemetry.sdk.trace.sampling import Decision as Verdict
+
+    class Share(Sampler):
+        """Takes ``rate`` of the spans it is asked about, evenly (:class:`RateSampler`), keeping
+        the parent's trace state."""
+
+        def __init__(self, rate: float) -> None:
+            self.rate = rate
+            self._taken = RateSampler()
+
+        def should_sample(
+            self,
+            parent_context: Context | None,
+            trace_id: int,
+            name: str,
+            kind: SpanKind | None = None,
+            attributes: Attributes = None,
+            links: Sequence[Link] | None = None,
+            trace_state: TraceState | None = None,
+        ) -> SamplingResult:
+            verdict = Verdict.RECORD_AND_SAMPLE if self._taken.take(self.rate) else Verdict.DROP
+            state = trace.get_current_span(parent_context).get_span_context().trace_state if parent_context else None
+            return SamplingResult(verdict, None, state)
+
+        def get_description(self) -> str:
+            return f"OperatorShare{{{self.rate}}}"
+
+    share = Share(settings.sample_rate)
+    if settings.sampler == "ratio":
+        return ParentBased(share, remote_parent_sampled=share, remote_parent_not_sampled=share)
+    return ParentBased(share, remote_parent_sampled=Share(settings.parent_rate), remote_parent_not_sampled=ALWAYS_OFF)
 
 
 class TracingUnavailable(RuntimeError):
@@ -111,7 +169,6 @@ class DecisionTracer:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         if exporter is None:
@@ -119,7 +176,7 @@ class DecisionTracer:
         self.settings = settings
         self.provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),
-            sampler=ParentBased(TraceIdRatioBased(settings.sample_rate)),
+            sampler=operator_sampler(settings),
         )
         self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
         self.tracer = self.provider.get_tracer("extproc.router")

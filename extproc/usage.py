@@ -7,7 +7,12 @@ request asked ``stream_options.include_usage``. So that every stream reports, th
 it (:func:`ask_for_usage`) and, for a client that did not ask, takes that chunk out again
 (:class:`UsageStripper`); the client's bytes are otherwise the replica's, in the replica's order.
 
-Only a bounded tail of a body is kept (:data:`TAIL_BYTES`): a stream is never held.
+Only a bounded tail of a body is kept (:data:`TAIL_BYTES`): a stream is never held. Its events
+are counted as they pass (:attr:`UsageTail.events`): a stream cut short before its usage chunk
+is charged the output it was seen to carry.
+
+Other APIs name their tokens differently (the Responses and Anthropic APIs ``input_tokens`` and
+``output_tokens``, embeddings and rerank ``total_tokens``): :func:`parse_usage` reads them all.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class Usage:
     input: int = 0
     cached_input: int | None = 0
     output: int = 0
+    estimated: bool = False
+    """Estimated by the router (a stream cut short, a body not parsed, an answer without usage),
+    not reported by the replica."""
 
     @property
     def total(self) -> int:
@@ -43,23 +51,51 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+_TOKEN_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens", "total_tokens")
+
+
 def parse_usage(obj: Mapping[str, Any]) -> Usage:
-    """A ``usage`` object as :class:`Usage` (what is missing or malformed counts 0)."""
-    details = obj.get("prompt_tokens_details")
+    """A ``usage`` object as :class:`Usage` (what is missing or malformed counts 0): OpenAI's
+    ``prompt_tokens``/``completion_tokens``, the Responses and Anthropic APIs'
+    ``input_tokens``/``output_tokens``, or a ``total_tokens`` alone (embeddings, rerank: input)."""
+    details = obj.get("prompt_tokens_details") or obj.get("input_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) and "cached_tokens" in details else None
-    return Usage(_int(obj.get("prompt_tokens")), cached, _int(obj.get("completion_tokens")))
+    if cached is None and "cache_read_input_tokens" in obj:  # Anthropic's: not part of input_tokens
+        cached = _int(obj.get("cache_read_input_tokens"))
+        return Usage(_int(obj.get("input_tokens")) + cached, cached, _int(obj.get("output_tokens")))
+    output = _int(obj.get("completion_tokens", obj.get("output_tokens")))
+    if "prompt_tokens" in obj or "input_tokens" in obj:
+        prompt = _int(obj.get("prompt_tokens", obj.get("input_tokens")))
+    else:
+        prompt = max(0, _int(obj.get("total_tokens")) - output)
+    return Usage(prompt, cached, output)
+
+
+def reports_tokens(obj: Mapping[str, Any]) -> bool:
+    """Whether a ``usage`` object counts tokens at all (an audio answer may count seconds)."""
+    return any(name in obj for name in _TOKEN_FIELDS)
+
+
+_EVENT = b"data: {"
 
 
 class UsageTail:
-    """The last :data:`TAIL_BYTES` of a response body, and the usage they report."""
+    """The last :data:`TAIL_BYTES` of a response body, the usage they report, and the events of
+    a server-sent-events stream seen so far."""
 
-    __slots__ = ("_tail",)
+    __slots__ = ("_tail", "events")
 
     def __init__(self) -> None:
         self._tail = b""
+        self.events = 0
+        """``data: {...}`` events seen: about one output token each in vLLM's streams (one
+        chunk an engine step; the first carries the role, the last may carry only the reason)."""
 
     def feed(self, chunk: bytes) -> None:
         """One more piece of the body."""
+        # An event's start cut by the piece's end is counted once its rest arrives.
+        seam = self._tail[-(len(_EVENT) - 1) :] + chunk[: len(_EVENT) - 1]
+        self.events += chunk.count(_EVENT) + seam.count(_EVENT)
         self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
 
     def usage(self) -> Usage | None:
@@ -75,7 +111,7 @@ class UsageTail:
                 obj, _ = decoder.raw_decode(text, start)
             except ValueError:
                 continue
-            if isinstance(obj, dict):
+            if isinstance(obj, dict) and reports_tokens(obj):
                 return parse_usage(obj)
         return None
 

@@ -33,6 +33,7 @@ from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import BlockStored, Message, encode_batch
 from extproc.metrics.kv_events import KvEventMetrics
 from extproc.plan import Planner
+from extproc.request.tenant import api_key_digest
 from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
 from extproc.router import Router
 from extproc.server.stream import RequestStream
@@ -79,6 +80,74 @@ async def wait_for(
 
 
 # -- metrics ------------------------------------------------------------------------------------
+
+
+def tenant_key(tenant: str) -> str:
+    """The test API key of ``tenant``: a tenant is who a mapped key says, never a client's header."""
+    return f"sk-test-{tenant}"
+
+
+def tenant_api_keys(*tenants: str) -> dict[str, str]:
+    """``tenants.api_keys`` for :func:`tenant_key` of each of ``tenants``."""
+    return {api_key_digest(tenant_key(t)): t for t in tenants}
+
+
+def as_tenant(tenant: str) -> dict[str, str]:
+    """The headers of a request by ``tenant``: its API key."""
+    return {"authorization": f"Bearer {tenant_key(tenant)}"}
+
+
+def charged_tokens(samples: dict[str, float], tenant: str) -> float:
+    """Every token ``extproc_tokens_total`` holds for ``tenant`` (of a :func:`read_metrics` page)."""
+    found = 0.0
+    for key, value in samples.items():
+        name, _, labels = key.partition("{")
+        pairs = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if p)
+        if name == "extproc_tokens_total" and pairs.get("tenant") == tenant:
+            found += value
+    return found
+
+
+async def engine_tokens(http: aiohttp.ClientSession, gw: LocalGateway) -> tuple[float, float]:
+    """(prompt, generation) tokens the gateway's engines say they computed, summed over them
+    (``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``)."""
+    prompt = generation = 0.0
+    for member in gw.members:
+        samples = await read_metrics(http, f"http://{member.address}/metrics")
+        for key, value in samples.items():
+            name = key.partition("{")[0]
+            if name == "vllm:prompt_tokens_total":
+                prompt += value
+            elif name == "vllm:generation_tokens_total":
+                generation += value
+    return prompt, generation
+
+
+async def abandon_after_first_chunk(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> bytes:
+    """Send a streamed request, read its first chunk, and go away (the connection closed)."""
+    async with http.post(url, json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        first = await resp.content.readany()
+        resp.close()
+        return first
+
+
+async def settled(read: Callable[[], Awaitable[float]], quiet_s: float = 1.0, within_s: float = 30.0) -> float:
+    """A count once it has not moved for ``quiet_s`` (charges of streams that ended land a moment
+    after the client went away)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    last, since = await read(), loop.time()
+    while loop.time() < deadline:
+        await asyncio.sleep(0.1)
+        now = await read()
+        if now != last:
+            last, since = now, loop.time()
+        elif loop.time() - since >= quiet_s:
+            return now
+    raise AssertionError(f"the count kept moving for {within_s} s (last {last})")
 
 
 def metric_value(metric: MetricWrapperBase) -> float:

@@ -184,7 +184,16 @@ def _predicted(ttft_ms: float, tpot_ms: float) -> str:
     return "-" if ttft == tpot == "-" else f"{ttft}/{tpot}"
 
 
-USAGE_COLUMNS = ("tenant", "model", "input_tokens", "cached_input_tokens", "output_tokens", "total_tokens")
+USAGE_COLUMNS = (
+    "tenant",
+    "model",
+    "input_tokens",
+    "cached_input_tokens",
+    "output_tokens",
+    "total_tokens",
+    "estimated_tokens",
+)
+"""``estimated_tokens``: of the total, those the router estimated; the rest the replicas reported."""
 
 
 def _iso(unix: float) -> str:
@@ -195,7 +204,7 @@ def _usage_rows(reply: Any) -> list[dict[str, Any]]:
     rows = []
     for u in reply.usage:
         total = u.input_tokens + u.cached_input_tokens + u.output_tokens
-        values = (u.tenant, u.model, u.input_tokens, u.cached_input_tokens, u.output_tokens, total)
+        values = (u.tenant, u.model, u.input_tokens, u.cached_input_tokens, u.output_tokens, total, u.estimated_tokens)
         rows.append(dict(zip(USAGE_COLUMNS, values, strict=True)))
     return rows
 
@@ -242,7 +251,7 @@ def _render_usage(reply: Any) -> str:
         return "metering is off (budgets.enabled)\n"
     rows = [list(r.values()) for r in _usage_rows(reply)]
     out = f"tokens since {_iso(reply.since)}\n" + _table(
-        ["TENANT", "MODEL", "INPUT", "CACHED", "OUTPUT", "TOTAL"], rows
+        ["TENANT", "MODEL", "INPUT", "CACHED", "OUTPUT", "TOTAL", "ESTIMATED"], rows
     )
     budgets = [
         [b.kind, b.name, w.window, f"{w.limit:.0f}", f"{w.used:.0f}", f"{w.remaining:.0f}", f"{w.reset_s:.0f}s"]

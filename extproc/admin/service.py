@@ -118,6 +118,7 @@ async def usage_message(router: Router) -> pb.UsageResponse:
                 input_tokens=row.input,
                 cached_input_tokens=row.cached_input,
                 output_tokens=row.output,
+                estimated_tokens=row.estimated,
             )
             for row in meter.rows()
         ],

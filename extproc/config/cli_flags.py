@@ -115,6 +115,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="HOST:PORT",
         switch="tracing.enabled",
     ),
+    Flag(
+        "--tracing-sampler",
+        "tracing.sampler",
+        "ratio: tracing.sample_rate of every request, whatever its traceparent; parent_based: follow a sampled "
+        "parent (Envoy's own tracing deciding)",
+        choices=("ratio", "parent_based"),
+    ),
     Flag("--admin-token-file", "admin.token_file", "bearer token for the admin API's mutating calls", metavar="FILE"),
     Flag(
         "--tokenizer",

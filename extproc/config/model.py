@@ -346,7 +346,7 @@ class ClassEntry(Section):
     pool: dict[str, str] = option({}, "replica labels its requests are confined to")
     profile: str | None = option(None, "a profile under profiles: (else the default)")
     objectives: Objectives | None = option(
-        None, "latency objectives (ttft_ms, tpot_ms) of its requests that send none (x-slo-ttft-ms, x-slo-tpot-ms)"
+        None, "latency objectives (ttft_ms, tpot_ms) of its requests; their own x-slo-* may only be stricter"
     )
 
     def rule(self) -> ClassRule:
@@ -567,7 +567,8 @@ class Config(Section):
         ``tenants:`` and ``classes:`` (the request layer sees no config)."""
         return FeatureSettings(
             session_sources=self.request.session_sources,
-            tenant_header=self.tenants.header,
+            # A client's claim is no identity: the header counts only when the gateway sets it.
+            tenant_header=self.tenants.header if self.tenants.trust_header else "",
             block_chars=self.prefix.block_chars,
             max_blocks=self.prefix.max_blocks,
             max_body_bytes=self.request.max_body_bytes,
@@ -590,3 +591,9 @@ class Config(Section):
             self.upstream.stream_header,
             PREFILLER_HEADER,
         )
+
+    @property
+    def identity_headers(self) -> tuple[str, ...]:
+        """Headers that say who a request is (the tenant's): a rendered Envoy config strips a
+        client's before any filter, so only the gateway's own authentication can set them."""
+        return (self.tenants.header,)

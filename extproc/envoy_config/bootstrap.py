@@ -163,22 +163,28 @@ def _retry_policy(retries: int, across_priorities: bool, per_try_timeout_s: floa
     )
 
 
+def stripped_headers(spec: GatewaySpec) -> tuple[str, ...]:
+    """Every request header the router trusts, stripped from a client's request by the first
+    filter: the routing headers (the processor sets them) and the identity headers (only the
+    gateway's own authentication, after the strip, may set them)."""
+    names = (
+        spec.cluster_header,
+        spec.endpoint_header,
+        spec.stream_header,
+        PER_TRY_TIMEOUT_HEADER,
+        # Past a processor that is down (failure_mode_allow), a decode replica's sidecar
+        # would otherwise make a prefill hop to wherever the client said.
+        PREFILLER_HEADER,
+        *spec.identity_headers,
+    )
+    return tuple(dict.fromkeys(names))
+
+
 def header_mutation_filter(spec: GatewaySpec) -> HttpFilter:
-    """Strips the routing headers a client sent, before ext_proc runs, and the answering
-    replica's address from the response, after ext_proc has read it (the first filter of the
-    chain is the last on the way back)."""
-    removals = [
-        HeaderMutationRule(remove=name)
-        for name in (
-            spec.cluster_header,
-            spec.endpoint_header,
-            spec.stream_header,
-            PER_TRY_TIMEOUT_HEADER,
-            # Past a processor that is down (failure_mode_allow), a decode replica's sidecar
-            # would otherwise make a prefill hop to wherever the client said.
-            PREFILLER_HEADER,
-        )
-    ]
+    """Strips the headers the router trusts from a client's request (:func:`stripped_headers`),
+    before ext_proc runs, and the answering replica's address from the response, after ext_proc
+    has read it (the first filter of the chain is the last on the way back)."""
+    removals = [HeaderMutationRule(remove=name) for name in stripped_headers(spec)]
     mutations = Mutations(
         request_mutations=removals, response_mutations=[HeaderMutationRule(remove=ANSWERED_BY_HEADER)]
     )

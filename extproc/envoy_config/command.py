@@ -7,11 +7,13 @@ from typing import TextIO
 
 from extproc.config import Config, ConfigError, load_config, parse_replica, with_overrides
 from extproc.discovery.settings import DnsSource, KubernetesSource
-from extproc.envoy_config.istio import IstioSpec, dns_address, istio_envoy_filter
+from extproc.envoy_config.istio import IstioSpec, dns_address, istio_envoy_filter, istio_header_strip
 from extproc.envoy_config.rendering import dump_yaml, render_yaml
 from extproc.envoy_config.spec import SCENARIOS, GatewaySpec, ProcessorTls, Scenario
 
-OUTPUTS = ("bootstrap", "istio-envoyfilter")
+OUTPUTS = ("bootstrap", "istio-envoyfilter", "istio-header-strip")
+GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
+"""The label Istio puts on a Gateway API Gateway's pods."""
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
@@ -80,6 +82,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         first_byte_timeout_s=cfg.upstream.first_byte_s,
         stream_idle_timeout_s=cfg.upstream.stream_idle_s,
         stream_header=cfg.upstream.stream_header,
+        identity_headers=cfg.identity_headers,
         queue_wait_s=cfg.queueing.longest_wait_s,
         processor_streams_per_connection=1 if cfg.workers > 1 else None,
         **_tracing(args, cfg),
@@ -117,7 +120,22 @@ def run_envoy_config(args: argparse.Namespace, out: TextIO) -> int:
     """``extproc envoy-config``: write the YAML to ``out``; a bad value raises ConfigError."""
     spec = spec_from_args(args)
     try:
-        if args.output == "istio-envoyfilter":
+        if args.output == "istio-header-strip":
+            gateway = getattr(args, "istio_gateway", None)
+            labels = {GATEWAY_NAME_LABEL: gateway} if gateway else IstioSpec("", "", 0).gateway_labels
+            strip = IstioSpec(
+                processor_service="",
+                replicas_service="",
+                replicas_port=0,
+                namespace=args.istio_namespace,
+                name="extproc-header-strip",
+                endpoint_header=spec.endpoint_header,
+                cluster_header=spec.cluster_header,
+                identity_headers=spec.identity_headers,
+                gateway_labels=labels,
+            )
+            out.write(dump_yaml(istio_header_strip(strip)))
+        elif args.output == "istio-envoyfilter":
             if spec.mode != "endpoint":
                 raise ConfigError("mode: the Istio EnvoyFilter needs the processor in endpoint mode")
             if spec.replicas_dns is None or spec.processor.startswith("unix:"):
@@ -133,6 +151,7 @@ def run_envoy_config(args: argparse.Namespace, out: TextIO) -> int:
                 namespace=args.istio_namespace,
                 endpoint_header=spec.endpoint_header,
                 cluster_header=spec.cluster_header,
+                identity_headers=spec.identity_headers,
             )
             out.write(dump_yaml(istio_envoy_filter(istio)))
         else:

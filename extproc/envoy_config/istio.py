@@ -12,6 +12,7 @@ from envoy_data_plane.envoy.config.listener.v3 import Listener
 from extproc.envoy_config.bootstrap import ext_proc_filter, header_mutation_filter, override_host_policy
 from extproc.envoy_config.rendering import to_dict
 from extproc.envoy_config.spec import BUFFER_LIMIT, HCM_FILTER, ROUTER_FILTER, GatewaySpec
+from extproc.request.tenant import TENANT_HEADER
 
 
 def dns_address(service: str, namespace: str, port: int) -> str:
@@ -31,6 +32,7 @@ class IstioSpec:
     gateway_labels: Mapping[str, str] = field(default_factory=lambda: {"istio": "ingressgateway"})
     endpoint_header: str = "x-gateway-destination-endpoint"
     cluster_header: str = "x-target-cluster"
+    identity_headers: tuple[str, ...] = (TENANT_HEADER,)
     message_timeout_ms: int = 1000
     observe_responses: bool = True
 
@@ -45,7 +47,8 @@ def istio_envoy_filter(spec: IstioSpec) -> dict[str, Any]:
     """An Istio ``EnvoyFilter`` that makes an ingress gateway route through our processor.
 
     Built with the same typed builders as the bootstrap (the MERGE values are partial typed
-    messages too). The patches: the header_mutation and ext_proc filters inserted before the
+    messages too). The patches: the header_mutation filter first of all (a client's copy of every
+    header the router trusts gone before any other filter), the ext_proc filter before the
     router; the ``override_host`` policy merged into Istio's cluster for the model servers, so the
     pod the processor names is used and round robin is the fallback; and the 16 MiB buffer limit
     of the standalone gateway on the gateway's listeners. The processor runs in endpoint mode.
@@ -60,6 +63,7 @@ def istio_envoy_filter(spec: IstioSpec) -> dict[str, Any]:
         mode="endpoint",
         endpoint_header=spec.endpoint_header,
         cluster_header=spec.cluster_header,
+        identity_headers=spec.identity_headers,
         message_timeout_ms=spec.message_timeout_ms,
         observe_responses=spec.observe_responses,
     )
@@ -68,11 +72,12 @@ def istio_envoy_filter(spec: IstioSpec) -> dict[str, Any]:
         "listener": {"filterChain": {"filter": {"name": HCM_FILTER, "subFilter": {"name": ROUTER_FILTER}}}},
     }
     patches = [
-        # Two INSERT_BEFORE the router, applied in order: header_mutation, ext_proc, router.
+        # The strip first of all (before Istio's own authentication, which may then set an
+        # identity header from a JWT claim); ext_proc just before the router.
         {
             "applyTo": "HTTP_FILTER",
-            "match": before_router,
-            "patch": {"operation": "INSERT_BEFORE", "value": to_dict(header_mutation_filter(gateway))},
+            "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM_FILTER}}}},
+            "patch": {"operation": "INSERT_FIRST", "value": to_dict(header_mutation_filter(gateway))},
         },
         {
             "applyTo": "HTTP_FILTER",
@@ -108,6 +113,33 @@ def istio_envoy_filter(spec: IstioSpec) -> dict[str, Any]:
         "kind": "EnvoyFilter",
         "metadata": {"name": spec.name, "namespace": spec.namespace},
         "spec": {"workloadSelector": {"labels": dict(spec.gateway_labels)}, "configPatches": patches},
+    }
+
+
+def istio_header_strip(spec: IstioSpec) -> dict[str, Any]:
+    """An Istio ``EnvoyFilter`` with the strip alone: the header_mutation filter first in a
+    gateway's chain, for a gateway whose ext_proc filter is not ours (a Gateway API Inference
+    Extension gateway calling our processor as its endpoint picker). With it a client's copy of
+    every header the router trusts is gone before any filter, so a pool that fails open, the
+    processor down, cannot be steered by one (``x-prefiller-host-port`` to a decode replica's
+    sidecar)."""
+    gateway = GatewaySpec(
+        replicas=(),
+        mode="endpoint",
+        endpoint_header=spec.endpoint_header,
+        cluster_header=spec.cluster_header,
+        identity_headers=spec.identity_headers,
+    )
+    patch = {
+        "applyTo": "HTTP_FILTER",
+        "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": HCM_FILTER}}}},
+        "patch": {"operation": "INSERT_FIRST", "value": to_dict(header_mutation_filter(gateway))},
+    }
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": spec.name, "namespace": spec.namespace},
+        "spec": {"workloadSelector": {"labels": dict(spec.gateway_labels)}, "configPatches": [patch]},
     }
 
 

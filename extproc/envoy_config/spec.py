@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.request.tenant import TENANT_HEADER
 from extproc.routing.model import Replica
 from extproc.upstream_timeouts import UpstreamTimeouts
 
@@ -68,6 +69,9 @@ class GatewaySpec:
     first_byte_timeout_s: float = UpstreamTimeouts().first_byte_s
     stream_idle_timeout_s: float = UpstreamTimeouts().stream_idle_s
     stream_header: str = UpstreamTimeouts().stream_header
+    # Headers that say who a request is (config ``tenants.header``): a client's is stripped before
+    # any filter, so only the gateway's own authentication, placed after the strip, can set them.
+    identity_headers: tuple[str, ...] = (TENANT_HEADER,)
     observe_responses: bool = True
     full_duplex: bool = False
     # More processors sharing one affinity store (active-active): Envoy round-robins streams.

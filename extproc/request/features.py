@@ -13,7 +13,7 @@ from extproc.request.objectives import Objectives, fill
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
-from extproc.request.tenant import TENANT_HEADER, resolve_tenant
+from extproc.request.tenant import resolve_tenant
 
 CHARS_PER_TOKEN = 4
 SLO_TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
@@ -33,7 +33,9 @@ class FeatureSettings:
         SessionSource("body", "metadata.session_id"),
         SessionSource("body", "user"),
     )
-    tenant_header: str = TENANT_HEADER
+    tenant_header: str = ""
+    """The header naming the tenant, read only when the gateway itself sets it (config
+    ``tenants.trust_header``; usually ``TENANT_HEADER``); empty: none is read."""
     block_chars: int = 64
     max_blocks: int = 2048
     max_body_bytes: int = 8 * 1024 * 1024
@@ -66,15 +68,24 @@ class RequestFeatures:
     tokens_per_block: int = 0
     """Set when ``prefix_hashes`` are over the model's tokens (the engine's KV blocks), not characters."""
     slo_ttft_ms: float | None = None
-    """The time-to-first-token objective: the client's (``x-slo-ttft-ms``), else its class's or
-    its tenant's default (:mod:`extproc.request.objectives`), if any."""
+    """The time-to-first-token objective: its class's or its tenant's default, or the client's
+    (``x-slo-ttft-ms``) where it is stricter or there is no default (:mod:`extproc.request.objectives`)."""
     slo_tpot_ms: float | None = None
     """The time-per-output-token objective (``x-slo-tpot-ms``), filled the same way."""
+    body_bytes: int = 0
+    """The body's length as the router got it (a body not parsed is charged by it)."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens where known, else an estimate: about four characters a token."""
         return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN
+
+    @property
+    def charged_prompt_tokens(self) -> int:
+        """The prompt tokens a budget reserves and, when the response reports none, charges: the
+        estimate, or for a body that was not parsed (over ``max_body_bytes``, not JSON, another
+        path's) about four bytes a token of it."""
+        return self.estimated_prompt_tokens or self.body_bytes // CHARS_PER_TOKEN
 
 
 def objective_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:
@@ -140,6 +151,7 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
             path=path,
             session_key=key,
             tenant=tenant,
+            body_bytes=len(body) if body is not None else 0,
             body_error=body_error,
             request_id=request_id,
             model=headers.get("x-model", "")[:256],

@@ -17,6 +17,37 @@ import orjson
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+OTHER_TOKEN_PATHS = frozenset(
+    {
+        "/v1/chat/completions/batch",
+        "/v1/responses",
+        "/v1/messages",
+        "/cohere/v2/chat",
+        "/inference/v1/generate",
+        "/generative_scoring",
+        "/invocations",
+        "/v1/embeddings",
+        "/v2/embed",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+    }
+)
+"""Paths vLLM (0.32) serves that run the model, beyond chat and completions: with ``budgets:`` they
+are metered (their body is not parsed: admitted on an estimate from its size, charged what the
+response reports, else that estimate) or refused (``budgets.other_paths``). Tokenizing,
+rendering and counting tokens cost no engine step and are not among them."""
+
+
+def costs_tokens(path: str) -> bool:
+    """Whether a request to ``path`` runs the model (chat, completions, or another such path)."""
+    return path in INFERENCE_PATHS or path in OTHER_TOKEN_PATHS or path.startswith("/v1/audio/")
 
 
 class BodyError(ValueError):

@@ -1,5 +1,7 @@
 """Which tenant a request belongs to: from an API key (the ``Authorization`` bearer token, mapped
-by its SHA-256 digest, so the config never holds a key and nothing logs one) or from a header.
+by its SHA-256 digest, so the config never holds a key and nothing logs one) or from a header the
+gateway itself sets (``tenants.trust_header``; otherwise the header is a client's claim and is
+never read: the caller passes no header name).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def bearer_token(authorization: str) -> str | None:
 
 
 def resolve_tenant(headers: Mapping[str, str], header: str, api_keys: Mapping[str, str]) -> str:
-    """A mapped API key wins over the header (a key is a credential, a header is a claim)."""
+    """A mapped API key wins over the header; ``header`` is empty unless the gateway sets it (a
+    client's own is no identity)."""
     if api_keys:
         auth = headers.get("authorization")
         token = bearer_token(auth) if auth else None

@@ -30,6 +30,7 @@ from typing import Any
 from extproc.config import Config
 from extproc.server.listeners import BindError, bind_failure, try_bind
 from extproc.state.shared_memory import SegmentSize, SharedSegment
+from extproc.state.store_url import parse_store_url
 
 log = logging.getLogger("extproc.server")
 
@@ -72,7 +73,28 @@ def check_workers(cfg: Config) -> str | None:
         return "workers: a unix socket cannot be shared by several processes; listen on HOST:PORT"
     if cfg.kv_events.listen:
         return "workers: kv_events.listen binds one endpoint; with several workers let each connect (kv_events)"
+    if _has_budgets(cfg) and cfg.store.startswith("memory:"):
+        # Each worker would count apart: the effective budget N times the configured one.
+        return (
+            f"workers: token budgets with the memory store would be counted by each of the {cfg.workers} workers "
+            "apart (each budget times the workers); give a shared store (store: redis://...) or run one worker"
+        )
     return None
+
+
+def _has_budgets(cfg: Config) -> bool:
+    b = cfg.budgets
+    return b.enabled and bool(b.tenants or b.keys or b.models)
+
+
+def budget_sharing(cfg: Config) -> str | None:
+    """What the workers' budgets are counted in, for the start's log (None: no budgets)."""
+    if not cfg.budgets.enabled:
+        return None
+    if not _has_budgets(cfg):
+        return "budgets: metering only; each worker counts its own tokens (its usage export is its own)"
+    store = parse_store_url(cfg.store).redacted
+    return f"budgets: the {cfg.workers} workers charge one count per budget in the shared store {store}"
 
 
 def hold_port(role: str, listen: str) -> tuple[socket.socket, str]:
@@ -123,6 +145,8 @@ def supervise(cfg: Config, target: Callable[[Sequence[str], WorkerSlot], None], 
     size = segment_size(cfg, count)
     segment = SharedSegment.create(size, ctx.Lock())
     log.info("%d workers on %s, sharing %s (%.1f MiB)", count, listen, segment.name, size.nbytes / 2**20)
+    if (sharing := budget_sharing(cfg)) is not None:
+        log.info("%s", sharing)
     stopping = False
 
     def stop(signum: int, frame: FrameType | None) -> None:

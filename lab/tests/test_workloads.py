@@ -27,7 +27,7 @@ from extproc_lab.sim.traces import (
     traces_dir,
 )
 
-SETTINGS = FeatureSettings()
+SETTINGS = FeatureSettings(tenant_header="x-tenant-id")  # the simulator is the gateway: its tenants are trusted
 TRACES = Path(__file__).resolve().parents[1] / "extproc_lab" / "sim" / "data" / "traces"
 
 

@@ -23,7 +23,7 @@ from extproc.budgets import window_start
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
 from tests.conftest import require_binary
-from tests.helpers import wait_for
+from tests.helpers import as_tenant, tenant_api_keys, wait_for
 
 pytestmark = pytest.mark.e2e
 VOLATILE = re.compile(rb'"(id|created)":\s*("[^"]*"|\d+)')
@@ -39,9 +39,9 @@ KEY = "sk-e2e-metered-key"
 async def post(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any], tenant: str, key: str | None = None
 ) -> tuple[int, bytes, Any]:
-    headers = {"x-tenant-id": tenant, "x-session-id": f"{tenant}-s"}
+    headers = {**as_tenant(tenant), "x-session-id": f"{tenant}-s"}
     if key is not None:
-        headers["authorization"] = f"Bearer {key}"
+        headers["authorization"] = f"Bearer {key}"  # the key's tenant: keyed
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         return resp.status, await resp.read(), resp.headers
 
@@ -60,7 +60,8 @@ async def test_streams_are_unchanged_and_a_tenant_over_its_budget_is_refused(tmp
         "keyed": {"per_minute": 10**6},
     }
     keys = {"bot": {"per_minute": 100, "sha256": hashlib.sha256(KEY.encode()).hexdigest()}}
-    config = {"budgets": {"enabled": True, "tenants": tenants, "keys": keys}}
+    api_keys = {**tenant_api_keys(*tenants), hashlib.sha256(KEY.encode()).hexdigest(): "keyed"}
+    config = {"budgets": {"enabled": True, "tenants": tenants, "keys": keys}, "tenants": {"api_keys": api_keys}}
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
     with LocalGateway(replicas=1, processor_args=("--config", str(tmp_path / "router.yaml"))) as gw:
         direct = f"http://{gw.members[0].address}"

@@ -1,6 +1,7 @@
 """Routing to a latency objective through real Envoy: once the latency models are warm, a class
-that sheds gets 429 with Retry-After where no replica is predicted to meet its objective (its own
-header's, or its class's default), and the router reports attainment, sheds and prediction error."""
+that sheds gets 429 with Retry-After where no replica is predicted to meet its objective (its
+class's default, or its own header's where stricter: a client cannot loosen its class's objective
+unless the class allows it), and the router reports attainment, sheds and prediction error."""
 
 from __future__ import annotations
 
@@ -18,8 +19,18 @@ from tests.helpers import CHAT, chat, scrape, scrape_total, wait_for
 pytestmark = pytest.mark.e2e
 
 CONFIG = {
-    "classes": [{"name": "premium", "match": {"headers": {"x-tier": "premium"}}, "objectives": {"ttft_ms": 0.001}}],
-    "queueing": {"default": {"on_miss": "shed", "retry_after_s": 4}, "classes": {"premium": {"on_miss": "shed"}}},
+    "classes": [
+        {"name": "premium", "match": {"headers": {"x-tier": "premium"}}, "objectives": {"ttft_ms": 0.001}},
+        {
+            "name": "relaxed",
+            "match": {"headers": {"x-tier": "relaxed"}},
+            "objectives": {"ttft_ms": 0.001, "loosen": True},
+        },
+    ],
+    "queueing": {
+        "default": {"on_miss": "shed", "retry_after_s": 4},
+        "classes": {"premium": {"on_miss": "shed"}, "relaxed": {"on_miss": "shed"}},
+    },
 }
 
 
@@ -60,16 +71,19 @@ async def test_a_shedding_class_is_refused_when_every_replica_is_predicted_to_mi
             assert (status, retry_after) == (429, "4") and '"objective"' in body
             status, retry_after, _ = await send(http, gw, "premium default", **{"x-tier": "premium"})
             assert (status, retry_after) == (429, "1")
-            # A client's own header wins over its class's default; an objective in reach is served.
-            assert (await send(http, gw, "in reach", **{"x-tier": "premium", "x-slo-ttft-ms": "60000"}))[0] == 200
+            # A client's looser header is ignored: a class that sheds stays shed (issue 39)...
+            loose = await send(http, gw, "loosened", **{"x-tier": "premium", "x-slo-ttft-ms": "60000"})
+            assert loose[:2] == (429, "1")
+            # ...unless the class allows it: then an objective in reach is served.
+            assert (await send(http, gw, "in reach", **{"x-tier": "relaxed", "x-slo-ttft-ms": "60000"}))[0] == 200
             text = await page(http, gw)
             assert scrape_total(text, "extproc_requests_shed_total", **{"class": "default", "reason": "objective"}) == 1
-            assert scrape_total(text, "extproc_requests_shed_total", **{"class": "premium", "reason": "objective"}) == 1
+            assert scrape_total(text, "extproc_requests_shed_total", **{"class": "premium", "reason": "objective"}) == 2
 
             async def judged() -> bool:
                 text = await page(http, gw)
                 return (
-                    scrape_total(text, "extproc_objective_requests_total", **{"class": "premium", "outcome": "met"})
+                    scrape_total(text, "extproc_objective_requests_total", **{"class": "relaxed", "outcome": "met"})
                     == 1
                 )
 

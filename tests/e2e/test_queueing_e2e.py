@@ -14,7 +14,7 @@ import yaml
 
 from extproc_lab.demo.fault_matrix import FaultyGateway
 from tests.conftest import require_binary
-from tests.helpers import wait_for
+from tests.helpers import as_tenant, tenant_api_keys, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -27,6 +27,7 @@ def gateway(tmp_path: Path, queueing: dict[str, Any], wait_s: float, full_duplex
         "classes": [{"name": "batch", "match": {"headers": {"x-request-class": "batch"}}}],
         "queueing": {"enabled": True, **queueing},
         "health": {"scrape_interval_s": 0.1},
+        "tenants": {"api_keys": tenant_api_keys("x", "y", "a", "b")},
     }
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -100,11 +101,11 @@ async def test_interactive_goes_first_and_tenants_share_dispatch(tmp_path: Path)
             client = Client(http, gw)
             await saturate(http, gw, "overloaded")
             batch = [
-                asyncio.create_task(client.send(f"batch-{i}", {"x-request-class": "batch", "x-tenant-id": "x"}))
+                asyncio.create_task(client.send(f"batch-{i}", {"x-request-class": "batch", **as_tenant("x")}))
                 for i in range(8)
             ]
             await wait_for(lambda: _at_least(http, gw, 0, 8), within_s=15.0, step_s=0.05)
-            interactive = [asyncio.create_task(client.send(f"chat-{i}", {"x-tenant-id": "y"})) for i in range(4)]
+            interactive = [asyncio.create_task(client.send(f"chat-{i}", {**as_tenant("y")})) for i in range(4)]
             await wait_for(lambda: _at_least(http, gw, 1, 4), within_s=15.0, step_s=0.05)
             await saturate(http, gw, "ok")
             results = await asyncio.gather(*batch, *interactive)
@@ -119,12 +120,12 @@ async def test_interactive_goes_first_and_tenants_share_dispatch(tmp_path: Path)
             client.done.clear()
             await saturate(http, gw, "overloaded")
             a = [
-                asyncio.create_task(client.send(f"a-{i}", {"x-request-class": "batch", "x-tenant-id": "a"}))
+                asyncio.create_task(client.send(f"a-{i}", {"x-request-class": "batch", **as_tenant("a")}))
                 for i in range(20)
             ]
             await wait_for(lambda: _at_least(http, gw, 0, 20), within_s=15.0, step_s=0.05)
             b = [
-                asyncio.create_task(client.send(f"b-{i}", {"x-request-class": "batch", "x-tenant-id": "b"}))
+                asyncio.create_task(client.send(f"b-{i}", {"x-request-class": "batch", **as_tenant("b")}))
                 for i in range(20)
             ]
             await wait_for(lambda: _at_least(http, gw, 0, 40), within_s=15.0, step_s=0.05)

@@ -12,7 +12,7 @@ import yaml
 
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
-from tests.helpers import SEED_CLASSES, chat
+from tests.helpers import SEED_CLASSES, as_tenant, chat, tenant_api_keys
 
 pytestmark = pytest.mark.e2e
 POOLS = {
@@ -36,7 +36,10 @@ async def test_classes_go_to_their_pools_and_a_noisy_tenant_gets_429(tmp_path: P
     require_binary("envoy")
     config = {
         "classes": SEED_CLASSES,
-        "tenants": {"definitions": {"noisy": {"max_concurrent": 2, "retry_after_s": 2}}},
+        "tenants": {
+            "definitions": {"noisy": {"max_concurrent": 2, "retry_after_s": 2}},
+            "api_keys": tenant_api_keys("noisy", "steady"),
+        },
     }
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
     labels = {name: {"pool": pool} for name, pool in POOLS.items()}
@@ -58,10 +61,10 @@ async def test_classes_go_to_their_pools_and_a_noisy_tenant_gets_429(tmp_path: P
                 "a long prompt to keep the replica busy " * 150, max_tokens=4
             )  # ~1,500 tokens: 0.15 s of prefill each
             noisy = await asyncio.gather(
-                *(send(http, gw.url, slow, {"x-tenant-id": "noisy", "x-session-id": f"n{i}"}) for i in range(8))
+                *(send(http, gw.url, slow, {**as_tenant("noisy"), "x-session-id": f"n{i}"}) for i in range(8))
             )
             steady = await asyncio.gather(
-                *(send(http, gw.url, chat(f"steady {i}", max_tokens=4), {"x-tenant-id": "steady"}) for i in range(4))
+                *(send(http, gw.url, chat(f"steady {i}", max_tokens=4), as_tenant("steady")) for i in range(4))
             )
             statuses = [s for s, _, _ in noisy]
             assert statuses.count(429) >= 4 and statuses.count(200) >= 2, statuses

@@ -43,6 +43,7 @@ TARGETS = {
     "base": K8S / "base",
     "istio": K8S / "overlays" / "istio",
     "inference-pool": K8S / "overlays" / "inference-pool",
+    "inference-pool-istio": K8S / "overlays" / "inference-pool-istio",
 }
 # The oldest release the manifests are meant for (gRPC probes, PDB unhealthyPodEvictionPolicy)
 # and the newest whose schemas kubernetes-validate bundles.
@@ -462,6 +463,9 @@ def test_istio_envoy_filter_is_rendered_from_the_router_config(capsys: pytest.Ca
     assert capsys.readouterr().out == (K8S / "overlays" / "istio" / "envoyfilter.yaml").read_text()
 
 
+CORS = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"
+
+
 def _apply_istio_patches(bootstrap: dict[str, Any], envoy_filter: dict[str, Any]) -> None:
     """Apply an EnvoyFilter's patches to a bootstrap as Istio does for the kinds we use."""
     listeners = bootstrap["static_resources"]["listeners"]
@@ -469,12 +473,14 @@ def _apply_istio_patches(bootstrap: dict[str, Any], envoy_filter: dict[str, Any]
     for patch in envoy_filter["spec"]["configPatches"]:
         value, operation = patch["patch"]["value"], patch["patch"]["operation"]
         if patch["applyTo"] == "HTTP_FILTER":
-            assert operation == "INSERT_BEFORE"
-            wanted = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            assert operation in ("INSERT_BEFORE", "INSERT_FIRST")
             for listener in listeners:
                 filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-                index = [f["name"] for f in filters].index(wanted)
-                filters.insert(index, copy.deepcopy(value))
+                if operation == "INSERT_FIRST":
+                    filters.insert(0, copy.deepcopy(value))
+                    continue
+                wanted = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+                filters.insert([f["name"] for f in filters].index(wanted), copy.deepcopy(value))
         elif patch["applyTo"] == "CLUSTER":
             assert operation == "MERGE"
             match = patch["match"]["cluster"]
@@ -497,7 +503,11 @@ def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Pa
     gateway = render(GatewaySpec(replicas=(), mode="endpoint", replicas_dns="vllm.llm.svc.cluster.local:8000"))
     listener = gateway["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    # Istio's own filters (authentication among them) sit before the router: the strip goes first.
+    hcm["http_filters"] = [
+        {"name": "envoy.filters.http.cors", "typed_config": {"@type": CORS}},
+        *(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"),
+    ]
     hcm["route_config"]["virtual_hosts"][0]["routes"] = [
         {"match": {"prefix": "/"}, "route": {"cluster": "outbound|8000||vllm.llm.svc.cluster.local"}}
     ]
@@ -527,13 +537,60 @@ def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Pa
     }
     _apply_istio_patches(bootstrap, envoy_filter)
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert names == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.cors",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    removed = {m["remove"] for m in hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]}
+    assert {"x-tenant-id", "x-prefiller-host-port", "x-gateway-destination-endpoint"} <= removed
     # The ext_proc patch is an ExternalProcessor, field for field (the typed class refuses others).
-    ext_proc = {k: v for k, v in hcm["http_filters"][1]["typed_config"].items() if k != "@type"}
+    ext_proc = {k: v for k, v in hcm["http_filters"][2]["typed_config"].items() if k != "@type"}
     parsed = ExternalProcessor.from_dict(ext_proc)
     assert parsed.grpc_service is not None and parsed.grpc_service.envoy_grpc is not None
     assert parsed.grpc_service.envoy_grpc.cluster_name == "outbound|9002||extproc.llm.svc.cluster.local"
     assert parsed.failure_mode_allow is True
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+    validate(path)
+
+
+def test_the_header_strip_for_an_inference_gateway_is_rendered_from_the_router_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["envoy-config", "--config", str(K8S / "base" / "router.yaml"), "--output", "istio-header-strip"]
+    assert main([*argv, "--istio-namespace", "llm", "--istio-gateway", "inference-gateway"]) == 0
+    assert capsys.readouterr().out == (K8S / "components" / "istio-header-strip" / "envoyfilter.yaml").read_text()
+
+
+def test_an_inference_pool_fails_open_only_where_envoy_strips_first(tmp_path: Path) -> None:
+    """Issue 39: with the processor down a pool that fails open sends the client's request, headers
+    and all, to a pod: a decode pod's sidecar would make its prefill hop wherever the client's
+    x-prefiller-host-port says. The overlay for any GIE implementation fails closed; the one for
+    Istio fails open behind a strip that runs first in the inference gateway's Envoy."""
+    assert one("inference-pool", "InferencePool", "vllm")["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    assert not objects("inference-pool", "EnvoyFilter")
+    pool = one("inference-pool-istio", "InferencePool", "vllm")
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    strip = one("inference-pool-istio", "EnvoyFilter", "extproc-header-strip")
+    gateway_pods = one("inference-pool-istio", "NetworkPolicy", "extproc")["spec"]["ingress"][1]["from"][0]
+    assert strip["spec"]["workloadSelector"]["labels"] == gateway_pods["podSelector"]["matchLabels"]
+    # Applied as Istio applies it to a GIE gateway's own chain (its ext_proc filter to the
+    # endpoint picker, failing open, then the router): the strip comes first and Envoy takes it.
+    gateway = render(GatewaySpec(replicas=(), mode="endpoint", replicas_dns="vllm.llm.svc.cluster.local:8000"))
+    listener = gateway["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"]
+    bootstrap = {"admin": gateway["admin"], "static_resources": gateway["static_resources"]}
+    _apply_istio_patches(bootstrap, strip)
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    removed = {m["remove"] for m in hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]}
+    assert {"x-prefiller-host-port", "x-tenant-id", "x-gateway-destination-endpoint"} <= removed
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
     validate(path)
@@ -568,7 +625,7 @@ def test_the_overlays_point_at_the_services_the_router_discovers() -> None:
     }
 
 
-@pytest.mark.parametrize("target", ["istio", "inference-pool"])
+@pytest.mark.parametrize("target", ["istio", "inference-pool", "inference-pool-istio"])
 def test_overlays_run_the_processor_alone(target: str) -> None:
     pod = one(target, "Deployment", "extproc")["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["extproc"]
@@ -716,6 +773,7 @@ def test_network_policy_selects_the_gateway_pods_and_admits_only_their_peers(tar
         "base": (GATEWAY_POD, "llm"),
         "istio": ({"istio": "ingressgateway"}, "istio-system"),
         "inference-pool": ({"gateway.networking.k8s.io/gateway-name": "inference-gateway"}, "llm"),
+        "inference-pool-istio": ({"gateway.networking.k8s.io/gateway-name": "inference-gateway"}, "llm"),
     }[target]
     assert _allows(ingress, "from", envoy[0], 9002, namespace=envoy[1])
     # Client traffic reaches Envoy's listener; nothing else is open to everyone.

@@ -226,7 +226,12 @@ class LocalGateway:
             f"{HOST}:{metrics_port}",
             *[f"--replica={replica_flag(r, *self._kv_endpoints(r))}" for r in self.members],
             *self._engine_processor_args(),
-            *([f"--tracing-endpoint={self.tracing_collector}"] if self.tracing_collector else []),
+            # Envoy traces every request and decides for both: the processor follows its parent.
+            *(
+                [f"--tracing-endpoint={self.tracing_collector}", "--tracing-sampler=parent_based"]
+                if self.tracing_collector
+                else []
+            ),
             *self.processor_args,
         ]
         proc = self.procs.start(name, argv)

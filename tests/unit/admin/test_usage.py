@@ -21,6 +21,7 @@ from extproc.config import AdminSettings
 from extproc.plan import Planner, Watch
 from extproc.request.tenant import api_key_digest
 from extproc.router import Router
+from extproc.tenancy import TenantSettings
 from tests.conftest import chat_body, make_config
 
 CHAT = "/v1/chat/completions"
@@ -33,7 +34,7 @@ def _router() -> Router:
         tenants={"acme": TokenBudget(per_minute=100_000, per_day=10**7)},
         keys={"ci-bot": KeyBudget(per_day=5_000, sha256=api_key_digest(KEY))},
     )
-    return Router(make_config(budgets=budgets))
+    return Router(make_config(budgets=budgets, tenants=TenantSettings(trust_header=True)))
 
 
 async def _answer(planner: Planner, headers: dict[str, str], model: str, usage: dict[str, object]) -> None:
@@ -93,6 +94,11 @@ async def test_the_cli_prints_usage_as_a_table_json_and_csv() -> None:
     planner = Planner(router)
     await _answer(planner, {"x-tenant-id": "acme"}, "m", {"prompt_tokens": 10, "completion_tokens": 5})
     await _answer(planner, {"x-tenant-id": "acme", "authorization": f"Bearer {KEY}"}, "m2", {"prompt_tokens": 4})
+    # Abandoned before its answer: charged an estimate, which the export says.
+    gone = await planner.plan(
+        {":path": CHAT, "x-tenant-id": "acme"}, chat_body("bye " * 40, model="m3"), Watch(meter=True)
+    )
+    planner.end(gone)
     server = await _served(router)
 
     async def cli(*argv: str) -> str:
@@ -114,7 +120,7 @@ async def test_the_cli_prints_usage_as_a_table_json_and_csv() -> None:
     exported = json.loads(as_json)
     again = json.loads(as_json_too)  # ``admin --json usage`` is the same export
     assert (again["since"], again["usage"]) == (exported["since"], exported["usage"])
-    assert exported["usage"] == [
+    assert [row for row in exported["usage"] if row["model"] != "m3"] == [
         {
             "tenant": "acme",
             "model": "m",
@@ -122,6 +128,7 @@ async def test_the_cli_prints_usage_as_a_table_json_and_csv() -> None:
             "cached_input_tokens": 0,
             "output_tokens": 5,
             "total_tokens": 15,
+            "estimated_tokens": 0,
         },
         {
             "tenant": "acme",
@@ -130,14 +137,21 @@ async def test_the_cli_prints_usage_as_a_table_json_and_csv() -> None:
             "cached_input_tokens": 0,
             "output_tokens": 0,
             "total_tokens": 4,
+            "estimated_tokens": 0,
         },
     ]
+    # Abandoned: its prompt, and what the time it ran (a few ms here) makes of its output.
+    m3 = next(row for row in exported["usage"] if row["model"] == "m3")
+    assert m3["input_tokens"] == gone.routed.features.charged_prompt_tokens > 0
+    assert m3["estimated_tokens"] == m3["total_tokens"]
+    assert "ESTIMATED" in table
     (key,) = (b for b in exported["budgets"] if b["kind"] == "key")
     assert key["name"] == "ci-bot" and key["windows"][0]["used"] == 4
     rows = list(csv.DictReader(io.StringIO(as_csv)))
     assert [(r["tenant"], r["model"], r["input_tokens"], r["output_tokens"], r["total_tokens"]) for r in rows] == [
         ("acme", "m", "10", "5", "15"),
         ("acme", "m2", "4", "0", "4"),
+        ("acme", "m3", str(m3["input_tokens"]), str(m3["output_tokens"]), str(m3["total_tokens"])),
     ]
     assert rows[0]["since"] == exported["since"]
     assert KEY not in table + as_json + as_csv

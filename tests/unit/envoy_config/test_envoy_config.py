@@ -12,8 +12,10 @@ import yaml
 from envoy_data_plane.envoy.config.cluster.v3 import Cluster
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import HttpConnectionManager
 
-from extproc.cli import main
+from extproc.cli import build_parser, main
+from extproc.config import load_config
 from extproc.envoy_config import SCENARIOS, GatewaySpec, bootstrap, render, render_yaml
+from extproc.envoy_config.command import spec_from_args
 from extproc.routing import Replica
 from extproc_lab.demo.scenario import SHIPPED_REPLICAS
 from tests.conftest import ROOT
@@ -77,11 +79,28 @@ def test_client_routing_headers_are_stripped_before_ext_proc() -> None:
         {"remove": "x-extproc-stream"},
         {"remove": "x-envoy-upstream-rq-per-try-timeout-ms"},
         {"remove": "x-prefiller-host-port"},
+        {"remove": "x-tenant-id"},
     ]
     ext_proc = hcm["http_filters"][1]["typed_config"]
     assert ext_proc["failure_mode_allow"] is True
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert hcm["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]["cluster"] == "replicas_round_robin"
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_scenario_strips_every_trusted_header_first(scenario: str, tmp_path: Path) -> None:
+    # The tenant header named in the config (trusted or not) goes with the routing headers.
+    config = tmp_path / "router.yaml"
+    mode = SCENARIOS[scenario].mode
+    config.write_text(f"mode: {mode}\ntenants: {{header: x-org, trust_header: true}}\n")
+    argv = ["envoy-config", "--config", str(config), "--scenario", scenario, *REPLICA_FLAGS]
+    spec = spec_from_args(build_parser().parse_args(argv))
+    hcm = render(spec)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["http_filters"][0]["name"] == "envoy.filters.http.header_mutation"
+    removed = {m["remove"] for m in hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]}
+    cfg = load_config(str(config))
+    assert {*cfg.routing_headers, *cfg.identity_headers} <= removed
+    assert "x-org" in removed
 
 
 def test_the_bootstrap_is_a_typed_message_and_wrong_fields_fail_when_built() -> None:

@@ -96,7 +96,7 @@ def test_bad_session_source_is_refused(spec: str) -> None:
 
 
 def test_tenants_get_their_own_session_space() -> None:
-    settings = FeatureSettings()
+    settings = FeatureSettings(tenant_header="x-tenant-id")
     body = chat([{"role": "user", "content": "hi"}])
     a = extract_features({":path": CHAT, "x-session-id": "s", "x-tenant-id": "a"}, body, settings)
     b = extract_features({":path": CHAT, "x-session-id": "s", "x-tenant-id": "b"}, body, settings)

@@ -34,7 +34,9 @@ async def _flushed(tracer: DecisionTracer, collected: SpanReceiver, want: int) -
 
 
 async def test_the_decision_span_is_parented_to_the_clients_traceparent(collected: SpanReceiver) -> None:
-    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0))
+    tracer = DecisionTracer(
+        TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0, sampler="parent_based")
+    )
     router = Router(make_config(), tracer=tracer)
     headers = {":path": "/v1/chat/completions", "x-session-id": "s", "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
     try:
@@ -113,7 +115,9 @@ async def test_a_failed_call_is_an_error_and_unreported_usage_is_absent(collecte
 
 
 async def test_an_unsampled_request_is_neither_exported_nor_given_a_context(collected: SpanReceiver) -> None:
-    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0))
+    tracer = DecisionTracer(
+        TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0, sampler="parent_based")
+    )
     router = Router(make_config(), tracer=tracer)
     try:
         plain = await router.route({":path": "/v1/chat/completions"}, chat_body("a prompt"))
@@ -162,3 +166,36 @@ def test_an_exporter_that_does_not_load_is_a_clear_config_error(monkeypatch: pyt
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
     with pytest.raises(TracingUnavailable, match="force-reinstall opentelemetry-proto"):
         DecisionTracer(TracingSettings(enabled=True))
+
+
+@pytest.mark.parametrize(
+    ("settings", "want"),
+    [
+        # The default: the operator's share of every request, whatever the client's flag says.
+        ({"sample_rate": 0.25}, 10),
+        # Parent-based, bounded: a sampled parent is followed for parent_rate of the requests.
+        ({"sample_rate": 0.0, "sampler": "parent_based", "parent_rate": 0.5}, 20),
+        ({"sample_rate": 0.0, "sampler": "parent_based"}, 40),
+    ],
+    ids=["ratio", "parent-based-bounded", "parent-based"],
+)
+async def test_a_client_s_sampled_traceparent_forces_no_more_than_the_operator_allows(
+    collected: SpanReceiver, settings: dict[str, object], want: int
+) -> None:
+    # Trace id 0...01: a ratio test on the id's low bits (TraceIdRatioBased) would take it always.
+    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, **settings))  # type: ignore[arg-type]
+    router = Router(make_config(), tracer=tracer)
+    traced = 0
+    try:
+        for i in range(40):
+            headers = {":path": "/v1/chat/completions", "traceparent": f"00-{1:032x}-{i + 1:016x}-01"}
+            routed = await router.route(headers, chat_body(f"prompt {i}"))
+            traced += routed.trace is not None
+            router.release(routed)
+        await _flushed(tracer, collected, 2 * want)
+    finally:
+        tracer.close()
+    assert traced == want
+    routes = [s for s in collected.spans if s.name == "route"]
+    assert len(routes) == want and all(s.trace_id == f"{1:032x}" for s in routes)  # joined to the client's trace
+    assert len(collected.spans) == 2 * want  # each call span followed its decision

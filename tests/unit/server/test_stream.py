@@ -292,7 +292,7 @@ async def test_the_plan_says_where_and_the_refusal_wording_is_the_planners() -> 
     planner.end(plan)
     unrouted = await Planner(Router(make_config(replicas=()))).plan(CHAT, chat_body("x"))
     assert unrouted.action == Forward((), Router(make_config()).config.routing_headers)
-    quota = {"definitions": {"t": {"max_concurrent": 1, "retry_after_s": 3}}}
+    quota = {"trust_header": True, "definitions": {"t": {"max_concurrent": 1, "retry_after_s": 3}}}
     replicas = [{"name": "r0", "address": "10.0.0.1:8000"}]
     planner = Planner(
         Router(config_from_mapping({"replicas": replicas, "metrics": {"enabled": False}, "tenants": quota}))

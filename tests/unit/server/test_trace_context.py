@@ -31,7 +31,9 @@ def collected() -> Iterator[SpanReceiver]:
 @pytest.fixture
 async def served(collected: SpanReceiver) -> AsyncIterator[tuple[ProcessorServer, DecisionTracer]]:
     # sample_rate 0: only a sampled parent makes a span, so a span proves the parent was read.
-    tracer = DecisionTracer(TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0))
+    tracer = DecisionTracer(
+        TracingSettings(enabled=True, endpoint=collected.address, sample_rate=0.0, sampler="parent_based")
+    )
     server = ProcessorServer(Router(make_config(), tracer=tracer), "127.0.0.1:0")
     await server.start()
     try:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from extproc.config import config_from_mapping
+from extproc.server.workers import budget_sharing, check_workers
 from extproc_lab.demo.processes import free_port
 from tests.helpers import HOST, serve_argv, serving
 
@@ -112,3 +114,21 @@ def test_workers_stop_when_their_parent_is_killed() -> None:
         while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_budgets_with_the_memory_store_refuse_several_workers_and_a_shared_store_is_said(tmp_path: Path) -> None:
+    # Each worker would count apart: N times every budget (issue 39). Refused at start, naming why.
+    config = tmp_path / "router.yaml"
+    config.write_text("budgets: {enabled: true, tenants: {acme: {per_day: 1000}}}\n")
+    argv = [*serve_argv(free_port(), free_port(), "--workers", "2"), "--config", str(config)]
+    result = subprocess.run(argv, capture_output=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    assert b"workers: token budgets with the memory store" in result.stderr
+    budgets = {"enabled": True, "tenants": {"acme": {"per_day": 1000}}}
+    shared = config_from_mapping({"workers": 2, "store": "redis://:secret@127.0.0.1:6379/0", "budgets": budgets})
+    assert check_workers(shared) is None
+    said = budget_sharing(shared)
+    assert said is not None and "shared store" in said and "secret" not in said
+    metering = config_from_mapping({"workers": 2, "budgets": {"enabled": True}})
+    assert check_workers(metering) is None and "metering only" in (budget_sharing(metering) or "")
+    assert budget_sharing(config_from_mapping({"workers": 2})) is None

@@ -65,7 +65,7 @@ async def test_requests_in_flight_reserve_their_estimate_so_a_burst_stops_at_the
     burst = [await ledger.admit("acme", 300, NOW) for _ in range(5)]
     assert [a.admitted for a in burst] == [True, True, True, False, False]
     for admission in burst[:3]:
-        ledger.release(admission)  # ended without usage (a reset stream)
+        ledger.release(admission)  # never sent (refused after admission, e.g. shed): nothing to charge
     assert ledger.reserved == {}
 
 

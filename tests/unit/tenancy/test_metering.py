@@ -78,7 +78,10 @@ async def _serve(planner: Planner, headers: dict[str, str], body: bytes, *answer
 
 async def test_a_response_s_usage_moves_the_counters_by_tenant_model_replica_and_kind() -> None:
     metrics = RouterMetrics()
-    cfg = make_config(budgets=BudgetSettings(enabled=True, tenants={"acme": TokenBudget(per_day=10**6)}))
+    cfg = make_config(
+        budgets=BudgetSettings(enabled=True, tenants={"acme": TokenBudget(per_day=10**6)}),
+        tenants=TenantSettings(trust_header=True),
+    )
     router = Router(cfg, metrics=metrics)
     planner = Planner(router)
     usage = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 64}}

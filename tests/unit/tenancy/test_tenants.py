@@ -25,6 +25,7 @@ def fleet_config(**extra: object) -> dict[str, object]:
     replicas = [
         {"name": f"r{i}", "address": f"10.0.0.{i}:8000", "labels": {"pool": pool}} for i, pool in enumerate(POOLS)
     ]
+    extra = {**extra, "tenants": {"trust_header": True, **extra.get("tenants", {})}}  # type: ignore[dict-item]
     return {"replicas": replicas, "classes": SEED_CLASSES, "metrics": {"enabled": False}, **extra}
 
 
@@ -34,11 +35,24 @@ def media_body() -> bytes:
 
 
 def test_api_key_maps_to_its_tenant_and_beats_the_header() -> None:
-    settings = FeatureSettings(api_keys={api_key_digest("sk-team-a"): "team-a"})
+    settings = FeatureSettings(api_keys={api_key_digest("sk-team-a"): "team-a"}, tenant_header="x-tenant-id")
     headers = {**CHAT, "authorization": "Bearer sk-team-a", "x-tenant-id": "someone-else"}
     assert extract_features(headers, chat_body("x"), settings).tenant == "team-a"
     unknown = {**CHAT, "authorization": "Bearer sk-unknown", "x-tenant-id": "claimed"}
     assert extract_features(unknown, chat_body("x"), settings).tenant == "claimed"
+
+
+def test_a_client_s_tenant_header_is_ignored_unless_the_gateway_sets_it() -> None:
+    # Not trusted (the default): a client naming a tenant is nobody's; a mapped key still counts.
+    keys = {"tenants": {"api_keys": {api_key_digest("sk-team-a"): "team-a"}}}
+    settings = config_from_mapping(keys).features
+    assert extract_features({**CHAT, "x-tenant-id": "acme"}, chat_body("x"), settings).tenant == ""
+    keyed = {**CHAT, "authorization": "Bearer sk-team-a", "x-tenant-id": "acme"}
+    assert extract_features(keyed, chat_body("x"), settings).tenant == "team-a"
+    # Trusted (the gateway's authentication sets it, after Envoy stripped the client's): read.
+    trusted = config_from_mapping({"tenants": {"header": "X-Org", "trust_header": True}}).features
+    assert extract_features({**CHAT, "x-org": "acme"}, chat_body("x"), trusted).tenant == "acme"
+    assert extract_features({**CHAT, "x-tenant-id": "acme"}, chat_body("x"), trusted).tenant == ""
 
 
 def test_api_keys_must_be_digests_never_keys(tmp_path: Path) -> None:

@@ -292,18 +292,20 @@ class UsageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TenantUsage(_message.Message):
-    __slots__ = ("tenant", "model", "input_tokens", "cached_input_tokens", "output_tokens")
+    __slots__ = ("tenant", "model", "input_tokens", "cached_input_tokens", "output_tokens", "estimated_tokens")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model: str
     input_tokens: int
     cached_input_tokens: int
     output_tokens: int
-    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., input_tokens: _Optional[int] = ..., cached_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    estimated_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., input_tokens: _Optional[int] = ..., cached_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., estimated_tokens: _Optional[int] = ...) -> None: ...
 
 class BudgetWindow(_message.Message):
     __slots__ = ("window", "limit", "used", "remaining", "reset_s")
