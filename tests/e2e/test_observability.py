@@ -394,6 +394,9 @@ async def test_prometheus_answers_every_panel_and_alert_and_sees_the_hit_ratio_w
             for variable, value in given.items():
                 expr = expr.replace(variable, value)
             assert bool(query(port, expr)) is found, expr
+        # A correctly configured Envoy shows the processor no configuration problem.
+        problems = query(port, "extproc_config_problem")
+        assert problems and all(float(r["value"][1]) == 0 for r in problems)
         # Every replica has its time-to-first-token and end-to-end series (the router's own histograms).
         for metric in ("extproc_ttft_seconds_count", "extproc_request_duration_seconds_count"):
             assert {r["metric"]["replica"] for r in query(port, metric)} == {r.name for r in gw.members}
