@@ -31,7 +31,7 @@ RULES = OBS / "alerts.rules.yaml"
 
 def dashboard_queries() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
-    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
 
 
 def rules() -> list[dict[str, Any]]:
@@ -113,6 +113,8 @@ def test_dashboard_uses_a_datasource_variable_everywhere() -> None:
     for needed in ("hit ratio", "Decisions by reason", "load", "Spillovers", "latency", "Sessions", "Redis"):
         assert any(needed.lower() in t.lower() for t in titles), needed
     for p in dash["panels"]:
+        if p["type"] == "row":
+            continue
         assert p["datasource"]["uid"] == "${datasource}"
         assert p["targets"] and all(t["datasource"]["uid"] == "${datasource}" and t["expr"] for t in p["targets"])
 
@@ -161,6 +163,18 @@ def test_dashboard_has_the_on_call_variables_and_every_query_uses_them() -> None
     assert unfiltered == []
 
 
+def test_dashboard_has_a_row_where_the_hit_ratio_goes() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    assert [r["title"] for r in rows] == ["Where the hit ratio goes: reuse offered, captured, delivered"]
+    below = [p for p in dash["panels"] if p["gridPos"]["y"] == rows[0]["gridPos"]["y"] + 1]
+    exprs = " ".join(t["expr"] for p in below for t in p["targets"])
+    for kind in ("prompt", "offered", "captured"):
+        assert f'extproc_reuse_blocks_total{{{SELECTOR}, kind="{kind}"}}' in exprs
+    for kind in ("queries", "hits"):
+        assert f'extproc_reuse_engine_tokens_total{{{SELECTOR}, kind="{kind}"}}' in exprs
+
+
 def test_dashboard_has_a_time_to_first_token_panel_on_the_routers_histogram() -> None:
     dash = json.loads(DASHBOARD.read_text())
     ttft = [p for p in dash["panels"] if "time to first token" in p["title"].lower()]
@@ -184,7 +198,7 @@ def test_dashboard_is_grafanas_schema() -> None:
         pos = p["gridPos"]
         assert all(isinstance(pos[k], int) for k in ("x", "y", "w", "h")), p["title"]
         assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, p["title"]
-        refs = [t["refId"] for t in p["targets"]]
+        refs = [t["refId"] for t in p.get("targets", [])]
         assert len(refs) == len(set(refs)), p["title"]
         for x in range(pos["x"], pos["x"] + pos["w"]):
             for y in range(pos["y"], pos["y"] + pos["h"]):
