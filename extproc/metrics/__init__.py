@@ -83,7 +83,7 @@ MOVE_REASONS = ("join", "leave", "hot")
 PREWARM_OUTCOMES = ("ok", "error", "dropped", "unusable")
 SHED_REASONS = ("objective", "objective_timeout", "queue_full", "queue_timeout", "quota_exceeded", "tokens_exceeded")
 TOKEN_KINDS = ("input", "cached_input", "output")
-CONFIG_PROBLEM_KINDS = ("no_request_body", "streamed_body")
+CONFIG_PROBLEM_KINDS = ("no_request_body",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,8 +340,7 @@ class RouterMetrics:
         self.config_problem = Gauge(
             "extproc_config_problem",
             "1 while Envoy's ext_proc configuration cannot work, by kind (no_request_body: Envoy sends no "
-            "request body, so nothing is routed; streamed_body: the body is streamed, so the decision comes "
-            "after the request has gone upstream).",
+            "request body, so nothing is routed).",
             ["kind"],
             registry=r,
         )
