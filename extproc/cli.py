@@ -169,7 +169,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
     from extproc.state.redis_budgets import RedisBudgetStore
     from extproc.state.redis_store import RedisStore
-    from extproc.telemetry import export
+    from extproc.telemetry import after_scrape, export
     from extproc.tracing import DecisionTracer, TracingUnavailable
 
     metrics = RouterMetrics()
@@ -238,7 +238,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         await close_all(listeners)
         await _close_early(kv_events, store)
         raise
-    scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=router.after_scrape)
+    scraper = Scraper(router.replicas, cfg.health, router.clock, metrics=router.metrics, listener=after_scrape(router))
     scraping = asyncio.create_task(scraper.run(), name="scraper")
     reporting = asyncio.create_task(_report_budgets(router), name="budgets") if router.budgets else None
     discovering = asyncio.create_task(

@@ -35,6 +35,7 @@ from extproc.bookkeeping import (
 from extproc.budgets import Admission as BudgetAdmission
 from extproc.budgets import BudgetLedger, BudgetStore
 from extproc.cache import CacheView, ReplicaCaches
+from extproc.cache.reuse import ReuseLedger
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
 from extproc.health.latency import LatencyBook
@@ -150,6 +151,7 @@ class Router:
         block_tokens = config.features.block_chars // CHARS_PER_TOKEN
         self.pairing = config.disaggregation.pair_settings(block_tokens)  # read where replicas carry roles
         self.caches = ReplicaCaches(self.replicas, self.store, block_tokens, kv_events)
+        self.reuse = ReuseLedger(self._labels_of)  # where the hit ratio goes (extproc.cache.reuse)
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
             self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics)
@@ -507,6 +509,10 @@ class Router:
         """Whether every candidate of ``pool`` is saturated now (``queueing:`` thresholds)."""
         return saturated(self.replicas.snapshot(self.clock()), pool, self.config.queueing)
 
+    def _labels_of(self, name: str) -> Mapping[str, str] | None:
+        record = self.replicas.record(name)
+        return record.replica.labels if record is not None else None
+
     def _index_hashes(self, path: str, body: bytes) -> tuple[int, ...]:
         return read_request({":path": path}, body, self.config.features).features.prefix_hashes
 
@@ -530,6 +536,10 @@ class Router:
             m.prefix_blocks_matched.inc(decision.matched_blocks)
             if view.prefix_matches and len(self.replicas):
                 m.prefix_blocks_round_robin.inc(sum(view.prefix_matches.values()) / len(self.replicas))
+            if decision.replica is not None:
+                self.reuse.routed(
+                    decision.replica.name, decision.total_blocks, view.prefix_matches, decision.matched_blocks
+                )
         if self.feed.watched:
             self.feed.publish(decision, features.model, now - start)
         if log.isEnabledFor(logging.DEBUG):

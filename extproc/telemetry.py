@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import astuple
 
+from extproc.cache.reuse import ReuseRow
+from extproc.health.replicas import Transition
 from extproc.metrics import ReplicaReport, ReplicaReportCollector
+from extproc.metrics.reuse import ReuseCollector, ReuseReport
 from extproc.router import Router
 
 CORDON_GAUGE = {"cordoned": 1, "drained": 2}
@@ -19,10 +23,37 @@ ERROR_QUANTILES = (0.5, 0.9)
 
 
 def export(router: Router) -> Callable[[], None]:
-    """Register the router's per-replica report collector on its registry; returns the function
+    """Register the router's per-replica report collectors on its registry; returns the function
     that refreshes the gauges, to call before each scrape."""
     router.metrics.registry.register(ReplicaReportCollector(lambda: replica_reports(router)))
+    router.metrics.registry.register(ReuseCollector(lambda: [ReuseReport(*astuple(r)) for r in reuse_rows(router)]))
     return lambda: collect(router)
+
+
+def read_engines(router: Router) -> None:
+    """Hand the hit-ratio ledger each engine's prefix-cache counters as last scraped."""
+    for rec in router.replicas.records():
+        m = rec.metrics
+        if m is not None:
+            router.reuse.engine_read(rec.replica.name, m.prefix_hits, m.prefix_queries)
+
+
+def after_scrape(router: Router) -> Callable[[list[Transition]], Awaitable[None]]:
+    """The scraper's listener: the engines' counters read into the hit-ratio ledger from the first
+    scrape on (what they counted before is not the router's), then the router's own."""
+
+    async def listener(transitions: list[Transition]) -> None:
+        read_engines(router)
+        await router.after_scrape(transitions)
+
+    return listener
+
+
+def reuse_rows(router: Router) -> list[ReuseRow]:
+    """The hit ratio decomposed per replica (:mod:`extproc.cache.reuse`), the engines' counters
+    as last scraped."""
+    read_engines(router)
+    return router.reuse.rows([rec.replica.name for rec in router.replicas.records()])
 
 
 def replica_reports(router: Router) -> list[ReplicaReport]:

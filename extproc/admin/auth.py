@@ -1,6 +1,6 @@
 """Who may read and change routing through the admin API.
 
-Reading (Explain, ListReplicas, ListHotKeys, GetSession, WatchDecisions, GetUsage) is open to whoever
+Reading (Explain, ListReplicas, ListHotKeys, GetSession, WatchDecisions, GetUsage, GetHitRatio) is open to whoever
 reaches the listener, which is loopback unless configured otherwise. Changing (ForgetSession,
 Cordon, Uncordon, Drain) needs one of: the bearer token from ``admin.token_file`` in the
 ``authorization`` metadata, or a client certificate on a mutual-TLS admin listener. With

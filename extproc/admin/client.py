@@ -4,6 +4,7 @@ extproc admin [--server HOST:PORT] [--token-file F] explain --body FILE [--heade
 extproc admin replicas | hot-keys | session KEY [--model M] | forget KEY [--model M]
 extproc admin cordon NAME | uncordon NAME | drain NAME | watch [--count N] [--sample-rate R]
 extproc admin usage [--json | --csv]
+extproc admin hit-ratio
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     # SUPPRESS: absent here, ``admin --json usage`` keeps the value the parent parser set.
     shape.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     shape.add_argument("--csv", action="store_true", help="print the usage as CSV, one row per tenant and model")
+    calls.add_parser(
+        "hit-ratio", help="where the hit ratio goes, per pool and replica: reuse offered, captured, delivered"
+    )
     w = calls.add_parser("watch", help="a sampled stream of decisions")
     w.add_argument("--count", type=int, default=0, help="stop after this many (default: until interrupted)")
     w.add_argument("--sample-rate", type=float, default=0.0, help="share of decisions, in (0, 1] (default: server's)")
@@ -123,6 +127,8 @@ async def _run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...], 
                 reply = await stub.ListHotKeys(pb.ListHotKeysRequest(), **kw)
             elif args.call == "usage":
                 reply = await stub.GetUsage(pb.UsageRequest(), **kw)
+            elif args.call == "hit-ratio":
+                reply = await stub.GetHitRatio(pb.HitRatioRequest(), **kw)
             elif args.call in ("session", "forget"):
                 call = stub.GetSession if args.call == "session" else stub.ForgetSession
                 reply = await call(pb.SessionRequest(session_key=args.key, model=args.model), **kw)
@@ -263,8 +269,66 @@ def _render_usage(reply: Any) -> str:
     return out
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def render_hit_ratio(reply: Any) -> str:
+    """A GetHitRatio reply: each replica, each pool and the fleet, with the three shares."""
+    from extproc.cache.reuse import ReuseRow, shares
+
+    rows = [
+        ReuseRow(
+            r.pool,
+            r.replica,
+            r.prompt_blocks,
+            r.offered_blocks,
+            r.captured_blocks,
+            r.engine_queries_tokens,
+            r.engine_hits_tokens,
+        )
+        for r in reply.rows
+    ]
+    pools = sorted({r.pool for r in rows})
+    groups = [(r.pool, r.replica, [r]) for r in rows]
+    groups += [(pool, "(pool)", [r for r in rows if r.pool == pool]) for pool in pools]
+    groups.append(("(all)", "(all)", rows))
+    table = []
+    for pool, replica, members in groups:
+        s = shares(members)
+        reporting = [r for r in members if r.engine_queries_tokens >= 0]
+        engine = (
+            f"{sum(r.engine_hits_tokens for r in reporting):.0f}/{sum(r.engine_queries_tokens for r in reporting):.0f}"
+            if reporting
+            else "-"
+        )
+        table.append(
+            [
+                pool,
+                replica,
+                sum(r.prompt_blocks for r in members),
+                sum(r.offered_blocks for r in members),
+                sum(r.captured_blocks for r in members),
+                engine,
+                _share(s.offered),
+                _share(s.captured),
+                _share(s.delivered),
+                _share(s.engine_hit_ratio),
+            ]
+        )
+    header = ["POOL", "REPLICA", "BLOCKS", "OFFERED", "CAPTURED", "ENGINE HITS/QUERIES", "OFFERED%", "CAPTURED%"]
+    head = f"since {_iso(reply.since)}\n"
+    legend = (
+        "OFFERED% offered/blocks: the reuse the workload offered; CAPTURED% captured/offered: the routing's share; "
+        "DELIVERED% the engine's hit ratio over captured/blocks: the engine's share; HIT% the engine's hits/queries\n"
+    )
+    return head + _table([*header, "DELIVERED%", "HIT%"], table) + legend
+
+
 def render(call: str, reply: Any) -> str:
     """A reply as a table for a terminal."""
+    if call == "hit-ratio":
+        return render_hit_ratio(reply)
     if call == "explain":
         head = (
             f"replica {reply.replica or '-'}  reason {reply.reason}  matched {reply.matched_blocks}/"

@@ -16,6 +16,7 @@ from extproc.admin.fleet import fleet
 from extproc.router import Router
 from extproc.routing.latency import verdict
 from extproc.routing.trace import Explanation
+from extproc.telemetry import reuse_rows
 
 log = logging.getLogger("extproc.admin")
 
@@ -227,6 +228,25 @@ class AdminService(pb_grpc.AdminServicer):
         """Tokens by tenant and model since start, and the budgets as they stand."""
         await self._may_read(context, "GetUsage")
         return await usage_message(self.router)
+
+    async def GetHitRatio(self, request: pb.HitRatioRequest, context: Any) -> pb.HitRatioResponse:
+        """The hit ratio decomposed per pool and replica since start (extproc.cache.reuse)."""
+        await self._may_read(context, "GetHitRatio")
+        return pb.HitRatioResponse(
+            since=self.router.reuse.since,
+            rows=[
+                pb.HitRatioRow(
+                    pool=r.pool,
+                    replica=r.replica,
+                    prompt_blocks=r.prompt_blocks,
+                    offered_blocks=r.offered_blocks,
+                    captured_blocks=r.captured_blocks,
+                    engine_queries_tokens=r.engine_queries_tokens,
+                    engine_hits_tokens=r.engine_hits_tokens,
+                )
+                for r in reuse_rows(self.router)
+            ],
+        )
 
     async def GetSession(self, request: pb.SessionRequest, context: Any) -> pb.SessionReply:
         """Where the session is pinned."""

@@ -29,6 +29,29 @@ from extproc.routing.roles import PairReason
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 MAX_MODEL_LABELS = 32
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# The router's own time to first token and end-to-end time per replica: finer than TTFT_BUCKETS
+# where prefills sit (10 ms to 2 s), so a quantile read from them is within ~20% of the samples'.
+FIRST_TOKEN_BUCKETS = (
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    30.0,
+)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class BoundedLabel:
@@ -60,6 +83,7 @@ MOVE_REASONS = ("join", "leave", "hot")
 PREWARM_OUTCOMES = ("ok", "error", "dropped", "unusable")
 SHED_REASONS = ("objective", "objective_timeout", "queue_full", "queue_timeout", "quota_exceeded", "tokens_exceeded")
 TOKEN_KINDS = ("input", "cached_input", "output")
+CONFIG_PROBLEM_KINDS = ("no_request_body",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +318,34 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        # Time to first token and end-to-end time per replica (replicas are members, so bounded),
+        # observed through first_token() and request_completed().
+        self.ttft_seconds = Histogram(
+            "extproc_ttft_seconds",
+            "Time to first token per replica: from when the router was given the request to the first "
+            "streamed token (the whole answer of a non-streaming request), the router's queue included.",
+            ["replica"],
+            buckets=FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "extproc_request_duration_seconds",
+            "End-to-end time per replica: from when the router was given the request to the end of its response.",
+            ["replica"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        # Envoy's ext_proc configuration as the processor sees it (extproc.server.envoy_check):
+        # 1 while a problem of this kind is seen, with which routing cannot work.
+        self.config_problem = Gauge(
+            "extproc_config_problem",
+            "1 while Envoy's ext_proc configuration cannot work, by kind (no_request_body: Envoy sends no "
+            "request body, so nothing is routed).",
+            ["kind"],
+            registry=r,
+        )
+        for kind in CONFIG_PROBLEM_KINDS:
+            self.config_problem.labels(kind).set(0)
         # Queueing: priorities and request classes come from the config, so bounded.
         self.queue_waiting = Gauge(
             "extproc_queue_waiting",
@@ -388,6 +440,22 @@ class RouterMetrics:
         """Create a replica's counter series at zero (called for every member at each scrape)."""
         self.scrape_errors.labels(replica)
         self.ejections.labels(replica)
+        self.ttft_seconds.labels(replica)
+        self.request_seconds.labels(replica)
+
+    def first_token(self, replica: str, seconds: float) -> None:
+        """One request's time to first token on ``replica``: from when the router was given it to
+        its first streamed token (a non-streaming request: its whole answer)."""
+        self.ttft_seconds.labels(replica).observe(seconds)
+
+    def request_completed(self, replica: str, seconds: float) -> None:
+        """One request's end-to-end time on ``replica``: from when the router was given it to the
+        end of its response."""
+        self.request_seconds.labels(replica).observe(seconds)
+
+    def config_problem_seen(self, kind: str, present: bool) -> None:
+        """A problem of Envoy's ext_proc configuration (:data:`CONFIG_PROBLEM_KINDS`) seen or gone."""
+        self.config_problem.labels(kind).set(1 if present else 0)
 
     # HealthObserver (extproc.health.observer).
     def scrape_failed(self, replica: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from extproc.request.features import RequestFeatures
@@ -502,6 +502,27 @@ class LoraScorer:
 
 
 # --- pickers ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RoundRobinPicker:
+    """Every candidate in turn, by name, whatever the scores: a baseline that ignores the cache, to
+    compare the share of the offered reuse it captures (``extproc admin hit-ratio``) with the
+    scoring profile's. Each pick advances it, Explain's too."""
+
+    name: str = field(default="round_robin", init=False)
+    _turn: int = field(default=0, init=False, repr=False)
+
+    def pick(
+        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
+    ) -> list[ReplicaState]:
+        """Candidates from the next one in turn."""
+        ordered = sorted(candidates, key=lambda c: c.name)
+        if not ordered:
+            return ordered
+        start = self._turn % len(ordered)
+        self._turn += 1
+        return ordered[start:] + ordered[:start]
 
 
 @dataclass(slots=True)

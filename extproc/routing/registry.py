@@ -34,6 +34,7 @@ from extproc.routing.plugins import (
     PrefillCostScorer,
     PrefixScorer,
     RingScorer,
+    RoundRobinPicker,
     Scorer,
     SessionAffinityScorer,
     TenantHeadroomScorer,
@@ -71,7 +72,7 @@ REGISTRY = PluginRegistry(
         "hot_prefix": HotPrefixScorer,
         "slo_headroom": SloHeadroomScorer,
     },
-    pickers={"max_score": MaxScorePicker},
+    pickers={"max_score": MaxScorePicker, "round_robin": RoundRobinPicker},
 )
 """The router's own plugins: what a config file may name."""
 

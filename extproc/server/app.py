@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from extproc.config import ListenerTls
 from extproc.router import Router
+from extproc.server.envoy_check import EnvoyConfigCheck
 from extproc.server.listeners import GrpcListener, is_loopback
 from extproc.server.servicer import ExternalProcessor
 from extproc.server.tls import CertificateFiles, server_credentials
@@ -66,7 +67,13 @@ class ProcessorServer:
                 ("grpc.http2.max_pings_without_data", 0),
             ]
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), self.server)
+        # What the streams show of Envoy's ext_proc filter: a body mode that cannot route fails
+        # readiness (extproc.server.envoy_check).
+        self.envoy_check = EnvoyConfigCheck(router.clock, router.metrics.config_problem_seen)
+        self._discovered = True
+        self._config_ok = True
+        self._checking: asyncio.Task[None] | None = None
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router, self.envoy_check), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.services = [add(self.server) for add in services]
@@ -128,11 +135,12 @@ class ProcessorServer:
         for listener in self.listeners:  # ext_proc last
             await listener.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        if ready_when is None or ready_when():
-            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        else:
-            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._discovered = ready_when is None or ready_when()
+        await self._set_readiness()
+        if not self._discovered:
+            assert ready_when is not None
             self._readiness = asyncio.create_task(self._serving_when(ready_when, ready_timeout_s))
+        self._checking = asyncio.create_task(self._check_envoy(), name="envoy-check")
         security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
         also = "".join(f"; also {name}" for name in self.services)
         log.info(
@@ -146,14 +154,32 @@ class ProcessorServer:
                 log.warning("no replica discovered after %.0fs: reporting SERVING (Envoy routes by default)", timeout_s)
                 break
             await asyncio.sleep(0.1)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._discovered = True
+        await self._set_readiness()
+
+    async def _set_readiness(self) -> None:
+        """The ext_proc service is ready once discovery listed replicas and while Envoy's ext_proc
+        configuration shows no problem."""
+        serving = self._discovered and self._config_ok
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(SERVICE_NAME, status)
+
+    async def _check_envoy(self, every_s: float = 1.0) -> None:
+        """Judge what the streams showed of Envoy's ext_proc configuration, every second."""
+        while True:
+            await asyncio.sleep(every_s)
+            ok = self.envoy_check.evaluate()
+            if ok != self._config_ok:
+                self._config_ok = ok
+                await self._set_readiness()
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING first, so probes drain traffic, then stop within ``grace`` seconds."""
-        if self._readiness is not None:
-            self._readiness.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._readiness
+        for task in (self._readiness, self._checking):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.ext_proc.grace_s = grace

@@ -12,6 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc.plan import Planner
 from extproc.router import Router
 from extproc.server import envoy_messages as msg
+from extproc.server.envoy_check import EnvoyConfigCheck, body_announced
 from extproc.server.stream import RequestStream
 
 log = logging.getLogger("extproc.servicer")
@@ -20,17 +21,23 @@ log = logging.getLogger("extproc.servicer")
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """One :class:`RequestStream` per Envoy ``Process`` stream."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, check: EnvoyConfigCheck | None = None) -> None:
         self.router = router
         self.planner = Planner(router)
+        self.check = check
+        """Told what each stream shows of Envoy's ext_proc configuration (a body mode that cannot route)."""
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         """Answer every message of one HTTP request's stream."""
         stream = RequestStream(self.planner, msg.trace_context(context.invocation_metadata()))
+        check, first = self.check, True
         try:
             async for response in stream.run(request_iterator):
+                if first and check is not None:  # the first message's protocol_config is read by now
+                    first = False
+                    check.stream_began(stream.body_mode)
                 yield response
         except Exception as exc:
             # A bug must cost one request its routing, never the server: Envoy's failure_mode_allow
@@ -38,3 +45,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             self.router.metrics.stream_errors.labels("stream").inc()
             log.exception("ext_proc stream failed (%s)", type(exc).__name__)
             raise
+        finally:
+            if check is not None:
+                # Headers that said a body follows, and no body and no plan at the end: none came.
+                check.stream_ended(body_announced(stream.headers), stream.size > 0 or stream.plan is not None)

@@ -31,7 +31,7 @@ RULES = OBS / "alerts.rules.yaml"
 
 def dashboard_queries() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
-    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
 
 
 def rules() -> list[dict[str, Any]]:
@@ -113,17 +113,148 @@ def test_dashboard_uses_a_datasource_variable_everywhere() -> None:
     for needed in ("hit ratio", "Decisions by reason", "load", "Spillovers", "latency", "Sessions", "Redis"):
         assert any(needed.lower() in t.lower() for t in titles), needed
     for p in dash["panels"]:
+        if p["type"] == "row":
+            continue
         assert p["datasource"]["uid"] == "${datasource}"
         assert p["targets"] and all(t["datasource"]["uid"] == "${datasource}" and t["expr"] for t in p["targets"])
 
 
 def test_dashboard_configmap_renders_with_kustomize() -> None:
     kubectl = require_binary("kubectl")
-    out = subprocess.run([kubectl, "kustomize", str(OBS)], capture_output=True, text=True, timeout=60, check=True)
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    cm = next(d for d in docs if d["kind"] == "ConfigMap")
-    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert json.loads(cm["data"]["extproc-overview.json"])["uid"] == "extproc-overview"
+    for target in (OBS, ROOT / "k8s" / "base"):
+        out = subprocess.run(
+            [kubectl, "kustomize", str(target)], capture_output=True, text=True, timeout=60, check=True
+        )
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "extproc-dashboards")
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(cm["data"]["extproc-overview.json"])["uid"] == "extproc-overview"
+        # In Grafana's namespace (its sidecar reads its own by default), not the router's, also
+        # where the base puts everything else in llm.
+        assert cm["metadata"]["namespace"] == "monitoring"
+        others = {d["metadata"].get("namespace") for d in docs if d is not cm and d["kind"] != "Namespace"}
+        assert others == ({"llm"} if target != OBS else {None})
+
+
+# --- what on-call reads: variables, selectors, aggregation, runbooks, severities -----------------
+
+VARIABLES = ("cluster", "namespace", "instance")
+SELECTOR = 'cluster=~"$cluster", namespace=~"$namespace", instance=~"$instance"'
+METRIC = re.compile(r"\b(extproc_[a-z0-9_]+|vllm:[a-z0-9_:]+)(\{[^}]*\})?")
+AGGREGATION = re.compile(r"\b(?:sum|max|min|avg|count|topk|bottomk)\s+by\s*\(([^)]*)\)")
+
+
+def test_dashboard_has_the_on_call_variables_and_every_query_uses_them() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert list(variables) == ["datasource", *VARIABLES]
+    for name in VARIABLES:
+        v = variables[name]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}"
+        assert v["includeAll"] and v["allValue"] == ".*" and v["multi"]
+        asked = v["query"]["query"]
+        assert asked.startswith("label_values(extproc_store_available") and f", {name})" in asked
+    unfiltered = [
+        (expr, m.group(0))
+        for expr in dashboard_queries()
+        for m in METRIC.finditer(expr)
+        if not (m.group(2) or "").startswith("{" + SELECTOR)
+    ]
+    assert unfiltered == []
+
+
+def test_dashboard_has_a_row_where_the_hit_ratio_goes() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    assert [r["title"] for r in rows] == ["Where the hit ratio goes: reuse offered, captured, delivered"]
+    below = [p for p in dash["panels"] if p["gridPos"]["y"] == rows[0]["gridPos"]["y"] + 1]
+    exprs = " ".join(t["expr"] for p in below for t in p["targets"])
+    for kind in ("prompt", "offered", "captured"):
+        assert f'extproc_reuse_blocks_total{{{SELECTOR}, kind="{kind}"}}' in exprs
+    for kind in ("queries", "hits"):
+        assert f'extproc_reuse_engine_tokens_total{{{SELECTOR}, kind="{kind}"}}' in exprs
+
+
+def test_dashboard_has_a_time_to_first_token_panel_on_the_routers_histogram() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    ttft = [p for p in dash["panels"] if "time to first token" in p["title"].lower()]
+    assert len(ttft) == 1
+    exprs = [t["expr"] for t in ttft[0]["targets"]]
+    assert exprs and all("extproc_ttft_seconds_bucket" in e and "histogram_quantile" in e for e in exprs)
+    assert ttft[0]["fieldConfig"]["defaults"]["unit"] == "s"
+
+
+def test_dashboard_is_grafanas_schema() -> None:
+    """Every field the dashboard sets survives a round trip through the types Grafana generates
+    from its dashboard schema (grafana-foundation-sdk): a field the schema does not have is
+    dropped there, and reported here. Then what the schema's types do not check: unique panel ids
+    and refIds, integer grid positions within 24 columns, no two panels overlapping."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert schema_dropped(dash) == []
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    cells: dict[tuple[int, int], int] = {}
+    for p in dash["panels"]:
+        pos = p["gridPos"]
+        assert all(isinstance(pos[k], int) for k in ("x", "y", "w", "h")), p["title"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, p["title"]
+        refs = [t["refId"] for t in p.get("targets", [])]
+        assert len(refs) == len(set(refs)), p["title"]
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, (p["id"], cells.get((x, y)))
+                cells[(x, y)] = p["id"]
+
+
+def test_the_schema_check_reports_a_field_grafana_does_not_know() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    dash["panels"][0]["targets"][0]["exprr"] = "typo"
+    dash["templating"]["list"][1]["allvalue"] = ".*"
+    assert sorted(schema_dropped(dash)) == ["/panels[0]/targets[0]/exprr", "/templating/list[1]/allvalue"]
+
+
+def schema_dropped(dash: dict[str, Any]) -> list[str]:
+    """The paths of ``dash`` that do not come back from Grafana's dashboard types."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_default_plugins()
+    back = json.loads(json.dumps(Dashboard.from_json(dash), cls=JSONEncoder))
+
+    def missing(given: Any, kept: Any, path: str) -> list[str]:
+        if isinstance(given, dict):
+            if not isinstance(kept, dict):
+                return [path]
+            out = []
+            for key, value in given.items():
+                out += [f"{path}/{key}"] if key not in kept else missing(value, kept[key], f"{path}/{key}")
+            return out
+        if isinstance(given, list):
+            if not isinstance(kept, list) or len(kept) != len(given):
+                return [path]
+            return [m for i, (g, k) in enumerate(zip(given, kept, strict=True)) for m in missing(g, k, f"{path}[{i}]")]
+        return [] if given == kept else [f"{path} ({given!r} came back as {kept!r})"]
+
+    return missing(dash, back, "")
+
+
+def test_rules_are_per_namespace_and_name_no_job() -> None:
+    for rule in rules():
+        expr = " ".join(rule["expr"].split())
+        assert "job=" not in expr and 'job="' not in expr, rule
+        for grouping in AGGREGATION.findall(expr):
+            assert "namespace" in [g.strip() for g in grouping.split(",")], (rule.get("alert") or rule["record"], expr)
+        if "alert" in rule:
+            assert AGGREGATION.search(expr) or expr.startswith("extproc:"), rule["alert"]
+
+
+def test_no_critical_alert_on_an_error_rate() -> None:
+    for rule in rules():
+        if rule.get("labels", {}).get("severity") == "critical":
+            assert "error" not in rule["expr"], rule["alert"]
+    severities = {r["alert"]: r["labels"]["severity"] for r in rules() if "alert" in r}
+    assert set(severities.values()) <= {"critical", "warning", "info"}
 
 
 # --- a real Prometheus ----------------------------------------------------------------------------
@@ -181,6 +312,15 @@ async def targets_up(port: int, expected: int, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"Prometheus targets not all up after {timeout_s}s")
 
 
+SCRAPE_LABELS = {"cluster": "test", "namespace": "llm"}
+
+
+def label_values(port: int, label: str, metric: str) -> list[str]:
+    url = f"http://127.0.0.1:{port}/api/v1/label/{label}/values?" + urllib.parse.urlencode({"match[]": metric})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return list(json.loads(resp.read())["data"])
+
+
 def real_hit_ratio(port: int, window_s: int) -> float:
     expr = (
         f"sum(increase(vllm:prefix_cache_hits_total[{window_s}s]))"
@@ -205,8 +345,16 @@ async def test_prometheus_answers_every_panel_and_alert_and_sees_the_hit_ratio_w
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
             "scrape_configs": [
-                {"job_name": "extproc", "static_configs": [{"targets": [f"127.0.0.1:{gw.metrics_port}"]}]},
-                {"job_name": "vllm", "static_configs": [{"targets": [r.address for r in gw.members]}]},
+                # Not called extproc: the rules must not depend on the job's name. The labels are
+                # those a Kubernetes scrape adds, for the dashboard's variables to select.
+                {
+                    "job_name": "llm/extproc-gateway",
+                    "static_configs": [{"targets": [f"127.0.0.1:{gw.metrics_port}"], "labels": SCRAPE_LABELS}],
+                },
+                {
+                    "job_name": "vllm",
+                    "static_configs": [{"targets": [r.address for r in gw.members], "labels": SCRAPE_LABELS}],
+                },
             ],
         }
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -239,10 +387,33 @@ async def test_prometheus_answers_every_panel_and_alert_and_sees_the_hit_ratio_w
         rr = real_hit_ratio(port, int(time.monotonic() - started) + 1)
         assert ours > rr + 0.2, (ours, rr)
 
+        # The variables' queries, as Grafana runs label_values(): the labels of this scrape.
+        instance = f"127.0.0.1:{gw.metrics_port}"
+        for name, value in (*SCRAPE_LABELS.items(), ("instance", instance)):
+            assert label_values(port, name, "extproc_store_available") == [value]
+        chosen = {"$cluster": SCRAPE_LABELS["cluster"], "$namespace": SCRAPE_LABELS["namespace"], "$instance": instance}
         empty = []
-        for expr in dashboard_queries():
-            if not query(port, expr.replace("$__rate_interval", "30s")):
+        for panel_expr in dashboard_queries():
+            expr = panel_expr
+            for variable, value in (*chosen.items(), ("$__rate_interval", "30s")):
+                expr = expr.replace(variable, value)
+            if not query(port, expr):
                 empty.append(expr)
+        # Another namespace selects nothing: the variables do filter.
+        decisions = "sum by (reason) (rate(extproc_decisions_total{" + SELECTOR + "}[$__rate_interval]))"
+        assert decisions in dashboard_queries()
+        for namespace, found in (("llm", True), ("elsewhere", False)):
+            given = {**chosen, "$namespace": namespace, "$__rate_interval": "30s"}
+            expr = decisions
+            for variable, value in given.items():
+                expr = expr.replace(variable, value)
+            assert bool(query(port, expr)) is found, expr
+        # A correctly configured Envoy shows the processor no configuration problem.
+        problems = query(port, "extproc_config_problem")
+        assert problems and all(float(r["value"][1]) == 0 for r in problems)
+        # Every replica has its time-to-first-token and end-to-end series (the router's own histograms).
+        for metric in ("extproc_ttft_seconds_count", "extproc_request_duration_seconds_count"):
+            assert {r["metric"]["replica"] for r in query(port, metric)} == {r.name for r in gw.members}
         for rule in rules():
             expr = rule["expr"]
             query(port, expr)  # valid as a whole

@@ -234,3 +234,22 @@ def test_the_checks_catch_a_broken_link_an_unknown_flag_and_a_missing_heading() 
 )
 def test_headings_slug_as_github_slugs_them(heading: str, slug: str) -> None:
     assert github_slug(heading) == slug
+
+
+def test_every_alert_names_a_runbook_section_that_exists() -> None:
+    import yaml
+
+    rules_file = ROOT / "k8s" / "observability" / "alerts.rules.yaml"
+    runbooks = ROOT / "docs" / "runbooks.md"
+    alerts = [r for g in yaml.safe_load(rules_file.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    assert len(alerts) >= 8
+    sections = anchors(runbooks.read_text(encoding="utf-8"))
+    wrong = []
+    for alert in alerts:
+        url = alert["annotations"].get("runbook_url", "")
+        path, _, fragment = url.partition("#")
+        if path != "docs/runbooks.md" or fragment not in sections or fragment != alert["alert"].lower():
+            wrong.append(f"{alert['alert']}: {url!r}")
+    assert wrong == []
+    # and no section for an alert that is gone
+    assert {s for s in sections if s.startswith("extproc")} == {a["alert"].lower() for a in alerts}

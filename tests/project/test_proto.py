@@ -36,4 +36,5 @@ def test_service_has_the_operator_calls() -> None:
         "WatchDecisions",
         "ListHotKeys",
         "GetUsage",
+        "GetHitRatio",
     }

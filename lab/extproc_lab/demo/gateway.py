@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -60,6 +61,8 @@ class LocalGateway:
     # decisions (`serve --tracing-endpoint`), joined to Envoy's spans, and real engines their
     # requests (vLLM's --otlp-traces-endpoint), under the context Envoy sends them.
     tracing_collector: str | None = None
+    # Edits the rendered Envoy config before Envoy starts (a test's deliberately broken filter).
+    envoy_yaml_edit: Callable[[str], str] | None = None
     # Fake replicas served behind the fake of llm-d's routing sidecar (`extproc replica
     # --sidecar-port`): the member's address is the sidecar's, the replica's own port another.
     sidecars: tuple[str, ...] = ()
@@ -282,7 +285,8 @@ class LocalGateway:
             **self.envoy_options,
         )
         path = self.dir / "envoy.yaml"
-        path.write_text(render_yaml(spec))
+        rendered = render_yaml(spec)
+        path.write_text(self.envoy_yaml_edit(rendered) if self.envoy_yaml_edit is not None else rendered)
         argv = [
             envoy_binary(),
             "-c",

@@ -342,3 +342,33 @@ class UsageResponse(_message.Message):
     usage: _containers.RepeatedCompositeFieldContainer[TenantUsage]
     budgets: _containers.RepeatedCompositeFieldContainer[BudgetUsage]
     def __init__(self, enabled: _Optional[bool] = ..., since: _Optional[float] = ..., usage: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., budgets: _Optional[_Iterable[_Union[BudgetUsage, _Mapping]]] = ...) -> None: ...
+
+class HitRatioRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HitRatioRow(_message.Message):
+    __slots__ = ("pool", "replica", "prompt_blocks", "offered_blocks", "captured_blocks", "engine_queries_tokens", "engine_hits_tokens")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_QUERIES_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_HITS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    replica: str
+    prompt_blocks: int
+    offered_blocks: int
+    captured_blocks: int
+    engine_queries_tokens: float
+    engine_hits_tokens: float
+    def __init__(self, pool: _Optional[str] = ..., replica: _Optional[str] = ..., prompt_blocks: _Optional[int] = ..., offered_blocks: _Optional[int] = ..., captured_blocks: _Optional[int] = ..., engine_queries_tokens: _Optional[float] = ..., engine_hits_tokens: _Optional[float] = ...) -> None: ...
+
+class HitRatioResponse(_message.Message):
+    __slots__ = ("since", "rows")
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    since: float
+    rows: _containers.RepeatedCompositeFieldContainer[HitRatioRow]
+    def __init__(self, since: _Optional[float] = ..., rows: _Optional[_Iterable[_Union[HitRatioRow, _Mapping]]] = ...) -> None: ...

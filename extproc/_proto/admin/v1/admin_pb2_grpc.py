@@ -84,6 +84,11 @@ class AdminStub:
                 request_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
                 response_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageResponse.FromString,
                 _registered_method=True)
+        self.GetHitRatio = channel.unary_unary(
+                '/extproc.admin.v1.Admin/GetHitRatio',
+                request_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.HitRatioRequest.SerializeToString,
+                response_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.HitRatioResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -162,6 +167,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHitRatio(self, request, context):
+        """Where the hit ratio goes, per pool and replica, since this process started: the reuse the
+        workload offered, the share the routing captured, what the engine delivered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +227,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageRequest.FromString,
                     response_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageResponse.SerializeToString,
+            ),
+            'GetHitRatio': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHitRatio,
+                    request_deserializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.HitRatioRequest.FromString,
+                    response_serializer=extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.HitRatioResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +504,33 @@ class Admin:
             '/extproc.admin.v1.Admin/GetUsage',
             extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
             extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.UsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHitRatio(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/extproc.admin.v1.Admin/GetHitRatio',
+            extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.HitRatioRequest.SerializeToString,
+            extproc_dot___proto_dot_admin_dot_v1_dot_admin__pb2.HitRatioResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,10 @@ class AdminStub:
     """Tokens the responses reported, by tenant and model, since this process started (budgets.enabled),
     and every configured token budget's minute and day as they stand: the usage export for billing.
     """
+    GetHitRatio: _grpc.UnaryUnaryMultiCallable[_admin_pb2.HitRatioRequest, _admin_pb2.HitRatioResponse]
+    """Where the hit ratio goes, per pool and replica, since this process started: the reuse the
+    workload offered, the share the routing captured, what the engine delivered.
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -93,6 +97,10 @@ class AdminAsyncStub(AdminStub):
     GetUsage: _aio.UnaryUnaryMultiCallable[_admin_pb2.UsageRequest, _admin_pb2.UsageResponse]  # type: ignore[assignment]
     """Tokens the responses reported, by tenant and model, since this process started (budgets.enabled),
     and every configured token budget's minute and day as they stand: the usage export for billing.
+    """
+    GetHitRatio: _aio.UnaryUnaryMultiCallable[_admin_pb2.HitRatioRequest, _admin_pb2.HitRatioResponse]  # type: ignore[assignment]
+    """Where the hit ratio goes, per pool and replica, since this process started: the reuse the
+    workload offered, the share the routing captured, what the engine delivered.
     """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
@@ -180,6 +188,16 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_admin_pb2.UsageResponse, _abc.Awaitable[_admin_pb2.UsageResponse]]:
         """Tokens the responses reported, by tenant and model, since this process started (budgets.enabled),
         and every configured token budget's minute and day as they stand: the usage export for billing.
+        """
+
+    @_abc_1.abstractmethod
+    def GetHitRatio(
+        self,
+        request: _admin_pb2.HitRatioRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.HitRatioResponse, _abc.Awaitable[_admin_pb2.HitRatioResponse]]:
+        """Where the hit ratio goes, per pool and replica, since this process started: the reuse the
+        workload offered, the share the routing captured, what the engine delivered.
         """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
