@@ -137,7 +137,9 @@ class RequestStream:
             return await self._decide(None)
         self.phase = Phase.REQUEST_BODY
         # Only this answer may change what Envoy sends next (and not with FULL_DUPLEX_STREAMED).
-        self.watch = self.planner.watch(can_override=not self.duplex, whole_body=self.body_mode == msg.BUFFERED)
+        self.watch = self.planner.watch(
+            can_override=not self.duplex, whole_body=self.body_mode == msg.BUFFERED, headers=self.headers
+        )
         if self.duplex:
             return []
         return [msg.headers_answer(self.planner.strip, self.watch.response_headers, self.body_mode)]

@@ -245,15 +245,16 @@ class _ReplicaApi:
             return _sse({**head, "choices": [choice]})
 
         async def on_token(index: int, text: str) -> None:
-            if index == 0:
-                # Headers go out with the first token, not before: a proxy timing the response
-                # (Envoy, the router) then sees the real time to first token, queueing included.
-                await response.prepare(request)
-                if chat:
-                    await response.write(chunk({"role": "assistant", "content": ""}))
+            if index == 0 and chat:
+                # As vLLM's chat server: the role-only chunk goes out with the first output.
+                await response.write(chunk({"role": "assistant", "content": ""}))
             await response.write(chunk({"content": text} if chat else text))
 
         try:
+            # As vLLM's OpenAI server (a Starlette StreamingResponse): the headers leave before the
+            # engine has produced anything, so a proxy timing them sees the request's arrival,
+            # never its time to first token (queueing and prefill come after them).
+            await response.prepare(request)
             gen = await self.engine.generate(
                 prompt,
                 model,
