@@ -637,6 +637,7 @@ class Router:
         routed.answered_at, routed.first_token_seen = now, True
         if routed.load_point is not None:  # its own answer, not a retry's or an error's
             self.replicas.observe_first_token(replica.name, now - routed.decided_at, now)
+            self.metrics.observed_ttft_seconds.labels(replica.name, "stream").observe(now - routed.decided_at)
         answered(self.hooks, routed)
 
     def tokens_over(self, routed: Routed, first_at: float | None, last_at: float | None, output_tokens: int) -> None:
@@ -652,6 +653,7 @@ class Router:
         if routed.first_token_seen:  # a stream
             if first_at is not None and last_at is not None and output_tokens > 1:
                 routed.tpot_s = (last_at - first_at) / (output_tokens - 1)
+                self.metrics.observed_tpot_seconds.labels(replica.name).observe(routed.tpot_s)
             return
         if routed.features.stream or routed.answered_at is not None or routed.headers_at is None:
             return  # a stream without a token: nothing learnt
@@ -659,6 +661,9 @@ class Router:
         if gap is not None and output_tokens > 0:
             routed.answered_at = max(routed.decided_at, routed.headers_at - (output_tokens - 1) * gap)
             routed.first_token_seen = True
+            if routed.load_point is not None:
+                ttft_s = routed.answered_at - routed.decided_at
+                self.metrics.observed_ttft_seconds.labels(replica.name, "unary").observe(ttft_s)
             if output_tokens > 1:
                 routed.tpot_s = gap
         else:

@@ -294,6 +294,21 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.observed_ttft_seconds = Histogram(
+            "extproc_observed_ttft_seconds",
+            "Time from the decision to the first token, as the router learnt it, by replica and how: "
+            "stream (its first streamed event) or unary (its headers less the engine's decode time).",
+            ["replica", "how"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.observed_tpot_seconds = Histogram(
+            "extproc_observed_tpot_seconds",
+            "Time per output token after the first, as the router learnt it, by replica.",
+            ["replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # Queueing: priorities and request classes come from the config, so bounded.
         self.queue_waiting = Gauge(
             "extproc_queue_waiting",

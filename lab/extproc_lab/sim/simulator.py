@@ -505,17 +505,17 @@ class Simulation(ReplicaSteps):
                 if seq.handle >= 0 and router.sample_response():  # as the processor asks Envoy
                     # The processor times a sampled stream's tokens from its body (the headers
                     # of vLLM's streams come before the first token and tell nothing).
-                    r = routed[seq.handle]
-                    router.observe_response(r, 200, timed=router.times_tokens(_NO_HEADERS))
-                    router.first_token(r, now)
+                    answered = routed[seq.handle]
+                    router.observe_response(answered, 200, timed=router.times_tokens(_NO_HEADERS))
+                    router.first_token(answered, now)
             for seq in result.finished:
                 i = seq.handle
                 if i < 0:
                     self._side_pending -= 1
                     continue
-                r = routed.pop(i)
-                router.tokens_over(r, seq.first_token_at, seq.finished_at, seq.generated)
-                router.release(r)
+                over = routed.pop(i)
+                router.tokens_over(over, seq.first_token_at, seq.finished_at, seq.generated)
+                router.release(over)
                 self._finished(i, seq)
                 del self._seqs[i]
                 for f in followers.get(i, ()):
