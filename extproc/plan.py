@@ -29,6 +29,7 @@ from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, 
 from extproc.usage import Usage, UsageStripper, UsageTail
 
 QUOTA_MESSAGE = "this tenant is over its quota of concurrent requests; retry later"
+FIRST_TOKEN_MESSAGE = "the replica sent no token within upstream.first_byte_s; retry"
 
 
 class ResponseHeaders(enum.Enum):
@@ -243,6 +244,18 @@ class Planner:
         if end_of_stream:
             await self._body_over(plan)
         return out
+
+    def first_token_deadline(self, plan: Plan) -> float | None:
+        """When to give up on a timed stream whose first token has not come (the router's clock);
+        None when nothing is waited for."""
+        return self.router.first_token_deadline(plan.routed)
+
+    def first_token_overdue(self, plan: Plan) -> Refuse:
+        """Its deadline passed without a token: counted against its replica, and the answer that
+        ends it (the client may have its headers, never a token: it retries)."""
+        self.router.first_token_overdue(plan.routed)
+        plan.clock = None
+        return Refuse(504, FIRST_TOKEN_MESSAGE, "first_token_timeout")
 
     def end(self, plan: Plan) -> None:
         """The stream is over: a body cut short (trailers, a reset) is checked on what came, a

@@ -640,6 +640,24 @@ class Router:
             self.metrics.observed_ttft_seconds.labels(replica.name, "stream").observe(now - routed.decided_at)
         answered(self.hooks, routed)
 
+    def first_token_deadline(self, routed: Routed) -> float | None:
+        """When a timed stream still waiting for its first token is given up (its decision plus
+        ``upstream.first_byte_s``); None when nothing is waited for."""
+        if not routed.timed or routed.first_token_seen or not routed.features.stream or routed.released:
+            return None
+        return routed.decided_at + self.config.upstream.first_byte_s
+
+    def first_token_overdue(self, routed: Routed) -> None:
+        """A timed stream's replica sent no token by its deadline: a failure of that replica, as a
+        first-byte timeout is (three in a row eject it), whatever its headers said."""
+        replica = routed.decision.replica
+        if replica is None or not routed.timed or routed.first_token_seen:
+            return
+        routed.timed = False  # given up: never timed again
+        routed.load_point = None  # nothing to learn from it
+        self.metrics.first_token_timeouts.labels(replica.name).inc()
+        self.replicas.observe(replica.name, 0, None, self.clock())
+
     def tokens_over(self, routed: Routed, first_at: float | None, last_at: float | None, output_tokens: int) -> None:
         """A timed body is over, with ``output_tokens`` generated (the engine's report, else the
         events counted). A stream: its time per output token from its first and last tokens'

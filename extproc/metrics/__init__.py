@@ -302,6 +302,13 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.first_token_timeouts = Counter(
+            "extproc_first_token_timeouts",
+            "Timed streams ended by the processor because their replica sent no token within "
+            "upstream.first_byte_s of the decision (its headers, which vLLM sends at once, or not), by replica.",
+            ["replica"],
+            registry=r,
+        )
         self.observed_tpot_seconds = Histogram(
             "extproc_observed_tpot_seconds",
             "Time per output token after the first, as the router learnt it, by replica.",

@@ -5,7 +5,10 @@ headers less the engine's decode time."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -114,3 +117,40 @@ def test_the_clock_counts_token_events_and_reads_the_first_from_the_role_chunk()
     assert not clock.feed(USAGE + sse("[DONE]"), 4.0)
     assert clock.last_at == 3.0
     assert clock.output_tokens(None) == 2 and clock.output_tokens(40) == 40
+
+
+async def test_a_timed_stream_without_a_token_within_the_first_byte_budget_is_ended_and_counted() -> (
+    None
+):
+    from extproc.upstream_timeouts import UpstreamTimeouts
+
+    config = make_config(
+        replicas=ONE,
+        health=HealthSettings(latency_models="always"),
+        upstream=UpstreamTimeouts(first_byte_s=0.2, stream_idle_s=1.0, unary_max_s=0),
+    )
+    r = Router(config)
+    late = asyncio.Event()
+
+    async def source(delay_s: float) -> AsyncIterator[pb.ProcessingRequest]:
+        yield headers_message({":path": CHAT, "x-session-id": "s"})
+        yield body_message(chat_body(PROMPT, stream=True))
+        yield response_headers_message(200)  # vLLM's: at once
+        await asyncio.sleep(delay_s)  # the engine is stuck (or slow)
+        late.set()
+        yield body_chunk(ROLE)
+        yield body_chunk(FINISH + sse("[DONE]"), end=True)
+
+    started = time.monotonic()
+    out = [a async for a in RequestStream(Planner(r)).run(source(0.6))]
+    ended = [a for a in out if a.HasField("immediate_response")]
+    assert len(ended) == 1 and ended[0].immediate_response.status.code == 504
+    assert ended[0].immediate_response.details == "first_token_timeout"
+    assert out.index(ended[0]) == 3  # before the late token, answered after it unchanged
+    assert time.monotonic() - started > 0.15 and late.is_set()
+    assert r.metrics.first_token_timeouts.labels("r0")._value.get() == 1
+    assert r.replicas.snapshot(r.clock()).get("r0").inflight == 0  # type: ignore[union-attr]
+    # A token in time: nothing ended, nothing counted.
+    out = [a async for a in RequestStream(Planner(r)).run(source(0.01))]
+    assert not any(a.HasField("immediate_response") for a in out)
+    assert r.metrics.first_token_timeouts.labels("r0")._value.get() == 1
