@@ -12,7 +12,10 @@ so each metric's delta is that one request's.
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import signal
 import statistics
 import time
 import urllib.request
@@ -31,6 +34,10 @@ CHAT = "/v1/chat/completions"
 MODEL = "demo-model"
 TTFT = "extproc_observed_ttft_seconds"
 ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+# Well above the prompts' prefill here (a few hundred ms), well below the idle timeout that alone
+# would end a stream stalled after its headers.
+FIRST_BYTE_S = 2.0
+STREAM_IDLE_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +47,17 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     settings = EngineSettings(model="small", block_size=32, num_blocks=256, max_model_len=2048)
     config = tmp_path_factory.mktemp("vllm-timing") / "router.yaml"
     # Learn from every answer from the start (no request here states an objective).
-    config.write_text("health:\n  scrape_timeout_s: 1.0\n  latency_models: always\n")
+    config.write_text(
+        "health:\n  scrape_timeout_s: 1.0\n  latency_models: always\n"
+        f"upstream:\n  first_byte_s: {FIRST_BYTE_S}\n  stream_idle_s: {STREAM_IDLE_S}\n"
+    )
     gateway = LocalGateway(
         replicas=1,
         engine="vllm",
         engine_settings=settings,
         log_dir=tmp_path_factory.mktemp("vllm-timing-gw"),
         processor_args=("--config", str(config)),
+        envoy_options={"first_byte_timeout_s": FIRST_BYTE_S, "stream_idle_timeout_s": STREAM_IDLE_S},
     )
     with gateway:
         yield gateway
@@ -142,3 +153,34 @@ def test_a_non_streamed_answers_ttft_is_learned_from_what_the_engine_reports(gw:
         time.sleep(0.5)  # the scrapes keep up with the engine's gaps
     # One token: the headers' time is the first token's (less the hops); more: its decode is estimated.
     assert statistics.median(errors) <= 0.2, errors
+
+
+def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_idle_timeout(gw: LocalGateway) -> None:
+    """The engine process stopped as soon as a stream's headers are out (vLLM sends them before its
+    first token): Envoy's first-byte timeout never sees it, the processor's does."""
+    engine = gw.procs.procs[gw.members[0].name]
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "messages": prompt(300), "max_tokens": 8, "stream": True})
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    before = scrape_total(_get(gw.metrics_url), "extproc_first_token_timeouts_total")
+    started = time.monotonic()
+    try:
+        conn.request("POST", CHAT, body=body, headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        os.kill(engine.pid, signal.SIGSTOP)  # stuck: headers out, no token
+        headers_s = time.monotonic() - started
+        assert resp.status == 200
+        try:
+            got = resp.read()
+        except (http.client.IncompleteRead, ConnectionError) as exc:
+            got = getattr(exc, "partial", b"")
+        ended_s = time.monotonic() - started
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+        conn.close()
+    assert headers_s < 1.0, headers_s
+    assert b"[DONE]" not in got and b'"content"' not in got, got
+    # Ended at the first-byte budget from the decision, not at the idle timeout.
+    assert FIRST_BYTE_S * 0.9 <= ended_s < FIRST_BYTE_S + 1.5, ended_s
+    after = scrape_total(_get(gw.metrics_url), "extproc_first_token_timeouts_total")
+    assert after == before + 1
