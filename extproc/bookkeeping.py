@@ -17,13 +17,14 @@ the hop behind it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.budgets import Admission
 from extproc.cache import ReplicaCaches
 from extproc.health.latency import LatencyBook
+from extproc.health.rates import RateBook
 from extproc.health.replicas import ReplicaBook
 from extproc.queueing import Refusal
 from extproc.request.features import RequestFeatures
@@ -228,6 +229,30 @@ class LatencyHook:
         """Learn its time per output token, when it is known."""
         if routed.load_point is not None and routed.first_token_seen and routed.tpot_s is not None:
             self.book.observe_tpot(replica, routed.load_point, routed.tpot_s)
+
+
+class RateHook:
+    """The replica's engine speeds (:mod:`extproc.health.rates`): its cold prefill rate from the
+    time to first token of a request it served alone, its decode step from that request's time
+    per output token."""
+
+    def __init__(self, book: RateBook, labels: Callable[[str], Mapping[str, str]]) -> None:
+        self.book = book
+        self.labels = labels
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Nothing: the load point is noted with the decision."""
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Its time to first token, when that was seen."""
+        if routed.load_point is not None and routed.answered_at is not None and routed.first_token_seen:
+            seconds = routed.answered_at - routed.decided_at
+            self.book.observe_ttft(replica, self.labels(replica), routed.load_point, seconds)
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Its time per output token, when it is known (a stream's)."""
+        if routed.load_point is not None and routed.tpot_s is not None and routed.features.stream:
+            self.book.observe_tpot(replica, self.labels(replica), routed.load_point, routed.tpot_s)
 
 
 class CacheHook:

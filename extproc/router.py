@@ -26,6 +26,7 @@ from extproc.bookkeeping import (
     LoadHook,
     ObjectiveHook,
     PrefillHop,
+    RateHook,
     Routed,
     TenantHook,
     answered,
@@ -37,7 +38,9 @@ from extproc.budgets import BudgetLedger, BudgetStore
 from extproc.cache import CacheView, ReplicaCaches
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
+from extproc.engine_rates import EngineRates
 from extproc.health.latency import LatencyBook
+from extproc.health.rates import RateBook
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.hotkeys.detector import HotKeyDetector
 from extproc.hotkeys.warming import HotKeyWarmer
@@ -185,12 +188,16 @@ class Router:
         # Each replica's TTFT and TPOT, learned from responses where objectives are in use.
         self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always")
         self._learn_on_objective = config.health.latency_models == "auto"
+        # Each replica's engine speeds (cold prefill, decode step), from the same observations,
+        # from its pool's prior (health.engine_rates): what a choice can be priced in seconds with.
+        self.rates = RateBook(config.health.engine_rates)
         self.hooks: tuple[Hook, ...] = (
             LoadHook(self.replicas),
             CacheHook(self.caches),
             TenantHook(self.tenants),
             LatencyHook(self.latency, clock),
             ObjectiveHook(self.metrics, clock),
+            RateHook(self.rates, self._labels),
         )
 
     @property
@@ -559,6 +566,18 @@ class Router:
             )
 
     # -- what comes back ----------------------------------------------------------------------
+    def engine_rates(self) -> dict[str, EngineRates]:
+        """Every replica's engine speeds: learnt where its answers were observed alone, else its
+        pool's prior (``health.engine_rates``)."""
+        out = {}
+        for rec in self.replicas.records():
+            out[rec.replica.name] = self.rates.rates(rec.replica.name, rec.replica.labels)
+        return out
+
+    def _labels(self, name: str) -> Mapping[str, str]:
+        rec = self.replicas.record(name)
+        return rec.replica.labels if rec is not None else {}
+
     def times_tokens(self, headers: Mapping[str, str]) -> bool:
         """Whether a sampled response's body is read for when its tokens came (its time to first
         token and per output token): wherever the latency models learn (``health.latency_models``),

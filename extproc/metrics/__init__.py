@@ -352,6 +352,18 @@ class RouterMetrics:
             ["class", "reason"],
             registry=r,
         )
+        self.engine_prefill_rate = Gauge(
+            "extproc_engine_prefill_tokens_per_second",
+            "A replica's cold prefill throughput (one request alone), learnt from its answers, else its pool's prior.",
+            ["replica"],
+            registry=r,
+        )
+        self.engine_decode_step = Gauge(
+            "extproc_engine_decode_step_seconds",
+            "A replica's seconds between two tokens of one request decoding alone, learnt, else its pool's prior.",
+            ["replica"],
+            registry=r,
+        )
         self.latency_prediction_error = Gauge(
             "extproc_latency_prediction_error",
             "Absolute relative error of a replica's latency model over its recent predictions (each made before "

@@ -119,9 +119,7 @@ def test_the_clock_counts_token_events_and_reads_the_first_from_the_role_chunk()
     assert clock.output_tokens(None) == 2 and clock.output_tokens(40) == 40
 
 
-async def test_a_timed_stream_without_a_token_within_the_first_byte_budget_is_ended_and_counted() -> (
-    None
-):
+async def test_a_timed_stream_without_a_token_within_the_first_byte_budget_is_ended_and_counted() -> None:
     from extproc.upstream_timeouts import UpstreamTimeouts
 
     config = make_config(
