@@ -88,6 +88,9 @@ class Routed:
     """``answered_at`` is its first token's time (measured from the body, or for a non-streamed
     answer estimated from the engine's report), not merely its headers': what latencies learn
     and objectives judge."""
+    first_token_estimated: bool = False
+    """A non-streamed answer's first token was placed with the replica's decode step rather than
+    the engine's reported gap (none reported yet): judged against its objectives, not learnt from."""
     tpot_s: float | None = None
     """Its time per output token after the first, once over: the stream's last token less its
     first over the output tokens less one (the tokens the engine reported, else the events
@@ -199,7 +202,8 @@ class ObjectiveHook:
             return
         met = 0 < routed.status < 400
         if met and f.slo_ttft_ms is not None:
-            if not routed.first_token_seen or routed.answered_at is None:
+            known = routed.first_token_seen or routed.first_token_estimated
+            if not known or routed.answered_at is None:
                 return  # its first token's time is not known: nothing to judge
             since = routed.arrived_at if routed.arrived_at is not None else routed.decided_at
             met = (routed.answered_at - since) * 1000.0 <= f.slo_ttft_ms

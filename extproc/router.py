@@ -682,8 +682,9 @@ class Router:
         events counted). A stream: its time per output token from its first and last tokens'
         times. A non-streamed answer, whose headers came with its last token: its first token
         is that time less its decode, ``output_tokens - 1`` gaps at the replica's mean
-        inter-token gap as its engine reports it (exact for one token; unknown for more when the
-        engine reports no gap); its prefill is over now, if not before."""
+        inter-token gap as its engine reports it (exact for one token); before the engine has
+        reported a gap, the replica's decode step places it for its objectives, and nothing is
+        learnt from it. Its prefill is over now, if not before."""
         replica = routed.decision.replica
         if replica is None or not routed.timed:
             return
@@ -695,14 +696,18 @@ class Router:
         if routed.features.stream or routed.answered_at is not None or routed.headers_at is None:
             return  # a stream without a token: nothing learnt
         gap = self.replicas.inter_token_s(replica.name) if output_tokens > 1 else 0.0
-        if gap is not None and output_tokens > 0:
+        reported = gap is not None
+        if gap is None:  # no gap reported yet: the replica's decode step (learnt, else its prior)
+            gap = self.rates.rates(replica.name, replica.labels).decode_step_s
+        if output_tokens > 0:
             routed.answered_at = max(routed.decided_at, routed.headers_at - (output_tokens - 1) * gap)
-            routed.first_token_seen = True
-            if routed.load_point is not None:
-                ttft_s = routed.answered_at - routed.decided_at
-                self.metrics.observed_ttft_seconds.labels(replica.name, "unary").observe(ttft_s)
+            # Learnt from only when the engine reported the gap; judged against objectives either way.
+            routed.first_token_seen, routed.first_token_estimated = reported, not reported
             if output_tokens > 1:
                 routed.tpot_s = gap
+            if reported and routed.load_point is not None:
+                ttft_s = routed.answered_at - routed.decided_at
+                self.metrics.observed_ttft_seconds.labels(replica.name, "unary").observe(ttft_s)
         else:
             routed.answered_at = routed.headers_at
         answered(self.hooks, routed)
