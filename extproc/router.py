@@ -623,9 +623,11 @@ class Router:
         """
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
+        ok = 0 < status < 400
         if routed.arm is not None:
             labels = (routed.arm.rule, routed.arm.label)
-            self.metrics.split_ttft_seconds.labels(*labels).observe(self.clock() - routed.decided_at)
+            if not (timed and ok and routed.features.stream):  # else at its first token
+                self.metrics.split_ttft_seconds.labels(*labels).observe(self.clock() - routed.decided_at)
             if status == 0 or status >= 500:
                 self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
@@ -654,6 +656,8 @@ class Router:
         if replica is None or not routed.timed or routed.first_token_seen:
             return
         routed.answered_at, routed.first_token_seen = now, True
+        if routed.arm is not None:
+            self.metrics.split_ttft_seconds.labels(routed.arm.rule, routed.arm.label).observe(now - routed.decided_at)
         if routed.load_point is not None:  # its own answer, not a retry's or an error's
             self.replicas.observe_first_token(replica.name, now - routed.decided_at, now)
             self.metrics.observed_ttft_seconds.labels(replica.name, "stream").observe(now - routed.decided_at)
