@@ -581,8 +581,9 @@ class Router:
     def times_tokens(self, headers: Mapping[str, str]) -> bool:
         """Whether a sampled response's body is read for when its tokens came (its time to first
         token and per output token): wherever the latency models learn (``health.latency_models``),
-        or would from this request on (it may carry an objective)."""
-        if self.latency.learning:
+        or would from this request on (it may carry an objective), and where split arms are
+        compared (their TTFT)."""
+        if self.latency.learning or self.config.splits:
             return True
         if not self._learn_on_objective:
             return False
