@@ -30,7 +30,8 @@ turns are not sent ("abandoned") and count as missed, so every router is judged 
 requests. Turns not sent by the load's end (``seconds`` plus the conversation's gaps plus
 ``drain_s``) are not sent either and count as missed, so a run without shedding is bounded even
 when its backlog is not. Goodput is the completion tokens of requests that met, over the load's
-span (first send to last answer). """
+span (first send to last answer).
+"""
 
 from __future__ import annotations
 
