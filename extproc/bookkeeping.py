@@ -4,7 +4,7 @@ A decision sends a request somewhere; from then until it ends, the router counts
 hook keeps one account: the replica's load (requests, prefill and KV tokens in flight), what the
 replica's cache holds (its prompt in flight, the KV events' credit, the claim its hit counters
 later judge), the tenant's requests in flight. Each hook is told when the request is decided, when
-its first byte came back (its prefill is over) and when it ended; the last is called once,
+its first token came back (its prefill is over: see ``Routed.timed``) and when it ended; the last is called once,
 whatever ended it (the response, a reset stream, a refused request). The store's pin and prefix
 index are written by the router itself: that step is I/O and may fail.
 
@@ -17,13 +17,14 @@ the hop behind it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.budgets import Admission
 from extproc.cache import ReplicaCaches
 from extproc.health.latency import LatencyBook
+from extproc.health.rates import RateBook
 from extproc.health.replicas import ReplicaBook
 from extproc.queueing import Refusal
 from extproc.request.features import RequestFeatures
@@ -58,7 +59,7 @@ class Routed:
     decision: Decision
     decided_at: float
     prefill_tokens: int = 0
-    """Prompt tokens not believed cached on the replica, pending there until the first byte."""
+    """Prompt tokens not believed cached on the replica, pending there until its first token."""
     released: bool = False
     tenant_counted: bool = False
     arm: Arm | None = None
@@ -78,9 +79,27 @@ class Routed:
     replica's query counter covers says how much of the claim its hits bear on."""
     load_point: LoadPoint | None = None
     """What its replica's latency models learn its latencies against (None: nothing to learn,
-    e.g. its first byte was another replica's)."""
+    e.g. its answer was another replica's)."""
     answered_at: float | None = None
-    """When its first byte came back, if that was seen."""
+    """When its first token came back, as far as the router knows: the first streamed event that
+    carried one, or for a non-streamed answer its headers less the engine's decode time; without
+    a timed body (see ``timed``), its response headers."""
+    first_token_seen: bool = False
+    """``answered_at`` is its first token's time (measured from the body, or for a non-streamed
+    answer estimated from the engine's report), not merely its headers': what latencies learn
+    and objectives judge."""
+    first_token_estimated: bool = False
+    """A non-streamed answer's first token was placed with the replica's decode step rather than
+    the engine's reported gap (none reported yet): judged against its objectives, not learnt from."""
+    tpot_s: float | None = None
+    """Its time per output token after the first, once over: the stream's last token less its
+    first over the output tokens less one (the tokens the engine reported, else the events
+    counted); for a non-streamed answer the engine's mean inter-token gap. None: not known."""
+    timed: bool = False
+    """Its response body is read for when its tokens came: its first token, not its headers, ends
+    its prefill for the hooks."""
+    headers_at: float | None = None
+    """When its response headers were seen."""
     status: int = 0
     """The response's status, once its headers were seen (0: not seen, or no answer)."""
     arrived_at: float | None = None
@@ -109,7 +128,7 @@ class Hook(Protocol):
         ...
 
     def answered(self, routed: Routed, replica: str) -> None:
-        """Its first byte came back: the prefill there is over."""
+        """Its first token came back (or, its body not timed, its headers): the prefill there is over."""
         ...
 
     def ended(self, routed: Routed, replica: str) -> None:
@@ -160,40 +179,43 @@ class ObjectiveObserver(Protocol):
 
 class ObjectiveHook:
     """Whether a request with latency objectives met them, as the client saw it: its time to first
-    byte from when the router was given it (its wait in the router's queue included), judged at
-    the response headers, and its time per output token after the first (the stream's length
-    after the first byte over the output tokens it asked for, as the latency models learn it),
-    judged at the stream's end. A response that failed misses; a request whose response headers
-    were not seen (not a sample, a stream reset first) is not judged."""
+    token from when the router was given it (its wait in the router's queue included), and its
+    time per output token after the first (``Routed.tpot_s``), judged at its end. A response that
+    failed misses; a request whose response headers were not seen (a stream reset first), or whose
+    first token was not seen when it has a TTFT objective (its body not timed), is not judged;
+    a TPOT objective is judged where the TPOT is known."""
 
     def __init__(self, observer: ObjectiveObserver, clock: Callable[[], float]) -> None:
         self.observer = observer
         self.clock = clock
 
     def decided(self, routed: Routed, replica: str, now: float) -> None:
-        """Nothing: judged when it is answered and when it ends."""
+        """Nothing: judged when it ends."""
 
     def answered(self, routed: Routed, replica: str) -> None:
-        """Nothing yet: the first byte's time is on ``routed``, judged with the rest at the end."""
+        """Nothing yet: the first token's time is on ``routed``, judged with the rest at the end."""
 
     def ended(self, routed: Routed, replica: str) -> None:
         """Judge it, once, if its response headers were seen."""
         f = routed.features
-        if routed.answered_at is None or (f.slo_ttft_ms is None and f.slo_tpot_ms is None):
+        if routed.headers_at is None or (f.slo_ttft_ms is None and f.slo_tpot_ms is None):
             return
         met = 0 < routed.status < 400
         if met and f.slo_ttft_ms is not None:
+            known = routed.first_token_seen or routed.first_token_estimated
+            if not known or routed.answered_at is None:
+                return  # its first token's time is not known: nothing to judge
             since = routed.arrived_at if routed.arrived_at is not None else routed.decided_at
             met = (routed.answered_at - since) * 1000.0 <= f.slo_ttft_ms
-        tokens = f.max_output_tokens
-        if met and f.slo_tpot_ms is not None and tokens and tokens > 1:
-            met = (self.clock() - routed.answered_at) * 1000.0 / (tokens - 1) <= f.slo_tpot_ms
+        if met and f.slo_tpot_ms is not None and routed.tpot_s is not None:
+            met = routed.tpot_s * 1000.0 <= f.slo_tpot_ms
         self.observer.objective_judged(f.request_class, met)
 
 
 class LatencyHook:
-    """The replica's latency models: its time to first byte, then its time per output token
-    (the stream's length after the first byte over the output tokens it asked for)."""
+    """The replica's latency models: its time to first token, then its time per output token
+    after the first (``Routed.tpot_s``), each where the router saw it (never from the headers of
+    a stream, which vLLM sends before its first token, nor from ``max_tokens``)."""
 
     def __init__(self, book: LatencyBook, clock: Callable[[], float]) -> None:
         self.book = book
@@ -203,16 +225,38 @@ class LatencyHook:
         """Nothing: the router notes the load point with the decision."""
 
     def answered(self, routed: Routed, replica: str) -> None:
-        """Learn its time to first byte (``routed.answered_at``, set as its headers were seen)."""
-        if routed.load_point is not None and routed.answered_at is not None:
+        """Learn its time to first token, when that was seen."""
+        if routed.load_point is not None and routed.answered_at is not None and routed.first_token_seen:
             self.book.observe_ttft(replica, routed.load_point, routed.answered_at - routed.decided_at)
 
     def ended(self, routed: Routed, replica: str) -> None:
-        """Learn its time per output token, when its first byte was seen and its length is known."""
-        tokens = routed.features.max_output_tokens
-        if routed.load_point is not None and routed.answered_at is not None and tokens and tokens > 1:
-            per_token = (self.clock() - routed.answered_at) / (tokens - 1)
-            self.book.observe_tpot(replica, routed.load_point, per_token)
+        """Learn its time per output token, when it is known."""
+        if routed.load_point is not None and routed.first_token_seen and routed.tpot_s is not None:
+            self.book.observe_tpot(replica, routed.load_point, routed.tpot_s)
+
+
+class RateHook:
+    """The replica's engine speeds (:mod:`extproc.health.rates`): its cold prefill rate from the
+    time to first token of a request it served alone, its decode step from that request's time
+    per output token."""
+
+    def __init__(self, book: RateBook, labels: Callable[[str], Mapping[str, str]]) -> None:
+        self.book = book
+        self.labels = labels
+
+    def decided(self, routed: Routed, replica: str, now: float) -> None:
+        """Nothing: the load point is noted with the decision."""
+
+    def answered(self, routed: Routed, replica: str) -> None:
+        """Its time to first token, when that was seen."""
+        if routed.load_point is not None and routed.answered_at is not None and routed.first_token_seen:
+            seconds = routed.answered_at - routed.decided_at
+            self.book.observe_ttft(replica, self.labels(replica), routed.load_point, seconds)
+
+    def ended(self, routed: Routed, replica: str) -> None:
+        """Its time per output token, when it is known (a stream's)."""
+        if routed.load_point is not None and routed.tpot_s is not None and routed.features.stream:
+            self.book.observe_tpot(replica, self.labels(replica), routed.load_point, routed.tpot_s)
 
 
 class CacheHook:
@@ -284,7 +328,7 @@ def decided(hooks: Sequence[Hook], routed: Routed, now: float) -> None:
 
 
 def answered(hooks: Sequence[Hook], routed: Routed) -> None:
-    """Tell every hook ``routed``'s first byte came back."""
+    """Tell every hook ``routed``'s first token came back."""
     replica = routed.decision.replica
     if replica is not None and not routed.released:
         for hook in hooks:

@@ -23,11 +23,13 @@ from extproc.bookkeeping import Routed
 from extproc.request.kv_transfer import prefiller_header
 from extproc.router import Router
 from extproc.routing.model import Reason
+from extproc.token_clock import TokenClock
 from extproc.tracing import TRACEPARENT
 from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, attempts
-from extproc.usage import UsageStripper, UsageTail
+from extproc.usage import Usage, UsageStripper, UsageTail
 
 QUOTA_MESSAGE = "this tenant is over its quota of concurrent requests; retry later"
+FIRST_TOKEN_MESSAGE = "the replica sent no token within upstream.first_byte_s; retry"
 
 
 class ResponseHeaders(enum.Enum):
@@ -53,11 +55,14 @@ class Watch:
     prediction (when one is made)."""
     meter: bool = False
     """Its response body is read for the tokens it used (``budgets:``)."""
+    timed: bool = False
+    """Its response body is read for when its tokens came (:mod:`extproc.token_clock`): its time to
+    first token and per output token, which its headers do not tell (``health.latency_models``)."""
 
     @property
     def reads_body(self) -> bool:
         """Whether its response body may be read."""
-        return self.check_usage or self.meter
+        return self.check_usage or self.meter or self.timed
 
     @property
     def response_headers(self) -> ResponseHeaders:
@@ -123,6 +128,8 @@ class Plan:
     """The response body's tail, while it is read."""
     stripper: UsageStripper | None = None
     """While a stream is read whose client did not ask for its usage chunk: takes it out."""
+    clock: TokenClock | None = None
+    """While a timed body is read: when its tokens passed."""
     response_set_headers: tuple[tuple[str, str], ...] = ()
     """Headers added to the response (a budgeted request's ``x-ratelimit-*``), set with its headers."""
 
@@ -138,20 +145,22 @@ class Planner:
         self.max_body_bytes = cfg.features.max_body_bytes
         """Past this much body the request is routed on what has come (the rest let through)."""
 
-    def watch(self, *, can_override: bool, whole_body: bool) -> Watch:
-        """The watch of a request with a body, decided with its headers. ``can_override``: its
+    def watch(self, *, can_override: bool, whole_body: bool, headers: Mapping[str, str] | None = None) -> Watch:
+        """The watch of a request with a body, decided with its ``headers``. ``can_override``: its
         headers answer can change Envoy's processing mode (not with FULL_DUPLEX_STREAMED);
         ``whole_body``: its body comes in one buffered piece (a usage check needs all of it)."""
         if not can_override:
             return EVERYTHING
-        sampled = self.router.sample_response()
-        kv = self.router.kv_events
-        return Watch(sampled, kv is not None and whole_body and kv.sample_check(), self.router.budgets is not None)
+        router = self.router
+        sampled = router.sample_response()
+        kv = router.kv_events
+        check = kv is not None and whole_body and kv.sample_check()
+        return Watch(sampled, check, router.budgets is not None, sampled and router.times_tokens(headers or {}))
 
     async def plan(self, headers: Mapping[str, str], body: bytes | None, watch: Watch = EVERYTHING) -> Plan:
         """Route the request and say what to do with it."""
         router = self.router
-        routed = await router.route(headers, body)
+        routed = await router.route(headers, body, timed=watch.timed)
         decision = routed.decision
         replica = decision.replica
         kv = router.kv_events
@@ -200,19 +209,22 @@ class Planner:
         routed.status = int(status) if status.isdigit() else 0  # seen, sampled for health or not
         tries = attempts(headers.get(ATTEMPT_COUNT_HEADER))
         answered_by = headers.get(ANSWERED_BY_HEADER)
+        timed = plan.watch.timed and status == "200"
         if plan.watch.observe:
-            self.router.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by)
+            self.router.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by, timed)
         chosen = routed.decision.replica
         own = tries == 1 or (chosen is not None and answered_by == chosen.address)
         metered = routed.budget is not None and status == "200"
         if routed.budget is not None and routed.budget.admitted:
             # OpenAI's clients read these on every answer, not only on a 429.
             plan.response_set_headers = tuple(routed.budget.headers().items())
-        if metered and routed.strip_usage:
+        if routed.strip_usage and status == "200" and (metered or timed):
             plan.stripper = UsageStripper()  # every such stream is read, to take the chunk out
         # A body another replica answered (after a retry or a hedge): nothing to check.
         check = plan.predicted is not None and status == "200" and own
-        if check or metered:
+        if timed and routed.timed:
+            plan.clock = TokenClock()
+        if check or metered or plan.clock is not None:
             plan.usage = UsageTail()
             return True
         return False
@@ -221,6 +233,9 @@ class Planner:
         """One piece of a response body being read: the bytes to pass on instead (None: the
         piece unchanged). At its end, the usage check is made and the usage charged."""
         out = None
+        clock = plan.clock
+        if clock is not None and clock.feed(chunk, now := self.router.clock()) and plan.routed.features.stream:
+            self.router.first_token(plan.routed, now)
         if plan.stripper is not None:
             out = plan.stripper.feed(chunk, end_of_stream)
             out = None if out == chunk else out
@@ -230,12 +245,25 @@ class Planner:
             await self._body_over(plan)
         return out
 
+    def first_token_deadline(self, plan: Plan) -> float | None:
+        """When to give up on a timed stream whose first token has not come (the router's clock);
+        None when nothing is waited for."""
+        return self.router.first_token_deadline(plan.routed)
+
+    def first_token_overdue(self, plan: Plan) -> Refuse:
+        """Its deadline passed without a token: counted against its replica, and the answer that
+        ends it (the client may have its headers, never a token: it retries)."""
+        self.router.first_token_overdue(plan.routed)
+        plan.clock = None
+        return Refuse(504, FIRST_TOKEN_MESSAGE, "first_token_timeout")
+
     def end(self, plan: Plan) -> None:
         """The stream is over: a body cut short (trailers, a reset) is checked on what came, a
         request sent upstream and not charged is charged an estimate (issue 39: an abandoned
         stream's prompt and the output seen), and the in-flight slot released."""
         if plan.usage is not None:
             self._check_usage(plan, plan.usage)
+            self._tokens_over(plan, plan.usage.usage())
         if isinstance(plan.action, Forward):
             self.router.charge_unreported(plan.routed, plan.usage.events if plan.usage is not None else None)
         plan.usage = None
@@ -248,11 +276,20 @@ class Planner:
             return
         self._check_usage(plan, tail)
         usage = plan.stripper.usage if plan.stripper is not None and plan.stripper.usage else tail.usage()
+        self._tokens_over(plan, usage)
         if usage is None and plan.routed.budget is not None:
             # Metered, no report (a stream not asked for it, an API that reports none): what it was seen to use.
             usage = self.router.estimated_usage(plan.routed, tail.events)
         if usage is not None:
             await self.router.charge_usage(plan.routed, usage)
+
+    def _tokens_over(self, plan: Plan, usage: Usage | None) -> None:
+        """A timed body is over (or cut short): when its tokens came, and how many."""
+        clock, plan.clock = plan.clock, None
+        if clock is None:
+            return
+        reported = usage.output if usage is not None else None
+        self.router.tokens_over(plan.routed, clock.first_at, clock.last_at, clock.output_tokens(reported))
 
     def _check_usage(self, plan: Plan, tail: UsageTail) -> None:
         kv, routed = self.router.kv_events, plan.routed

@@ -26,6 +26,7 @@ from extproc.bookkeeping import (
     LoadHook,
     ObjectiveHook,
     PrefillHop,
+    RateHook,
     Routed,
     TenantHook,
     answered,
@@ -38,7 +39,9 @@ from extproc.cache import CacheView, ReplicaCaches
 from extproc.cache.reuse import ReuseLedger
 from extproc.config import Config
 from extproc.decisions import DecisionFeed
+from extproc.engine_rates import EngineRates
 from extproc.health.latency import LatencyBook
+from extproc.health.rates import RateBook
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.hotkeys.detector import HotKeyDetector
 from extproc.hotkeys.warming import HotKeyWarmer
@@ -50,6 +53,8 @@ from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.request.features import (
     CHARS_PER_TOKEN,
+    SLO_TPOT_HEADERS,
+    SLO_TTFT_HEADERS,
     ParsedRequest,
     RequestFeatures,
     read_request,
@@ -77,6 +82,7 @@ __all__ = ["Membership", "Routed", "Router", "build_profiles"]
 
 log = logging.getLogger("extproc.router")
 
+OBJECTIVE_HEADERS = (*SLO_TTFT_HEADERS, *SLO_TPOT_HEADERS)
 OBJECTIVE_MESSAGE = "no replica is predicted to meet this request's latency objectives now; retry later"
 BUDGET_MESSAGES = {
     kind: f"this {whose} token budget is spent for now; retry after the window resets"
@@ -185,12 +191,16 @@ class Router:
         # Each replica's TTFT and TPOT, learned from responses where objectives are in use.
         self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always")
         self._learn_on_objective = config.health.latency_models == "auto"
+        # Each replica's engine speeds (cold prefill, decode step), from the same observations,
+        # from its pool's prior (health.engine_rates): what a choice can be priced in seconds with.
+        self.rates = RateBook(config.health.engine_rates)
         self.hooks: tuple[Hook, ...] = (
             LoadHook(self.replicas),
             CacheHook(self.caches),
             TenantHook(self.tenants),
             LatencyHook(self.latency, clock),
             ObjectiveHook(self.metrics, clock),
+            RateHook(self.rates, self._labels),
         )
 
     @property
@@ -204,8 +214,11 @@ class Router:
         return self.fleet.cordons
 
     # -- the request path ---------------------------------------------------------------------
-    async def route(self, headers: Mapping[str, str], body: bytes | None) -> Routed:
-        """Decide where a request goes and record the decision (pin, prefix index, in-flight)."""
+    async def route(self, headers: Mapping[str, str], body: bytes | None, timed: bool = False) -> Routed:
+        """Decide where a request goes and record the decision (pin, prefix index, in-flight).
+        ``timed``: its response body will be read for when its tokens came, so a stream is asked
+        for the usage it reports (its output tokens; the chunk is taken out again for a client
+        that did not ask)."""
         start, started_ns = self.clock(), time.time_ns()
         arrived = start
         request = read_request(headers, body, self.config.features)
@@ -214,7 +227,7 @@ class Router:
         arm, changed, strip_usage = None, False, False
         if self.config.splits and request.body is not None:
             request, arm, changed = self._split(headers, request)
-        if self.budgets is not None and request.body is not None:
+        if (self.budgets is not None or timed) and request.body is not None:
             asked = ask_for_usage(request.body.body)  # so that a stream reports what it used
             if asked is not None:
                 request = ParsedRequest(request.features, replace(request.body, body=asked))
@@ -569,6 +582,32 @@ class Router:
             )
 
     # -- what comes back ----------------------------------------------------------------------
+    def engine_rates(self) -> dict[str, EngineRates]:
+        """Every replica's engine speeds: learnt where its answers were observed alone, else its
+        pool's prior (``health.engine_rates``)."""
+        out = {}
+        for rec in self.replicas.records():
+            out[rec.replica.name] = self.rates.rates(rec.replica.name, rec.replica.labels)
+        return out
+
+    def _labels(self, name: str) -> Mapping[str, str]:
+        rec = self.replicas.record(name)
+        return rec.replica.labels if rec is not None else {}
+
+    def times_tokens(self, headers: Mapping[str, str]) -> bool:
+        """Whether a sampled response's body is read for when its tokens came (its time to first
+        token and per output token): wherever the latency models learn (``health.latency_models``),
+        or would from this request on (it may carry an objective), and where split arms are
+        compared (their TTFT)."""
+        if self.latency.learning or self.config.splits:
+            return True
+        if not self._learn_on_objective:
+            return False
+        features = self.config.features
+        if features.tenant_objectives or any(rule.objectives is not None for rule in features.classes):
+            return True
+        return any(name in headers for name in OBJECTIVE_HEADERS)
+
     def sample_response(self) -> bool:
         """Whether to observe the next request's response headers (``health.response_sample_rate``).
 
@@ -580,8 +619,11 @@ class Router:
             return True
         return self._responses.take(self.config.health.response_sample_rate)
 
-    def observe_response(self, routed: Routed, status: int, attempts: int = 1, answered_by: str | None = None) -> None:
-        """Learn from the response headers Envoy saw: status and time to first byte.
+    def observe_response(
+        self, routed: Routed, status: int, attempts: int = 1, answered_by: str | None = None, timed: bool = False
+    ) -> None:
+        """Learn from the response headers Envoy saw: status (and, the body not ``timed``, time to
+        first byte).
 
         With ``attempts`` > 1 Envoy tried elsewhere too. A stream's try is reset at its first-byte
         timeout, so the answer is another replica's; a non-streaming try's budget only hedges
@@ -591,27 +633,105 @@ class Router:
         failure of that replica (three in a row eject it). A quick retry (connection refused or
         reset) is not counted: the scraper sees a replica that refuses connections for itself,
         and a burst that overflows a listen backlog for a moment must not eject a healthy replica.
+
+        ``timed``: its body will be read for when its tokens came (:meth:`first_token`,
+        :meth:`tokens_over`): the hooks hear of its first token then, not now. A stream's headers
+        say nothing of it: vLLM sends them before the engine has even queued the request.
         """
         replica = routed.decision.replica
         self.metrics.responses_observed.inc()
+        ok = 0 < status < 400
         if routed.arm is not None:
             labels = (routed.arm.rule, routed.arm.label)
-            self.metrics.split_ttft_seconds.labels(*labels).observe(self.clock() - routed.decided_at)
+            if not (timed and ok and routed.features.stream):  # else at its first token
+                self.metrics.split_ttft_seconds.labels(*labels).observe(self.clock() - routed.decided_at)
             if status == 0 or status >= 500:
                 self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
             now = self.clock()
-            routed.answered_at, routed.status = now, status
+            routed.headers_at, routed.status = now, status
             waited = now - routed.decided_at
+            stream_timed = timed and routed.features.stream
             if attempts <= 1 or answered_by == replica.address:
-                self.replicas.observe(replica.name, status, waited, now)
+                # A timed stream's first token is what its replica is judged on (first_token).
+                self.replicas.observe(replica.name, status, None if stream_timed else waited, now)
             else:
                 routed.load_point = None  # its first byte was another replica's: nothing to learn
                 if waited >= self.config.upstream.first_byte_s:
                     self.replicas.observe(replica.name, 0, None, now)
             if status >= 400 or status == 0:
                 routed.load_point = None  # an error's latency is not the replica's serving time
-            answered(self.hooks, routed)
+                timed = False
+            routed.timed = timed
+            if not timed:
+                routed.answered_at = now
+                answered(self.hooks, routed)
+
+    def first_token(self, routed: Routed, now: float) -> None:
+        """A timed stream's first token passed at ``now``: its prefill is over."""
+        replica = routed.decision.replica
+        if replica is None or not routed.timed or routed.first_token_seen:
+            return
+        routed.answered_at, routed.first_token_seen = now, True
+        if routed.arm is not None:
+            self.metrics.split_ttft_seconds.labels(routed.arm.rule, routed.arm.label).observe(now - routed.decided_at)
+        if routed.load_point is not None:  # its own answer, not a retry's or an error's
+            self.replicas.observe_first_token(replica.name, now - routed.decided_at, now)
+            self.metrics.first_token(replica.name, now - routed.decided_at, "stream")
+        answered(self.hooks, routed)
+
+    def first_token_deadline(self, routed: Routed) -> float | None:
+        """When a timed stream still waiting for its first token is given up (its decision plus
+        ``upstream.first_byte_s``); None when nothing is waited for."""
+        if not routed.timed or routed.first_token_seen or not routed.features.stream or routed.released:
+            return None
+        return routed.decided_at + self.config.upstream.first_byte_s
+
+    def first_token_overdue(self, routed: Routed) -> None:
+        """A timed stream's replica sent no token by its deadline: a failure of that replica, as a
+        first-byte timeout is (three in a row eject it), whatever its headers said."""
+        replica = routed.decision.replica
+        if replica is None or not routed.timed or routed.first_token_seen:
+            return
+        routed.timed = False  # given up: never timed again
+        routed.load_point = None  # nothing to learn from it
+        self.metrics.first_token_timeouts.labels(replica.name).inc()
+        self.replicas.observe(replica.name, 0, None, self.clock())
+
+    def tokens_over(self, routed: Routed, first_at: float | None, last_at: float | None, output_tokens: int) -> None:
+        """A timed body is over, with ``output_tokens`` generated (the engine's report, else the
+        events counted). A stream: its time per output token from its first and last tokens'
+        times. A non-streamed answer, whose headers came with its last token: its first token
+        is that time less its decode, ``output_tokens - 1`` gaps at the replica's mean
+        inter-token gap as its engine reports it (exact for one token); before the engine has
+        reported a gap, the replica's decode step places it for its objectives, and nothing is
+        learnt from it. Its prefill is over now, if not before."""
+        replica = routed.decision.replica
+        if replica is None or not routed.timed:
+            return
+        if routed.first_token_seen:  # a stream
+            if first_at is not None and last_at is not None and output_tokens > 1:
+                routed.tpot_s = (last_at - first_at) / (output_tokens - 1)
+                self.metrics.observed_tpot_seconds.labels(replica.name).observe(routed.tpot_s)
+            return
+        if routed.features.stream or routed.answered_at is not None or routed.headers_at is None:
+            return  # a stream without a token: nothing learnt
+        gap = self.replicas.inter_token_s(replica.name) if output_tokens > 1 else 0.0
+        reported = gap is not None
+        if gap is None:  # no gap reported yet: the replica's decode step (learnt, else its prior)
+            gap = self.rates.rates(replica.name, replica.labels).decode_step_s
+        if output_tokens > 0:
+            routed.answered_at = max(routed.decided_at, routed.headers_at - (output_tokens - 1) * gap)
+            # Learnt from only when the engine reported the gap; judged against objectives either way.
+            routed.first_token_seen, routed.first_token_estimated = reported, not reported
+            if output_tokens > 1:
+                routed.tpot_s = gap
+            if reported and routed.load_point is not None:
+                ttft_s = routed.answered_at - routed.decided_at
+                self.metrics.first_token(replica.name, ttft_s, "unary")
+        else:
+            routed.answered_at = routed.headers_at
+        answered(self.hooks, routed)
 
     async def charge_usage(self, routed: Routed, usage: Usage) -> None:
         """A response's reported ``usage``: metered (tenant, model, replica) and charged to the
@@ -672,7 +792,12 @@ class Router:
         if routed.trace is not None:
             trace, routed.trace = routed.trace, None
             trace.end(routed.status)
-        if ended(self.hooks, routed) and self.queue is not None:
+        if not ended(self.hooks, routed):
+            return
+        replica = routed.decision.replica
+        if replica is not None and routed.headers_at is not None:  # answered: its end-to-end time
+            self.metrics.request_completed(replica.name, self.clock() - routed.decided_at)
+        if self.queue is not None:
             self.queue.wake()  # a slot freed: the head of the queue may go
 
     # -- the fleet ----------------------------------------------------------------------------

@@ -94,6 +94,9 @@ def collect(router: Router) -> None:
         m.replica_cache_evidence_age.labels(name).set(-1.0 if age is None else age)
         m.replica_sessions.labels(name).set(pinned.get(name, 0))
         m.replica_cordon.labels(name).set(CORDON_GAUGE.get(router.cordons.get(name, ""), 0))
+        rates = router.rates.rates(name, rec.replica.labels)
+        m.engine_prefill_rate.labels(name).set(rates.prefill_tokens_per_s)
+        m.engine_decode_step.labels(name).set(rates.decode_step_s)
         for latency, values in router.latency.error_quantiles(name, ERROR_QUANTILES).items():
             for q, value in zip(ERROR_QUANTILES, values, strict=True):
                 m.latency_prediction_error.labels(name, latency, f"{q:g}").set(value)

@@ -7,11 +7,16 @@ seen response headers by then is given up on, and, as nothing has reached the cl
 request goes to another replica. What the budget is depends on the request's shape
 (``docs/timeouts.md``):
 
-- A **stream** sends its headers with its first token: a try silent for ``first_byte_s`` is reset
-  and retried elsewhere. After its headers a stream cannot be retried (the client has bytes); its
-  **idle timeout** ends it with a reset, which the client sees as an error in seconds instead of
-  minutes. That timer (Envoy's route ``idle_timeout``) also runs while the first-byte tries wait,
-  so it must be longer than all of them together (``envoy_config`` checks it).
+- A **stream**: a try without response headers for ``first_byte_s`` is reset and retried
+  elsewhere. vLLM sends a stream's headers at once, before its engine has the request, so that
+  bound catches only a replica that does not answer at all; what a real engine shows of being
+  stuck is a stream without a token. So the processor also bounds the **first token**: a timed
+  stream (``plan.Watch.timed``) without one ``first_byte_s`` after the decision is ended with an
+  error and counted as a failure of its replica (it cannot be retried: the client may have its
+  headers). After its first token a stream's **idle timeout** ends it with a reset, which the
+  client sees as an error in seconds instead of minutes. That timer (Envoy's route
+  ``idle_timeout``) also runs while the first-byte tries wait, so it must be longer than all of
+  them together (``envoy_config`` checks it).
 - A **non-streaming** answer's first byte comes only after its last token, so a replica working
   on a long answer is as silent as a hung one. Its budget is the longest a healthy replica should
   take, ``first_byte_s + unary_s_per_output_token x max_tokens``, never above ``unary_max_s``
@@ -45,7 +50,11 @@ class UpstreamTimeouts(Section):
 
     # 10,000 tokens behind four prompts like it on a replica decoding 512 sequences of 8k tokens
     # prefill in 5.7 s in the llama-8b-h100 timing model; 8 s leaves room for a slower engine.
-    first_byte_s: float = option(8.0, "a try without response headers by then is retried on another replica", ge=0.001)
+    first_byte_s: float = option(
+        8.0,
+        "a try without response headers by then is retried on another replica; a timed stream without a token, ended",
+        ge=0.001,
+    )
     # Envoy's idle timer of a streaming request (a route idle_timeout) runs from the end of the
     # request, so it must outlast the first-byte tries before the headers: 3 tries x 8 s < 25 s.
     # After the headers a stream's gaps are one engine step (0.28 s in that case).

@@ -65,6 +65,9 @@ class ReplicaRecord:
     metrics: ReplicaMetrics | None = None
     ttft_history: deque[tuple[float, tuple[tuple[float, float], ...]]] = field(default_factory=lambda: deque(maxlen=64))
     observed_ttfb: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))
+    inter_token_s: float | None = None
+    """The mean gap between two tokens of one request in the last scrape interval that had any
+    (``vllm:inter_token_latency_seconds`` deltas), as the engine measured it."""
     error_rate: float = 0.0
     upstream_failures: int = 0
     rotation: Rotation = field(default_factory=Rotation)
@@ -237,6 +240,11 @@ class ReplicaBook:
         if rec is None:
             return
         rec.queue, rec.running, rec.kv_usage = metrics.waiting, metrics.running, metrics.kv_usage
+        last = rec.metrics
+        if last is not None and metrics.itl_count is not None and last.itl_count is not None:
+            gaps = metrics.itl_count - last.itl_count
+            if gaps > 0:  # below zero: the engine restarted, its counters with it
+                rec.inter_token_s = max(0.0, (metrics.itl_sum or 0.0) - (last.itl_sum or 0.0)) / gaps
         rec.metrics = metrics
         self.scrapes += 1
         rec.scraped_at = now
@@ -259,6 +267,19 @@ class ReplicaBook:
             return
         rec.scrape_failures += 1
         rec.refused = refused
+
+    def inter_token_s(self, name: str) -> float | None:
+        """Replica ``name``'s recent mean gap between two tokens of a request, as its engine reports
+        it (None: not reported, or no token generated since the router began scraping)."""
+        rec = self._records.get(name)
+        return rec.inter_token_s if rec is not None else None
+
+    def observe_first_token(self, name: str, ttft_s: float, now: float) -> None:
+        """A streamed answer's first token came ``ttft_s`` after it was sent (for the TTFT p99 the
+        replica is judged on; its headers, sent at once by vLLM, tell nothing of it)."""
+        rec = self._records.get(name)
+        if rec is not None and ttft_s >= 0.0:
+            rec.observed_ttfb.append((now, ttft_s))
 
     def observe(self, name: str, status: int, ttfb_s: float | None, now: float) -> None:
         """Learn from a response seen by Envoy: its status and its time to first byte."""

@@ -6,7 +6,17 @@ from typing import Literal
 
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
-from extproc.validation import option
+from extproc.validation import Section, option
+
+
+class RatePrior(Section):
+    """``health.engine_rates[]``: a pool's engine speeds before any is learnt (the built-in one: an
+    engine prefilling 10k tokens a second with 20 ms decode steps, the latency models' prior)."""
+
+    labels: dict[str, str] = option({}, "the replicas it is for: those carrying every label ({}: all)")
+    prefill_tokens_per_s: float = option(10000.0, "cold prefill throughput, one request alone", gt=0)
+    decode_step_s: float = option(0.02, "seconds between two tokens of one request decoding alone", gt=0)
+    overhead_s: float = option(0.02, "seconds of a time to first token no prompt token explains", ge=0)
 
 
 class HealthSettings(RotationPolicy):
@@ -31,6 +41,10 @@ class HealthSettings(RotationPolicy):
         "auto",
         "learn each replica's TTFT/TPOT from responses: auto = once a request carries an objective "
         "(x-slo-ttft-ms, x-slo-tpot-ms), always = from the start, off = never (objectives are then ignored)",
+    )
+    engine_rates: list[RatePrior] = option(
+        [],
+        "each pool's prior engine speeds, learnt on from its answers (docs/routing.md); the first whose labels match",
     )
     weights: HealthWeights = option(HealthWeights(), "how much each signal counts")
     limits: HealthLimits = option(HealthLimits(), "where each penalty starts and is full")

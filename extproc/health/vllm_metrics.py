@@ -50,6 +50,11 @@ class ReplicaMetrics:
     """``vllm:prefix_cache_hits_total``: of those, tokens found cached, cumulative; None when absent."""
     preemptions: float = 0.0
     ttft_buckets: tuple[tuple[float, float], ...] = ()
+    itl_sum: float | None = None
+    """``vllm:inter_token_latency_seconds_sum``: seconds between consecutive tokens of a request,
+    cumulative; None when the page does not report it."""
+    itl_count: float | None = None
+    """``vllm:inter_token_latency_seconds_count``: those gaps, counted."""
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     hash_algo: str | None = None
@@ -71,6 +76,8 @@ _WANTED = (
     "vllm:prefix_cache_hits",
     "vllm:num_preemptions",
     "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
     "vllm:cache_config_info",
     "vllm:lora_requests_info",
 )
@@ -105,6 +112,8 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
     hits: float | None = None
     preemptions = 0.0
     buckets: dict[float, float] = {}
+    itl_sum: float | None = None
+    itl_count: float | None = None
     block_size = num_blocks = None
     hash_algo: str | None = None
     lora: tuple[float, LoraInfo] | None = None
@@ -137,6 +146,10 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
                 elif name == "vllm:time_to_first_token_seconds_bucket":
                     le = float(labels.get("le", "inf"))
                     buckets[le] = buckets.get(le, 0.0) + value
+                elif name == "vllm:inter_token_latency_seconds_sum":
+                    itl_sum = value + (itl_sum or 0.0)
+                elif name == "vllm:inter_token_latency_seconds_count":
+                    itl_count = value + (itl_count or 0.0)
                 elif name == "vllm:cache_config_info":
                     block_size = _int(labels.get("block_size"), block_size)
                     num_blocks = _int(labels.get("num_gpu_blocks"), num_blocks)
@@ -166,6 +179,8 @@ def parse_vllm_metrics(text: str) -> ReplicaMetrics:
         prefix_hits=hits,
         preemptions=preemptions,
         ttft_buckets=tuple(sorted(buckets.items())),
+        itl_sum=itl_sum,
+        itl_count=itl_count,
         block_size=block_size,
         num_gpu_blocks=num_blocks,
         hash_algo=hash_algo,

@@ -313,24 +313,25 @@ class RouterMetrics:
         )
         self.split_ttft_seconds = Histogram(
             "extproc_split_ttft_seconds",
-            "Time from the decision to the response headers (first token when streaming), by rule and arm.",
+            "Time from the decision to the first token (a timed stream's first event; else the response headers), by rule and arm.",
             ["rule", "arm"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         # Time to first token and end-to-end time per replica (replicas are members, so bounded),
-        # observed through first_token() and request_completed().
+        # observed through first_token() and request_completed(). The time to first token is the
+        # one the latency models learn (docs/routing.md, "Observing the engine").
         self.ttft_seconds = Histogram(
             "extproc_ttft_seconds",
-            "Time to first token per replica: from when the router was given the request to the first "
-            "streamed token (the whole answer of a non-streaming request), the router's queue included.",
-            ["replica"],
+            "Time from the decision to the first token, as the router learnt it, by replica and how: "
+            "stream (its first streamed event) or unary (its headers less the engine's decode time).",
+            ["replica", "how"],
             buckets=FIRST_TOKEN_BUCKETS,
             registry=r,
         )
         self.request_seconds = Histogram(
             "extproc_request_duration_seconds",
-            "End-to-end time per replica: from when the router was given the request to the end of its response.",
+            "End-to-end time per replica: from the decision to the end of its response.",
             ["replica"],
             buckets=REQUEST_BUCKETS,
             registry=r,
@@ -346,6 +347,20 @@ class RouterMetrics:
         )
         for kind in CONFIG_PROBLEM_KINDS:
             self.config_problem.labels(kind).set(0)
+        self.first_token_timeouts = Counter(
+            "extproc_first_token_timeouts",
+            "Timed streams ended by the processor because their replica sent no token within "
+            "upstream.first_byte_s of the decision (its headers, which vLLM sends at once, or not), by replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.observed_tpot_seconds = Histogram(
+            "extproc_observed_tpot_seconds",
+            "Time per output token after the first, as the router learnt it, by replica.",
+            ["replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # Queueing: priorities and request classes come from the config, so bounded.
         self.queue_waiting = Gauge(
             "extproc_queue_waiting",
@@ -380,6 +395,18 @@ class RouterMetrics:
             "its objectives; objective_timeout: held for them past max_wait_s; queue_full; queue_timeout; "
             "quota_exceeded; tokens_exceeded).",
             ["class", "reason"],
+            registry=r,
+        )
+        self.engine_prefill_rate = Gauge(
+            "extproc_engine_prefill_tokens_per_second",
+            "A replica's cold prefill throughput (one request alone), learnt from its answers, else its pool's prior.",
+            ["replica"],
+            registry=r,
+        )
+        self.engine_decode_step = Gauge(
+            "extproc_engine_decode_step_seconds",
+            "A replica's seconds between two tokens of one request decoding alone, learnt, else its pool's prior.",
+            ["replica"],
             registry=r,
         )
         self.latency_prediction_error = Gauge(
@@ -440,17 +467,18 @@ class RouterMetrics:
         """Create a replica's counter series at zero (called for every member at each scrape)."""
         self.scrape_errors.labels(replica)
         self.ejections.labels(replica)
-        self.ttft_seconds.labels(replica)
+        for how in ("stream", "unary"):
+            self.ttft_seconds.labels(replica, how)
         self.request_seconds.labels(replica)
 
-    def first_token(self, replica: str, seconds: float) -> None:
-        """One request's time to first token on ``replica``: from when the router was given it to
-        its first streamed token (a non-streaming request: its whole answer)."""
-        self.ttft_seconds.labels(replica).observe(seconds)
+    def first_token(self, replica: str, seconds: float, how: str) -> None:
+        """One request's time to first token on ``replica``, from its decision: ``how`` it was
+        learnt, ``stream`` (its first streamed event) or ``unary`` (its headers less its decode)."""
+        self.ttft_seconds.labels(replica, how).observe(seconds)
 
     def request_completed(self, replica: str, seconds: float) -> None:
-        """One request's end-to-end time on ``replica``: from when the router was given it to the
-        end of its response."""
+        """One answered request's end-to-end time on ``replica``: from its decision to the end of
+        its response (or of its stream, cut short)."""
         self.request_seconds.labels(replica).observe(seconds)
 
     def config_problem_seen(self, kind: str, present: bool) -> None:

@@ -35,6 +35,7 @@ request through unrouted (Envoy's default route). Neither fails the stream.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -95,15 +96,52 @@ class RequestStream:
         }
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
-        """Answer each message of the stream; releases the request's in-flight slot at the end."""
+        """Answer each message of the stream; releases the request's in-flight slot at the end.
+
+        While a timed stream waits for its first token, the next message is awaited only until
+        its deadline (:meth:`~extproc.plan.Planner.first_token_deadline`): past it, the stream is
+        ended with an immediate response, unasked (vLLM sends a stream's headers at once, so
+        Envoy's first-byte timeout never sees a replica stuck before its first token)."""
+        source = aiter(requests)
+        waiting: asyncio.Future[pb.ProcessingRequest] | None = None
         try:
-            async for request in requests:
+            while True:
+                deadline = self._deadline()
+                try:
+                    if deadline is None and waiting is None:
+                        request = await anext(source)
+                    else:
+                        if waiting is None:
+                            waiting = asyncio.ensure_future(anext(source))
+                        left = None if deadline is None else max(0.0, deadline - self.planner.router.clock())
+                        done, _ = await asyncio.wait((waiting,), timeout=left)
+                        if not done:
+                            for response in self._overdue():
+                                yield response
+                            continue
+                        request, waiting = waiting.result(), None
+                except StopAsyncIteration:
+                    break
                 for response in await self.answer(request):
                     yield response
         finally:
+            if waiting is not None:
+                waiting.cancel()
             if self.plan is not None:
                 self.planner.end(self.plan)
             self.phase = Phase.DONE
+
+    def _deadline(self) -> float | None:
+        if self.phase is not Phase.RESPONSE_BODY or self.plan is None:
+            return None
+        return self.planner.first_token_deadline(self.plan)
+
+    def _overdue(self) -> Answers:
+        """The first token did not come in time: the stream is ended (Envoy resets the client's
+        stream if its headers went out, else answers it with this error)."""
+        assert self.plan is not None  # the deadline is set only with a plan
+        self.phase = Phase.DONE
+        return [msg.refuse(self.planner.first_token_overdue(self.plan))]
 
     @property
     def duplex(self) -> bool:
@@ -137,7 +175,9 @@ class RequestStream:
             return await self._decide(None)
         self.phase = Phase.REQUEST_BODY
         # Only this answer may change what Envoy sends next (and not with FULL_DUPLEX_STREAMED).
-        self.watch = self.planner.watch(can_override=not self.duplex, whole_body=self.body_mode == msg.BUFFERED)
+        self.watch = self.planner.watch(
+            can_override=not self.duplex, whole_body=self.body_mode == msg.BUFFERED, headers=self.headers
+        )
         if self.duplex:
             return []
         return [msg.headers_answer(self.planner.strip, self.watch.response_headers, self.body_mode)]

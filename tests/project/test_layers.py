@@ -46,6 +46,8 @@ RANKS = {
     "extproc.upstream_timeouts": 0,
     "extproc.validation": 0,
     "extproc.usage": 0,  # the token usage a response body reports, read as it passes
+    "extproc.token_clock": 0,  # when a streamed answer's first and last tokens passed, read from its body
+    "extproc.engine_rates": 0,  # an engine's speeds as pricing reads them (learnt in health/rates)
     "extproc.sampling": 0,  # deterministic sampling at a rate
 }
 

@@ -21,15 +21,16 @@ that is later (a chat client sends the next message after the last answer). Each
 in one class, sent as ``x-tier`` with its objectives as ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``:
 ``premium`` (loose objectives, ``on_miss: best_effort``: never shed) and ``standard`` (tighter).
 
-Measured by the client only: TTFT from sending to the first streamed byte (the replica sends its
-headers with the first token), TPOT from the first byte to the stream's end over the completion
-tokens after the first. A request *met* when it answered in full within both; a 429 is a shed and
-counts as missed. A client gives up after ``request_timeout_s`` (a failure). A conversation ends at
-its first refused or failed turn (the user leaves): its later turns are not sent ("abandoned")
-and count as missed, so every router is judged on the same planned requests. Turns not sent by the
-load's end (``seconds`` plus the conversation's gaps plus ``drain_s``) are not sent either and count
-as missed, so a run without shedding is bounded even when its backlog is not. Goodput is the completion tokens of
-requests that met, over the load's span (first send to last answer).
+Measured by the client only: TTFT from sending to the first streamed line (vLLM and the fake send
+their headers at once and their first event with the first token), TPOT from the first byte to the
+stream's end over the completion tokens after the first. A request *met* when it answered in full
+within both; a 429 is a shed and counts as missed. A client gives up after ``request_timeout_s`` (a
+failure). A conversation ends at its first refused or failed turn (the user leaves): its later
+turns are not sent ("abandoned") and count as missed, so every router is judged on the same planned
+requests. Turns not sent by the load's end (``seconds`` plus the conversation's gaps plus
+``drain_s``) are not sent either and count as missed, so a run without shedding is bounded even
+when its backlog is not. Goodput is the completion tokens of requests that met, over the load's
+span (first send to last answer).
 """
 
 from __future__ import annotations

@@ -16,12 +16,13 @@ as a user would: the model's directory as its tokenizer, each engine's KV-event 
 ``kv_events.block_size`` the engines' block size.
 
 The workload is :func:`extproc_lab.demo.workload.multi_turn`: conversations sharing one system
-prompt, a document in the first turn, follow-ups resending the growing history. Conversation
-``i`` arrives ``i * stagger`` seconds in and waits for one of ``live`` slots, so that many are in
-flight at most; every turn is streamed with ``x-session-id``. Figures: the hit ratio from the
-replicas' own counters (``vllm:prefix_cache_hits_total`` over ``queries_total``, deltas over the
-run), time to first token as the client sees it (the first streamed byte: the replica sends its
-headers with the first token) and requests per replica (``vllm:request_success_total`` deltas).
+prompt, a document in the first turn, follow-ups resending the growing history. Conversation ``i``
+arrives ``i * stagger`` seconds in and waits for one of ``live`` slots, so that many are in flight
+at most; every turn is streamed with ``x-session-id``. Figures: the hit ratio from the replicas'
+own counters (``vllm:prefix_cache_hits_total`` over ``queries_total``, deltas over the run), time
+to first token as the client sees it (the first streamed line: vLLM and the fake send their headers
+at once and their first event with the first token) and requests per replica
+(``vllm:request_success_total`` deltas).
 """
 
 from __future__ import annotations

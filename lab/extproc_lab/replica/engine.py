@@ -394,6 +394,13 @@ class _VllmCollector(Collector):
         yield success
         yield from histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", e.ttft)
         yield from histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", e.e2e)
+        # vLLM's buckets are not kept (see ReplicaModel.itl_total): one +Inf bucket, its sum and
+        # count. In wall seconds, as vLLM's: the router sets it against the answers' wall time.
+        itl = HistogramMetricFamily(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels=labels
+        )
+        itl.add_metric(values, [("+Inf", float(m.itl_count))], m.itl_total * e.profile.time_scale)
+        yield itl
         # As vLLM writes it: the cache config's fields as labels, the engine's but no model_name.
         layout = {
             "block_size": str(e.profile.block_size),

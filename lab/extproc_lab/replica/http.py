@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from extproc.kvevents.hashing import HashAlgo
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, parse_request_body
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError
-from extproc_lab.replica.engine import Generation, KvSource, ReplicaEngine
+from extproc_lab.replica.engine import Generation, KvSource, ReplicaEngine, output_budget
 from extproc_lab.replica.kv_events import TokenBlocks
 from extproc_lab.replica.kv_publisher import KvEventPublisher
 from extproc_lab.replica.kv_transfer import (
@@ -244,16 +244,24 @@ class _ReplicaApi:
             choice["delta" if chat else "text"] = delta
             return _sse({**head, "choices": [choice]})
 
+        # The engine decides the answer's length as it admits it; the same budget tells which token
+        # is the last, whose chunk carries the finish reason, as vLLM's does.
+        count, reason = output_budget(
+            self.engine.profile.default_output_tokens, sampling.max_tokens, sampling.min_tokens, sampling.ignore_eos
+        )
+
         async def on_token(index: int, text: str) -> None:
-            if index == 0:
-                # Headers go out with the first token, not before: a proxy timing the response
-                # (Envoy, the router) then sees the real time to first token, queueing included.
-                await response.prepare(request)
-                if chat:
-                    await response.write(chunk({"role": "assistant", "content": ""}))
-            await response.write(chunk({"content": text} if chat else text))
+            if index == 0 and chat:
+                # As vLLM's chat server: the role-only chunk goes out with the first output.
+                await response.write(chunk({"role": "assistant", "content": ""}))
+            finish = reason if index == count - 1 else None
+            await response.write(chunk({"content": text} if chat else text, finish))
 
         try:
+            # As vLLM's OpenAI server (a Starlette StreamingResponse): the headers leave before the
+            # engine has produced anything, so a proxy timing them sees the request's arrival,
+            # never its time to first token (queueing and prefill come after them).
+            await response.prepare(request)
             gen = await self.engine.generate(
                 prompt,
                 model,
@@ -266,7 +274,8 @@ class _ReplicaApi:
                 cache_salt=cache_salt,
                 kv_source=kv_source,
             )
-            await response.write(chunk({} if chat else "", gen.finish_reason))
+            if gen.completion_tokens != count:  # not expected: the budget above is the engine's
+                await response.write(chunk({} if chat else "", gen.finish_reason))
             if sampling.include_usage:
                 await response.write(_sse({**head, "choices": [], "usage": _usage(gen)}))
             await response.write(_sse("[DONE]"))

@@ -328,6 +328,7 @@ class Seq:
     cached_tokens: int = -1
     prefill_tokens: int = 0
     first_token_at: float = -1.0
+    last_token_at: float = -1.0
     finished_at: float = -1.0
     preemptions: int = 0
     unbounded: bool = False
@@ -385,6 +386,10 @@ class ReplicaModel:
         self.finished: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
         self.ttft = LatencyHistogram(TTFT_BUCKETS)
         self.e2e = LatencyHistogram(E2E_BUCKETS)
+        # vllm:inter_token_latency_seconds, as its sum and count only: the router reads its mean
+        # (a full histogram would cost the simulator a bucket search per token).
+        self.itl_total = 0.0
+        self.itl_count = 0
         # The step in flight: its start, duration, per-sequence token counts, and for a run of
         # identical decode steps their count and the terms of their durations.
         self._plan: list[tuple[Seq, int]] = []
@@ -747,6 +752,9 @@ class ReplicaModel:
                 pool.grow_private(private - seq.private)
                 seq.private = private
                 self.generation_tokens_total += steps
+                self.itl_total += end - seq.last_token_at
+                self.itl_count += steps
+                seq.last_token_at = end
                 emitted.append(seq)
             else:
                 seq.computed += n
@@ -763,6 +771,10 @@ class ReplicaModel:
                     seq.first_token_at = end
                     self.ttft.observe(end - seq.arrived_at)
                     first.append(seq)
+                else:
+                    self.itl_total += end - seq.last_token_at
+                    self.itl_count += 1
+                seq.last_token_at = end
             if seq.generated >= seq.output_tokens:
                 finished.append(seq)
         if finished:

@@ -3,7 +3,8 @@
 It drives the very objects the ext_proc server drives, without sockets: a
 :class:`~extproc.router.Router` built with the virtual clock and a memory store routes each
 request (:meth:`~extproc.router.Router.route_features`), learns of its first token
-(:meth:`~extproc.router.Router.observe_response`) and of its end
+(:meth:`~extproc.router.Router.observe_response`, :meth:`~extproc.router.Router.first_token`), of
+its last (:meth:`~extproc.router.Router.tokens_over`) and of its end
 (:meth:`~extproc.router.Router.release`), and takes in each replica's load as a scraper would
 (:meth:`~extproc.health.replicas.ReplicaBook.apply_report`, then ``evaluate``, every scrape
 interval). Replicas are :class:`~extproc_lab.replica.model.ReplicaModel` instances, the model behind
@@ -46,6 +47,8 @@ from extproc_lab.sim.workload import Workload
 T = TypeVar("T")
 
 _ARRIVAL, _STEP_END = 0, 1  # at equal times an arrival goes first: it joins the next step
+
+_NO_HEADERS: dict[str, str] = {}
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -500,13 +503,19 @@ class Simulation(ReplicaSteps):
             self._add_work(a, self._step_start[a], now, result.tokens)
             for seq in result.first:
                 if seq.handle >= 0 and router.sample_response():  # as the processor asks Envoy
-                    router.observe_response(routed[seq.handle], 200)
+                    # The processor times a sampled stream's tokens from its body (the headers
+                    # of vLLM's streams come before the first token and tell nothing).
+                    answered = routed[seq.handle]
+                    router.observe_response(answered, 200, timed=router.times_tokens(_NO_HEADERS))
+                    router.first_token(answered, now)
             for seq in result.finished:
                 i = seq.handle
                 if i < 0:
                     self._side_pending -= 1
                     continue
-                router.release(routed.pop(i))
+                over = routed.pop(i)
+                router.tokens_over(over, seq.first_token_at, seq.finished_at, seq.generated)
+                router.release(over)
                 self._finished(i, seq)
                 del self._seqs[i]
                 for f in followers.get(i, ()):

@@ -91,8 +91,10 @@ def test_the_fake_replicas_page_parses_as_the_sample_does() -> None:
     )
     # An idle fake reports zero load and zero counters; the fields it gives are the sample's.
     assert fake.prefix_queries == 0.0 and fake.prefix_hits == 0.0  # reported, not absent
+    assert fake.itl_sum == 0.0 and fake.itl_count == 0.0
+    counters = ("prefix_queries", "prefix_hits", "itl_sum", "itl_count")
     given = {k: v for k, v in presence(sample).items() if k not in ("running", "waiting", "kv_usage", "preemptions")}
-    assert {k: presence(fake)[k] or k in ("prefix_queries", "prefix_hits") for k in given} == given
+    assert {k: presence(fake)[k] or k in counters for k in given} == given
 
 
 async def test_kv_usage_is_zero_on_an_idle_fake_with_a_full_prefix_cache() -> None:

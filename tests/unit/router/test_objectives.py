@@ -149,32 +149,41 @@ async def test_a_held_request_past_its_limit_is_refused_and_an_idle_fleet_holds_
     await router.queue.close()
 
 
-async def test_attainment_is_judged_on_the_ttft_at_the_headers_and_the_tpot_at_the_end() -> None:
+async def test_attainment_is_judged_on_the_first_token_and_the_tpot_between_first_and_last_tokens() -> None:
     clock = Clock()
     router = Router(make_config(), clock=clock)
     met = router.metrics.objective_requests
 
-    async def one(session: str, ttft_s: float, stream_s: float, status: int = 200) -> None:
+    async def one(session: str, ttft_s: float, stream_s: float, status: int = 200, tokens: int = 11) -> None:
         h = {**headers(100, session=session), "x-slo-tpot-ms": "50"}
-        routed = await router.route(h, chat_body("hi", max_tokens=11))
+        # max_tokens is never the count: the stream reports the tokens it generated.
+        routed = await router.route(h, chat_body("hi", max_tokens=500, stream=True), timed=True)
+        clock.now += 0.005  # vLLM's headers: at once, whatever the queue
+        router.observe_response(routed, status, timed=True)
         clock.now += ttft_s
-        router.observe_response(routed, status)
+        first = clock.now
+        router.first_token(routed, first)
         clock.now += stream_s
+        router.tokens_over(routed, first, clock.now, tokens)
         router.release(routed)
 
-    await one("a", 0.05, 0.4)  # 50 ms, 40 ms a token: met
-    await one("b", 0.2, 0.1)  # first token late
+    await one("a", 0.05, 0.4)  # 55 ms, 40 ms a token: met
+    await one("b", 0.2, 0.1)  # first token late (its headers were not)
     await one("c", 0.05, 0.8)  # tokens 80 ms apart
     await one("d", 0.05, 0.1, status=503)
+    await one("g", 0.05, 0.4, tokens=5)  # stopped early: 100 ms a token
     assert metric_value(met.labels("default", "met")) == 1
-    assert metric_value(met.labels("default", "missed")) == 3
-    # Without objectives, or never answered, nothing is judged.
+    assert metric_value(met.labels("default", "missed")) == 4
+    # Without objectives, never answered, or a stream whose first token never came: not judged.
     routed = await router.route(headers(None, session="e"), chat_body("hi"))
     router.observe_response(routed, 200)
     router.release(routed)
     unanswered = await router.route(headers(100, session="f"), chat_body("hi"))
     router.release(unanswered)
-    assert metric_value(met.labels("default", "met")) + metric_value(met.labels("default", "missed")) == 4
+    tokenless = await router.route(headers(100, session="h"), chat_body("hi", stream=True), timed=True)
+    router.observe_response(tokenless, 200, timed=True)
+    router.release(tokenless)
+    assert metric_value(met.labels("default", "met")) + metric_value(met.labels("default", "missed")) == 5
 
 
 async def test_explain_shows_each_candidates_predictions_the_objective_and_why() -> None:

@@ -1,0 +1,186 @@
+"""What the router learns of a real engine's timing, through real Envoy, against vLLM's own CPU engine
+(0.32, the ``small`` model: a cold prompt of ~1,500 tokens takes well over 50 ms to its first token).
+
+vLLM sends a stream's response headers before its engine has even queued it (a Starlette
+``StreamingResponse``), so the router times a stream's first token from its first streamed event,
+and a non-streamed answer's from its headers (which come with its last token) less the engine's
+own decode time (``vllm:inter_token_latency_seconds`` deltas). Both are compared here with what
+the client and the engine saw: the stream's first ``data:`` line at the client, and the engine's
+own ``vllm:time_to_first_token_seconds``. Requests go one at a time, each prompt new to the cache,
+so each metric's delta is that one request's.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import statistics
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from extproc_lab.demo.gateway import LocalGateway
+from extproc_lab.engines.fleet import EngineSettings
+from tests.conftest import require_binary, require_engines
+from tests.helpers import scrape_total
+
+pytestmark = pytest.mark.e2e
+CHAT = "/v1/chat/completions"
+MODEL = "demo-model"
+TTFT = "extproc_ttft_seconds"
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+# Well above the prompts' prefill here (a few hundred ms), well below the idle timeout that alone
+# would end a stream stalled after its headers.
+FIRST_BYTE_S = 2.0
+STREAM_IDLE_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
+    require_binary("envoy")
+    require_engines("small")
+    settings = EngineSettings(model="small", block_size=32, num_blocks=256, max_model_len=2048)
+    config = tmp_path_factory.mktemp("vllm-timing") / "router.yaml"
+    # Learn from every answer from the start (no request here states an objective).
+    config.write_text(
+        "health:\n  scrape_timeout_s: 1.0\n  latency_models: always\n"
+        f"upstream:\n  first_byte_s: {FIRST_BYTE_S}\n  stream_idle_s: {STREAM_IDLE_S}\n"
+    )
+    gateway = LocalGateway(
+        replicas=1,
+        engine="vllm",
+        engine_settings=settings,
+        log_dir=tmp_path_factory.mktemp("vllm-timing-gw"),
+        processor_args=("--config", str(config)),
+        envoy_options={"first_byte_timeout_s": FIRST_BYTE_S, "stream_idle_timeout_s": STREAM_IDLE_S},
+    )
+    with gateway:
+        yield gateway
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def prompt(i: int) -> list[dict[str, str]]:
+    # A different start each time: nothing of it is in the engine's cache (cold).
+    text = f"request {i} {time.time_ns()}: " + " ".join(f"w{i}x{j}" for j in range(250))  # about 1,400 tokens
+    return [{"role": "user", "content": text}]
+
+
+def post(gw: LocalGateway, body: dict[str, Any]) -> tuple[float, float, float | None, bytes]:
+    """Send ``body``; seconds to the response headers, to the end, to the first ``data:`` line."""
+    req = urllib.request.Request(
+        gw.url + CHAT, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    started = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        headers = time.perf_counter() - started
+        out = b""
+        for line in resp:
+            if first is None and line.startswith(b"data:"):
+                first = time.perf_counter() - started
+            out += line
+    return headers, time.perf_counter() - started, first, out
+
+
+def totals(gw: LocalGateway) -> tuple[float, float, float, float]:
+    """The router's learned TTFT (sum, count) and the engine's own (sum, count), so far."""
+    ours = _get(gw.metrics_url)
+    engine = _get(gw.replica_url(gw.members[0].name) + "/metrics")
+    return (
+        scrape_total(ours, f"{TTFT}_sum"),
+        scrape_total(ours, f"{TTFT}_count"),
+        scrape_total(engine, f"{ENGINE_TTFT}_sum"),
+        scrape_total(engine, f"{ENGINE_TTFT}_count"),
+    )
+
+
+def learned(gw: LocalGateway, before: tuple[float, float, float, float]) -> tuple[float, float]:
+    """The one request's TTFT since ``before``: as the router learnt it, as the engine measured it."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        now = totals(gw)
+        if now[1] == before[1] + 1 and now[3] == before[3] + 1:
+            return now[0] - before[0], now[2] - before[2]
+        assert time.monotonic() < deadline, (before, now)
+        time.sleep(0.05)
+
+
+def test_a_streams_learned_ttft_is_the_clients_first_token_not_its_headers(gw: LocalGateway) -> None:
+    post(gw, {"model": MODEL, "messages": prompt(-1), "max_tokens": 2, "stream": True})  # warm the server
+    rows = []
+    for i in range(6):
+        before = totals(gw)
+        body = {"model": MODEL, "messages": prompt(i), "max_tokens": 8, "stream": True}
+        headers_s, _, first_s, out = post(gw, body)
+        assert first_s is not None and b"[DONE]" in out
+        ours, engine = learned(gw, before)
+        rows.append((headers_s, first_s, ours, engine))
+    # The prompts are long enough: the engine's own TTFT is over 50 ms.
+    assert all(engine >= 0.05 for *_, engine in rows), rows
+    # What the router learnt is the client's first token, within 20%; and it is not the headers'
+    # time, which vLLM sends before the engine has the request (a router timing them learns that).
+    for headers_s, first_s, ours, _ in rows:
+        assert abs(ours - first_s) <= 0.2 * first_s, rows
+        assert headers_s < 0.5 * first_s, rows
+    # No usage chunk reached a client that did not ask for one (the router asked for it to count).
+    assert b'"usage"' not in out.replace(b'"usage":null', b"")
+
+
+def test_a_non_streamed_answers_ttft_is_learned_from_what_the_engine_reports(gw: LocalGateway) -> None:
+    # Streams first: the engine's inter-token gaps the router reads from its /metrics.
+    post(gw, {"model": MODEL, "messages": prompt(100), "max_tokens": 32, "ignore_eos": True, "stream": True})
+    time.sleep(1.0)  # a scrape after it
+    errors = []
+    for i, tokens in enumerate((1, 1, 16, 16, 16)):
+        before = totals(gw)
+        body = {"model": MODEL, "messages": prompt(200 + i), "max_tokens": tokens, "ignore_eos": True}
+        _, total_s, _, out = post(gw, body)
+        assert json.loads(out)["usage"]["completion_tokens"] == tokens
+        ours, engine = learned(gw, before)
+        # Not the whole answer's time: its decode is taken off.
+        if tokens > 1:
+            assert ours < total_s - 0.5 * (total_s - engine), (ours, engine, total_s)
+        errors.append(abs(ours - engine) / engine)
+        time.sleep(0.5)  # the scrapes keep up with the engine's gaps
+    # One token: the headers' time is the first token's (less the hops); more: its decode is estimated.
+    assert statistics.median(errors) <= 0.2, errors
+
+
+def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_idle_timeout(gw: LocalGateway) -> None:
+    """The engine process stopped as soon as a stream's headers are out (vLLM sends them before its
+    first token): Envoy's first-byte timeout never sees it, the processor's does."""
+    engine = gw.procs.procs[gw.members[0].name]
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "messages": prompt(300), "max_tokens": 8, "stream": True})
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    before = scrape_total(_get(gw.metrics_url), "extproc_first_token_timeouts_total")
+    started = time.monotonic()
+    try:
+        conn.request("POST", CHAT, body=body, headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        os.kill(engine.pid, signal.SIGSTOP)  # stuck: headers out, no token
+        headers_s = time.monotonic() - started
+        assert resp.status == 200
+        try:
+            got = resp.read()
+        except (http.client.IncompleteRead, ConnectionError) as exc:
+            got = getattr(exc, "partial", b"")
+        ended_s = time.monotonic() - started
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+        conn.close()
+    assert headers_s < 1.0, headers_s
+    assert b"[DONE]" not in got and b'"content"' not in got, got
+    # Ended at the first-byte budget from the decision, not at the idle timeout.
+    assert FIRST_BYTE_S * 0.9 <= ended_s < FIRST_BYTE_S + 1.5, ended_s
+    after = scrape_total(_get(gw.metrics_url), "extproc_first_token_timeouts_total")
+    assert after == before + 1
