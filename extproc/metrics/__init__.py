@@ -313,7 +313,8 @@ class RouterMetrics:
         )
         self.split_ttft_seconds = Histogram(
             "extproc_split_ttft_seconds",
-            "Time from the decision to the first token (a timed stream's first event; else the response headers), by rule and arm.",
+            "Time from the decision to the first token (a timed stream's first event; else the response "
+            "headers), by rule and arm.",
             ["rule", "arm"],
             buckets=TTFT_BUCKETS,
             registry=r,
