@@ -3,11 +3,18 @@
 A flag's value goes into the file's mapping at its key before the mapping is validated, so a
 flag is checked exactly as the key is and wins over the file; an error about a key a flag sets
 names the flag too. ``extproc serve --help`` shows each flag's key.
+
+Every flag is also an environment variable (:attr:`Flag.env`: ``EXTPROC_`` and the flag's name in
+capitals, ``--metrics-listen`` is ``EXTPROC_METRICS_LISTEN``), made from the same table: a
+variable is read only where its flag is not given, converted and checked as the flag is, and then
+as the key is; a repeated flag's variable holds its values separated by whitespace. So the order
+is flag, then environment, then file, then default.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +51,19 @@ class Flag:
     def dest(self) -> str:
         """The flag's attribute on the parsed arguments."""
         return self.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        """The environment variable that stands for the flag when it is not given."""
+        return env_name(self.name)
+
+
+ENV_PREFIX = "EXTPROC_"
+
+
+def env_name(flag: str) -> str:
+    """The environment variable of a flag: ``--metrics-listen`` -> ``EXTPROC_METRICS_LISTEN``."""
+    return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
 
 
 SERVE_FLAGS: tuple[Flag, ...] = (
@@ -169,7 +189,7 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...] = 
             type=flag.type,
             metavar=flag.metavar,
             choices=flag.choices,
-            help=f"{flag.help} [config {flag.key}]",
+            help=f"{flag.help} [config {flag.key}; env {flag.env}]",
         )
 
 
@@ -225,18 +245,59 @@ def with_flags(
     return out
 
 
-def _naming_flags(message: str, flags: tuple[Flag, ...]) -> str:
+def _from_env(flag: Flag, text: str) -> Any:
+    """A variable's value as its flag's would be: converted by the flag's type, among its choices."""
+    repeated = flag.kind in ("pairs", "replicas")
+    values = text.split() if repeated else [text.strip()]
+    out = []
+    for value in values:
+        try:
+            converted = flag.type(value)
+        except ValueError:
+            kind = {int: "integer", float: "number"}.get(flag.type, "value")  # type: ignore[call-overload]
+            raise ConfigError(f"{flag.env}: not a valid {kind}: {value!r}") from None
+        if flag.choices is not None and converted not in flag.choices:
+            raise ConfigError(f"{flag.env}: expected one of {', '.join(flag.choices)}, got {value!r}")
+        out.append(converted)
+    return out if repeated else out[0]
+
+
+def with_environment(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, flags: tuple[Flag, ...] = SERVE_FLAGS
+) -> tuple[argparse.Namespace, dict[str, Flag]]:
+    """``args`` with each flag not given taken from its environment variable (an empty variable
+    counts as unset), and the flags so taken by their attribute; raises ConfigError naming the
+    variable for a value its flag would refuse."""
+    environ = os.environ if environ is None else environ
+    out = argparse.Namespace(**vars(args))
+    taken: dict[str, Flag] = {}
     for flag in flags:
-        message = message.replace(f"{flag.key}:", f"{flag.key} ({flag.name}):")
+        given = getattr(out, flag.dest, None)
+        text = environ.get(flag.env, "")
+        if (given is None or given == []) and text.strip():
+            setattr(out, flag.dest, _from_env(flag, text))
+            taken[flag.dest] = flag
+    return out, taken
+
+
+def _naming_flags(message: str, flags: tuple[Flag, ...], from_env: Mapping[str, Flag]) -> str:
+    for flag in flags:
+        source = flag.env if flag.dest in from_env else flag.name
+        message = message.replace(f"{flag.key}:", f"{flag.key} ({source}):")
     return message
 
 
 def config_from_flags(
-    path: str | Path | None, args: argparse.Namespace, flags: tuple[Flag, ...] = SERVE_FLAGS
+    path: str | Path | None,
+    args: argparse.Namespace,
+    flags: tuple[Flag, ...] = SERVE_FLAGS,
+    environ: Mapping[str, str] | None = None,
 ) -> Config:
-    """The config file at ``path`` (None: every default) with the flags over it, validated."""
+    """The config file at ``path`` (None: every default) with the environment over it and the
+    flags over both, validated."""
+    args, from_env = with_environment(args, environ, flags)
     raw = with_flags(read_mapping(path) if path else {}, args, flags)
     try:
         return config_from_mapping(raw)
     except ConfigError as exc:
-        raise ConfigError(_naming_flags(str(exc), flags)) from None
+        raise ConfigError(_naming_flags(str(exc), flags, from_env)) from None
