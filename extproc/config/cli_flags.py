@@ -34,7 +34,9 @@ class Flag:
     ``value``: the key takes the flag's value. ``pairs``: a repeated ``KEY=VALUE`` flag adds to
     the key's mapping (``form`` names the two). ``replicas``: repeated ``--replica`` specs replace
     ``replicas:``. With ``switch`` (the section's ``enabled`` key), ``off`` turns the section off
-    and any other value turns it on.
+    and any other value turns it on. With ``implies`` (a key and its value, the ``type`` of a
+    section of several kinds), the flag also sets that key, starting the section afresh when the
+    file's is of another kind.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     switch: str | None = None
     form: str = ""
+    implies: tuple[str, str] | None = None
 
     @property
     def dest(self) -> str:
@@ -77,6 +80,20 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="NAME=HOST:PORT[,LABEL=VALUE...]",
     ),
     Flag("--mode", "mode", "cluster: a target-cluster header; endpoint: GIE's header", choices=("cluster", "endpoint")),
+    Flag(
+        "--pool-name",
+        "discovery.name",
+        "be this InferencePool's endpoint picker: follow the pool and the pods it selects (as GIE's picker)",
+        metavar="NAME",
+        implies=("discovery.type", "inference_pool"),
+    ),
+    Flag(
+        "--pool-namespace",
+        "discovery.namespace",
+        "the InferencePool's namespace (default: the pod's own)",
+        metavar="NAMESPACE",
+        implies=("discovery.type", "inference_pool"),
+    ),
     Flag(
         "--workers",
         "workers",
@@ -234,6 +251,11 @@ def with_flags(
         elif flag.switch is not None and value == "off":
             _set(out, flag.switch, False)
         else:
+            if flag.implies is not None:
+                key, kind = flag.implies
+                if _get(out, key) != kind:
+                    _set(out, key.rpartition(".")[0], {})
+                    _set(out, key, kind)
             _set(out, flag.key, value)
             if flag.switch is not None:
                 _set(out, flag.switch, True)

@@ -211,11 +211,18 @@ def test_health_listen_and_response_sample_rate_are_read_and_checked() -> None:
         config_from_mapping({**GOOD, "health": {"response_sample_rate": 1.5}})
 
 
-def _model(annotation: object) -> type[BaseModel] | None:
-    """The section model a field holds (``X | None`` too), else None."""
+def _model(annotation: object, kind: str | None = None) -> type[BaseModel] | None:
+    """The section model a field holds (``X | None`` too; of a union of kinds, the one whose
+    ``type`` is ``kind``), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    return next((a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _model(args[0], kind)
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    if kind is not None:
+        models = [m for m in models if "type" in m.model_fields and m.model_fields["type"].default == kind]
+    return models[0] if models else None
 
 
 def test_every_serve_flag_that_sets_config_is_a_key_of_the_file_and_shows_it() -> None:
@@ -227,7 +234,8 @@ def test_every_serve_flag_that_sets_config_is_a_key_of_the_file_and_shows_it() -
         *sections, last = flag.key.split(".")
         for name in sections:
             assert model is not None and name in model.model_fields, flag.name
-            model = _model(model.model_fields[name].annotation)
+            kind = flag.implies[1] if flag.implies is not None and flag.implies[0] == f"{name}.type" else None
+            model = _model(model.model_fields[name].annotation, kind)
         assert model is not None and last in model.model_fields, f"{flag.name}: no key {flag.key}"
         if flag.switch is not None:
             assert flag.switch.rpartition(".")[0] == flag.key.rpartition(".")[0]
