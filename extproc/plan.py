@@ -28,6 +28,7 @@ from extproc.upstream_timeouts import ANSWERED_BY_HEADER, ATTEMPT_COUNT_HEADER, 
 from extproc.usage import UsageStripper, UsageTail
 
 QUOTA_MESSAGE = "this tenant is over its quota of concurrent requests; retry later"
+SUBSET_MESSAGE = "none of the endpoints the gateway offered for this request (its subset hint) is a ready replica"
 
 
 class ResponseHeaders(enum.Enum):
@@ -170,6 +171,9 @@ class Planner:
             return Refuse(429, QUOTA_MESSAGE, "quota_exceeded", decision.retry_after_s)
         length = () if routed.body is None else (("content-length", str(len(routed.body))),)
         replica = decision.replica
+        if replica is None and routed.features.subset is not None:
+            # The gateway named where it may go and none of it will do: 503, as GIE's protocol says.
+            return Refuse(503, SUBSET_MESSAGE, "no_endpoint_in_subset")
         if replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): Envoy
             # routes it on its own (the default route), and answers 503 itself if it has none.

@@ -13,6 +13,7 @@ from extproc.request.objectives import Objectives, fill
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
+from extproc.request.subset import SUBSET_KEY, decode_subset
 from extproc.request.tenant import TENANT_HEADER, resolve_tenant
 
 CHARS_PER_TOKEN = 4
@@ -70,6 +71,9 @@ class RequestFeatures:
     its tenant's default (:mod:`extproc.request.objectives`), if any."""
     slo_tpot_ms: float | None = None
     """The time-per-output-token objective (``x-slo-tpot-ms``), filled the same way."""
+    subset: frozenset[str] | None = None
+    """The endpoints the gateway offers for this request (its subset hint, :mod:`extproc.request.subset`):
+    None without a hint; the decision picks only among these."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -185,8 +189,11 @@ def _from_body(
 
 
 def _classified(features: RequestFeatures, headers: Mapping[str, str], settings: FeatureSettings) -> RequestFeatures:
-    """The request's class (the first rule that matches), and the objectives its class or its
-    tenant gives where its headers give none."""
+    """The request's class (the first rule that matches), the objectives its class or its
+    tenant gives where its headers give none, and the gateway's subset hint."""
+    subset = decode_subset(headers.get(SUBSET_KEY))
+    if subset is not None:
+        features = replace(features, subset=subset)
     rule = None
     if settings.classes:
         rule = classify(
