@@ -181,6 +181,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
+    from extproc.server.self_signed import serves_self_signed
     from extproc.state.redis_budgets import RedisBudgetStore
     from extproc.state.redis_store import RedisStore
     from extproc.telemetry import export
@@ -241,6 +242,9 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
             services=admin.services,
             bind=False,
             reuse_port=worker is not None,
+            self_signed=serves_self_signed(
+                cfg.grpc.tls is not None, cfg.grpc.secure_serving, cfg.discovery.type, cfg.listen
+            ),
         )
     except ValueError as exc:  # the token file or a certificate or key file
         await _close_early(kv_events, store)

@@ -27,6 +27,16 @@ from extproc.kvevents.hashing import HashAlgo
 Kind = Literal["value", "pairs", "replicas"]
 
 
+def boolean(text: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``), as a flag's value."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Flag:
     """One flag: its name, the file's key it sets (dotted), and how.
@@ -132,6 +142,14 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="FILE",
     ),
     Flag("--tls-key", "grpc.tls.key_file", "PEM private key of --tls-cert", metavar="FILE"),
+    Flag(
+        "--secure-serving",
+        "grpc.secure_serving",
+        "true: without --tls-cert, serve TLS with a self-signed certificate made at start (GIE's picker "
+        "default); false: plaintext (default: true with --pool-name, else false)",
+        type=boolean,
+        metavar="BOOL",
+    ),
     Flag(
         "--tls-client-ca",
         "grpc.tls.client_ca_file",
@@ -276,7 +294,7 @@ def _from_env(flag: Flag, text: str) -> Any:
         try:
             converted = flag.type(value)
         except ValueError:
-            kind = {int: "integer", float: "number"}.get(flag.type, "value")  # type: ignore[call-overload]
+            kind = {int: "integer", float: "number", boolean: "boolean"}.get(flag.type, "value")
             raise ConfigError(f"{flag.env}: not a valid {kind}: {value!r}") from None
         if flag.choices is not None and converted not in flag.choices:
             raise ConfigError(f"{flag.env}: expected one of {', '.join(flag.choices)}, got {value!r}")

@@ -20,7 +20,7 @@ from extproc.config import ListenerTls, config_from_mapping
 from extproc.discovery import InferencePoolSource
 from extproc.server.tls import server_credentials
 from tests.conftest import ROOT
-from tests.project.test_k8s import CORE_GROUPS, CRD_SCHEMAS, EXT_PROC_SERVICE, K8S_VERSIONS
+from tests.k8s_schemas import CORE_GROUPS, CRD_SCHEMAS, EXT_PROC_SERVICE, K8S_VERSIONS
 
 CHART = ROOT / "charts" / "extproc"
 WARNING = 2  # helm lint's severities: 1 info, 2 warning, 3 error
