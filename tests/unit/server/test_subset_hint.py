@@ -4,6 +4,8 @@ no ready replica, never set by a client, and shown by Explain."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
@@ -18,7 +20,7 @@ CHAT = {":path": "/v1/chat/completions", ":method": "POST"}
 ENDPOINT = "x-gateway-destination-endpoint"
 
 
-def with_hint(message: pb.ProcessingRequest, value: object) -> pb.ProcessingRequest:
+def with_hint(message: pb.ProcessingRequest, value: Any) -> pb.ProcessingRequest:
     """``message`` with the subset hint in its metadata, as Envoy forwards the namespace."""
     hint = struct_pb2.Struct()
     hint.update({"x-gateway-destination-endpoint-subset": value})
@@ -102,3 +104,13 @@ async def test_a_pinned_session_moved_by_the_hint_says_so_and_explain_shows_the_
         r.replica.name for r in router.replicas.records() if r.replica.address == home
     ]
     assert "subset hint" in steps[SUBSET_STEP].removed[0][1]
+
+
+async def test_an_inference_pools_picker_without_a_ready_endpoint_answers_503() -> None:
+    cfg = make_config(mode="endpoint", replicas=(), discovery={"type": "inference_pool", "name": "vllm"})
+    out = await run(Router(cfg), [headers_message(CHAT), body_message(chat_body("hello"))])
+    answer = out[-1].immediate_response
+    assert answer.status.code == 503 and b"no ready endpoint" in answer.body
+    # Elsewhere an empty fleet still goes down Envoy's own route.
+    out = await run(Router(make_config(mode="endpoint", replicas=())), [headers_message(CHAT), body_message(b"{}")])
+    assert out[-1].WhichOneof("response") == "request_body"
