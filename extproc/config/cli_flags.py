@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,21 @@ from extproc.config.model import Config, ConfigError, parse_replica, replica_ent
 from extproc.kvevents.hashing import HashAlgo
 
 Kind = Literal["value", "pairs", "replicas"]
+
+
+def any_address_port(text: str) -> str:
+    """A port number as GIE's picker flags give it, as the address it means: every interface."""
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"not a port: {text!r}")
+    return f"0.0.0.0:{port}"
+
+
+def cert_dir(text: str) -> dict[str, str]:
+    """A directory holding ``tls.crt`` and ``tls.key`` (a mounted kubernetes.io/tls Secret, as GIE's
+    ``--cert-path``), as ``grpc.tls``."""
+    base = text.rstrip("/") or "/"
+    return {"cert_file": f"{base}/tls.crt", "key_file": f"{base}/tls.key"}
 
 
 def boolean(text: str) -> bool:
@@ -142,6 +158,36 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="FILE",
     ),
     Flag("--tls-key", "grpc.tls.key_file", "PEM private key of --tls-cert", metavar="FILE"),
+    # GIE's picker flags where they mean the same (its chart's and its users' command lines).
+    Flag(
+        "--grpc-port",
+        "listen",
+        "GIE's name: ext_proc on this port of every interface (as --listen 0.0.0.0:PORT)",
+        type=any_address_port,
+        metavar="PORT",
+    ),
+    Flag(
+        "--grpc-health-port",
+        "grpc.health_listen",
+        "GIE's name: plaintext gRPC health on this port of every interface",
+        type=any_address_port,
+        metavar="PORT",
+    ),
+    Flag(
+        "--metrics-port",
+        "metrics.listen",
+        "GIE's name: /metrics on this port of every interface",
+        type=any_address_port,
+        metavar="PORT",
+        switch="metrics.enabled",
+    ),
+    Flag(
+        "--cert-path",
+        "grpc.tls",
+        "GIE's name: serve TLS with DIR/tls.crt and DIR/tls.key (a mounted kubernetes.io/tls Secret)",
+        type=cert_dir,
+        metavar="DIR",
+    ),
     Flag(
         "--secure-serving",
         "grpc.secure_serving",
@@ -294,7 +340,8 @@ def _from_env(flag: Flag, text: str) -> Any:
         try:
             converted = flag.type(value)
         except ValueError:
-            kind = {int: "integer", float: "number", boolean: "boolean"}.get(flag.type, "value")
+            kinds = {int: "integer", float: "number", boolean: "boolean", any_address_port: "port"}
+            kind = kinds.get(flag.type, "value")
             raise ConfigError(f"{flag.env}: not a valid {kind}: {value!r}") from None
         if flag.choices is not None and converted not in flag.choices:
             raise ConfigError(f"{flag.env}: expected one of {', '.join(flag.choices)}, got {value!r}")
@@ -320,10 +367,18 @@ def with_environment(
     return out, taken
 
 
-def _naming_flags(message: str, flags: tuple[Flag, ...], from_env: Mapping[str, Flag]) -> str:
+def _naming_flags(message: str, flags: tuple[Flag, ...], args: argparse.Namespace, from_env: Mapping[str, Flag]) -> str:
+    """``message`` with each key a flag sets followed by that flag (or its variable): the one given
+    where several set the key, else the first in the table. A key is matched whole (``listen`` is
+    not the end of ``metrics.listen``)."""
+    sources: dict[str, str] = {}
     for flag in flags:
-        source = flag.env if flag.dest in from_env else flag.name
-        message = message.replace(f"{flag.key}:", f"{flag.key} ({source}):")
+        value = getattr(args, flag.dest, None)
+        given = value is not None and value != []
+        if given or flag.key not in sources:
+            sources[flag.key] = flag.env if flag.dest in from_env else flag.name
+    for key, source in sources.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(key)}:", f"{key} ({source}):", message)
     return message
 
 
@@ -340,4 +395,4 @@ def config_from_flags(
     try:
         return config_from_mapping(raw)
     except ConfigError as exc:
-        raise ConfigError(_naming_flags(str(exc), flags, from_env)) from None
+        raise ConfigError(_naming_flags(str(exc), flags, args, from_env)) from None

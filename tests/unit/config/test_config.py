@@ -380,3 +380,30 @@ def test_the_command_line_reads_its_variables_and_tells_its_version(
     with pytest.raises(SystemExit):
         main(["serve"])
     assert "EXTPROC_LOG_FORMAT: expected one of text, json, got 'xml'" in capsys.readouterr().err
+
+
+def test_gies_picker_flags_mean_the_same_here_and_errors_name_the_flag_given(tmp_path: Path) -> None:
+    import argparse
+
+    from extproc.config.cli_flags import add_config_flags, config_from_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    argv = "--pool-name vllm --pool-namespace llm --grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090"
+    cfg = config_from_flags(None, parser.parse_args([*argv.split(), "--cert-path", "/etc/certs/"]), environ={})
+    assert (cfg.listen, cfg.grpc.health_listen, cfg.metrics.address) == ("0.0.0.0:9002", "0.0.0.0:9003", "0.0.0.0:9090")
+    assert cfg.grpc.tls is not None
+    assert (cfg.grpc.tls.cert_file, cfg.grpc.tls.key_file) == ("/etc/certs/tls.crt", "/etc/certs/tls.key")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--grpc-port", "70000"])
+    with pytest.raises(ConfigError, match=re.escape("EXTPROC_METRICS_PORT: not a valid port: 'x'")):
+        config_from_flags(None, parser.parse_args([]), environ={"EXTPROC_METRICS_PORT": "x"})
+    # An error about a key names the flag that set it, and a key is matched whole.
+    bad = tmp_path / "router.yaml"
+    bad.write_text("metrics: {listen: [1]}\n")
+    with pytest.raises(ConfigError) as raised:
+        config_from_flags(bad, parser.parse_args([]), environ={})
+    assert "metrics.listen (--metrics-listen):" in str(raised.value)
+    bad.write_text("listen: [1]\n")
+    with pytest.raises(ConfigError, match=re.escape("listen (--listen): Input should be")):
+        config_from_flags(bad, parser.parse_args([]), environ={})
