@@ -7,6 +7,7 @@ makes loaded by the server's TLS code."""
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,13 @@ def router_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return data
 
 
-EVERYTHING = {"serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}, "replicaCount": 2}
+EVERYTHING = {
+    "serviceMonitor": {"enabled": True},
+    "podDisruptionBudget": {"enabled": True},
+    "prometheusRule": {"enabled": True},
+    "dashboards": {"enabled": True},
+    "replicaCount": 2,
+}
 
 
 def test_helm_lints_the_chart_without_a_warning() -> None:
@@ -86,7 +93,7 @@ def test_every_rendered_object_is_valid(values: dict[str, Any]) -> None:
             assert obj["kind"] in CRD_SCHEMAS, f"no schema for {obj['apiVersion']} {obj['kind']}"
             jsonschema.validate(obj, CRD_SCHEMAS[obj["kind"]])
     if values is EVERYTHING:
-        assert {"ServiceMonitor", "PodDisruptionBudget"} <= kinds
+        assert {"ServiceMonitor", "PodDisruptionBudget", "PrometheusRule"} <= kinds
 
 
 def test_the_values_schema_refuses_bad_values_and_the_pool_needs_its_model_servers() -> None:
@@ -212,3 +219,20 @@ def test_the_image_is_the_routers_version_and_values_reach_the_environment() -> 
     from extproc.config.cli_flags import SERVE_FLAGS
 
     assert "EXTPROC_RESPONSE_SAMPLE_RATE" in {f.env for f in SERVE_FLAGS}
+
+
+def test_the_rules_and_the_dashboard_are_the_observability_folders() -> None:
+    observability = ROOT / "k8s" / "observability"
+    for copy, original in (
+        ("alerts.rules.yaml", observability / "alerts.rules.yaml"),
+        ("extproc-overview.json", observability / "dashboards" / "extproc-overview.json"),
+    ):
+        assert (CHART / "files" / copy).read_text() == original.read_text(), f"charts/extproc/files/{copy} drifted"
+    objects = render(EVERYTHING)
+    rules = one(objects, "PrometheusRule")
+    assert rules["spec"]["groups"] == yaml.safe_load((observability / "alerts.rules.yaml").read_text())["groups"]
+    assert "{{ $labels.replica }}" in yaml.safe_dump(rules)  # the rules' own templates left alone
+    dashboards = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboards")]
+    assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    original = json.loads((observability / "dashboards" / "extproc-overview.json").read_text())
+    assert json.loads(dashboards[0]["data"]["extproc-overview.json"]) == original
