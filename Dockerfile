@@ -7,17 +7,28 @@
 #   docker run --rm -p 9002:9002 -p 9190:9190 -v "$PWD/examples/router.yaml:/etc/extproc/router.yaml:ro" \
 #     --read-only extproc-router:0.1.0 serve --config /etc/extproc/router.yaml --listen 0.0.0.0:9002
 ARG PYTHON_VERSION=3.11
+# The package's version (pyproject.toml; tests/project/test_release.py keeps this default equal to
+# it) and the commit, for the image's labels: --build-arg REVISION=$(git rev-parse HEAD).
+ARG VERSION=0.1.0
 
 FROM python:${PYTHON_VERSION}-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # Only what the wheel is made of (.dockerignore keeps the rest out of the context).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY extproc ./extproc
 # The wheel and every dependency's wheel, so the final stage installs offline.
 RUN pip wheel --wheel-dir /wheels .
 
 FROM python:${PYTHON_VERSION}-slim
+ARG VERSION
+ARG REVISION=unknown
+# OCI image annotations: what the image is, at which version and commit, under which licence.
+LABEL org.opencontainers.image.title="extproc-router" \
+      org.opencontainers.image.description="KV-cache aware Envoy ext_proc router and GIE endpoint picker for vLLM fleets" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \

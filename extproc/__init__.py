@@ -4,6 +4,9 @@ The public API: :class:`Router` (features -> store view -> pure decision -> book
 :func:`decide` and the plugin pipeline, the affinity stores, and :class:`Config`.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from extproc.config import Config, ConfigError, load_config
 from extproc.router import Routed, Router
 from extproc.routing import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot, decide
@@ -25,4 +28,8 @@ __all__ = [
     "decide",
     "load_config",
 ]
-__version__ = "0.1.0"
+try:
+    # The one place the version is written is pyproject.toml; the installed metadata carries it.
+    __version__ = _version("extproc-router")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"

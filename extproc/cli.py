@@ -12,14 +12,16 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from extproc import __version__
 from extproc.config import Config, ConfigError, load_config
-from extproc.config.cli_flags import add_config_flags, config_from_flags
+from extproc.config.cli_flags import add_config_flags, config_from_flags, env_name
 from extproc.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -31,13 +33,34 @@ if TYPE_CHECKING:
     from extproc.state.store import AffinityStore
 
 COMMANDS_GROUP = "extproc.commands"
+LOG_FORMATS = ("text", "json")
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the ext_proc routing server")
-    p.add_argument("--config", help="YAML config file (flags below override it)")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p = sub.add_parser(
+        "serve",
+        help="run the ext_proc routing server",
+        description="Every option is also an environment variable (named in brackets): a flag wins over its "
+        "variable, a variable over the config file.",
+    )
+    # These three are no keys of the file, so not in the flags' table; their variables are defaults.
+    env = os.environ
+    p.add_argument(
+        "--config",
+        default=env.get(env_name("--config")) or None,
+        help=f"YAML config file (flags below override it) [env {env_name('--config')}]",
+    )
+    p.add_argument(
+        "--log-level",
+        default=env.get(env_name("--log-level")) or "info",
+        help=f"debug, info, warning or error [env {env_name('--log-level')}]",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=env.get(env_name("--log-format")) or "text",
+        help=f"text or json [env {env_name('--log-format')}]",
+    )
     add_config_flags(p)
 
 
@@ -167,6 +190,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
+    from extproc.server.self_signed import serves_self_signed
     from extproc.state.redis_budgets import RedisBudgetStore
     from extproc.state.redis_store import RedisStore
     from extproc.telemetry import after_scrape, export
@@ -227,6 +251,9 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
             services=admin.services,
             bind=False,
             reuse_port=worker is not None,
+            self_signed=serves_self_signed(
+                cfg.grpc.tls is not None, cfg.grpc.secure_serving, cfg.discovery.type, cfg.listen
+            ),
         )
     except ValueError as exc:  # the token file or a certificate or key file
         await _close_early(kv_events, store)
@@ -299,6 +326,7 @@ async def _close_early(kv_events: EventCacheState | None, store: AffinityStore) 
 def build_parser() -> argparse.ArgumentParser:
     """The ``extproc`` command line: the router's commands, and those of installed plugins (the lab's)."""
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _envoy_parser(sub)
@@ -320,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``extproc`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "log_format", "text") not in LOG_FORMATS:  # argparse checks a flag, not its variable
+        parser.error(f"{env_name('--log-format')}: expected one of {', '.join(LOG_FORMATS)}, got {args.log_format!r}")
     quiet = args.command in ("demo", "bench", "admin")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
     try:

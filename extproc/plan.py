@@ -30,6 +30,8 @@ from extproc.usage import Usage, UsageStripper, UsageTail
 
 QUOTA_MESSAGE = "this tenant is over its quota of concurrent requests; retry later"
 FIRST_TOKEN_MESSAGE = "the replica sent no token within upstream.first_byte_s; retry"
+NO_ENDPOINT_MESSAGE = "the inference pool has no ready endpoint"
+SUBSET_MESSAGE = "none of the endpoints the gateway offered for this request (its subset hint) is a ready replica"
 
 
 class ResponseHeaders(enum.Enum):
@@ -144,6 +146,8 @@ class Planner:
         """The routing headers a client must not set: removed from every request."""
         self.max_body_bytes = cfg.features.max_body_bytes
         """Past this much body the request is routed on what has come (the rest let through)."""
+        self.picks_or_refuses = cfg.mode == "endpoint" and cfg.discovery.type == "inference_pool"
+        """An InferencePool's picker: no replica to pick is a 503 (GIE's protocol), never Envoy's own choice."""
 
     def watch(self, *, can_override: bool, whole_body: bool, headers: Mapping[str, str] | None = None) -> Watch:
         """The watch of a request with a body, decided with its ``headers``. ``can_override``: its
@@ -179,6 +183,11 @@ class Planner:
             return Refuse(429, QUOTA_MESSAGE, "quota_exceeded", decision.retry_after_s)
         length = () if routed.body is None else (("content-length", str(len(routed.body))),)
         replica = decision.replica
+        if replica is None and routed.features.subset is not None:
+            # The gateway named where it may go and none of it will do: 503, as GIE's protocol says.
+            return Refuse(503, SUBSET_MESSAGE, "no_endpoint_in_subset")
+        if replica is None and self.picks_or_refuses:
+            return Refuse(503, NO_ENDPOINT_MESSAGE, "no_ready_endpoint")
         if replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): Envoy
             # routes it on its own (the default route), and answers 503 itself if it has none.

@@ -3,11 +3,19 @@
 A flag's value goes into the file's mapping at its key before the mapping is validated, so a
 flag is checked exactly as the key is and wins over the file; an error about a key a flag sets
 names the flag too. ``extproc serve --help`` shows each flag's key.
+
+Every flag is also an environment variable (:attr:`Flag.env`: ``EXTPROC_`` and the flag's name in
+capitals, ``--metrics-listen`` is ``EXTPROC_METRICS_LISTEN``), made from the same table: a
+variable is read only where its flag is not given, converted and checked as the flag is, and then
+as the key is; a repeated flag's variable holds its values separated by whitespace. So the order
+is flag, then environment, then file, then default.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +28,31 @@ from extproc.kvevents.hashing import HashAlgo
 Kind = Literal["value", "pairs", "replicas"]
 
 
+def any_address_port(text: str) -> str:
+    """A port number as GIE's picker flags give it, as the address it means: every interface."""
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"not a port: {text!r}")
+    return f"0.0.0.0:{port}"
+
+
+def cert_dir(text: str) -> dict[str, str]:
+    """A directory holding ``tls.crt`` and ``tls.key`` (a mounted kubernetes.io/tls Secret, as GIE's
+    ``--cert-path``), as ``grpc.tls``."""
+    base = text.rstrip("/") or "/"
+    return {"cert_file": f"{base}/tls.crt", "key_file": f"{base}/tls.key"}
+
+
+def boolean(text: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``), as a flag's value."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Flag:
     """One flag: its name, the file's key it sets (dotted), and how.
@@ -27,7 +60,9 @@ class Flag:
     ``value``: the key takes the flag's value. ``pairs``: a repeated ``KEY=VALUE`` flag adds to
     the key's mapping (``form`` names the two). ``replicas``: repeated ``--replica`` specs replace
     ``replicas:``. With ``switch`` (the section's ``enabled`` key), ``off`` turns the section off
-    and any other value turns it on.
+    and any other value turns it on. With ``implies`` (a key and its value, the ``type`` of a
+    section of several kinds), the flag also sets that key, starting the section afresh when the
+    file's is of another kind.
     """
 
     name: str
@@ -39,11 +74,25 @@ class Flag:
     choices: tuple[str, ...] | None = None
     switch: str | None = None
     form: str = ""
+    implies: tuple[str, str] | None = None
 
     @property
     def dest(self) -> str:
         """The flag's attribute on the parsed arguments."""
         return self.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        """The environment variable that stands for the flag when it is not given."""
+        return env_name(self.name)
+
+
+ENV_PREFIX = "EXTPROC_"
+
+
+def env_name(flag: str) -> str:
+    """The environment variable of a flag: ``--metrics-listen`` -> ``EXTPROC_METRICS_LISTEN``."""
+    return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
 
 
 SERVE_FLAGS: tuple[Flag, ...] = (
@@ -57,6 +106,20 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="NAME=HOST:PORT[,LABEL=VALUE...]",
     ),
     Flag("--mode", "mode", "cluster: a target-cluster header; endpoint: GIE's header", choices=("cluster", "endpoint")),
+    Flag(
+        "--pool-name",
+        "discovery.name",
+        "be this InferencePool's endpoint picker: follow the pool and the pods it selects (as GIE's picker)",
+        metavar="NAME",
+        implies=("discovery.type", "inference_pool"),
+    ),
+    Flag(
+        "--pool-namespace",
+        "discovery.namespace",
+        "the InferencePool's namespace (default: the pod's own)",
+        metavar="NAMESPACE",
+        implies=("discovery.type", "inference_pool"),
+    ),
     Flag(
         "--workers",
         "workers",
@@ -95,6 +158,44 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="FILE",
     ),
     Flag("--tls-key", "grpc.tls.key_file", "PEM private key of --tls-cert", metavar="FILE"),
+    # GIE's picker flags where they mean the same (its chart's and its users' command lines).
+    Flag(
+        "--grpc-port",
+        "listen",
+        "GIE's name: ext_proc on this port of every interface (as --listen 0.0.0.0:PORT)",
+        type=any_address_port,
+        metavar="PORT",
+    ),
+    Flag(
+        "--grpc-health-port",
+        "grpc.health_listen",
+        "GIE's name: plaintext gRPC health on this port of every interface",
+        type=any_address_port,
+        metavar="PORT",
+    ),
+    Flag(
+        "--metrics-port",
+        "metrics.listen",
+        "GIE's name: /metrics on this port of every interface",
+        type=any_address_port,
+        metavar="PORT",
+        switch="metrics.enabled",
+    ),
+    Flag(
+        "--cert-path",
+        "grpc.tls",
+        "GIE's name: serve TLS with DIR/tls.crt and DIR/tls.key (a mounted kubernetes.io/tls Secret)",
+        type=cert_dir,
+        metavar="DIR",
+    ),
+    Flag(
+        "--secure-serving",
+        "grpc.secure_serving",
+        "true: without --tls-cert, serve TLS with a self-signed certificate made at start (GIE's picker "
+        "default); false: plaintext (default: true with --pool-name, else false)",
+        type=boolean,
+        metavar="BOOL",
+    ),
     Flag(
         "--tls-client-ca",
         "grpc.tls.client_ca_file",
@@ -176,7 +277,7 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...] = 
             type=flag.type,
             metavar=flag.metavar,
             choices=flag.choices,
-            help=f"{flag.help} [config {flag.key}]",
+            help=f"{flag.help} [config {flag.key}; env {flag.env}]",
         )
 
 
@@ -221,6 +322,11 @@ def with_flags(
         elif flag.switch is not None and value == "off":
             _set(out, flag.switch, False)
         else:
+            if flag.implies is not None:
+                key, kind = flag.implies
+                if _get(out, key) != kind:
+                    _set(out, key.rpartition(".")[0], {})
+                    _set(out, key, kind)
             _set(out, flag.key, value)
             if flag.switch is not None:
                 _set(out, flag.switch, True)
@@ -232,18 +338,68 @@ def with_flags(
     return out
 
 
-def _naming_flags(message: str, flags: tuple[Flag, ...]) -> str:
+def _from_env(flag: Flag, text: str) -> Any:
+    """A variable's value as its flag's would be: converted by the flag's type, among its choices."""
+    repeated = flag.kind in ("pairs", "replicas")
+    values = text.split() if repeated else [text.strip()]
+    out = []
+    for value in values:
+        try:
+            converted = flag.type(value)
+        except ValueError:
+            kinds = {int: "integer", float: "number", boolean: "boolean", any_address_port: "port"}
+            kind = kinds.get(flag.type, "value")
+            raise ConfigError(f"{flag.env}: not a valid {kind}: {value!r}") from None
+        if flag.choices is not None and converted not in flag.choices:
+            raise ConfigError(f"{flag.env}: expected one of {', '.join(flag.choices)}, got {value!r}")
+        out.append(converted)
+    return out if repeated else out[0]
+
+
+def with_environment(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, flags: tuple[Flag, ...] = SERVE_FLAGS
+) -> tuple[argparse.Namespace, dict[str, Flag]]:
+    """``args`` with each flag not given taken from its environment variable (an empty variable
+    counts as unset), and the flags so taken by their attribute; raises ConfigError naming the
+    variable for a value its flag would refuse."""
+    environ = os.environ if environ is None else environ
+    out = argparse.Namespace(**vars(args))
+    taken: dict[str, Flag] = {}
     for flag in flags:
-        message = message.replace(f"{flag.key}:", f"{flag.key} ({flag.name}):")
+        given = getattr(out, flag.dest, None)
+        text = environ.get(flag.env, "")
+        if (given is None or given == []) and text.strip():
+            setattr(out, flag.dest, _from_env(flag, text))
+            taken[flag.dest] = flag
+    return out, taken
+
+
+def _naming_flags(message: str, flags: tuple[Flag, ...], args: argparse.Namespace, from_env: Mapping[str, Flag]) -> str:
+    """``message`` with each key a flag sets followed by that flag (or its variable): the one given
+    where several set the key, else the first in the table. A key is matched whole (``listen`` is
+    not the end of ``metrics.listen``)."""
+    sources: dict[str, str] = {}
+    for flag in flags:
+        value = getattr(args, flag.dest, None)
+        given = value is not None and value != []
+        if given or flag.key not in sources:
+            sources[flag.key] = flag.env if flag.dest in from_env else flag.name
+    for key, source in sources.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(key)}:", f"{key} ({source}):", message)
     return message
 
 
 def config_from_flags(
-    path: str | Path | None, args: argparse.Namespace, flags: tuple[Flag, ...] = SERVE_FLAGS
+    path: str | Path | None,
+    args: argparse.Namespace,
+    flags: tuple[Flag, ...] = SERVE_FLAGS,
+    environ: Mapping[str, str] | None = None,
 ) -> Config:
-    """The config file at ``path`` (None: every default) with the flags over it, validated."""
+    """The config file at ``path`` (None: every default) with the environment over it and the
+    flags over both, validated."""
+    args, from_env = with_environment(args, environ, flags)
     raw = with_flags(read_mapping(path) if path else {}, args, flags)
     try:
         return config_from_mapping(raw)
     except ConfigError as exc:
-        raise ConfigError(_naming_flags(str(exc), flags)) from None
+        raise ConfigError(_naming_flags(str(exc), flags, args, from_env)) from None

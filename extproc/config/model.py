@@ -243,6 +243,11 @@ class Grpc(Section):
     # kubelet's gRPC probes speak plaintext, so with tls they need a listener of their own.
     health_listen: str | None = option(None, "also serve gRPC health alone, in plaintext, here (kubelet probes)")
     tls: ListenerTls | None = option(None, "TLS on the listener (off by default: loopback)")
+    secure_serving: bool | None = option(
+        None,
+        "without tls: serve TLS with a self-signed certificate made at start (as GIE's picker); "
+        "null: on when following an InferencePool (discovery type inference_pool), else off",
+    )
     grace_s: float = option(5.0, "on SIGTERM, streams in flight get this long to finish", ge=0)
 
 

@@ -1,4 +1,5 @@
-"""Discovery: where the fleet's members come from (the config, DNS, or Kubernetes EndpointSlices).
+"""Discovery: where the fleet's members come from (the config, DNS, Kubernetes EndpointSlices, or
+an InferencePool and its pods).
 
 A :class:`Discovery` source yields complete replica lists; a :class:`DiscoveryLoop` debounces them
 and hands the changes to ``Router.set_replicas`` as joins and leaves. The Kubernetes client and
@@ -8,13 +9,16 @@ dnspython are imported only by the source that needs them.
 from extproc.discovery.dns import DnsDiscovery, DnsPythonResolver, ResolutionError, Resolver, SrvRecord
 from extproc.discovery.endpoint_slices import PortChoice, SliceSet, replicas_of_slice
 from extproc.discovery.factory import build_discovery, run_discovery
+from extproc.discovery.inference_pool import PodSet, PoolSpec, pool_spec, replicas_of_pod
 from extproc.discovery.kubernetes_watch import KubernetesDiscovery
 from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
 from extproc.discovery.observer import DiscoveryObserver, NullDiscoveryObserver
+from extproc.discovery.pool_watch import InferencePoolDiscovery
 from extproc.discovery.settings import (
     SOURCE_KINDS,
     DiscoverySettings,
     DnsSource,
+    InferencePoolSource,
     KubernetesSource,
     StaticSource,
 )
@@ -29,10 +33,14 @@ __all__ = [
     "DnsDiscovery",
     "DnsPythonResolver",
     "DnsSource",
+    "InferencePoolDiscovery",
+    "InferencePoolSource",
     "KubernetesDiscovery",
     "KubernetesSource",
     "MembershipTarget",
     "NullDiscoveryObserver",
+    "PodSet",
+    "PoolSpec",
     "PortChoice",
     "ResolutionError",
     "Resolver",
@@ -42,6 +50,8 @@ __all__ = [
     "StaticSource",
     "build_discovery",
     "canonical",
+    "pool_spec",
+    "replicas_of_pod",
     "replicas_of_slice",
     "run_discovery",
 ]

@@ -9,7 +9,8 @@ from extproc.discovery.dns import DnsDiscovery
 from extproc.discovery.kubernetes_watch import KubernetesDiscovery
 from extproc.discovery.loop import DiscoveryLoop, MembershipTarget
 from extproc.discovery.observer import DiscoveryObserver
-from extproc.discovery.settings import DiscoverySettings, DnsSource, KubernetesSource
+from extproc.discovery.pool_watch import InferencePoolDiscovery
+from extproc.discovery.settings import DiscoverySettings, DnsSource, InferencePoolSource, KubernetesSource
 from extproc.discovery.source import Discovery, StaticDiscovery
 from extproc.routing.model import Replica
 
@@ -28,6 +29,14 @@ def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = (
             port=source.port,
             port_name=source.port_name,
             address_type=source.address_type,
+            kubeconfig=source.kubeconfig,
+            context=source.context,
+            watch_timeout_s=source.watch_timeout_s,
+        )
+    if isinstance(source, InferencePoolSource):
+        return InferencePoolDiscovery(
+            source.name,
+            namespace=source.namespace,
             kubeconfig=source.kubeconfig,
             context=source.context,
             watch_timeout_s=source.watch_timeout_s,

@@ -7,6 +7,7 @@ the two debounce keys::
     discovery: {type: dns, name: vllm.ns.svc.cluster.local, port: 8000, record: A, interval_s: 10}
     discovery: {type: dns, name: _http._tcp.vllm.ns.svc.cluster.local, record: SRV}
     discovery: {type: kubernetes, namespace: llm, service: vllm, port_name: http}
+    discovery: {type: inference_pool, name: vllm, namespace: llm}     # GIE's InferencePool v1
 
 A new list is applied once it has been stable for ``debounce_s`` (so an endpoint flapping faster
 than that causes no churn), but never later than ``max_delay_s`` after the first unapplied
@@ -121,7 +122,24 @@ class KubernetesSource(_Debounced):
         return self
 
 
-SOURCE_KINDS = ("static", "dns", "kubernetes")
+class InferencePoolSource(_Debounced):
+    """An InferencePool (``inference.networking.k8s.io/v1``) and the pods it selects, listed then
+    watched: the processor as the pool's endpoint picker (``--pool-name``, ``--pool-namespace``,
+    as GIE's picker takes them). The pods' port is the pool's ``targetPorts``; their labels
+    (``llm-d.ai/role`` among them) are the replicas'. ``namespace`` None means the pod's own."""
+
+    type: Literal["inference_pool"] = "inference_pool"
+    # A pod's readiness already went through kubelet's probe thresholds: a picker that waited
+    # longer would send to a pod the gateway has stopped offering. So 0, as GIE's picker does.
+    debounce_s: float = option(0.0, "a new list is applied once stable this long", ge=0)
+    name: str = Field(description="the InferencePool followed", pattern=_NAME)
+    namespace: str | None = option(None, "its namespace (default: the pod's own)", pattern=_NAME)
+    kubeconfig: str | None = option(None, "a kubeconfig file (default: in-cluster)", pattern=_NAME)
+    context: str | None = option(None, "its context", pattern=_NAME)
+    watch_timeout_s: int = option(WATCH_TIMEOUT_S, "a watch is resumed this often", ge=1)
+
+
+SOURCE_KINDS = ("static", "dns", "kubernetes", "inference_pool")
 
 
 def _static_by_default(raw: Any) -> Any:
@@ -133,6 +151,8 @@ def _static_by_default(raw: Any) -> Any:
 
 
 DiscoverySettings = Annotated[
-    StaticSource | DnsSource | KubernetesSource, Field(discriminator="type"), BeforeValidator(_static_by_default)
+    StaticSource | DnsSource | KubernetesSource | InferencePoolSource,
+    Field(discriminator="type"),
+    BeforeValidator(_static_by_default),
 ]
 """Config ``discovery:``: one of the sources, by ``type`` (static when absent)."""

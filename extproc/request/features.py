@@ -13,7 +13,8 @@ from extproc.request.objectives import Objectives, fill
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
-from extproc.request.tenant import resolve_tenant
+from extproc.request.subset import SUBSET_KEY, decode_subset
+from extproc.request.tenant import TENANT_HEADER, resolve_tenant
 
 CHARS_PER_TOKEN = 4
 SLO_TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
@@ -74,6 +75,9 @@ class RequestFeatures:
     """The time-per-output-token objective (``x-slo-tpot-ms``), filled the same way."""
     body_bytes: int = 0
     """The body's length as the router got it (a body not parsed is charged by it)."""
+    subset: frozenset[str] | None = None
+    """The endpoints the gateway offers for this request (its subset hint, :mod:`extproc.request.subset`):
+    None without a hint; the decision picks only among these."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -197,8 +201,11 @@ def _from_body(
 
 
 def _classified(features: RequestFeatures, headers: Mapping[str, str], settings: FeatureSettings) -> RequestFeatures:
-    """The request's class (the first rule that matches), and the objectives its class or its
-    tenant gives where its headers give none."""
+    """The request's class (the first rule that matches), the objectives its class or its
+    tenant gives where its headers give none, and the gateway's subset hint."""
+    subset = decode_subset(headers.get(SUBSET_KEY))
+    if subset is not None:
+        features = replace(features, subset=subset)
     rule = None
     if settings.classes:
         rule = classify(

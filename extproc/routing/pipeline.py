@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from extproc.request.features import FeatureSettings, RequestFeatures, uncached_tokens
+from extproc.request.subset import in_subset
 from extproc.routing.cordon import CordonFilter
 from extproc.routing.disagg import Pair, PairInputs, PairSettings, choose_prefill
 from extproc.routing.hot import fingerprint
@@ -94,6 +95,9 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+SUBSET_STEP = "subset"
+"""The step that keeps only the endpoints the gateway offers (its subset hint), in the trace and as
+``Decision.moved_by``."""
 ROLE_STEP = "role"
 """The step that keeps only replicas that decode, where replicas carry roles (in the trace and as
 ``Decision.moved_by``)."""
@@ -194,6 +198,16 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     candidates: list[ReplicaState] = list(snapshot.replicas)
     if trace is not None:
         trace.profile, trace.key_source = profile.name, key_source
+    pinned = view.pinned
+    moved_by = ""
+    if features.subset is not None:
+        # The gateway's word on where this request may go: before everything, and no failing
+        # open (none offered is a 503, as the endpoint-picker protocol says).
+        candidates = _offered(candidates, features.subset, trace)
+        if not candidates:
+            return Decision(replica=None, reason=Reason.NO_REPLICA)
+        if pinned is not None and all(c.name != pinned for c in candidates):
+            moved_by = SUBSET_STEP
     cordons = given.cordons
     if cordons:
         # Before the profile's filters, whatever the profile: a cordon is the operator's word.
@@ -204,9 +218,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
             step.removed = [(c.name, cordon.why(c)) for c in candidates if not cordon.keeps(c, view.pinned)]
             trace.filters.append(step)
         candidates = kept or candidates
-    pinned = view.pinned
-    moved_by = ""
-    if pinned is not None and all(c.name != pinned for c in candidates):
+    if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):
         moved_by = "cordon" if any(s.name == pinned for s in snapshot.replicas) else "membership"
     for flt in profile.filters:
         candidates = flt.filter(cycle, candidates) if trace is None else _traced_filter(flt, cycle, candidates, trace)
@@ -254,6 +266,17 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     if best is not None:
         decision = replace(decision, objective_headroom=best, objective_missed=best < 0.0)
     return decision
+
+
+def _offered(candidates: list[ReplicaState], subset: frozenset[str], trace: DecisionTrace | None) -> list[ReplicaState]:
+    """The candidates among the endpoints the gateway offers (the subset hint)."""
+    kept = [c for c in candidates if in_subset(c.replica.address, subset)]
+    if trace is not None:
+        names = {c.name for c in kept}
+        step = FilterPass(SUBSET_STEP)
+        step.removed = [(c.name, "not offered by the gateway (subset hint)") for c in candidates if c.name not in names]
+        trace.filters.append(step)
+    return kept
 
 
 def _pair(

@@ -54,10 +54,13 @@ class ProcessorServer:
         services: Sequence[Service] = (),
         bind: bool = True,
         reuse_port: bool = False,
+        self_signed: bool = False,
     ) -> None:
         self.router = router
         self.listen = listen
         self.tls = tls
+        self.self_signed_cert: bytes | None = None
+        """The certificate made at start (``self_signed`` without ``tls``), PEM."""
         self.certificates: CertificateFiles | None = None
         self.server = grpc.aio.server(
             options=[
@@ -82,6 +85,10 @@ class ProcessorServer:
         credentials = None
         if tls is not None:
             credentials, self.certificates = server_credentials(tls)  # ValueError names a bad file
+        elif self_signed:
+            from extproc.server.self_signed import self_signed_credentials
+
+            credentials, self.self_signed_cert = self_signed_credentials()
         elif not is_loopback(listen):
             # Anything that reaches a plaintext listener can have requests routed and hold
             # in-flight slots; off loopback that wants TLS or a network policy in front.
@@ -141,7 +148,13 @@ class ProcessorServer:
             assert ready_when is not None
             self._readiness = asyncio.create_task(self._serving_when(ready_when, ready_timeout_s))
         self._checking = asyncio.create_task(self._check_envoy(), name="envoy-check")
-        security = "plaintext" if self.tls is None else "mutual TLS" if self.tls.mutual else "TLS"
+        security = (
+            ("TLS, self-signed" if self.self_signed_cert else "plaintext")
+            if self.tls is None
+            else "mutual TLS"
+            if self.tls.mutual
+            else "TLS"
+        )
         also = "".join(f"; also {name}" for name in self.services)
         log.info(
             "ext_proc server listening on %s (mode %s, %s%s)", self.address, self.router.config.mode, security, also

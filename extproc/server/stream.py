@@ -44,6 +44,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.plan import EVERYTHING, Forward, Plan, Planner, Refuse, Watch
 from extproc.server import envoy_messages as msg
+from extproc.server.subset_hint import with_subset_hint
 from extproc.tracing import TRACEPARENT, TRACESTATE
 
 log = logging.getLogger("extproc.stream")
@@ -166,7 +167,7 @@ class RequestStream:
 
     async def _request_headers(self, request: pb.ProcessingRequest, kind: str) -> Answers:
         headers = request.request_headers
-        self.headers = msg.header_map(headers)
+        self.headers = with_subset_hint(msg.header_map(headers), request)
         if TRACEPARENT in self.trace_context:
             # The client's tracestate belongs to the client's traceparent, not to Envoy's.
             self.headers.pop(TRACESTATE, None)

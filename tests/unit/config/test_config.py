@@ -211,11 +211,18 @@ def test_health_listen_and_response_sample_rate_are_read_and_checked() -> None:
         config_from_mapping({**GOOD, "health": {"response_sample_rate": 1.5}})
 
 
-def _model(annotation: object) -> type[BaseModel] | None:
-    """The section model a field holds (``X | None`` too), else None."""
+def _model(annotation: object, kind: str | None = None) -> type[BaseModel] | None:
+    """The section model a field holds (``X | None`` too; of a union of kinds, the one whose
+    ``type`` is ``kind``), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    return next((a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _model(args[0], kind)
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    if kind is not None:
+        models = [m for m in models if "type" in m.model_fields and m.model_fields["type"].default == kind]
+    return models[0] if models else None
 
 
 def test_every_serve_flag_that_sets_config_is_a_key_of_the_file_and_shows_it() -> None:
@@ -227,7 +234,8 @@ def test_every_serve_flag_that_sets_config_is_a_key_of_the_file_and_shows_it() -
         *sections, last = flag.key.split(".")
         for name in sections:
             assert model is not None and name in model.model_fields, flag.name
-            model = _model(model.model_fields[name].annotation)
+            kind = flag.implies[1] if flag.implies is not None and flag.implies[0] == f"{name}.type" else None
+            model = _model(model.model_fields[name].annotation, kind)
         assert model is not None and last in model.model_fields, f"{flag.name}: no key {flag.key}"
         if flag.switch is not None:
             assert flag.switch.rpartition(".")[0] == flag.key.rpartition(".")[0]
@@ -237,7 +245,7 @@ def test_every_serve_flag_that_sets_config_is_a_key_of_the_file_and_shows_it() -
     not_config = {"-h", "--help", "--config", "--log-level", "--log-format"}
     assert options - not_config == {f.name for f in SERVE_FLAGS}
     help_text = serve.format_help()
-    assert all(f"[config {f.key}]" in " ".join(help_text.split()) for f in SERVE_FLAGS)
+    assert all(f"[config {f.key}; env {f.env}]" in " ".join(help_text.split()) for f in SERVE_FLAGS)
 
 
 def test_a_replicas_per_replica_keys_are_the_replica_flags_labels() -> None:
@@ -280,3 +288,122 @@ def test_the_disaggregation_section_reaches_the_pair_and_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"disaggregation\.threshold: unknown key"):
         config_from_mapping({"disaggregation": {"threshold": 5}})
     assert "x-prefiller-host-port" in cfg.routing_headers  # a client never names a prefill replica
+
+
+def _serve_args(*argv: str) -> object:
+    import argparse
+
+    from extproc.config.cli_flags import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_every_serve_flag_is_an_environment_variable_below_the_flag_and_above_the_file(tmp_path: Path) -> None:
+    import argparse
+
+    from extproc.config.cli_flags import SERVE_FLAGS, config_from_flags
+
+    names = [f.env for f in SERVE_FLAGS]
+    assert len(set(names)) == len(names) and all(n.startswith("EXTPROC_") and n.isupper() for n in names)
+    assert next(f for f in SERVE_FLAGS if f.name == "--metrics-listen").env == "EXTPROC_METRICS_LISTEN"
+    path = tmp_path / "router.yaml"
+    path.write_text("listen: 127.0.0.1:7000\nsessions: {ttl_s: 60}\nkv_events: {tokenizers: {a: /a}}\n")
+    env = {
+        "EXTPROC_LISTEN": "127.0.0.1:7001",
+        "EXTPROC_MODE": "endpoint",
+        "EXTPROC_WORKERS": "1",
+        "EXTPROC_REPLICA": "a=10.0.0.1:8000,pool=gold  b=10.0.0.2:8000",
+        "EXTPROC_TOKENIZER": "b=/b",
+        "EXTPROC_METRICS_LISTEN": "off",
+        "EXTPROC_RESPONSE_SAMPLE_RATE": "0.5",
+        "EXTPROC_STORE": "",  # empty: unset
+    }
+    args = _serve_args()
+    assert isinstance(args, argparse.Namespace)
+    cfg = config_from_flags(path, args, environ=env)
+    assert cfg.listen == "127.0.0.1:7001" and cfg.mode == "endpoint" and cfg.metrics.address is None
+    assert [(r.name, r.address, dict(r.labels)) for r in cfg.replicas] == [
+        ("a", "10.0.0.1:8000", {"pool": "gold"}),
+        ("b", "10.0.0.2:8000", {}),
+    ]
+    assert cfg.kv_events.tokenizers == {"a": "/a", "b": "/b"} and cfg.health.response_sample_rate == 0.5
+    assert cfg.sessions.ttl_s == 60 and cfg.store == "memory://"
+    # A flag wins over its variable.
+    flagged = _serve_args("--listen", "127.0.0.1:7002", "--replica", "c=10.0.0.3:8000")
+    assert isinstance(flagged, argparse.Namespace)
+    cfg = config_from_flags(path, flagged, environ=env)
+    assert cfg.listen == "127.0.0.1:7002" and [r.name for r in cfg.replicas] == ["c"]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"EXTPROC_WORKERS": "two"}, "EXTPROC_WORKERS: not a valid integer: 'two'"),
+        ({"EXTPROC_RESPONSE_SAMPLE_RATE": "half"}, "EXTPROC_RESPONSE_SAMPLE_RATE: not a valid number: 'half'"),
+        ({"EXTPROC_MODE": "magic"}, "EXTPROC_MODE: expected one of cluster, endpoint, got 'magic'"),
+        ({"EXTPROC_RESPONSE_SAMPLE_RATE": "1.5"}, "health.response_sample_rate (EXTPROC_RESPONSE_SAMPLE_RATE):"),
+        ({"EXTPROC_STORE": "mongodb://x"}, "store (EXTPROC_STORE):"),
+        ({"EXTPROC_TOKENIZER": "nodir"}, "--tokenizer: expected MODEL=DIR, got 'nodir'"),
+        ({"EXTPROC_TLS_CERT": "/c.pem"}, "--tls-cert and --tls-key: both are needed"),
+    ],
+)
+def test_a_bad_variable_is_refused_as_its_flag_would_be_naming_it(env: dict[str, str], message: str) -> None:
+    import argparse
+
+    from extproc.config.cli_flags import config_from_flags
+
+    args = _serve_args()
+    assert isinstance(args, argparse.Namespace)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_flags(None, args, environ=env)
+
+
+def test_the_command_line_reads_its_variables_and_tells_its_version(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from importlib.metadata import version
+
+    import extproc
+
+    assert extproc.__version__ == version("extproc-router")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--version"])
+    assert stopped.value.code == 0 and capsys.readouterr().out.strip() == f"extproc {extproc.__version__}"
+    path = tmp_path / "router.yaml"
+    path.write_text("mode: magic\n")
+    monkeypatch.setenv("EXTPROC_CONFIG", str(path))
+    assert main(["serve"]) == 2
+    assert "config error: mode (--mode): Input should be" in capsys.readouterr().err  # the file was read
+    monkeypatch.setenv("EXTPROC_LOG_FORMAT", "xml")
+    with pytest.raises(SystemExit):
+        main(["serve"])
+    assert "EXTPROC_LOG_FORMAT: expected one of text, json, got 'xml'" in capsys.readouterr().err
+
+
+def test_gies_picker_flags_mean_the_same_here_and_errors_name_the_flag_given(tmp_path: Path) -> None:
+    import argparse
+
+    from extproc.config.cli_flags import add_config_flags, config_from_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    argv = "--pool-name vllm --pool-namespace llm --grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090"
+    cfg = config_from_flags(None, parser.parse_args([*argv.split(), "--cert-path", "/etc/certs/"]), environ={})
+    assert (cfg.listen, cfg.grpc.health_listen, cfg.metrics.address) == ("0.0.0.0:9002", "0.0.0.0:9003", "0.0.0.0:9090")
+    assert cfg.grpc.tls is not None
+    assert (cfg.grpc.tls.cert_file, cfg.grpc.tls.key_file) == ("/etc/certs/tls.crt", "/etc/certs/tls.key")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--grpc-port", "70000"])
+    with pytest.raises(ConfigError, match=re.escape("EXTPROC_METRICS_PORT: not a valid port: 'x'")):
+        config_from_flags(None, parser.parse_args([]), environ={"EXTPROC_METRICS_PORT": "x"})
+    # An error about a key names the flag that set it, and a key is matched whole.
+    bad = tmp_path / "router.yaml"
+    bad.write_text("metrics: {listen: [1]}\n")
+    with pytest.raises(ConfigError) as raised:
+        config_from_flags(bad, parser.parse_args([]), environ={})
+    assert "metrics.listen (--metrics-listen):" in str(raised.value)
+    bad.write_text("listen: [1]\n")
+    with pytest.raises(ConfigError, match=re.escape("listen (--listen): Input should be")):
+        config_from_flags(bad, parser.parse_args([]), environ={})
