@@ -14,7 +14,7 @@ from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIReques
 from extproc.request.prefix import block_hashes, model_seed
 from extproc.request.session import SessionSource, session_key
 from extproc.request.subset import SUBSET_KEY, decode_subset
-from extproc.request.tenant import TENANT_HEADER, resolve_tenant
+from extproc.request.tenant import resolve_tenant
 
 CHARS_PER_TOKEN = 4
 SLO_TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
