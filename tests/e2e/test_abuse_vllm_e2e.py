@@ -28,8 +28,9 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
-# 300 words: about 1,500 of the tiny model's tokens, inside its 2,048-token context.
-PROMPT = " ".join(f"word{i % 97}" for i in range(300))
+# 150 words, about 740 of the tiny model's tokens (it cuts about 1.4 characters a token): inside
+# its 2,048-token context, and a body under max_body_bytes, so parsed and tokenized.
+PROMPT = " ".join(f"word{i % 97}" for i in range(150))
 STREAMS = 6
 
 
@@ -39,7 +40,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     require_engines("tiny")
     tmp = tmp_path_factory.mktemp("abuse-vllm")
     config = {
-        "request": {"max_body_bytes": 2500},  # PROMPT's body is parsed, a 3.4 KB one is not
+        "request": {"max_body_bytes": 1500},  # PROMPT's body is parsed, a 1.8 KB one is not
         "budgets": {"enabled": True, "tenants": {"acme": {"per_day": 10**7}, "bulk": {"per_day": 10**7}}},
         "tenants": {"api_keys": tenant_api_keys("acme", "bulk")},
     }
@@ -96,7 +97,7 @@ async def test_streams_abandoned_after_the_first_chunk_are_charged_what_vllm_com
 async def test_a_stream_over_max_body_bytes_is_charged_near_what_vllm_computed(gateway: LocalGateway) -> None:
     gw = gateway
     async with aiohttp.ClientSession() as http:
-        body = chat(gw, "many words " * 300, max_tokens=32, stream=True)  # about 3.4 KB: not parsed
+        body = chat(gw, "many words " * 150, max_tokens=32, stream=True)  # about 1.8 KB: not parsed
 
         async def one() -> None:
             async with http.post(gw.url + CHAT, json=body, headers=as_tenant("bulk")) as r:
@@ -105,5 +106,8 @@ async def test_a_stream_over_max_body_bytes_is_charged_near_what_vllm_computed(g
 
         spent, engines = await measure(http, gw, "bulk", one())
     print(f"\nover max_body_bytes (vLLM): charged {spent:.0f}, engines computed {engines:.0f}")
-    # Charged by the body's size (four bytes a token) and its chunks: the bound of docs/tenancy.md.
-    assert engines * 0.5 <= spent <= engines * 2.0, (spent, engines)
+    # Charged by the body's size at four bytes a token, and its chunks: an estimate whose error is
+    # the model's own bytes per token (the tiny model's 1.4 make it about a third of what the
+    # engine counted; a model near four bytes a token, as the fake replica, near all of it). The
+    # bound of docs/tenancy.md: at least a quarter, at most twice.
+    assert engines * 0.25 <= spent <= engines * 2.0, (spent, engines)
