@@ -97,6 +97,12 @@ class BudgetSettings(Section):
         "the other paths that run the model (/v1/responses, /v1/embeddings, /v1/audio/..., /pooling, /score, "
         "/rerank, ...): metered like chat, or refused with 403",
     )
+    bytes_per_token: float = option(
+        4.0,
+        "a body the router does not parse is reserved and, without a usage report, charged its size at this many "
+        "bytes a token (lower for a model whose tokenizer cuts finer: charged more)",
+        gt=0,
+    )
     output_tokens_per_s: float = option(
         50.0,
         "a request abandoned before its answer is charged its prompt and this many output tokens a second it "

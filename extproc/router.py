@@ -246,7 +246,7 @@ class Router:
             key = self.budgets.key_digest(headers)
             # A body not parsed (over max_body_bytes, not JSON, another API's) reserves by its size.
             budget = await self.budgets.admit(
-                features.tenant, features.charged_prompt_tokens, time.time(), key_digest=key, model=features.model
+                features.tenant, self._prompt_charge(features), time.time(), key_digest=key, model=features.model
             )
             if not budget.admitted:
                 words = BUDGET_MESSAGES[budget.refused_by or "tenant"]
@@ -754,7 +754,10 @@ class Router:
             output = int(max(0.0, ran_s) * self.config.budgets.output_tokens_per_s)
             if features.max_output_tokens is not None:
                 output = min(output, features.max_output_tokens)
-        return Usage(features.charged_prompt_tokens, None, output, estimated=True)
+        return Usage(self._prompt_charge(features), None, output, estimated=True)
+
+    def _prompt_charge(self, features: RequestFeatures) -> int:
+        return features.charged_prompt_tokens(self.config.budgets.bytes_per_token)
 
     def charge_unreported(self, routed: Routed, events: int | None) -> None:
         """A request sent upstream ended without the usage it used being charged (a stream the

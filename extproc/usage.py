@@ -51,7 +51,15 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-_TOKEN_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens", "total_tokens")
+_TOKEN_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "input_tokens",
+    "output_tokens",
+    "total_tokens",
+    "prompt_tokens_details",
+    "input_tokens_details",
+)
 
 
 def parse_usage(obj: Mapping[str, Any]) -> Usage:

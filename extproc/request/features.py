@@ -84,12 +84,11 @@ class RequestFeatures:
         """The prompt's tokens where known, else an estimate: about four characters a token."""
         return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN
 
-    @property
-    def charged_prompt_tokens(self) -> int:
+    def charged_prompt_tokens(self, bytes_per_token: float = CHARS_PER_TOKEN) -> int:
         """The prompt tokens a budget reserves and, when the response reports none, charges: the
         estimate, or for a body that was not parsed (over ``max_body_bytes``, not JSON, another
-        path's) about four bytes a token of it."""
-        return self.estimated_prompt_tokens or self.body_bytes // CHARS_PER_TOKEN
+        path's) its size at ``bytes_per_token`` (``budgets.bytes_per_token``)."""
+        return self.estimated_prompt_tokens or int(self.body_bytes / bytes_per_token)
 
 
 def objective_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:

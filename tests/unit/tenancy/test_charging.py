@@ -53,7 +53,7 @@ async def test_a_stream_abandoned_after_its_first_chunks_is_charged_its_prompt_a
     body = chat_body("tell me a long story " * 20, stream=True)
     plan = await planner.plan(ACME, body, Watch(meter=True))
     assert isinstance(plan.action, Forward)
-    prompt = plan.routed.features.charged_prompt_tokens
+    prompt = plan.routed.features.charged_prompt_tokens()
     assert prompt > 50
     assert planner.response_headers(plan, {":status": "200"})
     await planner.response_body(plan, ROLE + token("Once"), False)
@@ -86,7 +86,7 @@ async def test_an_answer_never_seen_is_charged_its_prompt_and_output_from_the_ti
     r = router(clock, output_tokens_per_s=10.0)
     planner = Planner(r)
     plan = await planner.plan(ACME, chat_body("summarise " * 40, max_tokens=500), Watch(meter=True))
-    prompt = plan.routed.features.charged_prompt_tokens
+    prompt = plan.routed.features.charged_prompt_tokens()
     clock.now += 4.0  # four seconds in, the client gives up before the JSON answer
     planner.end(plan)
     assert used(r) == prompt + 40
@@ -94,7 +94,7 @@ async def test_an_answer_never_seen_is_charged_its_prompt_and_output_from_the_ti
     plan = await planner.plan(ACME, chat_body("short", max_tokens=5), Watch(meter=True))
     clock.now += 60.0
     planner.end(plan)
-    assert used(r) == prompt + 40 + plan.routed.features.charged_prompt_tokens + 5
+    assert used(r) == prompt + 40 + plan.routed.features.charged_prompt_tokens() + 5
 
 
 async def test_refused_errored_and_unstarted_streams_are_charged_nothing() -> None:
@@ -123,12 +123,18 @@ async def test_a_body_not_parsed_reserves_by_its_size_is_refused_out_of_budget_a
     small = chat_body("y" * 2000, stream=True)  # still over 100 bytes: about 500 tokens by size
     plan = await planner.plan(ACME, small, Watch(meter=True))
     assert isinstance(plan.action, Forward) and plan.routed.features.body_error is not None
-    assert plan.routed.features.charged_prompt_tokens == len(small) // 4
+    assert plan.routed.features.charged_prompt_tokens() == len(small) // 4
     planner.response_headers(plan, {":status": "200"})
     await planner.response_body(plan, ROLE + token("a") + token("b") + b"data: [DONE]\n\n", True)
     planner.end(plan)
     assert used(r) == len(small) // 4 + 3
     assert r.meter is not None and r.meter.rows()[0].estimated == len(small) // 4 + 3
+    # A model whose tokenizer cuts finer: the operator says so, and such a body is charged more.
+    finer = Router(
+        make_config(budgets=BudgetSettings(enabled=True, bytes_per_token=2.0), request=Request(max_body_bytes=100))
+    )
+    plan = await Planner(finer).plan(ACME, small, Watch(meter=True))
+    assert finer.estimated_usage(plan.routed, 0).input == len(small) // 2
 
 
 async def test_other_apis_that_run_the_model_are_metered_or_refused() -> None:
