@@ -28,10 +28,23 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=d.system_words)
     p.add_argument("--time-scale", type=float, default=d.time_scale)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--modes", default="keyed,keyless", help="comma-separated: keyed, keyless")
+    p.add_argument("--modes", default="keyed,keyless,keyless_off", help="comma-separated: keyed, keyless, keyless_off")
+    p.add_argument(
+        "--session-tokens",
+        type=int,
+        default=None,
+        help="the default profile with prefill_cost.session_tokens=N (default: the default profile as it is)",
+    )
     args = p.parse_args()
     settings = KeylessSettings(
-        args.replicas, args.sessions, args.turns, args.concurrency, args.system_words, args.time_scale, args.seed
+        args.replicas,
+        args.sessions,
+        args.turns,
+        args.concurrency,
+        args.system_words,
+        args.time_scale,
+        args.seed,
+        args.session_tokens,
     )
     results = compare(settings, tuple(args.modes.split(",")))
     print(table(results, settings.replicas))

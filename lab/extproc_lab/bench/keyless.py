@@ -14,14 +14,19 @@ chat client does); ``concurrency`` conversations run at once. Per run, measured 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
+from extproc.routing.registry import DEFAULT_PROFILE
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, shared_prompt_chat
 from extproc_lab.stats import percentile
@@ -143,21 +148,41 @@ class KeylessSettings:
     system_words: int = 1500
     time_scale: float = 0.05
     seed: int = 11
-    processor_args: tuple[str, ...] = ()
+    session_tokens: int | None = None
+    """The default profile with ``prefill_cost.session_tokens`` set to this (the price of each
+    conversation live on a replica beyond its share); None: the default profile as it is."""
+
+
+def router_config(settings: KeylessSettings, conversations: bool = True) -> dict[str, Any]:
+    """The router's config for a run: the default profile with ``session_tokens`` where set, and
+    ``request.conversations``."""
+    config: dict[str, Any] = {"request": {"conversations": conversations}}
+    if settings.session_tokens is not None:
+        profile = copy.deepcopy(DEFAULT_PROFILE)
+        for scorer in profile["scorers"]:
+            if scorer["type"] == "prefill_cost":
+                scorer["parameters"] = {**scorer.get("parameters", {}), "session_tokens": settings.session_tokens}
+        config["profile"] = profile
+    return config
+
+
+def run_mode(settings: KeylessSettings, mode: str) -> RunResult:
+    """One run on a fresh gateway (fresh fake replicas and processor): ``keyed`` with
+    ``x-session-id``, ``keyless`` without, ``keyless_off`` without and with ``request.conversations``
+    off (the router before conversations were known by their messages)."""
+    convs = shared_prompt_chat(settings.sessions, settings.turns, settings.seed, settings.system_words)
+    with tempfile.TemporaryDirectory(prefix="keyless-") as tmp:
+        path = Path(tmp) / "router.yaml"
+        path.write_text(yaml.safe_dump(router_config(settings, conversations=mode != "keyless_off")))
+        args = ("--config", str(path))
+        with LocalGateway(replicas=settings.replicas, time_scale=settings.time_scale, processor_args=args) as gw:
+            run = run_workload(gw.url, convs, keyed=mode == "keyed", concurrency=settings.concurrency, mode=mode)
+            return asyncio.run(run)
 
 
 def compare(settings: KeylessSettings, modes: tuple[str, ...] = ("keyed", "keyless")) -> list[RunResult]:
-    """One run per mode (``keyed``: with ``x-session-id``; ``keyless``: without), each on a fresh
-    gateway (fresh fake replicas and processor), the same conversations."""
-    out = []
-    for mode in modes:
-        convs = shared_prompt_chat(settings.sessions, settings.turns, settings.seed, settings.system_words)
-        with LocalGateway(
-            replicas=settings.replicas, time_scale=settings.time_scale, processor_args=settings.processor_args
-        ) as gw:
-            run = run_workload(gw.url, convs, keyed=mode == "keyed", concurrency=settings.concurrency)
-            out.append(asyncio.run(run))
-    return out
+    """One run per mode (:func:`run_mode`), the same conversations."""
+    return [run_mode(settings, mode) for mode in modes]
 
 
 def table(results: list[RunResult], replicas: int) -> str:
