@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from extproc.request import FeatureSettings, extract_features, model_seed
 from extproc.request.conversation import conversation_chain, conversation_key
 
@@ -83,3 +86,21 @@ def test_only_keyless_chat_requests_carry_a_chain() -> None:
 
 def test_a_conversation_key_is_sixteen_hex_digits() -> None:
     assert conversation_key(255) == "conv-00000000000000ff"
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(["role", "content", "tool_calls", "x"]), c),
+    max_leaves=12,
+)
+
+
+@given(st.lists(_json, max_size=6), _json)
+def test_any_json_messages_hash_and_a_resent_history_continues(messages: list[object], tools: object) -> None:
+    chain = conversation_chain(messages, tools, SEED)
+    if not messages:
+        assert chain is None
+        return
+    assert chain is not None and 0 <= chain.turn_messages <= chain.messages == len(messages)
+    follow = conversation_chain([*messages, assistant("a"), user("q")], tools, SEED)
+    assert follow is not None and follow.turn == chain.end

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from extproc.admin.client import render
 from extproc.admin.service import explanation_message
 from extproc.router import Router
 from extproc.routing import Reason
@@ -30,6 +31,9 @@ async def test_a_keyless_conversation_is_pinned_and_explain_says_how_it_was_know
         message = explanation_message(explained)
         assert (message.conversation, message.session) == ("continued", first.features.session_key)
         assert message.pinned == replica
+        assert f"conversation continued (no session key; known by its messages): {message.session}" in render(
+            "explain", message
+        )
         routed = await router.route({":path": CHAT}, body(messages))
         assert routed.decision.reason is Reason.STICKY and routed.decision.replica is not None
         assert routed.decision.replica.name == replica
