@@ -270,6 +270,9 @@ class EventCacheState:
                 while len(self._held) > self._hash_cap:
                     self._held.popitem(last=False)
             self.metrics.tokens_predicted(replica, matched_blocks * features.tokens_per_block)
+        else:
+            with self._lock:  # an object of the same identity decided earlier is not this request
+                self._held.pop(id(features), None)
         if not self.source.suspended.get(replica):
             # A suspended feed's index is only checked, never used: credit would make its checked
             # predictions claim this very request's blocks.
