@@ -221,6 +221,8 @@ class Router:
         # The body sent instead of the client's, serialized once whatever changed it.
         rewritten = encode_body(request.body.body) if changed and request.body is not None else None
         features = await self.conversations.identify(request.features, start)
+        if features.conversation is not None and features.conversation.match is not None:
+            self.metrics.conversations.labels(features.conversation.match).inc()
         if self.kv_events is not None:
             features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
         budget = None

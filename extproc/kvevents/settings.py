@@ -29,10 +29,11 @@ class KvEventSettings(Section):
     keeps its full value while its replica's events show it holding at least this fraction of the
     prompt's blocks; below it the pin is worth what the replica still holds, at least the session
     scorer's ``floor``; a block an offloading connector holds in CPU memory or on storage counts
-    as held there. ``cpu_weight``, ``storage_weight``: what such a block is worth in a match against
-    one on the GPU (the defaults are llm-d's CPU weight and Dynamo's disk weight). ``lora_adapters``: vLLM puts the adapter's name into every block's hash, so
-    its requests are tokenized with the base's tokenizer, hashed with the name as extra key and
-    matched in the base model's index.
+    as held there. ``cpu_weight``, ``storage_weight``: what such a block is worth in a match
+    against one on the GPU (the defaults are llm-d's CPU weight and Dynamo's disk weight).
+    ``lora_adapters``: vLLM puts the adapter's name into every block's hash, so its requests are
+    tokenized with the base's tokenizer, hashed with the name as extra key and matched in the base
+    model's index.
     """
 
     listen: str | None = option(

@@ -38,6 +38,13 @@ async def test_a_keyless_conversation_is_pinned_and_explain_says_how_it_was_know
         assert routed.decision.reason is Reason.STICKY and routed.decision.replica is not None
         assert routed.decision.replica.name == replica
         assert routed.features.session_key == first.features.session_key
+    counted = {
+        s.labels["match"]: s.value
+        for m in router.metrics.conversations.collect()
+        for s in m.samples
+        if s.name == "extproc_conversations_total"
+    }
+    assert counted == {"new": 1, "continued": 3}  # Explain counts nothing
     # A keyed request explains no conversation.
     keyed = explanation_message(await router.explain({":path": CHAT, "x-session-id": "s"}, body(messages)))
     assert (keyed.conversation, keyed.session) == ("", "s")
