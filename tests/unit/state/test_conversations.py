@@ -75,3 +75,19 @@ class BrokenStore(MemoryStore):
 async def test_a_failing_store_opens_a_conversation_instead_of_failing() -> None:
     f = await Conversations(BrokenStore()).identify(features(turns()[1]), 0.0)
     assert f.conversation is not None and f.conversation.match == "unmatched" and f.session_key is not None
+
+
+async def test_conversations_opening_with_the_same_messages_share_one_identity() -> None:
+    # A known limit, stated in docs/routing.md: the answers that would tell them apart are not
+    # seen before the second turn, which finds the chain both first turns ended with.
+    book = Conversations(MemoryStore())
+    opening = [SYSTEM, {"role": "user", "content": "hello"}]
+    first = await book.identify(features(opening), 0.0)
+    await book.remember(first, 0.0)
+    keys = set()
+    for answer in ("hi there", "good morning"):
+        later = await book.identify(
+            features([*opening, {"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]), 1.0
+        )
+        keys.add(later.session_key)
+    assert keys == {first.session_key}
