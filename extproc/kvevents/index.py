@@ -6,7 +6,7 @@ mapped to ours for removals. All replicas share one dict ``key -> holders``, the
 int with three bits per replica slot (bit ``3s``: on the GPU, ``3s + 1``: in CPU memory, ``3s + 2``: on
 another tier, vLLM's ``STORAGE``), so:
 
-- an entry costs one dict slot, one int key and (past four replicas) one small int: about 100 bytes
+- an entry costs one dict slot, one int key and (past two replica slots, beyond the interpreter's cached small ints) one more int: about 100 bytes
   (measured by ``benchmarks/kv_events.py``), plus one more dict entry per replica in content mode;
 - the longest cached prefix of every replica comes from one walk down the request's chain that
   stops where the last replica's run ends: no scan of the index;
