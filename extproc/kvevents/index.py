@@ -3,11 +3,12 @@
 One :class:`ModelIndex` per model. A block is keyed by the engine's hash (int form) when the fleet's
 hash is reproducible, else by our content hash of its token ids, with each replica's engine hashes
 mapped to ours for removals. All replicas share one dict ``key -> holders``, the holders being an
-int with three bits per replica slot (bit ``3s``: on the GPU, ``3s + 1``: in CPU memory, ``3s + 2``: on
-another tier, vLLM's ``STORAGE``), so:
+int with three bits per replica slot (bit ``3s``: on the GPU, ``3s + 1``: in CPU memory,
+``3s + 2``: on another tier, vLLM's ``STORAGE``), so:
 
-- an entry costs one dict slot, one int key and (past two replica slots, beyond the interpreter's cached small ints) one more int: about 100 bytes
-  (measured by ``benchmarks/kv_events.py``), plus one more dict entry per replica in content mode;
+- an entry costs one dict slot, one int key and (past two replica slots, beyond the interpreter's
+  cached small ints) one more int: about 100 bytes (measured by ``benchmarks/kv_events.py``), plus
+  one more dict entry per replica in content mode;
 - the longest cached prefix of every replica comes from one walk down the request's chain that
   stops where the last replica's run ends: no scan of the index;
 - a replica's removal touches only its blocks; clearing a replica (reset, restart, lost events)
