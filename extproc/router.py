@@ -69,6 +69,7 @@ from extproc.routing.pipeline import Decider, DecisionInputs, Profile, Profiles,
 from extproc.routing.registry import build_profile
 from extproc.routing.trace import DecisionTrace, Explanation
 from extproc.sampling import RateSampler
+from extproc.state.conversations import Conversations
 from extproc.state.memory import MemoryStore
 from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
@@ -146,6 +147,7 @@ class Router:
         self.store: AffinityStore = store or MemoryStore(
             config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
+        self.conversations = Conversations(self.store)  # keyless chat requests' conversations
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
         self.meter: TokenMeter | None = None
@@ -234,7 +236,9 @@ class Router:
                 changed = strip_usage = True
         # The body sent instead of the client's, serialized once whatever changed it.
         rewritten = encode_body(request.body.body) if changed and request.body is not None else None
-        features = request.features
+        features = await self.conversations.identify(request.features, start)
+        if features.conversation is not None and features.conversation.match is not None:
+            self.metrics.conversations.labels(features.conversation.match).inc()
         if self.kv_events is not None:
             features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
         budget = None
@@ -369,6 +373,7 @@ class Router:
                     decision.pin,
                     model=features.model,
                 )
+                await self.conversations.remember(features, start)
                 if decision.prefill is not None:  # it holds the prompt too once it prefilled it
                     await self.store.record(
                         None, decision.prefill.name, features.prefix_hashes, start, False, model=features.model
@@ -460,7 +465,7 @@ class Router:
         without side effects: nothing is pinned, counted, indexed or refreshed."""
         now = self.clock()
         request = read_request(headers, body, self.config.features)
-        features = request.features
+        features = await self.conversations.identify(request.features, now, peek=True)
         if self.kv_events is not None:  # the prompt's blocks as route() hashes them (a memo, no state)
             features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
         try:

@@ -337,6 +337,8 @@ def render(call: str, reply: Any) -> str:
         )
         if reply.body_error:
             head += f"body: {reply.body_error}\n"
+        if reply.conversation:
+            head += f"conversation {reply.conversation} (no session key; known by its messages): {reply.session}\n"
         if reply.pair_reason:
             hop = f"prefill on {reply.prefill}, {reply.transfer_blocks} blocks cross" if reply.prefill else "no hop"
             head += f"pair {reply.pair_reason}: decode on {reply.replica or '-'}, {hop}\n"

@@ -96,6 +96,8 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
         prefill=d.prefill.name if d.prefill is not None else "",
         pair_reason=d.pair.value if d.pair is not None else "",
         transfer_blocks=d.transfer_blocks,
+        conversation=(f.conversation.match or "") if f.conversation is not None else "",
+        session=f.session_key or "",
     )
 
 

@@ -187,6 +187,10 @@ class Request(Section):
     max_body_bytes: int = option(
         FeatureSettings().max_body_bytes, "larger bodies are routed on the session key without parsing", ge=1
     )
+    conversations: bool = option(
+        FeatureSettings().conversations,
+        "a chat request without a session key is known by its messages (its conversation's session)",
+    )
 
 
 class Prefix(Section):
@@ -577,6 +581,7 @@ class Config(Section):
             block_chars=self.prefix.block_chars,
             max_blocks=self.prefix.max_blocks,
             max_body_bytes=self.request.max_body_bytes,
+            conversations=self.request.conversations,
             api_keys=self.tenants.api_keys,
             classes=self.classes,
             tenant_objectives={

@@ -100,6 +100,7 @@ class EventCacheState:
             default_algo=settings.hash_algo,
             max_blocks_per_replica=settings.max_blocks_per_replica,
             speculative_ttl_s=settings.speculative_ttl_s,
+            weights=settings.tier_weights,
         )
         self.source = KvEventSource(index, clock, self.metrics, settings.stale_after_s)
         self.layouts = EngineLayouts(settings.block_size, settings.hash_algo, self.metrics)
@@ -111,6 +112,9 @@ class EventCacheState:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._hashes: OrderedDict[str, tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
         self._hash_cap = hash_sessions
+        # Per request just decided (by its features' identity, until its prediction is read): the
+        # chosen replica and the blocks it held on any tier.
+        self._held: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.subscriptions: Any = None  # extproc.kvevents.subscriber.Subscriptions, made by start()
         self._members: list[Replica] = []
@@ -230,11 +234,12 @@ class EventCacheState:
         live = self.source.live(members, now)
         if not live:
             return view
-        from_events = self.source.matches(self.settings.resolve(features.model)[0], features.prefix_hashes, live, now)
+        model = self.settings.resolve(features.model)[0]
+        from_events = self.source.holdings(model, features.prefix_hashes, live, now)
         matches = {r: n for r, n in view.prefix_matches.items() if r not in live}
-        for replica, blocks in from_events.items():
-            if blocks >= 1:
-                matches[replica] = int(blocks)
+        for replica, (_, weighted) in from_events.items():
+            if weighted >= 1:
+                matches[replica] = int(weighted)
         pinned = view.pinned
         # When the pinned replica's own events show it lost most of the conversation (evicted
         # under pressure), the pin is marked lost: it is then worth what the replica still holds
@@ -242,7 +247,9 @@ class EventCacheState:
         # hold on this conversation outweighs the price of moving. A pin dropped outright sent
         # each next turn to wherever a shared system prompt was, and scattered conversations
         # over caches that were already full.
-        held = matches.get(pinned, 0) if pinned is not None else 0
+        # Judged on what any tier holds: a conversation its GPU evicted while CPU memory or storage
+        # keeps it is loaded back there, not lost.
+        held = from_events[pinned][0] if pinned in from_events else 0
         lost = view.pin_lost
         if pinned in live and held < self.settings.unpin_below * len(features.prefix_hashes):
             lost = "kv_events"
@@ -253,7 +260,19 @@ class EventCacheState:
         if not features.tokens_per_block:
             return
         if self.source.is_live(replica, now):
+            # What it holds on any tier, before the credit below: the engine reports the blocks it
+            # loads from CPU memory or storage among its cached tokens, as those it had on the GPU.
+            model = self.settings.resolve(features.model)[0]
+            held = self.source.holdings(model, features.prefix_hashes, [replica], now).get(replica, (0, 0.0))[0]
+            matched_blocks = max(matched_blocks, held)
+            with self._lock:
+                self._held[id(features)] = (replica, matched_blocks)
+                while len(self._held) > self._hash_cap:
+                    self._held.popitem(last=False)
             self.metrics.tokens_predicted(replica, matched_blocks * features.tokens_per_block)
+        else:
+            with self._lock:  # an object of the same identity decided earlier is not this request
+                self._held.pop(id(features), None)
         if not self.source.suspended.get(replica):
             # A suspended feed's index is only checked, never used: credit would make its checked
             # predictions claim this very request's blocks.
@@ -274,11 +293,15 @@ class EventCacheState:
         if not features.tokens_per_block:
             return None
         if self.source.is_live(replica, now):
+            with self._lock:
+                held = self._held.pop(id(features), None)
+            if held is not None and held[0] == replica:
+                matched_blocks = max(matched_blocks, held[1])
             return matched_blocks * features.tokens_per_block
         if self.source.suspended.get(replica) == {"predictions"} and self.source.speaks(replica, now):
             model = self.settings.resolve(features.model)[0]
-            blocks = self.source.matches(model, features.prefix_hashes, [replica], now).get(replica, 0.0)
-            return int(blocks) * features.tokens_per_block
+            blocks = self.source.holdings(model, features.prefix_hashes, [replica], now).get(replica, (0, 0.0))[0]
+            return blocks * features.tokens_per_block
         return None
 
     def check(self, replica: str, predicted: int, reported: int | None, block_size: int) -> str:

@@ -230,6 +230,16 @@ class KvEventSource:
             return {}
         return idx.matches(keys, now, replicas)
 
+    def holdings(
+        self, model: str, keys: Sequence[int], replicas: Iterable[str], now: float
+    ) -> dict[str, tuple[int, float]]:
+        """Per replica of ``replicas``, its longest cached prefix of ``keys`` on any tier in blocks,
+        and the same weighed by tier (:meth:`ModelIndex.holdings`)."""
+        idx = self.index.for_request(model)
+        if idx is None or not keys:
+            return {}
+        return idx.holdings(keys, now, replicas)
+
     def credit(self, model: str, replica: str, keys: Sequence[int], now: float) -> None:
         """Speculative credit for the replica a request was just sent to."""
         if replica in self.feeds and keys:

@@ -3,10 +3,12 @@
 One :class:`ModelIndex` per model. A block is keyed by the engine's hash (int form) when the fleet's
 hash is reproducible, else by our content hash of its token ids, with each replica's engine hashes
 mapped to ours for removals. All replicas share one dict ``key -> holders``, the holders being an
-int with two bits per replica slot (bit ``2s``: on the GPU, bit ``2s + 1``: on another tier), so:
+int with three bits per replica slot (bit ``3s``: on the GPU, ``3s + 1``: in CPU memory,
+``3s + 2``: on another tier, vLLM's ``STORAGE``), so:
 
-- an entry costs one dict slot, one int key and (past four replicas) one small int: about 100 bytes
-  (measured by ``benchmarks/kv_events.py``), plus one more dict entry per replica in content mode;
+- an entry costs one dict slot, one int key and (past two replica slots, beyond the interpreter's
+  cached small ints) one more int: about 100 bytes (measured by ``benchmarks/kv_events.py``), plus
+  one more dict entry per replica in content mode;
 - the longest cached prefix of every replica comes from one walk down the request's chain that
   stops where the last replica's run ends: no scan of the index;
 - a replica's removal touches only its blocks; clearing a replica (reset, restart, lost events)
@@ -20,6 +22,14 @@ replica, never the rank. So each (replica, rank) has its own slot: a rank's ``Bl
 rank holds, and a replica's match is its best rank's (it holds a block if any rank does). That is
 optimistic by design: whether the request lands on that rank is the server's choice, and the index
 cannot do better without choosing ranks (a server with one rank is exact).
+
+Tiers: vLLM's offloading connectors copy blocks to CPU memory or storage and say so
+(``medium`` on ``BlockStored``/``BlockRemoved``). A tier's removal drops that tier's copy only: a
+block evicted from the GPU while CPU memory holds it is still held, worth its tier's weight
+(:class:`TierWeights`) in a match, and whole in :meth:`ModelIndex.holdings`' length (the engine
+loads it instead of computing it, and reports it among its cached tokens). A copy announced twice
+(vLLM's offloading events re-announce a hash shared by two chunks) is one copy here, and its first
+removal drops it: an under-claim, never a claim of what is gone.
 
 Speculative credit: between a decision and the replica's ``BlockStored``, the chosen replica is
 credited with the prompt's blocks for a short TTL, so a burst of one prefix does not scatter.
@@ -35,8 +45,30 @@ from extproc.kvevents.hashing import CONTENT_SEED, HashAlgo, content_chain
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 GPU = "GPU"
-OFFLOAD_WEIGHT = 0.8
-"""A block on a slower tier (CPU, disk) is worth this much of one on the GPU (llm-d's weights)."""
+CPU = "CPU"
+STORAGE = "STORAGE"
+_TIER_BITS = 3
+
+
+def tier_of(medium: str) -> int:
+    """A ``medium`` as the index's tier: 0 the GPU (the engine's own pool), 1 CPU memory, 2 any
+    other (vLLM's ``STORAGE``; a name it may add later is taken as the slowest)."""
+    name = medium.upper()
+    return 0 if name == GPU else 1 if name == CPU else 2
+
+
+@dataclass(frozen=True, slots=True)
+class TierWeights:
+    """What a block held only on a slower tier is worth in a match, against 1 for the GPU: it is
+    loaded rather than computed, which costs time and bandwidth too. The defaults are the peers':
+    llm-d scores a CPU block 0.8 of a GPU one, Dynamo weighs host memory 0.75 and disk 0.25."""
+
+    cpu: float = 0.8
+    storage: float = 0.25
+
+
+OFFLOAD_WEIGHT = TierWeights().cpu
+"""A block held in CPU memory only is worth this much of one on the GPU (the default weight)."""
 
 
 @dataclass(slots=True)
@@ -60,10 +92,12 @@ class ModelIndex:
         algo: HashAlgo = HashAlgo.SHA256,
         max_blocks_per_replica: int = 1_000_000,
         speculative_ttl_s: float = 2.0,
+        weights: TierWeights = TierWeights(),
     ) -> None:
         self.algo = algo
         self.max_blocks_per_replica = max_blocks_per_replica
         self.speculative_ttl_s = speculative_ttl_s
+        self.weights = weights
         self._holders: dict[int, int] = {}
         self._slots: dict[tuple[str, int], int] = {}  # (replica, data-parallel rank) -> slot
         self._names: dict[int, str] = {}  # slot -> replica
@@ -105,9 +139,9 @@ class ModelIndex:
 
     def _clear_slot(self, who: tuple[str, int]) -> int:
         slot = self._slots[who]
-        mask = ~(3 << (2 * slot))
+        mask = ~(7 << (_TIER_BITS * slot))
         holders = self._holders
-        for key in [k for k, v in holders.items() if v >> (2 * slot) & 3]:
+        for key in [k for k, v in holders.items() if v >> (_TIER_BITS * slot) & 7]:
             rest = holders[key] & mask
             if rest:
                 holders[key] = rest
@@ -175,7 +209,7 @@ class ModelIndex:
         return keys
 
     def _store(self, replica: tuple[str, int], slot: int, ev: BlockStored, result: ApplyResult) -> None:
-        bit = 1 << (2 * slot + (0 if ev.medium == GPU else 1))
+        bit = 1 << (_TIER_BITS * slot + tier_of(ev.medium))
         holders = self._holders
         added = 0
         for key in self._keys_for_store(replica, ev, result):
@@ -187,7 +221,9 @@ class ModelIndex:
         result.stored += added
 
     def _remove(self, replica: tuple[str, int], slot: int, ev: BlockRemoved, result: ApplyResult) -> None:
-        bit = 1 << (2 * slot + (0 if ev.medium == GPU else 1))
+        tier = tier_of(ev.medium)
+        bit = 1 << (_TIER_BITS * slot + tier)
+        mine = 7 << (_TIER_BITS * slot)
         holders = self._holders
         mapping = self._engine_keys[replica] if self.algo is HashAlgo.CONTENT else None
         removed = 0
@@ -197,18 +233,22 @@ class ModelIndex:
                 key = mapping.get(engine_hash)
                 if key is None:
                     continue
-                if ev.medium == GPU:
-                    del mapping[engine_hash]
             else:
                 key = engine_hash
             old = holders.get(key, 0)
+            left = old & ~bit
             if old & bit:
                 removed += 1
-                if old & ~bit:
-                    holders[key] = old & ~bit
+                if left:
+                    holders[key] = left
                 else:
                     del holders[key]
-            spec_keys.append(key)
+            # Content mode: the engine's hash keeps its key while another tier holds the block,
+            # so that tier's removal, and a child stored under it, still find it.
+            if mapping is not None and not left & mine:
+                del mapping[engine_hash]
+            if tier == 0:
+                spec_keys.append(key)
         self._counts[replica] -= removed
         result.removed += removed
         if self._spec:
@@ -222,7 +262,7 @@ class ModelIndex:
         if not keys or self.speculative_ttl_s <= 0:
             return
         self._expire(now)
-        bit = 1 << (2 * self._slot(replica))
+        bit = 1 << (_TIER_BITS * self._slot(replica))
         spec = self._spec
         for key in keys:
             spec[key] = spec.get(key, 0) | bit
@@ -240,7 +280,7 @@ class ModelIndex:
                     spec.pop(key, None)
 
     def _clear_spec(self, slot: int, keys: Sequence[int] | None) -> None:
-        bit = 1 << (2 * slot)
+        bit = 1 << (_TIER_BITS * slot)
         spec = self._spec
         for key in list(spec) if keys is None else keys:
             v = spec.get(key)
@@ -253,27 +293,37 @@ class ModelIndex:
     # -- lookups ----------------------------------------------------------------------------
     def matches(self, keys: Sequence[int], now: float, replicas: Iterable[str] | None = None) -> dict[str, float]:
         """Per replica, its longest run of ``keys`` from the first, in GPU-block equivalents (a
-        block held only on a slower tier counts :data:`OFFLOAD_WEIGHT`). Only ``replicas`` (default:
+        block held only on a slower tier counts its tier's weight). Only ``replicas`` (default:
         all known) are considered; replicas without a match are left out."""
+        return {name: weighted for name, (_, weighted) in self.holdings(keys, now, replicas).items()}
+
+    def holdings(
+        self, keys: Sequence[int], now: float, replicas: Iterable[str] | None = None
+    ) -> dict[str, tuple[int, float]]:
+        """Per replica, its longest run of ``keys`` from the first held on any tier, in blocks,
+        and the same run weighed by tier (:meth:`matches`); its best rank's. Replicas without a
+        match are left out."""
         self._expire(now)
         names = None if replicas is None else set(replicas)
         wanted = [slot for (r, _), slot in self._slots.items() if names is None or r in names]
         open_ = 0
         for slot in wanted:
-            open_ |= 1 << (2 * slot)
+            open_ |= 1 << (_TIER_BITS * slot)
         if not open_:
             return {}
         even = open_  # the GPU bits of the replicas asked about
         holders_get, spec_get = self._holders.get, self._spec.get
         has_spec = bool(self._spec)
         ends: dict[int, int] = {}
-        offload: dict[int, int] = {}
+        cpu_only: dict[int, int] = {}
+        storage_only: dict[int, int] = {}
         for i, key in enumerate(keys):
             bits = holders_get(key, 0)
             if has_spec:
                 bits |= spec_get(key, 0)
             gpu = bits & even
-            present = (gpu | (bits >> 1)) & open_
+            cpu = (bits >> 1) & even
+            present = (gpu | cpu | (bits >> 2)) & open_
             if present != open_:
                 gone = open_ & ~present
                 for slot in _slots_of(gone):
@@ -283,25 +333,37 @@ class ModelIndex:
                     break
             slow = open_ & ~gpu
             if slow:
-                for slot in _slots_of(slow):
-                    offload[slot] = offload.get(slot, 0) + 1
+                for slot in _slots_of(slow & cpu):
+                    cpu_only[slot] = cpu_only.get(slot, 0) + 1
+                for slot in _slots_of(slow & ~cpu):
+                    storage_only[slot] = storage_only.get(slot, 0) + 1
         else:
             for slot in _slots_of(open_):
                 ends[slot] = len(keys)
-        out: dict[str, float] = {}
+        w = self.weights
+        out: dict[str, tuple[int, float]] = {}
         for slot, length in ends.items():
             if length:
                 name = self._names[slot]
-                value = length - (1.0 - OFFLOAD_WEIGHT) * offload.get(slot, 0)
-                out[name] = max(out.get(name, 0.0), value)  # its best rank's
+                # Blocks past a replica's run were counted while it was open: only those in it count.
+                weighted = (
+                    length
+                    - (1.0 - w.cpu) * min(cpu_only.get(slot, 0), length)
+                    - (1.0 - w.storage) * min(storage_only.get(slot, 0), length)
+                )
+                best = out.get(name)
+                if best is None or weighted > best[1]:
+                    out[name] = (max(length, best[0]) if best else length, weighted)
+                elif length > best[0]:
+                    out[name] = (length, best[1])
         return out
 
 
 def _slots_of(bits: int) -> Iterable[int]:
-    """The replica slots whose GPU bit is set in ``bits`` (even bit positions)."""
+    """The replica slots whose GPU bit is set in ``bits`` (every third bit position)."""
     while bits:
         low = bits & -bits
-        yield (low.bit_length() - 1) // 2
+        yield (low.bit_length() - 1) // _TIER_BITS
         bits ^= low
 
 
@@ -314,11 +376,13 @@ class KvIndex:
         default_algo: HashAlgo = HashAlgo.SHA256,
         max_blocks_per_replica: int = 1_000_000,
         speculative_ttl_s: float = 2.0,
+        weights: TierWeights = TierWeights(),
     ) -> None:
         self._algos = dict(algos or {})
         self.default_algo = default_algo
         self.max_blocks_per_replica = max_blocks_per_replica
         self.speculative_ttl_s = speculative_ttl_s
+        self.weights = weights
         self.models: dict[str, ModelIndex] = {}
 
     def model(self, model: str) -> ModelIndex:
@@ -326,7 +390,7 @@ class KvIndex:
         idx = self.models.get(model)
         if idx is None:
             algo = self._algos.get(model, self.default_algo)
-            idx = ModelIndex(algo, self.max_blocks_per_replica, self.speculative_ttl_s)
+            idx = ModelIndex(algo, self.max_blocks_per_replica, self.speculative_ttl_s, self.weights)
             self.models[model] = idx
         return idx
 

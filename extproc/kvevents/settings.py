@@ -7,6 +7,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from extproc.kvevents.hashing import HashAlgo
+from extproc.kvevents.index import TierWeights
 from extproc.validation import Section, option
 
 _ENDPOINT = r"^[a-z]+://."
@@ -27,9 +28,12 @@ class KvEventSettings(Section):
     publishes on the port + r (a replica's ``kv_dp`` label overrides it). ``unpin_below``: a pin
     keeps its full value while its replica's events show it holding at least this fraction of the
     prompt's blocks; below it the pin is worth what the replica still holds, at least the session
-    scorer's ``floor``. ``lora_adapters``: vLLM puts the adapter's name into every block's hash, so
-    its requests are tokenized with the base's tokenizer, hashed with the name as extra key and
-    matched in the base model's index.
+    scorer's ``floor``; a block an offloading connector holds in CPU memory or on storage counts
+    as held there. ``cpu_weight``, ``storage_weight``: what such a block is worth in a match
+    against one on the GPU (the defaults are llm-d's CPU weight and Dynamo's disk weight).
+    ``lora_adapters``: vLLM puts the adapter's name into every block's hash, so its requests are
+    tokenized with the base's tokenizer, hashed with the name as extra key and matched in the base
+    model's index.
     """
 
     listen: str | None = option(
@@ -56,7 +60,15 @@ class KvEventSettings(Section):
     stale_after_mispredictions: int = option(
         4, "wrong checked predictions in a row that make a feed stale (0: never)", ge=0
     )
-    unpin_below: float = option(0.5, "below this share of the prompt held, its events judge a pin lost", ge=0, le=1)
+    unpin_below: float = option(
+        0.5, "below this share of the prompt held (on any tier), its events judge a pin lost", ge=0, le=1
+    )
+    cpu_weight: float = option(
+        TierWeights().cpu, "a block held only in CPU memory (medium CPU) counts this much of a GPU one", ge=0, le=1
+    )
+    storage_weight: float = option(
+        TierWeights().storage, "a block held only on storage (medium STORAGE, or another) counts this much", ge=0, le=1
+    )
     tokenizers: dict[str, str] = option({}, "model name -> directory with tokenizer.json, tokenizer_config.json")
     lora_adapters: dict[str, str] = option({}, "LoRA adapter name -> its base model (hashed with the name, as vLLM)")
 
@@ -70,6 +82,11 @@ class KvEventSettings(Section):
         """A requested model as (the model whose tokenizer and index serve it, its LoRA name or None)."""
         base = self.lora_adapters.get(model)
         return (model, None) if base is None else (base, model)
+
+    @property
+    def tier_weights(self) -> TierWeights:
+        """The tiers' weights as the index takes them."""
+        return TierWeights(self.cpu_weight, self.storage_weight)
 
     @property
     def enabled(self) -> bool:

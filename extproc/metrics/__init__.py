@@ -284,6 +284,12 @@ class RouterMetrics:
         self.body_errors = Counter(
             "extproc_request_body_errors", "Request bodies that could not be used for routing.", registry=r
         )
+        self.conversations = Counter(
+            "extproc_conversations",
+            "Chat requests without a session key, by how their conversation was known: new, continued, unmatched.",
+            ["match"],
+            registry=r,
+        )
         self.stream_errors = Counter(
             "extproc_stream_errors", "ext_proc streams that ended in an error, by kind.", ["kind"], registry=r
         )

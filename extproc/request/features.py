@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.request.classes import ClassRule, classify
+from extproc.request.conversation import ConversationChain, conversation_chain
 from extproc.request.objectives import Objectives, fill
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
@@ -44,6 +45,9 @@ class FeatureSettings:
     classes: tuple[ClassRule, ...] = ()
     tenant_objectives: Mapping[str, Objectives] = field(default_factory=dict)
     """Per tenant: the objectives its requests are held to when neither they nor their class say."""
+    conversations: bool = True
+    """Whether a chat request without a session key is given its conversation's chain
+    (:mod:`extproc.request.conversation`), for the router to know its conversation by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,9 @@ class RequestFeatures:
     subset: frozenset[str] | None = None
     """The endpoints the gateway offers for this request (its subset hint, :mod:`extproc.request.subset`):
     None without a hint; the decision picks only among these."""
+    conversation: ConversationChain | None = None
+    """For a chat request without a session key: its message chain, by which the router finds
+    its conversation (then ``session_key`` is the conversation's, ``conversation.match`` how)."""
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -180,7 +187,13 @@ def with_model(
 def _from_body(
     bare: RequestFeatures, parsed: OpenAIRequest, headers: Mapping[str, str], settings: FeatureSettings
 ) -> RequestFeatures:
-    hashes = block_hashes(parsed.prompt, model_seed(parsed.model), settings.block_chars, settings.max_blocks)
+    seed = model_seed(parsed.model)
+    hashes = block_hashes(parsed.prompt, seed, settings.block_chars, settings.max_blocks)
+    chain = None
+    if bare.session_key is None and settings.conversations:
+        messages = parsed.body.get("messages")
+        if isinstance(messages, list):
+            chain = conversation_chain(messages, parsed.body.get("tools"), seed)
     features = RequestFeatures(
         path=bare.path,
         model=parsed.model,
@@ -195,6 +208,7 @@ def _from_body(
         # From the headers, not ``bare``: a split's arm may change the class, and so its defaults.
         slo_ttft_ms=objective_ms(headers, SLO_TTFT_HEADERS),
         slo_tpot_ms=objective_ms(headers, SLO_TPOT_HEADERS),
+        conversation=chain,
     )
     return _classified(features, headers, settings)
 

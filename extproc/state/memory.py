@@ -193,6 +193,8 @@ class MemoryStore:
     def __init__(self, ttl_s: float = 600.0, max_sessions: int = 100_000, blocks_per_replica: int = 31_250) -> None:
         self.sessions = SessionMap(ttl_s, max_sessions)
         self.prefixes = PrefixIndex(blocks_per_replica)
+        # Conversations known by their message chains: bounded and expiring as the pins are.
+        self.conversations = SessionMap(ttl_s, max_sessions)
         self._cordons: dict[str, str] = {}
 
     async def lookup(
@@ -225,7 +227,7 @@ class MemoryStore:
     async def forget_replica(self, replica: str) -> None:
         """Drop the replica's prefix entries and pins."""
         self.prefixes.drop_replica(replica)
-        self.sessions.drop_replica(replica)
+        self.sessions.drop_replica(replica)  # conversations stay: they name no replica
 
     async def peek(
         self, session_key: str | None, prefix_hashes: Sequence[int], now: float, *, model: str = ""
@@ -237,6 +239,16 @@ class MemoryStore:
     async def forget_session(self, session_key: str, *, model: str = "") -> bool:
         """Unpin the session."""
         return self.sessions.discard(_per_model(model, session_key))
+
+    async def conversation(self, turn: int, now: float, *, model: str = "", refresh: bool = True) -> int | None:
+        """The conversation the chain ``turn`` ended a request of."""
+        key = _per_model(model, f"{turn:x}")
+        found = self.conversations.get(key, now) if refresh else self.conversations.peek(key, now)
+        return int(found, 16) if found is not None else None
+
+    async def remember_conversation(self, end: int, conversation: int, now: float, *, model: str = "") -> None:
+        """Map the chain ``end`` to ``conversation``."""
+        self.conversations.put(_per_model(model, f"{end:x}"), f"{conversation:x}", now)
 
     async def cordons(self) -> dict[str, str]:
         """Cordoned and drained replicas."""

@@ -10,6 +10,8 @@ request rate of the GPUs behind one model; several models spread over the shards
 Keys (``T`` is the tag)::
 
     ext:{T}:s:<session key>   string   the replica the session is pinned to (sliding TTL)
+    ext:{T}:c:<chain, hex>    string   the conversation (hex) a request whose messages hashed to
+                                       this chain belonged to (sliding TTL, as a pin)
     ext:{T}:r                 zset     replica -> when it was last routed to (ms): who to search
     ext:{T}:p:<replica>       zset     8-byte block hash -> when last routed there (ms), bounded
     ext:{namespace}:models    set      models seen, so forget_replica can find every index
@@ -51,6 +53,10 @@ class KeySpace:
     def session(self, model: str, session_key: str) -> str:
         """The pin of one session."""
         return f"{self.tag(model)}s:{session_key}"
+
+    def conversation(self, model: str, chain: int) -> str:
+        """The conversation of the request whose message chain ended with ``chain``."""
+        return f"{self.tag(model)}c:{chain:016x}"
 
     def replicas(self, model: str) -> str:
         """The registry of replicas with a prefix index for ``model``."""

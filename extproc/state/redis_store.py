@@ -239,10 +239,14 @@ class RedisStore:
             self.near.put(skey, replica, now)
         if self._closed:
             return
+        self._queue(_Write(model, skey, replica, prefix_hashes, pin))
+
+    def _queue(self, write: _Write) -> None:
+        """Queue a write for the background writer (the oldest dropped beyond ``backlog``)."""
         if len(self._pending) >= self.backlog:
             self._pending.popleft()
             self.counters.dropped_writes += 1
-        self._pending.append(_Write(model, skey, replica, prefix_hashes, pin))
+        self._pending.append(write)
         self._wake.set()
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="redis-store-writer")
@@ -412,6 +416,41 @@ class RedisStore:
         except UNAVAILABLE as exc:
             self._failed("forget", exc)
             return dropped
+
+    async def conversation(self, turn: int, now: float, *, model: str = "", refresh: bool = True) -> int | None:
+        """The conversation of the chain ``turn``: from Redis (``GETEX``, sliding its TTL, or a plain
+        ``GET`` without ``refresh``), else this gateway's mirror (an outage, or a write still queued)."""
+        local = await self.local.conversation(turn, now, model=model, refresh=refresh)
+        if self.outage.down or self._closed:
+            return local
+        key = self.keys.conversation(model, turn)
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                if refresh:
+                    raw = await _async(self.client.getex(key, px=self.ttl_ms))
+                else:
+                    raw = await _async(self.client.get(key))
+        except UNAVAILABLE as exc:
+            self._failed("lookup", exc)
+            return local
+        self.observer.store_latency("lookup", time.perf_counter() - start)
+        if raw is None:
+            return local
+        try:
+            found = int(_text(raw), 16)
+        except ValueError:  # not ours: a foreign value under our key is no conversation
+            return local
+        if refresh and found != local:  # mirrored, so an outage keeps what peers learned
+            await self.local.remember_conversation(turn, found, now, model=model)
+        return found
+
+    async def remember_conversation(self, end: int, conversation: int, now: float, *, model: str = "") -> None:
+        """Remember it here at once; the Redis write (a pin's write, without blocks) is queued."""
+        await self.local.remember_conversation(end, conversation, now, model=model)
+        if self._closed:
+            return
+        self._queue(_Write(model, self.keys.conversation(model, end), f"{conversation:x}", (), True))
 
     async def cordons(self) -> dict[str, str]:
         """The deployment's cordons from Redis; this gateway's last known ones while it is away."""

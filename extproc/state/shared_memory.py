@@ -6,7 +6,8 @@ worker reads and writes directly:
 - replica rows: name, a generation (bumped when a forgotten replica's row is reused), cordon
   state, and the prefix bookkeeping below;
 - pins: open addressing over a 64-bit hash of (model, session key) -> replica row, generation,
-  expiry;
+  expiry; a conversation's chain (:mod:`extproc.request.conversation`) takes a pin slot too, its
+  conversation in the row and generation fields;
 - the prefix index: open addressing over (block hash, replica row) -> a stamp from that
   replica's counter. A replica holds a block while its stamp is among the last ``capacity``
   stamps it handed out (and newer than its last forget): a least-recently-routed bound without a
@@ -74,6 +75,12 @@ def session_hash(model: str, session_key: str) -> int:
     """The pin table's key for a session of ``model`` (never 0: 0 marks an empty slot)."""
     digest = hashlib.blake2b(f"{model}\x1f{session_key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
+
+
+def _conversation_hash(model: str, chain: int) -> int:
+    """The pin table's key for a conversation's chain: a record separator keeps it from any
+    session's key (a session key is never empty, so no session hashes to this text)."""
+    return session_hash(f"\x1econversation\x1f{model}", f"{chain:x}")
 
 
 def _name_hash(encoded: bytes) -> int:
@@ -482,6 +489,24 @@ class SharedMemoryStore:
             return False
         self.segment.pin_clear(found[0])
         return True
+
+    async def conversation(self, turn: int, now: float, *, model: str = "", refresh: bool = True) -> int | None:
+        """The conversation of the chain ``turn``, from the pin table."""
+        key = _conversation_hash(model, turn)
+        found = self.segment.pin_get(key, now)
+        if found is None:
+            return None
+        at, high, low = found
+        if refresh:
+            self.segment.pin_put(key, high, low, now + self.ttl_s, at)
+        return (high << 32) | low
+
+    async def remember_conversation(self, end: int, conversation: int, now: float, *, model: str = "") -> None:
+        """Map the chain ``end`` to ``conversation`` in the pin table: a slot whose row and
+        generation fields hold the conversation's high and low 32 bits instead of a replica."""
+        conversation &= _MASK
+        key = _conversation_hash(model, end)
+        self.segment.pin_put(key, conversation >> 32, conversation & 0xFFFFFFFF, now + self.ttl_s)
 
     async def cordons(self) -> dict[str, str]:
         """Cordoned and drained replicas."""

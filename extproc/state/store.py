@@ -72,6 +72,17 @@ class AffinityStore(Protocol):
         """Unpin a session; True if it was pinned."""
         ...
 
+    async def conversation(self, turn: int, now: float, *, model: str = "", refresh: bool = True) -> int | None:
+        """The conversation a recent request whose message chain ended with ``turn`` belonged to
+        (:mod:`extproc.request.conversation`), its TTL slid unless ``refresh`` is False (Explain);
+        None when no such request is remembered."""
+        ...
+
+    async def remember_conversation(self, end: int, conversation: int, now: float, *, model: str = "") -> None:
+        """Remember that the request whose message chain ended with ``end`` belonged to
+        ``conversation``, as long as a session's pin (the same TTL, sliding, and bound)."""
+        ...
+
     async def cordons(self) -> dict[str, str]:
         """Replicas an operator cordoned or drained: name -> "cordoned" or "drained" (shared by every
         gateway of the store)."""

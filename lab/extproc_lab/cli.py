@@ -67,6 +67,13 @@ def _replica_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--kv-replay", metavar="ENDPOINT", help="answer event replays here (a ROUTER socket)")
     p.add_argument("--kv-events-encoding", choices=["map", "array"], default="map", help="vLLM 0.33 maps, or arrays")
     p.add_argument("--prefix-caching-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256")
+    p.add_argument(
+        "--cpu-offload-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N KV blocks of CPU memory behind the cache, as vLLM's offloading connector (events with medium CPU)",
+    )
     return p
 
 
@@ -83,6 +90,9 @@ def run_replica_command(args: argparse.Namespace) -> int:
         return 2
     if args.kv_transfer_ms_per_block is not None and args.kv_transfer_ms_per_block < 0:
         print("extproc replica: --kv-transfer-ms-per-block must not be negative", file=sys.stderr)
+        return 2
+    if args.cpu_offload_blocks < 0:
+        print("extproc replica: --cpu-offload-blocks must not be negative", file=sys.stderr)
         return 2
     if args.sidecar_prefill_timeout_s <= 0:
         print("extproc replica: --sidecar-prefill-timeout-s must be positive", file=sys.stderr)
@@ -106,6 +116,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
         kv_transfer_s_per_block=(
             None if args.kv_transfer_ms_per_block is None else args.kv_transfer_ms_per_block / 1000
         ),
+        cpu_offload_blocks=args.cpu_offload_blocks,
     )
     asyncio.run(_until_signalled(_with_sidecar(replica, args)))
     return 0

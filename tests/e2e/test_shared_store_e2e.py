@@ -148,3 +148,30 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
         while len(shared.session_keys()) < 4:
             assert asyncio.get_running_loop().time() < deadline, shared.session_keys()
             await asyncio.sleep(0.05)
+
+
+async def test_keyless_conversations_are_known_through_redis_by_both_processors(shared: SharedGateway) -> None:
+    gw = shared.gw
+    convs = multi_turn(6, 4, seed=5, system_tokens=100, document_tokens=100, run_id="keyless")
+
+    async def converse(http: aiohttp.ClientSession, conv: Conversation) -> list[str]:
+        replicas = []
+        for t in range(4):
+            body = {"model": "demo-model", "messages": conv.next_messages(t), "max_tokens": 2}
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:  # no session header
+                assert resp.status == 200
+                conv.add_answer((await resp.json())["choices"][0]["message"]["content"])
+                replicas.append(resp.headers.get("x-replica-name", ""))
+        return replicas
+
+    async with aiohttp.ClientSession() as http:
+        before = await decisions(http, gw.metrics_urls)
+        seen = [await converse(http, c) for c in convs]  # one at a time: turns alternate processors
+        after = await decisions(http, gw.metrics_urls)
+    assert all(len(set(r)) == 1 for r in seen), seen
+    per_processor = [after[i] - before[i] for i in range(2)]
+    assert [sum(c.values()) for c in per_processor] == [12, 12], per_processor
+    # Every later turn found its conversation, on either processor, and its pin.
+    assert sum(c["sticky"] for c in per_processor) == 6 * 3, per_processor
+    with shared.redis.client() as c:
+        assert len(list(c.scan_iter(match=f"ext:{{{NAMESPACE}/*}}:c:*", count=1000))) >= 6 * 4

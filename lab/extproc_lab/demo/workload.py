@@ -72,3 +72,26 @@ def multi_turn(
         follow = [f"Question {t}: " + words(rng, followup_tokens) for t in range(1, turns)]
         out.append(Conversation(f"{run_id}-{i}", system, [first, *follow]))
     return out
+
+
+def shared_prompt_chat(
+    sessions: int,
+    turns: int,
+    seed: int = 11,
+    system_words: int = 1500,
+    question_words: int = 12,
+    run_id: str = "chat",
+) -> list[Conversation]:
+    """``sessions`` conversations of ``turns`` turns that share one long system prompt
+    (``system_words`` words) and open with short, distinct questions: the shape of a chat product
+    behind one assistant persona, where only the system prompt is common to every conversation."""
+    rng = random.Random(seed)
+    system = "You are the assistant of a support desk. " + " ".join(rng.choice(_VOCAB) for _ in range(system_words))
+    out = []
+    for i in range(sessions):
+        asks = [
+            f"Conversation {i}, question {t}: " + " ".join(rng.choice(_VOCAB) for _ in range(question_words)) + "?"
+            for t in range(turns)
+        ]
+        out.append(Conversation(f"{run_id}-{i}", system, asks))
+    return out

@@ -155,8 +155,13 @@ class ReplicaEngine:
         self._publish = publish
         self._recorder: KvEventRecorder | None = None
         if publish is not None:
-            self._recorder = KvEventRecorder(token_blocks)
-            self.model.pool.listener = self._recorder
+            self._recorder = recorder = KvEventRecorder(token_blocks)
+            pool = self.model.pool
+            pool.listener = recorder
+            if pool.offload is not None:
+                offload = pool.offload
+                pool.offload.listener = recorder
+                recorder.holds = lambda key: key in pool or key in offload
 
     # vLLM's gauges and counters, read from the model.
 
@@ -206,8 +211,9 @@ class ReplicaEngine:
         self._flush_events()
 
     def _flush_events(self) -> None:
-        if self._recorder is not None and self._publish is not None and self._recorder.pending:
-            self._publish(self._recorder.drain())
+        recorder = self._recorder
+        if recorder is not None and self._publish is not None and (recorder.pending or recorder.pending_offload):
+            self._publish(recorder.drain())
 
     def hashes_for(self, prompt: str, model: str) -> tuple[int, ...]:
         """The prefix keys of ``prompt``'s full blocks: the router's block hashes, so what the

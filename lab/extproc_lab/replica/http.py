@@ -433,6 +433,7 @@ async def serve_replica(
     hash_algo: str = "sha256",
     kv_blocks: int | None = None,
     kv_transfer_s_per_block: float | None = None,
+    cpu_offload_blocks: int = 0,
 ) -> None:
     """Serve one fake replica on ``host:port`` until cancelled, then shut the server down cleanly.
 
@@ -449,6 +450,8 @@ async def serve_replica(
     eviction and reset is published there (topic ``kv@<name>@<model>``), ``kv_replay`` answering
     replays. ``kv_blocks`` overrides the profile's ``num_gpu_blocks`` (a smaller cache: pressure),
     ``kv_transfer_s_per_block`` its time to pull a block in a disaggregated decode hop.
+    ``cpu_offload_blocks`` puts that many blocks of CPU memory behind the cache, as vLLM's
+    offloading connector (:mod:`extproc_lab.replica.offload`), its events with ``medium: "CPU"``.
     """
     publisher = None
     try:
@@ -457,6 +460,8 @@ async def serve_replica(
             profile = dataclasses.replace(profile, num_gpu_blocks=kv_blocks)
         if kv_transfer_s_per_block is not None:
             profile = dataclasses.replace(profile, kv_transfer_s_per_block=kv_transfer_s_per_block)
+        if cpu_offload_blocks:
+            profile = dataclasses.replace(profile, cpu_offload_blocks=cpu_offload_blocks)
         tokenizer = PromptTokenizer(tokenizer_dir) if tokenizer_dir else None
         blocks = TokenBlocks(profile.block_size, HashAlgo(hash_algo)) if tokenizer is not None else None
         if kv_events:

@@ -11,10 +11,12 @@ publish when the step ends.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from extproc.kvevents.hashing import EngineChain, HashAlgo, low64
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+GPU = "GPU"
 
 
 class TokenBlocks:
@@ -52,40 +54,48 @@ class TokenBlocks:
 
 
 class KvEventRecorder:
-    """A :class:`~extproc_lab.replica.model.KVPool` listener collecting one step's events."""
+    """A :class:`~extproc_lab.replica.model.KVPool` listener collecting one step's events, and the
+    listener of the CPU memory behind it (:mod:`extproc_lab.replica.offload`), whose events carry
+    ``medium: "CPU"`` and go out after the GPU's of the same step."""
 
     def __init__(self, blocks: TokenBlocks | None = None) -> None:
         self.blocks = blocks
         self.pending: list[Event] = []
+        self.pending_offload: list[Event] = []
+        self.holds: Callable[[int], bool] = lambda key: False
+        """Whether a tier still holds ``key`` (then its parent and tokens are kept for its events)."""
 
-    def stored(self, key: int) -> None:
-        """A block entered the cache."""
+    def stored(self, key: int, medium: str = GPU) -> None:
+        """A block entered the cache (``medium``: the GPU's, or CPU memory)."""
         if self.blocks is None:
             return
+        pending = self.pending if medium == GPU else self.pending_offload
         parent, tokens, lora = self.blocks.blocks.get(key, (None, (), None))
-        last = self.pending[-1] if self.pending else None
+        last = pending[-1] if pending else None
         if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
-            self.pending[-1] = BlockStored(
-                (*last.block_hashes, key), last.parent, [*last.token_ids, *tokens], last.block_size, lora_name=lora
+            pending[-1] = BlockStored(
+                (*last.block_hashes, key), last.parent, [*last.token_ids, *tokens], last.block_size, medium, lora
             )
         else:
-            self.pending.append(BlockStored((key,), parent, list(tokens), self.blocks.block_size, lora_name=lora))
+            pending.append(BlockStored((key,), parent, list(tokens), self.blocks.block_size, medium, lora))
 
-    def evicted(self, key: int) -> None:
-        """A block left the cache."""
-        if self.blocks is not None:
+    def evicted(self, key: int, medium: str = GPU) -> None:
+        """A block left the cache (``medium``: the GPU's, or CPU memory)."""
+        if self.blocks is not None and not self.holds(key):
             self.blocks.blocks.pop(key, None)
-        last = self.pending[-1] if self.pending else None
+        pending = self.pending if medium == GPU else self.pending_offload
+        last = pending[-1] if pending else None
         if isinstance(last, BlockRemoved):
-            self.pending[-1] = BlockRemoved((*last.block_hashes, key))
+            pending[-1] = BlockRemoved((*last.block_hashes, key), medium)
         else:
-            self.pending.append(BlockRemoved((key,)))
+            pending.append(BlockRemoved((key,), medium))
 
     def cleared(self) -> None:
         """The whole cache was reset."""
         self.pending.append(AllBlocksCleared())
 
     def drain(self) -> list[Event]:
-        """The events collected since the last drain."""
-        out, self.pending = self.pending, []
+        """The events collected since the last drain: the GPU's, then CPU memory's."""
+        out = self.pending + self.pending_offload
+        self.pending, self.pending_offload = [], []
         return out

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from extproc_lab.replica.offload import CpuTier
 from extproc_lab.replica.timing import ReplicaProfile
 
 # vLLM's own bucket bounds, so dashboards built for vLLM read these histograms unchanged.
@@ -165,6 +166,7 @@ class KVPool:
         "free_cached_blocks",
         "listener",
         "num_blocks",
+        "offload",
         "private_blocks",
     )
 
@@ -182,6 +184,8 @@ class KVPool:
         self.private_blocks = 0
         # Told of every store, eviction and reset (the fake replica publishes them as KV events).
         self.listener: PoolListener | None = None
+        # CPU memory behind it (vLLM's offloading connector): every entry cached is copied there.
+        self.offload: CpuTier | None = None
 
     def __len__(self) -> int:
         """Blocks holding cached prefix entries (referenced or free)."""
@@ -189,6 +193,11 @@ class KVPool:
 
     def __contains__(self, key: object) -> bool:
         return key in self._refs
+
+    @property
+    def referenced(self) -> bool:
+        """Whether some cached entry is in use by a sequence."""
+        return any(self._refs.values())
 
     @property
     def used_blocks(self) -> int:
@@ -270,6 +279,8 @@ class KVPool:
         self.cached_blocks += blocks
         if self.listener is not None:
             self.listener.stored(key)
+        if self.offload is not None:
+            self.offload.store(key, blocks)
         return True
 
     def grow_private(self, blocks: int) -> bool:
@@ -371,6 +382,8 @@ class ReplicaModel:
     def __init__(self, profile: ReplicaProfile) -> None:
         self.profile = profile
         self.pool = KVPool(profile.num_gpu_blocks, profile.block_size)
+        if profile.cpu_offload_blocks:
+            self.pool.offload = CpuTier(profile.cpu_offload_blocks)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         # Counters, in vLLM's terms.
@@ -554,10 +567,29 @@ class ReplicaModel:
 
     # --- scheduling --------------------------------------------------------------------------
 
+    def _load_offloaded(self, seq: Seq, held: int) -> None:
+        """Blocks after the GPU's ``held`` that CPU memory holds are loaded back into the GPU pool
+        (cached, unreferenced: admission then finds them), as the offloading connector loads them;
+        stops at the first that finds no room."""
+        tier = self.pool.offload
+        if tier is None or seq.unbounded:
+            return
+        run = tier.run(seq.keys, held)
+        if run:
+            # What the GPU holds of the prefix is in use while the rest is loaded: never evicted for it.
+            head = seq.keys[:held]
+            for key in head:
+                self.pool.acquire(key)
+            self.receive(seq, held + run)
+            self.pool.release(reversed(head))
+
     def _admit(self, seq: Seq, budget: int, batch_empty: bool) -> int:
         """Try to admit the head of the queue; returns its tokens this step, or -1."""
         pool = self.pool
-        matched = pool.match(seq.keys)
+        local = matched = pool.match(seq.keys)
+        if pool.offload is not None:
+            self._load_offloaded(seq, matched)
+            matched = pool.match(seq.keys)
         hit = seq.key_end(matched)
         remaining = seq.prompt_tokens + seq.generated - hit
         if self.profile.chunked_prefill:
@@ -579,7 +611,9 @@ class ReplicaModel:
             return -1
         prompt_hit = min(hit, seq.prompt_tokens)
         self.prefix_queries_tokens += seq.prompt_tokens
-        self.prefix_hits_tokens += prompt_hit
+        # The GPU pool's own hits; what was loaded from CPU memory is a connector's hit, reported
+        # in the request's cached tokens only (as vLLM does).
+        self.prefix_hits_tokens += min(seq.key_end(local), seq.prompt_tokens)
         if seq.cached_tokens < 0:
             seq.cached_tokens = prompt_hit
             self.cached_prompt_tokens_total += prompt_hit
@@ -789,5 +823,9 @@ class ReplicaModel:
         return StepResult(end, steps, emitted, first, finished, tokens)
 
     def reset_prefix_cache(self) -> None:
-        """Drop every cached block no sequence uses (the counters keep their totals)."""
+        """Drop every cached block no sequence uses (the counters keep their totals), and what CPU
+        memory holds (a whole reset's ``AllBlocksCleared`` covers every tier)."""
+        in_use = self.pool.referenced  # then the pool tells its evictions one by one, not a reset
         self.pool.reset()
+        if self.pool.offload is not None:
+            self.pool.offload.clear(announce=in_use)

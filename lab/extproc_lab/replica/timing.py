@@ -51,6 +51,9 @@ class ReplicaProfile:
     prefill_s_per_token_pair: float = 0.0
     kv_transfer_s_per_block: float = 0.0
     """Time to pull one KV block from a prefill replica (disaggregated serving), per block."""
+    cpu_offload_blocks: int = 0
+    """KV blocks in CPU memory behind the GPU's (vLLM's offloading connector,
+    :mod:`extproc_lab.replica.offload`); 0: none."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 1 or self.max_running < 1:

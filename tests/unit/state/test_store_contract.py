@@ -189,3 +189,32 @@ async def test_a_replica_capacity_bounds_what_it_is_believed_to_hold(harness: Ha
     assert matches == {"r1": 1, "r2": 4}
     _, matches = await harness.lookup(None, [10, 11, 12])
     assert matches == {"r1": 3, "r2": 3}
+
+
+async def remember(harness: Harness, end: int, conversation: int, model: str = "m") -> None:
+    await harness.store.remember_conversation(end, conversation, harness.now, model=model)
+    if isinstance(harness.store, RedisStore):
+        assert await harness.store.flush()
+
+
+async def test_a_remembered_chain_names_its_conversation_to_every_reader(harness: Harness) -> None:
+    big = (1 << 64) - 5  # every bit of a 64-bit identity survives the store (shared memory splits it)
+    await remember(harness, 0xABC, big)
+    await remember(harness, 0xDEF, 7, model="other")
+    assert await harness.reader.conversation(0xABC, harness.now, model="m") == big
+    assert await harness.reader.conversation(0xDEF, harness.now, model="m") is None  # another model's
+    assert await harness.reader.conversation(0xDEF, harness.now, model="other") == 7
+    assert await harness.reader.conversation(0x123, harness.now, model="m") is None
+    # A conversation is no session: its chain pins nothing.
+    assert (await harness.lookup(f"{0xABC:x}", []))[0] is None
+
+
+async def test_a_conversation_in_use_never_expires_and_a_peeked_one_does(harness: Harness) -> None:
+    await remember(harness, 1, 11)
+    await remember(harness, 2, 22)
+    for _ in range(3):  # 1.5 TTLs in all
+        await harness.advance(TTL_S / 2)
+        assert await harness.reader.conversation(1, harness.now, model="m") == 11
+        assert await harness.reader.conversation(2, harness.now, model="m", refresh=False) in (22, None)
+    assert await harness.reader.conversation(2, harness.now, model="m", refresh=False) is None
+    assert await harness.reader.conversation(1, harness.now, model="m") == 11

@@ -87,7 +87,7 @@ class ReplicaExplanation(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., cache_trust: _Optional[float] = ..., cache_evidence_age_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost", "objective_ttft_ms", "objective_tpot_ms", "objective_predicted", "on_miss", "objective_why", "prefill", "pair_reason", "transfer_blocks")
+    __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost", "objective_ttft_ms", "objective_tpot_ms", "objective_predicted", "on_miss", "objective_why", "prefill", "pair_reason", "transfer_blocks", "conversation", "session")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class ExplainResponse(_message.Message):
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     PAIR_REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     replica: str
     reason: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -136,7 +138,9 @@ class ExplainResponse(_message.Message):
     prefill: str
     pair_reason: str
     transfer_blocks: int
-    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ..., moved_by: _Optional[str] = ..., pin_lost: _Optional[str] = ..., objective_ttft_ms: _Optional[float] = ..., objective_tpot_ms: _Optional[float] = ..., objective_predicted: _Optional[str] = ..., on_miss: _Optional[str] = ..., objective_why: _Optional[str] = ..., prefill: _Optional[str] = ..., pair_reason: _Optional[str] = ..., transfer_blocks: _Optional[int] = ...) -> None: ...
+    conversation: str
+    session: str
+    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., filters: _Optional[_Iterable[_Union[FilterStep, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaExplanation, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_uncached_tokens: _Optional[int] = ..., pinned: _Optional[str] = ..., key_source: _Optional[str] = ..., profile: _Optional[str] = ..., model: _Optional[str] = ..., body_error: _Optional[str] = ..., moved_by: _Optional[str] = ..., pin_lost: _Optional[str] = ..., objective_ttft_ms: _Optional[float] = ..., objective_tpot_ms: _Optional[float] = ..., objective_predicted: _Optional[str] = ..., on_miss: _Optional[str] = ..., objective_why: _Optional[str] = ..., prefill: _Optional[str] = ..., pair_reason: _Optional[str] = ..., transfer_blocks: _Optional[int] = ..., conversation: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
