@@ -14,11 +14,12 @@ first with the model and the tools), and a request is known by two links of it:
 
 A request with no assistant message opens a new conversation, and so does one whose ``turn``
 matches no recent request (few-shot examples written as assistant turns, or a conversation the
-router has forgotten): its conversation is its own ``end``. Two conversations that share only a
-system prompt differ from their first user message on, so they never share an identity. Two that
-open with exactly the same messages do, and keep it: each one's second turn finds the chain both
-first turns ended with (the router never sees an answer before the client resends it), and
-records its own under that identity.
+router has forgotten): it gets an identity of its own, drawn, not made from its messages, so a
+burst of identical first turns is that many conversations. Two conversations that share only a
+system prompt differ from their first user message on, so their next turns find their own. Two
+that open with exactly the same messages cannot be told apart at their second turn (the router
+never sees an answer before the client resends it): both find the identity the chain was last
+remembered with, whose replica holds the same first turn.
 
 Pure: no I/O, no clock. The lookups and the memory are :mod:`extproc.state.conversations`'.
 """
