@@ -18,7 +18,7 @@ the router's or the engine's:
 A request is counted on the replica it was sent to, under that replica's ``pool`` label (``default``
 without one); its offer is judged among the replicas of the same pool. The engine's counters are
 read per replica: several gateways see the same engine, so its figures are not to be summed over
-gateways, while the router's are.
+gateways, while the router's are. A replica that leaves the membership takes its account with it.
 """
 
 from __future__ import annotations
@@ -118,9 +118,15 @@ class ReuseLedger:
         counters[1].read(queries)
 
     def rows(self, members: list[str] | None = None) -> list[ReuseRow]:
-        """Every replica's account, by pool then name; ``members`` get a row even before any count."""
-        for name in members or ():
-            self._row(name)
+        """Every replica's account, by pool then name. With ``members``, each gets a row even before
+        any count, and the accounts of replicas no longer members are dropped (pods come and go
+        under new names: kept, they would grow without bound)."""
+        if members is not None:
+            for name in set(self._rows) - set(members):
+                del self._rows[name]
+                self._engine.pop(name, None)
+            for name in members:
+                self._row(name)
         out = []
         for name, row in sorted(self._rows.items(), key=lambda item: (item[1].pool, item[0])):
             engine = self._engine.get(name)

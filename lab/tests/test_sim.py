@@ -115,6 +115,12 @@ def test_report_table_json_and_verdict() -> None:
     for key in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "load_cv", "prefill_tokens", "throughput_rps"):
         assert key in data["policies"]["extproc"]
     assert set(data["policies"]["pooled"]) >= {"hit_ratio", "prefill_tokens"}
+    # Where the hit ratio goes: the same workload offers about the same reuse to both; ours
+    # captures more of it than round robin.
+    ours, rr = data["policies"]["extproc"], data["policies"]["round_robin"]
+    assert rr["reuse_offered"] > 0 and abs(ours["reuse_offered"] - rr["reuse_offered"]) < 0.15, (ours, rr)
+    assert ours["reuse_captured"] > rr["reuse_captured"] + 0.3, (ours, rr)
+    assert "offered" in table.splitlines()[0] and "captured" in table.splitlines()[0]
     assert data["workload"]["name"] == "multi-turn"
     assert any("of pooled" in line for line in verdict(result))
 

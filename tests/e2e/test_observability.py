@@ -412,6 +412,9 @@ async def test_prometheus_answers_every_panel_and_alert_and_sees_the_hit_ratio_w
         problems = query(port, "extproc_config_problem")
         assert problems and all(float(r["value"][1]) == 0 for r in problems)
         # Every replica has its time-to-first-token and end-to-end series (the router's own histograms).
+        # Their quantiles answer NaN until something observes them (RouterMetrics.first_token and
+        # request_completed, called where the first streamed token is seen), as the store's latency
+        # does here with a memory store: "non-empty" above is a series, not a number.
         for metric in ("extproc_ttft_seconds_count", "extproc_request_duration_seconds_count"):
             assert {r["metric"]["replica"] for r in query(port, metric)} == {r.name for r in gw.members}
         for rule in rules():

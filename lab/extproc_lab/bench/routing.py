@@ -323,6 +323,8 @@ def _run_spawned(
 COLUMNS = (
     ("policy", 20),
     ("hit ratio", 9),
+    ("offered", 8),
+    ("captured", 9),
     ("prefill Mtok", 12),
     ("TTFT p50", 9),
     ("TTFT p99", 9),
@@ -346,7 +348,8 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def format_table(result: BenchResult, markdown: bool = False) -> str:
-    """One row per policy: hit ratio, prefill tokens, TTFT and end-to-end p50/p99, throughput,
+    """One row per policy: hit ratio, the reuse offered and the share of it captured (where the hit
+    ratio goes), prefill tokens, TTFT and end-to-end p50/p99, throughput,
     load CV (requests, busy time, prefill tokens per replica), share of sticky turns that stayed;
     with latency objectives, the share of requests that met theirs and their output tokens/s."""
     slo = bool(result.setup.workload.objectives)
@@ -356,13 +359,17 @@ def format_table(result: BenchResult, markdown: bool = False) -> str:
         f = r.figures
         label = f"{name} *" if name == OURS else name
         if "ttft_p50_s" not in f:
-            blank = ["-"] * (len(columns) - 3)
-            rows.append([label, _cell(f["hit_ratio"], ".1%"), _cell(f["prefill_tokens"] / 1e6, ".2f"), *blank])
+            blank = ["-"] * (len(columns) - 5)
+            rows.append(
+                [label, _cell(f["hit_ratio"], ".1%"), "-", "-", _cell(f["prefill_tokens"] / 1e6, ".2f"), *blank]
+            )
             continue
         rows.append(
             [
                 label,
                 _cell(f["hit_ratio"], ".1%"),
+                _cell(f.get("reuse_offered"), ".1%"),
+                _cell(f.get("reuse_captured"), ".1%"),
                 _cell(f["prefill_tokens"] / 1e6, ".2f"),
                 _cell(f["ttft_p50_s"], ".3f"),
                 _cell(f["ttft_p99_s"], ".3f"),

@@ -33,8 +33,13 @@ def figures(run: SimRun) -> dict[str, Any]:
         per_replica[o.replica] += 1
     sticky = [o.stayed for o in out if o.stayed is not None]
     makespan = end - start
+    blocks, offered, captured = run.reuse_blocks
     return {
         "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        # Where the hit ratio goes (extproc.cache.reuse): the reuse the workload offered, the
+        # share of it the policy captured.
+        "reuse_offered": round(offered / blocks, 4) if blocks else None,
+        "reuse_captured": round(captured / offered, 4) if offered else None,
         "prefill_tokens": sum(run.prefill_tokens),
         "prompt_tokens": prompt,
         "cached_tokens": cached,

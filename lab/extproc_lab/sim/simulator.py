@@ -122,6 +122,9 @@ class SimRun:
     tokens_series: list[list[float]]
     decisions: dict[str, int] = field(default_factory=dict)
     events: int = 0
+    reuse_blocks: tuple[int, int, int] = (0, 0, 0)
+    """The router's hit-ratio ledger over the run (``extproc.cache.reuse``): prefix blocks routed,
+    offered (held by some replica of the pool), captured (held by the replica chosen)."""
 
 
 @dataclass(slots=True)
@@ -550,6 +553,15 @@ class Simulation(ReplicaSteps):
             tokens_series=self._work,
             decisions=dict(sorted(self._decisions.items())),
             events=self._events,
+            reuse_blocks=self._reuse_blocks(),
+        )
+
+    def _reuse_blocks(self) -> tuple[int, int, int]:
+        rows = self.router.reuse.rows()
+        return (
+            sum(r.prompt_blocks for r in rows),
+            sum(r.offered_blocks for r in rows),
+            sum(r.captured_blocks for r in rows),
         )
 
 

@@ -43,3 +43,12 @@ def test_engine_counters_since_first_read_across_a_restart() -> None:
     # The router believed 60% cached; the engine found 50%: it delivered 5/6 of the captured.
     assert s.delivered == pytest.approx(0.5 / 0.6)
     assert [r.engine_queries_tokens for r in book.rows(["r1"]) if r.replica == "r1"] == [-1.0]
+
+
+def test_replicas_that_left_are_dropped() -> None:
+    book = ledger()
+    book.routed("r0", 10, {"r0": 5}, 5)
+    book.engine_read("r1", 1, 2)
+    assert [r.replica for r in book.rows(["r0", "r1"])] == ["r0", "r1"]
+    assert [r.replica for r in book.rows(["r1"])] == ["r1"]
+    assert [r.replica for r in book.rows()] == ["r1"]
