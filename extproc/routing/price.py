@@ -200,7 +200,11 @@ class PriceSettings:
         return Rates(self.prefill_tokens_per_s, self.decode_s_per_token, self.decode_s_per_seq)
 
     def _plausible(self, learned: float | None, prior: float) -> bool:
-        return learned is not None and learned > 0.0 and prior / self.learned_within <= learned <= prior * self.learned_within
+        return (
+            learned is not None
+            and learned > 0.0
+            and prior / self.learned_within <= learned <= prior * self.learned_within
+        )
 
     def rates(self, cycle: CycleState, state: ReplicaState) -> Rates:
         """``state``'s rates: what was learned of it, where plausible, else its prior."""

@@ -198,7 +198,7 @@ def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str,
             raise ProfileError(detail) from None
     try:
         return factory(**params)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # a missing argument, or a plugin's own check
         raise ProfileError(f"{where}: bad parameters for {spec['type']!r}: {exc}") from None
 
 
