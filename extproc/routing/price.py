@@ -5,7 +5,8 @@ decayed over a minute, free KV) and drops replicas at hard thresholds, a price p
 every candidate in one unit, seconds, from the replica's own rates:
 
 - ``prefill_s``: the prompt's tokens the replica does not hold (the prompt less the blocks the
-  index, the estimate or its KV events say it holds) at its prefill rate;
+  index, the estimate or its KV events say it holds; a session's pinned replica, while nothing
+  says it lost the conversation, at most the turn's new part, ``turn_tokens``) at its prefill rate;
 - ``queue_s``: the uncached prefill already sent there and not yet answered, at the same rate
   (the request's first token comes after theirs);
 - ``kv_wait_s``: when its cache is full of running requests (the fresher of the scrape's KV usage
@@ -165,6 +166,9 @@ class PriceSettings:
     output_tokens: int = 256
     others_weight: float = 0.1
     session_tokens: int = 512
+    turn_tokens: int = 512
+    """The new part of a turn: what a session's pinned replica is assumed to lack at most while
+    nothing says it lost the conversation (the index may have forgotten it; the replica has not)."""
     hysteresis: float = 0.25
     hysteresis_s: float = 0.01
     learned_within: float = 4.0
@@ -175,8 +179,8 @@ class PriceSettings:
             raise ValueError("the prior's prefill rate must be positive and its decode costs not negative")
         if min(self.others_weight, self.hysteresis, self.hysteresis_s) < 0 or self.output_tokens < 1:
             raise ValueError("weights and margins must not be negative, output_tokens at least 1")
-        if self.session_tokens < 0 or self.learned_within < 1:
-            raise ValueError("session_tokens must not be negative and learned_within at least 1")
+        if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
+            raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
         for selector, rates in self.pools.items():
             _selector(selector)
             unknown = set(rates) - _RATE_KEYS
@@ -250,7 +254,12 @@ def _price(
     features = cycle.features
     rates = settings.rates(cycle, state)
     rate = rates.prefill_tokens_per_s
-    uncached = uncached_tokens(features, cycle.view.prefix_matches.get(state.name, 0), block_chars)
+    view = cycle.view
+    uncached = uncached_tokens(features, view.prefix_matches.get(state.name, 0), block_chars)
+    if state.name == view.pinned and view.pin_lost is None:
+        # The pin's conversation is there until the replica itself says it is gone: an index that
+        # forgot it is no evidence (``AffinityView.pin_lost``), so it lacks at most the turn's new part.
+        uncached = min(uncached, settings.turn_tokens)
     prefill = uncached / rate
     queue = max(0, state.pending_prefill_tokens) / rate
     batch = _batch(state)

@@ -75,7 +75,7 @@ def test_a_session_leaves_only_when_waiting_costs_more_than_recomputing() -> Non
 
 def test_hysteresis_keeps_a_session_where_prices_are_about_equal() -> None:
     # Both hold nothing of it (a lost pin): without the margin b is cheaper by its smaller queue.
-    view = AffinityView(pinned="a", prefix_matches={})
+    view = AffinityView(pinned="a", prefix_matches={}, pin_lost="hit_counters")
     replicas = [state("a", pending_prefill_tokens=400), state("b", pending_prefill_tokens=0)]
     assert run(replicas, view)[0] == "a"
     assert run(replicas, view, parameters={"hysteresis": 0.0, "hysteresis_s": 0.0})[0] == "b"
@@ -156,3 +156,16 @@ def test_the_price_is_configured_by_name_and_checked() -> None:
     trace = DecisionTrace()
     assert decide(given, trace).replica.name == "b"  # type: ignore[union-attr]
     assert trace.scorers[0].raw["b"] == 1.0 and trace.scorers[0].raw["a"] < 1.0
+
+
+def test_a_pin_the_index_forgot_is_not_a_pin_lost() -> None:
+    # The index no longer claims the prompt on the pin, but nothing says the replica lost it:
+    # it is priced as lacking at most the turn's new part, and the session stays.
+    replicas = [state("a", pending_prefill_tokens=1000), state("b")]
+    forgot = run(replicas, AffinityView(pinned="a", prefix_matches={}))
+    assert forgot[0] == "a" and forgot[4].prices["a"].uncached_tokens == 512
+    # Its own word that the cache is gone: the index's figure stands, and the cheaper replica wins.
+    lost = run(
+        replicas, AffinityView(pinned="a", prefix_matches={}, pin_lost="kv_events"), parameters={"hysteresis": 0.0}
+    )
+    assert lost[0] == "b" and lost[4].prices["a"].uncached_tokens == 4000
