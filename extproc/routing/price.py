@@ -19,7 +19,9 @@ To them the price adds what the choice costs others and later turns:
 - ``others_s``: the slowdown of the requests already running there, each stalled by this
   prompt's prefill and slowed per step by one more sequence in the batch, weighed by
   ``others_weight`` (0.1, the weight the P/D choice gives the same stall,
-  :attr:`extproc.routing.disagg.PairSettings.decode_interference`);
+  :attr:`extproc.routing.disagg.PairSettings.decode_interference`); and the cached prefixes its
+  uncached tokens displace there, which later requests recompute (``evict_weight``, 1: the
+  displaced tokens once, at the same rate), so a copy of a prefix elsewhere is not free;
 - ``future_s``: for a new conversation (a session key, no pin), the prefill its replica's live
   conversations will queue with their next turns (``session_tokens`` each, the new part of a
   turn), which this conversation's next turns will wait behind;
@@ -169,9 +171,11 @@ class PriceSettings:
     turn_tokens: int = 512
     """The new part of a turn: what a session's pinned replica is assumed to lack at most while
     nothing says it lost the conversation (the index may have forgotten it; the replica has not)."""
-    evict_weight: float = 0.0
+    evict_weight: float = 1.0
     """The share of what its uncached tokens displace that later requests are expected to
-    recompute (added to ``others``, in the prefill's seconds)."""
+    recompute (added to ``others``, in the prefill's seconds): 1, all of it once. Without it
+    (0) the price took the Mooncake trace's requests off the replicas holding their prefix
+    for any shorter queue, 24% hit ratio against the default profile's 33%; with 1, 29%."""
     kv_wait_weight: float = 1.0
     """What the predicted wait for KV room counts for (1: its seconds)."""
     kv_in_flight: bool = True

@@ -89,10 +89,12 @@ def test_a_full_cache_costs_a_wait_not_a_removal() -> None:
     name, reason, _, _, trace = run([state("a", **full), state("b", **full)], view)
     assert (name, reason) == ("a", Reason.STICKY)
     assert trace.prices["b"].kv_wait_s > 0 == trace.prices["a"].kv_wait_s  # 160 tokens still fit there
-    # A replica with room is worth the recompute when the pinned one must wait long for its KV.
+    # A replica with room is worth the recompute when the pinned one, lacking half of the prompt,
+    # must wait long for the KV it needs.
     roomy = state("b", kv_usage=0.1, kv_capacity_tokens=50_000)
     crammed = state("a", kv_usage=1.0, kv_capacity_tokens=50_000, running=20, inflight=20)
-    assert run([crammed, roomy], AffinityView(pinned="a", prefix_matches={"a": 240}), request(output=2000))[0] == "b"
+    half = AffinityView(pinned="a", prefix_matches={"a": 125}, pin_lost="kv_events")
+    assert run([crammed, roomy], half, request(output=2000))[0] == "b"
 
 
 def test_a_new_conversation_pays_for_the_next_turns_of_the_live_ones() -> None:
@@ -169,3 +171,14 @@ def test_a_pin_the_index_forgot_is_not_a_pin_lost() -> None:
         replicas, AffinityView(pinned="a", prefix_matches={}, pin_lost="kv_events"), parameters={"hysteresis": 0.0}
     )
     assert lost[0] == "b" and lost[4].prices["a"].uncached_tokens == 4000
+
+
+def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
+    # No session: a holds the whole prompt behind 3,000 queued tokens (0.15 s); b is idle and
+    # cold (4,000 tokens, 0.2 s, and the cached prefixes they displace there, 0.2 s more).
+    replicas = [state("a", pending_prefill_tokens=3000), state("b")]
+    view = AffinityView(prefix_matches={"a": 250})
+    name, _, _, _, trace = run(replicas, view, request(session=None))
+    assert name == "a" and trace.prices["b"].others_s == pytest.approx(4000 / RATE)
+    # Counting this request's own wait alone, the idle replica wins.
+    assert run(replicas, view, request(session=None), parameters={"evict_weight": 0.0})[0] == "b"
