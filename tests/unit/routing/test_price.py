@@ -174,9 +174,9 @@ def test_a_pin_the_index_forgot_is_not_a_pin_lost() -> None:
 
 
 def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
-    # No session: a holds the whole prompt behind 3,000 queued tokens (0.15 s); b is idle and
+    # No session: a holds the whole prompt behind 5,000 queued tokens (0.25 s); b is idle and
     # cold (4,000 tokens, 0.2 s, and the cached prefixes they displace there, 0.2 s more).
-    replicas = [state("a", pending_prefill_tokens=3000), state("b")]
+    replicas = [state("a", pending_prefill_tokens=5000), state("b")]
     view = AffinityView(prefix_matches={"a": 250})
     name, _, _, _, trace = run(replicas, view, request(session=None))
     assert name == "a" and trace.prices["b"].others_s == pytest.approx(4000 / RATE)
