@@ -176,11 +176,6 @@ class PriceSettings:
     recompute (added to ``others``, in the prefill's seconds): 1, all of it once. Without it
     (0) the price took the Mooncake trace's requests off the replicas holding their prefix
     for any shorter queue, 24% hit ratio against the default profile's 33%; with 1, 29%."""
-    kv_wait_weight: float = 1.0
-    """What the predicted wait for KV room counts for (1: its seconds)."""
-    kv_in_flight: bool = True
-    """Whether the KV the router's requests in flight added (their uncached prompts, queued ones
-    included) counts when more than the scrape's usage; without, the scrape's alone."""
     hysteresis: float = 0.25
     hysteresis_s: float = 0.01
     learned_within: float = 4.0
@@ -189,10 +184,7 @@ class PriceSettings:
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0 or self.decode_s_per_seq < 0:
             raise ValueError("the prior's prefill rate must be positive and its decode costs not negative")
-        if (
-            min(self.others_weight, self.hysteresis, self.hysteresis_s, self.kv_wait_weight, self.evict_weight) < 0
-            or self.output_tokens < 1
-        ):
+        if min(self.others_weight, self.hysteresis, self.hysteresis_s, self.evict_weight) < 0 or self.output_tokens < 1:
             raise ValueError("weights and margins must not be negative, output_tokens at least 1")
         if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
             raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
@@ -290,13 +282,11 @@ def _price(
     capacity = state.kv_capacity_tokens
     if capacity > 0:
         # KV referenced by running requests: the fresher of the scrape and what we sent since.
-        used = min(1.0, max(0.0, state.kv_usage)) * capacity
-        if settings.kv_in_flight:
-            used = max(used, float(state.inflight_tokens))
+        used = max(float(state.inflight_tokens), min(1.0, max(0.0, state.kv_usage)) * capacity)
         short = used + uncached - capacity
         if short > 0.0 and used > 0.0:
             # Running requests free their KV as they finish, about evenly over one request's decode.
-            kv_wait = settings.kv_wait_weight * min(1.0, short / used) * output_tokens * step
+            kv_wait = min(1.0, short / used) * output_tokens * step
     others = settings.others_weight * batch * (prefill + output_tokens * rates.decode_s_per_seq)
     # The blocks it adds there displace cached prefixes (a cache is full of them once warm),
     # some of which later requests would have hit: a copy of a prefix elsewhere costs its
