@@ -256,12 +256,7 @@ def _batch(state: ReplicaState) -> int:
 
 
 def _price(
-    cycle: CycleState,
-    state: ReplicaState,
-    settings: PriceSettings,
-    block_chars: int,
-    new_conversation: bool,
-    evict_weight: float,
+    cycle: CycleState, state: ReplicaState, settings: PriceSettings, block_chars: int, new_conversation: bool
 ) -> Price:
     features = cycle.features
     rates = settings.rates(cycle, state)
@@ -291,7 +286,7 @@ def _price(
     # The blocks it adds there displace cached prefixes (a cache is full of them once warm),
     # some of which later requests would have hit: a copy of a prefix elsewhere costs its
     # recompute now and the locality it takes from the prefix's next requests.
-    others += evict_weight * prefill
+    others += settings.evict_weight * prefill
     future = 0.0
     if new_conversation and settings.session_tokens:
         future = state.live_sessions * settings.session_tokens / rate
@@ -308,10 +303,7 @@ def prices(
         return cycle.prices
     pinned = cycle.view.pinned
     new_conversation = bool(cycle.features.session_key) and pinned is None
-    # A hot prefix is copied onto its k replicas on purpose (:mod:`extproc.routing.hot`): there
-    # a copy displaces nothing the decision should weigh.
-    evict = settings.evict_weight if cycle.hot_set is None else 0.0
-    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, evict) for c in candidates}
+    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
     if stay is not None:
         margin = settings.hysteresis * stay.total_s + settings.hysteresis_s

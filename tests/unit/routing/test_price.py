@@ -182,26 +182,3 @@ def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
     assert name == "a" and trace.prices["b"].others_s == pytest.approx(4000 / RATE)
     # Counting this request's own wait alone, the idle replica wins.
     assert run(replicas, view, request(session=None), parameters={"evict_weight": 0.0})[0] == "b"
-
-
-def test_a_hot_prefix_is_copied_on_purpose() -> None:
-    from extproc.routing.hot import fingerprint
-
-    replicas = [state("a", pending_prefill_tokens=5000), state("b")]
-    features = request(session=None)
-    profile = build_profile(PRICE_PROFILE)
-    given = DecisionInputs.of(
-        features, Snapshot(tuple(replicas)), AffinityView(prefix_matches={"a": 250}), 0.0, profile
-    )
-    # Served by two replicas while hot: the idle one takes it, its copy being the point.
-    hot = DecisionInputs.of(
-        features,
-        Snapshot(tuple(replicas)),
-        AffinityView(prefix_matches={"a": 250}),
-        0.0,
-        profile,
-        hot={fingerprint(given.prefix_key): 2},  # type: ignore[arg-type]
-    )
-    trace = DecisionTrace()
-    assert decide(given).replica.name == "a"  # type: ignore[union-attr]
-    assert decide(hot, trace).replica.name == "b" and trace.prices["b"].others_s == 0.0  # type: ignore[union-attr]
