@@ -125,6 +125,8 @@ PARAMETERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
             "session_tokens": st.integers(0, 4096),
             "hysteresis": st.floats(0.0, 2.0),
             "hysteresis_s": st.floats(0.0, 1.0),
+            "turn_tokens": st.integers(0, 4096),
+            "evict_weight": st.floats(0.0, 4.0),
             "floor_s": st.floats(0.0, 1.0),
         }
     ),
