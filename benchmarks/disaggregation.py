@@ -1,12 +1,14 @@
 """Prefill/decode disaggregation against aggregated routing, at equal replica counts.
 
 In the simulator (lab/extproc_lab/sim/disagg.py), on the ``llama-8b-h100`` profile (KV transfer
-0.1 ms a block): 8 aggregated replicas routed by our router (the real Router, as ``extproc bench
-routing`` runs it) and by the pair scorer with no prefill hop; 2P+6D and 3P+5D with our pair
-choice (``extproc.routing.disagg``), and with the peers' (every request disaggregated, least
-loaded decode; prefill round robin as vLLM's toy proxy, random, or least loaded). Then the
-threshold of our pair choice, swept on 2P+6D; a workload of short unrelated prompts, where a
-prefill hop buys nothing; and the Mooncake conversation trace (long prompts). Deterministic.
+0.1 ms a block): 8 aggregated replicas routed by our router (the real Router with its own
+estimates, as ``extproc bench routing`` runs it) and by the router's decision on the replicas'
+true state; 2P+6D and 3P+5D with the router's decision (``extproc.routing.pipeline.decide``, the
+code the server runs: the decode replica by the profile, then ``choose_prefill``), with the
+price profile (``extproc.routing.price``), and with the peers' (every request disaggregated,
+least loaded decode; prefill round robin as vLLM's toy proxy, random, or least loaded). Then the
+threshold, swept on 2P+6D; a workload of short unrelated prompts, where a prefill hop buys
+nothing; and the Mooncake conversation trace (long prompts). Deterministic.
 
     .venv/bin/python benchmarks/disaggregation.py [--conversations 1500] [--short 6000] [--mooncake 2000]
         [--out FILE]
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from extproc.config import Config
 from extproc.routing.disagg import PairSettings
+from extproc.routing.registry import PRICE_PROFILE
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.disagg import DisaggSimulation, PairPolicy, fleet, ours, peer
@@ -33,8 +36,9 @@ from extproc_lab.sim.traces import load_mooncake, mooncake_workload, trace_path
 from extproc_lab.sim.workload import Workload
 
 NO_HOP = PairSettings(threshold_tokens=1 << 40)
-"""Our pair scorer with a threshold no prompt reaches: every request aggregated."""
-OURS = f"ours (pair, threshold {PairSettings().threshold_tokens})"
+"""A threshold no prompt reaches: every request aggregated."""
+OURS = f"ours (router's decision, threshold {PairSettings().threshold_tokens})"
+PRICE = "ours, price profile"
 
 
 @dataclass(frozen=True)
@@ -150,9 +154,12 @@ def compare(workload: Workload, profile: ReplicaProfile, note: Callable[[str], N
     """Aggregated against P/D fleets with our pair choice and the peers'."""
     rows = [router_row(workload, profile, 8)]
     note("router")
-    rows.append(pd_row(workload, profile, "8 aggregated", fleet(0, 0, 8), "pair scorer, no hop", ours(NO_HOP)))
+    rows.append(
+        pd_row(workload, profile, "8 aggregated", fleet(0, 0, 8), "router's decision, true state", ours(NO_HOP))
+    )
     for fleet_name, (p, d) in FLEETS.items():
         rows.append(pd_row(workload, profile, fleet_name, fleet(p, d), OURS, ours()))
+        rows.append(pd_row(workload, profile, fleet_name, fleet(p, d), PRICE, ours(profile=PRICE_PROFILE)))
         for name, make in PEERS.items():
             rows.append(pd_row(workload, profile, fleet_name, fleet(p, d), name, make()))
         note(fleet_name)
@@ -160,7 +167,7 @@ def compare(workload: Workload, profile: ReplicaProfile, note: Callable[[str], N
 
 
 def sweep(workload: Workload, profile: ReplicaProfile) -> list[Row]:
-    """Our pair choice on 2P+6D at each threshold."""
+    """The router's decision on 2P+6D at each threshold."""
     return [
         pd_row(workload, profile, "2P+6D", fleet(2, 6), f"ours, threshold {t}", ours(PairSettings(threshold_tokens=t)))
         for t in THRESHOLDS
@@ -200,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{mean_prompt:.0f} tokens), llama-8b-h100, "
         f"KV transfer {profile.kv_transfer_s_per_block * 1e3:.1f} ms/block:\n\n"
         + table(main_rows)
-        + "\nOur pair choice on 2P+6D by threshold (tokens the decode replica lacks below which no hop is made):\n\n"
+        + "\nThe router's decision on 2P+6D by threshold (tokens the decode replica lacks below which no hop is"
+        " made):\n\n"
         + table(sweep_rows)
         + f"\nShort unrelated prompts ({args.short} requests at 40/s, mean prompt 150 tokens, mean output 250):\n\n"
         + table(short_rows)

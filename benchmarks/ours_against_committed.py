@@ -7,6 +7,11 @@ size and config; one Markdown table lists the committed and the new hit ratio, T
 of sticky turns kept, beside the best peer of the committed table.
 
     .venv/bin/python benchmarks/ours_against_committed.py [--only NAME,...] [--out FILE]
+    .venv/bin/python benchmarks/ours_against_committed.py --variant benchmarks/routing/price.yaml
+
+With ``--variant FILE`` the new row is that router config's ``profile:`` (the table's other
+settings kept), run as ``extproc bench routing --variant``: a profile measured against our
+committed rows before it becomes the default.
 
 About 15 minutes on this 2-core machine for all of them.
 """
@@ -36,11 +41,17 @@ def runs() -> list[tuple[str, dict[str, Any]]]:
     return found
 
 
-def rerun(table: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Our row of ``table``, simulated again with this checkout."""
+VARIANT = "variant"
+
+
+def rerun(table: dict[str, Any], out: Path, variant: Path | None = None) -> dict[str, Any]:
+    """Our row of ``table``, simulated again with this checkout (with ``variant``'s profile, if given)."""
     setup, workload = table["setup"], table["workload"]
+    policy = VARIANT if variant is not None else "extproc"
     cmd = [sys.executable, "-m", "extproc", "bench", "routing", "--workload", workload["name"]]
-    cmd += ["--policies", "extproc", "--seed", str(setup["seed"]), "--rate", str(setup["rate"])]
+    cmd += ["--policies", policy, "--seed", str(setup["seed"]), "--rate", str(setup["rate"])]
+    if variant is not None:
+        cmd += ["--variant", f"{VARIANT}={variant}"]
     cmd += ["--replicas", str(setup["replicas"]), "--profile", setup["replica_profile"]]
     if setup.get("kv_blocks"):
         cmd += ["--kv-blocks", str(setup["kv_blocks"])]
@@ -50,7 +61,7 @@ def rerun(table: dict[str, Any], out: Path) -> dict[str, Any]:
         cmd += ["--limit", str(workload["requests"])]
     cmd += ["--json", str(out), "--no-plots", "--quiet"]
     subprocess.run(cmd, check=True, cwd=ROUTING.parent.parent, stdout=subprocess.DEVNULL)
-    result: dict[str, Any] = json.loads(out.read_text())["policies"]["extproc"]
+    result: dict[str, Any] = json.loads(out.read_text())["policies"][policy]
     return result
 
 
@@ -72,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated labels (e.g. multi-turn,pressure-multi-turn@3000)")
     parser.add_argument("--out", type=Path, help="also write the table here")
+    parser.add_argument("--variant", type=Path, help="a router config whose profile: is run in place of ours")
     args = parser.parse_args()
     wanted = set(args.only.split(",")) if args.only else None
     lines = [
@@ -82,7 +94,7 @@ def main() -> None:
         for label, table in runs():
             if wanted is not None and label not in wanted:
                 continue
-            new = rerun(table, Path(tmp) / f"{label}.json")
+            new = rerun(table, Path(tmp) / f"{label}.json", args.variant)
             lines.append(row(label, table, new))
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"

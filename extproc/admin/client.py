@@ -356,6 +356,10 @@ def render(call: str, reply: Any) -> str:
         rows = []
         for r in sorted(reply.replicas, key=lambda r: (r.rank < 0, r.rank, r.replica)):
             parts = " ".join(f"{p.scorer}={p.contribution:.2f}" for p in r.scores if p.contribution)
+            if r.price_s >= 0:
+                # A priced candidate: its seconds and their parts say more than the scorers' tie-breaks.
+                priced = " ".join(f"{p.part}={p.seconds * 1000:.1f}" for p in r.price_parts if p.seconds)
+                parts = f"price {r.price_s * 1000:.1f} ms (ttft {r.price_ttft_s * 1000:.1f}; {priced}; {r.price_rates})"
             removed = f"{r.removed_by}: {r.removed_why}" if r.removed_by else ""
             age = f"{r.cache_evidence_age_s:.0f}s" if r.cache_evidence_age_s >= 0 else "never"
             cache = f"trust {r.cache_trust:.2f} ({age})" + (f" kv {r.kv_events}" if r.kv_events else "")

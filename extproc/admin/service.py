@@ -28,6 +28,7 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
     rank = {name: i for i, name in enumerate(trace.order)}
     sources = ex.match_sources
     predicted = trace.predicted
+    priced = trace.prices
     replicas = []
     for state in ex.snapshot.replicas:
         name = state.name
@@ -59,6 +60,12 @@ def explanation_message(ex: Explanation) -> pb.ExplainResponse:
                 kv_events=evidence.kv_events if evidence else "",
                 predicted_ttft_ms=_ms(predicted[name].ttft_s if name in predicted else None),
                 predicted_tpot_ms=_ms(predicted[name].tpot_s if name in predicted else None),
+                price_s=priced[name].total_s if name in priced else -1.0,
+                price_ttft_s=priced[name].ttft_s if name in priced else -1.0,
+                price_parts=[pb.PricePart(part=k, seconds=v) for k, v in priced[name].parts().items()]
+                if name in priced
+                else [],
+                price_rates=priced[name].rates.source if name in priced else "",
             )
         )
     chosen = d.replica.name if d.replica is not None else ""

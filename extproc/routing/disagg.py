@@ -1,10 +1,10 @@
-"""The pair of a disaggregated request, decided together: which replica decodes, which prefills.
+"""The prefill hop of a disaggregated request, for a decode replica already chosen.
 
 A pure function of the candidates' states and what each holds of the prompt, as the rest of the
-decision is. The decode replica is chosen first, because it serves the request longest: by
-decode load, KV headroom and what it already holds of the conversation; a session stays on its
-decode replica while that replica has room. Only then is a prefill hop considered, for the
-tokens that replica lacks:
+decision is. The decode replica is the pipeline's choice among the replicas that decode (its
+profile's filters, scorers and picker, a session's pin included: :func:`extproc.routing.pipeline.decide`),
+because it serves the request longest. Only then is a prefill hop considered, for the tokens that
+replica lacks:
 
 - a decode replica holding the previous turns lacks only the new ones, and when they are fewer
   than ``PairSettings.threshold_tokens`` (short prompts, most already held) the request runs
@@ -32,9 +32,7 @@ __all__ = [
     "PairInputs",
     "PairReason",
     "PairSettings",
-    "choose_pair",
     "choose_prefill",
-    "decode_scores",
     "local_cost",
     "prefill_cost",
 ]
@@ -42,27 +40,18 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class PairSettings:
-    """How the pair is weighed.
+    """How the prefill hop is weighed.
 
     ``threshold_tokens``: tokens the decode replica lacks below which no prefill hop is made
-    (llm-d's ``pdThreshold`` plays this part, on the prompt's uncached length). The decode score
-    is ``held_weight`` x the fraction of the prompt held + ``load_weight`` x (1 - load over the
-    busiest candidate's) + ``kv_weight`` x KV headroom + ``prefill_weight`` x (1 - its prefill
-    backlog, queued prefill tokens and what it lacks of the prompt, over the longest); replicas
-    at ``max_kv_usage`` or more are passed over while another has room. Above the threshold a
-    hop is made when the prefill replica would finish the prompt sooner than the decode replica
-    (:func:`local_cost`, where ``decode_interference`` weighs the stall of each sequence
-    decoding there against the request's own wait); without ``weigh_local`` it is made whenever
-    the decode replica lacks ``threshold_tokens`` or more, as llm-d's threshold decider does.
+    (llm-d's ``pdThreshold`` plays this part, on the prompt's uncached length). Above it a hop is
+    made when the prefill replica would finish the prompt sooner than the decode replica
+    (:func:`local_cost`, where ``decode_interference`` weighs the stall of each sequence decoding
+    there against the request's own wait); without ``weigh_local`` it is made whenever the
+    decode replica lacks ``threshold_tokens`` or more, as llm-d's threshold decider does.
     ``block_tokens`` is the KV block size.
     """
 
     threshold_tokens: int = 256
-    held_weight: float = 2.0
-    load_weight: float = 1.0
-    kv_weight: float = 1.0
-    prefill_weight: float = 1.0
-    max_kv_usage: float = 0.95
     decode_interference: float = 0.1
     block_tokens: int = 16
     weigh_local: bool = True
@@ -70,8 +59,8 @@ class PairSettings:
     def __post_init__(self) -> None:
         if self.threshold_tokens < 0 or self.block_tokens < 1:
             raise ValueError("threshold_tokens must not be negative and block_tokens must be at least 1")
-        if min(self.held_weight, self.load_weight, self.kv_weight, self.prefill_weight, self.decode_interference) < 0:
-            raise ValueError("weights must not be negative")
+        if self.decode_interference < 0:
+            raise ValueError("decode_interference must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,36 +97,6 @@ def load_of(state: ReplicaState) -> int:
     return max(state.running + state.queue, state.inflight)
 
 
-def decode_scores(inputs: PairInputs, settings: PairSettings) -> dict[str, float]:
-    """Each decode-capable candidate's score (higher is better); see :class:`PairSettings`."""
-    decoders = [s for s in inputs.candidates if s.role.decodes]
-    if not decoders:
-        return {}
-    busiest = max(1, *(load_of(s) for s in decoders))
-    prompt = max(1, inputs.prompt_tokens)
-    backlog = {s.name: s.pending_prefill_tokens + prompt - _held(s, inputs) for s in decoders}
-    longest = max(1, *backlog.values())
-    scores = {}
-    for s in decoders:
-        headroom = 1.0 - min(1.0, max(0.0, s.kv_usage))
-        scores[s.name] = (
-            settings.held_weight * _held(s, inputs) / prompt
-            + settings.load_weight * (1.0 - load_of(s) / busiest)
-            + settings.kv_weight * headroom
-            + settings.prefill_weight * (1.0 - backlog[s.name] / longest)
-        )
-    return scores
-
-
-def _held(state: ReplicaState, inputs: PairInputs) -> int:
-    return min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(state.name, 0)))
-
-
-def _best(states: Sequence[ReplicaState], key: Mapping[str, float]) -> ReplicaState:
-    # Highest key, then the name: the same inputs in any order give the same replica.
-    return min(states, key=lambda s: (-key[s.name], s.name))
-
-
 def prefill_cost(state: ReplicaState, inputs: PairInputs) -> int:
     """Tokens a replica must compute before this prompt's are done: its queued prefill tokens
     and the part of the prompt it does not hold."""
@@ -152,28 +111,15 @@ def local_cost(state: ReplicaState, new_tokens: int, settings: PairSettings) -> 
     return state.pending_prefill_tokens + new_tokens * (1.0 + settings.decode_interference * load_of(state))
 
 
-def choose_pair(inputs: PairInputs, settings: PairSettings | None = None) -> Pair:
-    """The decode replica, then whether and where to prefill; see the module docstring."""
-    settings = settings or PairSettings()
-    scores = decode_scores(inputs, settings)
-    decoders = [s for s in inputs.candidates if s.name in scores]
-    if not decoders:
-        return Pair(None, None, PairReason.NO_DECODER)
-    roomy = [s for s in decoders if s.kv_usage < settings.max_kv_usage] or decoders
-    pinned = next((s for s in roomy if s.name == inputs.pinned), None)
-    decode = pinned if pinned is not None else _best(roomy, scores)
-    return choose_prefill(inputs, decode, settings, scores)
-
-
 def choose_prefill(
     inputs: PairInputs,
     decode: ReplicaState,
     settings: PairSettings | None = None,
     scores: Mapping[str, float] | None = None,
 ) -> Pair:
-    """Whether and where to prefill for ``decode``, a decode replica already chosen (by
-    :func:`choose_pair`, or by the pipeline's scorers and picker among the decode-capable
-    candidates): steps 2 and 3 of the module docstring. ``scores`` are carried into the pair."""
+    """Whether and where to prefill for ``decode``, a decode replica already chosen (by the
+    pipeline's filters, scorers and picker among the decode-capable candidates): the module
+    docstring's steps. ``scores`` are carried into the pair."""
     settings = settings or PairSettings()
     held = min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(decode.name, 0)))
     new_tokens = inputs.prompt_tokens - held

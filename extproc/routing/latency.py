@@ -99,12 +99,27 @@ class LatencyFit:
 
 
 @dataclass(frozen=True, slots=True)
+class LearnedRates:
+    """A replica's rates as learned from what its engine reported (None: not known yet): prompt
+    tokens prefilled a second (cold), the seconds of a decode step of one sequence, and what
+    each further sequence in the batch adds to a step. The price (:mod:`extproc.routing.price`)
+    falls back to its prior for each rate missing here."""
+
+    prefill_tokens_per_s: float | None = None
+    decode_s_per_token: float | None = None
+    decode_s_per_seq: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LatencyView:
-    """What the decision reads of the latency models: each replica's fit, and the tokens a prefix
-    block stands for where the prompt is not tokenized (the config's ``block_chars`` / 4)."""
+    """What the decision reads of the latency models: each replica's fit, the tokens a prefix
+    block stands for where the prompt is not tokenized (the config's ``block_chars`` / 4), and
+    each replica's learned rates where its observations give them (``rates``; a replica
+    missing there has its rates derived from its fit, or the price's prior)."""
 
     fits: Mapping[str, LatencyFit] = field(default_factory=dict)
     block_tokens: int = 16
+    rates: Mapping[str, LearnedRates] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

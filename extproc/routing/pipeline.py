@@ -101,6 +101,8 @@ SUBSET_STEP = "subset"
 ROLE_STEP = "role"
 """The step that keeps only replicas that decode, where replicas carry roles (in the trace and as
 ``Decision.moved_by``)."""
+PRICE_STEP = "price"
+"""What moved a session off its pinned replica when the price did (``Decision.moved_by``)."""
 _PAIRING = PairSettings()
 _BLOCK_CHARS = FeatureSettings().block_chars
 
@@ -190,6 +192,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         key_source=key_source,
         tenant=tenant,
         latency=given.latency,
+        block_chars=given.block_chars,
     )
     if given.hot:
         cycle.hot_key = given.prefix_key
@@ -257,6 +260,10 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         trace.totals = dict(totals)
         trace.order = [s.name for s in ordered]
         trace.predicted = dict(predictions(cycle, candidates))
+        trace.prices = dict(cycle.prices or {})
+    if pinned is not None and not moved_by and cycle.prices is not None and ordered[0].name != pinned:
+        # The pin was a candidate and the price left it: waiting there cost more than moving.
+        moved_by = PRICE_STEP
     hot_set = tuple(sorted(cycle.hot_set or ()))
     pair = _pair(given, features, everyone, ordered[0]) if paired else None
     decision = _conclude(
@@ -335,10 +342,15 @@ def _conclude(
         moved_by = ""
     elif not moved_by:
         moved_by = view.pin_lost or "scores"
+    priced_out = moved_by == PRICE_STEP
+    if priced_out:
+        # Staying cost more than recomputing the history elsewhere: a spillover, and the session
+        # follows its history (re-pinned there, where its next turns are cached).
+        reason = Reason.SPILLOVER
     return Decision(
         replica=chosen.replica,
         reason=reason,
-        pin=reason is not Reason.SPILLOVER or profile.repin_on_spillover,
+        pin=reason is not Reason.SPILLOVER or profile.repin_on_spillover or priced_out,
         fallbacks=tuple(s.replica for s in ordered[1 : 1 + profile.max_fallbacks]),
         matched_blocks=matched,
         total_blocks=len(features.prefix_hashes),

@@ -17,8 +17,12 @@ from extproc.request.features import RequestFeatures
 from extproc.routing.model import NO_TERMS, AffinityView, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.ring import HashRing
 
-if TYPE_CHECKING:  # the latency plugins import this module
+if TYPE_CHECKING:  # the latency and price plugins import this module
     from extproc.routing.latency import LatencyView, Prediction
+    from extproc.routing.price import Price
+
+_BLOCK_CHARS = 64
+"""The characters of a prefix block by default (``features.block_chars``)."""
 
 
 @dataclass(slots=True)
@@ -47,6 +51,10 @@ class CycleState:
     """The replicas' latency models (:mod:`extproc.routing.latency`); None: none kept."""
     predicted: dict[str, Prediction] | None = None
     """Candidates' predicted latencies for this request, once the latency plugins computed them."""
+    block_chars: int = _BLOCK_CHARS
+    """The characters of a prefix block (what a match is worth in tokens without a tokenizer)."""
+    prices: dict[str, Price] | None = None
+    """Candidates' prices for this request (:mod:`extproc.routing.price`), once computed."""
 
 
 class Filter(Protocol):
@@ -510,7 +518,7 @@ class RoundRobinPicker:
     compare the share of the offered reuse it captures (``extproc admin hit-ratio``) with the
     scoring profile's. Each pick advances it, Explain's too."""
 
-    name: str = field(default="round_robin", init=False)
+    name: str = field(default="in_turn", init=False)
     _turn: int = field(default=0, init=False, repr=False)
 
     def pick(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from extproc.routing.hot import HotPrefixFilter, HotPrefixScorer
 from extproc.routing.latency import SloFilter, SloHeadroomScorer
 from extproc.routing.pipeline import Profile, WeightedScorer
+from extproc.routing.price import PricePicker, PriceScorer
 from extproc.validation import describe
 
 if TYPE_CHECKING:
@@ -71,8 +72,9 @@ REGISTRY = PluginRegistry(
         "prefill_cost": PrefillCostScorer,
         "hot_prefix": HotPrefixScorer,
         "slo_headroom": SloHeadroomScorer,
+        "price": PriceScorer,
     },
-    pickers={"max_score": MaxScorePicker, "round_robin": RoundRobinPicker},
+    pickers={"max_score": MaxScorePicker, "price": PricePicker, "in_turn": RoundRobinPicker},
 )
 """The router's own plugins: what a config file may name."""
 
@@ -118,6 +120,32 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "slo_headroom", "weight": 1},
     ],
     "picker": {"type": "max_score"},
+}
+
+
+# The price profile (:mod:`extproc.routing.price`): one price in seconds per candidate decides;
+# filters keep only what is binary (pool, tenant shard, rotation, LoRA slots, a hot prefix's set,
+# a latency objective predicted missed); no overload threshold (the price's KV wait and queue
+# take its place) and no affinity or load scorers (staying is cheap because the history is
+# cached). The scorers left only break what the price leaves about tied, each point worth the
+# picker's ``seconds_per_point`` (1 ms): the ring keeps gateways in agreement on an idle fleet.
+PRICE_PROFILE: dict[str, Any] = {
+    "filters": [
+        {"type": "pool"},
+        {"type": "tenant_shard"},
+        {"type": "in_rotation"},
+        {"type": "lora"},
+        {"type": "hot_prefix"},
+        {"type": "slo"},
+    ],
+    "scorers": [
+        {"type": "ring", "weight": 0.1},
+        {"type": "lora", "weight": 3},
+        {"type": "tenant_headroom", "weight": 3},
+        {"type": "hot_prefix", "weight": 5},
+        {"type": "slo_headroom", "weight": 1},
+    ],
+    "picker": {"type": "price"},
 }
 
 
@@ -171,7 +199,7 @@ def _make(kind: str, table: Mapping[str, Callable[..., Any]], spec: Mapping[str,
             raise ProfileError(detail) from None
     try:
         return factory(**params)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # a missing argument, or a plugin's own check
         raise ProfileError(f"{where}: bad parameters for {spec['type']!r}: {exc}") from None
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from extproc.request.features import RequestFeatures
 from extproc.routing.latency import Prediction
 from extproc.routing.model import AffinityView, Decision, Snapshot
+from extproc.routing.price import Price
 
 
 @dataclass(slots=True)
@@ -47,6 +48,9 @@ class DecisionTrace:
     """The picker's order, best first."""
     predicted: dict[str, Prediction] = field(default_factory=dict)
     """Per candidate whose latency model is warm: its predicted TTFT and TPOT for this request."""
+    prices: dict[str, Price] = field(default_factory=dict)
+    """Per candidate, where the profile prices them (:mod:`extproc.routing.price`): its predicted
+    seconds and their parts."""
 
     def removed_by(self) -> dict[str, tuple[str, str]]:
         """replica -> (filter, why), for replicas some filter removed."""

@@ -67,3 +67,21 @@ def test_a_policy_breaking_roles_is_refused() -> None:
         DisaggSimulation(CHAT, PROFILE, fleet(1, 1), wrong).run()
     with pytest.raises(ValueError):
         DisaggSimulation(CHAT, PROFILE, [Role.PREFILL], wrong)
+
+
+def test_ours_is_the_decision_the_server_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.routing import pipeline
+    from extproc_lab.sim import disagg
+
+    calls: list[str | None] = []
+
+    def counted(given: pipeline.DecisionInputs, trace: object = None) -> object:
+        decision = pipeline.decide(given)
+        calls.append(decision.prefill.name if decision.prefill is not None else None)
+        return decision
+
+    monkeypatch.setattr(disagg, "decide", counted)
+    run = DisaggSimulation(CHAT, PROFILE, fleet(1, 2), ours(ALWAYS)).run()
+    # One decision per request, and the route is the decision's: its prefill hop where it made one.
+    assert len(calls) == len(CHAT)
+    assert sum(c is not None for c in calls) == sum(o.prefill is not None for o in run.outcomes) > 0

@@ -103,7 +103,7 @@ async def run(tmp_path: Path, name: str, profile: dict[str, object] | None) -> t
 async def test_round_robin_captures_a_small_share_of_the_offered_reuse_and_ours_nearly_all(tmp_path: Path) -> None:
     require_binary("envoy")
     ours, ours_table = await run(tmp_path, "ours", None)
-    rr, rr_table = await run(tmp_path, "round-robin", {"picker": {"type": "round_robin"}})
+    rr, rr_table = await run(tmp_path, "round-robin", {"picker": {"type": "in_turn"}})
     print(f"ours:\n{ours_table}\nround robin:\n{rr_table}")
     assert ours.offered is not None and rr.offered is not None
     # The same workload offers about the same reuse whatever routes it (turns 2-4 find their history).
@@ -159,7 +159,7 @@ async def test_on_real_vllm_engines_round_robin_captures_little_and_ours_nearly_
     require_engines("tiny")
     settings = EngineSettings(model="tiny", block_size=32, num_blocks=512, max_model_len=2048)
     configs = {}
-    for name, profile in (("ours", None), ("round-robin", {"picker": {"type": "round_robin"}})):
+    for name, profile in (("ours", None), ("round-robin", {"picker": {"type": "in_turn"}})):
         configs[name] = tmp_path / f"{name}.yaml"
         # A CPU engine busy on both cores can take longer than the default 0.2 s to serve /metrics.
         text: dict[str, object] = {"health": {"scrape_timeout_s": 1.0}}

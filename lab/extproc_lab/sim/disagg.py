@@ -10,20 +10,29 @@ first token is the decode replica's; the prefill replica's token is the proxy's 
 
 Policies read the replicas' true state at the moment of the decision (their caches, queues and
 KV usage, as llm-d's precise prefix index and a fresh scrape would): the comparison is of the
-choice, not of the estimates. Our pair choice is :func:`extproc.routing.disagg.choose_pair`, with
-sessions pinned to their decode replica; the peers' are those of vLLM's toy proxy (round robin)
-and of a least-loaded proxy, without cache awareness or threshold.
+choice, not of the estimates. Ours is the router's own decision, the code the server runs:
+:func:`extproc.routing.pipeline.decide` with a profile of the router's config (the decode replica
+by its filters, scorers and picker among the replicas that decode, then the prefill hop by
+:func:`extproc.routing.disagg.choose_prefill`), sessions pinned to where the decision pins them,
+as the router's store does; the peers' are those of vLLM's toy proxy (round robin) and of a
+least-loaded proxy, without cache awareness or threshold.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from extproc.routing.disagg import PairInputs, PairSettings, choose_pair
-from extproc.routing.model import Replica, ReplicaState
+from extproc.config import Config
+from extproc.request.features import FeatureSettings, RequestFeatures
+from extproc.routing.disagg import PairSettings
+from extproc.routing.model import AffinityView, Replica, ReplicaState, Snapshot
+from extproc.routing.pipeline import DecisionInputs, decide
+from extproc.routing.registry import build_profile
 from extproc.routing.roles import ROLE_LABEL, Role
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.replica.timing import ReplicaProfile
@@ -45,34 +54,97 @@ class Route:
 @dataclass(frozen=True, slots=True)
 class FleetView:
     """What a pair policy sees for one request: each replica's state and what it holds of the
-    prompt, the request's session and the replicas' roles."""
+    prompt, the request's session and the replicas' roles, the request's features as the router
+    reads them, and the clock."""
 
     states: tuple[ReplicaState, ...]
     cached: dict[str, int]
     prompt_tokens: int
     session: str | None
+    features: RequestFeatures | None = None
+    now: float = 0.0
+    block_tokens: int = 16
 
 
 PairPolicy = Callable[[FleetView], Route]
 """Chooses a request's route from the fleet's state."""
 
+LIVE_S = 60.0
+"""A conversation is live on its replica for a minute after its last turn began (as the
+router's replica book counts ``live_sessions``)."""
 
-def ours(settings: PairSettings | None = None) -> PairPolicy:
-    """Our pair choice (:func:`~extproc.routing.disagg.choose_pair`), sessions pinned to their
-    decode replica."""
-    pins: dict[str, str] = {}
+
+@dataclass
+class _Sessions:
+    """Pins and live conversations, as the router's store and replica book keep them."""
+
+    pins: dict[str, str] = field(default_factory=dict)
+    seen: OrderedDict[str, float] = field(default_factory=OrderedDict)
+
+    def live(self, now: float) -> dict[str, int]:
+        while self.seen and next(iter(self.seen.values())) < now - LIVE_S:
+            self.seen.popitem(last=False)
+        counts: dict[str, int] = {}
+        for session in self.seen:
+            name = self.pins.get(session)
+            if name is not None:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def turn(self, session: str, now: float) -> None:
+        self.seen[session] = now
+        self.seen.move_to_end(session)
+
+
+def ours(
+    settings: PairSettings | None = None,
+    profile: Mapping[str, Any] | None = None,
+) -> PairPolicy:
+    """The router's own decision (:func:`extproc.routing.pipeline.decide`, as the server calls it)
+    with ``profile`` (a config's ``profile:``; None: the router's default) and ``settings`` for the
+    pair (None: the config's ``disaggregation:``); the view's true matches stand in for the
+    router's cache view, sessions are pinned where the decision pins them."""
+    config = Config()
+    built = build_profile(profile if profile is not None else config.profile, vnodes=config.ring.vnodes)
+    pairing = settings or PairSettings()
+    block_chars = FeatureSettings().block_chars
+    sessions = _Sessions()
 
     def policy(view: FleetView) -> Route:
-        pinned = pins.get(view.session) if view.session else None
-        pair = choose_pair(PairInputs(view.states, view.prompt_tokens, view.cached, pinned), settings)
-        if pair.decode is None:
+        features = view.features
+        if features is None:
+            raise RuntimeError("the router's decision needs the request's features (FleetView.features)")
+        pinned = sessions.pins.get(view.session) if view.session else None
+        live = sessions.live(view.now)
+        states = tuple(replace_live(s, live.get(s.name, 0)) for s in view.states)
+        # What each replica holds, in the prompt's blocks (the engine's block is the router's: 16 tokens).
+        matches = {name: tokens // view.block_tokens for name, tokens in view.cached.items() if tokens > 0}
+        given = DecisionInputs.of(
+            features,
+            Snapshot(states),
+            AffinityView(pinned=pinned, prefix_matches=matches),
+            view.now,
+            built,
+            pairing=pairing,
+            block_chars=block_chars,
+        )
+        decision = decide(given)
+        if decision.replica is None:
             raise RuntimeError("no replica decodes")
         if view.session:
-            pins[view.session] = pair.decode.name
+            if decision.pin:
+                sessions.pins[view.session] = decision.replica.name
+            sessions.turn(view.session, view.now)
         index = {s.name: i for i, s in enumerate(view.states)}
-        return Route(index[pair.decode.name], None if pair.prefill is None else index[pair.prefill.name])
+        prefill = decision.prefill
+        return Route(index[decision.replica.name], None if prefill is None else index[prefill.name])
 
     return policy
+
+
+def replace_live(state: ReplicaState, live: int) -> ReplicaState:
+    """``state`` with ``live`` conversations live there."""
+    return replace(state, live_sessions=live) if live != state.live_sessions else state
 
 
 def _load(state: ReplicaState) -> int:
@@ -178,6 +250,7 @@ class DisaggSimulation(ReplicaSteps):
             Replica(f"{r.value}-{i}", f"sim:{i}", labels={ROLE_LABEL: r.value}) for i, r in enumerate(self.roles)
         ]
         self.models = [ReplicaModel(profile) for _ in self.roles]
+        self._features = FeatureSettings()
         n = len(self.models)
         self._pending = [0] * n  # prefill tokens submitted and not yet computed, per replica
         self._uncached: dict[int, int] = {}  # id(seq) -> what it added to _pending
@@ -196,19 +269,23 @@ class DisaggSimulation(ReplicaSteps):
         self._uncached[id(seq)] = uncached
         super()._submit(m, seq, now)
 
-    def _view(self, seq: Seq, session: str | None) -> FleetView:
+    def _view(self, seq: Seq, session: str | None, features: RequestFeatures, now: float) -> FleetView:
+        capacity = self.profile.num_gpu_blocks * self.profile.block_size
         states = tuple(
             ReplicaState(
                 replica,
+                # The router counts its own requests in flight; here every request is its own.
+                inflight=m.num_running + m.num_waiting,
                 running=m.num_running,
                 queue=m.num_waiting,
                 kv_usage=m.kv_cache_usage_perc,
+                kv_capacity_tokens=capacity,
                 pending_prefill_tokens=self._pending[i],
             )
             for i, (replica, m) in enumerate(zip(self.replicas, self.models, strict=True))
         )
         cached = {r.name: m.cached_prefix_tokens(seq) for r, m in zip(self.replicas, self.models, strict=True)}
-        return FleetView(states, cached, seq.prompt_tokens, session)
+        return FleetView(states, cached, seq.prompt_tokens, session, features, now, self.profile.block_size)
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -238,7 +315,8 @@ class DisaggSimulation(ReplicaSteps):
                     req.tail_span,
                     handle=a,
                 )
-                route = self.policy(self._view(seq, req.session and f"{req.tenant}\x1f{req.session}"))
+                features = req.features(self._features, objectives=False)
+                route = self.policy(self._view(seq, req.session and f"{req.tenant}\x1f{req.session}", features, now))
                 if not self.roles[route.decode].decodes or (
                     route.prefill is not None and not self.roles[route.prefill].prefills
                 ):

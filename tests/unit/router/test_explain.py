@@ -172,3 +172,27 @@ async def test_explain_shows_each_replicas_trust_and_the_age_of_its_evidence() -
     evidence = explained.evidence
     assert evidence["r0"].evidence_age_s == pytest.approx(30.0) and evidence["r1"].evidence_age_s is None
     assert evidence["r0"].kv_events == "" and evidence["r1"].trust == 1.0
+
+
+async def test_explain_shows_each_candidates_price_and_its_parts() -> None:
+    from extproc.admin.client import render
+    from extproc.admin.service import explanation_message
+    from extproc.routing.registry import PRICE_PROFILE
+
+    router = Router(make_config(profile=PRICE_PROFILE))
+    body = chat_body("a long shared system prompt " * 40)
+    routed = await router.route(_headers("warm"), body)
+    holder = routed.decision.replica.name  # type: ignore[union-attr]
+    explained = await router.explain(_headers("warm"), body)
+    prices = explained.trace.prices
+    assert set(prices) == set(explained.trace.totals)  # every candidate is priced
+    assert explained.decision.replica.name == holder == min(prices, key=lambda n: prices[n].total_s)  # type: ignore[union-attr]
+    # The holder's prefill is the turn's new part only; elsewhere the whole prompt, and a move.
+    other = next(n for n in prices if n != holder)
+    assert prices[holder].prefill_s < prices[other].prefill_s and prices[other].move_s > 0
+    message = explanation_message(explained)
+    by_name = {r.replica: r for r in message.replicas}
+    assert by_name[holder].price_s == pytest.approx(prices[holder].total_s)
+    assert {p.part for p in by_name[other].price_parts} == {"prefill", "queue", "kv_wait", "others", "future", "move"}
+    assert by_name[holder].price_rates == "prior"
+    assert "price " in render("explain", message) and "ttft " in render("explain", message)

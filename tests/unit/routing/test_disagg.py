@@ -1,4 +1,5 @@
-"""Roles from labels, and the prefill/decode pair decided together (extproc.routing.disagg)."""
+"""Roles from labels, and the prefill hop for a chosen decode replica (extproc.routing.disagg); the
+decode replica is the pipeline's choice (tests/unit/routing/test_disagg_decision.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.routing.disagg import Pair, PairInputs, PairReason, PairSettings, choose_pair, local_cost, prefill_cost
+from extproc.routing.disagg import Pair, PairInputs, PairReason, PairSettings, choose_prefill, local_cost, prefill_cost
 from extproc.routing.model import Replica, ReplicaState
 from extproc.routing.roles import ROLE_LABEL, Role, role_of
 
@@ -15,6 +16,16 @@ from extproc.routing.roles import ROLE_LABEL, Role, role_of
 def state(name: str, role: str | None = None, **load: float) -> ReplicaState:
     labels = {ROLE_LABEL: role} if role is not None else {}
     return ReplicaState(Replica(name, f"{name}:8000", labels=labels), **load)  # type: ignore[arg-type]
+
+
+def pair_for(inputs: PairInputs, settings: PairSettings | None = None, decode: str | None = None) -> Pair:
+    """The hop for ``decode`` (default: the pin, else the first replica that decodes)."""
+    decoders = [s for s in inputs.candidates if s.role.decodes]
+    if not decoders:
+        return Pair(None, None, PairReason.NO_DECODER)
+    name = decode or inputs.pinned
+    chosen = next((s for s in decoders if s.name == name), decoders[0])
+    return choose_prefill(inputs, chosen, settings)
 
 
 def test_role_of_labels() -> None:
@@ -41,7 +52,7 @@ FLEET = (
 
 def test_a_long_new_prompt_is_disaggregated_to_the_least_backlogged_prefiller() -> None:
     fleet = (state("p0", "prefill", pending_prefill_tokens=9000), *FLEET[1:])
-    pair = choose_pair(PairInputs(fleet, 4000))
+    pair = pair_for(PairInputs(fleet, 4000))
     assert pair.reason is PairReason.DISAGGREGATED
     assert pair.prefill is not None and pair.prefill.name == "p1"
     assert pair.decode is not None and pair.decode.role is Role.DECODE
@@ -49,69 +60,45 @@ def test_a_long_new_prompt_is_disaggregated_to_the_least_backlogged_prefiller() 
 
 
 def test_the_prefiller_holding_the_prompt_wins_over_an_idle_one() -> None:
-    pair = choose_pair(PairInputs(FLEET, 4000, {"p1": 3200}))
+    pair = pair_for(PairInputs(FLEET, 4000, {"p1": 3200}))
     assert pair.prefill is not None and pair.prefill.name == "p1"
 
 
 def test_a_short_prompt_runs_aggregated_on_the_decode_replica() -> None:
-    pair = choose_pair(PairInputs(FLEET, 200))
+    pair = pair_for(PairInputs(FLEET, 200))
     assert pair.prefill is None and pair.reason is PairReason.SHORT
 
 
 def test_a_decode_replica_holding_the_conversation_needs_no_hop_or_only_the_new_blocks() -> None:
-    held = choose_pair(PairInputs(FLEET, 6000, {"d1": 5800}, pinned="d1"))
+    held = pair_for(PairInputs(FLEET, 6000, {"d1": 5800}, pinned="d1"))
     assert held.decode is not None and held.decode.name == "d1" and held.sticky
     assert held.prefill is None and held.reason is PairReason.HELD and held.new_tokens == 200
     # A prefill replica holding the earlier turns computes only the new ones: only those cross.
-    more = choose_pair(PairInputs(FLEET, 6000, {"d1": 4000, "p0": 4000}, pinned="d1"))
+    more = pair_for(PairInputs(FLEET, 6000, {"d1": 4000, "p0": 4000}, pinned="d1"))
     assert more.reason is PairReason.DISAGGREGATED and more.transfer_blocks == (6000 - 4000) // 16
     # One that does not would compute all 6,000 where the decode replica lacks 2,000.
-    local = choose_pair(PairInputs(FLEET, 6000, {"d1": 4000}, pinned="d1"))
+    local = pair_for(PairInputs(FLEET, 6000, {"d1": 4000}, pinned="d1"))
     assert local.prefill is None and local.reason is PairReason.LOCAL
 
 
 def test_an_idle_decode_replica_computes_what_it_lacks_itself() -> None:
     fleet = (FLEET[0], state("d0", "decode"))
-    assert choose_pair(PairInputs(fleet, 4000)).reason is PairReason.LOCAL
+    assert pair_for(PairInputs(fleet, 4000)).reason is PairReason.LOCAL
     busy = (FLEET[0], state("d0", "decode", running=5))
-    assert choose_pair(PairInputs(busy, 4000)).reason is PairReason.DISAGGREGATED
+    assert pair_for(PairInputs(busy, 4000)).reason is PairReason.DISAGGREGATED
     stalled = PairSettings(decode_interference=0.0)
-    assert choose_pair(PairInputs(busy, 4000), stalled).reason is PairReason.LOCAL
-
-
-def test_decode_choice_weighs_what_it_holds_load_and_headroom() -> None:
-    fleet = (FLEET[0], state("d0", "decode", running=40), state("d1", "decode", running=2))
-    assert choose_pair(PairInputs(fleet, 4000)).decode.name == "d1"  # type: ignore[union-attr]
-    assert choose_pair(PairInputs(fleet, 4000, {"d0": 4000})).decode.name == "d0"  # type: ignore[union-attr]
-    full = (FLEET[0], state("d0", "decode", kv_usage=0.99), state("d1", "decode", kv_usage=0.5, running=30))
-    assert choose_pair(PairInputs(full, 4000, {"d0": 4000})).decode.name == "d1"  # type: ignore[union-attr]
-
-
-def test_decode_choice_weighs_the_prefill_backlog() -> None:
-    fleet = (FLEET[0], state("d0", "decode", pending_prefill_tokens=30_000), state("d1", "decode"))
-    assert choose_pair(PairInputs(fleet, 4000)).decode.name == "d1"  # type: ignore[union-attr]
-    blind = PairSettings(prefill_weight=0.0)
-    scores = choose_pair(PairInputs(fleet, 4000), blind).scores
-    assert scores["d0"] == scores["d1"]
-
-
-def test_a_pin_holds_while_the_replica_has_room() -> None:
-    fleet = (FLEET[0], state("d0", "decode", running=50), state("d1", "decode"))
-    assert choose_pair(PairInputs(fleet, 4000, pinned="d0")).decode.name == "d0"  # type: ignore[union-attr]
-    full = (FLEET[0], state("d0", "decode", kv_usage=0.99), state("d1", "decode"))
-    pair = choose_pair(PairInputs(full, 4000, pinned="d0"))
-    assert pair.decode.name == "d1" and not pair.sticky  # type: ignore[union-attr]
+    assert pair_for(PairInputs(busy, 4000), stalled).reason is PairReason.LOCAL
 
 
 def test_without_a_prefiller_or_decoder() -> None:
-    decode_only = choose_pair(PairInputs(FLEET[2:], 4000))
+    decode_only = pair_for(PairInputs(FLEET[2:], 4000))
     assert decode_only.prefill is None and decode_only.reason is PairReason.NO_PREFILLER
-    assert choose_pair(PairInputs(FLEET[:2], 4000)) == Pair(None, None, PairReason.NO_DECODER)
+    assert pair_for(PairInputs(FLEET[:2], 4000)) == Pair(None, None, PairReason.NO_DECODER)
 
 
 def test_a_both_replica_keeps_a_prompt_no_other_would_finish_sooner() -> None:
     fleet = (state("p0", "prefill", pending_prefill_tokens=20_000), state("b0", "both"))
-    pair = choose_pair(PairInputs(fleet, 4000))
+    pair = pair_for(PairInputs(fleet, 4000))
     assert pair.decode.name == "b0" and pair.reason is PairReason.LOCAL  # type: ignore[union-attr]
 
 
@@ -147,7 +134,7 @@ def inputs(draw: st.DrawFn) -> tuple[PairInputs, PairSettings]:
 @settings(max_examples=300, deadline=None)
 def test_pair_invariants(case: tuple[PairInputs, PairSettings], rnd: random.Random) -> None:
     inp, cfg = case
-    pair = choose_pair(inp, cfg)
+    pair = pair_for(inp, cfg)
     if not any(s.role.decodes for s in inp.candidates):
         assert pair.decode is None and pair.prefill is None
         return
@@ -166,10 +153,12 @@ def test_pair_invariants(case: tuple[PairInputs, PairSettings], rnd: random.Rand
     if pair.new_tokens < cfg.threshold_tokens:
         assert pair.prefill is None
     pin = next((s for s in inp.candidates if s.name == inp.pinned), None)
-    if pin is not None and pin.role.decodes and pin.kv_usage < cfg.max_kv_usage:
+    if pin is not None and pin.role.decodes:
         assert pair.decode.name == pin.name and pair.sticky
     # The order candidates come in changes nothing.
     shuffled = list(inp.candidates)
     rnd.shuffle(shuffled)
-    again = choose_pair(PairInputs(tuple(shuffled), inp.prompt_tokens, inp.cached_tokens, inp.pinned), cfg)
+    again = pair_for(
+        PairInputs(tuple(shuffled), inp.prompt_tokens, inp.cached_tokens, inp.pinned), cfg, pair.decode.name
+    )
     assert (again.decode, again.prefill, again.reason) == (pair.decode, pair.prefill, pair.reason)

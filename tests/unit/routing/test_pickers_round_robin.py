@@ -21,4 +21,4 @@ def test_every_candidate_in_turn_whatever_the_scores() -> None:
 
 
 def test_a_profile_may_name_it() -> None:
-    assert build_profile({"picker": {"type": "round_robin"}}).picker.name == "round_robin"
+    assert build_profile({"picker": {"type": "in_turn"}}).picker.name == "in_turn"

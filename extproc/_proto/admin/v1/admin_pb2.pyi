@@ -52,8 +52,16 @@ class ScorePart(_message.Message):
     contribution: float
     def __init__(self, scorer: _Optional[str] = ..., raw: _Optional[float] = ..., weight: _Optional[float] = ..., contribution: _Optional[float] = ...) -> None: ...
 
+class PricePart(_message.Message):
+    __slots__ = ("part", "seconds")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    seconds: float
+    def __init__(self, part: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class ReplicaExplanation(_message.Message):
-    __slots__ = ("replica", "candidate", "removed_by", "removed_why", "scores", "total", "matched_blocks", "match_source", "predicted_uncached_tokens", "rank", "cache_trust", "cache_evidence_age_s", "kv_events", "predicted_ttft_ms", "predicted_tpot_ms")
+    __slots__ = ("replica", "candidate", "removed_by", "removed_why", "scores", "total", "matched_blocks", "match_source", "predicted_uncached_tokens", "rank", "cache_trust", "cache_evidence_age_s", "kv_events", "predicted_ttft_ms", "predicted_tpot_ms", "price_s", "price_ttft_s", "price_parts", "price_rates")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +77,10 @@ class ReplicaExplanation(_message.Message):
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_S_FIELD_NUMBER: _ClassVar[int]
+    PRICE_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PARTS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_RATES_FIELD_NUMBER: _ClassVar[int]
     replica: str
     candidate: bool
     removed_by: str
@@ -84,7 +96,11 @@ class ReplicaExplanation(_message.Message):
     kv_events: str
     predicted_ttft_ms: float
     predicted_tpot_ms: float
-    def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., cache_trust: _Optional[float] = ..., cache_evidence_age_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ...) -> None: ...
+    price_s: float
+    price_ttft_s: float
+    price_parts: _containers.RepeatedCompositeFieldContainer[PricePart]
+    price_rates: str
+    def __init__(self, replica: _Optional[str] = ..., candidate: _Optional[bool] = ..., removed_by: _Optional[str] = ..., removed_why: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[ScorePart, _Mapping]]] = ..., total: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., match_source: _Optional[str] = ..., predicted_uncached_tokens: _Optional[int] = ..., rank: _Optional[int] = ..., cache_trust: _Optional[float] = ..., cache_evidence_age_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., price_s: _Optional[float] = ..., price_ttft_s: _Optional[float] = ..., price_parts: _Optional[_Iterable[_Union[PricePart, _Mapping]]] = ..., price_rates: _Optional[str] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
     __slots__ = ("replica", "reason", "order", "fallbacks", "filters", "replicas", "total_blocks", "matched_blocks", "predicted_uncached_tokens", "pinned", "key_source", "profile", "model", "body_error", "moved_by", "pin_lost", "objective_ttft_ms", "objective_tpot_ms", "objective_predicted", "on_miss", "objective_why", "prefill", "pair_reason", "transfer_blocks", "conversation", "session")

@@ -1,0 +1,355 @@
+"""One price per candidate: what sending this request there costs, in predicted seconds.
+
+Where the default profile adds scorers in different units (blocks held, tokens pending, requests
+decayed over a minute, free KV) and drops replicas at hard thresholds, a price profile weighs
+every candidate in one unit, seconds, from the replica's own rates:
+
+- ``prefill_s``: the prompt's tokens the replica does not hold (the prompt less the blocks the
+  index, the estimate or its KV events say it holds; a session's pinned replica, while nothing
+  says it lost the conversation, at most the turn's new part, ``turn_tokens``) at its prefill rate;
+- ``queue_s``: the uncached prefill already sent there and not yet answered, at the same rate
+  (the request's first token comes after theirs);
+- ``kv_wait_s``: when its cache is full of running requests (the fresher of the scrape's KV usage
+  and what the router's requests in flight added), the wait for room: the share of the running
+  requests' KV that must be freed, times the time a running request takes to finish its decode.
+
+These three are the predicted time to first token of this request there (:attr:`Price.ttft_s`).
+To them the price adds what the choice costs others and later turns:
+
+- ``others_s``: the slowdown of the requests already running there, each stalled by this
+  prompt's prefill and slowed per step by one more sequence in the batch, weighed by
+  ``others_weight`` (0.1, the weight the P/D choice gives the same stall,
+  :attr:`extproc.routing.disagg.PairSettings.decode_interference`); and the cached prefixes its
+  uncached tokens displace there, which later requests recompute (``evict_weight``, 1: the
+  displaced tokens once, at the same rate), so a copy of a prefix elsewhere is not free;
+- ``future_s``: for a new conversation (a session key, no pin), the prefill its replica's live
+  conversations will queue with their next turns (``session_tokens`` each, the new part of a
+  turn), which this conversation's next turns will wait behind;
+- ``move_s``: for a session whose pinned replica is a candidate, what leaving it must save before
+  it is worth it (``hysteresis`` of staying's price, plus ``hysteresis_s``): staying is already
+  cheap where the history is cached (its ``prefill_s`` is the new part of the turn only), and the
+  margin keeps a session from flapping between replicas whose prices are about equal.
+
+So stickiness is the result of the price, not a scorer with a floor, and spillover happens where
+waiting on the pinned replica (its queue, its KV wait) is predicted to cost more than recomputing
+the history elsewhere, not at a KV-usage threshold: on a real engine under pressure every
+replica's KV is near full with running requests, and a threshold then sends a turn to recompute
+its whole history on a replica as full.
+
+Rates: each replica's learned rates where the latency models have them
+(:attr:`extproc.routing.latency.LatencyView.rates`, or derived from a warm TTFT/TPOT fit),
+else its pool's prior (``pools``: a label selector's rates), else the profile's prior. A rate
+that is unknown or implausible (non-positive, or off the prior by more than ``learned_within``)
+is missing evidence and degrades to the prior; it never counts as free. The default prior is
+the lab's ``llama-8b-h100`` profile (``extproc_lab.replica.timing.LLAMA_8B_H100``: Llama-3.1-8B
+in bf16 on one H100 SXM, derived from the model's shape and the GPU's datasheet, 16 GFLOP a
+token at a third of 989 TFLOP/s = 20,000 prefill tokens/s, a 10 ms decode step and 0.05 ms per
+further sequence); it is an approximation, not a measurement, and any other fleet should state
+its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from extproc.request.features import uncached_tokens
+from extproc.routing.latency import LatencyFit, LearnedRates
+from extproc.routing.model import ReplicaState
+from extproc.routing.plugins import CycleState
+
+__all__ = [
+    "DEFAULT_RATES",
+    "Price",
+    "PricePicker",
+    "PriceScorer",
+    "PriceSettings",
+    "Rates",
+    "fit_rates",
+    "prices",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """How fast a replica computes: prompt tokens a second (cold), the decode step of a batch of
+    one, and what each further sequence adds to a step; ``source`` says where they came from
+    (``prior``, ``pool:<selector>``, ``learned``)."""
+
+    prefill_tokens_per_s: float
+    decode_s_per_token: float
+    decode_s_per_seq: float
+    source: str = "prior"
+
+    def decode_step_s(self, batch: float) -> float:
+        """Seconds of one decode step with ``batch`` sequences (at least one)."""
+        return self.decode_s_per_token + self.decode_s_per_seq * max(0.0, batch - 1.0)
+
+
+DEFAULT_RATES = Rates(20_000.0, 0.010, 5e-5)
+"""The profile's prior: ``llama-8b-h100`` of the lab (see the module docstring for its source)."""
+
+
+def fit_rates(fit: LatencyFit) -> LearnedRates:
+    """The rates a warm latency fit implies: its TTFT's seconds per thousand uncached tokens
+    (the prefill rate's inverse), its TPOT's constant (a step of one) and batch term (per sixteen
+    sequences). Terms that are not positive say nothing of a rate (the fit's terms are collinear
+    on a quiet replica) and are left unknown."""
+    prefill = decode = per_seq = None
+    if fit.ttft_warm and len(fit.ttft) > 1 and fit.ttft[1] > 0.0:
+        prefill = 1000.0 / fit.ttft[1]
+    if fit.tpot_warm and len(fit.tpot) > 1:
+        if fit.tpot[0] > 0.0:
+            decode = fit.tpot[0]
+        if fit.tpot[1] > 0.0:
+            per_seq = fit.tpot[1] / 16.0
+    return LearnedRates(prefill, decode, per_seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """One candidate's price for one request, in seconds, and its parts (module docstring)."""
+
+    prefill_s: float
+    queue_s: float
+    kv_wait_s: float
+    others_s: float
+    future_s: float
+    move_s: float
+    uncached_tokens: int
+    rates: Rates
+
+    @property
+    def ttft_s(self) -> float:
+        """The predicted time to first token there: its prefill, the queue before it, the KV wait."""
+        return self.prefill_s + self.queue_s + self.kv_wait_s
+
+    @property
+    def total_s(self) -> float:
+        """The whole price: the time to first token and what the choice costs others and later turns."""
+        return self.ttft_s + self.others_s + self.future_s + self.move_s
+
+    def parts(self) -> dict[str, float]:
+        """The parts by name (Explain)."""
+        return {
+            "prefill": self.prefill_s,
+            "queue": self.queue_s,
+            "kv_wait": self.kv_wait_s,
+            "others": self.others_s,
+            "future": self.future_s,
+            "move": self.move_s,
+        }
+
+
+def _selector(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"pools: {text!r} is not a label selector (expected LABEL=VALUE)")
+    return key.strip(), value.strip()
+
+
+_RATE_KEYS = frozenset({"prefill_tokens_per_s", "decode_s_per_token", "decode_s_per_seq"})
+
+
+@dataclass(slots=True)
+class PriceSettings:
+    """What the price is computed with (see the module docstring).
+
+    ``prefill_tokens_per_s``, ``decode_s_per_token`` and ``decode_s_per_seq`` are the prior;
+    ``pools`` maps a label selector (``LABEL=VALUE``) to the rates of the replicas it selects
+    (any of the three; the others from the prior), the first matching selector winning.
+    ``output_tokens`` is a request's expected output when it does not say (``max_tokens``).
+    """
+
+    prefill_tokens_per_s: float = DEFAULT_RATES.prefill_tokens_per_s
+    decode_s_per_token: float = DEFAULT_RATES.decode_s_per_token
+    decode_s_per_seq: float = DEFAULT_RATES.decode_s_per_seq
+    pools: dict[str, dict[str, float]] = field(default_factory=dict)
+    output_tokens: int = 256
+    others_weight: float = 0.1
+    session_tokens: int = 512
+    turn_tokens: int = 512
+    """The new part of a turn: what a session's pinned replica is assumed to lack at most while
+    nothing says it lost the conversation (the index may have forgotten it; the replica has not)."""
+    evict_weight: float = 1.0
+    """The share of what its uncached tokens displace that later requests are expected to
+    recompute (added to ``others``, in the prefill's seconds): 1, all of it once. Without it
+    (0) the price took the Mooncake trace's requests off the replicas holding their prefix
+    for any shorter queue, 24% hit ratio against the default profile's 33%; with 1, 29%."""
+    hysteresis: float = 0.25
+    hysteresis_s: float = 0.01
+    learned_within: float = 4.0
+    """A learned rate more than this factor off its prior is taken for a fit's artefact."""
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0 or self.decode_s_per_seq < 0:
+            raise ValueError("the prior's prefill rate must be positive and its decode costs not negative")
+        if min(self.others_weight, self.hysteresis, self.hysteresis_s, self.evict_weight) < 0 or self.output_tokens < 1:
+            raise ValueError("weights and margins must not be negative, output_tokens at least 1")
+        if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
+            raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
+        for selector, rates in self.pools.items():
+            _selector(selector)
+            unknown = set(rates) - _RATE_KEYS
+            if unknown:
+                raise ValueError(f"pools[{selector!r}]: unknown rates {sorted(unknown)} (known: {sorted(_RATE_KEYS)})")
+            if rates.get("prefill_tokens_per_s", 1.0) <= 0 or min(rates.values(), default=0.0) < 0:
+                raise ValueError(f"pools[{selector!r}]: rates must be positive")
+
+    def prior(self, state: ReplicaState) -> Rates:
+        """The prior rates of ``state``: its pool's (the first selector its labels match), else the profile's."""
+        labels = state.replica.labels
+        for selector, rates in self.pools.items():
+            key, value = _selector(selector)
+            if labels.get(key) == value:
+                return Rates(
+                    rates.get("prefill_tokens_per_s", self.prefill_tokens_per_s),
+                    rates.get("decode_s_per_token", self.decode_s_per_token),
+                    rates.get("decode_s_per_seq", self.decode_s_per_seq),
+                    f"pool:{selector}",
+                )
+        return Rates(self.prefill_tokens_per_s, self.decode_s_per_token, self.decode_s_per_seq)
+
+    def _plausible(self, learned: float | None, prior: float) -> bool:
+        return (
+            learned is not None
+            and learned > 0.0
+            and prior / self.learned_within <= learned <= prior * self.learned_within
+        )
+
+    def rates(self, cycle: CycleState, state: ReplicaState) -> Rates:
+        """``state``'s rates: what was learned of it, where plausible, else its prior."""
+        prior = self.prior(state)
+        view = cycle.latency
+        if view is None:
+            return prior
+        learned = view.rates.get(state.name)
+        if learned is None:
+            fit = view.fits.get(state.name)
+            if fit is None:
+                return prior
+            learned = fit_rates(fit)
+        prefill = learned.prefill_tokens_per_s
+        decode = learned.decode_s_per_token
+        per_seq = learned.decode_s_per_seq
+        took = False
+        if self._plausible(prefill, prior.prefill_tokens_per_s):
+            took = True
+        else:
+            prefill = prior.prefill_tokens_per_s
+        if self._plausible(decode, prior.decode_s_per_token):
+            took = True
+        else:
+            decode = prior.decode_s_per_token
+        # A per-sequence cost may well be near zero on a large accelerator: it is only bounded above.
+        if per_seq is not None and 0.0 <= per_seq <= max(prior.decode_s_per_seq, 1e-6) * self.learned_within:
+            took = True
+        else:
+            per_seq = prior.decode_s_per_seq
+        assert prefill is not None and decode is not None and per_seq is not None
+        return Rates(prefill, decode, per_seq, "learned" if took else prior.source)
+
+
+def _batch(state: ReplicaState) -> int:
+    """Requests running or waiting there: the router's count in flight, or the scrape's if more."""
+    return max(state.inflight, state.running + state.queue)
+
+
+def _price(
+    cycle: CycleState, state: ReplicaState, settings: PriceSettings, block_chars: int, new_conversation: bool
+) -> Price:
+    features = cycle.features
+    rates = settings.rates(cycle, state)
+    rate = rates.prefill_tokens_per_s
+    view = cycle.view
+    uncached = uncached_tokens(features, view.prefix_matches.get(state.name, 0), block_chars)
+    if state.name == view.pinned and view.pin_lost is None:
+        # The pin's conversation is there until the replica itself says it is gone: an index that
+        # forgot it is no evidence (``AffinityView.pin_lost``), so it lacks at most the turn's new part.
+        uncached = min(uncached, settings.turn_tokens)
+    prefill = uncached / rate
+    queue = max(0, state.pending_prefill_tokens) / rate
+    batch = _batch(state)
+    output = features.max_output_tokens if features.max_output_tokens and features.max_output_tokens > 0 else None
+    output_tokens = output or settings.output_tokens
+    step = rates.decode_step_s(batch + 1)
+    kv_wait = 0.0
+    capacity = state.kv_capacity_tokens
+    if capacity > 0:
+        # KV referenced by running requests: the fresher of the scrape and what we sent since.
+        used = max(float(state.inflight_tokens), min(1.0, max(0.0, state.kv_usage)) * capacity)
+        short = used + uncached - capacity
+        if short > 0.0 and used > 0.0:
+            # Running requests free their KV as they finish, about evenly over one request's decode.
+            kv_wait = min(1.0, short / used) * output_tokens * step
+    others = settings.others_weight * batch * (prefill + output_tokens * rates.decode_s_per_seq)
+    # The blocks it adds there displace cached prefixes (a cache is full of them once warm),
+    # some of which later requests would have hit: a copy of a prefix elsewhere costs its
+    # recompute now and the locality it takes from the prefix's next requests.
+    others += settings.evict_weight * prefill
+    future = 0.0
+    if new_conversation and settings.session_tokens:
+        future = state.live_sessions * settings.session_tokens / rate
+    return Price(prefill, queue, kv_wait, others, future, 0.0, uncached, rates)
+
+
+def prices(
+    cycle: CycleState, candidates: Sequence[ReplicaState], settings: PriceSettings, block_chars: int
+) -> dict[str, Price]:
+    """Each candidate's price for this request, computed once per decision (kept on the cycle
+    state). A session's pinned replica, if a candidate, is priced as it is; every other candidate
+    is charged the move (``hysteresis`` of the pinned replica's price plus ``hysteresis_s``)."""
+    if cycle.prices is not None:
+        return cycle.prices
+    pinned = cycle.view.pinned
+    new_conversation = bool(cycle.features.session_key) and pinned is None
+    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation) for c in candidates}
+    stay = out.get(pinned) if pinned is not None else None
+    if stay is not None:
+        margin = settings.hysteresis * stay.total_s + settings.hysteresis_s
+        for name, p in out.items():
+            if name != pinned:
+                out[name] = Price(
+                    p.prefill_s, p.queue_s, p.kv_wait_s, p.others_s, p.future_s, margin, p.uncached_tokens, p.rates
+                )
+    cycle.prices = out
+    return out
+
+
+@dataclass(slots=True)
+class PricePicker(PriceSettings):
+    """Orders the candidates by their price, cheapest first (:func:`prices`). The profile's
+    scorers only break what the price leaves about tied: each point of their weighted total is
+    worth ``seconds_per_point`` off the price (the ring, at weight 0.1, keeps gateways without
+    shared state in agreement on an idle fleet); then the name, for a deterministic order."""
+
+    seconds_per_point: float = 0.001
+    name: str = "price"
+
+    def pick(
+        self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
+    ) -> list[ReplicaState]:
+        """Candidates, cheapest first."""
+        priced = prices(cycle, candidates, self, cycle.block_chars)
+        per_point = self.seconds_per_point
+        return sorted(candidates, key=lambda c: (priced[c.name].total_s - per_point * totals.get(c.name, 0.0), c.name))
+
+
+@dataclass(slots=True)
+class PriceScorer(PriceSettings):
+    """The price as a score in [0, 1], for a profile that weighs it beside other scorers: 1 for
+    the cheapest candidate, falling linearly with the extra seconds over the dearest's price
+    (never over less than ``floor_s``, so near-equal prices score alike)."""
+
+    floor_s: float = 0.05
+    name: str = "price"
+
+    def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Score each candidate's price."""
+        if not candidates:
+            return {}
+        priced = prices(cycle, candidates, self, cycle.block_chars)
+        totals = {c.name: priced[c.name].total_s for c in candidates}
+        lo = min(totals.values())
+        scale = max(max(totals.values()) - lo, self.floor_s, 1e-9)
+        return {name: max(0.0, min(1.0, 1.0 - (t - lo) / scale)) for name, t in totals.items()}

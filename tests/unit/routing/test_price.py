@@ -1,0 +1,184 @@
+"""The price (extproc/routing/price.py): one figure in predicted seconds per candidate, and the
+decisions that follow from it (stickiness, spillover, new conversations, missing evidence)."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.request.features import RequestFeatures
+from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
+from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
+from extproc.routing.pipeline import DecisionInputs, decide
+from extproc.routing.price import DEFAULT_RATES, PriceSettings, fit_rates
+from extproc.routing.registry import PRICE_PROFILE, ProfileError, build_profile
+from extproc.routing.trace import DecisionTrace
+
+BLOCK_CHARS = 64  # 16 tokens a block at four characters a token
+RATE = DEFAULT_RATES.prefill_tokens_per_s
+
+
+def request(blocks: int = 250, session: str | None = "s", output: int | None = 100) -> RequestFeatures:
+    """A prompt of ``blocks`` blocks of 16 tokens (250: 4,000 tokens)."""
+    return RequestFeatures(
+        path="/v1/chat/completions",
+        model="m",
+        session_key=session,
+        prompt_chars=blocks * BLOCK_CHARS,
+        prefix_hashes=tuple(range(blocks)),
+        max_output_tokens=output,
+    )
+
+
+def state(name: str, labels: dict[str, str] | None = None, **load: float) -> ReplicaState:
+    return ReplicaState(Replica(name, f"{name}:8000", labels=labels or {}), **load)  # type: ignore[arg-type]
+
+
+def run(
+    replicas: list[ReplicaState],
+    view: AffinityView,
+    features: RequestFeatures | None = None,
+    latency: LatencyView | None = None,
+    parameters: dict[str, object] | None = None,
+) -> tuple[str, Reason, str, bool, DecisionTrace]:
+    spec = dict(PRICE_PROFILE)
+    if parameters:
+        spec["picker"] = {"type": "price", "parameters": parameters}
+    profile = build_profile(spec)
+    trace = DecisionTrace()
+    given = DecisionInputs.of(features or request(), Snapshot(tuple(replicas)), view, 0.0, profile, latency=latency)
+    d = decide(given, trace)
+    assert d.replica is not None
+    return d.replica.name, d.reason, d.moved_by, d.pin, trace
+
+
+def test_staying_is_cheap_where_the_history_is_cached() -> None:
+    # The pinned replica holds 240 of 250 blocks but has 2,000 tokens of prefill queued: staying
+    # costs 0.1 s of queue and 160 tokens, moving 4,000 tokens cold on an idle replica (0.2 s).
+    view = AffinityView(pinned="a", prefix_matches={"a": 240})
+    name, reason, moved_by, _, trace = run([state("a", pending_prefill_tokens=2000, inflight=2), state("b")], view)
+    assert (name, reason, moved_by) == ("a", Reason.STICKY, "")
+    a, b = trace.prices["a"], trace.prices["b"]
+    assert a.uncached_tokens == 160 and b.uncached_tokens == 4000
+    assert a.prefill_s == pytest.approx(160 / RATE) and a.queue_s == pytest.approx(2000 / RATE)
+    assert b.move_s > 0 and a.move_s == 0
+    assert a.total_s < b.total_s
+
+
+def test_a_session_leaves_only_when_waiting_costs_more_than_recomputing() -> None:
+    # 20,000 tokens queued on the pin (1 s) against a cold 4,000-token prefill elsewhere (0.2 s).
+    view = AffinityView(pinned="a", prefix_matches={"a": 240})
+    name, reason, moved_by, pin, trace = run([state("a", pending_prefill_tokens=20_000, inflight=8), state("b")], view)
+    assert (name, reason, moved_by) == ("b", Reason.SPILLOVER, "price")
+    assert pin  # the session follows its history to where it was just prefilled
+    assert trace.prices["b"].total_s < trace.prices["a"].total_s
+
+
+def test_hysteresis_keeps_a_session_where_prices_are_about_equal() -> None:
+    # Both hold nothing of it (a lost pin): without the margin b is cheaper by its smaller queue.
+    view = AffinityView(pinned="a", prefix_matches={}, pin_lost="hit_counters")
+    replicas = [state("a", pending_prefill_tokens=400), state("b", pending_prefill_tokens=0)]
+    assert run(replicas, view)[0] == "a"
+    assert run(replicas, view, parameters={"hysteresis": 0.0, "hysteresis_s": 0.0})[0] == "b"
+
+
+def test_a_full_cache_costs_a_wait_not_a_removal() -> None:
+    # Every replica's KV is 97% full with running requests, as on a real engine under pressure:
+    # the pinned one, which needs room only for the new part of the turn, keeps the session.
+    full = {"kv_usage": 0.97, "kv_capacity_tokens": 50_000, "running": 20, "inflight": 20}
+    view = AffinityView(pinned="a", prefix_matches={"a": 240})
+    name, reason, _, _, trace = run([state("a", **full), state("b", **full)], view)
+    assert (name, reason) == ("a", Reason.STICKY)
+    assert trace.prices["b"].kv_wait_s > 0 == trace.prices["a"].kv_wait_s  # 160 tokens still fit there
+    # A replica with room is worth the recompute when the pinned one, lacking half of the prompt,
+    # must wait long for the KV it needs.
+    roomy = state("b", kv_usage=0.1, kv_capacity_tokens=50_000)
+    crammed = state("a", kv_usage=1.0, kv_capacity_tokens=50_000, running=20, inflight=20)
+    half = AffinityView(pinned="a", prefix_matches={"a": 125}, pin_lost="kv_events")
+    assert run([crammed, roomy], half, request(output=2000))[0] == "b"
+
+
+def test_a_new_conversation_pays_for_the_next_turns_of_the_live_ones() -> None:
+    # The same system prompt everywhere: the replica carrying fewer live conversations wins.
+    view = AffinityView(prefix_matches={"a": 100, "b": 100})
+    name, reason, _, _, trace = run([state("a", live_sessions=12), state("b", live_sessions=2)], view)
+    assert name == "b" and reason is Reason.PREFIX
+    assert trace.prices["a"].future_s == pytest.approx(12 * 512 / RATE)
+    # A pinned session's next turns are part of that load already: no future part.
+    pinned = run([state("a", live_sessions=12), state("b")], AffinityView(pinned="a", prefix_matches={"a": 100}))
+    assert pinned[4].prices["a"].future_s == 0.0
+    # A request without a session has no next turns.
+    assert run([state("a", live_sessions=12)], view, request(session=None))[4].prices["a"].future_s == 0.0
+
+
+def test_missing_evidence_degrades_to_the_prior() -> None:
+    view = AffinityView(prefix_matches={})
+    cold = LatencyFit(ttft=(0.0,) * 7, tpot=(0.0,) * 4)  # not warm: no rate
+    traced = run([state("a")], view, latency=LatencyView(fits={"a": cold}))[4]
+    assert traced.prices["a"].rates.source == "prior"
+    assert traced.prices["a"].rates.prefill_tokens_per_s == RATE
+    # A warm fit whose prefill term is not positive says nothing of the rate: never free prefill.
+    flat = LatencyFit(ttft=(0.01, -0.5, 0, 0, 0, 0, 0), tpot=(0.0, 0.0, 0, 0), ttft_warm=True, tpot_warm=True)
+    assert fit_rates(flat).prefill_tokens_per_s is None
+    traced = run([state("a")], view, latency=LatencyView(fits={"a": flat}))[4]
+    assert traced.prices["a"].rates.prefill_tokens_per_s == RATE
+    # A learned rate 100x the prior is a fit's artefact, not a replica that prefills for free.
+    absurd = LatencyView(rates={"a": LearnedRates(prefill_tokens_per_s=RATE * 100)})
+    assert run([state("a")], view, latency=absurd)[4].prices["a"].rates.source == "prior"
+
+
+def test_learned_rates_and_pool_priors() -> None:
+    view = AffinityView(prefix_matches={})
+    learned = LatencyView(rates={"a": LearnedRates(prefill_tokens_per_s=RATE / 2)})
+    p = run([state("a")], view, latency=learned)[4].prices["a"]
+    assert p.rates.source == "learned" and p.prefill_s == pytest.approx(4000 / (RATE / 2))
+    # A warm fit's prefill term (seconds per thousand uncached tokens) is the rate's inverse.
+    fit = LatencyFit(ttft=(0.01, 0.08, 0, 0, 0, 0, 0), tpot=(0.012, 0.016, 0, 0), ttft_warm=True, tpot_warm=True)
+    assert fit_rates(fit) == LearnedRates(12_500.0, 0.012, 0.001)
+    # The slower pool's prior prices its replicas dearer for the same prompt.
+    pools = {"pools": {"gpu=a100": {"prefill_tokens_per_s": 6500.0}}}
+    replicas = [state("a", labels={"gpu": "a100"}), state("h", labels={"gpu": "h100"})]
+    name, _, _, _, trace = run(replicas, view, request(session=None), parameters=pools)
+    assert name == "h" and trace.prices["a"].rates.source == "pool:gpu=a100"
+    assert trace.prices["a"].prefill_s == pytest.approx(4000 / 6500.0)
+
+
+def test_the_price_is_configured_by_name_and_checked() -> None:
+    with pytest.raises(ProfileError):
+        build_profile({**PRICE_PROFILE, "picker": {"type": "price", "parameters": {"prefill_rate": 1}}})
+    with pytest.raises(ProfileError):
+        build_profile({**PRICE_PROFILE, "picker": {"type": "price", "parameters": {"pools": {"nolabel": {}}}}})
+    with pytest.raises(ValueError):
+        PriceSettings(prefill_tokens_per_s=0.0)
+    # As a scorer in a weighted profile, it scores the cheapest 1.
+    spec = {**PRICE_PROFILE, "scorers": [{"type": "price", "weight": 1}], "picker": {"type": "max_score"}}
+    profile = build_profile(spec)
+    given = DecisionInputs.of(
+        request(), Snapshot((state("a", pending_prefill_tokens=8000), state("b"))), AffinityView(), 0.0, profile
+    )
+    trace = DecisionTrace()
+    assert decide(given, trace).replica.name == "b"  # type: ignore[union-attr]
+    assert trace.scorers[0].raw["b"] == 1.0 and trace.scorers[0].raw["a"] < 1.0
+
+
+def test_a_pin_the_index_forgot_is_not_a_pin_lost() -> None:
+    # The index no longer claims the prompt on the pin, but nothing says the replica lost it:
+    # it is priced as lacking at most the turn's new part, and the session stays.
+    replicas = [state("a", pending_prefill_tokens=1000), state("b")]
+    forgot = run(replicas, AffinityView(pinned="a", prefix_matches={}))
+    assert forgot[0] == "a" and forgot[4].prices["a"].uncached_tokens == 512
+    # Its own word that the cache is gone: the index's figure stands, and the cheaper replica wins.
+    lost = run(
+        replicas, AffinityView(pinned="a", prefix_matches={}, pin_lost="kv_events"), parameters={"hysteresis": 0.0}
+    )
+    assert lost[0] == "b" and lost[4].prices["a"].uncached_tokens == 4000
+
+
+def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
+    # No session: a holds the whole prompt behind 5,000 queued tokens (0.25 s); b is idle and
+    # cold (4,000 tokens, 0.2 s, and the cached prefixes they displace there, 0.2 s more).
+    replicas = [state("a", pending_prefill_tokens=5000), state("b")]
+    view = AffinityView(prefix_matches={"a": 250})
+    name, _, _, _, trace = run(replicas, view, request(session=None))
+    assert name == "a" and trace.prices["b"].others_s == pytest.approx(4000 / RATE)
+    # Counting this request's own wait alone, the idle replica wins.
+    assert run(replicas, view, request(session=None), parameters={"evict_weight": 0.0})[0] == "b"
