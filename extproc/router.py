@@ -633,7 +633,7 @@ class Router:
                 self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
             now = self.clock()
-            routed.headers_at, routed.status = now, status
+            routed.headers_at, routed.status, routed.tries = now, status, attempts
             waited = now - routed.decided_at
             stream_timed = timed and routed.features.stream
             if attempts <= 1 or answered_by == replica.address:
@@ -669,6 +669,10 @@ class Router:
         ``upstream.first_byte_s``); None when nothing is waited for."""
         if not routed.timed or routed.first_token_seen or not routed.features.stream or routed.released:
             return None
+        if routed.tries > 1 and routed.headers_at is not None:
+            # Another try answered, sent at most first_byte_s x tries after the decision: its
+            # budget runs from its headers.
+            return routed.headers_at + self.config.upstream.first_byte_s
         return routed.decided_at + self.config.upstream.first_byte_s
 
     def first_token_overdue(self, routed: Routed) -> None:
@@ -680,7 +684,8 @@ class Router:
         routed.timed = False  # given up: never timed again
         routed.load_point = None  # nothing to learn from it
         self.metrics.first_token_timeouts.labels(replica.name).inc()
-        self.replicas.observe(replica.name, 0, None, self.clock())
+        if routed.tries <= 1:  # else another replica's try stalled, which one is not known here
+            self.replicas.observe(replica.name, 0, None, self.clock())
 
     def tokens_over(self, routed: Routed, first_at: float | None, last_at: float | None, output_tokens: int) -> None:
         """A timed body is over, with ``output_tokens`` generated (the engine's report, else the
