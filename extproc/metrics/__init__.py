@@ -289,7 +289,8 @@ class RouterMetrics:
         )
         self.split_ttft_seconds = Histogram(
             "extproc_split_ttft_seconds",
-            "Time from the decision to the first token (a timed stream's first event; else the response headers), by rule and arm.",
+            "Time from the decision to the first token (a timed stream's first event; else the response "
+            "headers), by rule and arm.",
             ["rule", "arm"],
             buckets=TTFT_BUCKETS,
             registry=r,
@@ -305,7 +306,8 @@ class RouterMetrics:
         self.first_token_timeouts = Counter(
             "extproc_first_token_timeouts",
             "Timed streams ended by the processor because their replica sent no token within "
-            "upstream.first_byte_s of the decision (its headers, which vLLM sends at once, or not), by the replica chosen.",
+            "upstream.first_byte_s of the decision (its headers, which vLLM sends at once, or not), "
+            "by the replica chosen.",
             ["replica"],
             registry=r,
         )
