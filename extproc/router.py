@@ -582,7 +582,10 @@ class Router:
         """Whether a sampled response's body is read for when its tokens came (its time to first
         token and per output token): wherever the latency models learn (``health.latency_models``),
         or would from this request on (it may carry an objective), and where split arms are
-        compared (their TTFT)."""
+        compared (their TTFT); or always, or never (``health.token_timing``)."""
+        timing = self.config.health.token_timing
+        if timing != "auto":
+            return timing == "always"
         if self.latency.learning or self.config.splits:
             return True
         if not self._learn_on_objective:

@@ -42,6 +42,13 @@ class HealthSettings(RotationPolicy):
         "learn each replica's TTFT/TPOT from responses: auto = once a request carries an objective "
         "(x-slo-ttft-ms, x-slo-tpot-ms), always = from the start, off = never (objectives are then ignored)",
     )
+    # Reading a timed answer's body costs the processor ~8 us of CPU a streamed event
+    # (benchmarks/token_timing_cost.py): auto pays it only where what it gives is used.
+    token_timing: Literal["auto", "always", "off"] = option(
+        "auto",
+        "read sampled answers' bodies for when their tokens came (TTFT, TPOT, the end of prefill; docs/routing.md): "
+        "auto = where the latency models learn or split arms are compared, always = every sampled answer, off = never",
+    )
     engine_rates: list[RatePrior] = option(
         [],
         "each pool's prior engine speeds, learnt on from its answers (docs/routing.md); the first whose labels match",

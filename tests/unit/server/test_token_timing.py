@@ -190,3 +190,15 @@ async def test_a_retried_streams_first_token_budget_runs_from_its_headers_and_bl
     r.first_token_overdue(routed)  # the other replica's try stalled: not r0's doing
     assert r.first_token_deadline(routed) is None
     assert r.replicas.record("r0").errors == errors  # type: ignore[union-attr]
+
+
+def test_what_is_timed_follows_the_latency_models_unless_token_timing_says() -> None:
+    def times(**health: object) -> tuple[bool, bool]:
+        r = Router(make_config(replicas=ONE, health=HealthSettings(**health)))  # type: ignore[arg-type]
+        return r.times_tokens({}), r.times_tokens({"x-slo-ttft-ms": "200"})
+
+    assert times() == (False, True)  # auto: only once a request may carry an objective
+    assert times(latency_models="always") == (True, True)
+    assert times(latency_models="off") == (False, False)
+    assert times(token_timing="always") == (True, True)
+    assert times(latency_models="always", token_timing="off") == (False, False)
