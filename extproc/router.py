@@ -141,6 +141,7 @@ class Router:
         self.budgets = BudgetLedger(config.budgets, budget_store) if config.budgets.enabled else None
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._responses = RateSampler()  # health.response_sample_rate
+        self._timings = RateSampler()  # health.token_timing_rate
         self.store: AffinityStore = store or MemoryStore(
             config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
@@ -594,6 +595,10 @@ class Router:
         if features.tenant_objectives or any(rule.objectives is not None for rule in features.classes):
             return True
         return any(name in headers for name in OBJECTIVE_HEADERS)
+
+    def sample_timing(self) -> bool:
+        """Whether this answer, one :meth:`times_tokens` would time, is (``health.token_timing_rate``)."""
+        return self._timings.take(self.config.health.token_timing_rate)
 
     def sample_response(self) -> bool:
         """Whether to observe the next request's response headers (``health.response_sample_rate``).

@@ -202,3 +202,10 @@ def test_what_is_timed_follows_the_latency_models_unless_token_timing_says() -> 
     assert times(latency_models="off") == (False, False)
     assert times(token_timing="always") == (True, True)
     assert times(latency_models="always", token_timing="off") == (False, False)
+
+
+def test_token_timing_rate_times_that_share_of_the_answers_it_would_time() -> None:
+    r = Router(make_config(replicas=ONE, health=HealthSettings(latency_models="always", token_timing_rate=0.25)))
+    planner = Planner(r)
+    watches = [planner.watch(can_override=True, whole_body=True, headers={}) for _ in range(40)]
+    assert sum(w.timed for w in watches) == 10 and all(w.sampled for w in watches)
