@@ -100,6 +100,8 @@ class Routed:
     its prefill for the hooks."""
     headers_at: float | None = None
     """When its response headers were seen."""
+    tries: int = 1
+    """Envoy's tries for it, as its response headers said (more than one: a retry or a hedge)."""
     status: int = 0
     """The response's status, once its headers were seen (0: not seen, or no answer)."""
     arrived_at: float | None = None

@@ -159,7 +159,8 @@ class Planner:
         sampled = router.sample_response()
         kv = router.kv_events
         check = kv is not None and whole_body and kv.sample_check()
-        return Watch(sampled, check, router.budgets is not None, sampled and router.times_tokens(headers or {}))
+        timed = sampled and router.times_tokens(headers or {}) and router.sample_timing()
+        return Watch(sampled, check, router.budgets is not None, timed)
 
     async def plan(self, headers: Mapping[str, str], body: bytes | None, watch: Watch = EVERYTHING) -> Plan:
         """Route the request and say what to do with it."""

@@ -144,6 +144,7 @@ class Router:
         self.budgets = BudgetLedger(config.budgets, budget_store) if config.budgets.enabled else None
         self.kv_events = kv_events  # vLLM's KV events: where a replica's feed is live, its matches
         self._responses = RateSampler()  # health.response_sample_rate
+        self._timings = RateSampler()  # health.token_timing_rate
         self.store: AffinityStore = store or MemoryStore(
             config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
@@ -603,7 +604,10 @@ class Router:
         """Whether a sampled response's body is read for when its tokens came (its time to first
         token and per output token): wherever the latency models learn (``health.latency_models``),
         or would from this request on (it may carry an objective), and where split arms are
-        compared (their TTFT)."""
+        compared (their TTFT); or always, or never (``health.token_timing``)."""
+        timing = self.config.health.token_timing
+        if timing != "auto":
+            return timing == "always"
         if self.latency.learning or self.config.splits:
             return True
         if not self._learn_on_objective:
@@ -612,6 +616,10 @@ class Router:
         if features.tenant_objectives or any(rule.objectives is not None for rule in features.classes):
             return True
         return any(name in headers for name in OBJECTIVE_HEADERS)
+
+    def sample_timing(self) -> bool:
+        """Whether this answer, one :meth:`times_tokens` would time, is (``health.token_timing_rate``)."""
+        return self._timings.take(self.config.health.token_timing_rate)
 
     def sample_response(self) -> bool:
         """Whether to observe the next request's response headers (``health.response_sample_rate``).
@@ -654,7 +662,7 @@ class Router:
                 self.metrics.split_errors.labels(*labels).inc()
         if replica is not None:
             now = self.clock()
-            routed.headers_at, routed.status = now, status
+            routed.headers_at, routed.status, routed.tries = now, status, attempts
             waited = now - routed.decided_at
             stream_timed = timed and routed.features.stream
             if attempts <= 1 or answered_by == replica.address:
@@ -690,6 +698,10 @@ class Router:
         ``upstream.first_byte_s``); None when nothing is waited for."""
         if not routed.timed or routed.first_token_seen or not routed.features.stream or routed.released:
             return None
+        if routed.tries > 1 and routed.headers_at is not None:
+            # Another try answered, sent at most first_byte_s x tries after the decision: its
+            # budget runs from its headers.
+            return routed.headers_at + self.config.upstream.first_byte_s
         return routed.decided_at + self.config.upstream.first_byte_s
 
     def first_token_overdue(self, routed: Routed) -> None:
@@ -701,7 +713,8 @@ class Router:
         routed.timed = False  # given up: never timed again
         routed.load_point = None  # nothing to learn from it
         self.metrics.first_token_timeouts.labels(replica.name).inc()
-        self.replicas.observe(replica.name, 0, None, self.clock())
+        if routed.tries <= 1:  # else another replica's try stalled, which one is not known here
+            self.replicas.observe(replica.name, 0, None, self.clock())
 
     def tokens_over(self, routed: Routed, first_at: float | None, last_at: float | None, output_tokens: int) -> None:
         """A timed body is over, with ``output_tokens`` generated (the engine's report, else the

@@ -42,6 +42,20 @@ class HealthSettings(RotationPolicy):
         "learn each replica's TTFT/TPOT from responses: auto = once a request carries an objective "
         "(x-slo-ttft-ms, x-slo-tpot-ms), always = from the start, off = never (objectives are then ignored)",
     )
+    # Reading a timed answer's body costs the processor ~115 us of CPU a streamed token through
+    # gRPC (benchmarks/token_timing.md): auto pays it only where what it gives is used, and
+    # token_timing_rate only for that share of those answers.
+    token_timing: Literal["auto", "always", "off"] = option(
+        "auto",
+        "read sampled answers' bodies for when their tokens came (TTFT, TPOT, the end of prefill; docs/routing.md): "
+        "auto = where the latency models learn or split arms are compared, always = every sampled answer, off = never",
+    )
+    token_timing_rate: float = option(
+        1.0,
+        "share of the answers token_timing would time that are (the rest: their headers end their prefill)",
+        ge=0,
+        le=1,
+    )
     engine_rates: list[RatePrior] = option(
         [],
         "each pool's prior engine speeds, learnt on from its answers (docs/routing.md); the first whose labels match",

@@ -357,7 +357,8 @@ class RouterMetrics:
         self.first_token_timeouts = Counter(
             "extproc_first_token_timeouts",
             "Timed streams ended by the processor because their replica sent no token within "
-            "upstream.first_byte_s of the decision (its headers, which vLLM sends at once, or not), by replica.",
+            "upstream.first_byte_s of the decision (its headers, which vLLM sends at once, or not), "
+            "by the replica chosen.",
             ["replica"],
             registry=r,
         )

@@ -52,9 +52,6 @@ async def test_a_shedding_class_is_refused_when_every_replica_is_predicted_to_mi
         async with aiohttp.ClientSession() as http:
             # Cold models decide nothing: an objective nobody could meet is routed as today.
             assert (await send(http, gw, "cold", **{"x-slo-ttft-ms": "0.001"}))[0] == 200
-            for batch in range(10):  # warm both replicas' models (32 observations each)
-                results = await asyncio.gather(*(send(http, gw, f"warm {batch} {i}") for i in range(10)))
-                assert all(status == 200 for status, _, _ in results)
 
             async def warm() -> bool:
                 text = await page(http, gw)
@@ -66,6 +63,15 @@ async def test_a_shedding_class_is_refused_when_every_replica_is_predicted_to_mi
                     for i in range(2)
                 )
 
+            # Warm both replicas' models (32 observations each). A non-streamed answer teaches its
+            # time to first token once the replica's engine has reported its inter-token gap (its
+            # /metrics, scraped every 0.25 s): batches far apart enough for scrapes in between.
+            for batch in range(60):
+                results = await asyncio.gather(*(send(http, gw, f"warm {batch} {i}") for i in range(10)))
+                assert all(status == 200 for status, _, _ in results)
+                if await warm():
+                    break
+                await asyncio.sleep(0.1)
             await wait_for(warm, within_s=15.0, step_s=0.1)
             status, retry_after, body = await send(http, gw, "too tight", **{"x-slo-ttft-ms": "0.001"})
             assert (status, retry_after) == (429, "4") and '"objective"' in body

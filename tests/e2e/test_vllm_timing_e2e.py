@@ -124,6 +124,7 @@ def test_a_streams_learned_ttft_is_the_clients_first_token_not_its_headers(gw: L
         assert first_s is not None and b"[DONE]" in out
         ours, engine = learned(gw, before)
         rows.append((headers_s, first_s, ours, engine))
+    print("stream (headers_s, client first token s, router's TTFT s, engine's TTFT s):", rows)
     # The prompts are long enough: the engine's own TTFT is over 50 ms.
     assert all(engine >= 0.05 for *_, engine in rows), rows
     # What the router learnt is the client's first token, within 20%; and it is not the headers'
@@ -151,6 +152,7 @@ def test_a_non_streamed_answers_ttft_is_learned_from_what_the_engine_reports(gw:
             assert ours < total_s - 0.5 * (total_s - engine), (ours, engine, total_s)
         errors.append(abs(ours - engine) / engine)
         time.sleep(0.5)  # the scrapes keep up with the engine's gaps
+    print("non-streamed, relative error against the engine's TTFT:", [round(e, 3) for e in errors])
     # One token: the headers' time is the first token's (less the hops); more: its decode is estimated.
     assert statistics.median(errors) <= 0.2, errors
 
@@ -178,6 +180,7 @@ def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_i
     finally:
         os.kill(engine.pid, signal.SIGCONT)
         conn.close()
+    print(f"stalled after its headers: headers {headers_s:.3f} s, ended {ended_s:.3f} s")
     assert headers_s < 1.0, headers_s
     assert b"[DONE]" not in got and b'"content"' not in got, got
     # Ended at the first-byte budget from the decision, not at the idle timeout.

@@ -509,7 +509,8 @@ class Simulation(ReplicaSteps):
                     # The processor times a sampled stream's tokens from its body (the headers
                     # of vLLM's streams come before the first token and tell nothing).
                     answered = routed[seq.handle]
-                    router.observe_response(answered, 200, timed=router.times_tokens(_NO_HEADERS))
+                    timed = router.times_tokens(_NO_HEADERS) and router.sample_timing()
+                    router.observe_response(answered, 200, timed=timed)
                     router.first_token(answered, now)
             for seq in result.finished:
                 i = seq.handle

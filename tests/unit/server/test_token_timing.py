@@ -174,3 +174,38 @@ async def test_before_the_engine_reports_a_gap_a_non_streamed_answer_is_judged_b
     stream.planner.end(stream.plan)
     assert met.labels("default", "met")._value.get() == 1
     assert "r0" not in r.latency.view().fits  # nothing learnt from a prior
+
+
+async def test_a_retried_streams_first_token_budget_runs_from_its_headers_and_blames_no_one() -> None:
+    clock = Clock(100.0)
+    r = timed_router(clock)
+    routed = await r.route({":path": CHAT}, chat_body(PROMPT, stream=True), timed=True)
+    budget = r.config.upstream.first_byte_s
+    assert r.first_token_deadline(routed) is None  # nothing waited for before its headers
+    clock.now += budget + 0.5  # the first try timed out; Envoy's second answered
+    r.observe_response(routed, 200, attempts=2, answered_by="127.0.0.1:9", timed=True)
+    assert r.first_token_deadline(routed) == clock.now + budget
+    errors = r.replicas.record("r0").errors  # type: ignore[union-attr]
+    assert errors == 1  # its own try's timeout, counted as before
+    r.first_token_overdue(routed)  # the other replica's try stalled: not r0's doing
+    assert r.first_token_deadline(routed) is None
+    assert r.replicas.record("r0").errors == errors  # type: ignore[union-attr]
+
+
+def test_what_is_timed_follows_the_latency_models_unless_token_timing_says() -> None:
+    def times(**health: object) -> tuple[bool, bool]:
+        r = Router(make_config(replicas=ONE, health=HealthSettings(**health)))  # type: ignore[arg-type]
+        return r.times_tokens({}), r.times_tokens({"x-slo-ttft-ms": "200"})
+
+    assert times() == (False, True)  # auto: only once a request may carry an objective
+    assert times(latency_models="always") == (True, True)
+    assert times(latency_models="off") == (False, False)
+    assert times(token_timing="always") == (True, True)
+    assert times(latency_models="always", token_timing="off") == (False, False)
+
+
+def test_token_timing_rate_times_that_share_of_the_answers_it_would_time() -> None:
+    r = Router(make_config(replicas=ONE, health=HealthSettings(latency_models="always", token_timing_rate=0.25)))
+    planner = Planner(r)
+    watches = [planner.watch(can_override=True, whole_body=True, headers={}) for _ in range(40)]
+    assert sum(w.timed for w in watches) == 10 and all(w.sampled for w in watches)
