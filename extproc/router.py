@@ -63,7 +63,7 @@ from extproc.request.features import (
 )
 from extproc.request.openai_body import INFERENCE_PATHS, costs_tokens
 from extproc.request.splits import Arm, choose_arm, encode_body
-from extproc.routing.latency import LoadPoint
+from extproc.routing.latency import LatencyView, LearnedRates, LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Decider, DecisionInputs, Profile, Profiles, decide
 from extproc.routing.registry import build_profile
@@ -455,7 +455,7 @@ class Router:
             self.profiles.for_request(features),
             self.tenants.terms(features.tenant, len(self.replicas)),
             cordons=self.fleet.cordons,
-            latency=self.latency.view(),
+            latency=self._latency_view(),
             pairing=self.pairing,
             block_chars=self.config.features.block_chars,
         )
@@ -594,6 +594,23 @@ class Router:
         out = {}
         for rec in self.replicas.records():
             out[rec.replica.name] = self.rates.rates(rec.replica.name, rec.replica.labels)
+        return out
+
+    def _latency_view(self) -> LatencyView:
+        """The latency models' fits, with the engine rates learnt so far for the price."""
+        view = self.latency.view()
+        learned = self._learned_rates()
+        return replace(view, rates=learned) if learned else view
+
+    def _learned_rates(self) -> dict[str, LearnedRates]:
+        """What the price takes from the engine rates: only what was learnt (a prior stays the
+        price's own, so a replica nothing was observed of is priced as its pool is)."""
+        out = {}
+        for name, r in self.engine_rates().items():
+            prefill = r.prefill_tokens_per_s if r.prefill_samples > 0 else None
+            decode = r.decode_step_s if r.decode_samples > 0 else None
+            if prefill is not None or decode is not None:
+                out[name] = LearnedRates(prefill_tokens_per_s=prefill, decode_s_per_token=decode)
         return out
 
     def _labels(self, name: str) -> Mapping[str, str]:

@@ -94,3 +94,12 @@ async def test_the_router_learns_them_from_timed_answers_and_shows_the_prior_els
             assert learnt[name].prefill_tokens_per_s == pytest.approx(4000.0, rel=0.25), learnt
             assert learnt[name].decode_step_s == pytest.approx(0.02, rel=0.3), learnt
     assert sum(r.prefill_samples for r in learnt.values()) == 40
+    # The price reads what was learnt through the decision's inputs; no prior passes as learnt.
+    given, _ = router.inputs(routed.features, await router.store.peek(None, (), clock.now), clock.now)
+    for name, r in learnt.items():
+        seen = given.latency.rates.get(name) if given.latency is not None else None
+        if r.prefill_samples == 0 and r.decode_samples == 0:
+            assert seen is None, name
+        else:
+            assert seen is not None and seen.prefill_tokens_per_s == r.prefill_tokens_per_s, (name, seen)
+            assert seen.decode_s_per_token == r.decode_step_s
