@@ -87,6 +87,32 @@ class Backoff:
         self.failures = 0
 
 
+async def watch_events(resp: Any) -> AsyncGenerator[tuple[str, Mapping[str, Any]], None]:
+    """A watch response's events as (type, object), released at the end; a 410 (the version is
+    too old: list again) raises :class:`Gone`, another error status or ERROR event
+    :class:`ApiError`, a malformed line ValueError."""
+    try:
+        if resp.status == 410:
+            raise Gone()
+        if resp.status != 200:
+            raise ApiError(resp.status, (await resp.text())[:200])
+        while line := await resp.content.readline():
+            if not line.strip():
+                continue
+            event = json.loads(line)
+            kind = event.get("type") if isinstance(event, Mapping) else None
+            obj = event.get("object") if isinstance(event, Mapping) else None
+            if not isinstance(obj, Mapping):
+                raise ValueError(f"malformed watch event: {line[:200]!r}")
+            if kind == "ERROR":
+                if obj.get("code") == 410:
+                    raise Gone()
+                raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or obj))
+            yield str(kind), obj
+    finally:
+        resp.release()
+
+
 def own_namespace() -> str:
     """The pod's namespace (from its service account), else ``default``."""
     try:
@@ -230,28 +256,10 @@ class KubernetesDiscovery:
             # The whole request's limit: a connection that goes silent without closing ends too.
             _request_timeout=float(self.watch_timeout_s + 30),
         )
-        try:
-            if resp.status == 410:
-                raise Gone()
-            if resp.status != 200:
-                raise ApiError(resp.status, (await resp.text())[:200])
-            while line := await resp.content.readline():
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind = event.get("type") if isinstance(event, Mapping) else None
-                obj = event.get("object") if isinstance(event, Mapping) else None
-                if not isinstance(obj, Mapping):
-                    raise ValueError(f"malformed watch event: {line[:200]!r}")
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone()
-                    raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or obj))
-                version = resource_version(obj) or version
-                if kind in ("ADDED", "MODIFIED"):
-                    slices.put(obj)
-                elif kind == "DELETED":
-                    slices.remove(obj)
-                yield version, kind in ("ADDED", "MODIFIED", "DELETED")
-        finally:
-            resp.release()
+        async for kind, obj in watch_events(resp):
+            version = resource_version(obj) or version
+            if kind in ("ADDED", "MODIFIED"):
+                slices.put(obj)
+            elif kind == "DELETED":
+                slices.remove(obj)
+            yield version, kind in ("ADDED", "MODIFIED", "DELETED")

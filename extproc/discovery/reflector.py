@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -24,7 +23,7 @@ from typing import Any, Literal
 import aiohttp
 
 from extproc.discovery.endpoint_slices import resource_version
-from extproc.discovery.kubernetes_watch import LIST_TIMEOUT_S, MIN_QUIET_WATCH_S, ApiError, Backoff, Gone
+from extproc.discovery.kubernetes_watch import LIST_TIMEOUT_S, MIN_QUIET_WATCH_S, ApiError, Backoff, Gone, watch_events
 
 log = logging.getLogger("extproc.discovery")
 
@@ -107,29 +106,11 @@ class Reflector:
             timeout_seconds=self.watch_timeout_s,
             _request_timeout=float(self.watch_timeout_s + 30),
         )
-        try:
-            if resp.status == 410:
-                raise Gone()
-            if resp.status != 200:
-                raise ApiError(resp.status, (await resp.text())[:200])
-            while line := await resp.content.readline():
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind = event.get("type") if isinstance(event, Mapping) else None
-                obj = event.get("object") if isinstance(event, Mapping) else None
-                if not isinstance(obj, Mapping):
-                    raise ValueError(f"malformed watch event: {line[:200]!r}")
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone()
-                    raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or obj))
-                version = resource_version(obj) or version
-                if kind in ("ADDED", "MODIFIED"):
-                    yield version, Change("put", item=obj)
-                elif kind == "DELETED":
-                    yield version, Change("delete", item=obj)
-                else:  # BOOKMARK: only the version moves on
-                    yield version, None
-        finally:
-            resp.release()
+        async for kind, obj in watch_events(resp):
+            version = resource_version(obj) or version
+            if kind in ("ADDED", "MODIFIED"):
+                yield version, Change("put", item=obj)
+            elif kind == "DELETED":
+                yield version, Change("delete", item=obj)
+            else:  # BOOKMARK: only the version moves on
+                yield version, None
