@@ -151,12 +151,17 @@ class KeylessSettings:
     session_tokens: int | None = None
     """The default profile with ``prefill_cost.session_tokens`` set to this (the price of each
     conversation live on a replica beyond its share); None: the default profile as it is."""
+    token_timing: str | None = None
+    """``health.token_timing`` (None: the default). The fake replica sends a stream's headers at
+    once, as vLLM does, so only a timed answer keeps its prefill counted until its first token."""
 
 
 def router_config(settings: KeylessSettings, conversations: bool = True) -> dict[str, Any]:
     """The router's config for a run: the default profile with ``session_tokens`` where set, and
     ``request.conversations``."""
     config: dict[str, Any] = {"request": {"conversations": conversations}}
+    if settings.token_timing is not None:
+        config["health"] = {"token_timing": settings.token_timing}
     if settings.session_tokens is not None:
         profile = copy.deepcopy(DEFAULT_PROFILE)
         for scorer in profile["scorers"]:
