@@ -269,7 +269,7 @@ class Planner:
 
     def end(self, plan: Plan) -> None:
         """The stream is over: a body cut short (trailers, a reset) is checked on what came, a
-        request sent upstream and not charged is charged an estimate (issue 39: an abandoned
+        request sent upstream and not charged is charged an estimate (an abandoned
         stream's prompt and the output seen), and the in-flight slot released."""
         if plan.usage is not None:
             self._check_usage(plan, plan.usage)
