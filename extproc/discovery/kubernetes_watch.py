@@ -113,6 +113,24 @@ async def watch_events(resp: Any) -> AsyncGenerator[tuple[str, Mapping[str, Any]
         resp.release()
 
 
+async def api_configuration(given: Any, kubeconfig: str | None, context: str | None) -> Any:
+    """The API client's configuration: ``given`` if any; else in-cluster (the service account)
+    when no ``kubeconfig`` is named and the pod runs in a cluster; else from the kubeconfig file
+    (default ``~/.kube/config``) and ``context``."""
+    if given is not None:
+        return given
+    from kubernetes.aio import client, config
+
+    cfg = client.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        await config.load_kube_config(
+            config_file=kubeconfig, context=context, client_configuration=cfg, persist_config=False
+        )
+    return cfg
+
+
 def own_namespace() -> str:
     """The pod's namespace (from its service account), else ``default``."""
     try:
@@ -163,21 +181,7 @@ class KubernetesDiscovery:
         return f"{SERVICE_NAME_LABEL}={self.service}"
 
     async def _configuration(self) -> Any:
-        if self.configuration is not None:
-            return self.configuration
-        from kubernetes.aio import client, config
-
-        cfg = client.Configuration()
-        if self.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config(client_configuration=cfg)
-        else:
-            await config.load_kube_config(
-                config_file=self.kubeconfig,
-                context=self.context,
-                client_configuration=cfg,
-                persist_config=False,
-            )
-        return cfg
+        return await api_configuration(self.configuration, self.kubeconfig, self.context)
 
     async def updates(self) -> AsyncGenerator[Sequence[Replica], None]:
         """List, then watch, until cancelled; yields the replicas after the list and after each

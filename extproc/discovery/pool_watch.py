@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from extproc.discovery.inference_pool import GROUP, PLURAL, VERSION, PodSet, PoolSpec, pool_spec
-from extproc.discovery.kubernetes_watch import Backoff, own_namespace
+from extproc.discovery.kubernetes_watch import Backoff, api_configuration, own_namespace
 from extproc.discovery.reflector import Change, Reflector
 from extproc.discovery.settings import WATCH_TIMEOUT_S
 from extproc.routing.model import Replica
@@ -76,18 +76,7 @@ class InferencePoolDiscovery:
         return Backoff(*self._backoff, self.rng)
 
     async def _configuration(self) -> Any:
-        if self.configuration is not None:
-            return self.configuration
-        from kubernetes.aio import client, config
-
-        cfg = client.Configuration()
-        if self.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config(client_configuration=cfg)
-        else:
-            await config.load_kube_config(
-                config_file=self.kubeconfig, context=self.context, client_configuration=cfg, persist_config=False
-            )
-        return cfg
+        return await api_configuration(self.configuration, self.kubeconfig, self.context)
 
     def _followed(self, change: Change) -> tuple[bool, PoolSpec | None]:
         """What a change of the pool collection says: (whether it says anything, the spec)."""
