@@ -18,7 +18,10 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from extproc.cache.reuse import ReuseRow
 
 DEFAULT_SERVER = "127.0.0.1:9002"  # the ext_proc port's default: the admin API is served there unless moved
 
@@ -273,11 +276,11 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def render_hit_ratio(reply: Any) -> str:
-    """A GetHitRatio reply: each replica, each pool and the fleet, with the three shares."""
-    from extproc.cache.reuse import ReuseRow, shares
+def reuse_rows(reply: Any) -> list[ReuseRow]:
+    """A GetHitRatio reply's rows as :class:`extproc.cache.reuse.ReuseRow` values."""
+    from extproc.cache.reuse import ReuseRow
 
-    rows = [
+    return [
         ReuseRow(
             r.pool,
             r.replica,
@@ -289,6 +292,13 @@ def render_hit_ratio(reply: Any) -> str:
         )
         for r in reply.rows
     ]
+
+
+def render_hit_ratio(reply: Any) -> str:
+    """A GetHitRatio reply: each replica, each pool and the fleet, with the three shares."""
+    from extproc.cache.reuse import shares
+
+    rows = reuse_rows(reply)
     pools = sorted({r.pool for r in rows})
     groups = [(r.pool, r.replica, [r]) for r in rows]
     groups += [(pool, "(pool)", [r for r in rows if r.pool == pool]) for pool in pools]

@@ -19,7 +19,8 @@ import yaml
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.cache.reuse import ReuseRow, Shares, shares
+from extproc.admin.client import reuse_rows
+from extproc.cache.reuse import Shares, shares
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import words
 from extproc_lab.engines.fleet import EngineSettings
@@ -55,19 +56,7 @@ async def converse(url: str, tag: str) -> None:
 async def decomposed(address: str) -> tuple[Shares, pb.HitRatioResponse]:
     async with grpc.aio.insecure_channel(address) as channel:
         reply = await pb_grpc.AdminStub(channel).GetHitRatio(pb.HitRatioRequest(), timeout=10)
-    rows = [
-        ReuseRow(
-            r.pool,
-            r.replica,
-            r.prompt_blocks,
-            r.offered_blocks,
-            r.captured_blocks,
-            r.engine_queries_tokens,
-            r.engine_hits_tokens,
-        )
-        for r in reply.rows
-    ]
-    return shares(rows), reply
+    return shares(reuse_rows(reply)), reply
 
 
 async def table(gw: LocalGateway) -> str:
