@@ -604,9 +604,10 @@ class Router:
 
     def _learned_rates(self) -> dict[str, LearnedRates]:
         """What the price takes from the engine rates: only what was learnt (a prior stays the
-        price's own, so a replica nothing was observed of is priced as its pool is)."""
+        price's own, so a replica nothing was observed of is priced as its pool is). Per decision:
+        only the replicas observed are read (none until answers are timed), no prior is made."""
         out = {}
-        for name, r in self.engine_rates().items():
+        for name, r in self.rates.view().items():
             prefill = r.prefill_tokens_per_s if r.prefill_samples > 0 else None
             decode = r.decode_step_s if r.decode_samples > 0 else None
             if prefill is not None or decode is not None:
