@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 OTEL_PROTOS = $(PY) -m pip install -q --no-deps --force-reinstall \
 	"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
-.PHONY: install demo test lint example-config proto os-deps engines peers bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config config-docs proto os-deps engines peers bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ peers: $(STAMP)
 # examples/router.yaml is generated from the config models (extproc/config); tests/unit/config/test_config.py keeps it equal.
 example-config: $(STAMP)
 	$(PY) -c "from extproc.config.example import example_yaml; print(example_yaml(), end='')" > examples/router.yaml
+
+# docs/configuration.md's reference is made from the config models too (tests/project/test_release.py keeps it current).
+config-docs: $(STAMP)
+	$(PY) -c "from extproc.config.reference import write; write('docs/configuration.md')"
 
 # The admin API's Python code, generated from proto/ and committed (tests/project/test_proto.py compares).
 proto: $(STAMP)

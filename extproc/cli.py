@@ -40,10 +40,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser(
         "serve",
         help="run the ext_proc routing server",
-        description="Every option is also an environment variable (named in brackets): a flag wins over its "
-        "variable, a variable over the config file.",
+        usage="extproc serve [--config FILE] [--KEY VALUE ...]",
+        description="Every key of the config file is a flag (--health-token-timing) and an environment variable "
+        "(EXTPROC_HEALTH__TOKEN_TIMING), both named in its help: a flag wins over a variable, a variable over the "
+        "config file (docs/environment-variables.md).",
     )
-    # These three are no keys of the file, so not in the flags' table; their variables are defaults.
+    # These three are no keys of the file; their variables are their defaults.
     env = os.environ
     p.add_argument(
         "--config",

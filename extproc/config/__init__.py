@@ -1,9 +1,10 @@
 """The router's configuration: one YAML file, validated at start-up with messages that name the field.
 
 Every value has a default, so ``extproc serve --replica a=127.0.0.1:8001`` works without a file.
-The file's model is the runtime config (:mod:`extproc.config.model`); the ``serve`` flags that
-set it are one table (:mod:`extproc.config.cli_flags`); ``examples/router.yaml`` is generated
-from the models (:mod:`extproc.config.example`).
+The file's model is the runtime config (:mod:`extproc.config.model`); the ``serve`` flags and
+the ``EXTPROC_*`` variables that set it are made from the model (:mod:`extproc.config.keys`,
+:mod:`extproc.config.cli_flags`), and so are ``examples/router.yaml`` (:mod:`extproc.config.example`)
+and docs/configuration.md's reference (:mod:`extproc.config.reference`).
 """
 
 from __future__ import annotations

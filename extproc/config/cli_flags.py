@@ -1,31 +1,62 @@
-"""The ``serve`` flags that set config: one table, each flag a key of the file.
+"""The ``serve`` flags and the ``EXTPROC_*`` environment variables, both made from the config model.
 
-A flag's value goes into the file's mapping at its key before the mapping is validated, so a
-flag is checked exactly as the key is and wins over the file; an error about a key a flag sets
-names the flag too. ``extproc serve --help`` shows each flag's key.
+Every key of the model (:mod:`extproc.config.keys`) is a flag and a variable by one naming rule:
+``health.token_timing`` is ``--health-token-timing`` and ``EXTPROC_HEALTH__TOKEN_TIMING``. A value
+is read by the key's type, put at its key, and the whole is validated as the file is, so a flag
+or a variable is checked exactly as the key is; an error about a key names the flag or variable
+that set it.
 
-Every flag is also an environment variable (:attr:`Flag.env`: ``EXTPROC_`` and the flag's name in
-capitals, ``--metrics-listen`` is ``EXTPROC_METRICS_LISTEN``), made from the same table: a
-variable is read only where its flag is not given, converted and checked as the flag is, and then
-as the key is; a repeated flag's variable holds its values separated by whitespace. So the order
-is flag, then environment, then file, then default.
+A few flags keep the names users already have (:data:`ALIASES`: GIE's picker flags, ``--replica``,
+``--tokenizer``, ``--tls-cert``, ...): each sets a key of the model too, and its help is that key's
+doc. They have no variables of their own: a key has one variable.
+
+Order, highest first: a flag named after its key, a hand-named flag setting the same key, the
+variable, the file, the default. An empty variable counts as unset.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from extproc.config import config_from_mapping, read_mapping
+from extproc.config.keys import ENV_PREFIX, Key, boolean, config_keys, key
 from extproc.config.model import Config, ConfigError, parse_replica, replica_entry
-from extproc.kvevents.hashing import HashAlgo
+
+__all__ = [
+    "ALIASES",
+    "ENV_PREFIX",
+    "SWITCHES",
+    "Alias",
+    "Key",
+    "add_config_flags",
+    "any_address_port",
+    "boolean",
+    "cert_dir",
+    "config_from_flags",
+    "env_name",
+    "key_flag_names",
+]
 
 Kind = Literal["value", "pairs", "replicas"]
+
+# Keys whose value 'off' turns their section off, and any other value on (a flag giving an
+# address means it served there).
+SWITCHES = {"metrics.listen": "metrics.enabled", "admin.listen": "admin.enabled", "tracing.endpoint": "tracing.enabled"}
+
+# Variables of the command line itself (not keys of the file) and of the lab's tools: not typos.
+COMMAND_VARIABLES = ("EXTPROC_CONFIG", "EXTPROC_LOG_LEVEL", "EXTPROC_LOG_FORMAT")
+
+
+def env_name(flag: str) -> str:
+    """The variable of a command-line option that is no key of the file: ``--log-level`` ->
+    ``EXTPROC_LOG_LEVEL``."""
+    return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
 
 
 def any_address_port(text: str) -> str:
@@ -43,36 +74,24 @@ def cert_dir(text: str) -> dict[str, str]:
     return {"cert_file": f"{base}/tls.crt", "key_file": f"{base}/tls.key"}
 
 
-def boolean(text: str) -> bool:
-    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``), as a flag's value."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {text!r}")
-
-
 @dataclass(frozen=True, slots=True)
-class Flag:
-    """One flag: its name, the file's key it sets (dotted), and how.
+class Alias:
+    """A flag named otherwise than its key, kept because users have it.
 
-    ``value``: the key takes the flag's value. ``pairs``: a repeated ``KEY=VALUE`` flag adds to
-    the key's mapping (``form`` names the two). ``replicas``: repeated ``--replica`` specs replace
-    ``replicas:``. With ``switch`` (the section's ``enabled`` key), ``off`` turns the section off
-    and any other value turns it on. With ``implies`` (a key and its value, the ``type`` of a
-    section of several kinds), the flag also sets that key, starting the section afresh when the
-    file's is of another kind.
+    ``value``: the key takes the flag's value, read by ``type`` (None: as the key reads it).
+    ``pairs``: a repeated ``KEY=VALUE`` flag adds to the key's mapping (``form`` names the two).
+    ``replicas``: repeated ``--replica`` specs replace ``replicas:``. With ``implies`` (a key and
+    its value, the ``type`` of a section of several kinds) the flag also sets that key, starting
+    the section afresh when the file's is of another kind. ``note`` is what the flag's own form
+    adds to the key's doc.
     """
 
     name: str
     key: str
-    help: str
+    note: str = ""
     kind: Kind = "value"
-    type: Callable[[str], Any] = str
+    type: Callable[[str], Any] | None = None
     metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-    switch: str | None = None
     form: str = ""
     implies: tuple[str, str] | None = None
 
@@ -82,207 +101,144 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
     @property
-    def env(self) -> str:
-        """The environment variable that stands for the flag when it is not given."""
-        return env_name(self.name)
+    def help(self) -> str:
+        """The key's doc (and what the flag's form adds), naming the key."""
+        doc = key(self.key).description if _is_key(self.key) else ""
+        return "; ".join(part for part in (self.note, doc) if part) + f" [config {self.key}]"
 
 
-ENV_PREFIX = "EXTPROC_"
+def _is_key(path: str) -> bool:
+    return any(k.path == path for k in config_keys())
 
 
-def env_name(flag: str) -> str:
-    """The environment variable of a flag: ``--metrics-listen`` -> ``EXTPROC_METRICS_LISTEN``."""
-    return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
-
-
-SERVE_FLAGS: tuple[Flag, ...] = (
-    Flag("--listen", "listen", "HOST:PORT or unix:/path (default 127.0.0.1:9002)"),
-    Flag(
+_GIE = "GIE's picker's name"
+ALIASES: tuple[Alias, ...] = (
+    Alias(
         "--replica",
         "replicas",
-        "a replica (repeatable); in cluster mode NAME is its Envoy cluster; its engines' KV events with "
+        "one replica (repeatable); in cluster mode NAME is its Envoy cluster; its engines' KV events with "
         ",kv_events=tcp://H:P[,kv_replay=tcp://H:P][,kv_dp=N]",
         kind="replicas",
         metavar="NAME=HOST:PORT[,LABEL=VALUE...]",
     ),
-    Flag("--mode", "mode", "cluster: a target-cluster header; endpoint: GIE's header", choices=("cluster", "endpoint")),
-    Flag(
+    Alias(
         "--pool-name",
         "discovery.name",
-        "be this InferencePool's endpoint picker: follow the pool and the pods it selects (as GIE's picker)",
+        f"{_GIE}: be this InferencePool's endpoint picker (discovery type inference_pool)",
         metavar="NAME",
         implies=("discovery.type", "inference_pool"),
     ),
-    Flag(
+    Alias(
         "--pool-namespace",
         "discovery.namespace",
-        "the InferencePool's namespace (default: the pod's own)",
+        f"{_GIE}: the InferencePool's namespace",
         metavar="NAMESPACE",
         implies=("discovery.type", "inference_pool"),
     ),
-    Flag(
-        "--workers",
-        "workers",
-        "N processes serving the --listen port, sharing pins, prefix index and load in memory (default 1)",
-        type=int,
-        metavar="N",
-    ),
-    Flag(
-        "--store",
-        "store",
-        "affinity store URL: memory:// (default), redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
-    ),
-    Flag(
-        "--metrics-listen",
-        "metrics.listen",
-        "HOST:PORT for /metrics (default 127.0.0.1:9190), 'off' to disable",
-        switch="metrics.enabled",
-    ),
-    Flag(
-        "--response-sample-rate",
-        "health.response_sample_rate",
-        "share of requests whose response headers are observed (default 1)",
-        type=float,
-        metavar="R",
-    ),
-    Flag(
-        "--health-listen",
-        "grpc.health_listen",
-        "also serve gRPC health alone, in plaintext, here (for probes)",
-        metavar="HOST:PORT",
-    ),
-    Flag(
-        "--tls-cert",
-        "grpc.tls.cert_file",
-        "PEM certificate chain: serve gRPC over TLS (with --tls-key)",
-        metavar="FILE",
-    ),
-    Flag("--tls-key", "grpc.tls.key_file", "PEM private key of --tls-cert", metavar="FILE"),
-    # GIE's picker flags where they mean the same (its chart's and its users' command lines).
-    Flag(
-        "--grpc-port",
-        "listen",
-        "GIE's name: ext_proc on this port of every interface (as --listen 0.0.0.0:PORT)",
-        type=any_address_port,
-        metavar="PORT",
-    ),
-    Flag(
+    Alias("--response-sample-rate", "health.response_sample_rate", metavar="R"),
+    Alias("--health-listen", "grpc.health_listen", metavar="HOST:PORT"),
+    Alias("--tls-cert", "grpc.tls.cert_file", "serve gRPC over TLS (with --tls-key)", metavar="FILE"),
+    Alias("--tls-key", "grpc.tls.key_file", "the private key of --tls-cert", metavar="FILE"),
+    Alias("--tls-client-ca", "grpc.tls.client_ca_file", "require client certificates (mTLS)", metavar="FILE"),
+    Alias("--grpc-port", "listen", f"{_GIE}: on this port of every interface", type=any_address_port, metavar="PORT"),
+    Alias(
         "--grpc-health-port",
         "grpc.health_listen",
-        "GIE's name: plaintext gRPC health on this port of every interface",
+        f"{_GIE}: on this port of every interface",
         type=any_address_port,
         metavar="PORT",
     ),
-    Flag(
+    Alias(
         "--metrics-port",
         "metrics.listen",
-        "GIE's name: /metrics on this port of every interface",
+        f"{_GIE}: on this port of every interface",
         type=any_address_port,
         metavar="PORT",
-        switch="metrics.enabled",
     ),
-    Flag(
+    Alias(
         "--cert-path",
         "grpc.tls",
-        "GIE's name: serve TLS with DIR/tls.crt and DIR/tls.key (a mounted kubernetes.io/tls Secret)",
+        f"{_GIE}: serve TLS with DIR/tls.crt and DIR/tls.key (a mounted kubernetes.io/tls Secret)",
         type=cert_dir,
         metavar="DIR",
     ),
-    Flag(
-        "--secure-serving",
-        "grpc.secure_serving",
-        "true: without --tls-cert, serve TLS with a self-signed certificate made at start (GIE's picker "
-        "default); false: plaintext (default: true with --pool-name, else false)",
-        type=boolean,
-        metavar="BOOL",
-    ),
-    Flag(
-        "--tls-client-ca",
-        "grpc.tls.client_ca_file",
-        "PEM CA bundle: require client certificates (mTLS)",
-        metavar="FILE",
-    ),
-    Flag(
-        "--admin-listen",
-        "admin.listen",
-        "the admin API on a port of its own (default: on the --listen port, docs/ports.md), 'off' to disable",
-        metavar="HOST:PORT",
-        switch="admin.enabled",
-    ),
-    Flag(
-        "--tracing-endpoint",
-        "tracing.endpoint",
-        "decision spans to this OTLP/gRPC collector (turns tracing on), 'off' to disable",
-        metavar="HOST:PORT",
-        switch="tracing.enabled",
-    ),
-    Flag(
-        "--tracing-sampler",
-        "tracing.sampler",
-        "ratio: tracing.sample_rate of every request, whatever its traceparent; parent_based: follow a sampled "
-        "parent (Envoy's own tracing deciding)",
-        choices=("ratio", "parent_based"),
-    ),
-    Flag("--admin-token-file", "admin.token_file", "bearer token for the admin API's mutating calls", metavar="FILE"),
-    Flag(
+    Alias("--secure-serving", "grpc.secure_serving", _GIE, metavar="BOOL"),
+    Alias(
         "--tokenizer",
         "kv_events.tokenizers",
-        "tokenize MODEL's prompts with DIR (tokenizer.json, tokenizer_config.json): its requests match vLLM's "
-        "KV events (repeatable)",
+        "one MODEL=DIR (repeatable), added to the file's",
         kind="pairs",
         metavar="MODEL=DIR",
         form="MODEL=DIR",
     ),
-    Flag(
+    Alias(
         "--lora-adapter",
         "kv_events.lora_adapters",
-        "requests naming ADAPTER are tokenized as MODEL's and hashed with the adapter's name, as vLLM (repeatable)",
+        "one ADAPTER=MODEL (repeatable), added to the file's",
         kind="pairs",
         metavar="ADAPTER=MODEL",
         form="ADAPTER=MODEL",
     ),
-    Flag("--kv-events-listen", "kv_events.listen", "bind one SUB endpoint replicas connect to", metavar="ENDPOINT"),
-    Flag("--kv-events-port", "kv_events.port", "discovered replicas publish on this port", type=int, metavar="PORT"),
-    Flag(
-        "--kv-replay-port", "kv_events.replay_port", "discovered replicas answer replays here", type=int, metavar="PORT"
-    ),
-    Flag(
-        "--kv-hash-algo",
-        "kv_events.hash_algo",
-        "the engines' prefix hash (sha256)",
-        choices=tuple(a.value for a in HashAlgo),
-    ),
-    Flag("--kv-hash-seed", "kv_events.hash_seed", "the engines' PYTHONHASHSEED, if set", metavar="SEED"),
-    Flag(
-        "--kv-check-sample-rate",
-        "kv_events.check_sample_rate",
-        "share of responses read for usage.prompt_tokens_details.cached_tokens to check predictions",
-        type=float,
-        metavar="RATE",
-    ),
+    Alias("--kv-replay-port", "kv_events.replay_port", metavar="PORT"),
+    Alias("--kv-hash-algo", "kv_events.hash_algo", metavar="ALGO"),
+    Alias("--kv-hash-seed", "kv_events.hash_seed", metavar="SEED"),
+    Alias("--kv-check-sample-rate", "kv_events.check_sample_rate", metavar="RATE"),
 )
 
 _TLS = ("--tls-cert", "--tls-key", "--tls-client-ca")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...] = SERVE_FLAGS) -> None:
-    """Add ``flags`` to ``parser``, each help naming the key it sets."""
-    for flag in flags:
-        repeated = flag.kind in ("pairs", "replicas")
-        parser.add_argument(
-            flag.name,
-            dest=flag.dest,
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` for argparse: its ValueError's message is the error argparse prints."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _escaped(text: str) -> str:
+    return text.replace("%", "%%")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the hand-named flags and a flag for every key of the model, grouped by section, each
+    help naming its key's type, default and variable."""
+    kept = parser.add_argument_group("flags kept by name (each sets a key of the file)")
+    for alias in ALIASES:
+        repeated = alias.kind in ("pairs", "replicas")
+        parse = alias.type if alias.type is not None else (key(alias.key).parse if _is_key(alias.key) else str)
+        kept.add_argument(
+            alias.name,
+            dest=alias.dest,
             action="append" if repeated else "store",
             default=[] if repeated else None,
-            type=flag.type,
-            metavar=flag.metavar,
-            choices=flag.choices,
-            help=f"{flag.help} [config {flag.key}; env {flag.env}]",
+            type=str if repeated else _argument_type(parse),
+            metavar=alias.metavar,
+            help=_escaped(alias.help),
+        )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for k in config_keys():
+        section = k.path.split(".")[0] if "." in k.path else "top level"
+        group = groups.get(section)
+        if group is None:
+            group = groups[section] = parser.add_argument_group(f"config: {section}")
+        within = f"; with type {', '.join(k.within)}" if k.within else ""
+        group.add_argument(
+            k.flag,
+            dest=k.dest,
+            default=argparse.SUPPRESS,
+            type=_argument_type(k.parse),
+            metavar=k.kind.upper() if not k.choices else "{" + ",".join(str(c) for c in k.choices) + "}",
+            help=_escaped(f"{k.description} [{k.type_name}; default {k.default}{within}; env {k.env}]"),
         )
 
 
-def _set(raw: dict[str, Any], key: str, value: Any) -> None:
-    *sections, last = key.split(".")
+def _set(raw: dict[str, Any], path: str, value: Any) -> None:
+    *sections, last = path.split(".")
     for name in sections:
         inner = raw.get(name)
         raw[name] = inner = dict(inner) if isinstance(inner, Mapping) else {}
@@ -290,116 +246,110 @@ def _set(raw: dict[str, Any], key: str, value: Any) -> None:
     raw[last] = value
 
 
-def _get(raw: Mapping[str, Any], key: str) -> Any:
-    for name in key.split("."):
+def _get(raw: Mapping[str, Any], path: str) -> Any:
+    for name in path.split("."):
         raw = raw.get(name) if isinstance(raw, Mapping) else None  # type: ignore[assignment]
     return raw
 
 
-def _pairs(flag: Flag, base: Any, specs: list[str]) -> dict[str, Any]:
+class _Layers:
+    """The file's mapping with values put over it, remembering which flag or variable set each key."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = dict(raw)
+        self.sources: dict[str, str] = {}
+
+    def put(self, path: str, value: Any, source: str) -> None:
+        switch = SWITCHES.get(path)
+        if switch is not None and value == "off":
+            _set(self.raw, switch, False)
+        else:
+            _set(self.raw, path, value)
+            if switch is not None:
+                _set(self.raw, switch, True)
+        self.sources[path] = source
+
+    def named(self, message: str) -> str:
+        """``message`` with each path a flag or variable set followed by it (the longest key that
+        is the path or holds it: ``replicas[0].address (--replica)``)."""
+        parts = []
+        for part in message.split("; "):
+            path, sep, rest = part.partition(":")
+            holders = [k for k in self.sources if path == k or path.startswith((f"{k}.", f"{k}["))]
+            named = sep and holders and " " not in path
+            parts.append(f"{path} ({self.sources[max(holders, key=len)]}):{rest}" if named else part)
+        return "; ".join(parts)
+
+
+def _from_environment(layers: _Layers, environ: Mapping[str, str]) -> None:
+    for k in config_keys():
+        text = environ.get(k.env, "")
+        if text.strip():
+            try:
+                layers.put(k.path, k.parse(text), k.env)
+            except ValueError as exc:
+                raise ConfigError(f"{k.env}: {exc}") from None
+    known = {k.env for k in config_keys()} | set(COMMAND_VARIABLES)
+    for name in sorted(environ):
+        # A typo would otherwise be silently ignored; the lab's own variables are not ours to refuse.
+        if name.startswith(ENV_PREFIX) and "__" in name and name not in known:
+            logging.getLogger("extproc.config").warning("%s: no such key of the config (ignored)", name)
+
+
+def _pairs(alias: Alias, base: Any, specs: list[str]) -> dict[str, Any]:
     out = dict(base) if isinstance(base, Mapping) else {}
     for spec in specs:
-        key, sep, value = spec.partition("=")
-        if not sep or not key or not value:
-            raise ConfigError(f"{flag.name}: expected {flag.form}, got {spec!r}")
-        out[key] = value
+        name, sep, value = spec.partition("=")
+        if not sep or not name or not value:
+            raise ConfigError(f"{alias.name}: expected {alias.form}, got {spec!r}")
+        out[name] = value
     return out
 
 
-def with_flags(
-    raw: Mapping[str, Any], args: argparse.Namespace, flags: tuple[Flag, ...] = SERVE_FLAGS
-) -> dict[str, Any]:
-    """The file's mapping with the flags given in ``args`` set at their keys."""
-    out = dict(raw)
-    for flag in flags:
-        value = getattr(args, flag.dest, None)
+def _from_aliases(layers: _Layers, args: argparse.Namespace) -> None:
+    for alias in ALIASES:
+        value = getattr(args, alias.dest, None)
         if value is None or value == []:
             continue
-        if flag.kind == "replicas":
-            _set(out, flag.key, [replica_entry(parse_replica(spec)) for spec in value])
-        elif flag.kind == "pairs":
-            _set(out, flag.key, _pairs(flag, _get(out, flag.key), value))
-        elif flag.switch is not None and value == "off":
-            _set(out, flag.switch, False)
+        if alias.kind == "replicas":
+            layers.put(alias.key, [replica_entry(parse_replica(spec)) for spec in value], alias.name)
+        elif alias.kind == "pairs":
+            layers.put(alias.key, _pairs(alias, _get(layers.raw, alias.key), value), alias.name)
         else:
-            if flag.implies is not None:
-                key, kind = flag.implies
-                if _get(out, key) != kind:
-                    _set(out, key.rpartition(".")[0], {})
-                    _set(out, key, kind)
-            _set(out, flag.key, value)
-            if flag.switch is not None:
-                _set(out, flag.switch, True)
-    tls = _get(out, "grpc.tls")
-    if any(getattr(args, f.dest, None) for f in flags if f.name in _TLS) and not (
+            if alias.implies is not None:
+                path, kind = alias.implies
+                if _get(layers.raw, path) != kind:
+                    _set(layers.raw, path.rpartition(".")[0], {})
+                    _set(layers.raw, path, kind)
+            layers.put(alias.key, value, alias.name)
+    tls = _get(layers.raw, "grpc.tls")
+    if any(getattr(args, a.dest, None) for a in ALIASES if a.name in _TLS) and not (
         isinstance(tls, Mapping) and tls.get("cert_file") and tls.get("key_file")
     ):
         raise ConfigError("--tls-cert and --tls-key: both are needed for TLS (--tls-client-ca adds mTLS)")
-    return out
 
 
-def _from_env(flag: Flag, text: str) -> Any:
-    """A variable's value as its flag's would be: converted by the flag's type, among its choices."""
-    repeated = flag.kind in ("pairs", "replicas")
-    values = text.split() if repeated else [text.strip()]
-    out = []
-    for value in values:
-        try:
-            converted = flag.type(value)
-        except ValueError:
-            kinds = {int: "integer", float: "number", boolean: "boolean", any_address_port: "port"}
-            kind = kinds.get(flag.type, "value")
-            raise ConfigError(f"{flag.env}: not a valid {kind}: {value!r}") from None
-        if flag.choices is not None and converted not in flag.choices:
-            raise ConfigError(f"{flag.env}: expected one of {', '.join(flag.choices)}, got {value!r}")
-        out.append(converted)
-    return out if repeated else out[0]
-
-
-def with_environment(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None, flags: tuple[Flag, ...] = SERVE_FLAGS
-) -> tuple[argparse.Namespace, dict[str, Flag]]:
-    """``args`` with each flag not given taken from its environment variable (an empty variable
-    counts as unset), and the flags so taken by their attribute; raises ConfigError naming the
-    variable for a value its flag would refuse."""
-    environ = os.environ if environ is None else environ
-    out = argparse.Namespace(**vars(args))
-    taken: dict[str, Flag] = {}
-    for flag in flags:
-        given = getattr(out, flag.dest, None)
-        text = environ.get(flag.env, "")
-        if (given is None or given == []) and text.strip():
-            setattr(out, flag.dest, _from_env(flag, text))
-            taken[flag.dest] = flag
-    return out, taken
-
-
-def _naming_flags(message: str, flags: tuple[Flag, ...], args: argparse.Namespace, from_env: Mapping[str, Flag]) -> str:
-    """``message`` with each key a flag sets followed by that flag (or its variable): the one given
-    where several set the key, else the first in the table. A key is matched whole (``listen`` is
-    not the end of ``metrics.listen``)."""
-    sources: dict[str, str] = {}
-    for flag in flags:
-        value = getattr(args, flag.dest, None)
-        given = value is not None and value != []
-        if given or flag.key not in sources:
-            sources[flag.key] = flag.env if flag.dest in from_env else flag.name
-    for key, source in sources.items():
-        message = re.sub(rf"(?<![\w.]){re.escape(key)}:", f"{key} ({source}):", message)
-    return message
+def _from_key_flags(layers: _Layers, args: argparse.Namespace) -> None:
+    for k in config_keys():
+        if hasattr(args, k.dest):
+            layers.put(k.path, getattr(args, k.dest), k.flag)
 
 
 def config_from_flags(
-    path: str | Path | None,
-    args: argparse.Namespace,
-    flags: tuple[Flag, ...] = SERVE_FLAGS,
-    environ: Mapping[str, str] | None = None,
+    path: str | Path | None, args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> Config:
-    """The config file at ``path`` (None: every default) with the environment over it and the
-    flags over both, validated."""
-    args, from_env = with_environment(args, environ, flags)
-    raw = with_flags(read_mapping(path) if path else {}, args, flags)
+    """The config file at ``path`` (None: every default) with the variables over it and the flags
+    over both, validated as one file."""
+    layers = _Layers(read_mapping(path) if path else {})
+    _from_environment(layers, os.environ if environ is None else environ)
+    _from_aliases(layers, args)
+    _from_key_flags(layers, args)
     try:
-        return config_from_mapping(raw)
+        return config_from_mapping(layers.raw)
     except ConfigError as exc:
-        raise ConfigError(_naming_flags(str(exc), flags, args, from_env)) from None
+        raise ConfigError(layers.named(str(exc))) from None
+
+
+def key_flag_names() -> set[str]:
+    """Every flag made from a key (the hand-named ones aside)."""
+    return {k.flag for k in config_keys()}

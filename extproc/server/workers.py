@@ -53,7 +53,7 @@ class WorkerSlot:
         resolved them, its own ports offset by its index."""
         out = ["--listen", self.listen]
         if self.health_listen is not None:
-            out += ["--health-listen", self.health_listen]
+            out += ["--grpc-health-listen", self.health_listen]
         if cfg.metrics.address:
             out += ["--metrics-listen", offset_port(cfg.metrics.address, self.index)]
         if cfg.admin.enabled and cfg.admin.listen is not None and cfg.admin.listen != cfg.listen:

@@ -210,15 +210,19 @@ def test_names_namespaces_and_labels_come_from_the_values() -> None:
 def test_the_image_is_the_routers_version_and_values_reach_the_environment() -> None:
     with Chart.load(CHART) as chart:
         version = chart.metadata["appVersion"]
-    container = one(render({"extraEnv": [{"name": "EXTPROC_RESPONSE_SAMPLE_RATE", "value": "0.5"}]}), "Deployment")[
-        "spec"
-    ]["template"]["spec"]["containers"][0]
+    container = one(
+        render({"extraEnv": [{"name": "EXTPROC_HEALTH__RESPONSE_SAMPLE_RATE", "value": "0.5"}]}), "Deployment"
+    )["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == f"extproc-router:{version}"
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env == {"EXTPROC_LOG_LEVEL": "info", "EXTPROC_LOG_FORMAT": "json", "EXTPROC_RESPONSE_SAMPLE_RATE": "0.5"}
-    from extproc.config.cli_flags import SERVE_FLAGS
+    assert env == {
+        "EXTPROC_LOG_LEVEL": "info",
+        "EXTPROC_LOG_FORMAT": "json",
+        "EXTPROC_HEALTH__RESPONSE_SAMPLE_RATE": "0.5",
+    }
+    from extproc.config.keys import config_keys
 
-    assert "EXTPROC_RESPONSE_SAMPLE_RATE" in {f.env for f in SERVE_FLAGS}
+    assert "EXTPROC_HEALTH__RESPONSE_SAMPLE_RATE" in {k.env for k in config_keys()}
 
 
 def test_the_rules_and_the_dashboard_are_the_observability_folders() -> None:

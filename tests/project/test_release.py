@@ -1,5 +1,5 @@
 """What a release is made of: the licence, the changelog, one version followed everywhere it is
-written, and the environment variables documented as the flags' table makes them."""
+written, and the config reference made from the model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from importlib.metadata import version
 import yaml
 
 import extproc
-from extproc.config.cli_flags import SERVE_FLAGS
+from extproc.config.keys import config_keys
+from extproc.config.reference import BEGIN, with_reference
 from tests.conftest import ROOT
 
 
@@ -51,10 +52,8 @@ def test_the_changelog_has_the_current_version() -> None:
     assert package_version() in headings
 
 
-def test_every_environment_variable_is_documented_as_the_table_makes_it() -> None:
+def test_the_config_reference_is_made_from_the_model() -> None:
     page = (ROOT / "docs" / "configuration.md").read_text()
-    rows = [f"| `{f.env}` | `{f.name}` | `{f.key}` |" for f in SERVE_FLAGS]
-    missing = [row for row in rows if row not in page]
-    assert not missing, "docs/configuration.md lacks:\n" + "\n".join(missing)
-    documented = set(re.findall(r"^\| `(EXTPROC_[A-Z_]+)` \|", page, re.M))
-    assert documented == {f.env for f in SERVE_FLAGS}, "a documented variable no flag makes"
+    assert with_reference(page) == page, "docs/configuration.md's reference is stale: make config-docs"
+    documented = set(re.findall(r"`(EXTPROC_[A-Z_]+)`", page[page.index(BEGIN) :]))
+    assert documented == {k.env for k in config_keys()}

@@ -8,11 +8,12 @@ import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from extproc.config import ConfigError, config_from_mapping
+from extproc.config import ConfigError
 from extproc.config.cli_flags import add_config_flags, config_from_flags
 from extproc.discovery import (
     DiscoveryLoop,
@@ -73,21 +74,23 @@ def test_only_running_ready_selected_pods_not_being_deleted_are_replicas() -> No
     assert [r.name for r in pods.replicas()] == ["b"]
 
 
-def test_the_pool_flags_and_settings() -> None:
+def test_the_pool_flags_and_settings(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
     cfg = config_from_flags(None, parser.parse_args(["--pool-name", "vllm", "--pool-namespace", NS]), environ={})
     source = cfg.discovery
     assert isinstance(source, InferencePoolSource)
     assert (source.name, source.namespace, source.debounce_s) == ("vllm", NS, 0.0)
-    # The flag starts the section afresh over a file's source of another kind; the variable works too.
-    raw = {"discovery": {"type": "kubernetes", "service": "vllm", "port": 8000}}
-    from extproc.config.cli_flags import with_environment, with_flags
-
-    args, _ = with_environment(parser.parse_args([]), {"EXTPROC_POOL_NAME": "pool-a"})
-    assert with_flags(raw, args)["discovery"] == {"type": "inference_pool", "name": "pool-a"}
-    assert isinstance(build_discovery(config_from_mapping(with_flags(raw, args)).discovery), InferencePoolDiscovery)
-    with pytest.raises(ConfigError, match=r"discovery\.name \(--pool-name\)"):
+    # The flag starts the section afresh over a file's source of another kind; the variables work too.
+    path = tmp_path / "router.yaml"
+    path.write_text("discovery: {type: kubernetes, service: vllm, port: 8000}\n")
+    cfg = config_from_flags(path, parser.parse_args(["--pool-name", "pool-a"]), environ={})
+    assert cfg.discovery == InferencePoolSource(name="pool-a")
+    env = {"EXTPROC_DISCOVERY__TYPE": "inference_pool", "EXTPROC_DISCOVERY__NAME": "pool-a"}
+    from_env = config_from_flags(None, parser.parse_args([]), environ=env)
+    assert from_env.discovery == cfg.discovery
+    assert isinstance(build_discovery(from_env.discovery), InferencePoolDiscovery)
+    with pytest.raises(ConfigError, match=r"discovery\.name: Field required"):
         config_from_flags(None, parser.parse_args(["--pool-namespace", NS]), environ={})
 
 

@@ -37,7 +37,7 @@ def test_secure_serving_is_the_pickers_default() -> None:
 
     assert decided("--pool-name", "vllm") is True
     assert decided("--pool-name", "vllm", "--secure-serving", "false") is False
-    assert decided("--pool-name", "vllm", env={"EXTPROC_SECURE_SERVING": "off"}) is False
+    assert decided("--pool-name", "vllm", env={"EXTPROC_GRPC__SECURE_SERVING": "off"}) is False
     assert decided("--replica", "a=10.0.0.1:8000") is False
     assert decided("--replica", "a=10.0.0.1:8000", "--secure-serving", "true") is True
     assert decided("--pool-name", "vllm", "--listen", "unix:/run/extproc.sock") is False
