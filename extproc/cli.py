@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from extproc import __version__
 from extproc.config import Config, ConfigError, load_config
 from extproc.config.cli_flags import add_config_flags, config_from_flags, env_name
+from extproc.config.picker_invocation import add_picker_flags, apply_picker_flags, as_serve, report_picker_flags
 from extproc.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help=f"text or json [env {env_name('--log-format')}]",
     )
     add_config_flags(p)
+    add_picker_flags(p)
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -129,6 +131,7 @@ def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_picker_flags(args)
     setup_logging(args.log_level, args.log_format)
     _stop_with_parent()
     segment = SharedSegment.attach(slot.segment, slot.lock)
@@ -349,13 +352,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``extproc`` console script."""
     parser = build_parser()
+    # Started as GIE's chart starts its picker (flags, no command): serve, with the picker's ports.
+    argv = as_serve(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    try:
+        apply_picker_flags(args)
+    except ConfigError as exc:
+        print(f"extproc: config error: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "log_format", "text") not in LOG_FORMATS:  # argparse checks a flag, not its variable
         parser.error(f"{env_name('--log-format')}: expected one of {', '.join(LOG_FORMATS)}, got {args.log_format!r}")
     quiet = args.command in ("demo", "bench", "admin")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
     try:
         if args.command == "serve":
+            report_picker_flags(args)
             cfg = config_from_flags(args.config, args)
             if not cfg.replicas and cfg.discovery.is_static:
                 parser.error(
@@ -370,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     problem = check_workers(cfg)
                     if problem is not None:
                         raise ConfigError(problem)
-                    return supervise(cfg, _serve_worker, sys.argv[1:] if argv is None else argv)
+                    return supervise(cfg, _serve_worker, argv)
                 asyncio.run(_serve(cfg))
             except BindError as exc:
                 # Nothing was reported SERVING: a port in use stops the start, naming the address.

@@ -24,6 +24,10 @@ from extproc.server.tls import CertificateFiles, server_credentials
 log = logging.getLogger("extproc.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# The names GIE's inferencepool chart probes its picker by: readiness as the ext_proc service's,
+# liveness as the process's (so our image serves in its place with the chart's probes unchanged).
+PICKER_READINESS = ("inference-extension", "readiness")
+PICKER_LIVENESS = ("liveness",)
 
 Service = Callable[[grpc.aio.Server], str]
 """Adds one more servicer to the ext_proc port's server and returns its full name (for reflection)."""
@@ -141,7 +145,8 @@ class ProcessorServer:
         """
         for listener in self.listeners:  # ext_proc last
             await listener.start()
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", *PICKER_LIVENESS):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._discovered = ready_when is None or ready_when()
         await self._set_readiness()
         if not self._discovered:
@@ -175,7 +180,8 @@ class ProcessorServer:
         configuration shows no problem."""
         serving = self._discovered and self._config_ok
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set(SERVICE_NAME, status)
+        for name in (SERVICE_NAME, *PICKER_READINESS):
+            await self.health.set(name, status)
 
     async def _check_envoy(self, every_s: float = 1.0) -> None:
         """Judge what the streams showed of Envoy's ext_proc configuration, every second."""
@@ -193,7 +199,7 @@ class ProcessorServer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, *PICKER_READINESS, *PICKER_LIVENESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.ext_proc.grace_s = grace
         await self.ext_proc.close()

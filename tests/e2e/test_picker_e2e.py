@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy_config import GatewaySpec, ProcessorTls, render
 from extproc.routing.model import Replica
@@ -38,6 +40,10 @@ NS = "llm"
 SELECTOR = {"app": "vllm"}
 SUBSET_NS = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+GIE_CHART_ARGS = (
+    *("--pool-name", "vllm", "--pool-namespace", NS, "--pool-group", "inference.networking.k8s.io"),
+    *("--zap-encoder", "json", "--config-file", "/config/default-plugins.yaml", "--tracing=false"),
+)
 
 
 @dataclass
@@ -89,9 +95,11 @@ class Picker:
                 }
             )
         )
-        # As GIE's picker takes them: --pool-namespace; TLS is on by default in this mode.
-        argv = [sys.executable, "-m", "extproc", "serve", "--config", str(config), "--pool-namespace", NS]
-        picker = self.procs.start("picker", [*argv, "--listen", f"{HOST}:{self.picker_port}"])
+        # Started as GIE's inferencepool chart starts its picker (its flags, no command; TLS on by
+        # default), the test's addresses on loopback after them (a key's own flag wins).
+        argv = [sys.executable, "-m", "extproc", *GIE_CHART_ARGS, "--config", str(config)]
+        loopback = ["--listen", f"{HOST}:{self.picker_port}", "--grpc-health-listen", f"{HOST}:{self.health_port}"]
+        picker = self.procs.start("picker", [*argv, *loopback, "--metrics-listen", f"{HOST}:{self.metrics_port}"])
         await asyncio.to_thread(wait_for_port, HOST, self.picker_port, 15.0, picker)
         self._start_envoy()
 
@@ -226,7 +234,13 @@ async def test_a_gateway_routes_through_the_picker_over_tls_on_pool_members_and_
                 assert seen.setdefault(f"s{s}", replica) == replica
         assert set(seen.values()) <= {"rank-0", "rank-1", "rank-2"} and len(set(seen.values())) >= 2
         log = (picker.dir / "picker.log").read_text()
-        assert "TLS, self-signed" in log
+        assert '"level": "info"' in log and "TLS, self-signed" in log  # --zap-encoder json: JSON lines
+        # The names GIE's chart probes its picker by answer on the plaintext health port.
+        async with grpc.aio.insecure_channel(f"{HOST}:{picker.health_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for name in ("inference-extension", "readiness", "liveness"):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
         # The subset hint excludes rank-0: a session whose replica is rank-0 goes elsewhere, fallbacks too.
         home = next(s for s, r in seen.items() if r == "rank-0")
         for turn in range(6):
