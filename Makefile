@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 OTEL_PROTOS = $(PY) -m pip install -q --no-deps --force-reinstall \
 	"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
-.PHONY: install demo test lint example-config config-docs proto os-deps engines peers bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config config-docs chart-envoy proto os-deps engines peers bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ example-config: $(STAMP)
 # docs/configuration.md's reference is made from the config models too (tests/project/test_release.py keeps it current).
 config-docs: $(STAMP)
 	$(PY) -c "from extproc.config.reference import write; write('docs/configuration.md')"
+
+# The Helm chart's sidecar-layout Envoy bootstrap, rendered by extproc envoy-config (tests/project/test_helm.py keeps it current).
+chart-envoy: $(STAMP)
+	$(PY) scripts/chart_envoy.py
 
 # The admin API's Python code, generated from proto/ and committed (tests/project/test_proto.py compares).
 proto: $(STAMP)

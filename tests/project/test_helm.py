@@ -18,9 +18,10 @@ import yaml
 from helm_python import Chart, HelmError, HelmValuesError, lint
 
 from extproc.config import ListenerTls, config_from_mapping
-from extproc.discovery import InferencePoolSource
+from extproc.discovery import InferencePoolSource, KubernetesSource
 from extproc.server.tls import server_credentials
 from tests.conftest import ROOT
+from tests.helpers import validate
 from tests.k8s_schemas import CORE_GROUPS, CRD_SCHEMAS, EXT_PROC_SERVICE, K8S_VERSIONS
 
 CHART = ROOT / "charts" / "extproc"
@@ -59,8 +60,16 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 
 def router_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(one(objects, "ConfigMap")["data"]["router.yaml"])
+    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap" and "router.yaml" in o.get("data", {})]
+    data: dict[str, Any] = yaml.safe_load(config_map["data"]["router.yaml"])
     return data
+
+
+SIDECAR = {
+    "layout": "sidecar",
+    "sidecar": {"modelServers": {"service": "vllm-qwen", "namespace": "models", "port": 8001}},
+}
+"""The sidecar layout: Envoy beside the router, the model servers through their Service."""
 
 
 EVERYTHING = {
@@ -73,18 +82,29 @@ EVERYTHING = {
 
 
 def test_helm_lints_the_chart_without_a_warning() -> None:
-    for given in ({}, EVERYTHING, {"tls": {"enabled": False}, "inferencePool": {"create": False}}):
+    for given in (
+        {},
+        EVERYTHING,
+        {"tls": {"enabled": False}, "inferencePool": {"create": False}},
+        SIDECAR,
+        {**EVERYTHING, **SIDECAR},
+    ):
         values = _with_model_servers(given)
         report = lint(CHART, values, strict=True, namespace="team-a", kube_version="v1.29.0")
         assert report["errors"] == [], report
         assert [m for m in report["messages"] if m["severity"] >= WARNING] == [], report
 
 
-@pytest.mark.parametrize("values", [{}, EVERYTHING, {"tls": {"enabled": False}}], ids=["default", "all", "no-tls"])
+@pytest.mark.parametrize(
+    "values",
+    [{}, EVERYTHING, {"tls": {"enabled": False}}, SIDECAR, {**EVERYTHING, **SIDECAR}],
+    ids=["default", "all", "no-tls", "sidecar", "sidecar-all"],
+)
 def test_every_rendered_object_is_valid(values: dict[str, Any]) -> None:
     objects = render(values)
     kinds = {o["kind"] for o in objects}
-    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "InferencePool"} <= kinds
+    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"} <= kinds
+    assert ("InferencePool" in kinds) == (values.get("layout") != "sidecar")
     for obj in objects:
         if obj["apiVersion"] in CORE_GROUPS:
             for version in K8S_VERSIONS:
@@ -240,3 +260,54 @@ def test_the_rules_and_the_dashboard_are_the_observability_folders() -> None:
     assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     original = json.loads((observability / "dashboards" / "extproc-overview.json").read_text())
     assert json.loads(dashboards[0]["data"]["extproc-overview.json"]) == original
+
+
+def test_the_sidecar_layout_is_envoy_beside_the_router_with_the_bootstrap_the_renderer_makes(tmp_path: Path) -> None:
+    import runpy
+
+    values = {**SIDECAR, "ports": {"grpc": 9102}, "sidecar": {**SIDECAR["sidecar"], "envoy": {"port": 8088}}}
+    objects = render(values, name="gw", namespace="team-a")
+    assert not {o["kind"] for o in objects} & {"InferencePool", "Secret"}
+    cfg = config_from_mapping(router_config(objects))
+    source = cfg.discovery
+    assert isinstance(source, KubernetesSource)
+    assert (source.service, source.namespace, source.port) == ("vllm-qwen", "models", 8001)
+    assert cfg.mode == "endpoint" and cfg.listen == "0.0.0.0:9102"
+    assert cfg.grpc.tls is None and cfg.grpc.secure_serving is False  # Envoy dials it on loopback
+    pod = one(objects, "Deployment")["spec"]["template"]
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    assert set(containers) == {"envoy", "extproc"}
+    assert containers["envoy"]["image"] == "envoyproxy/envoy:v1.40.0"
+    assert {p["name"]: p["containerPort"] for p in containers["envoy"]["ports"]}["http"] == 8088
+    # The bootstrap is what `extproc envoy-config --scenario kubernetes` renders for this config.
+    (envoy_map,) = [o for o in objects if o["kind"] == "ConfigMap" and "envoy.yaml" in o["data"]]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["envoy-config"]["configMap"]["name"] == envoy_map["metadata"]["name"]
+    render_envoy = runpy.run_path(str(ROOT / "scripts" / "chart_envoy.py"))["render_envoy"]
+    bootstrap = envoy_map["data"]["envoy.yaml"]
+    assert bootstrap == render_envoy("vllm-qwen", "models", 8001, 9102, 8088)
+    clusters = {c["name"]: c for c in yaml.safe_load(bootstrap)["static_resources"]["clusters"]}
+    processor = clusters["extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert processor["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9102}
+    path = tmp_path / "envoy.yaml"
+    path.write_text(bootstrap)
+    validate(path)  # by Envoy itself
+    # The gateway's Service: its http port to Envoy's listener; RBAC: the EndpointSlices, there.
+    service = one(objects, "Service")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "http": (80, "http"),
+        "metrics": (9090, "metrics"),
+    }
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+    role = one(objects, "Role")
+    assert role["metadata"]["namespace"] == "models"
+    assert [(r["apiGroups"], r["resources"]) for r in role["rules"]] == [(["discovery.k8s.io"], ["endpointslices"])]
+    with Chart.load(CHART) as chart, pytest.raises(HelmError, match=r"sidecar\.modelServers\.service"):
+        chart.render({"layout": "sidecar"}, name="gw", namespace="team-a")
+
+
+def test_the_charts_envoy_bootstrap_file_is_the_renderers() -> None:
+    import runpy
+
+    generate = runpy.run_path(str(ROOT / "scripts" / "chart_envoy.py"))["generate"]
+    assert (CHART / "files" / "envoy-sidecar.yaml").read_text() == generate(), "stale: make chart-envoy"

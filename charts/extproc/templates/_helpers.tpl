@@ -20,7 +20,46 @@
 {{- define "extproc.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "extproc.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/component: endpoint-picker
+app.kubernetes.io/component: {{ if include "extproc.sidecar" . }}gateway{{ else }}endpoint-picker{{ end }}
+{{- end -}}
+
+{{/* "true" in the sidecar layout (Envoy and the router in one pod), "" in the picker layout. */}}
+{{- define "extproc.sidecar" -}}
+{{- if eq .Values.layout "sidecar" -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when the ext_proc port serves TLS: the picker layout's gateway dials it over the
+network; in the sidecar layout Envoy dials it on loopback, in plaintext. */}}
+{{- define "extproc.tls" -}}
+{{- if and .Values.tls.enabled (not (include "extproc.sidecar" .)) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "extproc.modelService" -}}
+{{- required "sidecar.modelServers.service: the model servers' Service, whose EndpointSlices the router follows (layout sidecar)" .Values.sidecar.modelServers.service -}}
+{{- end -}}
+
+{{- define "extproc.modelNamespace" -}}
+{{- default .Release.Namespace .Values.sidecar.modelServers.namespace -}}
+{{- end -}}
+
+{{/* The namespace the router reads the model servers from: the pool's, or the Service's. */}}
+{{- define "extproc.watchNamespace" -}}
+{{- if include "extproc.sidecar" . -}}
+{{- include "extproc.modelNamespace" . -}}
+{{- else -}}
+{{- include "extproc.poolNamespace" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The sidecar layout's Envoy bootstrap: files/envoy-sidecar.yaml (rendered by `extproc
+envoy-config --scenario kubernetes`, scripts/chart_envoy.py) with its placeholders replaced. */}}
+{{- define "extproc.envoyConfig" -}}
+{{- .Files.Get "files/envoy-sidecar.yaml"
+  | replace "sidecar-model-service" (include "extproc.modelService" .)
+  | replace "sidecar-model-namespace" (include "extproc.modelNamespace" .)
+  | replace "65001" (toString .Values.sidecar.modelServers.port)
+  | replace "65002" (toString .Values.ports.grpc)
+  | replace "65003" (toString .Values.sidecar.envoy.port) -}}
 {{- end -}}
 
 {{- define "extproc.labels" -}}
@@ -57,7 +96,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{/* The router's config file: what the chart decides, then router.config over it. */}}
 {{- define "extproc.routerConfig" -}}
 {{- $grpc := dict "health_listen" (printf "0.0.0.0:%v" .Values.ports.health) -}}
-{{- if .Values.tls.enabled -}}
+{{- if include "extproc.tls" . -}}
 {{- $tls := dict "cert_file" "/etc/extproc/tls/tls.crt" "key_file" "/etc/extproc/tls/tls.key" -}}
 {{- if .Values.tls.clientCaSecret -}}
 {{- $_ := set $tls "client_ca_file" "/etc/extproc/client-ca/ca.crt" -}}
@@ -73,5 +112,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
   "metrics" (dict "listen" (printf "0.0.0.0:%v" .Values.ports.metrics))
   "admin" (dict "listen" "127.0.0.1:9191")
 -}}
+{{- if include "extproc.sidecar" . -}}
+{{- $_ := set $cfg "discovery" (dict "type" "kubernetes" "service" (include "extproc.modelService" .) "namespace" (include "extproc.modelNamespace" .) "port" .Values.sidecar.modelServers.port) -}}
+{{- $_ := set $cfg "grpc" (dict "health_listen" (printf "0.0.0.0:%v" .Values.ports.health) "secure_serving" false) -}}
+{{- end -}}
 {{- toYaml (mergeOverwrite $cfg (deepCopy .Values.router.config)) -}}
 {{- end -}}
