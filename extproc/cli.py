@@ -202,6 +202,12 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     from extproc.tracing import DecisionTracer, TracingUnavailable
 
     metrics = RouterMetrics()
+    self_signed = serves_self_signed(cfg.grpc.tls is not None, cfg.grpc.secure_serving, cfg.discovery.type, cfg.listen)
+    if self_signed or cfg.grpc.tls is not None or cfg.admin.tls is not None:
+        # Before any gRPC server or channel exists: gRPC's core reads its log level then.
+        from extproc.server.handshake_watch import HandshakeWatch
+
+        HandshakeWatch(lambda reason: metrics.tls_handshake_failures.labels(reason).inc()).start()
     store = _open_store(cfg, metrics, worker)
     kv_events = None
     kv = cfg.kv_events
@@ -256,9 +262,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
             services=admin.services,
             bind=False,
             reuse_port=worker is not None,
-            self_signed=serves_self_signed(
-                cfg.grpc.tls is not None, cfg.grpc.secure_serving, cfg.discovery.type, cfg.listen
-            ),
+            self_signed=self_signed,
         )
     except ValueError as exc:  # the token file or a certificate or key file
         await _close_early(kv_events, store)

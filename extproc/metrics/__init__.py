@@ -185,6 +185,13 @@ class RouterMetrics:
             "Membership changes applied from discovery (after debouncing).",
             registry=r,
         )
+        self.tls_handshake_failures = Counter(
+            "extproc_tls_handshake_failures",
+            "TLS handshakes that failed on a TLS port of the router, by OpenSSL reason (WRONG_VERSION_NUMBER: "
+            "a client speaking plaintext to it).",
+            ["reason"],
+            registry=r,
+        )
         self.discovery_failures = Counter(
             "extproc_discovery_failures", "Times the discovery source failed and was restarted.", registry=r
         )

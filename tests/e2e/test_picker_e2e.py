@@ -279,10 +279,28 @@ async def test_fail_close_fail_open_and_a_tls_mismatch(picker: Picker) -> None:
         # that fails open in this mode too is noticed.
         status, _, _ = await send(http, picker.url("fail_open_down"), "down")
         assert status == 500
-        # A gateway speaking plaintext to the TLS picker: refused, and told within seconds.
+        # A gateway speaking plaintext to the TLS picker: refused, and told within seconds, on the
+        # picker's side too: a counter of failed handshakes and a log line naming the likely cause.
         started = time.monotonic()
         status, _, _ = await send(http, picker.url("plaintext"), "plain")
         assert status >= 500 and time.monotonic() - started < 5.0
+        await wait_for(lambda: _positive(handshake_failures(http, picker)), "the failed handshakes counted", within_s=5)
+        log = (picker.dir / "picker.log").read_text()
+        assert "TLS handshake failed on a TLS port of this router (WRONG_VERSION_NUMBER)" in log
+        assert "most likely a client speaking plaintext to this TLS port" in log
+        assert time.monotonic() - started < 10.0
+
+
+async def handshake_failures(http: aiohttp.ClientSession, picker: Picker) -> float:
+    async with http.get(f"http://{HOST}:{picker.metrics_port}/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith('extproc_tls_handshake_failures_total{reason="WRONG_VERSION_NUMBER"}'):
+                return float(line.split()[1])
+    return 0.0
+
+
+async def _positive(value: Any) -> bool:
+    return bool(await value > 0)
 
 
 async def _equals(value: Any, expected: float) -> bool:
