@@ -17,7 +17,6 @@ variable, the file, the default. An empty variable counts as unset.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -291,9 +290,16 @@ def _from_environment(layers: _Layers, environ: Mapping[str, str]) -> None:
                 raise ConfigError(f"{k.env}: {exc}") from None
     known = {k.env for k in config_keys()} | set(COMMAND_VARIABLES)
     for name in sorted(environ):
-        # A typo would otherwise be silently ignored; the lab's own variables are not ours to refuse.
-        if name.startswith(ENV_PREFIX) and "__" in name and name not in known:
-            logging.getLogger("extproc.config").warning("%s: no such key of the config (ignored)", name)
+        # A typo (or a flag's name taken for a variable) would otherwise be silently ignored. Only
+        # names of those shapes are refused: the lab's own EXTPROC_* variables are not ours to judge.
+        if not environ[name].strip() or name in known:
+            continue
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            raise ConfigError(f"{name}: no such key of the config (docs/environment-variables.md)")
+        alias = next((a for a in ALIASES if env_name(a.name) == name), None)
+        if alias is not None:
+            instead = f"; its key's is {key(alias.key).env}" if _is_key(alias.key) else ""
+            raise ConfigError(f"{name}: {alias.name} is a flag kept by name, with no variable{instead}")
 
 
 def _pairs(alias: Alias, base: Any, specs: list[str]) -> dict[str, Any]:

@@ -4,7 +4,6 @@ in the documented order (key flag > hand-named flag > variable > file > default)
 from __future__ import annotations
 
 import argparse
-import logging
 import re
 from pathlib import Path
 
@@ -151,11 +150,16 @@ def test_off_turns_a_served_section_off_and_an_address_on(tmp_path: Path) -> Non
     assert not _config("--admin-listen", "off").admin.enabled
 
 
-def test_an_unknown_nested_variable_is_reported(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="extproc.config"):
-        _config(env={"EXTPROC_HEALTH__TOKEN_TIMNG": "always", "EXTPROC_INFERENCE_PERF_PYTHON": "/usr/bin/python3"})
-    assert "EXTPROC_HEALTH__TOKEN_TIMNG: no such key of the config" in caplog.text
-    assert "INFERENCE_PERF" not in caplog.text  # the lab's own variable, not a typo of ours
+def test_a_variable_of_no_key_is_refused_but_not_the_labs_own() -> None:
+    with pytest.raises(ConfigError, match=re.escape("EXTPROC_HEALTH__TOKEN_TIMNG: no such key of the config")):
+        _config(env={"EXTPROC_HEALTH__TOKEN_TIMNG": "always"})
+    message = (
+        "EXTPROC_POOL_NAME: --pool-name is a flag kept by name, with no variable; its key's is EXTPROC_DISCOVERY__NAME"
+    )
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _config(env={"EXTPROC_POOL_NAME": "qwen"})
+    lab = {"EXTPROC_INFERENCE_PERF_PYTHON": "/usr/bin/python3", "EXTPROC_STORE_PASSWORD": "x", "EXTPROC_REPLICA": ""}
+    assert _config(env=lab).store == "memory://"  # the lab's and the store's own variables; an empty one is unset
 
 
 def test_the_serve_command_has_a_flag_per_key_and_the_names_users_have() -> None:
@@ -167,7 +171,15 @@ def test_the_serve_command_has_a_flag_per_key_and_the_names_users_have() -> None
     picker |= {"--tracing", "--metrics-endpoint-auth"}  # GIE's, accepted and reported (test_picker_invocation)
     assert options - command - picker == {k.flag for k in config_keys()} | {a.name for a in ALIASES}
     kept = "--listen --mode --workers --store --metrics-listen --admin-listen --admin-token-file --tracing-endpoint"
+    kept += " --tracing-sampler --kv-events-listen --kv-events-port"
     assert set(kept.split()) <= {k.flag for k in config_keys()}  # names users have, now made from their keys
+    # Every flag serve had before the flags were made from the model still parses.
+    before = "--listen --replica --mode --pool-name --pool-namespace --workers --store --metrics-listen"
+    before += " --response-sample-rate --health-listen --tls-cert --tls-key --grpc-port --grpc-health-port"
+    before += " --metrics-port --cert-path --secure-serving --tls-client-ca --admin-listen --tracing-endpoint"
+    before += " --tracing-sampler --admin-token-file --tokenizer --lora-adapter --kv-events-listen --kv-events-port"
+    before += " --kv-replay-port --kv-hash-algo --kv-hash-seed --kv-check-sample-rate"
+    assert set(before.split()) <= options
     paths = {k.path for k in config_keys()}
     for alias in ALIASES:
         assert alias.key in paths or any(p.startswith(alias.key + ".") for p in paths), alias.name
