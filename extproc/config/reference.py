@@ -20,6 +20,10 @@ def _cell(text: str) -> str:
 
 
 def _default(k: Key) -> str:
+    if k.default == "required":
+        return "required (where its section is given)" if "." in k.path else "required"
+    if ";" in k.default:  # a section of several kinds: each kind's default
+        return "; ".join(f"`{_cell(part.strip())}`" for part in k.default.split(";"))
     if len(k.default) > LONGEST_DEFAULT:
         return "see [`examples/router.yaml`](../examples/router.yaml)"
     return f"`{_cell(k.default)}`" if k.default else "`''`"

@@ -91,9 +91,17 @@ class HandshakeWatch:
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    self.line(line)
+                    self._safely(line)
             if pending:
-                self.line(pending)
+                self._safely(pending)
+
+    def _safely(self, line: bytes) -> None:
+        # The pump must never stop: every writer to stderr would block once the pipe filled.
+        try:
+            self.line(line)
+        except Exception:
+            with contextlib.suppress(OSError):
+                self._write(line + b"\n")
 
     def line(self, line: bytes) -> None:
         """One line of stderr: passed on, dropped (the core's INFO) or read as a handshake failure."""
@@ -130,5 +138,6 @@ class HandshakeWatch:
         if self._out < 0:
             return
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._out, view) :]
+        with contextlib.suppress(OSError):  # the real stderr closed: the line has nowhere to go
+            while view:
+                view = view[os.write(self._out, view) :]
