@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -311,3 +312,37 @@ def test_the_charts_envoy_bootstrap_file_is_the_renderers() -> None:
 
     generate = runpy.run_path(str(ROOT / "scripts" / "chart_envoy.py"))["generate"]
     assert (CHART / "files" / "envoy-sidecar.yaml").read_text() == generate(), "stale: make chart-envoy"
+
+
+def _value_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every settable value of values.yaml, dotted (a mapping that is empty or of free keys, and a
+    list, is one value)."""
+    out = []
+    for name, value in values.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict) and value and name not in ("resources", "matchLabels", "labels"):
+            out += _value_paths(value, f"{path}.")
+        else:
+            out.append(path)
+    return out
+
+
+def test_every_value_is_documented_in_the_values_table() -> None:
+    page = (ROOT / "docs" / "helm.md").read_text()
+    table = page[page.index("## Values") :].split("\n\n")[1]
+    documented: set[str] = set()
+    for row in table.splitlines()[2:]:
+        last = ""
+        for name in re.findall(r"`([\w.*]+)`", row.split("|")[1]):
+            # `.namespace` after `sidecar.modelServers.service` is sidecar.modelServers.namespace.
+            full = last.rpartition(".")[0] + name if name.startswith(".") else name
+            documented.add(full)
+            last = full
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def covered(path: str) -> bool:
+        parts = path.split(".")
+        return path in documented or any(".".join(parts[:i]) + ".*" in documented for i in range(1, len(parts)))
+
+    missing = [p for p in _value_paths(values) if not covered(p)]
+    assert not missing, f"docs/helm.md's values table lacks {missing}"
