@@ -65,9 +65,13 @@ class HandshakeWatch:
         self._thread: threading.Thread | None = None
         self._reported: dict[str, tuple[float, int]] = {}
 
-    def start(self) -> None:
-        """Route stderr through the watch; call before the first gRPC server or channel is made
-        (gRPC's core reads its log level then)."""
+    def start(self) -> bool:
+        """Route stderr through the watch, and say whether it did; call before the first gRPC
+        server or channel is made (gRPC's core reads its log level then). A process whose stderr
+        is already redirected in Python (a test harness capturing it, ``main`` called in-process)
+        is left alone."""
+        if sys.stderr is not sys.__stderr__ or self._thread is not None:
+            return False
         os.environ["GRPC_VERBOSITY"] = "INFO"
         read, write = os.pipe()
         self._out = os.dup(2)
@@ -83,6 +87,7 @@ class HandshakeWatch:
         os.close(write)
         self._thread = threading.Thread(target=self._pump, args=(read,), name="handshake-watch", daemon=True)
         self._thread.start()
+        return True
 
     def _pump(self, read: int) -> None:
         with os.fdopen(read, "rb", buffering=0) as source:

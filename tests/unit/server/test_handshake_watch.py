@@ -15,6 +15,14 @@ CORE_FAILURE = (
 )
 
 
+def test_a_stderr_already_redirected_in_python_is_left_alone() -> None:
+    # Under pytest sys.stderr is the capture's: main() called in-process must not take it over.
+    assert sys.stderr is not sys.__stderr__
+    before = os.environ.get("GRPC_VERBOSITY")
+    assert HandshakeWatch(lambda reason: None).start() is False
+    assert os.environ.get("GRPC_VERBOSITY") == before
+
+
 def test_the_cores_lines_are_read_counted_dropped_or_passed_on() -> None:
     failures: list[str] = []
     watch = HandshakeWatch(failures.append)
@@ -39,7 +47,7 @@ SCRIPT = textwrap.dedent(
 
     setup_logging("info", "text")
     failures = []
-    HandshakeWatch(failures.append).start()
+    assert HandshakeWatch(failures.append).start()
 
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
