@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from extproc import __version__
 from extproc.config import Config, ConfigError, load_config
+from extproc.config import picker_invocation as picker
 from extproc.config.cli_flags import add_config_flags, config_from_flags, env_name
-from extproc.config.picker_invocation import add_picker_flags, apply_picker_flags, as_serve, report_picker_flags
 from extproc.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -42,9 +42,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "serve",
         help="run the ext_proc routing server",
         usage="extproc serve [--config FILE] [--KEY VALUE ...]",
-        description="Every key of the config file is a flag (--health-token-timing) and an environment variable "
-        "(EXTPROC_HEALTH__TOKEN_TIMING), both named in its help: a flag wins over a variable, a variable over the "
-        "config file (docs/environment-variables.md).",
+        description="Every key of the config file is a flag and an EXTPROC_ variable (docs/environment-variables.md).",
     )
     # These three are no keys of the file; their variables are their defaults.
     env = os.environ
@@ -65,7 +63,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help=f"text or json [env {env_name('--log-format')}]",
     )
     add_config_flags(p)
-    add_picker_flags(p)
+    picker.add_picker_flags(p)
 
 
 def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -130,8 +128,7 @@ def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
     from extproc.state.shared_memory import SharedSegment
 
     parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_picker_flags(args)
+    _, args = picker.parse_command_line(parser, argv)
     setup_logging(args.log_level, args.log_format)
     _stop_with_parent()
     segment = SharedSegment.attach(slot.segment, slot.lock)
@@ -194,6 +191,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     from extproc.metrics import RouterMetrics
     from extproc.router import Router
     from extproc.server.app import ProcessorServer
+    from extproc.server.handshake_watch import watch_handshakes
     from extproc.server.listeners import Listener, MetricsListener, bind_all, close_all, start_all
     from extproc.server.self_signed import serves_self_signed
     from extproc.state.redis_budgets import RedisBudgetStore
@@ -203,11 +201,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
 
     metrics = RouterMetrics()
     self_signed = serves_self_signed(cfg.grpc.tls is not None, cfg.grpc.secure_serving, cfg.discovery.type, cfg.listen)
-    if self_signed or cfg.grpc.tls is not None or cfg.admin.tls is not None:
-        # Before any gRPC server or channel exists: gRPC's core reads its log level then.
-        from extproc.server.handshake_watch import HandshakeWatch
-
-        HandshakeWatch(lambda reason: metrics.tls_handshake_failures.labels(reason).inc()).start()
+    watch_handshakes(metrics.tls_handshake_failures, self_signed or bool(cfg.grpc.tls or cfg.admin.tls))
     store = _open_store(cfg, metrics, worker)
     kv_events = None
     kv = cfg.kv_events
@@ -356,21 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``extproc`` console script."""
     parser = build_parser()
-    # Started as GIE's chart starts its picker (flags, no command): serve, with the picker's ports.
-    argv = as_serve(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    try:
-        apply_picker_flags(args)
-    except ConfigError as exc:
-        print(f"extproc: config error: {exc}", file=sys.stderr)
-        return 2
+    argv, args = picker.parse_command_line(parser, sys.argv[1:] if argv is None else argv)  # GIE's picker's start too
     if getattr(args, "log_format", "text") not in LOG_FORMATS:  # argparse checks a flag, not its variable
         parser.error(f"{env_name('--log-format')}: expected one of {', '.join(LOG_FORMATS)}, got {args.log_format!r}")
     quiet = args.command in ("demo", "bench", "admin")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
     try:
         if args.command == "serve":
-            report_picker_flags(args)
+            picker.report_picker_flags(args)
             cfg = config_from_flags(args.config, args)
             if not cfg.replicas and cfg.discovery.is_static:
                 parser.error(

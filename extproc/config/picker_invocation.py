@@ -24,6 +24,8 @@ POOL_GROUP = "inference.networking.k8s.io"
 # GIE's protocol (endpoint mode) and its picker's ports; a flag given after them wins.
 PICKER_DEFAULTS = ("--mode", "endpoint", "--grpc-port", "9002", "--grpc-health-port", "9003", "--metrics-port", "9090")
 log = logging.getLogger("extproc.config")
+# The picker's flags accepted and reported, changing nothing (their attributes).
+_MEANINGLESS = ("config_file", "config_text", "ha_enable_leader_election", "tracing", "metrics_endpoint_auth")
 
 
 def as_serve(argv: Sequence[str]) -> list[str]:
@@ -55,6 +57,18 @@ def add_picker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-endpoint-auth", metavar="BOOL", help="ignored: /metrics has no authentication")
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], argparse.Namespace]:
+    """``argv`` as the router's command line (:func:`as_serve`) and its parsed arguments with the
+    picker's flags folded in; a pool group not followed exits 2, as any config error does."""
+    argv = as_serve(argv)
+    args = parser.parse_args(argv)
+    try:
+        apply_picker_flags(args)
+    except ConfigError as exc:
+        parser.exit(2, f"extproc: config error: {exc}\n")
+    return argv, args
+
+
 def apply_picker_flags(args: argparse.Namespace) -> None:
     """Fold the picker's flags into ``args`` (log format and level), refuse a pool group that is
     not followed, and log each flag ignored."""
@@ -70,8 +84,8 @@ def apply_picker_flags(args: argparse.Namespace) -> None:
 
 
 def report_picker_flags(args: argparse.Namespace) -> None:
-    """Log the picker's flags given that change nothing here (after logging is set up)."""
-    for flag in ("config_file", "config_text", "ha_enable_leader_election", "tracing", "metrics_endpoint_auth"):
+    """Log the picker's flags given that change nothing here (once logging is set up)."""
+    for flag in _MEANINGLESS:
         value = getattr(args, flag, None)
         if value is not None:
             log.warning("--%s=%s: a flag of GIE's picker with no meaning here, ignored", flag.replace("_", "-"), value)

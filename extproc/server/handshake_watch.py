@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("extproc.server.tls")
 
@@ -146,3 +147,14 @@ class HandshakeWatch:
         with contextlib.suppress(OSError):  # the real stderr closed: the line has nowhere to go
             while view:
                 view = view[os.write(self._out, view) :]
+
+
+def watch_handshakes(failures: Any, tls_served: bool) -> HandshakeWatch | None:
+    """Where a port serves TLS, start a watch counting each failure in ``failures`` (a Prometheus
+    counter labelled by ``reason``). Call it before any gRPC server or channel is made: gRPC's core
+    reads its log level then."""
+    if not tls_served:
+        return None
+    watch = HandshakeWatch(lambda reason: failures.labels(reason).inc())
+    watch.start()
+    return watch

@@ -55,7 +55,9 @@ def test_the_commands_and_the_version_are_left_alone() -> None:
 
 
 def test_a_pool_group_not_followed_and_an_unknown_flag_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--pool-name", "qwen", "--pool-group", "inference.networking.x-k8s.io"]) == 2
+    with pytest.raises(SystemExit) as stopped:
+        main(["--pool-name", "qwen", "--pool-group", "inference.networking.x-k8s.io"])
+    assert stopped.value.code == 2
     assert "--pool-group: only inference.networking.k8s.io InferencePools (v1) are followed" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:
         main(["--pool-name", "qwen", "--endpoint-selector", "app=vllm"])
