@@ -300,6 +300,9 @@ def _from_environment(layers: _Layers, environ: Mapping[str, str]) -> None:
         if alias is not None:
             instead = f"; its key's is {key(alias.key).env}" if _is_key(alias.key) else ""
             raise ConfigError(f"{name}: {alias.name} is a flag kept by name, with no variable{instead}")
+        named = next((k for k in config_keys() if env_name(k.flag) == name), None)
+        if named is not None:  # the flag's name in capitals: a section's key needs its double underscore
+            raise ConfigError(f"{name}: no such variable; {named.path}'s is {named.env}")
 
 
 def _pairs(alias: Alias, base: Any, specs: list[str]) -> dict[str, Any]:

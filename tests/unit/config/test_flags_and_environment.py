@@ -158,7 +158,15 @@ def test_a_variable_of_no_key_is_refused_but_not_the_labs_own() -> None:
     )
     with pytest.raises(ConfigError, match=re.escape(message)):
         _config(env={"EXTPROC_POOL_NAME": "qwen"})
+    with pytest.raises(ConfigError, match=re.escape("EXTPROC_METRICS_LISTEN: no such variable; metrics.listen's is")):
+        _config(env={"EXTPROC_METRICS_LISTEN": "0.0.0.0:9190"})  # a flag's name in capitals
     lab = {"EXTPROC_INFERENCE_PERF_PYTHON": "/usr/bin/python3", "EXTPROC_STORE_PASSWORD": "x", "EXTPROC_REPLICA": ""}
+    lab |= {
+        "EXTPROC_ENGINES_DIR": "/e",
+        "EXTPROC_PEERS_DIR": "/p",
+        "EXTPROC_TRACES_DIR": "/t",
+        "EXTPROC_VLLM_PYTHON": "p",
+    }
     assert _config(env=lab).store == "memory://"  # the lab's and the store's own variables; an empty one is unset
 
 
