@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--prompt-kb", type=int, default=8)
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--threads", type=int, default=64, help="the sync server's thread pool")
+    p.add_argument("--rate", type=float, default=0.0, help="requests/s paced (default: as fast as it goes)")
     args = p.parse_args()
     servers = [s for s in args.servers.split(",") if s not in NEEDS or importlib.util.find_spec(NEEDS[s])]
     wrk_bin = shutil.which("wrk")
@@ -83,12 +84,13 @@ def main() -> None:
                 wrk.run(gw.url, args.prompt_kb, args.connections, 2)  # warm up
                 proc = gw.procs.procs[gw.processor_name()].pid
                 before = cpu_seconds(proc), cpu_seconds(envoy)
-                top = wrk.run(gw.url, args.prompt_kb, args.connections, args.seconds)
+                top = wrk.run(gw.url, args.prompt_kb, args.connections, args.seconds, rate=args.rate)
                 after = cpu_seconds(proc), cpu_seconds(envoy)
                 n = top["requests"] or 1
                 runs[server].append((top["rps"], (after[0] - before[0]) / n * 1e6, (after[1] - before[1]) / n * 1e6))
                 print(f"{server}: {runs[server][-1]}", file=sys.stderr)
-    print(f"{args.prompt_kb} KB prompts, {args.connections} connections, {args.seconds:g} s a run, "
+    paced = f", paced at {args.rate:g} requests/s" if args.rate else ""
+    print(f"{args.prompt_kb} KB prompts, {args.connections} connections{paced}, {args.seconds:g} s a run, "
           f"{args.rounds} rounds; medians (and the range over the rounds)\n")  # fmt: skip
     print("| server | req/s | processor CPU us/request | Envoy CPU us/request |")
     print("|---|---|---|---|")
