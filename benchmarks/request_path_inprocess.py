@@ -21,6 +21,7 @@ import pstats
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -32,6 +33,7 @@ from extproc.routing.model import Replica
 from extproc.server.stream import RequestStream
 from extproc_lab.bench.overhead import chat_body
 
+ROOT = str(Path(__file__).resolve().parent.parent) + "/"
 # Where cProfile's own time of a function is charged, by its file (the first marker that matches).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("metrics (prometheus_client)", ("prometheus_client/", "extproc/metrics.py", "extproc/telemetry.py")),
@@ -115,7 +117,8 @@ def summary(profiler: cProfile.Profile, top: int) -> str:
     rows = []
     for (file, line, name), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         own[category(file, name)] += tottime
-        rows.append((tottime, f"{name} ({file.rsplit('site-packages/', 1)[-1]}:{line})"))
+        short = file.rsplit("site-packages/", 1)[-1].removeprefix(ROOT)
+        rows.append((tottime, f"{name} ({short}:{line})"))
     total = sum(own.values()) or 1.0
     lines = ["| where (own time) | share |", "|---|---|"]
     lines += [f"| {label} | {t / total:.1%} |" for label, t in own.most_common()]
