@@ -7,9 +7,9 @@ Setup as ``extproc bench overhead``'s (two instant fake replicas, wrk with 16 co
 prompts, three ext_proc messages a request: request headers, request body, response headers). Each
 round measures every server once, in turn, so that a change in the shared machine's load falls on
 all of them; the table gives each server's median over the rounds of throughput and of the CPU
-per request of the processor and of Envoy. ``uvloop`` and ``grpclib`` need those packages
-installed (grpclib is not a dependency of the project); a server whose package is missing is left
-out. ``extproc`` and ``extproc-asyncio`` are our own processor (the default configuration) on
+per request of the processor and of Envoy. The servers are those of
+:mod:`extproc_lab.bench.bare_processor`; ``grpclib`` is not a dependency of the project and is left
+out unless installed. ``extproc`` and ``extproc-asyncio`` are our own processor (the default configuration) on
 uvloop's and on asyncio's event loop, measured the same way (not in the default list).
 """
 
@@ -32,7 +32,7 @@ from extproc_lab.demo.processes import wait_for_port
 
 OURS = {"extproc": "auto", "extproc-asyncio": "asyncio"}
 """Our processor, on the event loop ``EXTPROC_EVENT_LOOP`` picks (auto: uvloop where installed)."""
-NEEDS = {"uvloop": "uvloop", "grpclib": "grpclib", "grpclib-uvloop": "grpclib"}
+NEEDS = {"grpclib": "grpclib", "grpclib-uvloop": "grpclib"}
 
 
 def start(gw: LocalGateway, server: str, threads: int) -> None:
@@ -59,7 +59,7 @@ def start(gw: LocalGateway, server: str, threads: int) -> None:
 def main() -> None:
     """Measure each server in rounds and print a Markdown table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--servers", default="aio,uvloop,sync,grpclib,grpclib-uvloop")
+    p.add_argument("--servers", default="aio,uvloop,aio-rw,uvloop-rw,sync,grpclib,grpclib-uvloop")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--prompt-kb", type=int, default=8)

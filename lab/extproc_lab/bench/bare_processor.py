@@ -8,9 +8,10 @@ gRPC and Envoy's round trips and how much is routing. Not for production use.
 
 ``--server`` picks the gRPC server under the same answers, to compare them for this message
 pattern (``benchmarks/grpc_servers.py``): ``aio`` (grpcio's asyncio server, as our processor),
-``uvloop`` (the same on uvloop's event loop), ``sync`` (grpcio's thread-pool server, one thread
-a stream), ``grpclib`` (a pure-Python HTTP/2 server on asyncio) and ``grpclib-uvloop``. uvloop and grpclib are not
-dependencies of the project: those two need them installed.
+``uvloop`` (the same on uvloop's event loop), ``aio-rw`` and ``uvloop-rw`` (the same answered
+through ``context.read()`` and ``context.write()`` instead of an async generator), ``sync``
+(grpcio's thread-pool server, one thread a stream), ``grpclib`` (a pure-Python HTTP/2 server on
+asyncio) and ``grpclib-uvloop``. grpclib is not a dependency of the project: it needs installing.
 """
 
 from __future__ import annotations
@@ -59,14 +60,29 @@ class BareProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             yield answers[request.WhichOneof("request")]
 
 
+class ReadWriteBareProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The same answers through grpc.aio's ``context.read()`` and ``context.write()``, not its
+    request iterator and an async generator (one generator layer less each way)."""
+
+    def __init__(self, header: str, target: str) -> None:
+        self.answers = _responses(header, target)
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any) -> None:
+        """One answer per message."""
+        answers, read, write, eof = self.answers, context.read, context.write, grpc.aio.EOF
+        while (request := await read()) is not eof:
+            await write(answers[request.WhichOneof("request")])
+
+
 OPTIONS = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 32 << 20)]
-SERVERS = ("aio", "uvloop", "sync", "grpclib", "grpclib-uvloop")
+SERVERS = ("aio", "uvloop", "aio-rw", "uvloop-rw", "sync", "grpclib", "grpclib-uvloop")
 
 
-async def serve(listen: str, header: str, target: str) -> None:
+async def serve(listen: str, header: str, target: str, read_write: bool = False) -> None:
     """Serve with grpcio's asyncio server until cancelled."""
     server = grpc.aio.server(options=OPTIONS)
-    pb_grpc.add_ExternalProcessorServicer_to_server(BareProcessor(header, target), server)
+    servicer = ReadWriteBareProcessor(header, target) if read_write else BareProcessor(header, target)
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     server.add_insecure_port(listen)
     await server.start()
     await server.wait_for_termination()
@@ -136,12 +152,12 @@ def main() -> None:
         import uvloop
 
         uvloop.run(serve_grpclib(args.listen, args.header, args.target))
-    elif args.server == "uvloop":
+    elif args.server in ("uvloop", "uvloop-rw"):
         import uvloop
 
-        uvloop.run(serve(args.listen, args.header, args.target))
+        uvloop.run(serve(args.listen, args.header, args.target, read_write=args.server.endswith("-rw")))
     else:
-        asyncio.run(serve(args.listen, args.header, args.target))
+        asyncio.run(serve(args.listen, args.header, args.target, read_write=args.server == "aio-rw"))
 
 
 if __name__ == "__main__":
