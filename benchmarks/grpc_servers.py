@@ -10,7 +10,9 @@ all of them; the table gives each server's median over the rounds of throughput 
 per request of the processor and of Envoy. The servers are those of
 :mod:`extproc_lab.bench.bare_processor`; ``grpclib`` is not a dependency of the project and is left
 out unless installed. ``extproc`` and ``extproc-asyncio`` are our own processor (the default configuration) on
-uvloop's and on asyncio's event loop, measured the same way (not in the default list).
+uvloop's and on asyncio's event loop, measured the same way (not in the default list); ``base`` and
+``base-asyncio`` the same from another checkout (``--base DIR``: ``git archive REV extproc | tar -x
+-C DIR``), for a before and after in one run.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from extproc_lab.bench.peer_routers import HOST, wait_serving
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.processes import wait_for_port
 
-OURS = {"extproc": "auto", "extproc-asyncio": "asyncio"}
-"""Our processor, on the event loop ``EXTPROC_EVENT_LOOP`` picks (auto: uvloop where installed)."""
+OURS = {"extproc": "auto", "extproc-asyncio": "asyncio", "base": "auto", "base-asyncio": "asyncio"}
+"""Our processor, on the event loop ``EXTPROC_EVENT_LOOP`` picks (auto: uvloop where installed);
+``base`` is the checkout ``--base`` names (its ``extproc`` first on ``PYTHONPATH``)."""
 NEEDS = {"grpclib": "grpclib", "grpclib-uvloop": "grpclib"}
 
 
-def start(gw: LocalGateway, server: str, threads: int) -> None:
+def start(gw: LocalGateway, server: str, threads: int, base: str | None = None) -> None:
     """The bare processor with ``server`` in the processor's place behind the gateway's Envoy (or,
     ``extproc`` and ``extproc-asyncio``, our processor on each event loop)."""
     name = gw.processor_name()
@@ -43,6 +46,11 @@ def start(gw: LocalGateway, server: str, threads: int) -> None:
         gw.procs.stop(name)
     if server in OURS:
         os.environ["EXTPROC_EVENT_LOOP"] = OURS[server]
+        os.environ.pop("PYTHONPATH", None)
+        if server.startswith("base"):
+            if base is None:
+                raise SystemExit(f"{server} needs --base")
+            os.environ["PYTHONPATH"] = base
         gw.start_processor()
         wait_serving(gw.url)
         return
@@ -65,6 +73,7 @@ def main() -> None:
     p.add_argument("--prompt-kb", type=int, default=8)
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--threads", type=int, default=64, help="the sync server's thread pool")
+    p.add_argument("--base", help="a directory holding another checkout's extproc/, for the base servers")
     p.add_argument("--rate", type=float, default=0.0, help="requests/s paced (default: as fast as it goes)")
     args = p.parse_args()
     servers = [s for s in args.servers.split(",") if s not in NEEDS or importlib.util.find_spec(NEEDS[s])]
@@ -80,7 +89,7 @@ def main() -> None:
         envoy = gw.procs.procs["envoy"].pid
         for _ in range(args.rounds):
             for server in servers:
-                start(gw, server, args.threads)
+                start(gw, server, args.threads, args.base)
                 wrk.run(gw.url, args.prompt_kb, args.connections, 2)  # warm up
                 proc = gw.procs.procs[gw.processor_name()].pid
                 before = cpu_seconds(proc), cpu_seconds(envoy)
