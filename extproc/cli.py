@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
-from extproc import __version__
+from extproc import __version__, event_loop
 from extproc.config import Config, ConfigError, load_config
 from extproc.config import picker_invocation as picker
 from extproc.config.cli_flags import add_config_flags, config_from_flags, env_name
@@ -135,7 +135,7 @@ def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
     try:
         # The worker's own ports as flags, which win over the file as any flag does.
         args = parser.parse_args([*argv, *slot.flags(config_from_flags(args.config, args))])
-        asyncio.run(_serve(config_from_flags(args.config, args), (slot, segment)))
+        event_loop.run(_serve(config_from_flags(args.config, args), (slot, segment)))
     except BindError as exc:
         print(f"extproc: worker {slot.index}: {exc}", file=sys.stderr)
         raise SystemExit(3) from None
@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if problem is not None:
                         raise ConfigError(problem)
                     return supervise(cfg, _serve_worker, argv)
-                asyncio.run(_serve(cfg))
+                event_loop.run(_serve(cfg))
             except BindError as exc:
                 # Nothing was reported SERVING: a port in use stops the start, naming the address.
                 print(f"extproc: {exc}", file=sys.stderr)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -96,7 +96,7 @@ class RequestStream:
             Phase.DONE: self._done,
         }
 
-    async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+    async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncGenerator[pb.ProcessingResponse, None]:
         """Answer each message of the stream; releases the request's in-flight slot at the end.
 
         While a timed stream waits for its first token, the next message is awaited only until

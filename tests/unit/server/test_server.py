@@ -124,3 +124,19 @@ async def test_a_discovery_that_never_answers_still_ends_in_serving() -> None:
             await wait_for(serving, "SERVING after the ready timeout", within_s=5.0, step_s=0.05)  # Envoy fails open
     finally:
         await server.stop(0)
+
+
+async def test_a_stream_reset_after_the_decision_releases_its_in_flight_slot(server: ProcessorServer) -> None:
+    # Envoy resets the stream when the client goes away: the servicer is cancelled wherever it
+    # waits (reading the next message, or writing an answer), and the request's slot must be freed.
+    router = server.router
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}))
+        await call.read()
+        await call.write(body_message(chat_body("hello " * 100)))
+        decided = await call.read()
+        assert set_headers(decided.request_body.response.header_mutation)["x-target-cluster"]
+        assert sum(r.inflight for r in router.replicas.records()) == 1
+        call.cancel()
+        await wait_for(lambda: all(r.inflight == 0 for r in router.replicas.records()), "the slot released")
