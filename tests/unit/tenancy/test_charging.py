@@ -97,6 +97,25 @@ async def test_an_answer_never_seen_is_charged_its_prompt_and_output_from_the_ti
     assert used(r) == prompt + 40 + plan.routed.features.charged_prompt_tokens() + 5
 
 
+async def test_a_non_streamed_answer_cut_mid_body_is_charged_the_output_it_ran_for() -> None:
+    """Its usage is at the end of its body, never seen: its prompt and the output estimated from
+    the time it ran (an answer's headers leave once the engine is done), marked as estimated."""
+    clock = Clock()
+    r = router(clock, output_tokens_per_s=10.0)
+    planner = Planner(r)
+    plan = await planner.plan(ACME, chat_body("summarise " * 40, max_tokens=500), Watch(meter=True))
+    prompt = plan.routed.features.charged_prompt_tokens()
+    clock.now += 3.0
+    assert planner.response_headers(plan, {":status": "200"})
+    await planner.response_body(plan, b'{"id":"chatcmpl-1","choices":[{"index":0,"message":{"content":"Once', False)
+    planner.end(plan)  # the connection was cut before the rest (and its usage) came
+    assert used(r) == prompt + 30
+    assert r.meter is not None
+    (row,) = r.meter.rows()
+    assert (row.input, row.output, row.estimated) == (prompt, 30, prompt + 30)
+    assert r.budgets is not None and r.budgets.reserved == {}
+
+
 async def test_refused_errored_and_unstarted_streams_are_charged_nothing() -> None:
     r = router()
     planner = Planner(r)
