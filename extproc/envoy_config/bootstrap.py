@@ -339,9 +339,12 @@ def trace_forcing_headers(spec: GatewaySpec) -> tuple[str, ...]:
 
 
 def _early_mutations(spec: GatewaySpec) -> list[TypedExtensionConfig]:
-    names = trace_forcing_headers(spec)
-    if not names:
-        return []
+    """The trusted headers (and the trace-forcing ones) removed before Envoy does anything with
+    the request: Envoy picks a request's route before the first filter runs, and keeps it unless a
+    filter changes headers the way ext_proc does; with the processor down (failing open) the
+    route a client's ``x-target-cluster`` chose would stand though the first filter removed it
+    (measured: every request on the named replica)."""
+    names = tuple(dict.fromkeys((*stripped_headers(spec), *trace_forcing_headers(spec))))
     mutation = EarlyHeaderMutation(mutations=[HeaderMutationRule(remove=name) for name in names])
     return [TypedExtensionConfig(name=EARLY_HEADER_MUTATION, typed_config=AnyMessage.pack(mutation))]
 
