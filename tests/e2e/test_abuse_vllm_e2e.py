@@ -45,7 +45,7 @@ CHAT = "/v1/chat/completions"
 # its 2,048-token context, and a body under max_body_bytes, so parsed and tokenized.
 PROMPT = " ".join(f"word{i % 97}" for i in range(150))
 STREAMS = 6
-TENANTS = ("acme", "beta", "bulk", "small")
+TENANTS = ("acme", "beta", "bulk", "small", "tight")
 # Output a stream's engine made after the client went and before it saw it go (never seen by
 # Envoy, so never charged): measured up to 32 a stream on average (docs/tenancy.md); the bound
 # the tests hold, with room for a loaded machine.
@@ -86,7 +86,7 @@ def budgets_config(trust_header: bool = False, **extra: Any) -> dict[str, Any]:
         "request": {"max_body_bytes": 1500},  # PROMPT's body is parsed, a 1.8 KB one is not
         "budgets": {
             "enabled": True,
-            "tenants": {t: {"per_day": 10**7} for t in TENANTS},
+            "tenants": {t: {"per_day": 10**7} for t in TENANTS} | {"tight": {"per_minute": 300}},
             # The operator's figure for this model, whose tokenizer cuts about 1.4 characters a
             # token (the default, 4, charged a body over max_body_bytes 472 where it used 1,096).
             "bytes_per_token": 1.5,
@@ -229,6 +229,9 @@ async def test_bodies_that_do_not_parse_cost_nothing_and_are_charged_nothing(gw:
         for data in broken * 2:
             async with http.post(gw.url + CHAT, data=data, headers=headers) as r:
                 assert 400 <= r.status < 500, (data, r.status)
+        big = chat(gw, "many words " * 150, max_tokens=32, stream=True)  # about 1,200 tokens by its size
+        async with http.post(gw.url + CHAT, json=big, headers=as_tenant("tight")) as r:
+            assert r.status == 429 and "token budget" in await r.text()
         charges, (prompt, generation) = await ledger.settle()
     print(f"\nbodies that do not parse (vLLM): charged {sum(charges.values()):.0f}, engines {prompt + generation:.0f}")
     assert (prompt, generation) == (0, 0)
