@@ -128,8 +128,11 @@ async def test_a_shipped_scenario_routes_no_client_header_with_the_processor_sto
 
 
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:
+    """The main listener's connection manager, without our early removal of the trusted headers
+    (another gateway's connection manager is not ours)."""
     listener = config["static_resources"]["listeners"][0]
     hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm.pop("early_header_mutation_extensions", None)
     return hcm
 
 
