@@ -121,8 +121,9 @@ class Ledger:
         self.engines_before = (0.0, 0.0)
 
     async def _charges(self) -> dict[str, float]:
-        samples = await read_metrics(self.http, self.gw.metrics_url)
-        return {t: charged_tokens(samples, t) for t in (*TENANTS, "other")}
+        """Each tenant's metered tokens, summed over the processor's workers (each counts its own)."""
+        pages = [await read_metrics(self.http, url) for url in self.gw.worker_metrics_urls]
+        return {t: sum(charged_tokens(samples, t) for samples in pages) for t in (*TENANTS, "other")}
 
     async def __aenter__(self) -> Ledger:
         self.before = await self._charges()
