@@ -275,7 +275,7 @@ class Planner:
             self._check_usage(plan, plan.usage)
             self._tokens_over(plan, plan.usage.usage())
         if isinstance(plan.action, Forward):
-            self.router.charge_unreported(plan.routed, plan.usage.events if plan.usage is not None else None)
+            self.router.charge_unreported(plan.routed, plan.usage.output_seen if plan.usage is not None else None)
         plan.usage = None
         self.router.release_budget(plan.routed)
         self.router.release(plan.routed)
@@ -289,7 +289,7 @@ class Planner:
         self._tokens_over(plan, usage)
         if usage is None and plan.routed.budget is not None:
             # Metered, no report (a stream not asked for it, an API that reports none): what it was seen to use.
-            usage = self.router.estimated_usage(plan.routed, tail.events)
+            usage = self.router.estimated_usage(plan.routed, tail.output_seen)
         if usage is not None:
             await self.router.charge_usage(plan.routed, usage)
 

@@ -799,12 +799,16 @@ class Router:
         """A request sent upstream ended without the usage it used being charged (a stream the
         client abandoned or that was reset; ``events``: what of its body was seen, None when no
         body was read): charged an estimate now, once. An answer with an error status, and a
-        stream that never answered, cost no engine step worth charging."""
+        stream that never answered, cost no engine step worth charging. A non-streamed answer
+        cut mid-body (its usage is at its end) ran to its end on the engine before its headers
+        left: charged the output estimated from the time it ran, as one never seen."""
         if routed.budget is None:  # charged already, or not metered
             return
         if events is None:
             if routed.status != 0 or routed.features.stream:
                 return
+            usage = self.estimated_usage(routed, ran_s=self.clock() - routed.decided_at)
+        elif events == 0 and not routed.features.stream:
             usage = self.estimated_usage(routed, ran_s=self.clock() - routed.decided_at)
         else:
             usage = self.estimated_usage(routed, events)

@@ -85,26 +85,44 @@ def reports_tokens(obj: Mapping[str, Any]) -> bool:
 
 
 _EVENT = b"data: {"
+_ROLE = b'"role"'
+"""A chat stream's role-only opening chunk (a model's text cannot hold ``"role"`` unescaped)."""
+
+
+def _count(mark: bytes, before: bytes, chunk: bytes) -> int:
+    """``mark`` in ``chunk``, and once where it straddles ``before``'s end and ``chunk``'s start."""
+    seam = before[-(len(mark) - 1) :] + chunk[: len(mark) - 1]
+    return chunk.count(mark) + seam.count(mark)
 
 
 class UsageTail:
     """The last :data:`TAIL_BYTES` of a response body, the usage they report, and the events of
     a server-sent-events stream seen so far."""
 
-    __slots__ = ("_tail", "events")
+    __slots__ = ("_tail", "events", "roles")
 
     def __init__(self) -> None:
         self._tail = b""
         self.events = 0
-        """``data: {...}`` events seen: about one output token each in vLLM's streams (one
-        chunk an engine step; the first carries the role, the last may carry only the reason)."""
+        """``data: {...}`` events seen: one output token each in vLLM's chat streams (one chunk an
+        engine step, the finish reason riding the last token's), and the role-only opening chunk."""
+        self.roles = 0
+        """Of those, role-only opening chunks (vLLM's chat writes one with its first output)."""
 
     def feed(self, chunk: bytes) -> None:
         """One more piece of the body."""
         # An event's start cut by the piece's end is counted once its rest arrives.
-        seam = self._tail[-(len(_EVENT) - 1) :] + chunk[: len(_EVENT) - 1]
-        self.events += chunk.count(_EVENT) + seam.count(_EVENT)
+        self.events += _count(_EVENT, self._tail, chunk)
+        if self.events:  # a JSON answer's message names its role too: not an event
+            self.roles += _count(_ROLE, self._tail, chunk)
         self._tail = (self._tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
+
+    @property
+    def output_seen(self) -> int:
+        """The output tokens the events seen carried: the events less the role-only chunk, which
+        carries none (counted as a token, a stream abandoned right after it was charged one
+        more than vLLM generated)."""
+        return max(0, self.events - self.roles)
 
     def usage(self) -> Usage | None:
         """The last ``usage`` object the body reported; None if none can be read."""

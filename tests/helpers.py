@@ -6,8 +6,10 @@ from ``conftest``, never from each other (tests/project/test_layers.py checks), 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -43,7 +45,7 @@ from extproc_lab.demo.load import read_metrics
 from extproc_lab.demo.processes import wait_for_port
 from extproc_lab.demo.workload import Conversation
 from extproc_lab.replica.tokenizer_dir import sample_text
-from tests.conftest import make_config, require_binary
+from tests.conftest import ROOT, make_config, require_binary
 
 CHAT = "/v1/chat/completions"
 HOST = "127.0.0.1"
@@ -462,3 +464,44 @@ def otlp_receiver() -> Iterator[SpanReceiver]:
         yield receiver
     finally:
         server.stop(None)
+
+
+def apply_istio_patches(bootstrap: dict[str, Any], envoy_filter: dict[str, Any]) -> None:
+    """Apply an EnvoyFilter's patches to a bootstrap as Istio does for the kinds we use."""
+    listeners = bootstrap["static_resources"]["listeners"]
+    clusters = bootstrap["static_resources"]["clusters"]
+    for patch in envoy_filter["spec"]["configPatches"]:
+        value, operation = patch["patch"]["value"], patch["patch"]["operation"]
+        if patch["applyTo"] == "HTTP_FILTER":
+            assert operation in ("INSERT_BEFORE", "INSERT_FIRST")
+            for listener in listeners:
+                filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+                if operation == "INSERT_FIRST":
+                    filters.insert(0, copy.deepcopy(value))
+                    continue
+                wanted = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+                filters.insert([f["name"] for f in filters].index(wanted), copy.deepcopy(value))
+        elif patch["applyTo"] == "CLUSTER":
+            assert operation == "MERGE"
+            match = patch["match"]["cluster"]
+            name = f"outbound|{match['portNumber']}||{match['service']}"
+            next(c for c in clusters if c["name"] == name).update(copy.deepcopy(value))
+        elif patch["applyTo"] == "LISTENER":
+            assert operation == "MERGE"
+            for listener in listeners:
+                listener.update(copy.deepcopy(value))
+        else:  # pragma: no cover - a patch kind this test does not know yet
+            raise AssertionError(f"unexpected patch {patch['applyTo']}")
+
+
+def trusted_headers() -> set[str]:
+    """The request headers docs/security.md's table says Envoy's first filter strips (the table
+    ``tests/project/test_headers_table.py`` holds to the code): the ones a client may not set."""
+    text = (ROOT / "docs" / "security.md").read_text()
+    section = text[text.index("## Headers the router reads") :]
+    names: set[str] = set()
+    for line in section[: section.index("\n## ", 1)].splitlines():
+        cells = line.split("|")
+        if line.startswith("| ") and len(cells) > 4 and cells[4].strip().startswith("Envoy's first filter"):
+            names |= {n for n in re.findall(r"`([^`]+)`", cells[1]) if re.fullmatch(r"x-[a-z0-9-]+", n)}
+    return names

@@ -100,7 +100,9 @@ def _tracing(args: argparse.Namespace, cfg: Config) -> dict[str, object]:
         return {}
     if percent is None:
         percent = cfg.tracing.sample_rate * 100
-    return {"tracing_collector": collector, "tracing_sample_percent": percent}
+    # Envoy follows a client's sampled parent only where the operator's sampler does.
+    follow = cfg.tracing.sampler == "parent_based"
+    return {"tracing_collector": collector, "tracing_sample_percent": percent, "tracing_client_parent": follow}
 
 
 def _processor_tls(args: argparse.Namespace) -> ProcessorTls | None:

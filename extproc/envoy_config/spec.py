@@ -20,6 +20,12 @@ ADMIN_CLUSTER = "envoy_admin"
 TRACING_CLUSTER = "otel_collector"
 OPENTELEMETRY_TRACER = "envoy.tracers.opentelemetry"
 TRACING_SERVICE_NAME = "envoy-gateway"
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
+"""W3C trace context a client may send (removed at the edge under Envoy's own tracing)."""
+REQUEST_ID_HEADER = "x-request-id"
+CLIENT_TRACE_ID_HEADER = "x-client-trace-id"
+FORCE_TRACE_HEADER = "x-envoy-force-trace"
+EARLY_HEADER_MUTATION = "envoy.http.early_header_mutation.header_mutation"
 BUFFER_LIMIT = 16 * 1024 * 1024
 MAX_RETRIES = 1024  # concurrent retries per replica cluster (Envoy's default: 3)
 HEADER_MUTATION_FILTER = "envoy.filters.http.header_mutation"
@@ -96,6 +102,10 @@ class GatewaySpec:
     # and the replica join the same trace through the context Envoy propagates.
     tracing_collector: str | None = None
     tracing_sample_percent: float = 100.0
+    # With Envoy's tracing: whether Envoy joins a client's trace (the processor's sampler
+    # parent_based) when it samples the request; without, the client's traceparent and
+    # tracestate are removed before Envoy reads them (bootstrap.trace_forcing_headers).
+    tracing_client_parent: bool = False
 
 
 @dataclass(frozen=True, slots=True)

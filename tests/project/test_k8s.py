@@ -36,7 +36,7 @@ from extproc.envoy_config import (
     to_dict,
 )
 from tests.conftest import ROOT, require_binary
-from tests.helpers import validate
+from tests.helpers import apply_istio_patches, validate
 from tests.k8s_schemas import CORE_GROUPS, CRD_SCHEMAS, EXT_PROC_SERVICE, K8S_VERSIONS
 
 K8S = ROOT / "k8s"
@@ -254,34 +254,6 @@ def test_istio_envoy_filter_is_rendered_from_the_router_config(capsys: pytest.Ca
 CORS = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"
 
 
-def _apply_istio_patches(bootstrap: dict[str, Any], envoy_filter: dict[str, Any]) -> None:
-    """Apply an EnvoyFilter's patches to a bootstrap as Istio does for the kinds we use."""
-    listeners = bootstrap["static_resources"]["listeners"]
-    clusters = bootstrap["static_resources"]["clusters"]
-    for patch in envoy_filter["spec"]["configPatches"]:
-        value, operation = patch["patch"]["value"], patch["patch"]["operation"]
-        if patch["applyTo"] == "HTTP_FILTER":
-            assert operation in ("INSERT_BEFORE", "INSERT_FIRST")
-            for listener in listeners:
-                filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-                if operation == "INSERT_FIRST":
-                    filters.insert(0, copy.deepcopy(value))
-                    continue
-                wanted = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
-                filters.insert([f["name"] for f in filters].index(wanted), copy.deepcopy(value))
-        elif patch["applyTo"] == "CLUSTER":
-            assert operation == "MERGE"
-            match = patch["match"]["cluster"]
-            name = f"outbound|{match['portNumber']}||{match['service']}"
-            next(c for c in clusters if c["name"] == name).update(copy.deepcopy(value))
-        elif patch["applyTo"] == "LISTENER":
-            assert operation == "MERGE"
-            for listener in listeners:
-                listener.update(copy.deepcopy(value))
-        else:  # pragma: no cover - a patch kind this test does not know yet
-            pytest.fail(f"unexpected patch {patch['applyTo']}")
-
-
 def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Path) -> None:
     envoy_filter = one("istio", "EnvoyFilter", "extproc-router")
     spec = IstioSpec(processor_service="extproc.llm.svc.cluster.local:9002", replicas_service="", replicas_port=0)
@@ -323,7 +295,7 @@ def test_istio_envoy_filter_patches_validate_in_a_gateway_bootstrap(tmp_path: Pa
             "clusters": [to_dict(processor_cluster(spec.processor_cluster, ["127.0.0.1:9002"])), models],
         },
     }
-    _apply_istio_patches(bootstrap, envoy_filter)
+    apply_istio_patches(bootstrap, envoy_filter)
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == [
         "envoy.filters.http.header_mutation",
@@ -371,7 +343,7 @@ def test_an_inference_pool_fails_open_only_where_envoy_strips_first(tmp_path: Pa
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"]
     bootstrap = {"admin": gateway["admin"], "static_resources": gateway["static_resources"]}
-    _apply_istio_patches(bootstrap, strip)
+    apply_istio_patches(bootstrap, strip)
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.header_mutation",
         "envoy.filters.http.ext_proc",

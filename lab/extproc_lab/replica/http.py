@@ -128,6 +128,8 @@ class _ReplicaApi:
         self.publisher = publisher
         self.kv = KvConnector(engine, name)
         self.trace_contexts: deque[dict[str, str]] = deque(maxlen=_TRACE_CONTEXTS_KEPT)
+        # Every request header of the last completions: what reached the replica past Envoy.
+        self.received_headers: deque[dict[str, str]] = deque(maxlen=_TRACE_CONTEXTS_KEPT)
 
     def _token_ids(self, chat: bool, body: dict[str, Any]) -> tuple[int, ...] | None:
         """The prompt's token ids as vLLM builds them, with a tokenizer (else None: text blocks)."""
@@ -145,6 +147,7 @@ class _ReplicaApi:
         """``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming or not."""
         chat = request.path == CHAT_PATH
         self.trace_contexts.append({k: v for k in TRACE_HEADERS if (v := request.headers.get(k)) is not None})
+        self.received_headers.append({k.lower(): v for k, v in request.headers.items()})
         try:
             parsed = parse_request_body(request.path, await request.read())
             sampling = _sampling(parsed.body)
@@ -314,6 +317,11 @@ class _ReplicaApi:
         """``GET /trace_context``: the trace headers of the last completions received, oldest first."""
         return web.json_response(list(self.trace_contexts))
 
+    async def received(self, request: web.Request) -> web.Response:
+        """``GET /received_headers`` (fake replica only): every request header of the last
+        completions received (names lowercased), oldest first."""
+        return web.json_response(list(self.received_headers))
+
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """``POST /reset_prefix_cache``: drop every cached block, as vLLM's endpoint does."""
         self.engine.reset_prefix_cache()
@@ -399,6 +407,7 @@ def build_app(
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_get("/trace_context", api.trace_context)
+    app.router.add_get("/received_headers", api.received)
     app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
     app.router.add_post("/kv_events/drop", api.drop_kv_events)
     app.router.add_get("/kv_events", api.kv_events_state)

@@ -101,6 +101,9 @@ def test_every_scenario_strips_every_trusted_header_first(scenario: str, tmp_pat
     cfg = load_config(str(config))
     assert {*cfg.routing_headers, *cfg.identity_headers} <= removed
     assert "x-org" in removed
+    # And before Envoy picks the route (which it keeps while a processor that is down changes nothing).
+    (early,) = hcm["early_header_mutation_extensions"]
+    assert {m["remove"] for m in early["typed_config"]["mutations"]} == removed
 
 
 def test_the_bootstrap_is_a_typed_message_and_wrong_fields_fail_when_built() -> None:

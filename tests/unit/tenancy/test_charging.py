@@ -59,13 +59,13 @@ async def test_a_stream_abandoned_after_its_first_chunks_is_charged_its_prompt_a
     await planner.response_body(plan, ROLE + token("Once"), False)
     await planner.response_body(plan, token(" upon"), False)
     planner.end(plan)  # the client went away: no usage chunk ever came
-    assert used(r) == prompt + 3  # the role chunk counts: at most a few over what was generated
+    assert used(r) == prompt + 2  # the role-only chunk carries no token: never more than generated
     assert r.meter is not None
     (row,) = r.meter.rows()
-    assert (row.input, row.output, row.estimated) == (prompt, 3, prompt + 3)
+    assert (row.input, row.output, row.estimated) == (prompt, 2, prompt + 2)
     assert r.budgets is not None and r.budgets.reserved == {}
     planner.end(plan)  # a second end charges nothing more
-    assert used(r) == prompt + 3
+    assert used(r) == prompt + 2
 
 
 async def test_a_stream_that_reports_its_usage_is_charged_that_and_nothing_estimated() -> None:
@@ -95,6 +95,25 @@ async def test_an_answer_never_seen_is_charged_its_prompt_and_output_from_the_ti
     clock.now += 60.0
     planner.end(plan)
     assert used(r) == prompt + 40 + plan.routed.features.charged_prompt_tokens() + 5
+
+
+async def test_a_non_streamed_answer_cut_mid_body_is_charged_the_output_it_ran_for() -> None:
+    """Its usage is at the end of its body, never seen: its prompt and the output estimated from
+    the time it ran (an answer's headers leave once the engine is done), marked as estimated."""
+    clock = Clock()
+    r = router(clock, output_tokens_per_s=10.0)
+    planner = Planner(r)
+    plan = await planner.plan(ACME, chat_body("summarise " * 40, max_tokens=500), Watch(meter=True))
+    prompt = plan.routed.features.charged_prompt_tokens()
+    clock.now += 3.0
+    assert planner.response_headers(plan, {":status": "200"})
+    await planner.response_body(plan, b'{"id":"chatcmpl-1","choices":[{"index":0,"message":{"content":"Once', False)
+    planner.end(plan)  # the connection was cut before the rest (and its usage) came
+    assert used(r) == prompt + 30
+    assert r.meter is not None
+    (row,) = r.meter.rows()
+    assert (row.input, row.output, row.estimated) == (prompt, 30, prompt + 30)
+    assert r.budgets is not None and r.budgets.reserved == {}
 
 
 async def test_refused_errored_and_unstarted_streams_are_charged_nothing() -> None:
@@ -127,8 +146,8 @@ async def test_a_body_not_parsed_reserves_by_its_size_is_refused_out_of_budget_a
     planner.response_headers(plan, {":status": "200"})
     await planner.response_body(plan, ROLE + token("a") + token("b") + b"data: [DONE]\n\n", True)
     planner.end(plan)
-    assert used(r) == len(small) // 4 + 3
-    assert r.meter is not None and r.meter.rows()[0].estimated == len(small) // 4 + 3
+    assert used(r) == len(small) // 4 + 2
+    assert r.meter is not None and r.meter.rows()[0].estimated == len(small) // 4 + 2
     # A model whose tokenizer cuts finer: the operator says so, and such a body is charged more.
     finer = Router(
         make_config(budgets=BudgetSettings(enabled=True, bytes_per_token=2.0), request=Request(max_body_bytes=100))
@@ -184,7 +203,10 @@ def test_events_are_counted_across_piece_boundaries() -> None:
         tail = UsageTail()
         tail.feed(stream[:cut])
         tail.feed(stream[cut:])
-        assert tail.events == 4, cut
+        assert (tail.events, tail.roles, tail.output_seen) == (4, 1, 3), cut
+    answer = UsageTail()  # a JSON answer names its message's role: no event, no token
+    answer.feed(b'{"choices":[{"message":{"role":"assistant","content":"hi"}}]}')
+    assert (answer.events, answer.roles, answer.output_seen) == (0, 0, 0)
 
 
 def test_the_export_rows_carry_the_estimated_tokens() -> None:
