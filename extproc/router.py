@@ -192,11 +192,14 @@ class Router:
             kv_events=kv_events,
         )
         # Each replica's TTFT and TPOT, learned from responses where objectives are in use.
-        self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always")
+        # The pools' prior engine speeds (health.engine_rates): the rate learner's start and the
+        # price's fallback, one config place for both.
+        priors = tuple(p.pool() for p in config.health.engine_rates)
+        self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always", priors=priors)
         self._learn_on_objective = config.health.latency_models == "auto"
         # Each replica's engine speeds (cold prefill, decode step), from the same observations,
         # from its pool's prior (health.engine_rates): what a choice can be priced in seconds with.
-        self.rates = RateBook(config.health.engine_rates)
+        self.rates = RateBook(priors)
         self.hooks: tuple[Hook, ...] = (
             LoadHook(self.replicas),
             CacheHook(self.caches),
