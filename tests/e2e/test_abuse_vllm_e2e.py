@@ -15,8 +15,8 @@ import yaml
 
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
-from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import require_binary, require_engines
+from tests.conftest import require_binary
+from tests.e2e.conftest import TinyEngines
 from tests.helpers import (
     abandon_after_first_chunk,
     as_tenant,
@@ -35,9 +35,8 @@ STREAMS = 6
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
+def gateway(tmp_path_factory: pytest.TempPathFactory, tiny_engines: TinyEngines) -> Iterator[LocalGateway]:
     require_binary("envoy")
-    require_engines("tiny")
     tmp = tmp_path_factory.mktemp("abuse-vllm")
     config = {
         "request": {"max_body_bytes": 1500},  # PROMPT's body is parsed, a 1.8 KB one is not
@@ -53,8 +52,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     (tmp / "router.yaml").write_text(yaml.safe_dump(config))
     gw = LocalGateway(
         replicas=1,
-        engine="vllm",
-        engine_settings=EngineSettings(model="tiny", kv_events=False),
+        engines=tiny_engines.fresh(),  # the session's (tests/e2e/conftest.py)
         kv_events=False,
         log_dir=tmp,
         processor_args=("--config", str(tmp / "router.yaml")),

@@ -66,8 +66,16 @@ class LocalGateway:
     # Fake replicas served behind the fake of llm-d's routing sidecar (`extproc replica
     # --sidecar-port`): the member's address is the sidecar's, the replica's own port another.
     sidecars: tuple[str, ...] = ()
+    # Real engines already running (a test session's shared fleet): the gateway routes to the
+    # first `replicas` of them and leaves them running when it stops; `engine` and
+    # `engine_settings` are the fleet's.
+    engines: VllmFleet | None = None
 
     def __post_init__(self) -> None:
+        if self.engines is not None:
+            self.engine, self.engine_settings = "vllm", self.engines.settings
+            if self.replicas > len(self.engines.members):
+                raise ValueError(f"{self.replicas} replicas wanted of a fleet of {len(self.engines.members)}")
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
         self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
@@ -84,11 +92,18 @@ class LocalGateway:
             Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
             for i in range(self.replicas)
         ]
+        if self.engines is not None:
+            self.members = [
+                dataclasses.replace(r, labels=self.labels.get(r.name, r.labels)) for r in self.engines.members
+            ]
+            self.members = self.members[: self.replicas]
         if self.tracing_collector and self.engine_settings.traces_endpoint is None:
             self.engine_settings = dataclasses.replace(self.engine_settings, traces_endpoint=self.tracing_collector)
         self.backend_ports = {name: free_port() for name in self.sidecars}
         self.fleet = (
-            VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
+            self.engines
+            if self.engines is not None
+            else VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
             if self.engine == "vllm"
             else None
         )
@@ -309,7 +324,7 @@ class LocalGateway:
     def start(self) -> LocalGateway:
         """Start everything."""
         try:
-            if self.fleet is not None:
+            if self.fleet is not None and self.engines is None:
                 self.start_replicas()  # at once: an engine takes tens of seconds to start
             for replica in self.members if self.fleet is None else ():
                 self.start_replica(replica)
@@ -323,7 +338,7 @@ class LocalGateway:
 
     def stop(self) -> None:
         """Stop every process this gateway started."""
-        if self.fleet is not None:
+        if self.fleet is not None and self.engines is None:
             self.fleet.stop()
         self.procs.stop_all()
         if self._tmp is not None:
