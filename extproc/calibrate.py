@@ -5,16 +5,20 @@ answers it times, starting from each pool's prior (``health.engine_rates``). Thi
 prior on a running engine, from the client's side as the router sees it (the first streamed
 event, the usage the engine reports), one request at a time on an engine nothing else uses:
 
+- **cached prefill**: each prompt below sent again at once, so the engine holds it: its time to
+  first token, less what the few tokens the engine did not find cached
+  (``prompt_tokens_details.cached_tokens``, where the engine reports them) cost, is the fixed
+  overhead of a request (``overhead_s``: HTTP, template, tokenizing, scheduling);
 - **cold prefill**: prompts of several lengths, each new to the engine's prefix cache (a fresh
-  start), one output token; a least-squares line of the time to first token over the prompt's
-  tokens gives the throughput (the slope's inverse) and the fixed overhead (the intercept);
-- **cached prefill**: each prompt sent again at once, so the engine holds it: its time to first
-  token and the tokens the engine says it found cached (``prompt_tokens_details.cached_tokens``,
-  where the engine reports them), reported beside the prior (a cached prompt's cost is what the
-  router prices as the prompt's cached part: nearly nothing but the overhead);
+  start), one output token; the throughput is the least-squares slope of their time to first
+  token, less that overhead, over their tokens (a line through the overhead: on vLLM's CPU engine
+  the cold time grows faster than linearly with the prompt, and a free intercept then comes out
+  negative, no overhead at all);
 - **decode**: one stream of ``decode_tokens`` tokens alone (``ignore_eos``), the mean gap between
-  its first and last token; then ``batch`` such streams at once, whose larger gap gives what
-  each further sequence adds to a step.
+  its first and last token; then ``batch`` such streams at once, whose slower decode gives what
+  each further sequence adds to a step (from each stream's whole time, not the gaps between its
+  events: an engine whose server falls behind its engine core sends a busy stream's tokens in
+  bursts).
 
 The result is YAML for the router's config, the measurements as comments.
 """
@@ -45,9 +49,9 @@ class Timed:
     """One streamed answer as the client saw it."""
 
     ttft_s: float
-    """Seconds from sending to the first event carrying content."""
+    """Seconds from sending to the first event with a choice (the engine's first output)."""
     last_s: float
-    """Seconds from sending to the last event carrying content."""
+    """Seconds from sending to the last event with a choice (its last token)."""
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
@@ -93,12 +97,15 @@ class Engine:
                     continue
                 event = json.loads(line[5:])
                 now = time.perf_counter() - started
-                if any(c.get("delta", {}).get("content") or c.get("text") for c in event.get("choices") or ()):
+                # As the router times a stream (extproc.token_clock): vLLM writes its first event,
+                # the role-only chunk of a chat, with the engine's first output; the last event
+                # with a choice is the last token (a random-weight model's text may be empty).
+                if event.get("choices"):
                     first = now if first is None else first
                     last = now
                 usage = event.get("usage") or usage
         if first is None or last is None or not usage:
-            raise RuntimeError(f"{self.url}: a stream without content or usage (is it an OpenAI-compatible engine?)")
+            raise RuntimeError(f"{self.url}: a stream without choices or usage (is it an OpenAI-compatible engine?)")
         details = usage.get("prompt_tokens_details") or {}
         return Timed(
             first,
@@ -157,17 +164,33 @@ class Calibration:
     batched: list[Timed] = field(default_factory=list)
     batch: int = 1
 
+    def overhead_s(self) -> float:
+        """The fixed part of a time to first token: a cached prompt's, less its uncached tokens'
+        prefill at the rate the cold prompts give with a free intercept (a first estimate)."""
+        per_token = max(0.0, fit_line([(t.prompt_tokens, t.ttft_s) for t in self.cold]).slope)
+        return max(
+            0.0, statistics.median(t.ttft_s - (t.prompt_tokens - t.cached_tokens) * per_token for t in self.cached)
+        )
+
     def prefill_line(self) -> Line:
-        """Cold TTFT over prompt tokens."""
-        return fit_line([(t.prompt_tokens, t.ttft_s) for t in self.cold])
+        """Cold TTFT over prompt tokens: the overhead, and the slope of the rest through it."""
+        overhead = self.overhead_s()
+        xx = sum(t.prompt_tokens**2 for t in self.cold)
+        if xx <= 0:
+            raise ValueError("no cold prompt timed")
+        return Line(overhead, sum(t.prompt_tokens * (t.ttft_s - overhead) for t in self.cold) / xx)
 
     def decode_step_s(self) -> float:
         """The median gap between two tokens of a stream decoding alone."""
         return statistics.median(t.tpot_s for t in self.alone if t.tpot_s is not None)
 
     def batched_step_s(self) -> float:
-        """The median gap between two tokens of ``batch`` streams decoding together."""
-        return statistics.median(t.tpot_s for t in self.batched if t.tpot_s is not None)
+        """The median step of ``batch`` streams decoding together: each stream's whole time less
+        a short prompt's time to first token alone, over its tokens after the first."""
+        first = statistics.median(t.ttft_s for t in self.alone)
+        return statistics.median(
+            (t.last_s - first) / (t.output_tokens - 1) for t in self.batched if t.output_tokens > 1
+        )
 
     def prior(self, labels: dict[str, str]) -> RatePrior:
         """The pool's prior: a slope that is not positive (a noisy engine, prompts too alike) is
@@ -175,6 +198,8 @@ class Calibration:
         line = self.prefill_line()
         if line.slope <= 0.0:
             raise RuntimeError(f"cold TTFT does not grow with the prompt (slope {line.slope:.3g} s/token): re-run")
+        if not self.alone:
+            raise RuntimeError("no decode stream timed")
         step = self.decode_step_s()
         per_seq = (self.batched_step_s() - step) / (self.batch - 1) if self.batch > 1 and self.batched else 0.0
         return RatePrior(
@@ -182,7 +207,7 @@ class Calibration:
             prefill_tokens_per_s=round(1.0 / line.slope, 1),
             decode_step_s=round(step, 6),
             decode_per_seq_s=round(max(0.0, per_seq), 6),
-            overhead_s=round(max(0.0, line.intercept), 6),
+            overhead_s=round(line.intercept, 6),
         )
 
 

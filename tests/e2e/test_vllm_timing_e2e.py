@@ -8,6 +8,11 @@ own decode time (``vllm:inter_token_latency_seconds`` deltas). Both are compared
 the client and the engine saw: the stream's first ``data:`` line at the client, and the engine's
 own ``vllm:time_to_first_token_seconds``. Requests go one at a time, each prompt new to the cache,
 so each metric's delta is that one request's.
+
+Two engines are started for the module: the timing tests route to the first alone; ``extproc
+calibrate`` measures the second, and a gateway over both, configured with that prior and the price
+profile, is loaded with concurrent streams while Explain's predicted time to first token of each
+request's chosen engine is compared with the client's.
 """
 
 from __future__ import annotations
@@ -17,16 +22,24 @@ import json
 import os
 import signal
 import statistics
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
+import yaml
 
+from extproc._proto.admin.v1 import admin_pb2 as pb
+from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.calibrate import Engine
+from extproc.cli import main as cli_main
+from extproc.config import config_from_mapping
 from extproc_lab.demo.gateway import LocalGateway
-from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import require_binary, require_engines
+from extproc_lab.engines.fleet import EngineSettings, VllmFleet
+from tests.conftest import ROOT, require_binary, require_engines
 from tests.helpers import scrape_total
 
 pytestmark = pytest.mark.e2e
@@ -41,10 +54,16 @@ STREAM_IDLE_S = 8.0
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
-    require_binary("envoy")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     require_engines("small")
     settings = EngineSettings(model="small", block_size=32, num_blocks=256, max_model_len=2048)
+    with VllmFleet(replicas=2, settings=settings, log_dir=tmp_path_factory.mktemp("vllm-timing-engines")) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory, engines: VllmFleet) -> Iterator[LocalGateway]:
+    require_binary("envoy")
     config = tmp_path_factory.mktemp("vllm-timing") / "router.yaml"
     # Learn from every answer from the start (no request here states an objective).
     config.write_text(
@@ -53,8 +72,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     )
     gateway = LocalGateway(
         replicas=1,
-        engine="vllm",
-        engine_settings=settings,
+        engines=engines,
         log_dir=tmp_path_factory.mktemp("vllm-timing-gw"),
         processor_args=("--config", str(config)),
         envoy_options={"first_byte_timeout_s": FIRST_BYTE_S, "stream_idle_timeout_s": STREAM_IDLE_S},
@@ -160,7 +178,8 @@ def test_a_non_streamed_answers_ttft_is_learned_from_what_the_engine_reports(gw:
 def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_idle_timeout(gw: LocalGateway) -> None:
     """The engine process stopped as soon as a stream's headers are out (vLLM sends them before its
     first token): Envoy's first-byte timeout never sees it, the processor's does."""
-    engine = gw.procs.procs[gw.members[0].name]
+    assert gw.fleet is not None
+    engine = gw.fleet.group.procs[gw.members[0].name]
     host, port = gw.url.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "messages": prompt(300), "max_tokens": 8, "stream": True})
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -187,3 +206,126 @@ def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_i
     assert FIRST_BYTE_S * 0.9 <= ended_s < FIRST_BYTE_S + 1.5, ended_s
     after = scrape_total(_get(gw.metrics_url), "extproc_first_token_timeouts_total")
     assert after == before + 1
+
+
+# -- calibration and the price's predicted TTFT ------------------------------------------------
+
+POOL = "cpu"
+# Concurrent clients over the two engines: each engine has a prefill queued behind another most
+# of the time, the load the prediction's queue part is for.
+CLIENTS = 4
+ROUNDS = 6
+
+
+@pytest.fixture(scope="module")
+def calibrated(engines: VllmFleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``extproc calibrate`` on the second engine (idle): the config it writes, parsed."""
+    out = tmp_path_factory.mktemp("calibrate") / "prior.yaml"
+    url = engines.url(engines.members[1].name)
+    assert cli_main(["calibrate", "--url", url, "--pool", POOL, "--out", str(out)]) == 0
+    text = out.read_text()
+    print(text)
+    return dict(yaml.safe_load(text))
+
+
+def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
+    engines: VllmFleet, calibrated: dict[str, Any]
+) -> None:
+    cfg = config_from_mapping(calibrated)
+    (prior,) = cfg.health.engine_rates
+    assert prior.labels == {"pool": POOL}
+    # vLLM's CPU engine on this model: thousands of prompt tokens a second, a decode step of ms.
+    assert 500 < prior.prefill_tokens_per_s < 200_000, prior
+    assert 0.0005 < prior.decode_step_s < 0.5, prior
+    # What it predicts of a fresh prompt alone is what the engine then takes, within 25%.
+    engine = Engine(engines.url(engines.members[1].name), MODEL)
+    errors = []
+    for i in range(3):
+        timed = engine.stream(" ".join(f"c{i}x{j} {time.time_ns()}" for j in range(200)), 1)
+        rates = prior.pool().rates
+        errors.append(abs(rates.prefill_s(timed.prompt_tokens) - timed.ttft_s) / timed.ttft_s)
+    print("calibrated prior against a fresh prompt's TTFT, relative errors:", [round(e, 3) for e in errors])
+    assert statistics.median(errors) <= 0.25, errors
+
+
+@pytest.fixture(scope="module")
+def priced(
+    tmp_path_factory: pytest.TempPathFactory, engines: VllmFleet, calibrated: dict[str, Any]
+) -> Iterator[LocalGateway]:
+    """Both engines, labelled ``pool=cpu``, behind the price profile with the calibrated prior."""
+    require_binary("envoy")
+    tmp = tmp_path_factory.mktemp("vllm-priced")
+    config = {
+        "profile": yaml.safe_load((ROOT / "benchmarks" / "routing" / "price.yaml").read_text())["profile"],
+        "health": {**calibrated["health"], "scrape_timeout_s": 1.0, "latency_models": "always"},
+    }
+    (tmp / "router.yaml").write_text(yaml.safe_dump(config))
+    gateway = LocalGateway(
+        replicas=2,
+        engines=engines,
+        labels={r.name: {"pool": POOL} for r in engines.members},
+        log_dir=tmp,
+        processor_args=("--config", str(tmp / "router.yaml")),
+    )
+    with gateway:
+        yield gateway
+
+
+def stream_first_token(url: str, body: dict[str, Any]) -> tuple[float, str]:
+    """Seconds to a stream's first ``data:`` line, and the engine that answered (its fingerprint)."""
+    req = urllib.request.Request(
+        url + CHAT, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    started = time.perf_counter()
+    first, engine = None, ""
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                first = time.perf_counter() - started if first is None else first
+                engine = engine or str(json.loads(line[5:]).get("system_fingerprint") or "")
+    assert first is not None
+    return first, engine
+
+
+def test_under_load_the_price_predicts_the_chosen_engines_first_token_within_30_percent(
+    priced: LocalGateway,
+) -> None:
+    # A few answers alone first: the engines' rates learnt on from the calibrated prior.
+    for i in range(4):
+        stream_first_token(priced.url, {"model": MODEL, "messages": prompt(900 + i), "max_tokens": 4, "stream": True})
+    rows: list[tuple[str, str, float, float, float]] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        with grpc.insecure_channel(priced.admin_addresses[0]) as channel:
+            admin = pb_grpc.AdminStub(channel)
+            for r in range(ROUNDS):
+                body = {"model": MODEL, "messages": prompt(1000 + 10 * c + r), "max_tokens": 16, "stream": True}
+                raw = json.dumps(body).encode()
+                headers = [pb.Header(key=":path", value=CHAT), pb.Header(key="content-type", value="application/json")]
+                explained = admin.Explain(pb.ExplainRequest(headers=headers, body=raw))
+                (chosen,) = [x for x in explained.replicas if x.replica == explained.replica]
+                queue = sum(p.seconds for p in chosen.price_parts if p.part == "queue")
+                first, engine = stream_first_token(priced.url, body)
+                with lock:
+                    rows.append((explained.replica, engine, chosen.price_ttft_s, queue, first))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("(explained, answered by, predicted TTFT s, its queue part s, client's first token s):")
+    for row in rows:
+        print("  ", row[0], row[1], *(round(v, 3) for v in row[2:]))
+    assert len(rows) == CLIENTS * ROUNDS
+    # Explain is asked just before the request is sent: the same engine, unless another client's
+    # request came between them and changed the choice.
+    same = [r for r in rows if r[0] == r[1]]
+    assert len(same) >= 0.6 * len(rows), rows
+    # Under load: most predictions have a queue in them.
+    assert sum(1 for r in same if r[3] > 0.0) >= 0.3 * len(same), rows
+    errors = [abs(pred - first) / first for _, _, pred, _, first in same]
+    print(f"median relative error {statistics.median(errors):.3f} over {len(errors)} requests")
+    assert all(first >= 0.05 for *_, first in same), rows
+    assert statistics.median(errors) <= 0.3, errors
