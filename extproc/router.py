@@ -612,9 +612,10 @@ class Router:
         out = {}
         for name, r in self.rates.view().items():
             prefill = r.prefill_tokens_per_s if r.prefill_samples > 0 else None
+            overhead = r.overhead_s if r.prefill_samples > 0 else None
             decode = r.decode_step_s if r.decode_samples > 0 else None
             if prefill is not None or decode is not None:
-                out[name] = LearnedRates(prefill_tokens_per_s=prefill, decode_s_per_token=decode)
+                out[name] = LearnedRates(prefill_tokens_per_s=prefill, decode_s_per_token=decode, overhead_s=overhead)
         return out
 
     def _labels(self, name: str) -> Mapping[str, str]:

@@ -109,6 +109,8 @@ class LearnedRates:
     prefill_tokens_per_s: float | None = None
     decode_s_per_token: float | None = None
     decode_s_per_seq: float | None = None
+    overhead_s: float | None = None
+    """The seconds of a time to first token no prompt token explains, learnt with the prefill rate."""
 
 
 @dataclass(frozen=True, slots=True)

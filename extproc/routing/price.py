@@ -13,7 +13,9 @@ every candidate in one unit, seconds, from the replica's own rates:
   and what the router's requests in flight added), the wait for room: the share of the running
   requests' KV that must be freed, times the time a running request takes to finish its decode.
 
-These three are the predicted time to first token of this request there (:attr:`Price.ttft_s`).
+These three, and the engine's fixed overhead of a request (``overhead_s`` of its rates: HTTP,
+template, scheduling, what a cached prompt still takes), are the predicted time to first token of
+this request there (:attr:`Price.ttft_s`).
 To them the price adds what the choice costs others and later turns:
 
 - ``others_s``: the slowdown of the requests already running there, each stalled by this
@@ -74,12 +76,14 @@ __all__ = [
 class Rates:
     """How fast a replica computes: prompt tokens a second (cold), the decode step of a batch of
     one, and what each further sequence adds to a step; ``source`` says where they came from
-    (``prior``, ``pool:<selector>``, ``learned``)."""
+    (``prior``, ``pool:<selector>``, ``learned``); ``overhead_s``, the seconds of a time to first
+    token no prompt token explains."""
 
     prefill_tokens_per_s: float
     decode_s_per_token: float
     decode_s_per_seq: float
     source: str = "prior"
+    overhead_s: float = 0.0
 
     def decode_step_s(self, batch: float) -> float:
         """Seconds of one decode step with ``batch`` sequences (at least one)."""
@@ -87,7 +91,7 @@ class Rates:
 
 
 def _as_rates(engine: EngineRates, source: str) -> Rates:
-    return Rates(engine.prefill_tokens_per_s, engine.decode_step_s, engine.decode_per_seq_s, source)
+    return Rates(engine.prefill_tokens_per_s, engine.decode_step_s, engine.decode_per_seq_s, source, engine.overhead_s)
 
 
 DEFAULT_RATES = _as_rates(BUILT_IN, "prior")
@@ -125,8 +129,9 @@ class Price:
 
     @property
     def ttft_s(self) -> float:
-        """The predicted time to first token there: its prefill, the queue before it, the KV wait."""
-        return self.prefill_s + self.queue_s + self.kv_wait_s
+        """The predicted time to first token there: the engine's overhead, its prefill, the queue
+        before it, the KV wait."""
+        return self.rates.overhead_s + self.prefill_s + self.queue_s + self.kv_wait_s
 
     @property
     def total_s(self) -> float:
@@ -136,6 +141,7 @@ class Price:
     def parts(self) -> dict[str, float]:
         """The parts by name (Explain)."""
         return {
+            "overhead": self.rates.overhead_s,
             "prefill": self.prefill_s,
             "queue": self.queue_s,
             "kv_wait": self.kv_wait_s,
@@ -205,8 +211,11 @@ class PriceSettings:
         decode = learned.decode_s_per_token
         per_seq = learned.decode_s_per_seq
         took = False
+        overhead = prior.overhead_s
         if self._plausible(prefill, prior.prefill_tokens_per_s):
             took = True
+            # The intercept learnt with that slope, where it was (a warm fit's is not an overhead).
+            overhead = learned.overhead_s if learned.overhead_s is not None else overhead
         else:
             prefill = prior.prefill_tokens_per_s
         if self._plausible(decode, prior.decode_s_per_token):
@@ -219,7 +228,7 @@ class PriceSettings:
         else:
             per_seq = prior.decode_s_per_seq
         assert prefill is not None and decode is not None and per_seq is not None
-        return Rates(prefill, decode, per_seq, "learned" if took else prior.source)
+        return Rates(prefill, decode, per_seq, "learned" if took else prior.source, overhead)
 
 
 def _batch(state: ReplicaState) -> int:
