@@ -18,7 +18,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="the lab's model size (tiny, small)")
     parser.add_argument("--pool", default="cpu")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     settings = EngineSettings(model=args.model, block_size=32, max_model_len=2048, kv_events=False)
     with VllmFleet(replicas=1, settings=settings) as fleet:

@@ -167,18 +167,30 @@ class Calibration:
     def overhead_s(self) -> float:
         """The fixed part of a time to first token: a cached prompt's, less its uncached tokens'
         prefill at the rate the cold prompts give with a free intercept (a first estimate)."""
-        per_token = max(0.0, fit_line([(t.prompt_tokens, t.ttft_s) for t in self.cold]).slope)
+        per_token = max(0.0, fit_line(self.cold_points()).slope)
         return max(
             0.0, statistics.median(t.ttft_s - (t.prompt_tokens - t.cached_tokens) * per_token for t in self.cached)
         )
 
+    def cold_points(self) -> list[tuple[float, float]]:
+        """(prompt tokens, TTFT) of the cold prompts, the median of each length's repeats (a
+        request slowed by something else on the host is one repeat, not a point of the line)."""
+        groups: list[list[Timed]] = []
+        for t in sorted(self.cold, key=lambda t: t.prompt_tokens):
+            if groups and t.prompt_tokens <= groups[-1][0].prompt_tokens * 1.05:
+                groups[-1].append(t)
+            else:
+                groups.append([t])
+        return [(statistics.median(t.prompt_tokens for t in g), statistics.median(t.ttft_s for t in g)) for g in groups]
+
     def prefill_line(self) -> Line:
         """Cold TTFT over prompt tokens: the overhead, and the slope of the rest through it."""
         overhead = self.overhead_s()
-        xx = sum(t.prompt_tokens**2 for t in self.cold)
+        points = self.cold_points()
+        xx = sum(x * x for x, _ in points)
         if xx <= 0:
             raise ValueError("no cold prompt timed")
-        return Line(overhead, sum(t.prompt_tokens * (t.ttft_s - overhead) for t in self.cold) / xx)
+        return Line(overhead, sum(x * (y - overhead) for x, y in points) / xx)
 
     def decode_step_s(self) -> float:
         """The median gap between two tokens of a stream decoding alone."""
@@ -215,7 +227,7 @@ def calibrate(
     engine: Engine,
     prompt_tokens: Sequence[int],
     *,
-    repeats: int = 2,
+    repeats: int = 3,
     decode_tokens: int = 32,
     batch: int = 4,
     log: TextIO | None = None,
@@ -304,7 +316,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="N,N,...",
         help="prompt lengths to time (default: 5 from 128 to half the engine's context, at most 4,096)",
     )
-    p.add_argument("--repeats", type=int, default=2, help="each length this many times (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="each length this many times (default 3; the median counts)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens of each decode stream (default 32)")
     p.add_argument(
         "--batch", type=int, default=4, help="streams decoding at once for the per-sequence cost (default 4)"

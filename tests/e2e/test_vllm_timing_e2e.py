@@ -86,9 +86,10 @@ def _get(url: str) -> str:
         return str(resp.read().decode())
 
 
-def prompt(i: int) -> list[dict[str, str]]:
-    # A different start each time: nothing of it is in the engine's cache (cold).
-    text = f"request {i} {time.time_ns()}: " + " ".join(f"w{i}x{j}" for j in range(250))  # about 1,400 tokens
+def prompt(i: int, words: int = 250) -> list[dict[str, str]]:
+    # A different start each time: nothing of it is in the engine's cache (cold). With i < 10,
+    # about 5.5 tokens a word: 250 words about 1,400 tokens.
+    text = f"request {i} {time.time_ns()}: " + " ".join(f"w{i}x{j}" for j in range(words))
     return [{"role": "user", "content": text}]
 
 
@@ -241,7 +242,7 @@ def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
     engine = Engine(engines.url(engines.members[1].name), MODEL)
     errors = []
     for i in range(3):
-        timed = engine.stream(" ".join(f"c{i}x{j} {time.time_ns()}" for j in range(200)), 1)
+        timed = engine.stream(prompt(i, 150)[0]["content"], 1)
         rates = prior.pool().rates
         errors.append(abs(rates.prefill_s(timed.prompt_tokens) - timed.ttft_s) / timed.ttft_s)
     print("calibrated prior against a fresh prompt's TTFT, relative errors:", [round(e, 3) for e in errors])
@@ -292,7 +293,9 @@ def test_under_load_the_price_predicts_the_chosen_engines_first_token_within_30_
 ) -> None:
     # A few answers alone first: the engines' rates learnt on from the calibrated prior.
     for i in range(4):
-        stream_first_token(priced.url, {"model": MODEL, "messages": prompt(900 + i), "max_tokens": 4, "stream": True})
+        stream_first_token(
+            priced.url, {"model": MODEL, "messages": prompt(i, 100 + 50 * i), "max_tokens": 4, "stream": True}
+        )
     rows: list[tuple[str, str, float, float, float]] = []
     lock = threading.Lock()
 
@@ -300,7 +303,9 @@ def test_under_load_the_price_predicts_the_chosen_engines_first_token_within_30_
         with grpc.insecure_channel(priced.admin_addresses[0]) as channel:
             admin = pb_grpc.AdminStub(channel)
             for r in range(ROUNDS):
-                body = {"model": MODEL, "messages": prompt(1000 + 10 * c + r), "max_tokens": 16, "stream": True}
+                # 120 to 200 words: about 650 to 1,100 tokens, a cold TTFT well over 50 ms here.
+                words = 120 + 40 * ((c + r) % 3)
+                body = {"model": MODEL, "messages": prompt(c, words), "max_tokens": 16, "stream": True}
                 raw = json.dumps(body).encode()
                 headers = [pb.Header(key=":path", value=CHAT), pb.Header(key="content-type", value="application/json")]
                 explained = admin.Explain(pb.ExplainRequest(headers=headers, body=raw))
