@@ -252,9 +252,13 @@ def test_a_real_metrics_page_feeds_the_health_score(gw: LocalGateway, admin: pb_
     assert page.running == page.waiting == 0 and page.kv_usage == 0.0
     wait_until("both engines healthy", lambda: all(r.health > 0.9 for r in replicas(admin).values()))
 
-    # Load one engine directly (not through the router): more long generations than its cache holds.
+    # Load one engine directly (not through the router): more long generations than its cache holds
+    # (each about 2,000 tokens with its output: twice the cache's worth of them).
     rng = random.Random(25)
-    bodies = [{"model": MODEL, "prompt": words(rng, 1400), "max_tokens": 300, "ignore_eos": True} for _ in range(8)]
+    bodies = [
+        {"model": MODEL, "prompt": words(rng, 1400), "max_tokens": 300, "ignore_eos": True}
+        for _ in range(2 * BLOCKS * BLOCK // 2000 + 1)
+    ]
     seen: dict[str, Any] = {}
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(_post, gw.replica_url(loaded) + COMPLETIONS, b, None, 120) for b in bodies]

@@ -216,7 +216,10 @@ POOL = "cpu"
 # Concurrent clients over the two engines: each engine has a prefill queued behind another most
 # of the time, the load the prediction's queue part is for.
 CLIENTS = 4
-ROUNDS = 6
+ROUNDS = 8
+WARM_ROUNDS = 2
+"""Each client's first rounds are not counted: the engines' rates are learnt on from the prior,
+calibrated on one engine alone on the host, to what two busy engines sharing its two cores do."""
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +338,9 @@ def test_under_load_the_price_predicts_the_chosen_engines_first_token_within_30_
                     index, sent = sent, sent + 1
                 (chosen,) = [x for x in explained.replicas if x.replica == explained.replica]
                 queue = sum(p.seconds for p in chosen.price_parts if p.part == "queue")
-                rows.append((index, explained.replica, chosen.price_ttft_s, queue, first_token(started, resp)))
+                first = first_token(started, resp)
+                if r >= WARM_ROUNDS:
+                    rows.append((index, explained.replica, chosen.price_ttft_s, queue, first))
 
         threads = [threading.Thread(target=client, args=(c,)) for c in range(CLIENTS)]
         for t in threads:
@@ -350,7 +355,7 @@ def test_under_load_the_price_predicts_the_chosen_engines_first_token_within_30_
     print("(explained, decided, predicted TTFT s, its queue part s, client's first token s):")
     for index, explained_replica, pred, queue, first in rows:
         print("  ", explained_replica, decided[index], round(pred, 3), round(queue, 3), round(first, 3))
-    assert len(rows) == CLIENTS * ROUNDS and len(decided) == len(rows), (len(rows), decided)
+    assert len(rows) == CLIENTS * (ROUNDS - WARM_ROUNDS) and len(decided) == CLIENTS * ROUNDS, (rows, decided)
     same = [r for r in rows if r[1] == decided[r[0]]]
     assert len(same) >= 0.8 * len(rows), rows
     # Under load: some predictions have a queue in them.

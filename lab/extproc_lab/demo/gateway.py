@@ -80,6 +80,7 @@ class LocalGateway:
             raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
         self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
         self.dir = self.log_dir or Path(self._tmp.name if self._tmp else ".")
+        self.dir.mkdir(parents=True, exist_ok=True)  # written to before any process starts there
         self.procs = ProcessGroup(self.dir)
         self.envoy_port = free_port()
         self.round_robin_port = free_port()
