@@ -1,4 +1,4 @@
-"""The ``extproc`` command line: serve, envoy-config, check-config.
+"""The ``extproc`` command line: serve, envoy-config, check-config, admin, calibrate.
 
 Installed packages add sub-commands through the ``extproc.commands`` entry point group (a
 function given the sub-parsers, setting ``run`` on each parser it adds): the lab adds ``replica``,
@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     from extproc.admin.client import add_parser as _admin_parser
 
     _admin_parser(sub)
+    from extproc.calibrate import add_parser as _calibrate_parser
+
+    _calibrate_parser(sub)
     for entry in entry_points(group=COMMANDS_GROUP):
         try:
             register = entry.load()
@@ -353,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv, args = picker.parse_command_line(parser, sys.argv[1:] if argv is None else argv)  # GIE's picker's start too
     if getattr(args, "log_format", "text") not in LOG_FORMATS:  # argparse checks a flag, not its variable
         parser.error(f"{env_name('--log-format')}: expected one of {', '.join(LOG_FORMATS)}, got {args.log_format!r}")
-    quiet = args.command in ("demo", "bench", "admin")
+    quiet = args.command in ("demo", "bench", "admin", "calibrate")
     setup_logging(getattr(args, "log_level", "warning" if quiet else "info"), getattr(args, "log_format", "text"))
     try:
         if args.command == "serve":
@@ -382,6 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from extproc.envoy_config import run_envoy_config
 
             return run_envoy_config(args, sys.stdout)
+        elif args.command == "calibrate":
+            from extproc.calibrate import run as run_calibrate
+
+            return run_calibrate(args)
         elif args.command == "check-config":
             cfg = load_config(args.file)
             print(f"{args.file}: ok (mode {cfg.mode}, {len(cfg.replicas)} replicas, discovery {cfg.discovery.type})")

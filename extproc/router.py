@@ -192,11 +192,14 @@ class Router:
             kv_events=kv_events,
         )
         # Each replica's TTFT and TPOT, learned from responses where objectives are in use.
-        self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always")
+        # The pools' prior engine speeds (health.engine_rates): the rate learner's start and the
+        # price's fallback, one config place for both.
+        priors = tuple(p.pool() for p in config.health.engine_rates)
+        self.latency = LatencyBook(block_tokens, learning=config.health.latency_models == "always", priors=priors)
         self._learn_on_objective = config.health.latency_models == "auto"
         # Each replica's engine speeds (cold prefill, decode step), from the same observations,
         # from its pool's prior (health.engine_rates): what a choice can be priced in seconds with.
-        self.rates = RateBook(config.health.engine_rates)
+        self.rates = RateBook(priors)
         self.hooks: tuple[Hook, ...] = (
             LoadHook(self.replicas),
             CacheHook(self.caches),
@@ -609,9 +612,10 @@ class Router:
         out = {}
         for name, r in self.rates.view().items():
             prefill = r.prefill_tokens_per_s if r.prefill_samples > 0 else None
+            overhead = r.overhead_s if r.prefill_samples > 0 else None
             decode = r.decode_step_s if r.decode_samples > 0 else None
             if prefill is not None or decode is not None:
-                out[name] = LearnedRates(prefill_tokens_per_s=prefill, decode_s_per_token=decode)
+                out[name] = LearnedRates(prefill_tokens_per_s=prefill, decode_s_per_token=decode, overhead_s=overhead)
         return out
 
     def _labels(self, name: str) -> Mapping[str, str]:

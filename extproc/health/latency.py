@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from statistics import median
 
+from extproc.engine_rates import PoolRates
 from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint
 
 TTFT_PRIOR = (0.02, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0)
@@ -127,6 +128,7 @@ class LatencyBook:
         forget: float = 0.99,
         error_window: int = 128,
         learning: bool = True,
+        priors: Sequence[PoolRates] = (),
     ) -> None:
         self.learning = learning
         """Whether responses are observed at all (see :meth:`wanted`)."""
@@ -135,7 +137,7 @@ class LatencyBook:
         self.error_window = error_window
         self._replicas: dict[str, _Replica] = {}
         self._fits: dict[str, LatencyFit] = {}
-        self._view = LatencyView(self._fits, block_tokens)
+        self._view = LatencyView(self._fits, block_tokens, priors=tuple(priors))
 
     def wanted(self) -> None:
         """A request stated an objective: learn from now on (models warm after ``warm_after``

@@ -11,7 +11,8 @@ request running or waiting, no prefill queued) measure its engine alone:
 - **decode**: the time per output token, an exponentially weighted mean.
 
 Each starts from the prior of the first ``health.engine_rates`` entry whose labels the replica
-carries (its pool), which weighs as ``prior_weight`` observations. Observations under load are not
+carries (its pool; :func:`extproc.engine_rates.prior_for`, as the price reads it), which weighs
+as ``prior_weight`` observations. Observations under load are not
 used here: what load adds is the latency models' part (:mod:`extproc.health.latency`).
 """
 
@@ -20,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from extproc.engine_rates import EngineRates
-from extproc.health.settings import RatePrior
+from extproc.engine_rates import EngineRates, PoolRates, prior_for
 from extproc.routing.latency import LoadPoint
 
 FORGET = 0.98
@@ -51,7 +51,7 @@ class _Prefill:
 
 @dataclass(slots=True)
 class _Replica:
-    prior: RatePrior
+    prior: EngineRates
     prefill: _Prefill
     decode_sum: float = 0.0
     decode_weight: float = 0.0
@@ -61,19 +61,15 @@ class _Replica:
 class RateBook:
     """Every replica's :class:`~extproc.engine_rates.EngineRates`; :meth:`view` is what pricing reads."""
 
-    def __init__(self, priors: Sequence[RatePrior] = (), *, prior_weight: float = 4.0) -> None:
+    def __init__(self, priors: Sequence[PoolRates] = (), *, prior_weight: float = 4.0) -> None:
         self.priors = tuple(priors)
-        self.default = RatePrior()
         self.prior_weight = prior_weight
         self._replicas: dict[str, _Replica] = {}
         self._rates: dict[str, EngineRates] = {}
 
-    def prior_for(self, labels: Mapping[str, str]) -> RatePrior:
+    def prior_for(self, labels: Mapping[str, str]) -> EngineRates:
         """The first prior whose labels ``labels`` all carry (the built-in one if none)."""
-        for prior in self.priors:
-            if all(labels.get(k) == v for k, v in prior.labels.items()):
-                return prior
-        return self.default
+        return prior_for(self.priors, labels)[0]
 
     def view(self) -> Mapping[str, EngineRates]:
         """Each replica's rates as last updated (replicas never observed are absent: see :meth:`rates`)."""
@@ -84,8 +80,7 @@ class RateBook:
         known = self._rates.get(name)
         if known is not None:
             return known
-        prior = self.prior_for(labels)
-        return EngineRates(prior.prefill_tokens_per_s, prior.decode_step_s, prior.overhead_s)
+        return self.prior_for(labels)
 
     def observe_ttft(self, name: str, labels: Mapping[str, str], point: LoadPoint, seconds: float) -> None:
         """A request sent at ``point`` had its first token after ``seconds``: learnt from if it was alone."""
@@ -123,4 +118,4 @@ class RateBook:
                     per_token = (slope * p.w + per_token * k) / (p.w + k)
             overhead = max(0.0, (my - per_token * mx) * p.w / (p.w + k) + overhead * k / (p.w + k))
         step = (rec.decode_sum + prior.decode_step_s * k) / (rec.decode_weight + k)
-        self._rates[name] = EngineRates(1.0 / per_token, step, overhead, p.n, rec.decode_n)
+        self._rates[name] = EngineRates(1.0 / per_token, step, overhead, p.n, rec.decode_n, prior.decode_per_seq_s)

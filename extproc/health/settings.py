@@ -4,19 +4,36 @@ from __future__ import annotations
 
 from typing import Literal
 
+from extproc.engine_rates import BUILT_IN, EngineRates, PoolRates
 from extproc.health.rotation import RotationPolicy
 from extproc.health.score import HealthLimits, HealthWeights
 from extproc.validation import Section, option
 
 
 class RatePrior(Section):
-    """``health.engine_rates[]``: a pool's engine speeds before any is learnt (the built-in one: an
-    engine prefilling 10k tokens a second with 20 ms decode steps, the latency models' prior)."""
+    """``health.engine_rates[]``: a pool's engine speeds before any is learnt, read by the rate
+    learner and the price alike (``extproc calibrate`` measures them on a running engine). The
+    built-in one, for replicas no entry selects: the lab's ``llama-8b-h100`` profile, derived from
+    the model's shape and the GPU's datasheet (:data:`extproc.engine_rates.BUILT_IN`)."""
 
     labels: dict[str, str] = option({}, "the replicas it is for: those carrying every label ({}: all)")
-    prefill_tokens_per_s: float = option(10000.0, "cold prefill throughput, one request alone", gt=0)
-    decode_step_s: float = option(0.02, "seconds between two tokens of one request decoding alone", gt=0)
-    overhead_s: float = option(0.02, "seconds of a time to first token no prompt token explains", ge=0)
+    prefill_tokens_per_s: float = option(
+        BUILT_IN.prefill_tokens_per_s, "cold prefill throughput, one request alone", gt=0
+    )
+    decode_step_s: float = option(
+        BUILT_IN.decode_step_s, "seconds between two tokens of one request decoding alone", gt=0
+    )
+    decode_per_seq_s: float = option(
+        BUILT_IN.decode_per_seq_s, "seconds each further sequence in the batch adds to a decode step", ge=0
+    )
+    overhead_s: float = option(BUILT_IN.overhead_s, "seconds of a time to first token no prompt token explains", ge=0)
+
+    def pool(self) -> PoolRates:
+        """This prior as the decision code takes it."""
+        rates = EngineRates(
+            self.prefill_tokens_per_s, self.decode_step_s, self.overhead_s, decode_per_seq_s=self.decode_per_seq_s
+        )
+        return PoolRates(dict(self.labels), rates)
 
 
 class HealthSettings(RotationPolicy):
@@ -58,7 +75,8 @@ class HealthSettings(RotationPolicy):
     )
     engine_rates: list[RatePrior] = option(
         [],
-        "each pool's prior engine speeds, learnt on from its answers (docs/routing.md); the first whose labels match",
+        "each pool's prior engine speeds, learnt on from its answers and read by the price (docs/routing.md; "
+        "extproc calibrate measures them); the first whose labels match",
     )
     weights: HealthWeights = option(HealthWeights(), "how much each signal counts")
     limits: HealthLimits = option(HealthLimits(), "where each penalty starts and is full")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from extproc.engine_rates import PoolRates
 from extproc.request.features import RequestFeatures
 from extproc.routing.model import ReplicaState
 from extproc.routing.plugins import CycleState
@@ -108,6 +109,8 @@ class LearnedRates:
     prefill_tokens_per_s: float | None = None
     decode_s_per_token: float | None = None
     decode_s_per_seq: float | None = None
+    overhead_s: float | None = None
+    """The seconds of a time to first token no prompt token explains, learnt with the prefill rate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +118,13 @@ class LatencyView:
     """What the decision reads of the latency models: each replica's fit, the tokens a prefix
     block stands for where the prompt is not tokenized (the config's ``block_chars`` / 4), and
     each replica's learned rates where its observations give them (``rates``; a replica
-    missing there has its rates derived from its fit, or the price's prior)."""
+    missing there has its rates derived from its fit, or its pool's prior, ``priors``)."""
 
     fits: Mapping[str, LatencyFit] = field(default_factory=dict)
     block_tokens: int = 16
     rates: Mapping[str, LearnedRates] = field(default_factory=dict)
+    priors: tuple[PoolRates, ...] = ()
+    """The pools' prior rates (``health.engine_rates``), for a replica nothing was learnt of."""
 
 
 @dataclass(frozen=True, slots=True)

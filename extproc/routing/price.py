@@ -13,7 +13,9 @@ every candidate in one unit, seconds, from the replica's own rates:
   and what the router's requests in flight added), the wait for room: the share of the running
   requests' KV that must be freed, times the time a running request takes to finish its decode.
 
-These three are the predicted time to first token of this request there (:attr:`Price.ttft_s`).
+These three, and the engine's fixed overhead of a request (``overhead_s`` of its rates: HTTP,
+template, scheduling, what a cached prompt still takes), are the predicted time to first token of
+this request there (:attr:`Price.ttft_s`).
 To them the price adds what the choice costs others and later turns:
 
 - ``others_s``: the slowdown of the requests already running there, each stalled by this
@@ -38,21 +40,21 @@ its whole history on a replica as full.
 
 Rates: each replica's learned rates where the latency models have them
 (:attr:`extproc.routing.latency.LatencyView.rates`, or derived from a warm TTFT/TPOT fit),
-else its pool's prior (``pools``: a label selector's rates), else the profile's prior. A rate
-that is unknown or implausible (non-positive, or off the prior by more than ``learned_within``)
-is missing evidence and degrades to the prior; it never counts as free. The default prior is
-the lab's ``llama-8b-h100`` profile (``extproc_lab.replica.timing.LLAMA_8B_H100``: Llama-3.1-8B
-in bf16 on one H100 SXM, derived from the model's shape and the GPU's datasheet, 16 GFLOP a
-token at a third of 989 TFLOP/s = 20,000 prefill tokens/s, a 10 ms decode step and 0.05 ms per
-further sequence); it is an approximation, not a measurement, and any other fleet should state
-its own.
+else its pool's prior: the first ``health.engine_rates`` entry its labels match
+(:attr:`~extproc.routing.latency.LatencyView.priors`, the one place the rate learner reads its
+prior too; ``extproc calibrate`` measures it), else the built-in one
+(:data:`extproc.engine_rates.BUILT_IN`, the lab's ``llama-8b-h100``: derived from the model's
+shape and the GPU's datasheet, not measured). A rate that is unknown or implausible
+(non-positive, or off the prior by more than ``learned_within``) is missing evidence and
+degrades to the prior; it never counts as free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from extproc.engine_rates import BUILT_IN, EngineRates, prior_for
 from extproc.request.features import uncached_tokens
 from extproc.routing.latency import LatencyFit, LearnedRates
 from extproc.routing.model import ReplicaState
@@ -74,20 +76,26 @@ __all__ = [
 class Rates:
     """How fast a replica computes: prompt tokens a second (cold), the decode step of a batch of
     one, and what each further sequence adds to a step; ``source`` says where they came from
-    (``prior``, ``pool:<selector>``, ``learned``)."""
+    (``prior``, ``pool:<selector>``, ``learned``); ``overhead_s``, the seconds of a time to first
+    token no prompt token explains."""
 
     prefill_tokens_per_s: float
     decode_s_per_token: float
     decode_s_per_seq: float
     source: str = "prior"
+    overhead_s: float = 0.0
 
     def decode_step_s(self, batch: float) -> float:
         """Seconds of one decode step with ``batch`` sequences (at least one)."""
         return self.decode_s_per_token + self.decode_s_per_seq * max(0.0, batch - 1.0)
 
 
-DEFAULT_RATES = Rates(20_000.0, 0.010, 5e-5)
-"""The profile's prior: ``llama-8b-h100`` of the lab (see the module docstring for its source)."""
+def _as_rates(engine: EngineRates, source: str) -> Rates:
+    return Rates(engine.prefill_tokens_per_s, engine.decode_step_s, engine.decode_per_seq_s, source, engine.overhead_s)
+
+
+DEFAULT_RATES = _as_rates(BUILT_IN, "prior")
+"""The built-in prior: ``llama-8b-h100`` of the lab (:data:`extproc.engine_rates.BUILT_IN`)."""
 
 
 def fit_rates(fit: LatencyFit) -> LearnedRates:
@@ -121,8 +129,9 @@ class Price:
 
     @property
     def ttft_s(self) -> float:
-        """The predicted time to first token there: its prefill, the queue before it, the KV wait."""
-        return self.prefill_s + self.queue_s + self.kv_wait_s
+        """The predicted time to first token there: the engine's overhead, its prefill, the queue
+        before it, the KV wait."""
+        return self.rates.overhead_s + self.prefill_s + self.queue_s + self.kv_wait_s
 
     @property
     def total_s(self) -> float:
@@ -132,6 +141,7 @@ class Price:
     def parts(self) -> dict[str, float]:
         """The parts by name (Explain)."""
         return {
+            "overhead": self.rates.overhead_s,
             "prefill": self.prefill_s,
             "queue": self.queue_s,
             "kv_wait": self.kv_wait_s,
@@ -141,30 +151,15 @@ class Price:
         }
 
 
-def _selector(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ValueError(f"pools: {text!r} is not a label selector (expected LABEL=VALUE)")
-    return key.strip(), value.strip()
-
-
-_RATE_KEYS = frozenset({"prefill_tokens_per_s", "decode_s_per_token", "decode_s_per_seq"})
-
-
 @dataclass(slots=True)
 class PriceSettings:
     """What the price is computed with (see the module docstring).
 
-    ``prefill_tokens_per_s``, ``decode_s_per_token`` and ``decode_s_per_seq`` are the prior;
-    ``pools`` maps a label selector (``LABEL=VALUE``) to the rates of the replicas it selects
-    (any of the three; the others from the prior), the first matching selector winning.
-    ``output_tokens`` is a request's expected output when it does not say (``max_tokens``).
+    The rates' prior is not set here: it is each pool's ``health.engine_rates`` entry, read by
+    the rate learner too (:meth:`prior`). ``output_tokens`` is a request's expected output when
+    it does not say (``max_tokens``).
     """
 
-    prefill_tokens_per_s: float = DEFAULT_RATES.prefill_tokens_per_s
-    decode_s_per_token: float = DEFAULT_RATES.decode_s_per_token
-    decode_s_per_seq: float = DEFAULT_RATES.decode_s_per_seq
-    pools: dict[str, dict[str, float]] = field(default_factory=dict)
     output_tokens: int = 256
     others_weight: float = 0.1
     session_tokens: int = 512
@@ -182,33 +177,16 @@ class PriceSettings:
     """A learned rate more than this factor off its prior is taken for a fit's artefact."""
 
     def __post_init__(self) -> None:
-        if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0 or self.decode_s_per_seq < 0:
-            raise ValueError("the prior's prefill rate must be positive and its decode costs not negative")
         if min(self.others_weight, self.hysteresis, self.hysteresis_s, self.evict_weight) < 0 or self.output_tokens < 1:
             raise ValueError("weights and margins must not be negative, output_tokens at least 1")
         if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
             raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
-        for selector, rates in self.pools.items():
-            _selector(selector)
-            unknown = set(rates) - _RATE_KEYS
-            if unknown:
-                raise ValueError(f"pools[{selector!r}]: unknown rates {sorted(unknown)} (known: {sorted(_RATE_KEYS)})")
-            if rates.get("prefill_tokens_per_s", 1.0) <= 0 or min(rates.values(), default=0.0) < 0:
-                raise ValueError(f"pools[{selector!r}]: rates must be positive")
 
-    def prior(self, state: ReplicaState) -> Rates:
-        """The prior rates of ``state``: its pool's (the first selector its labels match), else the profile's."""
-        labels = state.replica.labels
-        for selector, rates in self.pools.items():
-            key, value = _selector(selector)
-            if labels.get(key) == value:
-                return Rates(
-                    rates.get("prefill_tokens_per_s", self.prefill_tokens_per_s),
-                    rates.get("decode_s_per_token", self.decode_s_per_token),
-                    rates.get("decode_s_per_seq", self.decode_s_per_seq),
-                    f"pool:{selector}",
-                )
-        return Rates(self.prefill_tokens_per_s, self.decode_s_per_token, self.decode_s_per_seq)
+    def prior(self, cycle: CycleState, state: ReplicaState) -> Rates:
+        """The prior rates of ``state``: its pool's (the first ``health.engine_rates`` entry its
+        labels match), else the built-in one."""
+        priors = cycle.latency.priors if cycle.latency is not None else ()
+        return _as_rates(*prior_for(priors, state.replica.labels))
 
     def _plausible(self, learned: float | None, prior: float) -> bool:
         return (
@@ -219,7 +197,7 @@ class PriceSettings:
 
     def rates(self, cycle: CycleState, state: ReplicaState) -> Rates:
         """``state``'s rates: what was learned of it, where plausible, else its prior."""
-        prior = self.prior(state)
+        prior = self.prior(cycle, state)
         view = cycle.latency
         if view is None:
             return prior
@@ -233,8 +211,11 @@ class PriceSettings:
         decode = learned.decode_s_per_token
         per_seq = learned.decode_s_per_seq
         took = False
+        overhead = prior.overhead_s
         if self._plausible(prefill, prior.prefill_tokens_per_s):
             took = True
+            # The intercept learnt with that slope, where it was (a warm fit's is not an overhead).
+            overhead = learned.overhead_s if learned.overhead_s is not None else overhead
         else:
             prefill = prior.prefill_tokens_per_s
         if self._plausible(decode, prior.decode_s_per_token):
@@ -247,7 +228,7 @@ class PriceSettings:
         else:
             per_seq = prior.decode_s_per_seq
         assert prefill is not None and decode is not None and per_seq is not None
-        return Rates(prefill, decode, per_seq, "learned" if took else prior.source)
+        return Rates(prefill, decode, per_seq, "learned" if took else prior.source, overhead)
 
 
 def _batch(state: ReplicaState) -> int:

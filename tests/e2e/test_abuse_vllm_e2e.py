@@ -4,9 +4,8 @@ with what the engines say they computed (``vllm:prompt_tokens_total`` and
 ``vllm:generation_tokens_total`` deltas), no other tenant is charged, and no request goes where the
 client named. The bounds measured here are stated in docs/tenancy.md and docs/security.md.
 
-The engines are one fleet for the module (:func:`engines`); each attack's gateway (a processor
-config and its Envoy) routes to it (``LocalGateway(shared_fleet=...)``), so a session-wide fleet
-can replace the fixture without touching a test."""
+The engines are the session's tiny fleet (:func:`engines`, from tests/e2e/conftest.py); each
+attack's gateway (a processor config and its Envoy) routes to it (``LocalGateway(engines=...)``)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,9 @@ from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
 from extproc_lab.demo.processes import free_port
 from extproc_lab.demo.redis_server import LocalRedis
-from extproc_lab.engines.fleet import EngineSettings, VllmFleet
-from tests.conftest import ROOT, require_binary, require_engines
+from extproc_lab.engines.fleet import VllmFleet
+from tests.conftest import ROOT, require_binary
+from tests.e2e.conftest import TinyEngines
 from tests.helpers import (
     abandon_after_first_chunk,
     as_tenant,
@@ -54,13 +54,11 @@ UNSEEN_PER_STREAM = 64
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    """Two real vLLM engines (the lab's tiny model) for every gateway of the module."""
+def engines(tiny_engines: TinyEngines) -> VllmFleet:
+    """The session's tiny engines (tests/e2e/conftest.py), healthy and with empty prefix caches,
+    for every gateway of the module."""
     require_binary("envoy")
-    require_engines("tiny")
-    settings = EngineSettings(model="tiny", kv_events=False)
-    with VllmFleet(replicas=2, settings=settings, log_dir=tmp_path_factory.mktemp("abuse-engines")) as fleet:
-        yield fleet
+    return tiny_engines.fresh()
 
 
 @contextmanager
@@ -71,7 +69,11 @@ def gateway(
     ``redis_port``, a redis-server there first (the gateway's process, stopped with it)."""
     (tmp / "router.yaml").write_text(yaml.safe_dump(config))
     gw = LocalGateway(
-        shared_fleet=fleet, kv_events=False, log_dir=tmp, processor_args=("--config", str(tmp / "router.yaml"), *args)
+        engines=fleet,
+        replicas=len(fleet.members),
+        kv_events=False,
+        log_dir=tmp,
+        processor_args=("--config", str(tmp / "router.yaml"), *args),
     )
     try:
         if redis_port is not None:

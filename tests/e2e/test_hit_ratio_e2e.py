@@ -23,8 +23,8 @@ from extproc.admin.client import reuse_rows
 from extproc.cache.reuse import Shares, shares
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import words
-from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import require_binary, require_engines
+from tests.conftest import require_binary
+from tests.e2e.conftest import TinyEngines
 
 pytestmark = pytest.mark.e2e
 
@@ -141,12 +141,13 @@ async def converse_turn_by_turn(url: str, tag: str, seed: int) -> None:
                     await r.read()
 
 
-async def test_on_real_vllm_engines_round_robin_captures_little_and_ours_nearly_all(tmp_path: Path) -> None:
-    """Three vLLM CPU engines, started once; the processor restarted for each profile (new counts,
-    and prompts of a seed of their own, so the first run's cached blocks offer the second nothing)."""
+async def test_on_real_vllm_engines_round_robin_captures_little_and_ours_nearly_all(
+    tmp_path: Path, tiny_engines: TinyEngines
+) -> None:
+    """The session's three vLLM CPU engines (tests/e2e/conftest.py), their caches emptied; the
+    processor restarted for each profile (new counts, and prompts of a seed of their own, so the
+    first run's cached blocks offer the second nothing)."""
     require_binary("envoy")
-    require_engines("tiny")
-    settings = EngineSettings(model="tiny", block_size=32, num_blocks=512, max_model_len=2048)
     configs = {}
     for name, profile in (("ours", None), ("round-robin", {"picker": {"type": "in_turn"}})):
         configs[name] = tmp_path / f"{name}.yaml"
@@ -157,8 +158,7 @@ async def test_on_real_vllm_engines_round_robin_captures_little_and_ours_nearly_
         configs[name].write_text(yaml.safe_dump(text))
     gateway = LocalGateway(
         replicas=3,
-        engine="vllm",
-        engine_settings=settings,
+        engines=tiny_engines.fresh(),
         log_dir=tmp_path / "gw",
         processor_args=("--config", str(configs["ours"])),
     )

@@ -7,7 +7,8 @@ is compared with what the engines themselves report: ``usage.prompt_tokens_detai
 in each answer, their ``/metrics`` counters, their KV events.
 
 The engines (vLLM's venv and a locally built model, under ~/.cache/extproc; ``make engines``) are
-started once for the module; a missing venv is built first (about 2 minutes), and failing to build
+two of the session's shared fleet (tests/e2e/conftest.py: started once, handed over with empty
+caches); a missing venv is built first (about 2 minutes), and failing to build
 it fails under CI and skips elsewhere. Which engine answered a request is read from the engines'
 own ``vllm:request_success_total`` (requests here are sent one at a time).
 """
@@ -33,30 +34,27 @@ from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.health.vllm_metrics import parse_vllm_metrics
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn, words
-from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import require_binary, require_engines
+from tests.conftest import require_binary
+from tests.e2e.conftest import TINY_BLOCKS, TinyEngines
 from tests.helpers import scrape_total
 
 pytestmark = pytest.mark.e2e
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MODEL = "demo-model"
 BLOCK = 32
-# Small enough to fill (128 blocks of 32 tokens: 4,096 tokens), above one full-length request.
-BLOCKS = 128
+# Small enough to fill (512 blocks of 32 tokens: 16,384 tokens), above one full-length request.
+BLOCKS = TINY_BLOCKS
 _DONE = "vllm:request_success_total"
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
+def gw(tmp_path_factory: pytest.TempPathFactory, tiny_engines: TinyEngines) -> Iterator[LocalGateway]:
     require_binary("envoy")
-    require_engines("tiny")
-    settings = EngineSettings(model="tiny", block_size=BLOCK, num_blocks=BLOCKS, max_model_len=2048)
     config = tmp_path_factory.mktemp("vllm-config") / "router.yaml"
     config.write_text("health:\n  scrape_timeout_s: 1.0\n")
     gateway = LocalGateway(
         replicas=2,
-        engine="vllm",
-        engine_settings=settings,
+        engines=tiny_engines.fresh(),
         log_dir=tmp_path_factory.mktemp("vllm-gw"),
         # Every answer read for its cached tokens: the sampled prediction check sees them all.
         # A CPU engine busy on both cores can take longer than the default 0.2 s to serve its
@@ -254,9 +252,13 @@ def test_a_real_metrics_page_feeds_the_health_score(gw: LocalGateway, admin: pb_
     assert page.running == page.waiting == 0 and page.kv_usage == 0.0
     wait_until("both engines healthy", lambda: all(r.health > 0.9 for r in replicas(admin).values()))
 
-    # Load one engine directly (not through the router): more long generations than its cache holds.
+    # Load one engine directly (not through the router): more long generations than its cache holds
+    # (each about 2,000 tokens with its output: twice the cache's worth of them).
     rng = random.Random(25)
-    bodies = [{"model": MODEL, "prompt": words(rng, 1400), "max_tokens": 300, "ignore_eos": True} for _ in range(8)]
+    bodies = [
+        {"model": MODEL, "prompt": words(rng, 1400), "max_tokens": 300, "ignore_eos": True}
+        for _ in range(2 * BLOCKS * BLOCK // 2000 + 1)
+    ]
     seen: dict[str, Any] = {}
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(_post, gw.replica_url(loaded) + COMPLETIONS, b, None, 120) for b in bodies]
@@ -297,15 +299,16 @@ def test_evicted_blocks_leave_the_index(gw: LocalGateway, admin: pb_grpc.AdminSt
 
     # Fill that engine's cache past its capacity with other prompts, sent to it directly.
     rng = random.Random(27)
-    for _ in range(4):
-        _post(gw.replica_url(engine) + COMPLETIONS, {"model": MODEL, "prompt": words(rng, 1500), "max_tokens": 1})
-    removed = wait_until(
-        "BlockRemoved events in the index",
-        lambda: (
-            scrape_total(_get(gw.metrics_url), "extproc_kv_event_blocks_total", op="removed", replica=engine)
-            - removed_before
-        ),
-    )
+
+    def removed_since() -> float:
+        page = _get(gw.metrics_url)
+        return scrape_total(page, "extproc_kv_event_blocks_total", op="removed", replica=engine) - removed_before
+
+    sent = 0
+    while sent <= BLOCKS * BLOCK:  # more than the whole cache: the conversation's blocks are the oldest
+        body = {"model": MODEL, "prompt": words(rng, 1500), "max_tokens": 1}
+        sent += int(_post(gw.replica_url(engine) + COMPLETIONS, body)["usage"]["prompt_tokens"])
+    removed = wait_until("BlockRemoved events in the index", removed_since)
     assert removed >= 10, removed
     index_blocks = scrape_total(_get(gw.metrics_url), "extproc_kv_index_blocks", replica=engine)
     assert index_blocks <= BLOCKS, index_blocks

@@ -8,25 +8,39 @@ own decode time (``vllm:inter_token_latency_seconds`` deltas). Both are compared
 the client and the engine saw: the stream's first ``data:`` line at the client, and the engine's
 own ``vllm:time_to_first_token_seconds``. Requests go one at a time, each prompt new to the cache,
 so each metric's delta is that one request's.
+
+Two engines are started for the module: the timing tests route to the first alone; ``extproc
+calibrate`` measures the second, and a gateway over both, configured with that prior and the price
+profile, is loaded with concurrent streams while Explain's predicted time to first token of each
+request's chosen engine is compared with the client's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import signal
 import statistics
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
+import yaml
 
+from extproc._proto.admin.v1 import admin_pb2 as pb
+from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.calibrate import Engine
+from extproc.cli import main as cli_main
+from extproc.config import config_from_mapping
 from extproc_lab.demo.gateway import LocalGateway
-from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import require_binary, require_engines
+from extproc_lab.engines.fleet import EngineSettings, VllmFleet
+from tests.conftest import ROOT, require_binary, require_engines
 from tests.helpers import scrape_total
 
 pytestmark = pytest.mark.e2e
@@ -41,10 +55,16 @@ STREAM_IDLE_S = 8.0
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
-    require_binary("envoy")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     require_engines("small")
     settings = EngineSettings(model="small", block_size=32, num_blocks=256, max_model_len=2048)
+    with VllmFleet(replicas=2, settings=settings, log_dir=tmp_path_factory.mktemp("vllm-timing-engines")) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory, engines: VllmFleet) -> Iterator[LocalGateway]:
+    require_binary("envoy")
     config = tmp_path_factory.mktemp("vllm-timing") / "router.yaml"
     # Learn from every answer from the start (no request here states an objective).
     config.write_text(
@@ -53,8 +73,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGateway]:
     )
     gateway = LocalGateway(
         replicas=1,
-        engine="vllm",
-        engine_settings=settings,
+        engines=engines,
         log_dir=tmp_path_factory.mktemp("vllm-timing-gw"),
         processor_args=("--config", str(config)),
         envoy_options={"first_byte_timeout_s": FIRST_BYTE_S, "stream_idle_timeout_s": STREAM_IDLE_S},
@@ -68,9 +87,10 @@ def _get(url: str) -> str:
         return str(resp.read().decode())
 
 
-def prompt(i: int) -> list[dict[str, str]]:
-    # A different start each time: nothing of it is in the engine's cache (cold).
-    text = f"request {i} {time.time_ns()}: " + " ".join(f"w{i}x{j}" for j in range(250))  # about 1,400 tokens
+def prompt(i: int, words: int = 250) -> list[dict[str, str]]:
+    # A different start each time: nothing of it is in the engine's cache (cold). With i < 10,
+    # about 5.5 tokens a word: 250 words about 1,400 tokens.
+    text = f"request {i} {time.time_ns()}: " + " ".join(f"w{i}x{j}" for j in range(words))
     return [{"role": "user", "content": text}]
 
 
@@ -160,7 +180,8 @@ def test_a_non_streamed_answers_ttft_is_learned_from_what_the_engine_reports(gw:
 def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_idle_timeout(gw: LocalGateway) -> None:
     """The engine process stopped as soon as a stream's headers are out (vLLM sends them before its
     first token): Envoy's first-byte timeout never sees it, the processor's does."""
-    engine = gw.procs.procs[gw.members[0].name]
+    assert gw.fleet is not None
+    engine = gw.fleet.group.procs[gw.members[0].name]
     host, port = gw.url.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "messages": prompt(300), "max_tokens": 8, "stream": True})
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -187,3 +208,159 @@ def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_i
     assert FIRST_BYTE_S * 0.9 <= ended_s < FIRST_BYTE_S + 1.5, ended_s
     after = scrape_total(_get(gw.metrics_url), "extproc_first_token_timeouts_total")
     assert after == before + 1
+
+
+# -- calibration and the price's predicted TTFT ------------------------------------------------
+
+POOL = "cpu"
+# Concurrent clients over the two engines: each engine has a prefill queued behind another most
+# of the time, the load the prediction's queue part is for.
+CLIENTS = 4
+ROUNDS = 8
+WARM_ROUNDS = 2
+"""Each client's first rounds are not counted: the engines' rates are learnt on from the prior,
+calibrated on one engine alone on the host, to what two busy engines sharing its two cores do."""
+
+
+@pytest.fixture(scope="module")
+def calibrated(engines: VllmFleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``extproc calibrate`` on the second engine (idle): the config it writes, parsed."""
+    out = tmp_path_factory.mktemp("calibrate") / "prior.yaml"
+    url = engines.url(engines.members[1].name)
+    assert cli_main(["calibrate", "--url", url, "--pool", POOL, "--out", str(out)]) == 0
+    text = out.read_text()
+    print(text)
+    return dict(yaml.safe_load(text))
+
+
+def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
+    engines: VllmFleet, calibrated: dict[str, Any]
+) -> None:
+    cfg = config_from_mapping(calibrated)
+    (prior,) = cfg.health.engine_rates
+    assert prior.labels == {"pool": POOL}
+    # vLLM's CPU engine on this model: thousands of prompt tokens a second, a decode step of ms.
+    assert 500 < prior.prefill_tokens_per_s < 200_000, prior
+    assert 0.0005 < prior.decode_step_s < 0.5, prior
+    # What it predicts of a fresh prompt alone is what the engine then takes, within 25%.
+    engine = Engine(engines.url(engines.members[1].name), MODEL)
+    errors = []
+    for i in range(3):
+        timed = engine.stream(prompt(i, 150)[0]["content"], 1)
+        predicted = prior.pool().rates.prefill_s(timed.prompt_tokens)
+        errors.append(abs(predicted - timed.ttft_s) / timed.ttft_s)
+        print(f"{timed.prompt_tokens} tokens: predicted {predicted:.3f} s, took {timed.ttft_s:.3f} s")
+    assert statistics.median(errors) <= 0.25, errors
+
+
+@pytest.fixture(scope="module")
+def priced(
+    tmp_path_factory: pytest.TempPathFactory, engines: VllmFleet, calibrated: dict[str, Any]
+) -> Iterator[LocalGateway]:
+    """Both engines, labelled ``pool=cpu``, behind the price profile with the calibrated prior."""
+    require_binary("envoy")
+    tmp = tmp_path_factory.mktemp("vllm-priced")
+    config = {
+        "profile": yaml.safe_load((ROOT / "benchmarks" / "routing" / "price.yaml").read_text())["profile"],
+        "health": {**calibrated["health"], "scrape_timeout_s": 1.0, "latency_models": "always"},
+    }
+    (tmp / "router.yaml").write_text(yaml.safe_dump(config))
+    gateway = LocalGateway(
+        replicas=2,
+        engines=engines,
+        labels={r.name: {"pool": POOL} for r in engines.members},
+        log_dir=tmp,
+        processor_args=("--config", str(tmp / "router.yaml")),
+    )
+    with gateway:
+        yield gateway
+
+
+def open_stream(url: str, body: dict[str, Any]) -> tuple[float, Any]:
+    """Send a stream; its start, and its response once the headers are in (vLLM sends them as
+    soon as it has the request: the router has decided by then)."""
+    req = urllib.request.Request(
+        url + CHAT, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    started = time.perf_counter()
+    return started, urllib.request.urlopen(req, timeout=120)
+
+
+def first_token(started: float, resp: Any) -> float:
+    """Seconds from ``started`` to the stream's first ``data:`` line (read to its end)."""
+    first = None
+    with resp:
+        for line in resp:
+            if first is None and line.startswith(b"data:"):
+                first = time.perf_counter() - started
+    assert first is not None
+    return first
+
+
+def test_under_load_the_price_predicts_the_chosen_engines_first_token_within_30_percent(
+    priced: LocalGateway,
+) -> None:
+    """Concurrent clients; each asks Explain, sends its request and waits for its headers while
+    holding a lock (so no other request is decided between Explain's and the router's decision),
+    then reads its stream while the next client goes. Which engine the router chose is read from
+    its decision feed, in the order the requests were decided."""
+    # A few answers alone first: the engines' rates learnt on from the calibrated prior.
+    for i in range(4):
+        body = {"model": MODEL, "messages": prompt(i, 100 + 50 * i), "max_tokens": 4, "stream": True}
+        first_token(*open_stream(priced.url, body))
+    with grpc.insecure_channel(priced.admin_addresses[0]) as channel:
+        admin = pb_grpc.AdminStub(channel)
+        decided: list[str] = []
+        watch = admin.WatchDecisions(pb.WatchRequest(sample_rate=1.0))
+
+        def follow() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                for event in watch:
+                    decided.append(event.replica)
+
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
+        time.sleep(0.5)  # the feed subscribed before the first request
+        rows: list[tuple[int, str, float, float, float]] = []
+        order = threading.Lock()
+        sent = 0
+
+        def client(c: int) -> None:
+            nonlocal sent
+            for r in range(ROUNDS):
+                # 120 to 200 words: about 650 to 1,100 tokens, a cold TTFT well over 50 ms here.
+                words = 120 + 40 * ((c + r) % 3)
+                body = {"model": MODEL, "messages": prompt(c, words), "max_tokens": 16, "stream": True}
+                headers = [pb.Header(key=":path", value=CHAT), pb.Header(key="content-type", value="application/json")]
+                with order:
+                    explained = admin.Explain(pb.ExplainRequest(headers=headers, body=json.dumps(body).encode()))
+                    started, resp = open_stream(priced.url, body)
+                    index, sent = sent, sent + 1
+                (chosen,) = [x for x in explained.replicas if x.replica == explained.replica]
+                queue = sum(p.seconds for p in chosen.price_parts if p.part == "queue")
+                first = first_token(started, resp)
+                if r >= WARM_ROUNDS:
+                    rows.append((index, explained.replica, chosen.price_ttft_s, queue, first))
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        deadline = time.monotonic() + 5
+        while len(decided) < len(rows) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watch.cancel()
+    rows.sort()
+    print("(explained, decided, predicted TTFT s, its queue part s, client's first token s):")
+    for index, explained_replica, pred, queue, first in rows:
+        print("  ", explained_replica, decided[index], round(pred, 3), round(queue, 3), round(first, 3))
+    assert len(rows) == CLIENTS * (ROUNDS - WARM_ROUNDS) and len(decided) == CLIENTS * ROUNDS, (rows, decided)
+    same = [r for r in rows if r[1] == decided[r[0]]]
+    assert len(same) >= 0.8 * len(rows), rows
+    # Under load: some predictions have a queue in them.
+    assert sum(1 for r in same if r[3] > 0.0) >= 0.2 * len(same), rows
+    assert all(first >= 0.05 for *_, first in same), rows
+    errors = [abs(pred - first) / first for _, _, pred, _, first in same]
+    print(f"median relative error {statistics.median(errors):.3f} over {len(errors)} requests")
+    assert statistics.median(errors) <= 0.3, errors

@@ -1,7 +1,8 @@
 """The engine's span joins the trace: real Envoy with its own tracing, the processor with
 ``--tracing-endpoint`` and one vLLM CPU engine (0.32) with ``--otlp-traces-endpoint``, all
-exporting to one in-test OTLP receiver. One engine, started for this module (about a minute);
-a missing venv is built first, and failing to build it fails under CI and skips elsewhere."""
+exporting to one in-test OTLP receiver. One engine of the session's shared fleet
+(tests/e2e/conftest.py: its engines export to the session's receiver); a missing venv is built
+first, and failing to build it fails under CI and skips elsewhere."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.engines.fleet import ENGINE_SERVICE as ENGINE
-from extproc_lab.engines.fleet import EngineSettings
-from tests.conftest import require_binary, require_engines
-from tests.helpers import ReceivedSpan, SpanReceiver, chat, otlp_receiver, post, wait_for
+from tests.conftest import require_binary
+from tests.e2e.conftest import TinyEngines
+from tests.helpers import ReceivedSpan, SpanReceiver, chat, post, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -23,21 +24,21 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalGateway, SpanReceiver]]:
+def traced(
+    tmp_path_factory: pytest.TempPathFactory, tiny_engines: TinyEngines
+) -> Iterator[tuple[LocalGateway, SpanReceiver]]:
     require_binary("envoy")
-    require_engines("tiny")
-    with otlp_receiver() as receiver:
-        # Envoy, the processor and the engine all to the receiver (the engine: --otlp-traces-endpoint).
-        gw = LocalGateway(
-            replicas=1,
-            engine="vllm",
-            engine_settings=EngineSettings(model="tiny", kv_events=False),
-            kv_events=False,
-            log_dir=tmp_path_factory.mktemp("vllm-trace-gw"),
-            tracing_collector=receiver.address,
-        )
-        with gw:
-            yield gw, receiver
+    receiver = tiny_engines.receiver
+    # Envoy, the processor and the engine all to the receiver (the engine: --otlp-traces-endpoint).
+    gw = LocalGateway(
+        replicas=1,
+        engines=tiny_engines.fresh(),
+        kv_events=False,
+        log_dir=tmp_path_factory.mktemp("vllm-trace-gw"),
+        tracing_collector=receiver.address,
+    )
+    with gw:
+        yield gw, receiver
 
 
 def _by_trace(receiver: SpanReceiver, trace_id: str) -> list[ReceivedSpan]:

@@ -18,6 +18,7 @@ RANKS = {
     "extproc.server": 7,
     "extproc.envoy_config": 7,
     "extproc.metrics_http": 7,
+    "extproc.calibrate": 7,
     "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
     "extproc.telemetry": 7,
     "extproc.router": 6,

@@ -66,18 +66,21 @@ class LocalGateway:
     # Fake replicas served behind the fake of llm-d's routing sidecar (`extproc replica
     # --sidecar-port`): the member's address is the sidecar's, the replica's own port another.
     sidecars: tuple[str, ...] = ()
-    # Engines already running (a test module's or session's fleet): this gateway routes to them,
-    # neither starting nor stopping them, so several gateways (configs) share one fleet.
-    shared_fleet: VllmFleet | None = None
+    # Real engines already running (a test session's shared fleet): the gateway routes to the
+    # first `replicas` of them and leaves them running when it stops; `engine` and
+    # `engine_settings` are the fleet's.
+    engines: VllmFleet | None = None
 
     def __post_init__(self) -> None:
-        if self.shared_fleet is not None:
-            self.engine, self.engine_settings = "vllm", self.shared_fleet.settings
-            self.replicas = len(self.shared_fleet.members)
+        if self.engines is not None:
+            self.engine, self.engine_settings = "vllm", self.engines.settings
+            if self.replicas > len(self.engines.members):
+                raise ValueError(f"{self.replicas} replicas wanted of a fleet of {len(self.engines.members)}")
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
         self._tmp = None if self.log_dir else tempfile.TemporaryDirectory(prefix="extproc-gw-")
         self.dir = self.log_dir or Path(self._tmp.name if self._tmp else ".")
+        self.dir.mkdir(parents=True, exist_ok=True)  # written to before any process starts there
         self.procs = ProcessGroup(self.dir)
         self.envoy_port = free_port()
         self.round_robin_port = free_port()
@@ -86,19 +89,22 @@ class LocalGateway:
         self.metrics_port = free_port()
         # (gRPC port, metrics port) of processors 1.. ; processor 0 uses the two above.
         self.extra_processor_ports = [(free_port(), free_port()) for _ in range(self.processors - 1)]
-        self.members = (
-            list(self.shared_fleet.members)
-            if self.shared_fleet is not None
-            else [
-                Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
-                for i in range(self.replicas)
+        self.members = [
+            Replica(f"replica-{i}", f"{HOST}:{free_port()}", labels=self.labels.get(f"replica-{i}", {}))
+            for i in range(self.replicas)
+        ]
+        if self.engines is not None:
+            self.members = [
+                dataclasses.replace(r, labels=self.labels.get(r.name, r.labels)) for r in self.engines.members
             ]
-        )
+            self.members = self.members[: self.replicas]
         if self.tracing_collector and self.engine_settings.traces_endpoint is None:
             self.engine_settings = dataclasses.replace(self.engine_settings, traces_endpoint=self.tracing_collector)
         self.backend_ports = {name: free_port() for name in self.sidecars}
-        self.fleet = self.shared_fleet or (
-            VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
+        self.fleet = (
+            self.engines
+            if self.engines is not None
+            else VllmFleet(settings=self.engine_settings, procs=self.procs, members=self.members)
             if self.engine == "vllm"
             else None
         )
@@ -274,11 +280,8 @@ class LocalGateway:
         return ["--config", str(config), f"--tokenizer={self.engine_settings.served_name}={self.fleet.model_dir}"]
 
     def _tracing_options(self) -> dict[str, Any]:
-        """Envoy's own tracing to ``tracing_collector`` (every request: GatewaySpec's default),
-        continuing a client's sampled parent as the processor does (its sampler parent_based)."""
-        if not self.tracing_collector:
-            return {}
-        return {"tracing_collector": self.tracing_collector, "tracing_client_parent": True}
+        """Envoy's own tracing to ``tracing_collector`` (every request: GatewaySpec's default)."""
+        return {"tracing_collector": self.tracing_collector} if self.tracing_collector else {}
 
     def start_envoy(self) -> None:
         """Start Envoy with a config rendered for these replicas and wait for its listeners."""
@@ -294,7 +297,8 @@ class LocalGateway:
             extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
             # As `extproc envoy-config` renders it for a processor with several workers.
             processor_streams_per_connection=1 if self.processor_workers > 1 else None,
-            **{**self._tracing_options(), **self.envoy_options},
+            **self._tracing_options(),
+            **self.envoy_options,
         )
         path = self.dir / "envoy.yaml"
         rendered = render_yaml(spec)
@@ -321,9 +325,7 @@ class LocalGateway:
     def start(self) -> LocalGateway:
         """Start everything."""
         try:
-            if self.shared_fleet is not None:
-                self.wait_replicas()
-            elif self.fleet is not None:
+            if self.fleet is not None and self.engines is None:
                 self.start_replicas()  # at once: an engine takes tens of seconds to start
             for replica in self.members if self.fleet is None else ():
                 self.start_replica(replica)
@@ -336,8 +338,8 @@ class LocalGateway:
         return self
 
     def stop(self) -> None:
-        """Stop every process this gateway started (a shared fleet is its owner's)."""
-        if self.fleet is not None and self.shared_fleet is None:
+        """Stop every process this gateway started."""
+        if self.fleet is not None and self.engines is None:
             self.fleet.stop()
         self.procs.stop_all()
         if self._tmp is not None:

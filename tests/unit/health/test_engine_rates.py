@@ -30,17 +30,20 @@ def test_each_pool_starts_from_its_own_prior_the_first_that_matches() -> None:
             }
         }
     )
-    book = RateBook(cfg.health.engine_rates)
+    book = RateBook([p.pool() for p in cfg.health.engine_rates])
     assert book.rates("a", GPU).prefill_tokens_per_s == 20000.0
     cpu = book.rates("b", {"pool": "cpu"})
     assert (cpu.prefill_tokens_per_s, cpu.decode_step_s, cpu.overhead_s) == (3000.0, 0.05, 0.01)
-    assert RateBook().rates("c", {}) == RateBook([RatePrior()]).rates("c", {})  # the built-in prior
+    assert RateBook().rates("c", {}) == RateBook([RatePrior().pool()]).rates("c", {})  # the built-in prior
+    # The price reads the same priors, through the latency view the router gives each decision.
+    router = Router(cfg)
+    assert router.latency.view().priors == book.priors
     with pytest.raises(ConfigError, match="prefill_tokens_per_s"):
         config_from_mapping({"health": {"engine_rates": [{"prefill_tokens_per_s": 0}]}})
 
 
 def test_the_cold_prefill_rate_and_overhead_are_learnt_from_requests_served_alone() -> None:
-    book = RateBook([RatePrior(prefill_tokens_per_s=20000.0, overhead_s=0.0)])
+    book = RateBook([RatePrior(prefill_tokens_per_s=20000.0, overhead_s=0.0).pool()])
     rng = random.Random(3)
     for _ in range(200):
         tokens = rng.uniform(200, 3000)
@@ -57,7 +60,7 @@ def test_the_cold_prefill_rate_and_overhead_are_learnt_from_requests_served_alon
 
 
 def test_prompts_of_one_length_give_no_slope_and_the_decode_step_is_a_mean() -> None:
-    book = RateBook([RatePrior(prefill_tokens_per_s=8000.0, decode_step_s=0.02)])
+    book = RateBook([RatePrior(prefill_tokens_per_s=8000.0, decode_step_s=0.02).pool()])
     for _ in range(50):
         book.observe_ttft("r", {}, LoadPoint(1000, 0, 0, 0.0), 0.5)
         book.observe_tpot("r", {}, LoadPoint(1000, 0, 0, 0.0), 0.03)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.engine_rates import EngineRates, PoolRates
 from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
@@ -134,21 +135,26 @@ def test_learned_rates_and_pool_priors() -> None:
     # A warm fit's prefill term (seconds per thousand uncached tokens) is the rate's inverse.
     fit = LatencyFit(ttft=(0.01, 0.08, 0, 0, 0, 0, 0), tpot=(0.012, 0.016, 0, 0), ttft_warm=True, tpot_warm=True)
     assert fit_rates(fit) == LearnedRates(12_500.0, 0.012, 0.001)
-    # The slower pool's prior prices its replicas dearer for the same prompt.
-    pools = {"pools": {"gpu=a100": {"prefill_tokens_per_s": 6500.0}}}
+    # The slower pool's prior (health.engine_rates, the rate learner's too) prices its replicas
+    # dearer for the same prompt; a replica no pool selects has the built-in prior.
+    a100 = PoolRates({"gpu": "a100"}, EngineRates(6500.0, 0.016))
     replicas = [state("a", labels={"gpu": "a100"}), state("h", labels={"gpu": "h100"})]
-    name, _, _, _, trace = run(replicas, view, request(session=None), parameters=pools)
+    name, _, _, _, trace = run(replicas, view, request(session=None), latency=LatencyView(priors=(a100,)))
     assert name == "h" and trace.prices["a"].rates.source == "pool:gpu=a100"
     assert trace.prices["a"].prefill_s == pytest.approx(4000 / 6500.0)
+    assert trace.prices["a"].rates.decode_s_per_token == 0.016
+    assert trace.prices["h"].rates == DEFAULT_RATES
 
 
 def test_the_price_is_configured_by_name_and_checked() -> None:
     with pytest.raises(ProfileError):
         build_profile({**PRICE_PROFILE, "picker": {"type": "price", "parameters": {"prefill_rate": 1}}})
-    with pytest.raises(ProfileError):
-        build_profile({**PRICE_PROFILE, "picker": {"type": "price", "parameters": {"pools": {"nolabel": {}}}}})
+    # The rates' prior is the pools' (health.engine_rates), not the price's: no second place.
+    for moved in ({"pools": {"gpu=a100": {}}}, {"prefill_tokens_per_s": 20000}):
+        with pytest.raises(ProfileError):
+            build_profile({**PRICE_PROFILE, "picker": {"type": "price", "parameters": moved}})
     with pytest.raises(ValueError):
-        PriceSettings(prefill_tokens_per_s=0.0)
+        PriceSettings(output_tokens=0)
     # As a scorer in a weighted profile, it scores the cheapest 1.
     spec = {**PRICE_PROFILE, "scorers": [{"type": "price", "weight": 1}], "picker": {"type": "max_score"}}
     profile = build_profile(spec)

@@ -117,9 +117,6 @@ PARAMETERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     ),
     "price": st.fixed_dictionaries(
         {
-            "prefill_tokens_per_s": st.floats(1.0, 1e6),
-            "decode_s_per_token": st.floats(0.0, 1.0),
-            "decode_s_per_seq": st.floats(0.0, 0.01),
             "output_tokens": st.integers(1, 4096),
             "others_weight": st.floats(0.0, 2.0),
             "session_tokens": st.integers(0, 4096),

@@ -161,16 +161,16 @@ async def test_before_the_engine_reports_a_gap_a_non_streamed_answer_is_judged_b
     stream = RequestStream(Planner(r))
     await stream.answer(headers_message({":path": CHAT, "x-session-id": "s", "x-slo-ttft-ms": "600"}))
     await stream.answer(body_message(chat_body(PROMPT, max_tokens=500)))
-    clock.now += 0.7
+    clock.now += 0.65
     await stream.answer(response_headers_message(200))
     reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}], "usage": {}}
     reply["usage"] = {"prompt_tokens": 1050, "completion_tokens": 11}
     await stream.answer(body_chunk(json.dumps(reply).encode(), end=True))
     assert stream.plan is not None
     routed = stream.plan.routed
-    # Placed with the prior decode step (20 ms): 0.5 s, within its 600 ms.
+    # Placed with the built-in prior's decode step (10 ms): 0.55 s, within its 600 ms.
     assert routed.first_token_estimated and not routed.first_token_seen
-    assert abs(routed.answered_at - 100.5) < 1e-9  # type: ignore[operator]
+    assert abs(routed.answered_at - 100.55) < 1e-9  # type: ignore[operator]
     stream.planner.end(stream.plan)
     assert met.labels("default", "met")._value.get() == 1
     assert "r0" not in r.latency.view().fits  # nothing learnt from a prior
