@@ -59,7 +59,10 @@ def test_staying_is_cheap_where_the_history_is_cached() -> None:
     assert (name, reason, moved_by) == ("a", Reason.STICKY, "")
     a, b = trace.prices["a"], trace.prices["b"]
     assert a.uncached_tokens == 160 and b.uncached_tokens == 4000
-    assert a.prefill_s == pytest.approx(160 / RATE) and a.queue_s == pytest.approx(2000 / RATE)
+    # Each 2,048-token chunk (less the batch's two decode tokens) also waits for a decode step
+    # of the batch: one step for its own 160 tokens, one more for the 2,000 queued before them.
+    step = DEFAULT_RATES.decode_step_s(3)
+    assert a.prefill_s == pytest.approx(160 / RATE + step) and a.queue_s == pytest.approx(2000 / RATE + step)
     assert b.move_s > 0 and a.move_s == 0
     assert a.total_s < b.total_s
 
@@ -130,7 +133,8 @@ def test_learned_rates_and_pool_priors() -> None:
     view = AffinityView(prefix_matches={})
     learned = LatencyView(rates={"a": LearnedRates(prefill_tokens_per_s=RATE / 2)})
     p = run([state("a")], view, latency=learned)[4].prices["a"]
-    assert p.rates.source == "learned" and p.prefill_s == pytest.approx(4000 / (RATE / 2))
+    steps = 2 * DEFAULT_RATES.decode_step_s(1)  # 4,000 tokens in two chunks of 2,048
+    assert p.rates.source == "learned" and p.prefill_s == pytest.approx(4000 / (RATE / 2) + steps)
     # A warm fit's prefill term (seconds per thousand uncached tokens) is the rate's inverse.
     fit = LatencyFit(ttft=(0.01, 0.08, 0, 0, 0, 0, 0), tpot=(0.012, 0.016, 0, 0), ttft_warm=True, tpot_warm=True)
     assert fit_rates(fit) == LearnedRates(12_500.0, 0.012, 0.001)
@@ -139,7 +143,7 @@ def test_learned_rates_and_pool_priors() -> None:
     replicas = [state("a", labels={"gpu": "a100"}), state("h", labels={"gpu": "h100"})]
     name, _, _, _, trace = run(replicas, view, request(session=None), parameters=pools)
     assert name == "h" and trace.prices["a"].rates.source == "pool:gpu=a100"
-    assert trace.prices["a"].prefill_s == pytest.approx(4000 / 6500.0)
+    assert trace.prices["a"].prefill_s == pytest.approx(4000 / 6500.0 + steps)
 
 
 def test_the_price_is_configured_by_name_and_checked() -> None:
