@@ -9,7 +9,7 @@ from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide
-from extproc.routing.price import DEFAULT_RATES, PriceSettings, fit_rates
+from extproc.routing.price import DEFAULT_RATES, CacheFill, PriceSettings, fit_rates
 from extproc.routing.registry import PRICE_PROFILE, ProfileError, build_profile
 from extproc.routing.trace import DecisionTrace
 
@@ -185,4 +185,37 @@ def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
     name, _, _, _, trace = run(replicas, view, request(session=None))
     assert name == "a" and trace.prices["b"].others_s == pytest.approx(4000 / RATE)
     # Counting this request's own wait alone, the idle replica wins.
-    assert run(replicas, view, request(session=None), parameters={"evict_weight": 0.0})[0] == "b"
+    alone = {"evict_weight": 0.0, "prefix_hysteresis": 0.0}
+    assert run(replicas, view, request(session=None), parameters=alone)[0] == "b"
+
+
+def test_a_copy_into_a_cache_with_room_displaces_nothing() -> None:
+    # The same choice, but b's cache (64k tokens) is known and nothing was written there yet: the
+    # copy displaces nothing and leaving the holder needs no margin, so the idle replica wins.
+    replicas = [state("a", pending_prefill_tokens=5000), state("b", kv_capacity_tokens=64_000)]
+    view = AffinityView(prefix_matches={"a": 250})
+    name, _, _, _, trace = run(replicas, view, request(session=None))
+    assert name == "b" and trace.prices["b"].move_s == 0.0
+    assert trace.prices["b"].others_s < 4000 / RATE
+
+
+def test_cache_fill_is_what_was_written_over_the_cache() -> None:
+    fill = CacheFill()
+    a = state("a", kv_capacity_tokens=10_000)
+    assert fill.fill(a) == 0.0 and fill.fill(state("b")) == 1.0  # unknown size: taken as full
+    fill.wrote("a", 4000)
+    assert fill.fill(a) == pytest.approx(0.4)
+    fill.wrote("a", 8000)
+    assert fill.fill(a) == 1.0
+    fill.forget("a")
+    assert fill.fill(a) == 0.0
+
+
+def test_a_request_leaves_its_prefix_holder_only_for_a_clear_saving() -> None:
+    # No session, b idle and cold, a holding the prompt behind a queue just over b's cold prefill
+    # and displacement: the greedy price would move; the prefix margin keeps it on the holder.
+    replicas = [state("a", pending_prefill_tokens=8200), state("b")]
+    view = AffinityView(prefix_matches={"a": 250})
+    name, _, _, _, trace = run(replicas, view, request(session=None))
+    assert name == "a" and trace.prices["b"].move_s > 0.0
+    assert run(replicas, view, request(session=None), parameters={"prefix_hysteresis": 0.0})[0] == "b"
