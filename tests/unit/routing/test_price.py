@@ -185,7 +185,7 @@ def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
     name, _, _, _, trace = run(replicas, view, request(session=None))
     assert name == "a" and trace.prices["b"].others_s == pytest.approx(4000 / RATE)
     # Counting this request's own wait alone, the idle replica wins.
-    alone = {"evict_weight": 0.0, "prefix_hysteresis": 0.0}
+    alone: dict[str, object] = {"evict_weight": 0.0, "prefix_hysteresis": 0.0}
     assert run(replicas, view, request(session=None), parameters=alone)[0] == "b"
 
 
