@@ -8,7 +8,9 @@ every candidate in one unit, seconds, from the replica's own rates:
   index, the estimate or its KV events say it holds; a session's pinned replica, while nothing
   says it lost the conversation, at most the turn's new part, ``turn_tokens``) at its prefill rate;
 - ``queue_s``: the uncached prefill already sent there and not yet answered, at the same rate
-  (the request's first token comes after theirs);
+  (the request's first token comes after theirs); both in chunks of ``chunk_tokens`` less the
+  running batch, each chunk also waiting one decode step of that batch with its KV read
+  (``decode_s_per_kv_token``);
 - ``kv_wait_s``: when its cache is full of running requests (the fresher of the scrape's KV usage
   and what the router's requests in flight added), the wait for room: the share of the running
   requests' KV that must be freed, times the time a running request takes to finish its decode.
@@ -30,7 +32,10 @@ To them the price adds what the choice costs others and later turns:
 - ``move_s``: for a session whose pinned replica is a candidate, what leaving it must save before
   it is worth it (``hysteresis`` of staying's price, plus ``hysteresis_s``): staying is already
   cheap where the history is cached (its ``prefill_s`` is the new part of the turn only), and the
-  margin keeps a session from flapping between replicas whose prices are about equal.
+  margin keeps a session from flapping between replicas whose prices are about equal; for a
+  request without a session, on a replica holding less of its prompt than the best holder,
+  ``prefix_hysteresis`` of the holder's price times that replica's cache fill (a prefix copied
+  into a full cache splits its later requests and displaces others').
 
 So stickiness is the result of the price, not a scorer with a floor, and spillover happens where
 waiting on the pinned replica (its queue, its KV wait) is predicted to cost more than recomputing
