@@ -219,3 +219,23 @@ def test_a_request_leaves_its_prefix_holder_only_for_a_clear_saving() -> None:
     name, _, _, _, trace = run(replicas, view, request(session=None))
     assert name == "a" and trace.prices["b"].move_s > 0.0
     assert run(replicas, view, request(session=None), parameters={"prefix_hysteresis": 0.0})[0] == "b"
+
+
+def test_the_real_stack_bench_runs_the_price_profile_as_a_user_would_configure_it() -> None:
+    # `bench realstack --routers extproc_price`: our processor with benchmarks/routing/price.yaml
+    # and the engines' block size, a config the processor loads and builds a price picker from.
+    import os
+    from pathlib import Path
+
+    from extproc.config import load_config
+    from extproc_lab.bench.realstack import OURS_PRICE, RealStackSetup, _price_args
+
+    setup = RealStackSetup(engine="vllm", routers=(OURS_PRICE,), kv_blocks=128)
+    setup.check()
+    flag, path = _price_args(setup)
+    try:
+        config = load_config(path)
+        assert flag == "--config" and config.kv_events.block_size == 32
+        assert build_profile(config.profile).picker.name == "price"
+    finally:
+        os.unlink(Path(path))
