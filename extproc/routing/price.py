@@ -8,7 +8,9 @@ every candidate in one unit, seconds, from the replica's own rates:
   index, the estimate or its KV events say it holds; a session's pinned replica, while nothing
   says it lost the conversation, at most the turn's new part, ``turn_tokens``) at its prefill rate;
 - ``queue_s``: the uncached prefill already sent there and not yet answered, at the same rate
-  (the request's first token comes after theirs);
+  (the request's first token comes after theirs); both in chunks of ``chunk_tokens`` less the
+  running batch, each chunk also waiting one decode step of that batch with its KV read
+  (``decode_s_per_kv_token``);
 - ``kv_wait_s``: when its cache is full of running requests (the fresher of the scrape's KV usage
   and what the router's requests in flight added), the wait for room: the share of the running
   requests' KV that must be freed, times the time a running request takes to finish its decode.
@@ -20,17 +22,22 @@ To them the price adds what the choice costs others and later turns:
 
 - ``others_s``: the slowdown of the requests already running there, each stalled by this
   prompt's prefill and slowed per step by one more sequence in the batch, weighed by
-  ``others_weight`` (0.1, the weight the P/D choice gives the same stall,
-  :attr:`extproc.routing.disagg.PairSettings.decode_interference`); and the cached prefixes its
-  uncached tokens displace there, which later requests recompute (``evict_weight``, 1: the
-  displaced tokens once, at the same rate), so a copy of a prefix elsewhere is not free;
+  ``others_weight`` (0.05: half the weight the P/D choice gives the same stall,
+  :attr:`extproc.routing.disagg.PairSettings.decode_interference`, since a stall of decoding
+  streams is not a first token's wait); and the cached prefixes its uncached tokens displace
+  there, which later requests recompute (``evict_weight``, 1: the displaced tokens once, at the
+  same rate, times how full that cache is believed to be, :class:`CacheFill`), so a copy of a
+  prefix elsewhere is not free where the cache is full;
 - ``future_s``: for a new conversation (a session key, no pin), the prefill its replica's live
   conversations will queue with their next turns (``session_tokens`` each, the new part of a
   turn), which this conversation's next turns will wait behind;
 - ``move_s``: for a session whose pinned replica is a candidate, what leaving it must save before
   it is worth it (``hysteresis`` of staying's price, plus ``hysteresis_s``): staying is already
   cheap where the history is cached (its ``prefill_s`` is the new part of the turn only), and the
-  margin keeps a session from flapping between replicas whose prices are about equal.
+  margin keeps a session from flapping between replicas whose prices are about equal; for a
+  request without a session, on a replica holding less of its prompt than the best holder,
+  ``prefix_hysteresis`` of the holder's price times that replica's cache fill (a prefix copied
+  into a full cache splits its later requests and displaces others').
 
 So stickiness is the result of the price, not a scorer with a floor, and spillover happens where
 waiting on the pinned replica (its queue, its KV wait) is predicted to cost more than recomputing
@@ -51,8 +58,9 @@ degrades to the prior; it never counts as free.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.engine_rates import BUILT_IN, EngineRates, prior_for
 from extproc.request.features import uncached_tokens
@@ -161,7 +169,12 @@ class PriceSettings:
     """
 
     output_tokens: int = 256
-    others_weight: float = 0.1
+    others_weight: float = 0.05
+    """The weight of the running batch's stall (``others``). At 0.1 a batch of 60 long-output
+    streams made a cold 7,000-token prefill cost six times its own time, and prompts queued on
+    the replica holding their prefix (shared-prefix TTFT p99 0.644 s against the default
+    profile's 0.560 s); at 0.05, 0.582 s; at 0.03 the overloaded shared-prefix row at 12,000
+    blocks lost its tail (p99 54 s against 33 s)."""
     session_tokens: int = 512
     turn_tokens: int = 512
     """The new part of a turn: what a session's pinned replica is assumed to lack at most while
@@ -172,12 +185,37 @@ class PriceSettings:
     (0) the price took the Mooncake trace's requests off the replicas holding their prefix
     for any shorter queue, 24% hit ratio against the default profile's 33%; with 1, 29%."""
     hysteresis: float = 0.25
+    prefix_hysteresis: float = 0.5
+    """For a request without a session: the share of its price on the replica holding most of its
+    prompt that another replica must save before the request copies the prefix there, times that
+    replica's :class:`CacheFill` (a copy into a cache with room displaces nothing). Without it the
+    price chased shorter queues off the holders of Mooncake's long prefixes (hit ratio 26% against
+    the default profile's 33%); with 0.5, 33.8% and TTFT p99 5.42 s against 5.98 s."""
     hysteresis_s: float = 0.01
+    decode_s_per_kv_token: float = 6e-8
+    """What each token of running context adds to a step (its KV read): ``llama-8b-h100``'s 128 KiB
+    a token at ~2.2 TB/s. A step of 60 running requests at 8k tokens of context reads ~30 ms of KV,
+    three times its fixed cost, and the prompt's prefill chunks wait through every such step."""
+    chunk_tokens: int = 2048
+    """The tokens one engine step computes (vLLM's ``--max-num-batched-tokens``): a prompt's prefill
+    takes its tokens over this less the running batch, in steps that each pay that batch's decode
+    step too. 0: prefill at the rate alone."""
     learned_within: float = 4.0
     """A learned rate more than this factor off its prior is taken for a fit's artefact."""
 
     def __post_init__(self) -> None:
-        if min(self.others_weight, self.hysteresis, self.hysteresis_s, self.evict_weight) < 0 or self.output_tokens < 1:
+        if (
+            min(
+                self.others_weight,
+                self.hysteresis,
+                self.prefix_hysteresis,
+                self.hysteresis_s,
+                self.evict_weight,
+                self.decode_s_per_kv_token,
+            )
+            < 0
+            or self.output_tokens < 1
+        ):
             raise ValueError("weights and margins must not be negative, output_tokens at least 1")
         if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
             raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
@@ -231,13 +269,49 @@ class PriceSettings:
         return Rates(prefill, decode, per_seq, "learned" if took else prior.source, overhead)
 
 
+class CacheFill:
+    """How full each replica's prefix cache is believed to be: the uncached tokens this gateway's
+    decisions wrote there, over the cache's size (a cache is full once as many tokens as it holds
+    were written into it, and stays full: vLLM frees a block only to reuse it). A replica of
+    unknown size counts as full, which prices displacement as before this ledger existed.
+
+    Displacing cached prefixes costs only where the cache is full: on a fleet whose caches still
+    have room, a copy of a prefix on another replica evicts nothing (the hot-prefix table's
+    caches never fill: there the displaced part cost TTFT p99 0.048 -> 0.078 s for nothing)."""
+
+    __slots__ = ("_written",)
+
+    def __init__(self) -> None:
+        self._written: dict[str, float] = {}
+
+    def fill(self, state: ReplicaState) -> float:
+        """The share of ``state``'s cache believed full, in [0, 1]."""
+        capacity = state.kv_capacity_tokens
+        if capacity <= 0:
+            return 1.0
+        return min(1.0, self._written.get(state.name, 0.0) / capacity)
+
+    def wrote(self, replica: str, tokens: int) -> None:
+        """A decision sent ``tokens`` uncached tokens to ``replica``."""
+        self._written[replica] = self._written.get(replica, 0.0) + max(0, tokens)
+
+    def forget(self, replica: str) -> None:
+        """``replica``'s cache was reset (or the replica replaced): nothing written there holds."""
+        self._written.pop(replica, None)
+
+
 def _batch(state: ReplicaState) -> int:
     """Requests running or waiting there: the router's count in flight, or the scrape's if more."""
     return max(state.inflight, state.running + state.queue)
 
 
 def _price(
-    cycle: CycleState, state: ReplicaState, settings: PriceSettings, block_chars: int, new_conversation: bool
+    cycle: CycleState,
+    state: ReplicaState,
+    settings: PriceSettings,
+    block_chars: int,
+    new_conversation: bool,
+    fill: CacheFill | None,
 ) -> Price:
     features = cycle.features
     rates = settings.rates(cycle, state)
@@ -248,26 +322,35 @@ def _price(
         # The pin's conversation is there until the replica itself says it is gone: an index that
         # forgot it is no evidence (``AffinityView.pin_lost``), so it lacks at most the turn's new part.
         uncached = min(uncached, settings.turn_tokens)
-    prefill = uncached / rate
-    queue = max(0, state.pending_prefill_tokens) / rate
     batch = _batch(state)
+    queued = max(0, state.pending_prefill_tokens)
+    # A busy replica prefills in chunks beside its running batch's decode: every chunk's step also
+    # pays that batch's decode step, so a prompt's first token comes later where more decode.
+    capacity = state.kv_capacity_tokens
+    # KV referenced by running requests: the fresher of the scrape and what we sent since. Every
+    # step reads it (attention over the running requests' context), prefill steps too.
+    used = max(float(state.inflight_tokens), min(1.0, max(0.0, state.kv_usage)) * capacity)
+    step = rates.decode_step_s(batch + 1) + settings.decode_s_per_kv_token * used
+    prefill = uncached / rate
+    queue = queued / rate
+    if settings.chunk_tokens:
+        chunk = max(1, settings.chunk_tokens - batch)
+        own_steps = max(1, math.ceil(uncached / chunk))
+        prefill += own_steps * step
+        queue += (max(1, math.ceil((queued + uncached) / chunk)) - own_steps) * step
     output = features.max_output_tokens if features.max_output_tokens and features.max_output_tokens > 0 else None
     output_tokens = output or settings.output_tokens
-    step = rates.decode_step_s(batch + 1)
     kv_wait = 0.0
-    capacity = state.kv_capacity_tokens
     if capacity > 0:
-        # KV referenced by running requests: the fresher of the scrape and what we sent since.
-        used = max(float(state.inflight_tokens), min(1.0, max(0.0, state.kv_usage)) * capacity)
         short = used + uncached - capacity
         if short > 0.0 and used > 0.0:
             # Running requests free their KV as they finish, about evenly over one request's decode.
             kv_wait = min(1.0, short / used) * output_tokens * step
-    others = settings.others_weight * batch * (prefill + output_tokens * rates.decode_s_per_seq)
+    others = settings.others_weight * batch * (uncached / rate + output_tokens * rates.decode_s_per_seq)
     # The blocks it adds there displace cached prefixes (a cache is full of them once warm),
     # some of which later requests would have hit: a copy of a prefix elsewhere costs its
     # recompute now and the locality it takes from the prefix's next requests.
-    others += settings.evict_weight * prefill
+    others += settings.evict_weight * uncached / rate * (fill.fill(state) if fill is not None else 1.0)
     future = 0.0
     if new_conversation and settings.session_tokens:
         future = state.live_sessions * settings.session_tokens / rate
@@ -275,7 +358,11 @@ def _price(
 
 
 def prices(
-    cycle: CycleState, candidates: Sequence[ReplicaState], settings: PriceSettings, block_chars: int
+    cycle: CycleState,
+    candidates: Sequence[ReplicaState],
+    settings: PriceSettings,
+    block_chars: int,
+    fill: CacheFill | None = None,
 ) -> dict[str, Price]:
     """Each candidate's price for this request, computed once per decision (kept on the cycle
     state). A session's pinned replica, if a candidate, is priced as it is; every other candidate
@@ -284,7 +371,7 @@ def prices(
         return cycle.prices
     pinned = cycle.view.pinned
     new_conversation = bool(cycle.features.session_key) and pinned is None
-    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation) for c in candidates}
+    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
     if stay is not None:
         margin = settings.hysteresis * stay.total_s + settings.hysteresis_s
@@ -292,6 +379,20 @@ def prices(
             if name != pinned:
                 out[name] = Price(
                     p.prefill_s, p.queue_s, p.kv_wait_s, p.others_s, p.future_s, margin, p.uncached_tokens, p.rates
+                )
+    elif settings.prefix_hysteresis and out:
+        # No session: the replica holding most of the prompt is where its prefix lives. A copy
+        # elsewhere splits the prefix's later requests and, in a full cache, displaces others':
+        # a request leaves the holder only for a clear saving, and only where the copy displaces.
+        holder = min(out, key=lambda n: (out[n].uncached_tokens, out[n].total_s))
+        stay = out[holder]
+        margin = settings.prefix_hysteresis * stay.total_s + settings.hysteresis_s
+        by_name = {c.name: c for c in candidates}
+        for name, p in out.items():
+            if p.uncached_tokens > stay.uncached_tokens:
+                m = margin * (fill.fill(by_name[name]) if fill is not None else 1.0)
+                out[name] = Price(
+                    p.prefill_s, p.queue_s, p.kv_wait_s, p.others_s, p.future_s, m, p.uncached_tokens, p.rates
                 )
     cycle.prices = out
     return out
@@ -306,14 +407,21 @@ class PricePicker(PriceSettings):
 
     seconds_per_point: float = 0.001
     name: str = "price"
+    fill: CacheFill = field(default_factory=CacheFill, init=False, repr=False, compare=False)
+    """What this picker's choices wrote into each replica's cache (:class:`CacheFill`)."""
 
     def pick(
         self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
     ) -> list[ReplicaState]:
-        """Candidates, cheapest first."""
-        priced = prices(cycle, candidates, self, cycle.block_chars)
+        """Candidates, cheapest first; the first is taken to be where the request goes."""
+        priced = prices(cycle, candidates, self, cycle.block_chars, self.fill)
         per_point = self.seconds_per_point
-        return sorted(candidates, key=lambda c: (priced[c.name].total_s - per_point * totals.get(c.name, 0.0), c.name))
+        ordered = sorted(
+            candidates, key=lambda c: (priced[c.name].total_s - per_point * totals.get(c.name, 0.0), c.name)
+        )
+        if ordered:
+            self.fill.wrote(ordered[0].name, priced[ordered[0].name].uncached_tokens)
+        return ordered
 
 
 @dataclass(slots=True)

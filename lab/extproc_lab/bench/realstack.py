@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
@@ -50,6 +53,10 @@ from extproc_lab.stats import percentile
 
 OURS = "extproc"
 OURS_ESTIMATE = "extproc_estimate"
+OURS_PRICE = "extproc_price"
+"""Ours with the price profile (benchmarks/routing/price.yaml), on request (``--routers``): a
+profile measured against the default on the same fresh engines in the same run."""
+PRICE_PROFILE_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "routing" / "price.yaml"
 ROUND_ROBIN = "envoy_round_robin"
 ROUTERS = (OURS, ROUND_ROBIN, *PEER_ROUTERS)
 # On real engines: ours also without KV events.
@@ -95,7 +102,7 @@ class RealStackSetup:
 
     def known_routers(self) -> tuple[str, ...]:
         """The routers this engine kind can be benchmarked with."""
-        return VLLM_ROUTERS if self.engine == "vllm" else ROUTERS
+        return (*VLLM_ROUTERS, OURS_PRICE) if self.engine == "vllm" else (*ROUTERS, OURS_PRICE)
 
     def engine_settings(self) -> EngineSettings:
         """How the real engines are started (``engine="vllm"``)."""
@@ -336,22 +343,36 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
     }
 
 
+def _price_args(setup: RealStackSetup) -> tuple[str, ...]:
+    """A config of the price profile for ``extproc_price`` (with the engines' block size, which the
+    gateway's own engine config carries and a second ``--config`` replaces)."""
+    raw = yaml.safe_load(PRICE_PROFILE_FILE.read_text())
+    config: dict[str, Any] = {"profile": raw.get("profile", raw)}
+    if setup.engine == "vllm":
+        config["kv_events"] = {"block_size": setup.block_size}
+    fd, path = tempfile.mkstemp(prefix="extproc-price-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(config, f)
+    return ("--config", path)
+
+
 def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
     log_dir = None
     if setup.log_dir is not None:
         log_dir = setup.log_dir / name
         log_dir.mkdir(parents=True, exist_ok=True)
+    processor_args = setup.processor_args + (_price_args(setup) if name == OURS_PRICE else ())
     if setup.engine == "vllm":
         return LocalGateway(
             replicas=setup.replicas,
-            processor_args=setup.processor_args,
+            processor_args=processor_args,
             engine="vllm",
             engine_settings=setup.engine_settings(),
             kv_events=name != OURS_ESTIMATE,
             log_dir=log_dir,
         )
     blocks = ("--kv-blocks", str(setup.kv_blocks)) if setup.kv_blocks else ()
-    gw = LocalGateway(replicas=setup.replicas, profile=PROFILE, processor_args=setup.processor_args, log_dir=log_dir)
+    gw = LocalGateway(replicas=setup.replicas, profile=PROFILE, processor_args=processor_args, log_dir=log_dir)
     gw.replica_args = {r.name: blocks for r in gw.members}
     return gw
 
@@ -361,12 +382,12 @@ def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:
     gw.start_replicas()
     if name in PEER_ROUTERS:
         return start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
-    if name in (OURS, OURS_ESTIMATE):
+    if name in (OURS, OURS_ESTIMATE, OURS_PRICE):
         # After the replicas answer, so its first scrapes find them up, as a peer's first requests do.
         gw.start_processor()
     # Envoy's round-robin listener needs no processor; ours goes through the processor started above.
     gw.start_envoy()
-    url = gw.url if name in (OURS, OURS_ESTIMATE) else gw.round_robin_url
+    url = gw.url if name in (OURS, OURS_ESTIMATE, OURS_PRICE) else gw.round_robin_url
     wait_serving(url)
     return url
 
@@ -383,7 +404,7 @@ def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]
         time.sleep(0.2)
         after = asyncio.run(read_counters(gw))
         row = figures(setup, run, before, after)
-        if name in (OURS, OURS_ESTIMATE):
+        if name in (OURS, OURS_ESTIMATE, OURS_PRICE):
             # Cumulative since the processor started (the one warm-up request included).
             row["processor"] = asyncio.run(read_decisions(gw.metrics_url))
         return row
@@ -448,7 +469,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
         return ["our router did not run"]
     lines = []
     for name, r in routers.items():
-        if name in (result["ours"], OURS_ESTIMATE) or "error" in r:
+        if name in (result["ours"], OURS_ESTIMATE, OURS_PRICE) or "error" in r:
             continue
         p99 = "met" if ours["ttft_p99_s"] <= r["ttft_p99_s"] else "MISSED"
         hit = "met" if ours["hit_ratio"] >= r["hit_ratio"] - HIT_RATIO_SLACK else "MISSED"
@@ -462,7 +483,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_table(result: dict[str, Any], order: Sequence[str] = VLLM_ROUTERS) -> str:
+def format_table(result: dict[str, Any], order: Sequence[str] = (OURS, OURS_PRICE, *VLLM_ROUTERS[1:])) -> str:
     """Markdown, one row a router; requests per replica in replica order (replica-0 first)."""
     lines = [
         "| router | hit ratio | TTFT p50 | TTFT p99 | requests per replica | replicas used | answered | wall |",

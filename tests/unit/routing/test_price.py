@@ -10,7 +10,7 @@ from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide
-from extproc.routing.price import DEFAULT_RATES, PriceSettings, fit_rates
+from extproc.routing.price import DEFAULT_RATES, CacheFill, PriceSettings, fit_rates
 from extproc.routing.registry import PRICE_PROFILE, ProfileError, build_profile
 from extproc.routing.trace import DecisionTrace
 
@@ -60,7 +60,10 @@ def test_staying_is_cheap_where_the_history_is_cached() -> None:
     assert (name, reason, moved_by) == ("a", Reason.STICKY, "")
     a, b = trace.prices["a"], trace.prices["b"]
     assert a.uncached_tokens == 160 and b.uncached_tokens == 4000
-    assert a.prefill_s == pytest.approx(160 / RATE) and a.queue_s == pytest.approx(2000 / RATE)
+    # Each 2,048-token chunk (less the batch's two decode tokens) also waits for a decode step
+    # of the batch: one step for its own 160 tokens, one more for the 2,000 queued before them.
+    step = DEFAULT_RATES.decode_step_s(3)
+    assert a.prefill_s == pytest.approx(160 / RATE + step) and a.queue_s == pytest.approx(2000 / RATE + step)
     assert b.move_s > 0 and a.move_s == 0
     assert a.total_s < b.total_s
 
@@ -131,7 +134,8 @@ def test_learned_rates_and_pool_priors() -> None:
     view = AffinityView(prefix_matches={})
     learned = LatencyView(rates={"a": LearnedRates(prefill_tokens_per_s=RATE / 2)})
     p = run([state("a")], view, latency=learned)[4].prices["a"]
-    assert p.rates.source == "learned" and p.prefill_s == pytest.approx(4000 / (RATE / 2))
+    steps = 2 * DEFAULT_RATES.decode_step_s(1)  # 4,000 tokens in two chunks of 2,048
+    assert p.rates.source == "learned" and p.prefill_s == pytest.approx(4000 / (RATE / 2) + steps)
     # A warm fit's prefill term (seconds per thousand uncached tokens) is the rate's inverse.
     fit = LatencyFit(ttft=(0.01, 0.08, 0, 0, 0, 0, 0), tpot=(0.012, 0.016, 0, 0), ttft_warm=True, tpot_warm=True)
     assert fit_rates(fit) == LearnedRates(12_500.0, 0.012, 0.001)
@@ -141,8 +145,9 @@ def test_learned_rates_and_pool_priors() -> None:
     replicas = [state("a", labels={"gpu": "a100"}), state("h", labels={"gpu": "h100"})]
     name, _, _, _, trace = run(replicas, view, request(session=None), latency=LatencyView(priors=(a100,)))
     assert name == "h" and trace.prices["a"].rates.source == "pool:gpu=a100"
-    assert trace.prices["a"].prefill_s == pytest.approx(4000 / 6500.0)
     assert trace.prices["a"].rates.decode_s_per_token == 0.016
+    a100_steps = 2 * trace.prices["a"].rates.decode_step_s(1)  # the pool's own decode step
+    assert trace.prices["a"].prefill_s == pytest.approx(4000 / 6500.0 + a100_steps)
     assert trace.prices["h"].rates == DEFAULT_RATES
 
 
@@ -187,4 +192,57 @@ def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
     name, _, _, _, trace = run(replicas, view, request(session=None))
     assert name == "a" and trace.prices["b"].others_s == pytest.approx(4000 / RATE)
     # Counting this request's own wait alone, the idle replica wins.
-    assert run(replicas, view, request(session=None), parameters={"evict_weight": 0.0})[0] == "b"
+    alone: dict[str, object] = {"evict_weight": 0.0, "prefix_hysteresis": 0.0}
+    assert run(replicas, view, request(session=None), parameters=alone)[0] == "b"
+
+
+def test_a_copy_into_a_cache_with_room_displaces_nothing() -> None:
+    # The same choice, but b's cache (64k tokens) is known and nothing was written there yet: the
+    # copy displaces nothing and leaving the holder needs no margin, so the idle replica wins.
+    replicas = [state("a", pending_prefill_tokens=5000), state("b", kv_capacity_tokens=64_000)]
+    view = AffinityView(prefix_matches={"a": 250})
+    name, _, _, _, trace = run(replicas, view, request(session=None))
+    assert name == "b" and trace.prices["b"].move_s == 0.0
+    assert trace.prices["b"].others_s < 4000 / RATE
+
+
+def test_cache_fill_is_what_was_written_over_the_cache() -> None:
+    fill = CacheFill()
+    a = state("a", kv_capacity_tokens=10_000)
+    assert fill.fill(a) == 0.0 and fill.fill(state("b")) == 1.0  # unknown size: taken as full
+    fill.wrote("a", 4000)
+    assert fill.fill(a) == pytest.approx(0.4)
+    fill.wrote("a", 8000)
+    assert fill.fill(a) == 1.0
+    fill.forget("a")
+    assert fill.fill(a) == 0.0
+
+
+def test_a_request_leaves_its_prefix_holder_only_for_a_clear_saving() -> None:
+    # No session, b idle and cold, a holding the prompt behind a queue just over b's cold prefill
+    # and displacement: the greedy price would move; the prefix margin keeps it on the holder.
+    replicas = [state("a", pending_prefill_tokens=8200), state("b")]
+    view = AffinityView(prefix_matches={"a": 250})
+    name, _, _, _, trace = run(replicas, view, request(session=None))
+    assert name == "a" and trace.prices["b"].move_s > 0.0
+    assert run(replicas, view, request(session=None), parameters={"prefix_hysteresis": 0.0})[0] == "b"
+
+
+def test_the_real_stack_bench_runs_the_price_profile_as_a_user_would_configure_it() -> None:
+    # `bench realstack --routers extproc_price`: our processor with benchmarks/routing/price.yaml
+    # and the engines' block size, a config the processor loads and builds a price picker from.
+    import os
+    from pathlib import Path
+
+    from extproc.config import load_config
+    from extproc_lab.bench.realstack import OURS_PRICE, RealStackSetup, _price_args
+
+    setup = RealStackSetup(engine="vllm", routers=(OURS_PRICE,), kv_blocks=128)
+    setup.check()
+    flag, path = _price_args(setup)
+    try:
+        config = load_config(path)
+        assert flag == "--config" and config.kv_events.block_size == 32
+        assert build_profile(config.profile).picker.name == "price"
+    finally:
+        os.unlink(Path(path))
