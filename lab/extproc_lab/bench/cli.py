@@ -171,6 +171,12 @@ def _add_realstack_parser(kinds: Any) -> None:
         "--run-timeout", type=float, default=d["run_timeout_s"].default, help="seconds a router's run may take"
     )
     p.add_argument("--processor-arg", action="append", default=[], help="an extra `extproc serve` argument")
+    p.add_argument(
+        "--price-config",
+        metavar="FILE",
+        help="YAML keys added to extproc_price's config, e.g. health.engine_rates (the engines' calibrated prior: "
+        "benchmarks/routing/cpu-small-rates.yaml)",
+    )
     p.add_argument("--log-dir", help="keep every process's log here, a folder per router (default: discarded)")
     p.add_argument("--json", dest="json_path", help="write the figures here")
 
@@ -441,6 +447,7 @@ def run_realstack_command(args: argparse.Namespace) -> int:
         run_timeout_s=args.run_timeout,
         processor_args=tuple(args.processor_arg),
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        price_config=Path(args.price_config) if args.price_config else None,
     )
     try:
         result = run_realstack(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))

@@ -94,6 +94,9 @@ class RealStackSetup:
     processor_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     """Where each router's processes log (a folder per router), kept after the run."""
+    price_config: Path | None = None
+    """A YAML whose top-level keys are added to ``extproc_price``'s config (e.g. ``health``, with
+    the engines' calibrated ``engine_rates``: the price's prior is the built-in H100 one without)."""
     engine: str = "fake"
     # Real engines only: the model (extproc_lab.engines.build_model's sizes), block size, context.
     engine_model: str = "small"
@@ -350,6 +353,8 @@ def _price_args(setup: RealStackSetup) -> tuple[str, ...]:
     config: dict[str, Any] = {"profile": raw.get("profile", raw)}
     if setup.engine == "vllm":
         config["kv_events"] = {"block_size": setup.block_size}
+    if setup.price_config is not None:
+        config.update(yaml.safe_load(setup.price_config.read_text()) or {})
     fd, path = tempfile.mkstemp(prefix="extproc-price-", suffix=".yaml")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(config, f)
@@ -443,6 +448,7 @@ def describe(setup: RealStackSetup) -> dict[str, Any]:
     s = asdict(setup)
     s["peers_dir"] = str(setup.peers_dir)
     s["log_dir"] = str(setup.log_dir) if setup.log_dir is not None else None
+    s["price_config"] = yaml.safe_load(setup.price_config.read_text()) if setup.price_config is not None else None
     s["profile"] = PROFILE if setup.engine == "fake" else f"vllm-cpu llama-{setup.engine_model}"
     s["kv_tokens_per_replica"] = setup.kv_tokens_per_replica()
     s["peers"] = {

@@ -246,3 +246,26 @@ def test_the_real_stack_bench_runs_the_price_profile_as_a_user_would_configure_i
         assert build_profile(config.profile).picker.name == "price"
     finally:
         os.unlink(Path(path))
+
+
+def test_the_realstack_gives_the_price_the_calibrated_prior_on_request() -> None:
+    """``--price-config benchmarks/routing/cpu-small-rates.yaml``: extproc_price's config carries the
+    CPU engines' calibrated rates for every replica, the profile and block size kept."""
+    import os
+    from pathlib import Path
+
+    from extproc.config import load_config
+    from extproc_lab.bench.realstack import OURS_PRICE, PRICE_PROFILE_FILE, RealStackSetup, _price_args
+
+    rates_file = PRICE_PROFILE_FILE.parent / "cpu-small-rates.yaml"
+    setup = RealStackSetup(engine="vllm", routers=(OURS_PRICE,), kv_blocks=128, price_config=rates_file)
+    _, path = _price_args(setup)
+    try:
+        config = load_config(path)
+        assert config.kv_events.block_size == 32
+        assert build_profile(config.profile).picker.name == "price"
+        (prior,) = [r.pool() for r in config.health.engine_rates]
+        assert prior.labels == {} and prior.rates.prefill_tokens_per_s == 12794.7
+        assert prior.rates.overhead_s == 0.010642 and prior.rates.decode_step_s == 0.003983
+    finally:
+        os.unlink(Path(path))
