@@ -90,6 +90,11 @@ class Profiles:
         yield self.default
         yield from self.named.values()
 
+    def forget(self, replica: str) -> None:
+        """``replica`` left the fleet: every profile's picker drops what it kept about it."""
+        for profile in self:
+            profile.picker.forget(replica)
+
 
 def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value

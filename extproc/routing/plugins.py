@@ -92,6 +92,10 @@ class Picker(Protocol):
         """Candidates, best first."""
         ...
 
+    def forget(self, replica: str) -> None:
+        """``replica`` left the fleet: nothing the picker kept about it holds."""
+        ...
+
 
 # --- filters ------------------------------------------------------------------------------------
 
@@ -532,6 +536,9 @@ class RoundRobinPicker:
         self._turn += 1
         return ordered[start:] + ordered[:start]
 
+    def forget(self, replica: str) -> None:
+        """Nothing kept per replica."""
+
 
 @dataclass(slots=True)
 class MaxScorePicker:
@@ -544,3 +551,6 @@ class MaxScorePicker:
     ) -> list[ReplicaState]:
         """Order candidates best first."""
         return sorted(candidates, key=lambda c: (-totals.get(c.name, 0.0), c.work(256), c.name))
+
+    def forget(self, replica: str) -> None:
+        """Nothing kept per replica."""

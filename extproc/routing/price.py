@@ -423,6 +423,10 @@ class PricePicker(PriceSettings):
             self.fill.wrote(ordered[0].name, priced[ordered[0].name].uncached_tokens)
         return ordered
 
+    def forget(self, replica: str) -> None:
+        """``replica`` left the fleet: a replica of that name later starts with an empty cache."""
+        self.fill.forget(replica)
+
 
 @dataclass(slots=True)
 class PriceScorer(PriceSettings):

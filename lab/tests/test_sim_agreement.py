@@ -93,6 +93,9 @@ class ReplayPicker:
         target = self.served[cycle.features.request_id]
         return sorted(candidates, key=lambda c: c.name != target)
 
+    def forget(self, replica: str) -> None:
+        pass
+
 
 def simulated(wl: Workload, make_profile: Callable[[SimCacheProbe], Profile]) -> float:
     sim = Simulation(wl, PROFILES["demo"], 4, make_profile, config=Config())
