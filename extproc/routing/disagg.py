@@ -21,7 +21,7 @@ own prefix cache first), so ``Pair.transfer_blocks`` counts those.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.routing.model import ReplicaState
@@ -116,10 +116,15 @@ def choose_prefill(
     decode: ReplicaState,
     settings: PairSettings | None = None,
     scores: Mapping[str, float] | None = None,
+    ttft: Callable[[ReplicaState], float] | None = None,
 ) -> Pair:
     """Whether and where to prefill for ``decode``, a decode replica already chosen (by the
     pipeline's filters, scorers and picker among the decode-capable candidates): the module
-    docstring's steps. ``scores`` are carried into the pair."""
+    docstring's steps. ``scores`` are carried into the pair. Given ``ttft`` (the price's predicted
+    seconds to the first token on a replica), the prefill replica is the one it predicts soonest
+    and the hop is made only where that is sooner than on the decode replica itself, in place of
+    the token counts (:func:`prefill_cost`, :func:`local_cost`); ``threshold_tokens`` still
+    gates the hop (the price has no term for its round trip and transfer)."""
     settings = settings or PairSettings()
     held = min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(decode.name, 0)))
     new_tokens = inputs.prompt_tokens - held
@@ -134,9 +139,14 @@ def choose_prefill(
     prefillers = [s for s in inputs.candidates if s.role.prefills and s.name != decode.name]
     if not prefillers:
         return aggregated(PairReason.NO_PREFILLER)
-    prefill = min(prefillers, key=lambda s: (prefill_cost(s, inputs), s.name))
-    if settings.weigh_local and local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
-        return aggregated(PairReason.LOCAL)
+    if ttft is not None:
+        prefill = min(prefillers, key=lambda s: (ttft(s), s.name))
+        if settings.weigh_local and ttft(decode) <= ttft(prefill):
+            return aggregated(PairReason.LOCAL)
+    else:
+        prefill = min(prefillers, key=lambda s: (prefill_cost(s, inputs), s.name))
+        if settings.weigh_local and local_cost(decode, new_tokens, settings) <= prefill_cost(prefill, inputs):
+            return aggregated(PairReason.LOCAL)
     bt = settings.block_tokens
     transfer = max(0, inputs.prompt_tokens // bt - held // bt)
     return Pair(decode, prefill, PairReason.DISAGGREGATED, new_tokens, transfer, sticky, scores)

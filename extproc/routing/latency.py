@@ -147,12 +147,24 @@ def _uncached(features: RequestFeatures, matched_blocks: int, block_tokens: int)
 
 def predictions(cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, Prediction]:
     """Each candidate's prediction for this request, where its model is warm; computed once per
-    decision (kept on the cycle state)."""
+    decision (kept on the cycle state). Where the price picks (``cycle.price_ttft``), the TTFT is
+    the price's for every candidate."""
     if cycle.predicted is not None:
         return cycle.predicted
     out: dict[str, Prediction] = {}
     view = cycle.latency
-    if view is not None and view.fits:
+    if cycle.price_ttft is not None:
+        # The price profile: every candidate's TTFT is the price's (from its learnt rates or its
+        # pool's prior, so always known); its TPOT is still the fit's, where warm.
+        matches = cycle.view.prefix_matches
+        for c in candidates:
+            fit = view.fits.get(c.name) if view is not None else None
+            tpot = None
+            if view is not None and fit is not None and fit.tpot_warm:
+                point = LoadPoint.of(c, _uncached(cycle.features, matches.get(c.name, 0), view.block_tokens))
+                tpot = fit.tpot_s(point)
+            out[c.name] = Prediction(cycle.price_ttft(cycle, c), tpot)
+    elif view is not None and view.fits:
         matches = cycle.view.prefix_matches
         for c in candidates:
             fit = view.fits.get(c.name)

@@ -14,6 +14,7 @@ from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, best_headroom, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
+from extproc.routing.price import PricePicker, predicted_ttft_s
 from extproc.routing.ring import HashRing
 from extproc.routing.roles import PairReason, Role
 from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass
@@ -199,6 +200,9 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         latency=given.latency,
         block_chars=given.block_chars,
     )
+    picker = profile.picker
+    if isinstance(picker, PricePicker):
+        cycle.price_ttft = lambda c, state: predicted_ttft_s(c, state, picker)
     if given.hot:
         cycle.hot_key = given.prefix_key
         if cycle.hot_key is not None:
@@ -270,7 +274,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         # The pin was a candidate and the price left it: waiting there cost more than moving.
         moved_by = PRICE_STEP
     hot_set = tuple(sorted(cycle.hot_set or ()))
-    pair = _pair(given, features, everyone, ordered[0]) if paired else None
+    pair = _pair(given, cycle, everyone, ordered[0]) if paired else None
     decision = _conclude(
         features, view, profile, ordered, totals, key_source, cycle.overloaded, hot_set, moved_by, pair
     )
@@ -291,15 +295,17 @@ def _offered(candidates: list[ReplicaState], subset: frozenset[str], trace: Deci
     return kept
 
 
-def _pair(
-    given: DecisionInputs, features: RequestFeatures, candidates: Sequence[ReplicaState], decode: ReplicaState
-) -> Pair:
+def _pair(given: DecisionInputs, cycle: CycleState, candidates: Sequence[ReplicaState], decode: ReplicaState) -> Pair:
     """The prefill hop for ``decode``, if one repays itself (:func:`choose_prefill`): what each
-    candidate holds of the prompt is its matched blocks in tokens, as the bookkeeping counts it."""
+    candidate holds of the prompt is its matched blocks in tokens, as the bookkeeping counts it.
+    Where the price picks, the hop is weighed by its predicted time to first token."""
+    features = cycle.features
     prompt = features.estimated_prompt_tokens
     matches = given.view.prefix_matches
     cached = {c.name: prompt - uncached_tokens(features, matches.get(c.name, 0), given.block_chars) for c in candidates}
-    return choose_prefill(PairInputs(candidates, prompt, cached, given.view.pinned), decode, given.pairing)
+    price_ttft = cycle.price_ttft
+    ttft = (lambda state: price_ttft(cycle, state)) if price_ttft is not None else None
+    return choose_prefill(PairInputs(candidates, prompt, cached, given.view.pinned), decode, given.pairing, ttft=ttft)
 
 
 class Decider(Protocol):

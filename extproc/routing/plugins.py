@@ -9,7 +9,7 @@ the router.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,6 +55,10 @@ class CycleState:
     """The characters of a prefix block (what a match is worth in tokens without a tokenizer)."""
     prices: dict[str, Price] | None = None
     """Candidates' prices for this request (:mod:`extproc.routing.price`), once computed."""
+    price_ttft: Callable[[CycleState, ReplicaState], float] | None = None
+    """The price's predicted time to first token of this request on a replica, where the profile's
+    picker is the price: the latency objectives and the prefill hop judge by it then (one
+    prediction for every choice), not by their own estimates."""
 
 
 class Filter(Protocol):

@@ -398,6 +398,12 @@ def prices(
     return out
 
 
+def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings) -> float:
+    """The price's time to first token of the request on ``state`` (:attr:`Price.ttft_s`): its
+    parts depend on that candidate alone, so it is the same whatever else is a candidate."""
+    return _price(cycle, state, settings, cycle.block_chars, False, None).ttft_s
+
+
 @dataclass(slots=True)
 class PricePicker(PriceSettings):
     """Orders the candidates by their price, cheapest first (:func:`prices`). The profile's
