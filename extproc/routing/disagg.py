@@ -116,15 +116,16 @@ def choose_prefill(
     decode: ReplicaState,
     settings: PairSettings | None = None,
     scores: Mapping[str, float] | None = None,
-    ttft: Callable[[ReplicaState], float] | None = None,
+    cost: Callable[[ReplicaState], float] | None = None,
 ) -> Pair:
     """Whether and where to prefill for ``decode``, a decode replica already chosen (by the
     pipeline's filters, scorers and picker among the decode-capable candidates): the module
-    docstring's steps. ``scores`` are carried into the pair. Given ``ttft`` (the price's predicted
-    seconds to the first token on a replica), the prefill replica is the one it predicts soonest
-    and the hop is made only where that is sooner than on the decode replica itself, in place of
-    the token counts (:func:`prefill_cost`, :func:`local_cost`); ``threshold_tokens`` still
-    gates the hop (the price has no term for its round trip and transfer)."""
+    docstring's steps. ``scores`` are carried into the pair. Given ``cost`` (the price's seconds
+    of prefilling the request on a replica: its time to first token there and the stall of the
+    batch there), the prefill replica is the cheapest and the hop is made only where it is
+    cheaper than the decode replica itself, in place of the token counts (:func:`prefill_cost`,
+    :func:`local_cost`); ``threshold_tokens`` still gates the hop (the price has no term for its
+    round trip and transfer)."""
     settings = settings or PairSettings()
     held = min(inputs.prompt_tokens, max(0, inputs.cached_tokens.get(decode.name, 0)))
     new_tokens = inputs.prompt_tokens - held
@@ -139,9 +140,9 @@ def choose_prefill(
     prefillers = [s for s in inputs.candidates if s.role.prefills and s.name != decode.name]
     if not prefillers:
         return aggregated(PairReason.NO_PREFILLER)
-    if ttft is not None:
-        prefill = min(prefillers, key=lambda s: (ttft(s), s.name))
-        if settings.weigh_local and ttft(decode) <= ttft(prefill):
+    if cost is not None:
+        prefill = min(prefillers, key=lambda s: (cost(s), s.name))
+        if settings.weigh_local and cost(decode) <= cost(prefill):
             return aggregated(PairReason.LOCAL)
     else:
         prefill = min(prefillers, key=lambda s: (prefill_cost(s, inputs), s.name))

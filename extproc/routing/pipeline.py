@@ -14,7 +14,7 @@ from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, best_headroom, predictions
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
-from extproc.routing.price import PricePicker, predicted_ttft_s
+from extproc.routing.price import PricePicker, predicted_ttft_s, prefill_here_s
 from extproc.routing.ring import HashRing
 from extproc.routing.roles import PairReason, Role
 from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass
@@ -298,14 +298,21 @@ def _offered(candidates: list[ReplicaState], subset: frozenset[str], trace: Deci
 def _pair(given: DecisionInputs, cycle: CycleState, candidates: Sequence[ReplicaState], decode: ReplicaState) -> Pair:
     """The prefill hop for ``decode``, if one repays itself (:func:`choose_prefill`): what each
     candidate holds of the prompt is its matched blocks in tokens, as the bookkeeping counts it.
-    Where the price picks, the hop is weighed by its predicted time to first token."""
+    Where the price picks, the hop is weighed in its seconds (:func:`prefill_here_s`)."""
     features = cycle.features
     prompt = features.estimated_prompt_tokens
     matches = given.view.prefix_matches
     cached = {c.name: prompt - uncached_tokens(features, matches.get(c.name, 0), given.block_chars) for c in candidates}
-    price_ttft = cycle.price_ttft
-    ttft = (lambda state: price_ttft(cycle, state)) if price_ttft is not None else None
-    return choose_prefill(PairInputs(candidates, prompt, cached, given.view.pinned), decode, given.pairing, ttft=ttft)
+    picker = given.profile.picker
+    inputs = PairInputs(candidates, prompt, cached, given.view.pinned)
+    if not isinstance(picker, PricePicker):
+        return choose_prefill(inputs, decode, given.pairing)
+    price = picker
+
+    def cost(state: ReplicaState) -> float:
+        return prefill_here_s(cycle, state, price, price.fill)
+
+    return choose_prefill(inputs, decode, given.pairing, cost=cost)
 
 
 class Decider(Protocol):

@@ -404,6 +404,13 @@ def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSett
     return _price(cycle, state, settings, cycle.block_chars, False, None).ttft_s
 
 
+def prefill_here_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings, fill: CacheFill | None) -> float:
+    """What prefilling the request on ``state`` costs: its time to first token there and what it
+    costs the requests already there (``others``: the stall of the batch it decodes)."""
+    p = _price(cycle, state, settings, cycle.block_chars, False, fill)
+    return p.ttft_s + p.others_s
+
+
 @dataclass(slots=True)
 class PricePicker(PriceSettings):
     """Orders the candidates by their price, cheapest first (:func:`prices`). The profile's

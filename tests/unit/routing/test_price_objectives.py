@@ -1,5 +1,6 @@
-"""With the price profile, the latency objectives and the prefill hop judge by the price's
-predicted time to first token (one prediction for every choice), not by their own estimates."""
+"""With the price profile, the latency objectives judge by the price's predicted time to first
+token and the prefill hop by the price's seconds (one prediction for every choice), not by
+their own estimates."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def test_with_the_price_the_objectives_judge_without_any_warm_fit() -> None:
     assert d.objective_headroom is None
 
 
-def test_with_the_price_the_prefill_hop_goes_where_the_first_token_comes_soonest() -> None:
+def test_with_the_price_the_prefill_hop_goes_where_the_price_is_least() -> None:
     # p1 has the fewer tokens queued, but 600 running requests: the price has the prompt prefill
     # there in chunks of what those leave of a step, each step paying their decode. p2 has more
     # queued and nothing running. The token count picks p1; the price p2. The decode replica has
@@ -108,11 +109,11 @@ def test_with_the_price_the_prefill_hop_goes_where_the_first_token_comes_soonest
     assert d.pair is PairReason.DISAGGREGATED and d.prefill is not None and d.prefill.name == "p2"
 
 
-def test_with_the_price_the_decode_replica_prefills_itself_when_that_is_sooner() -> None:
+def test_with_the_price_the_decode_replica_prefills_itself_when_that_is_cheaper() -> None:
     # The decode replica holds nothing and decodes 10 requests; the only prefill replica has 3,500
     # tokens queued. The token count weighs the stall of the decode batch (4,000 tokens x 2)
     # above the queue (3,500 + 4,000) and hops; the price: the queue delays the first token more
-    # than prefilling in chunks beside that batch's decode.
+    # than prefilling in chunks beside that batch's decode, the batch's stall (`others`) included.
     decode = state("d", {ROLE: "decode"}, running=10)
     p = state("p", {ROLE: "prefill"}, pending_prefill_tokens=3_500)
     d, _ = decided([decode, p], DEFAULT_PROFILE)
