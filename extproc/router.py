@@ -269,7 +269,8 @@ class Router:
         ticket = None
         held_by_queue = self.queue is not None and features.path in INFERENCE_PATHS  # /v1/models is never held
         if self.queue is not None and held_by_queue:
-            held = await self.queue.admit(features.request_class, features.tenant, features.pool)
+            demotion = features.hints.demotion
+            held = await self.queue.admit(features.request_class, features.tenant, features.pool, demotion=demotion)
             if isinstance(held, Refusal):
                 return self._refused_by_queue(features, held, arm, budget)
             ticket = held
@@ -284,7 +285,9 @@ class Router:
             # Every candidate is predicted to miss and the class queues: wait until one is predicted
             # to meet them (or the fleet is idle), then decide again and go wherever that says.
             ready = self.objective_ready(features, routed.objective_wait)
-            held = await self.queue.admit(features.request_class, features.tenant, features.pool, ready)
+            held = await self.queue.admit(
+                features.request_class, features.tenant, features.pool, ready, features.hints.demotion
+            )
             if isinstance(held, Refusal):
                 return self._refused_by_queue(features, held, arm, budget)
             start = self.clock()

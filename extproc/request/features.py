@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from extproc.request.agent_apis import RESPONSES_PATH, conversation_id, previous_response_id
+from extproc.request.agent_hints import NO_HINTS, AgentHints, read_hints
 from extproc.request.classes import ClassRule, classify
 from extproc.request.conversation import ConversationChain, conversation_chain, response_chain, response_link
 from extproc.request.objectives import Objectives, fill
@@ -32,6 +33,10 @@ class FeatureSettings:
 
     session_sources: tuple[SessionSource, ...] = (
         SessionSource("header", "x-session-id"),
+        # Agents' own session headers, as llm-d's agent-identity plugin reads them: Claude Code's
+        # and OpenCode's (an agent that names its session is kept on one replica without a key).
+        SessionSource("header", "x-claude-code-session-id"),
+        SessionSource("header", "x-session-affinity"),
         SessionSource("cookie", "session_id"),
         SessionSource("body", "metadata.session_id"),
         SessionSource("body", "user"),
@@ -88,6 +93,17 @@ class RequestFeatures:
     its conversation (then ``session_key`` is the conversation's, ``conversation.match`` how)."""
     response_id: str | None = None
     """For a Responses API request: the id its response will have (its ``request_id``)."""
+    hints: AgentHints = NO_HINTS
+    """What an agent framework said of it: priority, expected output, KV retention
+    (:mod:`extproc.request.agent_hints`)."""
+
+    @property
+    def expected_output_tokens(self) -> int | None:
+        """The output the decode is expected to make: the agent's estimate (Dynamo's ``osl``),
+        else the request's cap; None when neither is given."""
+        cap = self.max_output_tokens if self.max_output_tokens and self.max_output_tokens > 0 else None
+        hint = self.hints.expected_output_tokens
+        return min(hint, cap) if hint is not None and cap is not None else hint or cap
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -172,6 +188,7 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
             model=headers.get("x-model", "")[:256],
             slo_ttft_ms=objective_ms(headers, SLO_TTFT_HEADERS),
             slo_tpot_ms=objective_ms(headers, SLO_TPOT_HEADERS),
+            hints=read_hints(headers, None),
         )
         return ParsedRequest(_classified(features, headers, settings))
     bare = RequestFeatures(path=path, session_key=key, tenant=tenant, request_id=request_id)
@@ -223,6 +240,7 @@ def _from_body(
         slo_tpot_ms=objective_ms(headers, SLO_TPOT_HEADERS),
         conversation=chain,
         response_id=_response_id(bare.path, parsed.body),
+        hints=read_hints(headers, parsed.body),
     )
     return _classified(features, headers, settings)
 

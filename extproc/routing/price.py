@@ -270,8 +270,7 @@ def _price(
     prefill = uncached / rate
     queue = max(0, state.pending_prefill_tokens) / rate
     batch = _batch(state)
-    output = features.max_output_tokens if features.max_output_tokens and features.max_output_tokens > 0 else None
-    output_tokens = output or settings.output_tokens
+    output_tokens = features.expected_output_tokens or settings.output_tokens  # an agent's osl, else the cap
     step = rates.decode_step_s(batch + 1)
     kv_wait = 0.0
     capacity = state.kv_capacity_tokens
