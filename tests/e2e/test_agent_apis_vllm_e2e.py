@@ -153,7 +153,9 @@ def test_messages_follow_ups_are_predicted_as_the_engine_caches_them(
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"agent {agent}: find where caches are built"}]
         engines = []
         for turn in range(4):
+            # The tools are rendered; tool_choice none: the engine runs no tool parser (auto would be a 400).
             body = {"model": MODEL, "max_tokens": 6, "system": SYSTEM, "tools": tools, "messages": messages}
+            body["tool_choice"] = {"type": "none"}
             t = Turn(gw, admin, "/v1/messages", body, key=f"messages-agent-{agent}")
             charged += t.charged
             engines.append(t.engine)
