@@ -61,6 +61,9 @@ class ConversationChain:
     """The conversation's identity once resolved (:mod:`extproc.state.conversations`)."""
     match: Match | None = None
     """How it was resolved; None until then."""
+    stored: bool = False
+    """The engine keeps this conversation in its own memory (a Responses API turn naming
+    ``previous_response_id``): once continued, the turn goes to its pinned replica or fails there."""
     also: int | None = None
     """A second link remembered with ``end``: the id of the response a Responses API request makes
     (:func:`response_link`), for a later request naming it as ``previous_response_id`` to find."""
@@ -121,4 +124,4 @@ def response_chain(previous: str, response_id: str | None, tenant: str, seed: in
     go where the previous response was made."""
     turn = response_link(previous, tenant, seed)
     end = response_link(response_id, tenant, seed) if response_id else turn
-    return ConversationChain(end=end, turn=turn, messages=messages, turn_messages=messages)
+    return ConversationChain(end=end, turn=turn, messages=messages, turn_messages=messages, stored=True)
