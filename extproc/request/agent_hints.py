@@ -8,8 +8,8 @@ Read where the peers and the APIs already put them, nothing invented:
   router takes a positive value as a request that may wait behind its class (its queue priority
   lowered by that much), and never a negative one as more than its class allows: a client's
   priority buys no place its class does not give it. The header and fields pass to the engine
-  unchanged (vLLM applies them with ``--scheduling-policy priority`` and refuses a non-zero
-  priority without it, with or without the router).
+  unchanged: the engine reads them itself (its scheduler orders by them with
+  ``--scheduling-policy priority``), with or without the router.
 - expected output length: Dynamo's ``nvext.agent_hints.osl`` (tokens): the decode the price
   expects, in place of ``max_tokens`` (a cap, not an estimate) or the configured typical answer.
 - KV retention: Anthropic's ``cache_control`` on a Messages request's blocks (``ephemeral``, its
