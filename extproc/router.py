@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
+from extproc.request.agent_apis import RESPONSES_PATH, answer_messages
 from extproc.request.features import (
     CHARS_PER_TOKEN,
     SLO_TPOT_HEADERS,
@@ -58,10 +60,12 @@ from extproc.request.features import (
     ParsedRequest,
     RequestFeatures,
     read_request,
+    request_path,
     uncached_tokens,
     with_model,
+    with_response_id,
 )
-from extproc.request.openai_body import INFERENCE_PATHS, costs_tokens
+from extproc.request.openai_body import INFERENCE_PATHS, USAGE_ASKED_PATHS, costs_tokens
 from extproc.request.splits import Arm, choose_arm, encode_body
 from extproc.routing.latency import LatencyView, LearnedRates, LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
@@ -233,7 +237,11 @@ class Router:
         arm, changed, strip_usage = None, False, False
         if self.config.splits and request.body is not None:
             request, arm, changed = self._split(headers, request)
-        if (self.budgets is not None or timed) and request.body is not None:
+        if request.features.path == RESPONSES_PATH and request.body is not None:
+            request, named = self._name_response(headers, request)
+            changed = changed or named
+        asking = request.features.path in USAGE_ASKED_PATHS  # the agent APIs' streams always report
+        if (self.budgets is not None or timed) and request.body is not None and asking:
             asked = ask_for_usage(request.body.body)  # so that a stream reports what it used
             if asked is not None:
                 request = ParsedRequest(request.features, replace(request.body, body=asked))
@@ -264,7 +272,8 @@ class Router:
         ticket = None
         held_by_queue = self.queue is not None and features.path in INFERENCE_PATHS  # /v1/models is never held
         if self.queue is not None and held_by_queue:
-            held = await self.queue.admit(features.request_class, features.tenant, features.pool)
+            demotion = features.hints.demotion
+            held = await self.queue.admit(features.request_class, features.tenant, features.pool, demotion=demotion)
             if isinstance(held, Refusal):
                 return self._refused_by_queue(features, held, arm, budget)
             ticket = held
@@ -279,7 +288,9 @@ class Router:
             # Every candidate is predicted to miss and the class queues: wait until one is predicted
             # to meet them (or the fleet is idle), then decide again and go wherever that says.
             ready = self.objective_ready(features, routed.objective_wait)
-            held = await self.queue.admit(features.request_class, features.tenant, features.pool, ready)
+            held = await self.queue.admit(
+                features.request_class, features.tenant, features.pool, ready, features.hints.demotion
+            )
             if isinstance(held, Refusal):
                 return self._refused_by_queue(features, held, arm, budget)
             start = self.clock()
@@ -301,6 +312,30 @@ class Router:
         if features.session_key and sent and replica is not None:
             self.rebalancer.note(features.session_key, features.model, replica.name, features.path, sent, start)
         return routed
+
+    def keeps_answers(self, headers: Mapping[str, str]) -> bool:
+        """Whether a request's answer is read for what its engine stores of it: a Responses API
+        request where KV events are read (its next turn is hashed in the engine's key space)."""
+        return self.kv_events is not None and request_path(headers) == RESPONSES_PATH
+
+    def answered(self, routed: Routed, body: bytes) -> None:
+        """A Responses answer read whole: the conversation its engine stores under its id."""
+        response_id = routed.features.response_id
+        if self.kv_events is None or response_id is None:
+            return
+        answer = answer_messages(body)
+        if answer is not None:
+            self.kv_events.responses.answered(response_id, answer)
+
+    def _name_response(self, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, bool]:
+        """A Responses request that may be stored and names no ``request_id`` is given one (the id
+        vLLM gives its response): its next turn's ``previous_response_id`` then finds its replica,
+        the only one that holds the conversation. True when the body changed."""
+        assert request.body is not None
+        body = request.body.body
+        if "request_id" in body or body.get("store") is False:
+            return request, False
+        return with_response_id(request, f"resp_{uuid.uuid4().hex}", headers, self.config.features), True
 
     def _refused_by_queue(
         self, features: RequestFeatures, refusal: Refusal, arm: Arm | None, budget: BudgetAdmission | None

@@ -79,13 +79,18 @@ class FairQueue:
         self._wake.set()
 
     async def admit(
-        self, request_class: str, tenant: str, pool: Pool, ready: Callable[[], bool] | None = None
+        self,
+        request_class: str,
+        tenant: str,
+        pool: Pool,
+        ready: Callable[[], bool] | None = None,
+        demotion: int = 0,
     ) -> Refusal | Ticket | None:
         """Wait until the request may be routed. None: it went straight on; a :class:`Ticket`: it
         waited and was released (settle it once routed); a :class:`Refusal`: answer it with that.
         With ``ready`` it waits for its latency objectives (:meth:`Admission.admit`)."""
         ticket = Ticket(asyncio.get_running_loop().create_future())
-        waiter = self.admission.admit(request_class, tenant, pool, ticket, ready)
+        waiter = self.admission.admit(request_class, tenant, pool, ticket, ready, demotion)
         if waiter is None:
             return None
         if isinstance(waiter, Refusal):
