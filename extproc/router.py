@@ -59,10 +59,13 @@ from extproc.request.features import (
     RequestFeatures,
     read_request,
     uncached_tokens,
+    with_block_hashes,
+    with_chain,
     with_model,
 )
 from extproc.request.openai_body import INFERENCE_PATHS, costs_tokens
 from extproc.request.splits import Arm, choose_arm, encode_body
+from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, LearnedRates, LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Decider, DecisionInputs, Profile, Profiles, decide
@@ -169,7 +172,6 @@ class Router:
             self.store,
             clock,
             self.metrics,
-            self._index_hashes,
             prewarmer,
             session_ttl_s=config.sessions.ttl_s,
         )
@@ -224,7 +226,8 @@ class Router:
         that did not ask)."""
         start, started_ns = self.clock(), time.time_ns()
         arrived = start
-        request = read_request(headers, body, self.config.features)
+        # Hashed once the model served and the tokenizer's part are known: each hash once.
+        request = read_request(headers, body, self.config.features, hashed=False)
         if request.features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
         arm, changed, strip_usage = None, False, False
@@ -237,11 +240,11 @@ class Router:
                 changed = strip_usage = True
         # The body sent instead of the client's, serialized once whatever changed it.
         rewritten = encode_body(request.body.body) if changed and request.body is not None else None
+        request = with_chain(request, self.config.features)
         features = await self.conversations.identify(request.features, start)
         if features.conversation is not None and features.conversation.match is not None:
             self.metrics.conversations.labels(features.conversation.match).inc()
-        if self.kv_events is not None:
-            features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
+        features = await self._hashed(features, request)
         budget = None
         if self.budgets is not None and costs_tokens(features.path):
             if features.path not in INFERENCE_PATHS and self.config.budgets.other_paths == "refuse":
@@ -296,7 +299,8 @@ class Router:
             self.metrics.split_requests.labels(arm.rule, arm.label).inc()
         replica = routed.decision.replica
         if features.session_key and sent and replica is not None:
-            self.rebalancer.note(features.session_key, features.model, replica.name, features.path, sent, start)
+            hashes = features.prefix_hashes  # kept: a move indexes the session in this key space
+            self.rebalancer.note(features.session_key, features.model, replica.name, features.path, sent, start, hashes)
         return routed
 
     def _refused_by_queue(
@@ -334,9 +338,11 @@ class Router:
             stored = AffinityView()
         self.caches.refresh(start)
         given, cached = self.inputs(features, stored, start)
+        fp = None  # the prefix key's fingerprint, once a request, where hot keys are on
         if self.hot_keys is not None:
-            self.hot_keys.observe(given.prefix_key, features.prompt_chars // CHARS_PER_TOKEN, start)
-            given = replace(given, hot=self.hot_keys.table())
+            fp = fingerprint(given.prefix_key) if given.prefix_key is not None else None
+            self.hot_keys.observe_fingerprint(fp, features.prompt_chars // CHARS_PER_TOKEN, start)
+            given = replace(given, hot=self.hot_keys.table(), prefix_fingerprint=fp)
         decision = self.decide(given)
         if decision.reason is Reason.QUOTA:
             self.metrics.shed(features.request_class, "quota_exceeded")
@@ -364,7 +370,7 @@ class Router:
             decided(self.hooks, routed, start)
             if self.warmer is not None:
                 matches, total = given.view.prefix_matches, len(features.prefix_hashes)
-                self.warmer.widened(given.prefix_key, decision.hot_set, replica.name, matches, total)
+                self.warmer.widened(fp, decision.hot_set, replica.name, matches, total)
             try:
                 await self.store.record(
                     features.session_key,
@@ -383,7 +389,7 @@ class Router:
                 self.metrics.store_error("record")
                 log.debug("store record failed: %s", exc)
         if self.warmer is not None and body:
-            self.warmer.offer(given.prefix_key, features.path, body)
+            self.warmer.offer(fp, features.path, body)
         routed.decided_at = self.clock()
         self._report(features, decision, given.view, start, routed.decided_at)
         return routed
@@ -465,10 +471,9 @@ class Router:
         """The decision :meth:`route` would make for this request now, with its trace, and
         without side effects: nothing is pinned, counted, indexed or refreshed."""
         now = self.clock()
-        request = read_request(headers, body, self.config.features)
+        request = with_chain(read_request(headers, body, self.config.features, hashed=False), self.config.features)
         features = await self.conversations.identify(request.features, now, peek=True)
-        if self.kv_events is not None:  # the prompt's blocks as route() hashes them (a memo, no state)
-            features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
+        features = await self._hashed(features, request)  # as route() hashes them (a memo, no state)
         try:
             stored = await self.store.peek(features.session_key, features.prefix_hashes, now, model=features.model)
         except Exception as exc:  # as route(): without the store, the decision hashes
@@ -500,11 +505,19 @@ class Router:
             on_miss=on_miss,
         )
 
+    async def _hashed(self, features: RequestFeatures, request: ParsedRequest) -> RequestFeatures:
+        """``features`` with its prompt's block keys: the tokenizer's where one serves its model,
+        else character blocks (computed only then)."""
+        if self.kv_events is not None:
+            features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
+        return with_block_hashes(features, request.body, self.config.features)
+
     def offer_hot_body(self, features: RequestFeatures, body: bytes | Callable[[], bytes]) -> None:
         """Keep a request of a hot prefix (one per hot key) to warm joining replicas with; ``body``
         may be a function that builds it, called only when one is wanted (the simulator's)."""
         if self.warmer is not None:
-            self.warmer.offer(self.profiles.for_request(features).prefix_key(features), features.path, body)
+            key = self.profiles.for_request(features).prefix_key(features)
+            self.warmer.offer(fingerprint(key) if key is not None else None, features.path, body)
 
     def _split(self, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, Arm | None, bool]:
         """The request's split arm, and whether its body changed: rewritten to the arm's model,
@@ -519,7 +532,7 @@ class Router:
             return request, None, False
         changed = arm.target.model != features.model
         if changed:
-            request = with_model(request, arm.target.model, headers, self.config.features)
+            request = with_model(request, arm.target.model, headers, self.config.features, hashed=False)
         if arm.target.pool is not None:
             request = ParsedRequest(replace(request.features, pool=(("pool", arm.target.pool),)), request.body)
         return request, arm, changed
@@ -531,9 +544,6 @@ class Router:
     def _labels_of(self, name: str) -> Mapping[str, str] | None:
         record = self.replicas.record(name)
         return record.replica.labels if record is not None else None
-
-    def _index_hashes(self, path: str, body: bytes) -> tuple[int, ...]:
-        return read_request({":path": path}, body, self.config.features).features.prefix_hashes
 
     def _prewarm(self, name: str, path: str, body: bytes) -> bool:
         record = self.replicas.record(name)

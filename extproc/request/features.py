@@ -134,9 +134,13 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
     return read_request(headers, body, settings).features
 
 
-def read_request(headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings) -> ParsedRequest:
+def read_request(
+    headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings, *, hashed: bool = True
+) -> ParsedRequest:
     """The request's features and parsed body; a body that cannot be used leaves ``body_error``
-    set, never raises."""
+    set, never raises. Without ``hashed`` its prompt is not hashed yet (no block hashes, no
+    conversation chain): the router hashes it once it knows the model served (a split's arm) and
+    whether a tokenizer keys its blocks (:func:`with_chain`, :func:`with_block_hashes`)."""
     path = request_path(headers)
     tenant = resolve_tenant(headers, settings.tenant_header, settings.api_keys)
     request_id = headers.get("x-request-id", "")[:128]
@@ -170,30 +174,64 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
         )
         return ParsedRequest(_classified(features, headers, settings))
     bare = RequestFeatures(path=path, session_key=key, tenant=tenant, request_id=request_id)
-    return ParsedRequest(_from_body(bare, parsed, headers, settings), parsed)
+    return ParsedRequest(_from_body(bare, parsed, headers, settings, hashed), parsed)
 
 
 def with_model(
-    request: ParsedRequest, model: str, headers: Mapping[str, str], settings: FeatureSettings
+    request: ParsedRequest, model: str, headers: Mapping[str, str], settings: FeatureSettings, *, hashed: bool = True
 ) -> ParsedRequest:
     """``request`` as if its body named ``model`` (a split's arm): the prefix hashes are seeded
     with the model actually served. The body is not parsed again."""
     if request.body is None:
         return request
     body = replace(request.body, model=model, body={**request.body.body, "model": model})
-    return ParsedRequest(_from_body(request.features, body, headers, settings), body)
+    return ParsedRequest(_from_body(request.features, body, headers, settings, hashed), body)
+
+
+def with_chain(request: ParsedRequest, settings: FeatureSettings) -> ParsedRequest:
+    """A request read without ``hashed``, with its conversation chain (where it has one)."""
+    parsed, features = request.body, request.features
+    if parsed is None or features.conversation is not None:
+        return request
+    chain = _chain(features.session_key, parsed, settings, model_seed(parsed.model))
+    return request if chain is None else ParsedRequest(replace(features, conversation=chain), parsed)
+
+
+def with_block_hashes(
+    features: RequestFeatures, parsed: OpenAIRequest | None, settings: FeatureSettings
+) -> RequestFeatures:
+    """``features`` (of a request read without ``hashed``) with its prompt's character block
+    hashes, unless a tokenizer already keyed its blocks."""
+    if parsed is None or features.tokens_per_block or features.prefix_hashes:
+        return features
+    hashes = block_hashes(parsed.prompt, model_seed(parsed.model), settings.block_chars, settings.max_blocks)
+    return replace(features, prefix_hashes=hashes)
+
+
+def _chain(
+    session_key: str | None, parsed: OpenAIRequest, settings: FeatureSettings, seed: int
+) -> ConversationChain | None:
+    """The chat request's conversation chain: only for one without a session key."""
+    if session_key is None and settings.conversations:
+        messages = parsed.body.get("messages")
+        if isinstance(messages, list):
+            return conversation_chain(messages, parsed.body.get("tools"), seed)
+    return None
 
 
 def _from_body(
-    bare: RequestFeatures, parsed: OpenAIRequest, headers: Mapping[str, str], settings: FeatureSettings
+    bare: RequestFeatures,
+    parsed: OpenAIRequest,
+    headers: Mapping[str, str],
+    settings: FeatureSettings,
+    hashed: bool = True,
 ) -> RequestFeatures:
-    seed = model_seed(parsed.model)
-    hashes = block_hashes(parsed.prompt, seed, settings.block_chars, settings.max_blocks)
+    hashes: tuple[int, ...] = ()
     chain = None
-    if bare.session_key is None and settings.conversations:
-        messages = parsed.body.get("messages")
-        if isinstance(messages, list):
-            chain = conversation_chain(messages, parsed.body.get("tools"), seed)
+    if hashed:
+        seed = model_seed(parsed.model)
+        hashes = block_hashes(parsed.prompt, seed, settings.block_chars, settings.max_blocks)
+        chain = _chain(bare.session_key, parsed, settings, seed)
     features = RequestFeatures(
         path=bare.path,
         model=parsed.model,
