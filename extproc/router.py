@@ -14,7 +14,6 @@ It knows no gRPC. The ext_proc servicer hands it headers and body bytes and gets
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -78,6 +77,7 @@ from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
 from extproc.tracing import DecisionTracer
 from extproc.usage import Usage, ask_for_usage
+from extproc.world import REAL_WORLD, World
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
     from extproc.kvevents.cache_state import EventCacheState
@@ -123,7 +123,7 @@ class Router:
         self,
         config: Config,
         store: AffinityStore | None = None,
-        clock: Clock = time.monotonic,
+        clock: Clock | None = None,
         metrics: RouterMetrics | None = None,
         profile: Profile | None = None,
         *,
@@ -135,10 +135,14 @@ class Router:
         hot_keys: HotKeyDetector | None = None,
         tracer: DecisionTracer | None = None,
         budget_store: BudgetStore | None = None,
+        world: World | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer; the simulator's
-        peer routers their own ``decider``)."""
+        peer routers their own ``decider``). ``world`` is the only source of time and chance
+        (:mod:`extproc.world`); ``clock``, given, replaces its monotonic clock."""
+        self.world = world = (world or REAL_WORLD) if clock is None else (world or REAL_WORLD).with_clock(clock)
+        clock = world.monotonic
         self.config = config
         self.decide = decider
         self.tracer = tracer  # ``tracing:``: decision spans over OTLP
@@ -151,12 +155,13 @@ class Router:
         self.store: AffinityStore = store or MemoryStore(
             config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
-        self.conversations = Conversations(self.store)  # keyless chat requests' conversations
+        # Keyless chat requests' conversations, new ones named from the world's random source.
+        self.conversations = Conversations(self.store, lambda: world.random.getrandbits(64))
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
         self.meter: TokenMeter | None = None
         if config.budgets.enabled:
-            self.meter = TokenMeter(known_tenants(config), self.metrics, time.time())
+            self.meter = TokenMeter(known_tenants(config), self.metrics, world.wall())
         self.profiles = build_profiles(config, profile)
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
@@ -166,7 +171,7 @@ class Router:
         self.reuse = ReuseLedger(self._labels_of)  # where the hit ratio goes (extproc.cache.reuse)
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
-            self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics)
+            self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics, world=world)
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
@@ -174,6 +179,7 @@ class Router:
             self.metrics,
             prewarmer,
             session_ttl_s=config.sessions.ttl_s,
+            world=world,
         )
         self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
         # Hot prefixes (``hot_keys:``): sampled fingerprints; the decision is given the hot table.
@@ -224,7 +230,7 @@ class Router:
         ``timed``: its response body will be read for when its tokens came, so a stream is asked
         for the usage it reports (its output tokens; the chunk is taken out again for a client
         that did not ask)."""
-        start, started_ns = self.clock(), time.time_ns()
+        start, started_ns = self.clock(), int(self.world.wall() * 1e9)
         arrived = start
         # Hashed once the model served and the tokenizer's part are known: each hash once.
         request = read_request(headers, body, self.config.features, hashed=False)
@@ -254,7 +260,7 @@ class Router:
             key = self.budgets.key_digest(headers)
             # A body not parsed (over max_body_bytes, not JSON, another API's) reserves by its size.
             budget = await self.budgets.admit(
-                features.tenant, self._prompt_charge(features), time.time(), key_digest=key, model=features.model
+                features.tenant, self._prompt_charge(features), self.world.wall(), key_digest=key, model=features.model
             )
             if not budget.admitted:
                 words = BUDGET_MESSAGES[budget.refused_by or "tenant"]
@@ -787,7 +793,7 @@ class Router:
         self._meter(routed, usage)
         if self.budgets is not None and routed.budget is not None:
             admission, routed.budget = routed.budget, None
-            await self.budgets.settle(admission, usage, time.time())
+            await self.budgets.settle(admission, usage, self.world.wall())
 
     def estimated_usage(self, routed: Routed, output_seen: int | None = None, ran_s: float = 0.0) -> Usage:
         """What a request used that its response did not report: its prompt (the tokens known,
@@ -823,7 +829,7 @@ class Router:
         self._meter(routed, usage)
         if self.budgets is not None:
             admission, routed.budget = routed.budget, None
-            self.budgets.settle_soon(admission, usage, time.time())
+            self.budgets.settle_soon(admission, usage, self.world.wall())
 
     def _meter(self, routed: Routed, usage: Usage) -> None:
         if self.meter is not None:

@@ -93,7 +93,7 @@ class ConsoleHistory:
         """Sample forever (a background task of the metrics listener)."""
         while True:
             self.sample()
-            await asyncio.sleep(self.interval_s)
+            await self.router.world.sleep(self.interval_s)
 
     def data(self) -> dict[str, Any]:
         """What ``/console/data`` returns."""

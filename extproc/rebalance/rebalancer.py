@@ -19,6 +19,7 @@ from extproc.routing.model import Snapshot
 from extproc.routing.ring import HashRing
 from extproc.state.store import AffinityStore
 from extproc.validation import Section, option
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.rebalance")
 
@@ -53,13 +54,15 @@ class Rebalancer:
         metrics: RebalanceObserver,
         prewarmer: Prewarmer | None = None,
         session_ttl_s: float = 600.0,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.settings = settings
         self.store = store
         self.clock = clock
         self.metrics = metrics
         self.ledger = SessionLedger(settings.ledger_sessions, settings.ledger_bytes, session_ttl_s)
-        self.prewarmer = prewarmer or Prewarmer(settings.prewarm, clock, on_result=metrics.prewarmed)
+        self.prewarmer = prewarmer or Prewarmer(settings.prewarm, clock, on_result=metrics.prewarmed, world=world)
         self._hot_since: dict[str, float] = {}
         self._last_shed: dict[str, float] = {}
 

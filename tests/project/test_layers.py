@@ -49,6 +49,7 @@ RANKS = {
     "extproc.token_clock": 0,  # when a streamed answer's first and last tokens passed, read from its body
     "extproc.engine_rates": 0,  # an engine's speeds as pricing reads them (learnt in health/rates)
     "extproc.sampling": 0,  # deterministic sampling at a rate
+    "extproc.world": 0,  # time and chance, injected: the one clock, sleeper and random source
 }
 
 
