@@ -168,7 +168,7 @@ class Router:
         block_tokens = config.features.block_chars // CHARS_PER_TOKEN
         self.pairing = config.disaggregation.pair_settings(block_tokens)  # read where replicas carry roles
         self.caches = ReplicaCaches(self.replicas, self.store, block_tokens, kv_events)
-        self.reuse = ReuseLedger(self._labels_of)  # where the hit ratio goes (extproc.cache.reuse)
+        self.reuse = ReuseLedger(self._labels_of, world.wall)  # where the hit ratio goes (extproc.cache.reuse)
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
             self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics, world=world)
@@ -181,7 +181,7 @@ class Router:
             session_ttl_s=config.sessions.ttl_s,
             world=world,
         )
-        self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
+        self.feed = DecisionFeed(wall=world.wall)  # WatchDecisions and the console; costs nothing unwatched
         # Hot prefixes (``hot_keys:``): sampled fingerprints; the decision is given the hot table.
         self.hot_keys = hot_keys
         if self.hot_keys is None and config.hot_keys.enabled:
