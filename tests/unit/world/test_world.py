@@ -15,7 +15,7 @@ async def test_sleepers_wake_in_deadline_order_with_time_at_their_deadline() -> 
     woke: list[tuple[str, float]] = []
 
     async def sleeper(name: str, seconds: float) -> None:
-        await world.sleep(seconds)
+        await world.sleep(seconds)  # the manual world's time: no real wait
         woke.append((name, world.monotonic()))
 
     tasks = [asyncio.create_task(sleeper(n, s)) for n, s in (("late", 3.0), ("early", 1.0), ("mid", 2.0))]
