@@ -47,6 +47,7 @@ from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.routing.model import AffinityView, Replica
 from extproc.sampling import RateSampler
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.kvevents")
 
@@ -100,8 +101,11 @@ class EventCacheState:
         tokenizers: TokenizerRegistry | None = None,
         max_blocks: int = 2048,
         hash_sessions: int = 4096,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.settings = settings
+        self.world = world  # the subscribers' reconnects wait on its time
         self.clock = clock
         self.metrics: KvEventObserver = metrics or NullKvEventObserver()
         index = KvIndex(
@@ -357,7 +361,7 @@ class EventCacheState:
         """Subscribe (needs a running loop): each replica's publisher, and ``listen`` if set."""
         from extproc.kvevents.subscriber import Subscriptions
 
-        self.subscriptions = Subscriptions(self.source, self.settings.replay_timeout_s)
+        self.subscriptions = Subscriptions(self.source, self.settings.replay_timeout_s, self.world)
         self._members = list(replicas)
         if self.settings.listen:
             self.subscriptions.listen(self.settings.listen, self.resolve)

@@ -153,9 +153,13 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
     return read_request(headers, body, settings).features
 
 
-def read_request(headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings) -> ParsedRequest:
+def read_request(
+    headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings, *, hashed: bool = True
+) -> ParsedRequest:
     """The request's features and parsed body; a body that cannot be used leaves ``body_error``
-    set, never raises."""
+    set, never raises. Without ``hashed`` its prompt is not hashed yet (no block hashes, no
+    conversation chain): the router hashes it once it knows the model served (a split's arm) and
+    whether a tokenizer keys its blocks (:func:`with_chain`, :func:`with_block_hashes`)."""
     path = request_path(headers)
     tenant = resolve_tenant(headers, settings.tenant_header, settings.api_keys)
     request_id = headers.get("x-request-id", "")[:128]
@@ -192,18 +196,38 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
         )
         return ParsedRequest(_classified(features, headers, settings))
     bare = RequestFeatures(path=path, session_key=key, tenant=tenant, request_id=request_id)
-    return ParsedRequest(_from_body(bare, parsed, headers, settings), parsed)
+    return ParsedRequest(_from_body(bare, parsed, headers, settings, hashed), parsed)
 
 
 def with_model(
-    request: ParsedRequest, model: str, headers: Mapping[str, str], settings: FeatureSettings
+    request: ParsedRequest, model: str, headers: Mapping[str, str], settings: FeatureSettings, *, hashed: bool = True
 ) -> ParsedRequest:
     """``request`` as if its body named ``model`` (a split's arm): the prefix hashes are seeded
     with the model actually served. The body is not parsed again."""
     if request.body is None:
         return request
     body = replace(request.body, model=model, body={**request.body.body, "model": model})
-    return ParsedRequest(_from_body(request.features, body, headers, settings), body)
+    return ParsedRequest(_from_body(request.features, body, headers, settings, hashed), body)
+
+
+def with_chain(request: ParsedRequest, settings: FeatureSettings) -> ParsedRequest:
+    """A request read without ``hashed``, with its conversation chain (where it has one)."""
+    parsed, features = request.body, request.features
+    if parsed is None or features.conversation is not None:
+        return request
+    chain = _chain(features, parsed, model_seed(parsed.model), settings)
+    return request if chain is None else ParsedRequest(replace(features, conversation=chain), parsed)
+
+
+def with_block_hashes(
+    features: RequestFeatures, parsed: OpenAIRequest | None, settings: FeatureSettings
+) -> RequestFeatures:
+    """``features`` (of a request read without ``hashed``) with its prompt's character block
+    hashes, unless a tokenizer already keyed its blocks."""
+    if parsed is None or features.tokens_per_block or features.prefix_hashes:
+        return features
+    hashes = block_hashes(parsed.prompt, model_seed(parsed.model), settings.block_chars, settings.max_blocks)
+    return replace(features, prefix_hashes=hashes)
 
 
 def with_response_id(
@@ -211,19 +235,27 @@ def with_response_id(
 ) -> ParsedRequest:
     """A Responses API ``request`` given the id its response will have (vLLM names a response by
     its request's ``request_id``): a later request naming it as ``previous_response_id`` is then
-    known. The body is not parsed again."""
+    known. The body is not parsed again, nor hashed: as the router reads a request, its chain and
+    hashes come after (:func:`with_chain`, :func:`with_block_hashes`)."""
     if request.body is None:
         return request
     body = replace(request.body, body={**request.body.body, "request_id": response_id})
-    return ParsedRequest(_from_body(request.features, body, headers, settings), body)
+    return ParsedRequest(_from_body(request.features, body, headers, settings, hashed=False), body)
 
 
 def _from_body(
-    bare: RequestFeatures, parsed: OpenAIRequest, headers: Mapping[str, str], settings: FeatureSettings
+    bare: RequestFeatures,
+    parsed: OpenAIRequest,
+    headers: Mapping[str, str],
+    settings: FeatureSettings,
+    hashed: bool = True,
 ) -> RequestFeatures:
-    seed = model_seed(parsed.model)
-    hashes = block_hashes(parsed.prompt, seed, settings.block_chars, settings.max_blocks)
-    chain = _chain(bare, parsed, seed, settings)
+    hashes: tuple[int, ...] = ()
+    chain = None
+    if hashed:
+        seed = model_seed(parsed.model)
+        hashes = block_hashes(parsed.prompt, seed, settings.block_chars, settings.max_blocks)
+        chain = _chain(bare, parsed, seed, settings)
     features = RequestFeatures(
         path=bare.path,
         model=parsed.model,

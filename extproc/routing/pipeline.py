@@ -138,6 +138,8 @@ class DecisionInputs:
     latency: LatencyView | None = None
     pairing: PairSettings = _PAIRING
     block_chars: int = _BLOCK_CHARS
+    prefix_fingerprint: int | None = None
+    """``prefix_key``'s fingerprint where the router computed it (hot keys on); else computed here."""
 
     @classmethod
     def of(
@@ -199,7 +201,8 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     if given.hot:
         cycle.hot_key = given.prefix_key
         if cycle.hot_key is not None:
-            cycle.hot_replicas = given.hot.get(fingerprint(cycle.hot_key), 0)
+            fp = given.prefix_fingerprint
+            cycle.hot_replicas = given.hot.get(fingerprint(cycle.hot_key) if fp is None else fp, 0)
     candidates: list[ReplicaState] = list(snapshot.replicas)
     if trace is not None:
         trace.profile, trace.key_source = profile.name, key_source

@@ -125,7 +125,7 @@ class Turn:
                 self.engine = moved[0]
                 break
             assert time.monotonic() < deadline, (before, after)
-            time.sleep(0.05)
+            time.sleep(0.05)  # real time: a real engine's metrics
         usage = self.answer["usage"]
         if path == "/v1/messages":
             self.cached = int(usage.get("cache_read_input_tokens") or 0)
@@ -171,7 +171,7 @@ def _charged_within(gw: LocalGateway, before: float, charged: int) -> None:
         after = charged_tokens(read_metrics(gw.metrics_url), TENANT)
         if after - before == charged or time.monotonic() > deadline:
             break
-        time.sleep(0.1)
+        time.sleep(0.1)  # real time: a real processor's metrics
     assert after - before == charged
 
 

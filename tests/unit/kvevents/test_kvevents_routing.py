@@ -410,3 +410,18 @@ async def test_a_previous_response_turn_is_hashed_after_the_conversation_its_eng
     # A response this router never saw: routed by its pin alone, on character blocks.
     other = await router.route(headers, json.dumps({**follow, "previous_response_id": "resp_other"}).encode())
     assert other.features.tokens_per_block == 0
+
+
+async def test_a_moved_sessions_prefix_is_indexed_in_the_key_space_lookups_use(tokenizer_dir: Path) -> None:
+    # With a tokenizer, live lookups use token block keys: a session moved off its replica must be
+    # indexed on its new replica under those same keys, or its next turn finds nothing there.
+    clock = Clock(1000.0)
+    router, _ = kv_router(tokenizer_dir, clock)
+    msgs = conversation(3)
+    routed = await router.route(*chat_request(msgs, session="s-moved"))
+    assert routed.features.tokens_per_block == BS and routed.decision.replica is not None
+    source = routed.decision.replica.name
+    assert await router.fleet.move_sessions_off(source) == 1
+    view = await router.store.peek(routed.features.session_key, routed.features.prefix_hashes, clock(), model="m")
+    assert view.pinned is not None and view.pinned != source
+    assert view.prefix_matches.get(view.pinned) == len(routed.features.prefix_hashes)

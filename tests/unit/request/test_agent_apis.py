@@ -19,7 +19,7 @@ from extproc.request.agent_apis import (
     messages_as_chat,
     responses_as_chat,
 )
-from extproc.request.features import FeatureSettings, read_request, with_response_id
+from extproc.request.features import FeatureSettings, read_request, with_chain, with_response_id
 from extproc.request.openai_body import BodyError, parse_request_body
 from tests.conftest import require_engines
 
@@ -212,7 +212,8 @@ def test_responses_session_identity() -> None:
     assert conv.features.session_key == "conversation:conv_1"
     # A first turn the router names; the next turn, naming it, continues it (same link), whatever
     # it says otherwise.
-    first = with_response_id(_features("/v1/responses", {"model": "m", "input": "x"}), "resp_a", {}, SETTINGS)
+    named = with_response_id(_features("/v1/responses", {"model": "m", "input": "x"}), "resp_a", {}, SETTINGS)
+    first = with_chain(named, SETTINGS)  # as the router reads it: named, then its chain
     assert first.features.response_id == "resp_a" and first.body is not None
     assert first.body.body["request_id"] == "resp_a"
     chain = first.features.conversation
