@@ -148,7 +148,9 @@ class LoadHook:
     def decided(self, routed: Routed, replica: str, now: float) -> None:
         """Count it: what it adds to the replica's KV is the part not believed cached (a shared
         prefix is held once, however many requests use it)."""
-        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
+        features = routed.features
+        hold = features.hints.kv_retention_s  # an agent keeps its KV across a tool call
+        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens, features.session_key, hold)
         if routed.hop is not None:
             self.book.hop(routed.hop.replica, routed.hop.tokens)
 

@@ -14,7 +14,6 @@ import gc
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
@@ -311,12 +310,12 @@ async def _report_budgets(router: Router) -> None:
     log = logging.getLogger("extproc.budgets")
     while True:
         try:
-            for standing in await router.budgets.standings(time.time()):  # budgets keep wall-clock windows
+            for standing in await router.budgets.standings(router.world.wall()):  # budgets keep wall-clock windows
                 for w in standing.windows:
                     router.metrics.budget_stands(standing.kind, standing.name, w.window, w.remaining, w.limit)
         except Exception:  # a store that fails is the ledger's to degrade; the gauges wait
             log.debug("budget standings unavailable", exc_info=True)
-        await asyncio.sleep(BUDGET_REPORT_S)
+        await router.world.sleep(BUDGET_REPORT_S)
 
 
 async def _close_early(kv_events: EventCacheState | None, store: AffinityStore) -> None:

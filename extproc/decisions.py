@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from extproc.routing.model import Decision
@@ -49,7 +49,8 @@ class _Watcher:
 class DecisionFeed:
     """Fans decisions out to watchers, each at its own sample rate, never blocking the router."""
 
-    def __init__(self, queue_size: int = 256) -> None:
+    def __init__(self, queue_size: int = 256, wall: Callable[[], float] = time.time) -> None:
+        self.wall = wall  # what a summary is stamped with (the world's wall clock)
         self._watchers: list[_Watcher] = []
         self._queue_size = queue_size
 
@@ -71,7 +72,7 @@ class DecisionFeed:
             if summary is None:
                 replica = decision.replica
                 summary = DecisionSummary(
-                    time.time(),
+                    self.wall(),
                     replica.name if replica is not None else "",
                     decision.reason.value,
                     model,

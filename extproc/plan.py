@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.bookkeeping import Routed
+from extproc.request.agent_apis import TRANSCRIPT_BYTES
 from extproc.request.kv_transfer import prefiller_header
 from extproc.router import Router
 from extproc.routing.model import Reason
@@ -60,11 +61,14 @@ class Watch:
     timed: bool = False
     """Its response body is read for when its tokens came (:mod:`extproc.token_clock`): its time to
     first token and per output token, which its headers do not tell (``health.latency_models``)."""
+    transcript: bool = False
+    """Its response body is read for the answer the engine stores (a Responses API request, with
+    KV events): its next turn is then hashed as the engine renders it."""
 
     @property
     def reads_body(self) -> bool:
         """Whether its response body may be read."""
-        return self.check_usage or self.meter or self.timed
+        return self.check_usage or self.meter or self.timed or self.transcript
 
     @property
     def response_headers(self) -> ResponseHeaders:
@@ -134,6 +138,8 @@ class Plan:
     """While a timed body is read: when its tokens passed."""
     response_set_headers: tuple[tuple[str, str], ...] = ()
     """Headers added to the response (a budgeted request's ``x-ratelimit-*``), set with its headers."""
+    transcript: bytearray | None = None
+    """While a Responses answer is read for what the engine stores of it: its bytes so far."""
 
 
 class Planner:
@@ -160,7 +166,7 @@ class Planner:
         kv = router.kv_events
         check = kv is not None and whole_body and kv.sample_check()
         timed = sampled and router.times_tokens(headers or {}) and router.sample_timing()
-        return Watch(sampled, check, router.budgets is not None, timed)
+        return Watch(sampled, check, router.budgets is not None, timed, router.keeps_answers(headers or {}))
 
     async def plan(self, headers: Mapping[str, str], body: bytes | None, watch: Watch = EVERYTHING) -> Plan:
         """Route the request and say what to do with it."""
@@ -234,6 +240,10 @@ class Planner:
         check = plan.predicted is not None and status == "200" and own
         if timed and routed.timed:
             plan.clock = TokenClock()
+        if plan.watch.transcript and status == "200" and own and routed.features.response_id is not None:
+            plan.transcript = bytearray()
+        if plan.transcript is not None and not (check or metered or plan.clock is not None):
+            return True
         if check or metered or plan.clock is not None:
             plan.usage = UsageTail()
             return True
@@ -251,7 +261,15 @@ class Planner:
             out = None if out == chunk else out
         if plan.usage is not None:
             plan.usage.feed(chunk)
+        if plan.transcript is not None:
+            if len(plan.transcript) + len(chunk) > TRANSCRIPT_BYTES:
+                plan.transcript = None  # too long to keep: its next turn goes by its pin alone
+            else:
+                plan.transcript += chunk
         if end_of_stream:
+            if plan.transcript is not None:
+                self.router.answered(plan.routed, bytes(plan.transcript))
+                plan.transcript = None
             await self._body_over(plan)
         return out
 

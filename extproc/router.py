@@ -14,7 +14,7 @@ It knows no gRPC. The ext_proc servicer hands it headers and body bytes and gets
 from __future__ import annotations
 
 import logging
-import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -51,6 +51,7 @@ from extproc.metrics import RouterMetrics
 from extproc.queueing import FairQueue, Refusal, saturated
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.rebalance.rebalancer import Rebalancer
+from extproc.request.agent_apis import RESPONSES_PATH, answer_messages
 from extproc.request.features import (
     CHARS_PER_TOKEN,
     SLO_TPOT_HEADERS,
@@ -58,11 +59,16 @@ from extproc.request.features import (
     ParsedRequest,
     RequestFeatures,
     read_request,
+    request_path,
     uncached_tokens,
+    with_block_hashes,
+    with_chain,
     with_model,
+    with_response_id,
 )
-from extproc.request.openai_body import INFERENCE_PATHS, costs_tokens
+from extproc.request.openai_body import INFERENCE_PATHS, USAGE_ASKED_PATHS, costs_tokens
 from extproc.request.splits import Arm, choose_arm, encode_body
+from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, LearnedRates, LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason, Replica
 from extproc.routing.pipeline import Decider, DecisionInputs, Profile, Profiles, decide
@@ -75,6 +81,7 @@ from extproc.state.store import AffinityStore
 from extproc.tenancy import TenantLedger
 from extproc.tracing import DecisionTracer
 from extproc.usage import Usage, ask_for_usage
+from extproc.world import REAL_WORLD, World
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
     from extproc.kvevents.cache_state import EventCacheState
@@ -120,7 +127,7 @@ class Router:
         self,
         config: Config,
         store: AffinityStore | None = None,
-        clock: Clock = time.monotonic,
+        clock: Clock | None = None,
         metrics: RouterMetrics | None = None,
         profile: Profile | None = None,
         *,
@@ -132,10 +139,14 @@ class Router:
         hot_keys: HotKeyDetector | None = None,
         tracer: DecisionTracer | None = None,
         budget_store: BudgetStore | None = None,
+        world: World | None = None,
     ) -> None:
         """Wire the collaborators: each is built from ``config`` unless given (tests and the
         simulator give their own store, clock, default profile or pre-warmer; the simulator's
-        peer routers their own ``decider``)."""
+        peer routers their own ``decider``). ``world`` is the only source of time and chance
+        (:mod:`extproc.world`); ``clock``, given, replaces its monotonic clock."""
+        self.world = world = (world or REAL_WORLD) if clock is None else (world or REAL_WORLD).with_clock(clock)
+        clock = world.monotonic
         self.config = config
         self.decide = decider
         self.tracer = tracer  # ``tracing:``: decision spans over OTLP
@@ -148,32 +159,33 @@ class Router:
         self.store: AffinityStore = store or MemoryStore(
             config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
-        self.conversations = Conversations(self.store)  # keyless chat requests' conversations
+        # Keyless chat requests' conversations, new ones named from the world's random source.
+        self.conversations = Conversations(self.store, lambda: world.random.getrandbits(64))
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
         self.meter: TokenMeter | None = None
         if config.budgets.enabled:
-            self.meter = TokenMeter(known_tenants(config), self.metrics, time.time())
+            self.meter = TokenMeter(known_tenants(config), self.metrics, world.wall())
         self.profiles = build_profiles(config, profile)
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
         block_tokens = config.features.block_chars // CHARS_PER_TOKEN
         self.pairing = config.disaggregation.pair_settings(block_tokens)  # read where replicas carry roles
         self.caches = ReplicaCaches(self.replicas, self.store, block_tokens, kv_events)
-        self.reuse = ReuseLedger(self._labels_of)  # where the hit ratio goes (extproc.cache.reuse)
+        self.reuse = ReuseLedger(self._labels_of, world.wall)  # where the hit ratio goes (extproc.cache.reuse)
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
-            self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics)
+            self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics, world=world)
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
             clock,
             self.metrics,
-            self._index_hashes,
             prewarmer,
             session_ttl_s=config.sessions.ttl_s,
+            world=world,
         )
-        self.feed = DecisionFeed()  # WatchDecisions and the console; costs nothing unwatched
+        self.feed = DecisionFeed(wall=world.wall)  # WatchDecisions and the console; costs nothing unwatched
         # Hot prefixes (``hot_keys:``): sampled fingerprints; the decision is given the hot table.
         self.hot_keys = hot_keys
         if self.hot_keys is None and config.hot_keys.enabled:
@@ -226,26 +238,31 @@ class Router:
         ``timed``: its response body will be read for when its tokens came, so a stream is asked
         for the usage it reports (its output tokens; the chunk is taken out again for a client
         that did not ask)."""
-        start, started_ns = self.clock(), time.time_ns()
+        start, started_ns = self.clock(), int(self.world.wall() * 1e9)
         arrived = start
-        request = read_request(headers, body, self.config.features)
+        # Hashed once the model served and the tokenizer's part are known: each hash once.
+        request = read_request(headers, body, self.config.features, hashed=False)
         if request.features.body_error is not None and body is not None:
             self.metrics.body_errors.inc()
         arm, changed, strip_usage = None, False, False
         if self.config.splits and request.body is not None:
             request, arm, changed = self._split(headers, request)
-        if (self.budgets is not None or timed) and request.body is not None:
+        if request.features.path == RESPONSES_PATH and request.body is not None:
+            request, named = self._name_response(headers, request)
+            changed = changed or named
+        asking = request.features.path in USAGE_ASKED_PATHS  # the agent APIs' streams always report
+        if (self.budgets is not None or timed) and request.body is not None and asking:
             asked = ask_for_usage(request.body.body)  # so that a stream reports what it used
             if asked is not None:
                 request = ParsedRequest(request.features, replace(request.body, body=asked))
                 changed = strip_usage = True
         # The body sent instead of the client's, serialized once whatever changed it.
         rewritten = encode_body(request.body.body) if changed and request.body is not None else None
+        request = with_chain(request, self.config.features)
         features = await self.conversations.identify(request.features, start)
         if features.conversation is not None and features.conversation.match is not None:
             self.metrics.conversations.labels(features.conversation.match).inc()
-        if self.kv_events is not None:
-            features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
+        features = await self._hashed(features, request)
         budget = None
         if self.budgets is not None and costs_tokens(features.path):
             if features.path not in INFERENCE_PATHS and self.config.budgets.other_paths == "refuse":
@@ -255,7 +272,7 @@ class Router:
             key = self.budgets.key_digest(headers)
             # A body not parsed (over max_body_bytes, not JSON, another API's) reserves by its size.
             budget = await self.budgets.admit(
-                features.tenant, self._prompt_charge(features), time.time(), key_digest=key, model=features.model
+                features.tenant, self._prompt_charge(features), self.world.wall(), key_digest=key, model=features.model
             )
             if not budget.admitted:
                 words = BUDGET_MESSAGES[budget.refused_by or "tenant"]
@@ -265,7 +282,8 @@ class Router:
         ticket = None
         held_by_queue = self.queue is not None and features.path in INFERENCE_PATHS  # /v1/models is never held
         if self.queue is not None and held_by_queue:
-            held = await self.queue.admit(features.request_class, features.tenant, features.pool)
+            demotion = features.hints.demotion
+            held = await self.queue.admit(features.request_class, features.tenant, features.pool, demotion=demotion)
             if isinstance(held, Refusal):
                 return self._refused_by_queue(features, held, arm, budget)
             ticket = held
@@ -280,7 +298,9 @@ class Router:
             # Every candidate is predicted to miss and the class queues: wait until one is predicted
             # to meet them (or the fleet is idle), then decide again and go wherever that says.
             ready = self.objective_ready(features, routed.objective_wait)
-            held = await self.queue.admit(features.request_class, features.tenant, features.pool, ready)
+            held = await self.queue.admit(
+                features.request_class, features.tenant, features.pool, ready, features.hints.demotion
+            )
             if isinstance(held, Refusal):
                 return self._refused_by_queue(features, held, arm, budget)
             start = self.clock()
@@ -300,8 +320,33 @@ class Router:
             self.metrics.split_requests.labels(arm.rule, arm.label).inc()
         replica = routed.decision.replica
         if features.session_key and sent and replica is not None:
-            self.rebalancer.note(features.session_key, features.model, replica.name, features.path, sent, start)
+            hashes = features.prefix_hashes  # kept: a move indexes the session in this key space
+            self.rebalancer.note(features.session_key, features.model, replica.name, features.path, sent, start, hashes)
         return routed
+
+    def keeps_answers(self, headers: Mapping[str, str]) -> bool:
+        """Whether a request's answer is read for what its engine stores of it: a Responses API
+        request where KV events are read (its next turn is hashed in the engine's key space)."""
+        return self.kv_events is not None and request_path(headers) == RESPONSES_PATH
+
+    def answered(self, routed: Routed, body: bytes) -> None:
+        """A Responses answer read whole: the conversation its engine stores under its id."""
+        response_id = routed.features.response_id
+        if self.kv_events is None or response_id is None:
+            return
+        answer = answer_messages(body)
+        if answer is not None:
+            self.kv_events.responses.answered(response_id, answer)
+
+    def _name_response(self, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, bool]:
+        """A Responses request that may be stored and names no ``request_id`` is given one (the id
+        vLLM gives its response): its next turn's ``previous_response_id`` then finds its replica,
+        the only one that holds the conversation. True when the body changed."""
+        assert request.body is not None
+        body = request.body.body
+        if "request_id" in body or body.get("store") is False:
+            return request, False
+        return with_response_id(request, f"resp_{uuid.uuid4().hex}", headers, self.config.features), True
 
     def _refused_by_queue(
         self, features: RequestFeatures, refusal: Refusal, arm: Arm | None, budget: BudgetAdmission | None
@@ -338,9 +383,11 @@ class Router:
             stored = AffinityView()
         self.caches.refresh(start)
         given, cached = self.inputs(features, stored, start)
+        fp = None  # the prefix key's fingerprint, once a request, where hot keys are on
         if self.hot_keys is not None:
-            self.hot_keys.observe(given.prefix_key, features.prompt_chars // CHARS_PER_TOKEN, start)
-            given = replace(given, hot=self.hot_keys.table())
+            fp = fingerprint(given.prefix_key) if given.prefix_key is not None else None
+            self.hot_keys.observe_fingerprint(fp, features.prompt_chars // CHARS_PER_TOKEN, start)
+            given = replace(given, hot=self.hot_keys.table(), prefix_fingerprint=fp)
         decision = self.decide(given)
         if decision.reason is Reason.QUOTA:
             self.metrics.shed(features.request_class, "quota_exceeded")
@@ -368,7 +415,7 @@ class Router:
             decided(self.hooks, routed, start)
             if self.warmer is not None:
                 matches, total = given.view.prefix_matches, len(features.prefix_hashes)
-                self.warmer.widened(given.prefix_key, decision.hot_set, replica.name, matches, total)
+                self.warmer.widened(fp, decision.hot_set, replica.name, matches, total)
             try:
                 await self.store.record(
                     features.session_key,
@@ -387,7 +434,7 @@ class Router:
                 self.metrics.store_error("record")
                 log.debug("store record failed: %s", exc)
         if self.warmer is not None and body:
-            self.warmer.offer(given.prefix_key, features.path, body)
+            self.warmer.offer(fp, features.path, body)
         routed.decided_at = self.clock()
         self._report(features, decision, given.view, start, routed.decided_at)
         return routed
@@ -469,10 +516,9 @@ class Router:
         """The decision :meth:`route` would make for this request now, with its trace, and
         without side effects: nothing is pinned, counted, indexed or refreshed."""
         now = self.clock()
-        request = read_request(headers, body, self.config.features)
+        request = with_chain(read_request(headers, body, self.config.features, hashed=False), self.config.features)
         features = await self.conversations.identify(request.features, now, peek=True)
-        if self.kv_events is not None:  # the prompt's blocks as route() hashes them (a memo, no state)
-            features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
+        features = await self._hashed(features, request)  # as route() hashes them (a memo, no state)
         try:
             stored = await self.store.peek(features.session_key, features.prefix_hashes, now, model=features.model)
         except Exception as exc:  # as route(): without the store, the decision hashes
@@ -504,11 +550,19 @@ class Router:
             on_miss=on_miss,
         )
 
+    async def _hashed(self, features: RequestFeatures, request: ParsedRequest) -> RequestFeatures:
+        """``features`` with its prompt's block keys: the tokenizer's where one serves its model,
+        else character blocks (computed only then)."""
+        if self.kv_events is not None:
+            features = await self.kv_events.tokenized(features, request.body.body if request.body else None)
+        return with_block_hashes(features, request.body, self.config.features)
+
     def offer_hot_body(self, features: RequestFeatures, body: bytes | Callable[[], bytes]) -> None:
         """Keep a request of a hot prefix (one per hot key) to warm joining replicas with; ``body``
         may be a function that builds it, called only when one is wanted (the simulator's)."""
         if self.warmer is not None:
-            self.warmer.offer(self.profiles.for_request(features).prefix_key(features), features.path, body)
+            key = self.profiles.for_request(features).prefix_key(features)
+            self.warmer.offer(fingerprint(key) if key is not None else None, features.path, body)
 
     def _split(self, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, Arm | None, bool]:
         """The request's split arm, and whether its body changed: rewritten to the arm's model,
@@ -523,7 +577,7 @@ class Router:
             return request, None, False
         changed = arm.target.model != features.model
         if changed:
-            request = with_model(request, arm.target.model, headers, self.config.features)
+            request = with_model(request, arm.target.model, headers, self.config.features, hashed=False)
         if arm.target.pool is not None:
             request = ParsedRequest(replace(request.features, pool=(("pool", arm.target.pool),)), request.body)
         return request, arm, changed
@@ -535,9 +589,6 @@ class Router:
     def _labels_of(self, name: str) -> Mapping[str, str] | None:
         record = self.replicas.record(name)
         return record.replica.labels if record is not None else None
-
-    def _index_hashes(self, path: str, body: bytes) -> tuple[int, ...]:
-        return read_request({":path": path}, body, self.config.features).features.prefix_hashes
 
     def _prewarm(self, name: str, path: str, body: bytes) -> bool:
         record = self.replicas.record(name)
@@ -782,7 +833,7 @@ class Router:
         self._meter(routed, usage)
         if self.budgets is not None and routed.budget is not None:
             admission, routed.budget = routed.budget, None
-            await self.budgets.settle(admission, usage, time.time())
+            await self.budgets.settle(admission, usage, self.world.wall())
 
     def estimated_usage(self, routed: Routed, output_seen: int | None = None, ran_s: float = 0.0) -> Usage:
         """What a request used that its response did not report: its prompt (the tokens known,
@@ -822,7 +873,7 @@ class Router:
         self._meter(routed, usage)
         if self.budgets is not None:
             admission, routed.budget = routed.budget, None
-            self.budgets.settle_soon(admission, usage, time.time())
+            self.budgets.settle_soon(admission, usage, self.world.wall())
 
     def _meter(self, routed: Routed, usage: Usage) -> None:
         if self.meter is not None:

@@ -7,7 +7,6 @@ decided here.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import astuple
@@ -59,7 +58,7 @@ def reuse_rows(router: Router) -> list[ReuseRow]:
 def replica_reports(router: Router) -> list[ReplicaReport]:
     """Each replica's prefix-cache counters as last scraped, stamped with wall time."""
     # The router's clock is monotonic; the exported timestamp must be wall time.
-    offset = time.time() - router.clock()
+    offset = router.world.wall() - router.clock()
     rows = []
     for rec in router.replicas.records():
         m = rec.metrics

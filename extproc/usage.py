@@ -68,9 +68,12 @@ def parse_usage(obj: Mapping[str, Any]) -> Usage:
     ``input_tokens``/``output_tokens``, or a ``total_tokens`` alone (embeddings, rerank: input)."""
     details = obj.get("prompt_tokens_details") or obj.get("input_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) and "cached_tokens" in details else None
-    if cached is None and "cache_read_input_tokens" in obj:  # Anthropic's: not part of input_tokens
+    if cached is None and ("cache_read_input_tokens" in obj or "cache_creation_input_tokens" in obj):
+        # Anthropic's: the prompt is input_tokens + cache_read + cache_creation (vLLM's
+        # /v1/messages reports a prompt's newly cached blocks as cache_creation_input_tokens).
         cached = _int(obj.get("cache_read_input_tokens"))
-        return Usage(_int(obj.get("input_tokens")) + cached, cached, _int(obj.get("output_tokens")))
+        prompt = _int(obj.get("input_tokens")) + cached + _int(obj.get("cache_creation_input_tokens"))
+        return Usage(prompt, cached, _int(obj.get("output_tokens")))
     output = _int(obj.get("completion_tokens", obj.get("output_tokens")))
     if "prompt_tokens" in obj or "input_tokens" in obj:
         prompt = _int(obj.get("prompt_tokens", obj.get("input_tokens")))

@@ -17,12 +17,22 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.config import Config, Metrics, Prefix, Sessions
 from extproc.plan import Planner
 from extproc.request import FeatureSettings, extract_features
+from extproc.request.agent_apis import answer_messages
+from extproc.request.agent_hints import MAX_DEMOTION
 from extproc.router import Router
 from extproc.routing import Replica
 from extproc.server.stream import RequestStream
 
 SETTINGS = FeatureSettings(max_body_bytes=64 * 1024)
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/", "/v1/chat/completions?x=1")
+PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/",
+    "/v1/chat/completions?x=1",
+    "/v1/messages",
+    "/v1/responses",
+)
 ANSWER_KIND = {
     "request_headers": "request_headers",
     "request_body": "request_body",
@@ -57,6 +67,7 @@ def headers_from(data: bytes) -> dict[str, str]:
         "cookie": parts[2],
         "x-tenant-id": parts[3],
         "x-target-cluster": parts[4][:64],
+        "x-vllm-priority": parts[1][:8],
     }
 
 
@@ -67,6 +78,8 @@ def check_features(data: bytes) -> None:
     features = extract_features(headers, data[split:], SETTINGS)
     assert features.path == headers[":path"].split("?", 1)[0]
     assert len(features.prefix_hashes) <= SETTINGS.max_blocks
+    assert 0 <= features.hints.demotion <= MAX_DEMOTION
+    answer_messages(data[split:])  # a Responses answer's body, as the router reads it: never raises
 
 
 def header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:

@@ -78,7 +78,7 @@ async def wait_for(
             return loop.time() - start
         if loop.time() - start > within_s:
             raise AssertionError(f"{what}: not within {within_s}s")
-        await asyncio.sleep(step_s)
+        await asyncio.sleep(step_s)  # real time: polls a condition that real processes or threads bring about
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ async def settled(read: Callable[[], Awaitable[float]], quiet_s: float = 1.0, wi
     deadline = loop.time() + within_s
     last, since = await read(), loop.time()
     while loop.time() < deadline:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # real time: charges land from real processes a moment later
         now = await read()
         if now != last:
             last, since = now, loop.time()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -78,7 +77,7 @@ class ConsoleHistory:
                 hits += rec.metrics.prefix_hits or 0.0
                 queries += rec.metrics.prefix_queries
         s = Sample(
-            t=round(time.time(), 3),
+            t=round(self.router.world.wall(), 3),
             kv={r.name: r.kv_usage for r in rows},
             queue={r.name: r.queue for r in rows},
             sessions={r.name: r.sessions_pinned for r in rows},
@@ -93,13 +92,13 @@ class ConsoleHistory:
         """Sample forever (a background task of the metrics listener)."""
         while True:
             self.sample()
-            await asyncio.sleep(self.interval_s)
+            await self.router.world.sleep(self.interval_s)
 
     def data(self) -> dict[str, Any]:
         """What ``/console/data`` returns."""
         m = self.router.metrics
         return {
-            "time": time.time(),
+            "time": self.router.world.wall(),
             "replicas": [asdict(r) for r in fleet(self.router)],
             "history": [asdict(s) for s in self.samples],
             "decisions": {k: int(v) for k, v in sorted(_total(m.decisions, "reason").items())},

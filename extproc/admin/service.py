@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,7 +116,7 @@ async def usage_message(router: Router) -> pb.UsageResponse:
     meter, budgets = router.meter, router.budgets
     if meter is None:
         return pb.UsageResponse(enabled=False)
-    standings = await budgets.standings(time.time()) if budgets is not None else []
+    standings = await budgets.standings(router.world.wall()) if budgets is not None else []
     return pb.UsageResponse(
         enabled=True,
         since=meter.started_at,

@@ -77,8 +77,10 @@ class _EngineCounter:
 class ReuseLedger:
     """The three figures per replica, counted as requests are decided and engines are scraped."""
 
-    def __init__(self, labels_of: Callable[[str], Mapping[str, str] | None]) -> None:
-        self.since = time.time()
+    def __init__(
+        self, labels_of: Callable[[str], Mapping[str, str] | None], wall: Callable[[], float] = time.time
+    ) -> None:
+        self.since = wall()
         """Wall-clock seconds when counting began."""
         self.labels_of = labels_of
         """A member's labels by name (None: no longer a member)."""

@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 from extproc.discovery.settings import DnsRecord
 from extproc.discovery.source import host_port
 from extproc.routing.model import Replica
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.discovery")
 
@@ -115,6 +116,8 @@ class DnsDiscovery:
         interval_s: float = 10.0,
         resolver: Resolver | None = None,
         timeout_s: float = 2.0,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         if record != "SRV" and port is None:
             raise ValueError(f"a port is required with {record} records")
@@ -122,6 +125,7 @@ class DnsDiscovery:
         self.port = port
         self.record = record
         self.interval_s = interval_s
+        self.world = world  # the interval is slept on its time
         self.resolver: Resolver = resolver or DnsPythonResolver(timeout_s)
 
     def __repr__(self) -> str:
@@ -180,4 +184,4 @@ class DnsDiscovery:
                 failing = True
             if last is not None:
                 yield last
-            await asyncio.sleep(self.interval_s)
+            await self.world.sleep(self.interval_s)

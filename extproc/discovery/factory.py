@@ -13,15 +13,21 @@ from extproc.discovery.pool_watch import InferencePoolDiscovery
 from extproc.discovery.settings import DiscoverySettings, DnsSource, InferencePoolSource, KubernetesSource
 from extproc.discovery.source import Discovery, StaticDiscovery
 from extproc.routing.model import Replica
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.discovery")
 
 
-def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = ()) -> Discovery:
-    """The source ``settings`` describe (``replicas`` are the static source's list)."""
+def build_discovery(
+    settings: DiscoverySettings, replicas: Sequence[Replica] = (), world: World = REAL_WORLD
+) -> Discovery:
+    """The source ``settings`` describe (``replicas`` are the static source's list), waiting on
+    ``world``'s time."""
     source = settings
     if isinstance(source, DnsSource):
-        return DnsDiscovery(source.name, source.port, source.record, source.interval_s, timeout_s=source.timeout_s)
+        return DnsDiscovery(
+            source.name, source.port, source.record, source.interval_s, timeout_s=source.timeout_s, world=world
+        )
     if isinstance(source, KubernetesSource):
         return KubernetesDiscovery(
             source.service,
@@ -32,6 +38,7 @@ def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = (
             kubeconfig=source.kubeconfig,
             context=source.context,
             watch_timeout_s=source.watch_timeout_s,
+            world=world,
         )
     if isinstance(source, InferencePoolSource):
         return InferencePoolDiscovery(
@@ -40,6 +47,7 @@ def build_discovery(settings: DiscoverySettings, replicas: Sequence[Replica] = (
             kubeconfig=source.kubeconfig,
             context=source.context,
             watch_timeout_s=source.watch_timeout_s,
+            world=world,
         )
     return StaticDiscovery(replicas)
 
@@ -51,6 +59,7 @@ async def run_discovery(
     *,
     static: Sequence[Replica] = (),
     cluster_mode: bool = False,
+    world: World = REAL_WORLD,
 ) -> None:
     """Keep ``target``'s membership in line with ``settings`` until cancelled; ``static`` replicas
     stay members. With the static source there is nothing to follow: the router starts with them."""
@@ -60,7 +69,7 @@ async def run_discovery(
         # Discovered replicas are named after pods (or addresses): in cluster mode these names
         # are the Envoy clusters the router answers with, so Envoy must define them.
         log.warning("discovery in cluster mode: Envoy needs a cluster named after each discovered replica")
-    source = build_discovery(settings, static)
+    source = build_discovery(settings, static, world)
     loop = DiscoveryLoop(
         source,
         target,
@@ -68,5 +77,6 @@ async def run_discovery(
         settings.max_delay_s,
         static=static,
         metrics=metrics,
+        world=world,
     )
     await loop.run()

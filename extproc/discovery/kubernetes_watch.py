@@ -28,13 +28,11 @@ make deserialisation fail.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import random
-import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ import aiohttp
 from extproc.discovery.endpoint_slices import SERVICE_NAME_LABEL, PortChoice, SliceSet, resource_version
 from extproc.discovery.settings import WATCH_TIMEOUT_S, AddressType
 from extproc.routing.model import Replica
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.discovery")
 
@@ -162,15 +161,18 @@ class KubernetesDiscovery:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         rng: random.Random | None = None,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.service = service
+        self.world = world  # backoffs are slept on its time, jittered by its random source
         self.namespace = namespace
         self.choice = PortChoice(port, port_name, address_type)
         self.configuration = configuration
         self.kubeconfig = os.path.expanduser(kubeconfig) if kubeconfig else None
         self.context = context
         self.watch_timeout_s = watch_timeout_s
-        self.backoff = Backoff(backoff_initial_s, backoff_max_s, rng or random.Random())
+        self.backoff = Backoff(backoff_initial_s, backoff_max_s, rng or world.random)
 
     def __repr__(self) -> str:
         return f"kubernetes({self.namespace or '<own namespace>'}/{self.service})"
@@ -201,7 +203,7 @@ class KubernetesDiscovery:
                         self.backoff.reset()
                         log.info("discovery %r: listed %d slices, %d ready", self, len(slices), len(slices.replicas()))
                         yield slices.replicas()
-                    started = time.monotonic()
+                    started = self.world.monotonic()
                     events = 0
                     async with contextlib.aclosing(self._watch(api, namespace, version, slices)) as watch:
                         async for resume_from, changed in watch:
@@ -210,8 +212,8 @@ class KubernetesDiscovery:
                             self.backoff.reset()
                             if changed:
                                 yield slices.replicas()
-                    if events == 0 and time.monotonic() - started < MIN_QUIET_WATCH_S:
-                        await asyncio.sleep(self.backoff.next())
+                    if events == 0 and self.world.monotonic() - started < MIN_QUIET_WATCH_S:
+                        await self.world.sleep(self.backoff.next())
                     # Otherwise the server ended the watch (its timeout): resume from ``version``.
                 except Gone:
                     log.info("discovery %r: resourceVersion %s expired, listing again", self, version)
@@ -226,7 +228,7 @@ class KubernetesDiscovery:
                         len(slices.replicas()),
                         delay,
                     )
-                    await asyncio.sleep(delay)
+                    await self.world.sleep(delay)
         finally:
             await api_client.close()
 

@@ -20,6 +20,7 @@ from extproc.discovery.observer import DiscoveryObserver, NullDiscoveryObserver
 from extproc.discovery.settings import DEBOUNCE_S, MAX_DELAY_S
 from extproc.discovery.source import Discovery, canonical
 from extproc.routing.model import Replica
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.discovery")
 
@@ -49,8 +50,11 @@ class DiscoveryLoop:
         static: Sequence[Replica] = (),
         retry_s: float = 5.0,
         metrics: DiscoveryObserver | None = None,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.source = source
+        self.world = world  # the debounce and the retries are timed by it
         self.metrics: DiscoveryObserver = metrics or NullDiscoveryObserver()
         self.target = target
         self.debounce_s = debounce_s
@@ -70,11 +74,11 @@ class DiscoveryLoop:
             except Exception:  # a failing source must not end discovery for good
                 self.metrics.discovery_failed()
                 log.exception("discovery %r failed; restarting it in %.1fs", self.source, self.retry_s)
-                await asyncio.sleep(self.retry_s)
+                await self.world.sleep(self.retry_s)
 
     async def follow(self) -> None:
         """One run of the source: apply its lists, debounced, until it ends or raises."""
-        loop = asyncio.get_running_loop()
+        clock = self.world.monotonic
         updates = aiter(self.source.updates())
         pending: asyncio.Future[Sequence[Replica]] | None = None
         latest: tuple[Replica, ...] | None = None
@@ -86,9 +90,8 @@ class DiscoveryLoop:
                     # The next list is awaited in a task of its own, so that the debounce timer
                     # can fire while the source is still waiting for news.
                     pending = asyncio.ensure_future(anext(updates))
-                timeout = None if due is None else max(0.0, due - loop.time())
-                done, _ = await asyncio.wait({pending}, timeout=timeout)
-                if not done:
+                timeout = None if due is None else max(0.0, due - clock())
+                if not await self.world.wait(pending, timeout):
                     assert latest is not None
                     await self._apply(latest)
                     due = None
@@ -114,7 +117,7 @@ class DiscoveryLoop:
                         )
                     due = None
                     continue
-                now = loop.time()
+                now = clock()
                 if due is None:
                     first_change = now
                 due = min(now + self.debounce_s, first_change + self.max_delay_s)

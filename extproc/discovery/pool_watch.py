@@ -33,6 +33,7 @@ from extproc.discovery.kubernetes_watch import Backoff, api_configuration, own_n
 from extproc.discovery.reflector import Change, Reflector
 from extproc.discovery.settings import WATCH_TIMEOUT_S
 from extproc.routing.model import Replica
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.discovery")
 
@@ -55,6 +56,8 @@ class InferencePoolDiscovery:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         rng: random.Random | None = None,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.name = name
         self.namespace = namespace
@@ -63,7 +66,8 @@ class InferencePoolDiscovery:
         self.context = context
         self.watch_timeout_s = watch_timeout_s
         self._backoff = (backoff_initial_s, backoff_max_s)
-        self.rng = rng or random.Random()
+        self.world = world  # its reflectors' backoffs sleep on its time
+        self.rng = rng or world.random
         self.spec: PoolSpec | None = None
         """The pool's spec as last followed (None before it is seen, or once it is deleted)."""
         self.pod_watches = 0
@@ -109,7 +113,7 @@ class InferencePoolDiscovery:
             PLURAL,
             field_selector=f"metadata.name={self.name}",
         )
-        pools = Reflector(pool_call, f"{self!r}: the pool", self._new_backoff(), self.watch_timeout_s)
+        pools = Reflector(pool_call, f"{self!r}: the pool", self._new_backoff(), self.watch_timeout_s, self.world)
 
         async def pump(generation: int, reflector: Reflector) -> None:
             async with contextlib.aclosing(reflector.changes()) as changes:
@@ -142,7 +146,7 @@ class InferencePoolDiscovery:
                         core.list_namespaced_pod_without_preload_content, namespace, label_selector=spec.label_selector
                     )
                     what = f"{self!r}: pods {spec.label_selector} on {','.join(map(str, spec.ports))}"
-                    pod_reflector = Reflector(pod_call, what, self._new_backoff(), self.watch_timeout_s)
+                    pod_reflector = Reflector(pod_call, what, self._new_backoff(), self.watch_timeout_s, self.world)
                     tasks[generation] = asyncio.create_task(pump(generation, pod_reflector), name="inferencepool-pods")
                     log.info("discovery %r: following pods %s, ports %s", self, spec.label_selector, spec.ports)
                     continue

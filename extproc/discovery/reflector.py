@@ -12,10 +12,8 @@ meanwhile (what was last yielded stays true for its consumer).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +22,7 @@ import aiohttp
 
 from extproc.discovery.endpoint_slices import resource_version
 from extproc.discovery.kubernetes_watch import LIST_TIMEOUT_S, MIN_QUIET_WATCH_S, ApiError, Backoff, Gone, watch_events
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.discovery")
 
@@ -45,8 +44,11 @@ class Change:
 class Reflector:
     """Lists and watches one collection until cancelled (see the module's docstring)."""
 
-    def __init__(self, call: ListCall, what: str, backoff: Backoff, watch_timeout_s: int) -> None:
+    def __init__(
+        self, call: ListCall, what: str, backoff: Backoff, watch_timeout_s: int, world: World = REAL_WORLD
+    ) -> None:
         self.call = call
+        self.world = world  # backoffs are slept on its time
         self.what = what
         self.backoff = backoff
         self.watch_timeout_s = watch_timeout_s
@@ -65,7 +67,7 @@ class Reflector:
                     version, items = await self._list()
                     self.backoff.reset()
                     yield Change("reset", items)
-                started = time.monotonic()
+                started = self.world.monotonic()
                 events = 0
                 async with contextlib.aclosing(self._watch(version)) as watch:
                     async for resume_from, change in watch:
@@ -74,15 +76,15 @@ class Reflector:
                         self.backoff.reset()
                         if change is not None:
                             yield change
-                if events == 0 and time.monotonic() - started < MIN_QUIET_WATCH_S:
-                    await asyncio.sleep(self.backoff.next())
+                if events == 0 and self.world.monotonic() - started < MIN_QUIET_WATCH_S:
+                    await self.world.sleep(self.backoff.next())
             except Gone:
                 log.info("%s: resourceVersion %s expired, listing again", self, version)
                 version = None
             except (ApiError, aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 delay = self.backoff.next()
                 log.warning("%s: %s: %s; retrying in %.1fs", self, type(exc).__name__, exc, delay)
-                await asyncio.sleep(delay)
+                await self.world.sleep(delay)
 
     async def _list(self) -> tuple[str, tuple[Mapping[str, Any], ...]]:
         self.lists += 1

@@ -173,7 +173,13 @@ class ReplicaBook:
     # --- what the decision changes ----------------------------------------------------------------
 
     def begin(
-        self, name: str, now: float, prefill_tokens: int = 0, kv_tokens: int = 0, session: str | None = None
+        self,
+        name: str,
+        now: float,
+        prefill_tokens: int = 0,
+        kv_tokens: int = 0,
+        session: str | None = None,
+        hold_s: float | None = None,
     ) -> None:
         """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there
         and ``kv_tokens`` it will hold in the KV cache while it runs (its whole prompt), a turn of
@@ -181,7 +187,7 @@ class ReplicaBook:
         rec = self._records.get(name)
         if rec is not None:
             if session is not None:
-                self.sessions.begin(name, session, now)
+                self.sessions.begin(name, session, now, hold_s)
             rec.recent = self._decayed(rec, now) + 1.0
             rec.recent_at = now
             rec.inflight += 1

@@ -19,6 +19,7 @@ from extproc.health.observer import HealthObserver, NullHealthObserver
 from extproc.health.replicas import ReplicaBook, Transition
 from extproc.health.settings import HealthSettings
 from extproc.health.vllm_metrics import MetricsPageError, parse_vllm_metrics
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.health")
 
@@ -76,8 +77,11 @@ class Scraper:
         fetch: Fetch | None = None,
         metrics: HealthObserver | None = None,
         listener: Callable[[list[Transition]], Awaitable[None]] | None = None,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.book = book
+        self.world = world  # the interval between rounds is slept on its time
         self.settings = settings
         self.clock = clock
         self.fetch: Fetch = fetch or HttpFetch()
@@ -121,7 +125,7 @@ class Scraper:
                 except Exception:  # a bug here must not stop health tracking for good
                     log.exception("scrape round failed")
                 elapsed = self.clock() - started
-                await asyncio.sleep(max(0.0, self.settings.scrape_interval_s - elapsed))
+                await self.world.sleep(max(0.0, self.settings.scrape_interval_s - elapsed))
         finally:
             close = getattr(self.fetch, "close", None)
             if close is not None:

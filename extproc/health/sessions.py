@@ -22,6 +22,12 @@ class _Session:
     replica: str
     last_begin: float
     inflight: int = 0
+    held_until: float = 0.0
+    """An agent's KV retention: live at least until then, whatever ``live_s`` says."""
+
+
+MAX_HOLD_S = 3600.0
+"""The longest retention honoured (Anthropic's longest cache ttl, an hour)."""
 
 
 class LiveSessions:
@@ -36,8 +42,9 @@ class LiveSessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def begin(self, replica: str, session: str, now: float) -> None:
-        """A turn of ``session`` was sent to ``replica`` at ``now``."""
+    def begin(self, replica: str, session: str, now: float, hold_s: float | None = None) -> None:
+        """A turn of ``session`` was sent to ``replica`` at ``now`` (``hold_s``: the agent keeps its
+        KV that long across its tool call: live at least until then)."""
         s = self._sessions.get(session)
         if s is None:
             s = self._sessions[session] = _Session(replica, now)
@@ -50,6 +57,8 @@ class LiveSessions:
             s.replica = replica
         s.last_begin = now
         s.inflight += 1
+        if hold_s is not None:
+            s.held_until = max(s.held_until, now + min(hold_s, MAX_HOLD_S))
         self._sessions.move_to_end(session)
 
     def end(self, session: str) -> None:
@@ -68,6 +77,12 @@ class LiveSessions:
             if s.inflight > 0:
                 # Still streaming: live until its turn ends, checked again a window later.
                 s.last_begin = now
+                self._sessions.move_to_end(key)
+                continue
+            if s.held_until > now:
+                # Held for its agent's tool call: checked again when the hold ends (or a window
+                # later, if sooner).
+                s.last_begin = now - self.live_s + min(self.live_s, s.held_until - now)
                 self._sessions.move_to_end(key)
                 continue
             self._drop(key)

@@ -140,15 +140,26 @@ class HotKeyDetector:
 
     def observe(self, key: str | int | None, tokens: int, now: float) -> None:
         """One request with prefix ring key ``key`` (None: it has none) and ``tokens`` prompt tokens."""
+        if self._sampled(now, key is not None) and key is not None:
+            self.observe_sampled(fingerprint(key), tokens)
+
+    def observe_fingerprint(self, fp: int | None, tokens: int, now: float) -> None:
+        """:meth:`observe` for a key whose fingerprint the caller has (None: it has no key)."""
+        if self._sampled(now, fp is not None) and fp is not None:
+            self.observe_sampled(fp, tokens)
+
+    def _sampled(self, now: float, keyed: bool) -> bool:
+        """Whether this request is one the sample counts (advancing the window first); one
+        without a key (not ``keyed``) is never counted and takes no place in the sample."""
         if now >= self._window_end:
             self.advance(now)
-        if key is None:
-            return
+        if not keyed:
+            return False
         if self._skip > 0:
             self._skip -= 1
-            return
+            return False
         self._skip = self._gap()
-        self.observe_sampled(fingerprint(key), tokens)
+        return True
 
     def observe_sampled(self, fp: int, tokens: int) -> None:
         """Count one sampled fingerprint in the current window."""

@@ -8,7 +8,6 @@ import logging
 from collections.abc import Callable, Mapping
 
 from extproc.hotkeys.detector import HotKeyDetector, label
-from extproc.routing.hot import fingerprint
 
 log = logging.getLogger("extproc.hotkeys")
 
@@ -24,12 +23,11 @@ class HotKeyWarmer:
         self.detector = detector
         self.warm = warm
 
-    def offer(self, key: str | int | None, path: str, body: bytes | Callable[[], bytes]) -> None:
-        """Keep a request of a hot prefix (one per hot key, ``key`` its prefix key) to warm
-        replicas with; ``body`` may be a function that builds it, called only when one is wanted."""
-        if key is None:
+    def offer(self, fp: int | None, path: str, body: bytes | Callable[[], bytes]) -> None:
+        """Keep a request of a hot prefix (one per hot key, ``fp`` its prefix key's fingerprint) to
+        warm replicas with; ``body`` may be a function that builds it, called only when one is wanted."""
+        if fp is None:
             return
-        fp = fingerprint(key)
         if self.detector.wants_exemplar(fp):
             self.detector.keep_exemplar(fp, path, body() if callable(body) else body)
 
@@ -44,15 +42,15 @@ class HotKeyWarmer:
         return sent
 
     def widened(
-        self, key: str | int | None, hot_set: tuple[str, ...], chosen: str, matches: Mapping[str, int], total: int
+        self, fp: int | None, hot_set: tuple[str, ...], chosen: str, matches: Mapping[str, int], total: int
     ) -> int:
-        """Warm the members new to a hot prefix's replica set ``hot_set`` (its k grew, or the load
+        """Warm the members new to a hot prefix's replica set ``hot_set`` (``fp``: the prefix key's
+        fingerprint; its k grew, or the load
         bound walked past one) with its kept request; ``chosen`` is warmed by the request itself,
         and a member believed to hold half of the prompt (``matches`` of ``total`` blocks) already
         is left alone. How many were queued."""
-        if key is None or not hot_set:
+        if fp is None or not hot_set:
             return 0
-        fp = fingerprint(key)
         exemplar = self.detector.exemplar(fp)
         if exemplar is None:
             return 0

@@ -34,11 +34,20 @@ from extproc.kvevents.layout import EngineLayouts
 from extproc.kvevents.observer import KvEventObserver, NullKvEventObserver
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.usage import PredictionStreaks, outcome
+from extproc.request.agent_apis import (
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    ResponseHistory,
+    messages_as_chat,
+    previous_response_id,
+    responses_as_chat,
+)
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.routing.model import AffinityView, Replica
 from extproc.sampling import RateSampler
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.kvevents")
 
@@ -92,8 +101,11 @@ class EventCacheState:
         tokenizers: TokenizerRegistry | None = None,
         max_blocks: int = 2048,
         hash_sessions: int = 4096,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.settings = settings
+        self.world = world  # the subscribers' reconnects wait on its time
         self.clock = clock
         self.metrics: KvEventObserver = metrics or NullKvEventObserver()
         index = KvIndex(
@@ -110,6 +122,8 @@ class EventCacheState:
         self.streaks = PredictionStreaks(settings.stale_after_mispredictions)
         self.max_blocks = max_blocks
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.responses = ResponseHistory(hash_sessions)
+        """The conversations the engines store under the Responses answers made through here."""
         self._hashes: OrderedDict[str, tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
         self._hash_cap = hash_sessions
         # Per request just decided (by its features' identity, until its prediction is read): the
@@ -171,6 +185,13 @@ class EventCacheState:
             t = tok.chat_ids(parsed.get("messages") or [], parsed.get("tools"), session=features.session_key)
         elif features.path.startswith(COMPLETIONS_PATH):
             t = tok.completion_ids(parsed.get("prompt"))
+        elif features.path in (MESSAGES_PATH, RESPONSES_PATH):
+            # As vLLM renders them: the chat request each API is turned into, through the template.
+            if features.path == MESSAGES_PATH:
+                view = messages_as_chat(parsed, merge_inline_system=tok.merges_inline_system)
+            else:
+                view = self._responses_view(parsed)
+            t = tok.chat_ids(view.messages, view.tools, session=features.session_key)
         else:
             raise TokenizerError(f"no prompt on {features.path}")
         ids = t.ids
@@ -182,6 +203,20 @@ class EventCacheState:
         salt = salt if isinstance(salt, str) and salt else None
         digests = self._digests(ids, features.session_key, lora, salt, bs, engine)
         return tuple(low64(d) for d in digests), len(ids)
+
+    def _responses_view(self, parsed: Mapping[str, Any]) -> Any:
+        """A Responses request as the engine renders it: after the conversation stored under its
+        ``previous_response_id`` where this router saw it whole; remembered under its own id."""
+        previous = previous_response_id(parsed)
+        history = self.responses.conversation(previous) if previous is not None else None
+        if previous is not None and history is None:
+            # The engine prepends a conversation not known here: no prefix of it can be hashed.
+            raise TokenizerError("the conversation of previous_response_id is not known here")
+        view = responses_as_chat(parsed, history or ())
+        own = parsed.get("request_id")
+        if isinstance(own, str) and own and parsed.get("store") is not False:
+            self.responses.asked(own, view.messages)
+        return view
 
     def _digests(
         self,
@@ -326,7 +361,7 @@ class EventCacheState:
         """Subscribe (needs a running loop): each replica's publisher, and ``listen`` if set."""
         from extproc.kvevents.subscriber import Subscriptions
 
-        self.subscriptions = Subscriptions(self.source, self.settings.replay_timeout_s)
+        self.subscriptions = Subscriptions(self.source, self.settings.replay_timeout_s, self.world)
         self._members = list(replicas)
         if self.settings.listen:
             self.subscriptions.listen(self.settings.listen, self.resolve)

@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from extproc.kvevents.feed import KvEventSource, ReplayError, topic_parts
 from extproc.kvevents.wire import Message, WireError, seq_frame, split_message
+from extproc.world import REAL_WORLD, Sleep, World
 
 log = logging.getLogger("extproc.kvevents")
 
@@ -79,8 +80,10 @@ async def follow_replica(
     model: str = "",
     replay_timeout_s: float = 1.0,
     rank: int = 0,
+    sleep: Sleep = asyncio.sleep,
 ) -> None:
-    """Read ``replica``'s publisher (its data-parallel ``rank``'s) until cancelled (connect layout)."""
+    """Read ``replica``'s publisher (its data-parallel ``rank``'s) until cancelled (connect layout);
+    after a failure it tries again ``RETRY_S`` later, slept with ``sleep`` (the world's)."""
     replayer = ZmqReplayer(ctx, replay_endpoint, replay_timeout_s) if replay_endpoint else None
     source.add_feed(replica, replayer, model, rank)
     while True:
@@ -97,7 +100,7 @@ async def follow_replica(
             sock.connect(endpoint)
             if replayer is not None:
                 # Subscribed first, so what is published during the replay waits in the socket.
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # real time: the subscription reaching the publisher
                 await source.catch_up(replica, rank)
             while True:
                 frames = await sock.recv_multipart()
@@ -106,7 +109,7 @@ async def follow_replica(
             raise
         except Exception as exc:  # a subscriber never stops the router
             log.warning("kv events from %s (%s): %s; again in %.0fs", replica, endpoint, exc, RETRY_S)
-            await asyncio.sleep(RETRY_S)
+            await sleep(RETRY_S)
         finally:
             if watching is not None:
                 watching.cancel()
@@ -147,7 +150,11 @@ def recv_monitor_message_from(frames: Sequence[bytes]) -> int:
 
 
 async def listen(
-    ctx: zmq.asyncio.Context, source: KvEventSource, endpoint: str, resolve: Callable[[str], str | None]
+    ctx: zmq.asyncio.Context,
+    source: KvEventSource,
+    endpoint: str,
+    resolve: Callable[[str], str | None],
+    sleep: Sleep = asyncio.sleep,
 ) -> None:
     """Bind one SUB endpoint that replicas connect to (``resolve`` maps a topic's replica part,
     a name or an address, to a member's name; None drops the message)."""
@@ -171,7 +178,7 @@ async def listen(
             raise
         except Exception as exc:
             log.warning("kv events on %s: %s; again in %.0fs", endpoint, exc, RETRY_S)
-            await asyncio.sleep(RETRY_S)
+            await sleep(RETRY_S)
         finally:
             sock.close(0)
 
@@ -188,8 +195,9 @@ async def _deliver(source: KvEventSource, frames: Sequence[bytes], replica: str)
 class Subscriptions:
     """The running subscriber tasks, kept in step with the membership."""
 
-    def __init__(self, source: KvEventSource, replay_timeout_s: float = 1.0) -> None:
+    def __init__(self, source: KvEventSource, replay_timeout_s: float = 1.0, world: World = REAL_WORLD) -> None:
         self.source = source
+        self.world = world  # reconnects wait on its time
         self.ctx = zmq.asyncio.Context()
         self.replay_timeout_s = replay_timeout_s
         self._tasks: dict[tuple[str, int], tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
@@ -207,7 +215,15 @@ class Subscriptions:
             known[1].cancel()
         task = asyncio.create_task(
             follow_replica(
-                self.ctx, self.source, replica, endpoint, replay_endpoint, model, self.replay_timeout_s, rank
+                self.ctx,
+                self.source,
+                replica,
+                endpoint,
+                replay_endpoint,
+                model,
+                self.replay_timeout_s,
+                rank,
+                self.world.sleep,
             ),
             name=f"kv-events-{replica}-dp{rank}",
         )
@@ -232,7 +248,9 @@ class Subscriptions:
 
     def listen(self, endpoint: str, resolve: Callable[[str], str | None]) -> None:
         """Bind ``endpoint`` for replicas that connect (listen layout)."""
-        self._listener = asyncio.create_task(listen(self.ctx, self.source, endpoint, resolve), name="kv-events-listen")
+        self._listener = asyncio.create_task(
+            listen(self.ctx, self.source, endpoint, resolve, self.world.sleep), name="kv-events-listen"
+        )
 
     async def close(self) -> None:
         """Cancel every task and close the context."""

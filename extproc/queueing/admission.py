@@ -75,7 +75,13 @@ class Admission(Generic[T]):
         return self._levels.waiting(priority)
 
     def admit(
-        self, request_class: str, tenant: str, pool: Pool, item: T, ready: Callable[[], bool] | None = None
+        self,
+        request_class: str,
+        tenant: str,
+        pool: Pool,
+        item: T,
+        ready: Callable[[], bool] | None = None,
+        demotion: int = 0,
     ) -> Waiter[T] | Refusal | None:
         """A request arrives. None: it goes straight on (nothing of its priority or above waits and
         its candidates have headroom); a :class:`Refusal`: its priority's queue is full; a
@@ -84,6 +90,8 @@ class Admission(Generic[T]):
         With ``ready`` it was decided on already and every candidate was predicted to miss its
         latency objectives: it waits whatever the fleet's load, until ``ready()`` (and headroom)."""
         terms = self.settings.for_class(request_class)
+        if demotion > 0:  # a client's priority only ever lowers its request below its class
+            terms = terms.model_copy(update={"priority": terms.priority - demotion})
         if ready is None and not self._levels.ahead(terms.priority) and not self.saturated(pool):
             return None
         if self._levels.waiting(terms.priority) >= terms.max_queued:

@@ -20,13 +20,13 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extproc.queueing.admission import Admission, Pool, Refusal, Waiter
 from extproc.queueing.observer import NullQueueObserver, QueueObserver
 from extproc.queueing.settings import QueueSettings
+from extproc.world import REAL_WORLD, Cancellable, World
 
 log = logging.getLogger("extproc.queueing")
 
@@ -55,16 +55,19 @@ class FairQueue:
         settings: QueueSettings,
         saturated: Callable[[Pool], bool],
         metrics: QueueObserver | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
-        """``saturated(pool)`` says whether every candidate of a pool is saturated now; ``clock``
-        must run with the event loop's (waits are timed with both)."""
+        """``saturated(pool)`` says whether every candidate of a pool is saturated now; waits are
+        timed by ``world`` (:mod:`extproc.world`), deadlines by its clock unless ``clock`` is given."""
         self.metrics: QueueObserver = metrics or NullQueueObserver()
-        self.clock = clock
+        self.world = world
+        self.clock = clock = clock or world.monotonic
         self.admission: Admission[Ticket] = Admission(settings, saturated, clock)
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
-        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry: Cancellable | None = None
         self._expiry_at = math.inf
 
     def __len__(self) -> int:
@@ -79,13 +82,18 @@ class FairQueue:
         self._wake.set()
 
     async def admit(
-        self, request_class: str, tenant: str, pool: Pool, ready: Callable[[], bool] | None = None
+        self,
+        request_class: str,
+        tenant: str,
+        pool: Pool,
+        ready: Callable[[], bool] | None = None,
+        demotion: int = 0,
     ) -> Refusal | Ticket | None:
         """Wait until the request may be routed. None: it went straight on; a :class:`Ticket`: it
         waited and was released (settle it once routed); a :class:`Refusal`: answer it with that.
         With ``ready`` it waits for its latency objectives (:meth:`Admission.admit`)."""
         ticket = Ticket(asyncio.get_running_loop().create_future())
-        waiter = self.admission.admit(request_class, tenant, pool, ticket, ready)
+        waiter = self.admission.admit(request_class, tenant, pool, ticket, ready, demotion)
         if waiter is None:
             return None
         if isinstance(waiter, Refusal):
@@ -123,7 +131,7 @@ class FairQueue:
         if self._expiry is not None:
             self._expiry.cancel()
         self._expiry_at = deadline
-        self._expiry = asyncio.get_running_loop().call_later(max(0.0, deadline - self.clock()), self._expire)
+        self._expiry = self.world.call_later(deadline - self.clock(), self._expire)
 
     def _expire(self) -> None:
         self._expiry, self._expiry_at = None, math.inf
@@ -139,17 +147,14 @@ class FairQueue:
             waiter = self.admission.next_to_go()
             if waiter is None:
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), TICK_S)
+                await self.world.wait_event(self._wake, TICK_S)
                 continue
             self._gauge(waiter.priority)
             ticket = waiter.item
             if ticket.granted.done():
                 continue  # cancelled, its task not yet told: it leaves without holding the pump
             ticket.granted.set_result(None)
-            try:
-                await asyncio.wait_for(ticket.settled.wait(), SETTLE_S)
-            except TimeoutError:
+            if not await self.world.wait_event(ticket.settled, SETTLE_S):
                 log.debug("a released request took over %.1fs to be routed", SETTLE_S)
 
     def _gauge(self, priority: int) -> None:

@@ -6,7 +6,7 @@ next turn. Bounded by count and by bytes; the least recently used sessions go fi
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -21,6 +21,9 @@ class LedgerEntry:
     body: bytes
     last_seen: float
     moved_at: float = float("-inf")
+    hashes: Sequence[int] = ()
+    """The request's prefix block keys as the router looked them up (the tokenizer's, where one
+    serves the model): a move indexes the session's new replica under the same keys."""
 
 
 class SessionLedger:
@@ -46,15 +49,25 @@ class SessionLedger:
         """The ledger key: sessions are per model, as in the stores."""
         return f"{model}\x1f{session}"
 
-    def note(self, session: str, model: str, replica: str, path: str, body: bytes, now: float) -> None:
-        """Remember a session's latest request (the body is referenced, not copied)."""
+    def note(
+        self,
+        session: str,
+        model: str,
+        replica: str,
+        path: str,
+        body: bytes,
+        now: float,
+        hashes: Sequence[int] = (),
+    ) -> None:
+        """Remember a session's latest request (the body and its prefix keys ``hashes`` are
+        referenced, not copied)."""
         key = self.key(session, model)
         old = self._entries.pop(key, None)
         moved_at = float("-inf")
         if old is not None:
             self._bytes -= len(old.body)
             moved_at = old.moved_at
-        self._entries[key] = LedgerEntry(session, model, replica, path, body, now, moved_at)
+        self._entries[key] = LedgerEntry(session, model, replica, path, body, now, moved_at, hashes)
         self._bytes += len(body)
         while self._entries and (len(self._entries) > self.max_sessions or self._bytes > self.max_bytes):
             _, dropped = self._entries.popitem(last=False)

@@ -32,6 +32,8 @@ class Move:
     path: str
     body: bytes
     reason: str
+    hashes: Sequence[int] = ()
+    """The session's prefix keys as last looked up: what the new replica is indexed under."""
 
 
 def _movable(entry: LedgerEntry, now: float, session_cooldown_s: float) -> bool:
@@ -51,7 +53,9 @@ def plan_join(
         if entry.replica == newcomer or not _movable(entry, now, session_cooldown_s):
             continue
         if ring.preference(entry.session, 1) == [newcomer]:
-            moves.append(Move(entry.session, entry.model, entry.replica, newcomer, entry.path, entry.body, "join"))
+            moves.append(
+                Move(entry.session, entry.model, entry.replica, newcomer, entry.path, entry.body, "join", entry.hashes)
+            )
     return moves
 
 
@@ -80,7 +84,7 @@ def plan_leave(
         if target is None:
             continue
         counts[target] += 1
-        moves.append(Move(entry.session, entry.model, leaver, target, entry.path, entry.body, "leave"))
+        moves.append(Move(entry.session, entry.model, leaver, target, entry.path, entry.body, "leave", entry.hashes))
     return moves
 
 
@@ -105,6 +109,6 @@ def plan_shed(
     lightest = targets[: max(1, len(targets) // 2)]
     chosen = sorted(mine, key=lambda e: e.last_seen, reverse=True)[:count]
     return [
-        Move(e.session, e.model, hot, lightest[i % len(lightest)].name, e.path, e.body, "hot")
+        Move(e.session, e.model, hot, lightest[i % len(lightest)].name, e.path, e.body, "hot", e.hashes)
         for i, e in enumerate(chosen)
     ]

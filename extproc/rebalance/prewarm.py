@@ -20,6 +20,7 @@ import aiohttp
 
 from extproc.request.openai_body import one_token
 from extproc.validation import Section, option
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.prewarm")
 
@@ -145,9 +146,12 @@ class Prewarmer:
         send: Send = http_send,
         on_result: Callable[[str], None] | None = None,
         schedule: Callable[[], None] | None = None,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.queue = PrewarmQueue(settings, clock, on_result or (lambda outcome: None))
         self.send = send
+        self.world = world  # the pacing between sends sleeps on its time
         self.schedule = schedule or self._start
         self._task: asyncio.Task[None] | None = None
 
@@ -166,7 +170,7 @@ class Prewarmer:
         queue = self.queue
         while (warm := queue.take()) is not None:
             if isinstance(warm, float):
-                await asyncio.sleep(warm)
+                await self.world.sleep(warm)
                 continue
             try:
                 status: int | None = await self.send(warm.address, warm.path, warm.body, queue.settings.timeout_s)

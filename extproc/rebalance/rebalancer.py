@@ -19,6 +19,7 @@ from extproc.routing.model import Snapshot
 from extproc.routing.ring import HashRing
 from extproc.state.store import AffinityStore
 from extproc.validation import Section, option
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.rebalance")
 
@@ -42,9 +43,6 @@ class RebalanceSettings(Section):
     prewarm: PrewarmSettings = option(PrewarmSettings(), "warming a moved session's new replica")
 
 
-IndexHashes = Callable[[str, bytes], Sequence[int]]
-
-
 class Rebalancer:
     """Moves sessions between replicas when the fleet changes."""
 
@@ -54,24 +52,27 @@ class Rebalancer:
         store: AffinityStore,
         clock: Callable[[], float],
         metrics: RebalanceObserver,
-        index_hashes: IndexHashes,
         prewarmer: Prewarmer | None = None,
         session_ttl_s: float = 600.0,
+        *,
+        world: World = REAL_WORLD,
     ) -> None:
         self.settings = settings
         self.store = store
         self.clock = clock
         self.metrics = metrics
-        self.index_hashes = index_hashes
         self.ledger = SessionLedger(settings.ledger_sessions, settings.ledger_bytes, session_ttl_s)
-        self.prewarmer = prewarmer or Prewarmer(settings.prewarm, clock, on_result=metrics.prewarmed)
+        self.prewarmer = prewarmer or Prewarmer(settings.prewarm, clock, on_result=metrics.prewarmed, world=world)
         self._hot_since: dict[str, float] = {}
         self._last_shed: dict[str, float] = {}
 
-    def note(self, session: str, model: str, replica: str, path: str, body: bytes, now: float) -> None:
-        """A session's latest request went to ``replica``."""
+    def note(
+        self, session: str, model: str, replica: str, path: str, body: bytes, now: float, hashes: Sequence[int] = ()
+    ) -> None:
+        """A session's latest request went to ``replica``; ``hashes``: its prefix keys as looked
+        up (kept, not computed again, so a move indexes it in the live key space)."""
         if self.settings.enabled:
-            self.ledger.note(session, model, replica, path, body, now)
+            self.ledger.note(session, model, replica, path, body, now, hashes)
 
     async def apply(self, moves: Sequence[Move], snapshot: Snapshot, now: float) -> int:
         """Re-pin, re-index and pre-warm each move; returns how many were applied."""
@@ -81,8 +82,7 @@ class Rebalancer:
             if target is None:
                 continue
             try:
-                hashes = self.index_hashes(move.path, move.body)
-                await self.store.record(move.session, move.target, hashes, now, True, model=move.model)
+                await self.store.record(move.session, move.target, move.hashes, now, True, model=move.model)
             except Exception as exc:
                 self.metrics.repin_failed()
                 log.debug("re-pinning a moved session failed: %s", exc)

@@ -61,6 +61,12 @@ class ConversationChain:
     """The conversation's identity once resolved (:mod:`extproc.state.conversations`)."""
     match: Match | None = None
     """How it was resolved; None until then."""
+    stored: bool = False
+    """The engine keeps this conversation in its own memory (a Responses API turn naming
+    ``previous_response_id``): once continued, the turn goes to its pinned replica or fails there."""
+    also: int | None = None
+    """A second link remembered with ``end``: the id of the response a Responses API request makes
+    (:func:`response_link`), for a later request naming it as ``previous_response_id`` to find."""
 
     @property
     def session_key(self) -> str | None:
@@ -103,3 +109,19 @@ def conversation_chain(messages: Sequence[Any], tools: Any, seed: int) -> Conver
             turn, turn_messages = h, i  # the chain as it stood before this assistant message
         h = _xxh3(_message_bytes(message), h)
     return ConversationChain(end=h, turn=turn, messages=len(messages), turn_messages=turn_messages)
+
+
+def response_link(response_id: str, tenant: str, seed: int) -> int:
+    """The link a Responses API response id is remembered under (its tenant's: a response id
+    never leads one tenant to another's conversation)."""
+    return _xxh3(f"resp\x1f{tenant}\x1f{response_id}".encode("utf-8", "surrogatepass"), seed)
+
+
+def response_chain(previous: str, response_id: str | None, tenant: str, seed: int, messages: int) -> ConversationChain:
+    """A Responses API request that continues ``previous`` (its ``previous_response_id``): found
+    by that response's link, remembered by its own response's (the previous one's again when its
+    id is not known). The engine keeps the stored conversation in its own memory, so the turn must
+    go where the previous response was made."""
+    turn = response_link(previous, tenant, seed)
+    end = response_link(response_id, tenant, seed) if response_id else turn
+    return ConversationChain(end=end, turn=turn, messages=messages, turn_messages=messages, stored=True)

@@ -8,8 +8,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from extproc.request.agent_apis import RESPONSES_PATH, conversation_id, previous_response_id
+from extproc.request.agent_hints import NO_HINTS, AgentHints, read_hints
 from extproc.request.classes import ClassRule, classify
-from extproc.request.conversation import ConversationChain, conversation_chain
+from extproc.request.conversation import ConversationChain, conversation_chain, response_chain, response_link
 from extproc.request.objectives import Objectives, fill
 from extproc.request.openai_body import INFERENCE_PATHS, BodyError, OpenAIRequest, parse_request_body
 from extproc.request.prefix import block_hashes, model_seed
@@ -31,6 +33,10 @@ class FeatureSettings:
 
     session_sources: tuple[SessionSource, ...] = (
         SessionSource("header", "x-session-id"),
+        # Agents' own session headers, as llm-d's agent-identity plugin reads them: Claude Code's
+        # and OpenCode's (an agent that names its session is kept on one replica without a key).
+        SessionSource("header", "x-claude-code-session-id"),
+        SessionSource("header", "x-session-affinity"),
         SessionSource("cookie", "session_id"),
         SessionSource("body", "metadata.session_id"),
         SessionSource("body", "user"),
@@ -85,6 +91,19 @@ class RequestFeatures:
     conversation: ConversationChain | None = None
     """For a chat request without a session key: its message chain, by which the router finds
     its conversation (then ``session_key`` is the conversation's, ``conversation.match`` how)."""
+    response_id: str | None = None
+    """For a Responses API request: the id its response will have (its ``request_id``)."""
+    hints: AgentHints = NO_HINTS
+    """What an agent framework said of it: priority, expected output, KV retention
+    (:mod:`extproc.request.agent_hints`)."""
+
+    @property
+    def expected_output_tokens(self) -> int | None:
+        """The output the decode is expected to make: the agent's estimate (Dynamo's ``osl``),
+        else the request's cap; None when neither is given."""
+        cap = self.max_output_tokens if self.max_output_tokens and self.max_output_tokens > 0 else None
+        hint = self.hints.expected_output_tokens
+        return min(hint, cap) if hint is not None and cap is not None else hint or cap
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -134,9 +153,13 @@ def extract_features(headers: Mapping[str, str], body: bytes | None, settings: F
     return read_request(headers, body, settings).features
 
 
-def read_request(headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings) -> ParsedRequest:
+def read_request(
+    headers: Mapping[str, str], body: bytes | None, settings: FeatureSettings, *, hashed: bool = True
+) -> ParsedRequest:
     """The request's features and parsed body; a body that cannot be used leaves ``body_error``
-    set, never raises."""
+    set, never raises. Without ``hashed`` its prompt is not hashed yet (no block hashes, no
+    conversation chain): the router hashes it once it knows the model served (a split's arm) and
+    whether a tokenizer keys its blocks (:func:`with_chain`, :func:`with_block_hashes`)."""
     path = request_path(headers)
     tenant = resolve_tenant(headers, settings.tenant_header, settings.api_keys)
     request_id = headers.get("x-request-id", "")[:128]
@@ -153,6 +176,8 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
     elif body is None and path in INFERENCE_PATHS:
         body_error = "no body"
     key = session_key(settings.session_sources, headers, parsed.body if parsed else None)
+    if key is None and parsed is not None and path == RESPONSES_PATH and (conv := conversation_id(parsed.body)):
+        key = f"conversation:{conv}"  # the Responses API's own conversation object: a session
     if key is not None and tenant:
         # Tenants live in their own key space: equal session ids of two tenants are two sessions.
         key = f"{tenant}\x1f{key}"
@@ -167,33 +192,70 @@ def read_request(headers: Mapping[str, str], body: bytes | None, settings: Featu
             model=headers.get("x-model", "")[:256],
             slo_ttft_ms=objective_ms(headers, SLO_TTFT_HEADERS),
             slo_tpot_ms=objective_ms(headers, SLO_TPOT_HEADERS),
+            hints=read_hints(headers, None),
         )
         return ParsedRequest(_classified(features, headers, settings))
     bare = RequestFeatures(path=path, session_key=key, tenant=tenant, request_id=request_id)
-    return ParsedRequest(_from_body(bare, parsed, headers, settings), parsed)
+    return ParsedRequest(_from_body(bare, parsed, headers, settings, hashed), parsed)
 
 
 def with_model(
-    request: ParsedRequest, model: str, headers: Mapping[str, str], settings: FeatureSettings
+    request: ParsedRequest, model: str, headers: Mapping[str, str], settings: FeatureSettings, *, hashed: bool = True
 ) -> ParsedRequest:
     """``request`` as if its body named ``model`` (a split's arm): the prefix hashes are seeded
     with the model actually served. The body is not parsed again."""
     if request.body is None:
         return request
     body = replace(request.body, model=model, body={**request.body.body, "model": model})
-    return ParsedRequest(_from_body(request.features, body, headers, settings), body)
+    return ParsedRequest(_from_body(request.features, body, headers, settings, hashed), body)
+
+
+def with_chain(request: ParsedRequest, settings: FeatureSettings) -> ParsedRequest:
+    """A request read without ``hashed``, with its conversation chain (where it has one)."""
+    parsed, features = request.body, request.features
+    if parsed is None or features.conversation is not None:
+        return request
+    chain = _chain(features, parsed, model_seed(parsed.model), settings)
+    return request if chain is None else ParsedRequest(replace(features, conversation=chain), parsed)
+
+
+def with_block_hashes(
+    features: RequestFeatures, parsed: OpenAIRequest | None, settings: FeatureSettings
+) -> RequestFeatures:
+    """``features`` (of a request read without ``hashed``) with its prompt's character block
+    hashes, unless a tokenizer already keyed its blocks."""
+    if parsed is None or features.tokens_per_block or features.prefix_hashes:
+        return features
+    hashes = block_hashes(parsed.prompt, model_seed(parsed.model), settings.block_chars, settings.max_blocks)
+    return replace(features, prefix_hashes=hashes)
+
+
+def with_response_id(
+    request: ParsedRequest, response_id: str, headers: Mapping[str, str], settings: FeatureSettings
+) -> ParsedRequest:
+    """A Responses API ``request`` given the id its response will have (vLLM names a response by
+    its request's ``request_id``): a later request naming it as ``previous_response_id`` is then
+    known. The body is not parsed again, nor hashed: as the router reads a request, its chain and
+    hashes come after (:func:`with_chain`, :func:`with_block_hashes`)."""
+    if request.body is None:
+        return request
+    body = replace(request.body, body={**request.body.body, "request_id": response_id})
+    return ParsedRequest(_from_body(request.features, body, headers, settings, hashed=False), body)
 
 
 def _from_body(
-    bare: RequestFeatures, parsed: OpenAIRequest, headers: Mapping[str, str], settings: FeatureSettings
+    bare: RequestFeatures,
+    parsed: OpenAIRequest,
+    headers: Mapping[str, str],
+    settings: FeatureSettings,
+    hashed: bool = True,
 ) -> RequestFeatures:
-    seed = model_seed(parsed.model)
-    hashes = block_hashes(parsed.prompt, seed, settings.block_chars, settings.max_blocks)
+    hashes: tuple[int, ...] = ()
     chain = None
-    if bare.session_key is None and settings.conversations:
-        messages = parsed.body.get("messages")
-        if isinstance(messages, list):
-            chain = conversation_chain(messages, parsed.body.get("tools"), seed)
+    if hashed:
+        seed = model_seed(parsed.model)
+        hashes = block_hashes(parsed.prompt, seed, settings.block_chars, settings.max_blocks)
+        chain = _chain(bare, parsed, seed, settings)
     features = RequestFeatures(
         path=bare.path,
         model=parsed.model,
@@ -209,8 +271,46 @@ def _from_body(
         slo_ttft_ms=objective_ms(headers, SLO_TTFT_HEADERS),
         slo_tpot_ms=objective_ms(headers, SLO_TPOT_HEADERS),
         conversation=chain,
+        response_id=_response_id(bare.path, parsed.body),
+        hints=read_hints(headers, parsed.body),
     )
     return _classified(features, headers, settings)
+
+
+def _response_id(path: str, body: Mapping[str, object]) -> str | None:
+    own = body.get("request_id") if path == RESPONSES_PATH else None
+    return own if isinstance(own, str) and own else None
+
+
+def _chain(
+    bare: RequestFeatures, parsed: OpenAIRequest, seed: int, settings: FeatureSettings
+) -> ConversationChain | None:
+    """The chain a request without a session key is known by: its messages' (chat, and the
+    Messages and Responses APIs as the engine's chat request), or for a Responses request that
+    names ``previous_response_id`` that response's, whatever ``request.conversations`` says (the
+    engine holds that conversation in its own memory: the turn must go where it was made)."""
+    if bare.session_key is not None:
+        return None
+    body = parsed.body
+    if bare.path == RESPONSES_PATH:
+        own = body.get("request_id")
+        own = own if isinstance(own, str) and own else None
+        previous = previous_response_id(body)
+        messages = len(parsed.chat.messages) if parsed.chat is not None else 0
+        if previous is not None:
+            return response_chain(previous, own, bare.tenant, seed, messages)
+        if not settings.conversations or parsed.chat is None:
+            return None
+        chain = conversation_chain(parsed.chat.messages, parsed.chat.tools, seed)
+        if chain is not None and own is not None:
+            chain = replace(chain, also=response_link(own, bare.tenant, seed))
+        return chain
+    if not settings.conversations:
+        return None
+    if parsed.chat is not None:
+        return conversation_chain(parsed.chat.messages, parsed.chat.tools, seed)
+    listed = body.get("messages")
+    return conversation_chain(listed, body.get("tools"), seed) if isinstance(listed, list) else None
 
 
 def _classified(features: RequestFeatures, headers: Mapping[str, str], settings: FeatureSettings) -> RequestFeatures:

@@ -14,14 +14,30 @@ from typing import Any
 
 import orjson
 
+from extproc.request.agent_apis import (
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    AgentApiError,
+    ChatView,
+    messages_as_chat,
+    responses_as_chat,
+)
+from extproc.request.agent_apis import max_output_tokens as agent_max_output_tokens
+
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+AGENT_PATHS = frozenset({MESSAGES_PATH, RESPONSES_PATH})
+"""Anthropic's Messages API and the Responses API: read as the chat request vLLM turns them into
+(:mod:`extproc.request.agent_apis`)."""
+INFERENCE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH}) | AGENT_PATHS
+"""The paths whose bodies the router reads: their prompt, model and session."""
+USAGE_ASKED_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+"""The paths whose streams report usage only when asked (``stream_options.include_usage``): the
+Messages and Responses APIs' streams always report it (in ``message_delta`` and
+``response.completed``), and their bodies take no ``stream_options``."""
 OTHER_TOKEN_PATHS = frozenset(
     {
         "/v1/chat/completions/batch",
-        "/v1/responses",
-        "/v1/messages",
         "/cohere/v2/chat",
         "/inference/v1/generate",
         "/generative_scoring",
@@ -65,6 +81,8 @@ class OpenAIRequest:
     body: dict[str, Any]
     has_media: bool = False
     max_output_tokens: int | None = None
+    chat: ChatView | None = None
+    """For the Messages and Responses APIs: the chat request the engine renders from the body."""
 
 
 def max_output_tokens(body: dict[str, Any]) -> int | None:
@@ -185,7 +203,16 @@ def parse_request_body(path: str, raw: bytes) -> OpenAIRequest:
     user = body.get("user")
     user = user if isinstance(user, str) and user else None
     media = False
-    if path.startswith(CHAT_PATH):
+    chat = None
+    cap = max_output_tokens(body)
+    if path in AGENT_PATHS:
+        try:
+            chat = messages_as_chat(body) if path == MESSAGES_PATH else responses_as_chat(body)
+        except AgentApiError as exc:
+            raise BodyError(str(exc)) from None
+        prompt, media = render_chat(chat.messages, chat.tools)
+        cap = agent_max_output_tokens(path, body)
+    elif path.startswith(CHAT_PATH):
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise BodyError("chat request without a messages list")
@@ -199,5 +226,6 @@ def parse_request_body(path: str, raw: bytes) -> OpenAIRequest:
         user=user,
         body=body,
         has_media=media,
-        max_output_tokens=max_output_tokens(body),
+        max_output_tokens=cap,
+        chat=chat,
     )

@@ -111,9 +111,26 @@ class PromptTokenizer:
             if t.special and not t.lstrip and not t.rstrip and not t.single_word and not t.normalized
         }
         self._cut_tokens = sorted(set(self._cut_ids.values()))
+        self.merges_inline_system = self._takes_only_a_leading_system()
+        """Whether the template refuses a system message after the first turn: then vLLM's
+        ``/v1/messages`` merges inline system messages into the leading one, and so does the router."""
         self._sessions: OrderedDict[str, Tokenized] = OrderedDict()
         self._session_cap = session_cache
         self._lock = threading.Lock()
+
+    def _takes_only_a_leading_system(self) -> bool:
+        """vLLM's probe: a system, user, system, user conversation rendered (no generation prompt);
+        a template that raises on it (a ``loop.first`` guard) takes only a leading system message."""
+        if self.template is None:
+            return True
+        probe = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+        try:
+            self.template.render(messages=probe, add_generation_prompt=False)
+        except TokenizerError:
+            return True
+        except Exception:  # a template can raise anything on odd input
+            return True
+        return False
 
     def render_chat(self, messages: Sequence[Any], tools: Any = None) -> str:
         """The chat template's text for ``messages`` with the generation prompt added."""

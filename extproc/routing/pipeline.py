@@ -102,6 +102,8 @@ def _clamp(value: float) -> float:
 
 
 SUBSET_STEP = "subset"
+STORED_STEP = "stored_conversation"
+"""The step that keeps a turn whose conversation only its pinned engine stores on that engine."""
 """The step that keeps only the endpoints the gateway offers (its subset hint), in the trace and as
 ``Decision.moved_by``."""
 ROLE_STEP = "role"
@@ -142,6 +144,8 @@ class DecisionInputs:
     latency: LatencyView | None = None
     pairing: PairSettings = _PAIRING
     block_chars: int = _BLOCK_CHARS
+    prefix_fingerprint: int | None = None
+    """``prefix_key``'s fingerprint where the router computed it (hot keys on); else computed here."""
 
     @classmethod
     def of(
@@ -206,7 +210,8 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     if given.hot:
         cycle.hot_key = given.prefix_key
         if cycle.hot_key is not None:
-            cycle.hot_replicas = given.hot.get(fingerprint(cycle.hot_key), 0)
+            fp = given.prefix_fingerprint
+            cycle.hot_replicas = given.hot.get(fingerprint(cycle.hot_key) if fp is None else fp, 0)
     candidates: list[ReplicaState] = list(snapshot.replicas)
     if trace is not None:
         trace.profile, trace.key_source = profile.name, key_source
@@ -232,6 +237,16 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         candidates = kept or candidates
     if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):
         moved_by = "cordon" if any(s.name == pinned for s in snapshot.replicas) else "membership"
+    chain = features.conversation
+    if chain is not None and chain.stored and chain.match == "continued" and pinned is not None:
+        # Only the pinned engine holds this conversation (vLLM's Responses store is in its own
+        # memory): anywhere else the turn is a 404, so no load or price moves it while it is here.
+        kept = [c for c in candidates if c.name == pinned and c.in_rotation]  # a failed engine fails over
+        if kept and trace is not None:
+            step = FilterPass(STORED_STEP)
+            step.removed = [(c.name, "does not store the conversation") for c in candidates if c.name != pinned]
+            trace.filters.append(step)
+        candidates = kept or candidates
     for flt in profile.filters:
         candidates = flt.filter(cycle, candidates) if trace is None else _traced_filter(flt, cycle, candidates, trace)
         if pinned is not None and not moved_by and all(c.name != pinned for c in candidates):

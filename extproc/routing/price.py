@@ -338,8 +338,7 @@ def _price(
         own_steps = max(1, math.ceil(uncached / chunk))
         prefill += own_steps * step
         queue += (max(1, math.ceil((queued + uncached) / chunk)) - own_steps) * step
-    output = features.max_output_tokens if features.max_output_tokens and features.max_output_tokens > 0 else None
-    output_tokens = output or settings.output_tokens
+    output_tokens = features.expected_output_tokens or settings.output_tokens  # an agent's osl, else the cap
     kv_wait = 0.0
     if capacity > 0:
         short = used + uncached - capacity

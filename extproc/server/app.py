@@ -166,12 +166,13 @@ class ProcessorServer:
         )
 
     async def _serving_when(self, ready: Callable[[], bool], timeout_s: float) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        world = self.router.world
+        deadline = world.monotonic() + timeout_s
         while not ready():
-            if asyncio.get_running_loop().time() >= deadline:
+            if world.monotonic() >= deadline:
                 log.warning("no replica discovered after %.0fs: reporting SERVING (Envoy routes by default)", timeout_s)
                 break
-            await asyncio.sleep(0.1)
+            await world.sleep(0.1)
         self._discovered = True
         await self._set_readiness()
 
@@ -186,7 +187,7 @@ class ProcessorServer:
     async def _check_envoy(self, every_s: float = 1.0) -> None:
         """Judge what the streams showed of Envoy's ext_proc configuration, every second."""
         while True:
-            await asyncio.sleep(every_s)
+            await self.router.world.sleep(every_s)
             ok = self.envoy_check.evaluate()
             if ok != self._config_ok:
                 self._config_ok = ok

@@ -65,3 +65,5 @@ class Conversations:
         if chain is None or chain.conversation is None:
             return
         await self.store.remember_conversation(chain.end, chain.conversation, now, model=features.model)
+        if chain.also is not None:  # the response this request makes, for previous_response_id
+            await self.store.remember_conversation(chain.also, chain.conversation, now, model=features.model)

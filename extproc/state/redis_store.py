@@ -65,6 +65,7 @@ from extproc.state.redis_client import DEFAULT_TIMEOUT_S, RedisClient
 from extproc.state.redis_keys import KeySpace
 from extproc.state.redis_scripts import LOOKUP, LOOKUP_SHA, RECORD, RECORD_SHA, pack_hashes, parse_lookup
 from extproc.state.store import NullStoreObserver, StoreObserver, StoreStats
+from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.state")
 
@@ -134,8 +135,10 @@ class RedisStore:
         reconnect_max_s: float = 1.0,
         observer: StoreObserver | None = None,
         name: str = "redis",
+        world: World = REAL_WORLD,
     ) -> None:
         self.client = client
+        self.world = world  # the outage's probes wait on its time
         self.keys = KeySpace(namespace)
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.prefix_ttl_ms = max(1, round((prefix_ttl_s or ttl_s) * 1000))
@@ -312,7 +315,7 @@ class RedisStore:
             except (TimeoutError, RedisTimeoutError):
                 if time.monotonic() >= deadline:
                     raise
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # real time: a connection being set up over the network
 
     async def _write_batch(self, batch: list[_Write]) -> None:
         await self._discover()
@@ -489,7 +492,7 @@ class RedisStore:
         while (self._pending or self._in_flight) and not self.outage.down:
             if time.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # real time: writes in flight to Redis
         return not self._pending and not self._in_flight
 
     async def close(self) -> None:
@@ -526,7 +529,7 @@ class RedisStore:
 
     async def _probe_loop(self) -> None:
         while self.outage.down and not self._closed:
-            await asyncio.sleep(self.outage.next_delay())
+            await self.world.sleep(self.outage.next_delay())
             try:
                 await self._discover()
                 async with asyncio.timeout(self.op_timeout_s):

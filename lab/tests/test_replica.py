@@ -51,11 +51,11 @@ class VirtualClock:
     def __call__(self) -> float:
         return self.now
 
-    async def sleep(self, seconds: float) -> None:
+    async def sleep(self, seconds: float) -> None:  # the virtual clock's sleeper: moves its time, waits for none
         if self.gate is not None:
             await self.gate.wait()
         self.now += max(0.0, seconds)
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a loop turn, not time
 
 
 def virtual_engine(profile: ReplicaProfile | None = None) -> tuple[ReplicaEngine, VirtualClock]:
@@ -197,7 +197,7 @@ async def test_prefill_is_serialised_so_a_queue_raises_ttft() -> None:
     clock.gate = asyncio.Event()
     tasks = [asyncio.create_task(engine.generate(aligned_prompt(125, tag), MODEL, max_tokens=1)) for tag in "xyz"]
     for _ in range(5):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a loop turn, not time
     assert (engine.running, engine.waiting) == (1, 2)
     clock.gate.set()
     gens = await asyncio.gather(*tasks)
@@ -470,7 +470,7 @@ async def test_client_hanging_up_a_stream_counts_an_abort(client: test_utils.Tes
         samples = parse_metrics(await (await client.get("/metrics")).text())
         if value(samples, "vllm:request_success_total", finished_reason="abort") == 1:
             break
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # real time: the abort counted by the replica's server
     assert value(samples, "vllm:request_success_total", finished_reason="abort") == 1
     assert value(samples, "vllm:num_requests_running") == 0
 

@@ -61,6 +61,7 @@ async def replay(base_url: str, wl: Workload) -> tuple[float, dict[str, str]]:
     followers = wl.followers()
 
     async def conversation(http: aiohttp.ClientSession, first: int) -> None:
+        # real time: the workload's arrivals against real processes
         await asyncio.sleep(wl.requests[first].arrival_s * TIME_SCALE)
         index: int | None = first
         while index is not None:

@@ -156,3 +156,29 @@ def test_nominal_order_puts_follow_ups_after_what_they_follow() -> None:
     for r in wl.nominal_order():
         assert r.after < 0 or r.after in seen
         seen.add(r.index)
+
+
+def test_agents_grow_pause_fork_and_go_keyless() -> None:
+    wl = generators.agents(24, seed=5, fork_share=0.6, keyless_share=0.5)
+    again = generators.agents(24, seed=5, fork_share=0.6, keyless_share=0.5)
+    assert [r.keys for r in wl.requests] == [r.keys for r in again.requests]  # the seed fixes it
+    by_index = {r.index: r for r in wl.requests}
+    followers = wl.followers()
+    forks = [i for i, after in followers.items() if len(after) > 1]
+    assert wl.info["forks"] == len(forks) > 0
+    for parent in forks:
+        a, b = (by_index[i] for i in followers[parent])
+        # Both the parent's next turn and the sub-agent's first share the parent's whole context.
+        shared = by_index[parent].keys
+        assert a.keys[: len(shared) - 1] == b.keys[: len(shared) - 1] == shared[:-1]
+        assert a.session != b.session or a.session is None
+    keyless = [r for r in wl.requests if r.session is None]
+    assert 0 < len(keyless) < len(wl.requests)
+    feats = keyless[0].features(SETTINGS)
+    assert feats.session_key is None and feats.conversation is not None  # known by its messages
+    for r in wl.requests:
+        if r.after >= 0 and r.session is not None and by_index[r.after].session == r.session:
+            assert r.prompt_tokens > by_index[r.after].prompt_tokens  # a growing context
+    pauses = [r.arrival_s for r in wl.requests if r.after >= 0 and r.arrival_s > 0]
+    assert 1.0 < sum(pauses) / len(pauses) < 3.0  # tool pauses of seconds (2 s mean)
+    assert {r.messages[0]["content"] for r in wl.requests if r.messages} == {wl.requests[0].messages[0]["content"]}

@@ -64,7 +64,7 @@ def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> None:
                 return
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url}: the prefix cache was not reset within {timeout_s:.0f} s")
-        time.sleep(0.5)
+        time.sleep(0.5)  # real time: a real engine frees its blocks
 
 
 @pytest.fixture(scope="session")

@@ -339,7 +339,7 @@ async def test_objectives_a_client_loosens_do_not_unshed_its_class(engines: Vllm
                     break
                 bodies = [chat(gw, f"warm {batch} {i}", max_tokens=4, stream=True) for i in range(8)]
                 await asyncio.gather(*(drain(http, gw.url + CHAT, b, as_tenant("acme")) for b in bodies))
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.3)  # real time: the engines' metrics scraped between batches
             assert await warm(), "the latency models never learnt"
             async with Ledger(http, gw) as ledger:
                 statuses = []

@@ -88,7 +88,7 @@ async def settled(stub: pb_grpc.AdminStub) -> None:
         if now == previous and all(r.inflight == 0 for r in reply.replicas):
             return
         previous = now
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # real time: the real gateway's load settling
 
 
 async def test_explain_agrees_with_where_the_request_goes(gateway: LocalGateway, http: aiohttp.ClientSession) -> None:
@@ -163,7 +163,7 @@ async def test_a_drain_moves_sessions_on_two_gateways_sharing_redis(
             states = {r.name: r.cordon for r in (await other.ListReplicas(pb.ListReplicasRequest())).replicas}
             if states[victim] == "drained":
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # real time: the other gateway reads Redis after its health round
         assert states[victim] == "drained"
         # Near-caches hold a pin for up to a second: let the moved pins be what both gateways read.
         await asyncio.sleep(1.2)

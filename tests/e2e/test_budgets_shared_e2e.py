@@ -97,7 +97,7 @@ async def clear_of_day_boundary(margin_s: float = 90.0) -> None:
     """Wait out a UTC midnight closer than ``margin_s``: the day's window must not reset mid-test."""
     left = 86_400 - time.time() % 86_400
     if left < margin_s:
-        await asyncio.sleep(left + 1)
+        await asyncio.sleep(left + 1)  # real time: the budgets' day windows follow the wall clock
 
 
 def chat(tenant: str, label: str) -> dict[str, Any]:
@@ -159,7 +159,7 @@ async def test_a_burst_through_two_gateways_overshoots_one_budget_by_at_most_the
                 samples = await read_metrics(http, url)
                 held += sum(v for k, v in samples.items() if k.startswith(HELD))
             peak = max(peak, int(held))
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.002)  # real time: sampling real gateways' metrics while streams run
 
     async def worker(http: aiohttp.ClientSession, index: int) -> None:
         side = index % 2

@@ -92,7 +92,7 @@ async def replay(
                 statuses.append(resp.status)
                 if resp.status == 200:
                     conv.add_answer(json.loads(payload)["choices"][0]["message"]["content"])
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # real time: a client's think time between turns
 
     await asyncio.gather(*(converse(c) for c in convs))
     return statuses
@@ -168,7 +168,7 @@ async def test_no_prompt_session_key_or_api_key_in_the_console_or_the_decision_f
         (warm,) = multi_turn(1, 20, seed=23, system_tokens=20, document_tokens=20, run_id="warm")
         for _ in range(20):
             await replay(http, gateway, [warm], 1)
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # real time: the watch registering on the real server
             if events:
                 break
         assert events, "WatchDecisions sent nothing"
@@ -178,7 +178,7 @@ async def test_no_prompt_session_key_or_api_key_in_the_console_or_the_decision_f
         for _ in range(50):
             if len(events) - before >= 9:
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # real time: events streaming from the real server
         watch.cancel()
         collecting.cancel()
         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):

@@ -255,7 +255,7 @@ async def test_the_decision_feed_names_each_pair(gw: LocalGateway) -> None:
             assert (await post(http, gw.url, chat(f"warm-up {i}")))[0] == 200
             if events:
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # real time: the watch registering on the real server
         assert events, "WatchDecisions sent nothing"
         await asyncio.sleep(0.3)  # a warm-up decision still in transit
         before = len(events)
@@ -266,7 +266,7 @@ async def test_the_decision_feed_names_each_pair(gw: LocalGateway) -> None:
         for _ in range(50):
             if len(events) - before >= 2:
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # real time: events streaming from the real server
         watch.cancel()
         collecting.cancel()
         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):

@@ -43,7 +43,7 @@ async def test_killing_a_replica_mid_replay_costs_no_client_error(mode: str, tmp
             victim = holders.most_common(1)[0][0]
 
             async def kill_soon() -> None:
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.3)  # real time: the kill lands mid-conversation
                 gw.procs.kill(victim)
                 killed.append(loop.time())
 

@@ -171,7 +171,7 @@ async def test_on_real_vllm_engines_round_robin_captures_little_and_ours_nearly_
                 gw.start_processor()
             await asyncio.sleep(2)  # scrapes: the engines' counters read before any traffic
             await converse_turn_by_turn(gw.url, name, seed)
-            await asyncio.sleep(2)
+            await asyncio.sleep(2)  # real time: the gateway's scrapes after the turns
             found[name] = await measured(gw)
     (ours, ours_table), (rr, rr_table) = found["ours"], found["round-robin"]
     print(f"ours:\n{ours_table}\nround robin:\n{rr_table}")

@@ -133,7 +133,7 @@ async def _scenario(gw: LocalGateway) -> tuple[int, list[Outcome], list[Outcome]
             if not await in_rotation(http, gw.metrics_url, victim):
                 ejected = time.monotonic()
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # real time: the gateway's scrapes eject the hung engine
         return pid, list(unary), list(done), stopped_at, ejected
 
 

@@ -47,7 +47,7 @@ async def test_adapter_requests_go_where_the_adapter_is_loaded() -> None:
                 for t in range(3):
                     history += f" turn {t} more details"
                     out.append((await turn(http, gw.url, session, history, model="sql-lora"))[:2])
-                    await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.02)  # real time: a client's think time between turns
                 return out
 
             results = await asyncio.wait_for(asyncio.gather(*(converse(f"sql-{i}") for i in range(8))), 60)

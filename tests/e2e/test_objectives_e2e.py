@@ -71,7 +71,7 @@ async def test_a_shedding_class_is_refused_when_every_replica_is_predicted_to_mi
                 assert all(status == 200 for status, _, _ in results)
                 if await warm():
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # real time: real engines warming the latency models
             await wait_for(warm, within_s=15.0, step_s=0.1)
             status, retry_after, body = await send(http, gw, "too tight", **{"x-slo-ttft-ms": "0.001"})
             assert (status, retry_after) == (429, "4") and '"objective"' in body

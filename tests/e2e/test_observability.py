@@ -308,7 +308,7 @@ async def targets_up(port: int, expected: int, timeout_s: float = 30.0) -> None:
             if len(active) == expected and all(t["health"] == "up" for t in active):
                 await asyncio.sleep(2)  # a couple of samples before the workload starts
                 return
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # real time: Prometheus scraping its targets
     raise AssertionError(f"Prometheus targets not all up after {timeout_s}s")
 
 
@@ -383,7 +383,7 @@ async def test_prometheus_answers_every_panel_and_alert_and_sees_the_hit_ratio_w
         # fall outside it (a CI run saw round robin at 0.81 that way).
         await asyncio.sleep(2)
         await replay(gw.round_robin_url, sessions=8, turns=10, tag="rr")
-        await asyncio.sleep(3)
+        await asyncio.sleep(3)  # real time: Prometheus scrapes after the traffic
         rr = real_hit_ratio(port, int(time.monotonic() - started) + 1)
         assert ours > rr + 0.2, (ours, rr)
 

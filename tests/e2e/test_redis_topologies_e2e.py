@@ -77,7 +77,7 @@ async def replay(
                 status, replica = await send_turn(http, gw.url, conv, t, model)
                 statuses[status] += 1
                 used.add(replica)
-                await asyncio.sleep(THINK_S)
+                await asyncio.sleep(THINK_S)  # real time: a client's think time between turns
             return used
 
         used = await asyncio.gather(*(converse(i, c) for i, c in enumerate(convs)))
@@ -181,23 +181,23 @@ async def _failover(
                 statuses[status] += 1
                 turns.append(Turn(conv.session_id, started, name))
                 last[conv.session_id] = name
-                await asyncio.sleep(SENTINEL_THINK_S)
+                await asyncio.sleep(SENTINEL_THINK_S)  # real time: a client's think time between turns
 
         async def fail_over() -> None:
             nonlocal killed, promoted, recovered
-            await asyncio.sleep(SENTINEL_TURNS * SENTINEL_THINK_S / 4)
+            await asyncio.sleep(SENTINEL_TURNS * SENTINEL_THINK_S / 4)  # real time: the failover lands mid-workload
             master.kill()
             killed = time.monotonic()
             while time.monotonic() - killed < 20:
                 if await asyncio.to_thread(sentinel.master_address) == ("127.0.0.1", replica.port):
                     promoted = time.monotonic()
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # real time: Sentinel promoting the replica
             while time.monotonic() - killed < 30:
                 if await _store_available(http, gw):
                     recovered = time.monotonic()
                     break
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # real time: the gateway finding the new master
 
         await asyncio.gather(fail_over(), *(converse(c) for c in convs))
         assert killed is not None
@@ -212,7 +212,7 @@ async def _failover(
                 }
             if pins == last or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # real time: pins settling in the real Redis
     return statuses, turns, killed, promoted, recovered, pins, last
 
 

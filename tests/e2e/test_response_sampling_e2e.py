@@ -53,7 +53,7 @@ async def test_an_unobserved_request_holds_its_in_flight_slot_until_it_ends() ->
             await wait_for(lambda: in_flight(1), "the request in flight", within_s=1.0, step_s=0.02)
             while loop.time() < held_until:
                 assert await in_flight(1) and not request.done()
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # real time: a real request held in flight
             status, _, _ = await request
             # Envoy closes the ext_proc stream right after the response ends.
             await wait_for(lambda: in_flight(0), "the slot freed", within_s=3.0, step_s=0.05)

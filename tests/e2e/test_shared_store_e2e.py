@@ -105,7 +105,7 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
             status, _ = await send_turn(http, gw.url, conv, t)
             statuses.append(status)
             progress.set()
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # real time: a client's think time between turns
 
     async def answered(count: int) -> None:
         while len(statuses) < count:
@@ -128,7 +128,7 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
             deadline = asyncio.get_running_loop().time() + 5
             while (await read_metrics(http, url))["extproc_store_available{}"] != 1:
                 assert asyncio.get_running_loop().time() < deadline, f"{url}: store still unavailable"
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # real time: real processors probing the real Redis
         errors = [
             sum(v for k, v in (await read_metrics(http, url)).items() if k.startswith("extproc_store_errors_total"))
             for url in gw.metrics_urls
@@ -147,7 +147,7 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
         deadline = asyncio.get_running_loop().time() + 5
         while len(shared.session_keys()) < 4:
             assert asyncio.get_running_loop().time() < deadline, shared.session_keys()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # real time: writes reaching the real Redis
 
 
 async def test_keyless_conversations_are_known_through_redis_by_both_processors(shared: SharedGateway) -> None:

@@ -56,7 +56,7 @@ async def test_overloaded_replica_spills_over_then_gets_its_sessions_back(tmp_pa
             n += 1
             if done(await round_of_turns(http, f"{what}{n}")):
                 return loop.time() - start
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # real time: rounds of turns against real processes
         raise AssertionError(f"{what}: not within {timeout_s}s")
 
     with gw:

@@ -141,7 +141,7 @@ def _which(gw: LocalGateway, before: dict[str, float]) -> str:
         if len(moved) == 1:
             return moved[0]
         assert time.monotonic() < deadline, f"no single engine counted the request: {before} -> {after}"
-        time.sleep(0.05)
+        time.sleep(0.05)  # real time: the engines' counters, read over HTTP
 
 
 def converse(gw: LocalGateway, admin: pb_grpc.AdminStub, convo: Conversation, turn: int, **extra: Any) -> Sent:
@@ -172,7 +172,7 @@ def wait_until(what: Any, cond: Any, timeout_s: float = 30.0, every_s: float = 0
         if got:
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
-        time.sleep(every_s)
+        time.sleep(every_s)  # real time: polls real processes
 
 
 # -- tests --------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def learned(gw: LocalGateway, before: tuple[float, float, float, float]) -> tupl
         if now[1] == before[1] + 1 and now[3] == before[3] + 1:
             return now[0] - before[0], now[2] - before[2]
         assert time.monotonic() < deadline, (before, now)
-        time.sleep(0.05)
+        time.sleep(0.05)  # real time: the engine's counters, read over HTTP
 
 
 def test_a_streams_learned_ttft_is_the_clients_first_token_not_its_headers(gw: LocalGateway) -> None:
@@ -349,7 +349,7 @@ def test_under_load_the_price_predicts_the_chosen_engines_first_token_within_30_
             t.join()
         deadline = time.monotonic() + 5
         while len(decided) < len(rows) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # real time: the decision feed of a real processor
         watch.cancel()
     rows.sort()
     print("(explained, decided, predicted TTFT s, its queue part s, client's first token s):")

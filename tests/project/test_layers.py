@@ -51,6 +51,7 @@ RANKS = {
     "extproc.engine_rates": 0,  # an engine's speeds as pricing reads them (learnt in health/rates)
     "extproc.sampling": 0,  # deterministic sampling at a rate
     "extproc.event_loop": 0,  # the processor's event loop: uvloop where installed, asyncio's otherwise
+    "extproc.world": 0,  # time and chance, injected: the one clock, sleeper and random source
 }
 
 

@@ -28,6 +28,7 @@ WORKLOADS = (
     "tenant-mix",
     "hot-prefix",
     "shared-system-chat",
+    "agents",
 )
 
 
@@ -73,6 +74,8 @@ class WorkloadSpec:
             wl = generators.shared_system_chat(
                 96, 6, seed=seed, rate=rate, live=40, system_tokens=2000, document_tokens=300
             )
+        elif name == "agents":
+            wl = generators.agents(seed=seed, rate=rate)
         elif name in ("mooncake-conversation", "mooncake-synthetic"):
             path = trace_path(name, self.traces)
             wl = mooncake_workload(load_mooncake(path, self.limit), name, rate)

@@ -56,6 +56,9 @@ class EngineSettings:
     the ``traceparent`` the engine is sent, as service :data:`ENGINE_SERVICE`."""
     base_dir: Path | None = None
     """Where the venv and models live (default: ``~/.cache/extproc``)."""
+    responses_store: bool = False
+    """Keep Responses API answers (``VLLM_ENABLE_RESPONSES_API_STORE``, off in vLLM by default: a
+    ``previous_response_id`` is then a 404), in the engine's own memory, never freed."""
 
     def check(self) -> None:
         """``ValueError`` for settings vLLM's CPU build refuses."""
@@ -70,8 +73,10 @@ def engine_env(settings: EngineSettings | None = None) -> dict[str, str]:
     core in the server's own process (one PID, faster start), and no hub access; with traces, the
     service's name."""
     traced = settings is not None and settings.traces_endpoint is not None
+    stored = settings is not None and settings.responses_store
     return {
         **({"OTEL_SERVICE_NAME": ENGINE_SERVICE} if traced else {}),
+        **({"VLLM_ENABLE_RESPONSES_API_STORE": "1"} if stored else {}),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",

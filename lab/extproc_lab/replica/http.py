@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from extproc.kvevents.hashing import HashAlgo
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, parse_request_body
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError
+from extproc_lab.replica.agent_apis import AgentApis
 from extproc_lab.replica.engine import Generation, KvSource, ReplicaEngine, output_budget
 from extproc_lab.replica.kv_events import TokenBlocks
 from extproc_lab.replica.kv_publisher import KvEventPublisher
@@ -403,6 +404,7 @@ def build_app(
     app.on_response_prepare.append(stamp)
     app.router.add_post(CHAT_PATH, api.completion)
     app.router.add_post(COMPLETIONS_PATH, api.completion)
+    AgentApis(api).register(app)  # /v1/messages and /v1/responses, as vLLM serves them
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)

@@ -190,7 +190,8 @@ class DynamicSimulation(Simulation):
         rebalancer = self.router.rebalancer
         if rebalancer.settings.enabled:
             body = _body_bytes(req)
-            rebalancer.note(features.session_key, features.model, chosen.name, features.path, body, now)
+            hashes = features.prefix_hashes  # the keys it was looked up by, as the router keeps them
+            rebalancer.note(features.session_key, features.model, chosen.name, features.path, body, now, hashes)
 
     def _refused(self, i: int, routed: Routed, now: float) -> None:
         reason = routed.decision.reason.value

@@ -400,3 +400,81 @@ def shared_system_chat(
         "seed": seed,
     }
     return Workload("shared-system-chat", reqs, info)
+
+
+def agents(
+    count: int = 48,
+    *,
+    seed: int = 7,
+    rate: float = 1.0,
+    agents_per_s: float = 0.5,
+    harness_tokens: int = 1500,
+    task_tokens: int = 500,
+    turns: tuple[int, int] = (8, 16),
+    tool_result_tokens: tuple[int, int] = (100, 500),
+    call_tokens: tuple[int, int] = (30, 90),
+    tool_pause_s: float = 2.0,
+    fork_share: float = 0.25,
+    fork_turns: tuple[int, int] = (3, 6),
+    keyless_share: float = 0.3,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """Coding agents: each a long growing context over many turns, paused for tool calls between
+    them, some forking sub-agents that share their prefix, some without a session header.
+
+    Every agent opens with the same harness (a system prompt with its tool definitions,
+    ``harness_tokens``) and its own task (``task_tokens``); each turn's answer is a tool call
+    (``call_tokens``), and the next turn follows a tool pause (exponential, mean ``tool_pause_s /
+    rate``) carrying the call and the tool's result (``tool_result_tokens``): the context grows by
+    a few hundred tokens a turn. With probability ``fork_share`` an agent forks a sub-agent after a
+    random turn: its messages so far and a sub-task, for ``fork_turns`` turns of its own (its own
+    session), started as its parent's next turn is. A ``keyless_share`` of agents (with their
+    sub-agents) send no session header. Agents start as a Poisson process of ``agents_per_s * rate``.
+    """
+    rng = random.Random(seed)
+    harness = "Agent harness. Tools: read_file, grep, edit_file, run_tests. " + words(rng, harness_tokens) + "\n"
+    starts = _poisson_times(rng, count, agents_per_s * rate)
+    reqs: list[SimRequest] = []
+    forks = 0
+
+    def run(messages: list[dict[str, str]], n: int, session: str | None, first_after: int, arrival: float) -> None:
+        nonlocal forks
+        prev = first_after
+        for t in range(n):
+            out_tokens = rng.randint(*call_tokens)
+            pause = arrival if t == 0 else rng.expovariate(1.0) * tool_pause_s / rate
+            req = text_request(
+                len(reqs), pause, out_tokens, messages=messages, session=session, after=prev, model=model
+            )
+            reqs.append(req)
+            prev = req.index
+            call = "call " + filler_text(out_tokens)
+            result = f"result of tool step {t}: " + words(rng, rng.randint(*tool_result_tokens))
+            messages = [*messages, {"role": "assistant", "content": call}, {"role": "user", "content": result}]
+            if session is not None and "." not in session and t < n - 1 and rng.random() < fork_share / n:
+                forks += 1
+                sub = [*messages, {"role": "user", "content": f"sub-task {forks}: " + words(rng, 40)}]
+                run(sub, rng.randint(*fork_turns), f"{session}.fork{forks}", prev, 0.0)
+            elif session is None and t < n - 1 and rng.random() < fork_share / n:
+                forks += 1
+                sub = [*messages, {"role": "user", "content": f"sub-task {forks}: " + words(rng, 40)}]
+                run(sub, rng.randint(*fork_turns), None, prev, 0.0)
+
+    for a in range(count):
+        keyless = rng.random() < keyless_share
+        task = [
+            {"role": "system", "content": harness},
+            {"role": "user", "content": f"Task {a}: " + words(rng, task_tokens)},
+        ]
+        run(task, rng.randint(*turns), None if keyless else f"agent-{a}", -1, starts[a])
+    reqs.sort(key=lambda r: r.index)
+    check_order(reqs)
+    info = {
+        "shape": (
+            f"{count} agents, {turns[0]}-{turns[1]} turns, a {harness_tokens}-token shared harness, "
+            f"tool pauses of {tool_pause_s / rate:g} s mean, {forks} forks, {keyless_share:.0%} keyless"
+        ),
+        "seed": seed,
+        "forks": forks,
+    }
+    return Workload("agents", reqs, info)

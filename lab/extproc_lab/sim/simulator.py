@@ -405,6 +405,10 @@ class Simulation(ReplicaSteps):
         if self.kv_feed is not None:
             self.kv_feed.deliver(now)
             features = self.kv_feed.features(features, req, self.config.features.max_blocks)
+        if features.conversation is not None and self.peer is None:
+            # Our router knows a keyless conversation by its messages, as Router.route does; the
+            # peers' policies see no session.
+            features = run_sync(self.router.conversations.identify(features, now))
         decision = run_sync(self.router.route_features(features, now, may_wait=may_wait))
         self.routing = None
         reason = decision.decision.reason.value

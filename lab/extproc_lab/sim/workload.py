@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.request.conversation import conversation_chain
 from extproc.request.features import FeatureSettings, RequestFeatures
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, render_chat
 from extproc.request.prefix import block_hashes, model_seed
@@ -121,6 +122,10 @@ class SimRequest:
             if self.tenant:
                 # Tenants live in their own key space, as extract_features keys them.
                 key = f"{self.tenant[:128]}\x1f{key}"
+        chain = None
+        if key is None and self.messages is not None and settings.conversations:
+            # As extract_features: a keyless chat request is known by its messages' chain.
+            chain = conversation_chain(self.messages, None, model_seed(self.model))
         return RequestFeatures(
             path=CHAT_PATH if self.messages is not None else COMPLETIONS_PATH,
             model=self.model,
@@ -132,6 +137,7 @@ class SimRequest:
             max_output_tokens=self.output_tokens,
             slo_ttft_ms=self.slo_ttft_ms if objectives else None,
             slo_tpot_ms=self.slo_tpot_ms if objectives else None,
+            conversation=chain,
         )
 
 

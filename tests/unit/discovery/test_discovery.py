@@ -36,6 +36,7 @@ from extproc.discovery.kubernetes_watch import Backoff
 from extproc.metrics import RouterMetrics
 from extproc.router import Router
 from extproc.routing import Replica
+from extproc.world import ManualWorld
 from tests.conftest import make_config
 from tests.helpers import wait_for
 
@@ -143,37 +144,43 @@ def fleet(*names: str) -> list[Replica]:
 
 
 async def test_loop_applies_the_first_list_at_once_and_debounces_changes() -> None:
-    source, target = ScriptedSource(), RecordingRouter()
-    loop = DiscoveryLoop(source, target, debounce_s=0.3, max_delay_s=5.0)
+    source, target, world = ScriptedSource(), RecordingRouter(), ManualWorld()
+    loop = DiscoveryLoop(source, target, debounce_s=0.3, max_delay_s=5.0, world=world)
     async with running(loop.run()):
         source.queue.put_nowait(fleet("a", "b"))
-        await wait_for(lambda: len(target.calls) == 1, "the first list")
+        await world.advance()
+        assert len(target.calls) == 1  # the first list, at once
         assert members(target.router) == {"a": "127.0.1.1:8000", "b": "127.0.1.2:8000"}
         # A repeat is no change; a flap undone within the debounce is no change either.
         source.queue.put_nowait(fleet("b", "a")[::-1])
         source.queue.put_nowait(fleet("a"))
-        await asyncio.sleep(0.02)
+        await world.advance(0.29)
         source.queue.put_nowait(fleet("a", "b"))
-        await asyncio.sleep(0.5)
+        await world.advance(0.5)
         assert len(target.calls) == 1
         # A real change lands after the debounce, not before.
         source.queue.put_nowait(fleet("a", "b", "c"))
-        await asyncio.sleep(0.05)
+        await world.advance(0.29)
         assert "c" not in members(target.router)
-        await wait_for(lambda: "c" in members(target.router), "c to join")
+        await world.advance(0.02)
+        assert "c" in members(target.router)
         assert target.calls[-1] == ["a", "b", "c"] and len(target.calls) == 2
 
 
 async def test_loop_max_delay_bounds_a_flapping_fleet() -> None:
-    source, target = ScriptedSource(), RecordingRouter()
-    loop = DiscoveryLoop(source, target, debounce_s=0.2, max_delay_s=0.4)
+    source, target, world = ScriptedSource(), RecordingRouter(), ManualWorld()
+    loop = DiscoveryLoop(source, target, debounce_s=0.2, max_delay_s=0.4, world=world)
     async with running(loop.run()):
         source.queue.put_nowait(fleet("a"))
-        await wait_for(lambda: len(target.calls) == 1, "the first list")
+        await world.advance()
+        assert len(target.calls) == 1
         # d flaps every 0.1 s, never quiet for the debounce, while b has joined for good.
-        for i in range(8):
+        for i in range(3):
             source.queue.put_nowait(fleet("a", "b", "d") if i % 2 else fleet("a", "b"))
-            await asyncio.sleep(0.1)
+            await world.advance(0.1)
+        assert "b" not in members(target.router)  # 0.3 s of flapping: not yet
+        source.queue.put_nowait(fleet("a", "b", "d"))
+        await world.advance(0.1)
         assert "b" in members(target.router)  # applied by the 0.4 s bound despite the flapping
 
 
@@ -181,15 +188,21 @@ async def test_loop_keeps_static_replicas_and_survives_a_failing_source() -> Non
     source, target = ScriptedSource(), RecordingRouter()
     static = [Replica("outside", "127.0.2.1:8000")]
     metrics = RouterMetrics()
-    loop = DiscoveryLoop(source, target, debounce_s=0.0, static=static, retry_s=0.05, metrics=metrics)
+    world = ManualWorld()
+    loop = DiscoveryLoop(source, target, debounce_s=0.0, static=static, retry_s=0.05, metrics=metrics, world=world)
     async with running(loop.run()) as task:
         source.queue.put_nowait(fleet("a"))
-        await wait_for(lambda: set(members(target.router)) == {"a", "outside"}, "a and the static replica")
+        await world.advance()
+        assert set(members(target.router)) == {"a", "outside"}
         source.queue.put_nowait(RuntimeError("the source broke"))
-        await wait_for(lambda: source.starts == 2, "the source to restart")
+        await world.advance(0.04)
+        assert source.starts == 1  # restarted only after retry_s
+        await world.advance(0.01)
+        assert source.starts == 2
         assert set(members(target.router)) == {"a", "outside"}  # kept while the source was down
         source.queue.put_nowait(fleet("b"))
-        await wait_for(lambda: set(members(target.router)) == {"b", "outside"}, "b to replace a")
+        await world.advance()
+        assert set(members(target.router)) == {"b", "outside"}
         source.queue.put_nowait(None)  # a source that ends ends the loop
         await asyncio.wait_for(task, 2.0)
     value = metrics.registry.get_sample_value
@@ -238,20 +251,23 @@ HEADLESS = "vllm.llm.svc.cluster.local"
 async def test_dns_a_records_join_and_leave_through_the_router() -> None:
     resolver = FakeResolver()
     resolver.a[HEADLESS] = ["127.0.1.2", "127.0.1.1"]
-    source = DnsDiscovery(HEADLESS, 8000, "A", interval_s=0.02, resolver=resolver)
+    world = ManualWorld()
+    source = DnsDiscovery(HEADLESS, 8000, "A", interval_s=0.02, resolver=resolver, world=world)
     target = RecordingRouter()
-    async with running(DiscoveryLoop(source, target, debounce_s=0.0).run()):
-        await wait_for(lambda: len(members(target.router)) == 2, "two replicas")
+    async with running(DiscoveryLoop(source, target, debounce_s=0.0, world=world).run()):
+        await world.advance()
         assert members(target.router) == {"127.0.1.1:8000": "127.0.1.1:8000", "127.0.1.2:8000": "127.0.1.2:8000"}
         resolver.a[HEADLESS] = ["127.0.1.2", "127.0.1.3"]
-        await wait_for(lambda: set(members(target.router)) == {"127.0.1.2:8000", "127.0.1.3:8000"}, "1 -> 3")
+        await world.advance(0.02)  # the next resolution
+        assert set(members(target.router)) == {"127.0.1.2:8000", "127.0.1.3:8000"}
         # Outages, NXDOMAIN and empty answers keep the last list.
         resolver.failing = True
         queries = resolver.queries
-        await wait_for(lambda: resolver.queries > queries + 3, "resolutions during the outage")
+        await world.advance(0.1)
+        assert resolver.queries > queries + 3  # resolutions during the outage, every 20 ms
         resolver.failing = False
         resolver.a[HEADLESS] = []
-        await asyncio.sleep(0.1)
+        await world.advance(0.1)
         assert set(members(target.router)) == {"127.0.1.2:8000", "127.0.1.3:8000"}
         assert all(call for call in target.calls)  # never an empty membership
         assert len(target.calls) == 2  # re-resolutions of the same answer change nothing
@@ -285,12 +301,14 @@ async def test_dns_srv_records_and_aaaa() -> None:
 
 async def test_dns_source_yields_nothing_until_the_first_good_answer() -> None:
     resolver = FakeResolver()
-    source = DnsDiscovery(HEADLESS, 8000, interval_s=0.01, resolver=resolver)
+    world = ManualWorld()
+    source = DnsDiscovery(HEADLESS, 8000, interval_s=0.01, resolver=resolver, world=world)
     updates = source.updates()
     first = asyncio.ensure_future(anext(updates))
-    await asyncio.sleep(0.05)
-    assert not first.done()  # failing: quiet, not an empty list
+    await world.advance(0.05)
+    assert not first.done() and resolver.queries >= 5  # failing: quiet, not an empty list
     resolver.a[HEADLESS] = ["127.0.1.1"]
+    await world.advance(0.01)
     assert [r.name for r in await asyncio.wait_for(first, 2.0)] == ["127.0.1.1:8000"]
     await updates.aclose()
 
@@ -579,7 +597,7 @@ async def test_kubernetes_list_watch_ready_terminating_deleted_gone_and_reconnec
         #    from the bookmark's version, without listing again.
         await wait_for(lambda: api.watchers == 1, "the watch after the re-list")
         bookmark = api.bookmark()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # real time: the bookmark over the watch's HTTP stream
         watches = len(api.watch_versions)
         api.close_watches()
         await wait_for(lambda: len(api.watch_versions) == watches + 1 and api.watchers == 1, "the reconnect")

@@ -190,7 +190,7 @@ async def test_the_picker_waits_for_its_pool_keeps_members_through_errors_and_re
         # The API server fails for a while: the members stay, the watches come back.
         kube.fail_next = 4
         kube.close_watches()
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # real time: watches failing and resuming over HTTP to the fake API server
         assert members(router) == {"a": "10.0.0.1:8000"}
         await wait_for(lambda: kube.watches("pods") == 1 and kube.watches("pools") == 1)
         kube.put("pods", pod("b", NS, "10.0.0.2", SELECTOR))

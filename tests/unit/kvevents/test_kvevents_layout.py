@@ -294,7 +294,7 @@ async def test_a_router_left_at_16_predicts_an_engine_of_32_exactly(tokenizer_di
                         held = kv.source.matches("m", features.prefix_hashes, ["r0"], clock.now).get("r0", 0)
                         if held >= previous:
                             break
-                        await asyncio.sleep(0.01)
+                        await asyncio.sleep(0.01)  # real time: events from the real ZMQ publisher
                     previous = len(features.prefix_hashes)
                     blocks = int(kv.source.matches("m", features.prefix_hashes, ["r0"], clock.now).get("r0", 0))
                     predicted = kv.predicted_tokens(features, "r0", blocks, clock.now)

@@ -15,6 +15,7 @@ from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved
 from extproc.metrics.kv_events import KvEventMetrics
+from extproc.plan import Planner
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError
 from extproc.router import Router
 from extproc.routing.model import AffinityView
@@ -372,3 +373,55 @@ async def test_response_bodies_are_streamed_to_the_processor_only_for_a_checkabl
     router_off, kv_off = kv_router(tokenizer_dir, clock, check_sample_rate=0.0)
     await feed(kv_off, "r1", 0, stored_event(tok, msgs))
     assert streamed not in body_modes(await answered(router_off, msgs, reply))
+
+
+async def test_a_previous_response_turn_is_hashed_after_the_conversation_its_engine_stores(
+    tokenizer_dir: Path,
+) -> None:
+    clock = Clock(1000.0)
+    router, _ = kv_router(tokenizer_dir, clock)
+    planner = Planner(router)
+    tok = PromptTokenizer(tokenizer_dir)
+    headers = {":path": "/v1/responses"}
+    first = {"model": "m", "instructions": "be brief", "input": "what is a cache?"}
+    watch = planner.watch(can_override=True, whole_body=True, headers=headers)
+    assert watch.transcript and watch.reads_body
+    plan = await planner.plan(headers, json.dumps(first).encode(), watch)
+    rid = plan.routed.features.response_id
+    assert rid is not None and rid.startswith("resp_")  # the router named the response it will get
+    assert plan.action.body is not None and json.loads(plan.action.body)["request_id"] == rid
+    assert planner.response_headers(plan, {":status": "200"})
+    answer = {"id": rid, "output": [{"type": "message", "content": [{"type": "output_text", "text": "A store."}]}]}
+    await planner.response_body(plan, json.dumps(answer).encode(), True)
+    planner.end(plan)
+    follow = {"model": "m", "instructions": "be brief", "input": "and a block?", "previous_response_id": rid}
+    routed = await router.route(headers, json.dumps(follow).encode())
+    # As vLLM renders it: instructions, the stored turn and its answer, then the new input.
+    engine = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is a cache?"},
+        {"role": "assistant", "content": "A store."},
+        {"role": "user", "content": "and a block?"},
+    ]
+    assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256).hashes(tok.chat_ids(engine).ids, BS)
+    # It goes where the first turn went (the only engine that stores that conversation).
+    assert routed.decision.replica == plan.routed.decision.replica
+    assert routed.features.conversation is not None and routed.features.conversation.match == "continued"
+    # A response this router never saw: routed by its pin alone, on character blocks.
+    other = await router.route(headers, json.dumps({**follow, "previous_response_id": "resp_other"}).encode())
+    assert other.features.tokens_per_block == 0
+
+
+async def test_a_moved_sessions_prefix_is_indexed_in_the_key_space_lookups_use(tokenizer_dir: Path) -> None:
+    # With a tokenizer, live lookups use token block keys: a session moved off its replica must be
+    # indexed on its new replica under those same keys, or its next turn finds nothing there.
+    clock = Clock(1000.0)
+    router, _ = kv_router(tokenizer_dir, clock)
+    msgs = conversation(3)
+    routed = await router.route(*chat_request(msgs, session="s-moved"))
+    assert routed.features.tokens_per_block == BS and routed.decision.replica is not None
+    source = routed.decision.replica.name
+    assert await router.fleet.move_sessions_off(source) == 1
+    view = await router.store.peek(routed.features.session_key, routed.features.prefix_hashes, clock(), model="m")
+    assert view.pinned is not None and view.pinned != source
+    assert view.prefix_matches.get(view.pinned) == len(routed.features.prefix_hashes)

@@ -13,6 +13,7 @@ from extproc.config import config_from_mapping
 from extproc.envoy_config import GatewaySpec, render_yaml
 from extproc.queueing import Admission, FairQueue, QueueClass, QueueSettings, Refusal, Ticket, Waiter, saturated
 from extproc.routing.model import Replica, ReplicaState, Snapshot
+from extproc.world import ManualWorld
 
 SETTINGS = QueueSettings(
     enabled=True,
@@ -43,15 +44,17 @@ async def _request(queue: FairQueue, fleet: Fleet, name: str, cls: str, tenant: 
 
 async def test_interactive_goes_before_every_queued_batch_and_tenants_take_turns() -> None:
     fleet = Fleet()
-    queue = FairQueue(SETTINGS, fleet)
+    world = ManualWorld()
+    queue = FairQueue(SETTINGS, fleet, world=world)
     tasks = [asyncio.create_task(_request(queue, fleet, f"a{i}", "batch", "a")) for i in range(6)]
     tasks += [asyncio.create_task(_request(queue, fleet, f"b{i}", "batch", "b")) for i in range(3)]
-    await asyncio.sleep(0.01)
+    await world.advance(1.0)  # a second of a saturated fleet: the pump looks again and again
     tasks += [asyncio.create_task(_request(queue, fleet, f"i{i}", "default", "c")) for i in range(3)]
-    await asyncio.sleep(0.01)
+    await world.advance()
     assert queue.waiting(0) == 9 and queue.waiting(1) == 3 and fleet.order == []
     fleet.full = False
     queue.wake()
+    await world.advance()
     await asyncio.gather(*tasks)
     assert fleet.order[:3] == ["i0", "i1", "i2"]
     assert fleet.order[3:9] == ["a0", "b0", "a1", "b1", "a2", "b2"]  # round robin while both wait
@@ -71,11 +74,16 @@ async def test_past_the_limit_a_request_is_refused_and_leaves() -> None:
     settings = QueueSettings(
         enabled=True, classes={"batch": QueueClass(priority=0, max_wait_s=0.1, max_queued=2, status=503)}
     )
-    queue = FairQueue(settings, fleet)
+    world = ManualWorld()
+    queue = FairQueue(settings, fleet, world=world)
     waiting = [asyncio.create_task(queue.admit("batch", "t", ())) for _ in range(2)]
-    await asyncio.sleep(0.01)
+    await world.advance()
     full = await queue.admit("batch", "t", ())
     assert isinstance(full, Refusal) and full.kind == "queue_full" and full.status == 503
+    await world.advance(0.09)
+    assert not any(w.done() for w in waiting)  # within their 0.1 s
+    await world.advance(0.02)
+    assert all(w.done() for w in waiting)
     timed_out = await asyncio.gather(*waiting)
     assert all(isinstance(r, Refusal) and r.kind == "queue_timeout" for r in timed_out)
     assert len(queue) == 0
@@ -84,9 +92,10 @@ async def test_past_the_limit_a_request_is_refused_and_leaves() -> None:
 
 async def test_a_cancelled_waiter_frees_its_place() -> None:
     fleet = Fleet()
-    queue = FairQueue(SETTINGS, fleet)
+    world = ManualWorld()
+    queue = FairQueue(SETTINGS, fleet, world=world)
     task = asyncio.create_task(queue.admit("batch", "t", ()))
-    await asyncio.sleep(0.01)
+    await world.advance()
     assert len(queue) == 1
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

@@ -16,8 +16,9 @@ from extproc.router import Router
 from extproc.routing.latency import LoadPoint
 from extproc.routing.model import AffinityView
 from extproc.telemetry import collect
+from extproc.world import ManualWorld
 from tests.conftest import chat_body, make_config
-from tests.helpers import CHAT, Clock, metric_value, wait_for
+from tests.helpers import CHAT, Clock, metric_value
 
 
 def headers(ttft_ms: float | None = 100.0, session: str = "s", **extra: str) -> dict[str, str]:
@@ -106,8 +107,10 @@ async def test_with_no_warm_model_a_shedding_class_is_routed_as_today() -> None:
 
 
 async def test_a_class_that_queues_waits_until_a_replica_is_predicted_to_meet_its_objective() -> None:
+    world = ManualWorld()
     router = Router(
-        make_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=10)))
+        make_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=10))),
+        world=world,
     )
     warm(router, 0.02, per_running_s=0.03)  # 20 ms idle, 30 ms more per request running
     now = router.clock()
@@ -118,13 +121,15 @@ async def test_a_class_that_queues_waits_until_a_replica_is_predicted_to_meet_it
     task = asyncio.create_task(router.route(headers(100), chat_body("hi")))
     queue = router.queue
     assert queue is not None
-    await wait_for(lambda: queue.waiting(1) == 1)
-    await asyncio.sleep(0.2)  # the pump looks every 50 ms: still held
+    await world.advance()
+    assert queue.waiting(1) == 1
+    await world.advance(0.2)  # the pump looks every 50 ms: still held
     assert not task.done()
     for name in names:
         for _ in range(3):
             router.replicas.end(name)
     queue.wake()
+    await world.advance()
     routed = await asyncio.wait_for(task, 5)
     assert routed.refusal is None and routed.decision.replica is not None
     assert not routed.decision.objective_missed
@@ -134,15 +139,21 @@ async def test_a_class_that_queues_waits_until_a_replica_is_predicted_to_meet_it
 
 
 async def test_a_held_request_past_its_limit_is_refused_and_an_idle_fleet_holds_nobody() -> None:
+    world = ManualWorld()
     router = Router(
-        make_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=0.2)))
+        make_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=0.2))),
+        world=world,
     )
     warm(router, 0.5)
     # Nothing in flight: waiting cannot bring 100 ms closer, so it goes best effort.
     routed = await router.route(headers(100, session="idle"), chat_body("hi"))
     assert routed.refusal is None and routed.decision.objective_missed
     # That request is in flight now: the next one waits, and is refused at its limit.
-    late = await asyncio.wait_for(router.route(headers(100, session="late"), chat_body("hi")), 5)
+    held = asyncio.create_task(router.route(headers(100, session="late"), chat_body("hi")))
+    await world.advance(0.19)
+    assert not held.done()
+    await world.advance(0.02)
+    late = await asyncio.wait_for(held, 5)
     assert late.refusal is not None and late.refusal.kind == "objective_timeout"
     assert shed_count(router, "objective_timeout") == 1
     assert router.queue is not None

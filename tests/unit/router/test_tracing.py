@@ -30,7 +30,7 @@ async def _flushed(tracer: DecisionTracer, collected: SpanReceiver, want: int) -
     end = loop.time() + 10.0
     while len(collected.spans) < want and loop.time() < end:
         await asyncio.to_thread(tracer.provider.force_flush)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # real time: spans exported over OTLP to a real receiver
 
 
 async def test_the_decision_span_is_parented_to_the_clients_traceparent(collected: SpanReceiver) -> None:

@@ -274,3 +274,22 @@ def test_a_join_moves_at_most_about_its_share_of_bounded_placements(n: int, seed
     moved = sum(a != b for a, b in zip(before, after, strict=True))
     assert moved / len(before) <= 1 / (n + 1) + 0.06  # about 1/(N+1), with slack for vnode variance
     assert all(b == f"r{n}" for a, b in zip(before, after, strict=True) if a != b)
+
+
+def test_a_turn_only_its_pinned_engine_stores_stays_there_when_that_replica_is_overloaded() -> None:
+    from dataclasses import replace
+
+    from extproc.request.conversation import response_chain
+
+    snap = snapshot(r2={"kv_usage": 0.95, "queue": 40})
+    chain = replace(response_chain("resp_1", "resp_2", "", 0, 2), conversation=7, match="continued")
+    stored = replace(features("conv-0000000000000007"), conversation=chain)
+    d = decide(DecisionInputs.of(stored, snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    assert d.replica is not None and d.replica.name == "r2"  # elsewhere the engine answers 404
+    # A chat conversation (its history resent) spills over as any session does.
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    assert d.replica is not None and d.replica.name != "r2"
+    # Its engine out of rotation: it fails over (the next turn may well be a 404, the engine's word).
+    gone = snapshot(r2={"in_rotation": False})
+    d = decide(DecisionInputs.of(stored, gone, AffinityView(pinned="r2"), 0.0, build_profile()))
+    assert d.replica is not None and d.replica.name != "r2"

@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent(
         for _ in range(50):
             if failures:
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # real time: the failed handshakes reach the real gRPC server
         await server.stop(0)
         print("failures", " ".join(failures), flush=True)
         print("after the watch, python's stderr", file=sys.stderr, flush=True)

@@ -103,7 +103,7 @@ async def test_with_discovery_pending_ext_proc_is_not_serving_until_a_replica_is
             for _ in range(30):
                 if await status(service) == health_pb2.HealthCheckResponse.SERVING:
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # real time: readiness read over a real gRPC health service
             assert await status(service) == health_pb2.HealthCheckResponse.SERVING
     finally:
         await server.stop(0)

@@ -62,7 +62,7 @@ async def _spans(tracer: DecisionTracer, collected: SpanReceiver) -> tuple[Recei
     end = loop.time() + 10.0
     while len(collected.spans) < 2 and loop.time() < end:
         await asyncio.to_thread(tracer.provider.force_flush)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # real time: spans exported over OTLP to a real receiver
     assert len(collected.spans) == 2
     spans = {s.name: s for s in collected.spans}
     route, call = spans["route"], spans["chat m"]

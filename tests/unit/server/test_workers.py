@@ -38,7 +38,7 @@ def wait_workers(pid: int, count: int, timeout_s: float = 30.0) -> list[int]:
         found = children(pid)
         if len(found) == count:
             return found
-        time.sleep(0.1)
+        time.sleep(0.1)  # real time: worker processes starting
     raise TimeoutError(f"{count} workers of {pid}: found {children(pid)}")
 
 
@@ -112,7 +112,7 @@ def test_workers_stop_when_their_parent_is_killed() -> None:
         proc.wait(5)
         deadline = time.monotonic() + 15
         while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.1)  # real time: the OS reaping killed processes
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 

@@ -124,7 +124,7 @@ async def test_sessions_and_prefixes_expire_in_redis_when_idle(redis_server: Loc
         with redis_server.client() as c:
             keys = [store.keys.session("m", "conv"), store.keys.prefix_index("m", "r1"), store.keys.replicas("m")]
             assert c.exists(*keys) == 3
-            await asyncio.sleep(0.45)
+            await asyncio.sleep(0.45)  # real time: the TTLs expire on the real Redis's clock
             assert c.exists(*keys) == 0
     finally:
         await store.close()
@@ -365,6 +365,7 @@ async def test_a_cluster_slower_to_discover_than_an_operation_is_still_written(
         discover = NodesManager.initialize
 
         async def slow_discovery(self: NodesManager) -> None:
+            # real time: a discovery slower than the real client's timeout
             await asyncio.sleep(store.op_timeout_s * 1.5)
             await discover(self)
 

@@ -37,7 +37,7 @@ class Harness:
     async def advance(self, seconds: float) -> None:
         self.now += seconds
         if self.wall_clock:
-            await asyncio.sleep(seconds)
+            await asyncio.sleep(seconds)  # real time: the Redis store's TTLs run on Redis's clock
 
     async def lookup(
         self, session: str | None, hashes: list[int], model: str = "m"

@@ -175,7 +175,14 @@ async def test_other_apis_that_run_the_model_are_metered_or_refused() -> None:
     assert used(r) == 16
     # Refused by config: 403 before any replica, charged nothing.
     refusing = Planner(router(other_paths="refuse"))
-    for path in ("/v1/embeddings", "/v1/audio/transcriptions", "/rerank", "/pooling", "/score", "/v1/responses"):
+    for path in (
+        "/v1/embeddings",
+        "/v1/audio/transcriptions",
+        "/rerank",
+        "/pooling",
+        "/score",
+        "/v1/chat/completions/batch",
+    ):
         plan = await refusing.plan({**ACME, ":path": path}, b"{}", Watch(meter=True))
         assert isinstance(plan.action, Refuse) and plan.action.status == 403, path
         assert plan.action.retry_after_s is None
@@ -183,6 +190,14 @@ async def test_other_apis_that_run_the_model_are_metered_or_refused() -> None:
     chat = await refusing.plan(ACME, chat_body("hi"), Watch(meter=True))
     assert isinstance(chat.action, Forward)
     refusing.end(chat)
+    # The Responses and Messages APIs are read as chat is (their prompt, model and session): never "other".
+    for path, body in (
+        ("/v1/responses", {"model": "m", "input": "hi"}),
+        ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        plan = await refusing.plan({**ACME, ":path": path}, json.dumps(body).encode(), Watch(meter=True))
+        assert isinstance(plan.action, Forward) and plan.routed.features.model == "m", path
+        refusing.end(plan)
 
 
 def test_usage_reports_of_every_api_are_read() -> None:
@@ -191,6 +206,14 @@ def test_usage_reports_of_every_api_are_read() -> None:
         5, 2, 4
     )
     assert parse_usage({"input_tokens": 5, "output_tokens": 4, "cache_read_input_tokens": 3}) == Usage(8, 3, 4)
+    # vLLM's /v1/messages: input_tokens is the prompt less what was read from and written to the cache.
+    messages = {
+        "input_tokens": 10,
+        "output_tokens": 8,
+        "cache_creation_input_tokens": 512,
+        "cache_read_input_tokens": 0,
+    }
+    assert parse_usage(messages) == Usage(522, 0, 8)
     assert parse_usage({"total_tokens": 12}) == Usage(12, None, 0)
     tail = UsageTail()
     tail.feed(b'{"text":"hi","usage":{"type":"duration","seconds":3}}')
