@@ -280,8 +280,11 @@ class LocalGateway:
         return ["--config", str(config), f"--tokenizer={self.engine_settings.served_name}={self.fleet.model_dir}"]
 
     def _tracing_options(self) -> dict[str, Any]:
-        """Envoy's own tracing to ``tracing_collector`` (every request: GatewaySpec's default)."""
-        return {"tracing_collector": self.tracing_collector} if self.tracing_collector else {}
+        """Envoy's own tracing to ``tracing_collector`` (every request: GatewaySpec's default),
+        continuing a client's sampled parent as the processor does (its sampler parent_based)."""
+        if not self.tracing_collector:
+            return {}
+        return {"tracing_collector": self.tracing_collector, "tracing_client_parent": True}
 
     def start_envoy(self) -> None:
         """Start Envoy with a config rendered for these replicas and wait for its listeners."""
@@ -297,8 +300,7 @@ class LocalGateway:
             extra_processors=tuple(f"{HOST}:{p}" for p, _ in self.extra_processor_ports),
             # As `extproc envoy-config` renders it for a processor with several workers.
             processor_streams_per_connection=1 if self.processor_workers > 1 else None,
-            **self._tracing_options(),
-            **self.envoy_options,
+            **{**self._tracing_options(), **self.envoy_options},  # a test's options win
         )
         path = self.dir / "envoy.yaml"
         rendered = render_yaml(spec)
