@@ -466,6 +466,9 @@ class RouterMetrics:
             self.prewarms.labels(outcome)
         for reason in SHED_REASONS:  # at zero for the default class: a dashboard shows "none" as 0
             self.requests_shed.labels("default", reason)
+        # At zero, so the alert on it has a series to read before the first failure (the likeliest
+        # reason: a gateway speaking plaintext to the TLS port).
+        self.tls_handshake_failures.labels("WRONG_VERSION_NUMBER")
 
     def _new_model(self, model: str) -> None:
         for reason in Reason:
