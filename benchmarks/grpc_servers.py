@@ -21,13 +21,12 @@ import argparse
 import importlib.util
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from extproc.config import Config
-from extproc_lab.bench.overhead import Wrk, cpu_seconds
+from extproc_lab.bench.overhead import Wrk, cpu_seconds, rounds_table
 from extproc_lab.bench.peer_routers import HOST, wait_serving
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.processes import wait_for_port
@@ -101,14 +100,7 @@ def main() -> None:
     paced = f", paced at {args.rate:g} requests/s" if args.rate else ""
     print(f"{args.prompt_kb} KB prompts, {args.connections} connections{paced}, {args.seconds:g} s a run, "
           f"{args.rounds} rounds; medians (and the range over the rounds)\n")  # fmt: skip
-    print("| server | req/s | processor CPU us/request | Envoy CPU us/request |")
-    print("|---|---|---|---|")
-    for server, rows in runs.items():
-        cells = []
-        for i in range(3):
-            col = [r[i] for r in rows]
-            cells.append(f"{statistics.median(col):.0f} ({min(col):.0f}-{max(col):.0f})")
-        print(f"| {server} | {' | '.join(cells)} |")
+    print(rounds_table("server", runs))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from extproc_lab.bench.overhead import Wrk, cpu_seconds, swap_in_bare_processor
+from extproc_lab.bench.overhead import Wrk, cpu_seconds, rounds_table, swap_in_bare_processor
 from extproc_lab.demo.gateway import LocalGateway
 
 ROUTER_FILTER = "          - name: envoy.filters.http.router\n"
@@ -102,14 +101,7 @@ def main() -> None:
                 print(f"{name}: {row} errors {top['errors']}", file=sys.stderr)
     print(f"{args.prompt_kb} KB prompts, {args.connections} connections, {args.seconds:g} s a run, "
           f"{args.rounds} rounds; medians (and the range over the rounds)\n")  # fmt: skip
-    print("| Envoy configuration | req/s | processor CPU us/request | Envoy CPU us/request |")
-    print("|---|---|---|---|")
-    for name, rows in runs.items():
-        cells = []
-        for i in range(3):
-            col = [r[i] for r in rows]
-            cells.append(f"{statistics.median(col):.0f} ({min(col):.0f}-{max(col):.0f})")
-        print(f"| {name} | {' | '.join(cells)} |")
+    print(rounds_table("Envoy configuration", runs))
 
 
 if __name__ == "__main__":

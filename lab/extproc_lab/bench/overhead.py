@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,6 +177,22 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue
     return total
+
+
+def rounds_table(first_column: str, runs: dict[str, list[tuple[float, float, float]]]) -> str:
+    """A markdown table of rounds of (req/s, processor CPU us/request, Envoy CPU us/request) per
+    row name: each cell the median over the rounds, with their range."""
+    lines = [
+        f"| {first_column} | req/s | processor CPU us/request | Envoy CPU us/request |",
+        "|---|---|---|---|",
+    ]
+    for name, rows in runs.items():
+        cells = []
+        for i in range(3):
+            column = [row[i] for row in rows]
+            cells.append(f"{statistics.median(column):.0f} ({min(column):.0f}-{max(column):.0f})")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def replica_counts(metrics_urls: dict[str, str]) -> dict[str, float]:
