@@ -10,8 +10,9 @@ event, the usage the engine reports), one request at a time on an engine nothing
   (``prompt_tokens_details.cached_tokens``, where the engine reports them) cost, is the fixed
   overhead of a request (``overhead_s``: HTTP, template, tokenizing, scheduling);
 - **cold prefill**: prompts of several lengths, each new to the engine's prefix cache (a fresh
-  start), one output token; the throughput is the least-squares slope of their time to first
-  token, less that overhead, over their tokens (a line through the overhead: on vLLM's CPU engine
+  start), one output token, after one untimed pass over the lengths; the throughput is the
+  least-squares slope of their time to first token (each length's fastest repeat), less that
+  overhead, over their tokens (a line through the overhead: on vLLM's CPU engine
   the cold time grows faster than linearly with the prompt, and a free intercept then comes out
   negative, no overhead at all);
 - **decode**: one stream of ``decode_tokens`` tokens alone (``ignore_eos``), the mean gap between
@@ -173,15 +174,17 @@ class Calibration:
         )
 
     def cold_points(self) -> list[tuple[float, float]]:
-        """(prompt tokens, TTFT) of the cold prompts, the median of each length's repeats (a
-        request slowed by something else on the host is one repeat, not a point of the line)."""
+        """(prompt tokens, TTFT) of the cold prompts, the least of each length's repeats: what
+        else runs on the host only ever adds to a request's time (seen on a 2-core host: one
+        repeat of ~820 tokens at 197 ms beside two at 74 and 93 ms), and the price adds the
+        queue and the batch itself, so the line is the engine's uncontended rate."""
         groups: list[list[Timed]] = []
         for t in sorted(self.cold, key=lambda t: t.prompt_tokens):
             if groups and t.prompt_tokens <= groups[-1][0].prompt_tokens * 1.05:
                 groups[-1].append(t)
             else:
                 groups.append([t])
-        return [(statistics.median(t.prompt_tokens for t in g), statistics.median(t.ttft_s for t in g)) for g in groups]
+        return [(statistics.median(t.prompt_tokens for t in g), min(t.ttft_s for t in g)) for g in groups]
 
     def prefill_line(self) -> Line:
         """Cold TTFT over prompt tokens: the overhead, and the slope of the rest through it."""
@@ -238,6 +241,10 @@ def calibrate(
     engine.stream(prompt(8), 2)  # the first request pays for the engine's warm-up, not its rate
     probe = engine.stream(prompt(200), 1)
     per_word = max(0.5, (probe.prompt_tokens - engine.stream(prompt(8), 1).prompt_tokens) / 192)
+    # A fresh engine's first prompt of each length is slower than its later ones (seen on vLLM's
+    # CPU build: 150-165 ms for ~1,000 tokens first, 75-115 ms after), so one pass is not timed.
+    for tokens in prompt_tokens:
+        engine.stream(prompt(max(1, round(tokens / per_word))), 1)
     for _ in range(repeats):
         for tokens in prompt_tokens:
             text = prompt(max(1, round(tokens / per_word)))
@@ -316,7 +323,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="N,N,...",
         help="prompt lengths to time (default: 5 from 128 to half the engine's context, at most 4,096)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="each length this many times (default 3; the median counts)")
+    p.add_argument("--repeats", type=int, default=3, help="each length this many times (default 3; the least counts)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens of each decode stream (default 32)")
     p.add_argument(
         "--batch", type=int, default=4, help="streams decoding at once for the per-sequence cost (default 4)"

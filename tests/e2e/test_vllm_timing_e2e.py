@@ -245,7 +245,7 @@ def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
     # What it predicts of a fresh prompt alone is what the engine then takes, within 25%.
     engine = Engine(engines.url(engines.members[1].name), MODEL)
     errors = []
-    for i in range(3):
+    for i in range(5):
         timed = engine.stream(prompt(i, 150)[0]["content"], 1)
         predicted = prior.pool().rates.prefill_s(timed.prompt_tokens)
         errors.append(abs(predicted - timed.ttft_s) / timed.ttft_s)
