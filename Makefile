@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 OTEL_PROTOS = $(PY) -m pip install -q --no-deps --force-reinstall \
 	"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
-.PHONY: install demo test lint example-config config-docs chart-envoy proto os-deps engines peers bench-overhead bench-store bench-faults bench-soak fuzz clean
+.PHONY: install demo test lint example-config config-docs chart-envoy proto fingerprints fingerprints-check os-deps engines peers bench-overhead bench-store bench-faults bench-soak fuzz clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,15 @@ chart-envoy: $(STAMP)
 # The admin API's Python code, generated from proto/ and committed (tests/project/test_proto.py compares).
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
+
+# The simulator's fingerprints (benchmarks/sim_fingerprint.py, about 20 s): `fingerprints` rewrites
+# benchmarks/sim_fingerprint.json (a change there is a change of behaviour: say why in the commit),
+# `fingerprints-check` compares every run with it; tests/project/test_fingerprints.py compares a subset.
+fingerprints: $(STAMP)
+	nice -n 10 $(PY) benchmarks/sim_fingerprint.py --write benchmarks/sim_fingerprint.json
+
+fingerprints-check: $(STAMP)
+	nice -n 10 $(PY) benchmarks/sim_fingerprint.py --check benchmarks/sim_fingerprint.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check extproc lab tests benchmarks fuzz envoy
