@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from extproc.routing.model import Replica
 from extproc.state.shared_memory import LOAD_FIELDS, SharedSegment
-
-if TYPE_CHECKING:
-    from extproc.health.replicas import ReplicaRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +24,20 @@ class PeerCounts:
     inflight_tokens: int = 0
     pending_prefill_tokens: int = 0
     recent: float = 0.0
+
+
+class OwnLoad(Protocol):
+    """A worker's own counts on one replica, as it publishes them: a replica's record in
+    :class:`~extproc.health.replicas.ReplicaBook` (a protocol, since the book above reads the
+    other workers' counts from this module)."""
+
+    replica: Replica
+    inflight: int
+    inflight_tokens: int
+    pending_prefill_tokens: int
+    requests: int
+    recent: float
+    recent_at: float
 
 
 class PeerLoad:
@@ -42,7 +54,7 @@ class PeerLoad:
         seg = self.segment
         return int(seg.load_at + (worker * seg.size.replicas + row) * LOAD_FIELDS.size)
 
-    def publish(self, rec: ReplicaRecord) -> None:
+    def publish(self, rec: OwnLoad) -> None:
         """This worker's counts for ``rec``'s replica now (a replica without a row is not shared)."""
         row = self.segment.row_of(rec.replica.name, create=True)
         if row is None:

@@ -156,7 +156,7 @@ class Decision:
     outscored, ``"scores"`` otherwise); empty when the session stayed or had no pin."""
     objective_missed: bool = False
     """The request has latency objectives and every candidate left is predicted, by a warm latency
-    model, to miss them (:func:`extproc.routing.latency.best_headroom` below 0); what then
+    model, to miss them (:func:`extproc.routing.slo.best_headroom` below 0); what then
     becomes of it is its class's ``on_miss``, the router's to carry out."""
     objective_headroom: float | None = None
     """The most headroom any candidate is predicted to leave of the request's objectives (a share

@@ -11,12 +11,13 @@ from extproc.request.subset import in_subset
 from extproc.routing.cordon import CordonFilter
 from extproc.routing.disagg import Pair, PairInputs, PairSettings, choose_prefill
 from extproc.routing.hot import fingerprint
-from extproc.routing.latency import LatencyView, best_headroom, predictions
+from extproc.routing.latency import LatencyView
 from extproc.routing.model import NO_TERMS, AffinityView, Decision, Reason, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.plugins import CycleState, Filter, Picker, Scorer
 from extproc.routing.price import PricePicker, predicted_ttft_s, prefill_here_s
 from extproc.routing.ring import HashRing
 from extproc.routing.roles import PairReason, Role
+from extproc.routing.slo import best_headroom, predictions
 from extproc.routing.trace import DecisionTrace, FilterPass, ScorerPass
 
 KeySource = Literal["session", "prefix", "request", "none"]

@@ -11,15 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from extproc.request.features import RequestFeatures
+from extproc.routing.latency import LatencyView, Prediction
 from extproc.routing.model import NO_TERMS, AffinityView, ReplicaState, Snapshot, TenantTerms
+from extproc.routing.price_parts import Price
 from extproc.routing.ring import HashRing
-
-if TYPE_CHECKING:  # the latency and price plugins import this module
-    from extproc.routing.latency import LatencyView, Prediction
-    from extproc.routing.price import Price
 
 _BLOCK_CHARS = 64
 """The characters of a prefix block by default (``features.block_chars``)."""

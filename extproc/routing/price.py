@@ -67,35 +67,16 @@ from extproc.request.features import uncached_tokens
 from extproc.routing.latency import LatencyFit, LearnedRates
 from extproc.routing.model import ReplicaState
 from extproc.routing.plugins import CycleState
+from extproc.routing.price_parts import Price, Rates
 
 __all__ = [
     "DEFAULT_RATES",
-    "Price",
     "PricePicker",
     "PriceScorer",
     "PriceSettings",
-    "Rates",
     "fit_rates",
     "prices",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Rates:
-    """How fast a replica computes: prompt tokens a second (cold), the decode step of a batch of
-    one, and what each further sequence adds to a step; ``source`` says where they came from
-    (``prior``, ``pool:<selector>``, ``learned``); ``overhead_s``, the seconds of a time to first
-    token no prompt token explains."""
-
-    prefill_tokens_per_s: float
-    decode_s_per_token: float
-    decode_s_per_seq: float
-    source: str = "prior"
-    overhead_s: float = 0.0
-
-    def decode_step_s(self, batch: float) -> float:
-        """Seconds of one decode step with ``batch`` sequences (at least one)."""
-        return self.decode_s_per_token + self.decode_s_per_seq * max(0.0, batch - 1.0)
 
 
 def _as_rates(engine: EngineRates, source: str) -> Rates:
@@ -120,43 +101,6 @@ def fit_rates(fit: LatencyFit) -> LearnedRates:
         if fit.tpot[1] > 0.0:
             per_seq = fit.tpot[1] / 16.0
     return LearnedRates(prefill, decode, per_seq)
-
-
-@dataclass(frozen=True, slots=True)
-class Price:
-    """One candidate's price for one request, in seconds, and its parts (module docstring)."""
-
-    prefill_s: float
-    queue_s: float
-    kv_wait_s: float
-    others_s: float
-    future_s: float
-    move_s: float
-    uncached_tokens: int
-    rates: Rates
-
-    @property
-    def ttft_s(self) -> float:
-        """The predicted time to first token there: the engine's overhead, its prefill, the queue
-        before it, the KV wait."""
-        return self.rates.overhead_s + self.prefill_s + self.queue_s + self.kv_wait_s
-
-    @property
-    def total_s(self) -> float:
-        """The whole price: the time to first token and what the choice costs others and later turns."""
-        return self.ttft_s + self.others_s + self.future_s + self.move_s
-
-    def parts(self) -> dict[str, float]:
-        """The parts by name (Explain)."""
-        return {
-            "overhead": self.rates.overhead_s,
-            "prefill": self.prefill_s,
-            "queue": self.queue_s,
-            "kv_wait": self.kv_wait_s,
-            "others": self.others_s,
-            "future": self.future_s,
-            "move": self.move_s,
-        }
 
 
 @dataclass(slots=True)

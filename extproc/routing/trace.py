@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from extproc.request.features import RequestFeatures
 from extproc.routing.latency import Prediction
 from extproc.routing.model import AffinityView, Decision, Snapshot
-from extproc.routing.price import Price
+from extproc.routing.price_parts import Price
 
 
 @dataclass(slots=True)

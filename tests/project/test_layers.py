@@ -184,3 +184,115 @@ def test_only_the_wiring_imports_the_metrics() -> None:
         if _group(target) == "extproc.metrics" and _group(module) not in METRICS_WIRING
     }
     assert offenders == set(), "report through the subsystem's observer protocol"
+
+
+def _module_names(package_dir: Path) -> dict[str, Path]:
+    base = package_dir.parent
+    return {
+        ".".join(path.relative_to(base).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in sorted(package_dir.rglob("*.py"))
+        if "_proto" not in path.parts
+    }
+
+
+def _top_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports that run when the module is imported: at its top level, in classes and in
+    ``if`` (``if TYPE_CHECKING:`` too: a circle of types is still a circle of concepts), ``try``
+    and ``with`` blocks; not in functions, which run later."""
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.ClassDef | ast.With):
+            pending += node.body
+        elif isinstance(node, ast.If):
+            pending += [*node.body, *node.orelse]
+        elif isinstance(node, ast.Try):
+            pending += [*node.body, *node.orelse, *node.finalbody, *(s for h in node.handlers for s in h.body)]
+
+
+def import_graph(package_dir: Path) -> dict[str, dict[str, str]]:
+    """Per module of the package, the package's modules it imports at import time, each with where
+    (``file:line``). ``from pkg import name`` imports ``pkg.name`` where that is a module, else
+    ``pkg``; a package's ``__init__`` that runs first is not an edge (Python imports it once, and a
+    package importing its own modules would otherwise be a circle with each)."""
+    modules = _module_names(package_dir)
+    graph: dict[str, dict[str, str]] = {m: {} for m in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in _top_level_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                parts = package.split(".")
+                origin = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+                source = ".".join(p for p in (origin, node.module or "") if p)
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+            for target in targets:
+                if target in modules and target != module:
+                    graph[module].setdefault(target, where)
+    return graph
+
+
+def import_circles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for root, imported in graph.items():
+        if root in index:
+            continue
+        work = [(root, iter(imported))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            target = next(edges, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(graph[target])))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {"a": "c.py:1", "d": "c.py:2"}, "d": {}, "e": {"e": ""}}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b": ""}, "b": {}}) == []
+
+
+def test_the_router_has_no_import_circle() -> None:
+    """No two modules of the router import each other, directly or through others, at import time:
+    a circle means neither can be understood (or loaded) first. Broken by moving the shared type
+    down, or to a small module of its own, or by a Protocol; not by importing inside a function."""
+    graph = import_graph(ROOT / "extproc")
+    found = [
+        ", ".join(members)
+        + ": "
+        + "; ".join(f"{graph[a][b]} imports {b}" for a in members for b in members if b in graph[a])
+        for members in import_circles(graph)
+    ]
+    assert found == [], "import circles:\n" + "\n".join(found)

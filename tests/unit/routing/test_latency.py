@@ -14,8 +14,9 @@ from extproc.health.latency import LatencyBook
 from extproc.health.settings import HealthSettings
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
-from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint, SloHeadroomScorer, verdict
+from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint, verdict
 from extproc.routing.plugins import CycleState
+from extproc.routing.slo import SloHeadroomScorer
 from extproc.routing.trace import DecisionTrace
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
