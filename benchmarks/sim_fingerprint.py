@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(name for name, _ in runs()))
         return 0
+    names = [name for name, _ in runs()]
+    unmatched = [p for p in args.only or () if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        parser.error(f"--only {' '.join(unmatched)} matches no run (--list names them)")
     if args.check is not None:
         stored = json.loads(args.check.read_text(encoding="utf-8"))
         changed = differences(stored, fingerprints(args.only), args.only)
