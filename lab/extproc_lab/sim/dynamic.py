@@ -11,7 +11,7 @@ experiments need:
 - **the session ledger**: each routed session request is noted in the rebalancer's ledger with
   its OpenAI body (the driver's ``note_session``), as the router's own entry point does;
 - **pre-warming**: the rebalancer's prewarmer is the real
-  :class:`~extproc.rebalance.prewarm.Prewarmer` (its token bucket, queue and ``prefill_only``
+  :class:`~extproc.api.sim.Prewarmer` (its token bucket, queue and ``prefill_only``
   body) driven by a :class:`SimPrewarmer` on the virtual clock instead of asyncio, which sends
   each pre-warm body as a prefill-only request (``max_tokens`` 1) on the target replica model;
 - **refusals**: a request the router refuses (no replica, reason ``quota``) is dropped and
