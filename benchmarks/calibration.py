@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from extproc.cli import main as extproc
+from extproc.api import cli_main as extproc
 from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 
 

@@ -13,8 +13,16 @@ import inspect
 import os
 import time
 
-from extproc.request.features import RequestFeatures
-from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.api import (
+    AffinityView,
+    DecisionInputs,
+    Replica,
+    ReplicaState,
+    RequestFeatures,
+    Snapshot,
+    build_profile,
+    decide,
+)
 
 ROUNDS, N = int(os.environ.get("ROUNDS", "5")), int(os.environ.get("N", "20000"))
 
@@ -32,7 +40,7 @@ def main() -> None:
     params = inspect.signature(decide).parameters
     cases = {"request path": {}}
     if "trace" in params:
-        from extproc.routing.trace import DecisionTrace
+        from extproc.api import DecisionTrace
 
         cases["cordon in force"] = {"cordons": {"r5": "cordoned"}}
         cases["traced (Explain)"] = {"trace": None}

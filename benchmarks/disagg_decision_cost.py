@@ -17,11 +17,18 @@ import json
 import os
 import time
 
-from extproc.config import Config, Disaggregation, Metrics
-from extproc.request.features import read_request
-from extproc.router import Router
-from extproc.routing import AffinityView, DecisionInputs, Replica, decide
-from extproc.routing.roles import ROLE_LABEL
+from extproc.api import (
+    ROLE_LABEL,
+    AffinityView,
+    Config,
+    DecisionInputs,
+    Disaggregation,
+    Metrics,
+    Replica,
+    Router,
+    decide,
+    read_request,
+)
 
 ROUNDS, N = int(os.environ.get("ROUNDS", "5")), int(os.environ.get("N", "2000"))
 WEIGH_LOCAL = os.environ.get("WEIGH_LOCAL", "1") != "0"

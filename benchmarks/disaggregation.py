@@ -3,7 +3,7 @@
 In the simulator (lab/extproc_lab/sim/disagg.py), on the ``llama-8b-h100`` profile (KV transfer
 0.1 ms a block): 8 aggregated replicas routed by our router (the real Router with its own
 estimates, as ``extproc bench routing`` runs it) and by the router's decision on the replicas'
-true state; 2P+6D and 3P+5D with the router's decision (``extproc.routing.pipeline.decide``, the
+true state; 2P+6D and 3P+5D with the router's decision (``extproc.api.decide``, the
 code the server runs: the decode replica by the profile, then ``choose_prefill``), with the
 price profile (``extproc.routing.price``), and with the peers' (every request disaggregated,
 least loaded decode; prefill round robin as vLLM's toy proxy, random, or least loaded). Then the
@@ -24,9 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.config import Config
-from extproc.routing.disagg import PairSettings
-from extproc.routing.registry import PRICE_PROFILE
+from extproc.api import PRICE_PROFILE, Config, PairSettings
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.disagg import DisaggSimulation, PairPolicy, fleet, ours, peer

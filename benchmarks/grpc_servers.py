@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from extproc.config import Config
+from extproc.api import Config
 from extproc_lab.bench.overhead import Wrk, cpu_seconds, rounds_table
 from extproc_lab.bench.peer_routers import HOST, wait_serving
 from extproc_lab.demo.gateway import LocalGateway

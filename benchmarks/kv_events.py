@@ -35,13 +35,19 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from extproc.config import Config, Metrics
-from extproc.kvevents.cache_state import EventCacheState
-from extproc.kvevents.index import ModelIndex
-from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.wire import BlockRemoved, BlockStored, decode_batch, encode_batch
-from extproc.router import Router
-from extproc.routing.model import Replica
+from extproc.api import (
+    BlockRemoved,
+    BlockStored,
+    Config,
+    EventCacheState,
+    KvEventSettings,
+    Metrics,
+    ModelIndex,
+    Replica,
+    Router,
+    decode_batch,
+    encode_batch,
+)
 from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir, sample_text
 
 MODEL = "m"

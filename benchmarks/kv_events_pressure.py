@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from extproc.config import Config
+from extproc.api import Config
 from extproc_lab.bench.policies import KV_EVENTS, KV_EVENTS_DELAY_S, policy_profile, scrape_interval
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica.timing import get_profile

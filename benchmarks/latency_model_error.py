@@ -44,7 +44,7 @@ def main() -> int:
         slower=setup.slower(),
     )
     sim.run()
-    fits = sim.router.latency.view().fits
+    fits = sim.driver.latency_fits()
     print("| replica | profile | TTFT samples | TTFT error p50 | TPOT samples | TPOT error p50 |")
     print("|---|---|---|---|---|---|")
     for i, name in enumerate(sim.names):

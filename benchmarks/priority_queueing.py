@@ -27,8 +27,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from extproc.config import Config
-from extproc.queueing import QueueClass, QueueSettings
+from extproc.api import Config, QueueClass, QueueSettings
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.generators import merge, unique_prompts
 from extproc_lab.sim.priority import PriorityRun, PrioritySimulation

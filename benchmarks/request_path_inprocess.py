@@ -26,11 +26,7 @@ from pathlib import Path
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.config import Config
-from extproc.plan import Planner
-from extproc.router import Router
-from extproc.routing.model import Replica
-from extproc.server.stream import RequestStream
+from extproc.api import Config, Planner, Replica, RequestStream, Router
 from extproc_lab.bench.overhead import chat_body
 
 ROOT = str(Path(__file__).resolve().parent.parent) + "/"

@@ -17,9 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.config import Config
-from extproc.rebalance.prewarm import PrewarmSettings
-from extproc.rebalance.rebalancer import RebalanceSettings
+from extproc.api import Config, PrewarmSettings, RebalanceSettings
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.dynamic import DynamicRun, DynamicSimulation, WindowFigures, window_figures

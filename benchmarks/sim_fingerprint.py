@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import priority_queueing
 import scaling
 
-from extproc.config import Config, with_overrides
-from extproc.queueing import QueueSettings
+from extproc.api import Config, QueueSettings, with_overrides
 from extproc_lab.bench.policies import KV_EVENTS, KV_EVENTS_DELAY_S, PEERS, policy_profile, scrape_interval
 from extproc_lab.replica.timing import ReplicaProfile, get_profile
 from extproc_lab.sim.dynamic import DynamicSimulation

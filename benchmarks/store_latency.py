@@ -41,14 +41,19 @@ from pathlib import Path
 
 import redis
 
-from extproc.config import Config, Metrics
-from extproc.router import Router
-from extproc.routing.model import Replica
-from extproc.state import AffinityStore, MemoryStore
-from extproc.state.factory import open_store
-from extproc.state.redis_keys import KeySpace
-from extproc.state.redis_scripts import RECORD, pack_hashes
-from extproc.state.redis_store import RedisStore
+from extproc.api import (
+    RECORD,
+    AffinityStore,
+    Config,
+    KeySpace,
+    MemoryStore,
+    Metrics,
+    RedisStore,
+    Replica,
+    Router,
+    open_store,
+    pack_hashes,
+)
 from extproc_lab.demo.processes import ProcessGroup
 from extproc_lab.demo.redis_server import LocalRedis, redis_binary
 from extproc_lab.demo.workload import multi_turn

@@ -18,8 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.config import Config
-from extproc.tenancy import TenantPolicy, TenantSettings
+from extproc.api import Config, TenantPolicy, TenantSettings
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.dynamic import DynamicRun, DynamicSimulation

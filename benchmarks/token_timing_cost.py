@@ -21,12 +21,7 @@ import time
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.config import Config, Metrics
-from extproc.health.settings import HealthSettings
-from extproc.plan import Planner
-from extproc.router import Router
-from extproc.routing.model import Replica
-from extproc.server.stream import RequestStream
+from extproc.api import Config, HealthSettings, Metrics, Planner, Replica, RequestStream, Router
 
 CHAT = "/v1/chat/completions"
 

@@ -1,7 +1,9 @@
 """KV-cache aware routing for vLLM fleets behind Envoy, as an ext_proc gRPC server.
 
-The public API: :class:`Router` (features -> store view -> pure decision -> bookkeeping),
-:func:`decide` and the plugin pipeline, the affinity stores, and :class:`Config`.
+The package's own names: :class:`Router` (features -> store view -> pure decision -> bookkeeping),
+:func:`decide` and the plugin pipeline, the affinity stores, :class:`Config`, and ``__version__``.
+The whole public surface is :mod:`extproc.api` (and :mod:`extproc.api.sim` for simulating the router);
+the lab, fuzzers and benchmarks import from those alone.
 """
 
 from importlib.metadata import PackageNotFoundError

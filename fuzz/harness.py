@@ -14,14 +14,20 @@ from collections.abc import AsyncIterator, Sequence
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.config import Config, Metrics, Prefix, Sessions
-from extproc.plan import Planner
-from extproc.request import FeatureSettings, extract_features
-from extproc.request.agent_apis import answer_messages
-from extproc.request.agent_hints import MAX_DEMOTION
-from extproc.router import Router
-from extproc.routing import Replica
-from extproc.server.stream import RequestStream
+from extproc.api import (
+    MAX_DEMOTION,
+    Config,
+    FeatureSettings,
+    Metrics,
+    Planner,
+    Prefix,
+    Replica,
+    RequestStream,
+    Router,
+    Sessions,
+    answer_messages,
+    extract_features,
+)
 
 SETTINGS = FeatureSettings(max_body_bytes=64 * 1024)
 PATHS = (
@@ -151,8 +157,7 @@ def check_stream(router: Router, data: bytes) -> None:
 def check_kv_events(data: bytes) -> None:
     """A KV-event message from arbitrary bytes: decoded or refused with WireError, and whatever
     decodes applies to an index without raising."""
-    from extproc.kvevents.index import ModelIndex
-    from extproc.kvevents.wire import WireError, decode_batch, split_message
+    from extproc.api import ModelIndex, WireError, decode_batch, split_message
 
     parts = data.split(b"\x00\x00\x00", 2)
     try:

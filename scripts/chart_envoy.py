@@ -28,7 +28,7 @@ OUT = Path(__file__).resolve().parent.parent / "charts" / "extproc" / "files" / 
 
 def render_envoy(service: str, namespace: str, model_port: int, router_port: int, http_port: int) -> str:
     """The bootstrap ``extproc envoy-config`` renders for the sidecar layout's router config."""
-    from extproc.cli import main
+    from extproc.api import cli_main as main
 
     config = {
         "mode": "endpoint",

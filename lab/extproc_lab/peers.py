@@ -7,7 +7,7 @@ replicas (:meth:`~PeerPolicy.choose`, the choice first), and it is told where th
 (:meth:`~PeerPolicy.observe`). Whatever a peer remembers (a round-robin counter, an approximate
 tree, a seeded generator, a ring) lives in the policy object, and the object belongs to one
 simulation run: the simulator builds it, hands the router a :class:`PeerDecision` in place of
-:func:`~extproc.routing.pipeline.decide` (``Router(decider=...)``), and calls ``observe`` after
+:func:`~extproc.api.decide` (``Router(decider=...)``), and calls ``observe`` after
 each routed request. The router's plugin registry and its pipeline know nothing of peers, and no
 config file can name one.
 
@@ -53,12 +53,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from extproc.request.features import CHARS_PER_TOKEN, RequestFeatures
-from extproc.routing.model import Decision, Reason, ReplicaState
-from extproc.routing.pipeline import DecisionInputs, ranked_decision
-from extproc.routing.ring import HashRing
-from extproc.routing.trace import DecisionTrace
-from extproc.state.memory import PrefixIndex
+from extproc.api import CHARS_PER_TOKEN, Decision, DecisionInputs, DecisionTrace, Reason, ReplicaState, RequestFeatures
+from extproc.api.sim import HashRing, PrefixIndex, ranked_decision
 
 
 class CacheProbe(Protocol):
@@ -111,7 +107,7 @@ class PeerScorer(Protocol):
 
 @dataclass(frozen=True)
 class PeerDecision:
-    """The router's decision step when ``peer`` decides (a :class:`~extproc.routing.pipeline.Decider`):
+    """The router's decision step when ``peer`` decides (a :class:`~extproc.api.sim.Decider`):
     the peer ranks all replicas, and the decision states reason, pin and fallbacks as ours would.
     A peer is another router: it knows nothing of our tenants' quotas or of cordons."""
 

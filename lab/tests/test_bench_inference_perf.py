@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import config_from_mapping
-from extproc.routing.registry import build_profile
+from extproc.api import build_profile, config_from_mapping
 from extproc_lab.bench.inference_perf import (
     CONFIGS,
     CONVERSATIONS,

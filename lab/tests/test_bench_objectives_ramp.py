@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.config import load_config
+from extproc.api import load_config
 from extproc_lab.bench.objectives_ramp import (
     NO_OBJECTIVES,
     OBJECTIVES,

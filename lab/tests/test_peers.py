@@ -10,10 +10,19 @@ from typing import Any
 
 import pytest
 
-from extproc.config import Config
-from extproc.request.features import RequestFeatures
-from extproc.routing import AffinityView, DecisionInputs, Reason, Replica, ReplicaState, Snapshot, build_profile
-from extproc.routing.registry import REGISTRY, ProfileError
+from extproc.api import (
+    REGISTRY,
+    AffinityView,
+    Config,
+    DecisionInputs,
+    ProfileError,
+    Reason,
+    Replica,
+    ReplicaState,
+    RequestFeatures,
+    Snapshot,
+    build_profile,
+)
 from extproc_lab.bench.policies import PEER_DEFS, PEERS, policy_profile
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.peers import (

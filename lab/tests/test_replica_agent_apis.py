@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import test_utils
 
-from extproc.usage import UsageTail, parse_usage
+from extproc.api import UsageTail, parse_usage
 from extproc_lab.replica import ReplicaEngine, build_app, get_profile
 from extproc_lab.replica.agent_apis import STORE_ENV
 

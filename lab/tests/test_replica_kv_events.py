@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 from aiohttp import test_utils
 
-from extproc.kvevents.cache_state import EventCacheState
-from extproc.kvevents.feed import KvEventSource
-from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.subscriber import Subscriptions
-from extproc.metrics.kv_events import KvEventMetrics
-from extproc.request.features import read_request
-from extproc.request.tokenizer import PromptTokenizer
+from extproc.api import (
+    EventCacheState,
+    KvEventMetrics,
+    KvEventSettings,
+    KvEventSource,
+    PromptTokenizer,
+    Subscriptions,
+    read_request,
+)
 from extproc_lab.replica import ReplicaEngine, build_app, get_profile
 from extproc_lab.replica.kv_events import TokenBlocks
 from extproc_lab.replica.kv_publisher import KvEventPublisher
@@ -52,7 +54,7 @@ class Rig:
 
 @pytest.fixture(params=["map", "array"])
 async def rig(request, tokenizer_dir: Path) -> AsyncIterator[Rig]:
-    from extproc.request.features import FeatureSettings
+    from extproc.api import FeatureSettings
 
     with tempfile.TemporaryDirectory(prefix="kvr-") as d:
         pub, replay = f"ipc://{d}/pub", f"ipc://{d}/replay"
@@ -159,7 +161,7 @@ async def test_lora_adapters_hash_apart_as_vllm_does(rig: Rig, tokenizer_dir: Pa
 
 
 def test_stored_events_name_the_adapter() -> None:
-    from extproc.kvevents.wire import BlockStored
+    from extproc.api import BlockStored
     from extproc_lab.replica.kv_events import KvEventRecorder
 
     blocks = TokenBlocks(4)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, test_utils
 
-from extproc.health.vllm_metrics import parse_vllm_metrics
+from extproc.api import parse_vllm_metrics
 from extproc_lab.replica import REPLICA_HEADER, ReplicaEngine, build_app, get_profile, serve_replica
 from extproc_lab.replica.lora import LoraSlots
 

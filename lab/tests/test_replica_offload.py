@@ -13,13 +13,17 @@ from pathlib import Path
 import pytest
 from aiohttp import test_utils
 
-from extproc.kvevents.cache_state import EventCacheState
-from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.subscriber import Subscriptions
-from extproc.kvevents.wire import BlockRemoved, BlockStored
-from extproc.metrics.kv_events import KvEventMetrics
-from extproc.request.features import FeatureSettings, read_request
-from extproc.request.tokenizer import PromptTokenizer
+from extproc.api import (
+    BlockRemoved,
+    BlockStored,
+    EventCacheState,
+    FeatureSettings,
+    KvEventMetrics,
+    KvEventSettings,
+    PromptTokenizer,
+    Subscriptions,
+    read_request,
+)
 from extproc_lab.replica import ReplicaEngine, build_app, get_profile
 from extproc_lab.replica.kv_events import TokenBlocks
 from extproc_lab.replica.kv_publisher import KvEventPublisher

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main
-from extproc.config import Config
-from extproc.routing.registry import DEFAULT_PROFILE
+from extproc.api import DEFAULT_PROFILE, Config, cli_main
 from extproc_lab.bench.cli import run_bench_command
 from extproc_lab.bench.policies import ALL, policy_profile
 from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
@@ -19,7 +17,7 @@ from extproc_lab.sim import generators
 from extproc_lab.sim.ceilings import ceilings
 from extproc_lab.sim.dynamic import DynamicSimulation
 from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
-from extproc_lab.sim.simulator import Simulation, run_sync
+from extproc_lab.sim.simulator import Simulation
 
 LLAMA = PROFILES["llama-8b-h100"]
 SMALL = WorkloadSpec("multi-turn", rate=1.0, seed=3, limit=250)
@@ -31,33 +29,17 @@ def simulate(policy: str, workload_spec: WorkloadSpec = SMALL, replicas: int = 4
     return Simulation(wl, LLAMA, replicas, lambda probe: policy_profile(policy, probe, 7, LLAMA, cfg), config=cfg)
 
 
-def test_run_sync_refuses_a_store_that_really_waits() -> None:
-    async def answers() -> int:
-        return 5
-
-    class Pending:
-        def __await__(self):  # type: ignore[no-untyped-def]
-            yield  # what a network store does: wait for the event loop
-
-    async def waits() -> None:
-        await Pending()
-
-    assert run_sync(answers()) == 5
-    with pytest.raises(RuntimeError, match="memory store"):
-        run_sync(waits())
-
-
 def test_simulation_uses_the_router_and_feeds_it_back() -> None:
     sim = simulate("extproc")
-    assert sim.router.profile.name == "extproc"
+    assert sim.driver.profile.name == "extproc"
     run = sim.run()
     f = figures(run)
     assert f["requests"] == len(sim.workload) == 250
     assert f["sticky_stayed"] == 1.0 and f["decisions"]["sticky"] > 0
     # Every request was released: the router holds nothing in flight.
-    assert all(rec.inflight == 0 and rec.pending_prefill_tokens == 0 for rec in sim.router.replicas.records())
+    assert sim.driver.idle()
     # The replicas' load reached the router through reports, as a scraper's would.
-    assert any(rec.scraped_at > 0 for rec in sim.router.replicas.records())
+    assert sim.driver.scraped()
     assert 0 < f["hit_ratio"] <= 1 and f["ttft_p50_s"] <= f["ttft_p99_s"] <= f["e2e_p99_s"]
     series = hit_ratio_series(run)
     assert any(v is not None and v > 0.5 for v in series)
@@ -163,7 +145,7 @@ def test_cli_bench_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
         str(out),
         "--quiet",
     ]
-    assert main(argv) == 0
+    assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     assert "extproc *" in printed and "round_robin" in printed
     data = json.loads(out.read_text())

@@ -13,10 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.config import Config
-from extproc.routing.model import ReplicaState
-from extproc.routing.pipeline import Profile
-from extproc.routing.plugins import CycleState
+from extproc.api import Config, CycleState, Profile, ReplicaState
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.run import reset_caches

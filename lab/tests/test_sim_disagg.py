@@ -6,8 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from extproc.routing.disagg import PairSettings
-from extproc.routing.roles import Role
+from extproc.api import PairSettings, Role
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.disagg import DisaggSimulation, FleetView, Route, fleet, ours, peer
 from extproc_lab.sim.generators import multi_turn
@@ -70,13 +69,13 @@ def test_a_policy_breaking_roles_is_refused() -> None:
 
 
 def test_ours_is_the_decision_the_server_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from extproc.routing import pipeline
+    from extproc.api import DecisionInputs, decide
     from extproc_lab.sim import disagg
 
     calls: list[str | None] = []
 
-    def counted(given: pipeline.DecisionInputs, trace: object = None) -> object:
-        decision = pipeline.decide(given)
+    def counted(given: DecisionInputs, trace: object = None) -> object:
+        decision = decide(given)
         calls.append(decision.prefill.name if decision.prefill is not None else None)
         return decision
 

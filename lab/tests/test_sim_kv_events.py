@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from extproc.config import Config
+from extproc.api import Config
 from extproc_lab.bench.policies import KV_EVENTS, policy_profile
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica.timing import PROFILES

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.config import Config
-from extproc.queueing import QueueClass, QueueSettings
+from extproc.api import Config, QueueClass, QueueSettings
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.generators import merge, multi_turn, unique_prompts

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.config import Config
-from extproc.queueing import QueueClass, QueueSettings
+from extproc.api import Config, QueueClass, QueueSettings
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.generators import merge, unique_prompts
 from extproc_lab.sim.priority import PrioritySimulation

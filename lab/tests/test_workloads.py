@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main
-from extproc.request.features import FeatureSettings, extract_features
-from extproc.request.prefix import block_hashes, model_seed
+from extproc.api import FeatureSettings, extract_features
+from extproc.api import cli_main as main
+from extproc.api.sim import block_hashes, model_seed
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica.engine import filler_text
 from extproc_lab.sim import generators

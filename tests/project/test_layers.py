@@ -12,6 +12,7 @@ from tests.conftest import ROOT
 
 # Higher may import lower (and its own group); see docs/architecture.md.
 RANKS = {
+    "extproc.api": 8,  # the public surface: the only router names the lab, fuzzers and benchmarks import
     "extproc": 7,  # the package's public re-exports
     "extproc.__main__": 7,
     "extproc.cli": 7,
@@ -121,6 +122,37 @@ def test_the_lab_imports_no_private_name_of_the_router() -> None:
     assert offenders == []
 
 
+# Where the router is used from outside, and the only router modules they may import.
+OUTSIDE = ("lab", "benchmarks", "fuzz")
+PUBLIC_SURFACE = ("extproc.api", "extproc.api.sim")
+
+
+def test_the_lab_fuzzers_and_benchmarks_import_only_the_public_surface() -> None:
+    """They import the router through ``extproc.api`` and ``extproc.api.sim`` alone, and only the
+    names those list in ``__all__``: the rest of ``extproc`` may move without touching them."""
+    exported = {name: set(importlib.import_module(name).__all__) for name in PUBLIC_SURFACE}
+    offenders = []
+    for top in OUTSIDE:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            where = path.relative_to(ROOT)
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    offenders += [
+                        f"{where}: import {a.name}"
+                        for a in node.names
+                        if _router_module(a.name) and a.name not in PUBLIC_SURFACE
+                    ]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and _router_module(node.module):
+                    assert node.module is not None
+                    if node.module not in exported:
+                        offenders.append(f"{where}: from {node.module}")
+                        continue
+                    offenders += [
+                        f"{where}: {node.module}.{a.name}" for a in node.names if a.name not in exported[node.module]
+                    ]
+    assert offenders == [], "import it from extproc.api (or extproc.api.sim), adding it to __all__ there"
+
+
 def test_lab_subclasses_of_router_classes_touch_no_private_member() -> None:
     """A lab class built on a router class neither overrides nor uses the base's private members:
     a driver of its own goes through the public API, so the router may change its insides."""
@@ -173,8 +205,16 @@ def test_test_files_import_no_other_test_file() -> None:
     assert offenders == []
 
 
-# Subsystems report through observer protocols of their own; only these wire the metrics in.
-METRICS_WIRING = ("extproc.metrics", "extproc.router", "extproc.server", "extproc.cli", "extproc.telemetry")
+# Subsystems report through observer protocols of their own; only these wire the metrics in (and
+# the public surface re-exports the KV-event metrics, which the lab wires a subscriber with).
+METRICS_WIRING = (
+    "extproc.metrics",
+    "extproc.router",
+    "extproc.server",
+    "extproc.cli",
+    "extproc.telemetry",
+    "extproc.api",
+)
 
 
 def test_only_the_wiring_imports_the_metrics() -> None:

@@ -52,7 +52,7 @@ from typing import Any
 
 import yaml
 
-from extproc.routing.registry import DEFAULT_PROFILE
+from extproc.api import DEFAULT_PROFILE
 from extproc_lab.bench.realstack import OURS, ROUND_ROBIN, RealStackSetup, read_counters, read_decisions, start_router
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.engines.install import engines_dir

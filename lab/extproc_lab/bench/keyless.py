@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from extproc.routing.registry import DEFAULT_PROFILE
+from extproc.api import DEFAULT_PROFILE
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, shared_prompt_chat
 from extproc_lab.stats import percentile

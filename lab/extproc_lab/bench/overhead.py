@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.config import Config
+from extproc.api import Config
 from extproc_lab.bench.peer_routers import HOST, PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway

@@ -12,9 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.config import Config
-from extproc.routing.pipeline import Profile
-from extproc.routing.registry import build_profile
+from extproc.api import Config, Profile, build_profile
 from extproc_lab import peers
 from extproc_lab.peers import CacheProbe, PeerPolicy
 from extproc_lab.replica.timing import ReplicaProfile

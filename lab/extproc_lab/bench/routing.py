@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from extproc.config import Config, load_config, with_overrides
+from extproc.api import Config, load_config, with_overrides
 from extproc_lab.bench.policies import (
     ALL,
     CEILINGS,

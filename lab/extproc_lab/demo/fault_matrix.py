@@ -34,8 +34,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from extproc.routing.model import Replica
-from extproc.upstream_timeouts import UpstreamTimeouts
+from extproc.api import Replica, UpstreamTimeouts
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import (
     Outcome,

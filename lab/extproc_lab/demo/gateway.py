@@ -12,8 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from extproc.envoy_config import GatewaySpec, render_yaml
-from extproc.routing.model import Replica
+from extproc.api import GatewaySpec, Replica, render_yaml
 from extproc_lab.demo.processes import ProcessGroup, envoy_binary, free_port, wait_for_http, wait_for_port
 from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 

@@ -1,6 +1,6 @@
 """The shapes a client's request may take, for the timeout cases: which API, streamed or not, and
 with what ``max_tokens``. Each gets its own per-try budget on the gateway
-(:class:`~extproc.upstream_timeouts.UpstreamTimeouts`, ``docs/timeouts.md``), so a hung replica
+(:class:`~extproc.api.UpstreamTimeouts`, ``docs/timeouts.md``), so a hung replica
 is tried with every one of them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from extproc.upstream_timeouts import UpstreamTimeouts
+from extproc.api import UpstreamTimeouts
 from extproc_lab.demo.load import CHAT_PATH, COMPLETIONS_PATH, MODEL
 
 # More than any model's context: the request's own bound is no bound, only the gateway's cap.

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from extproc.routing.model import Replica
+from extproc.api import Replica
 from extproc_lab.demo.gateway import HOST, LocalGateway
 from extproc_lab.demo.processes import envoy_binary, free_port, wait_for_http, wait_for_port
 

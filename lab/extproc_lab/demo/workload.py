@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from extproc.request.features import CHARS_PER_TOKEN
+from extproc.api import CHARS_PER_TOKEN
 
 _VOCAB = (
     "the of and to in is that for it as with was on be by this are from or at an which have not "

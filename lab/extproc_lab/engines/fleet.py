@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from extproc.routing.model import Replica
+from extproc.api import Replica
 from extproc_lab.demo.processes import ProcessGroup, free_port
 from extproc_lab.engines import install
 

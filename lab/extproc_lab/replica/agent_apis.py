@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from extproc.request.agent_apis import (
+from extproc.api import TokenizerError, render_chat
+from extproc.api.sim import (
     MESSAGES_PATH,
     RESPONSES_PATH,
     AgentApiError,
@@ -36,8 +37,6 @@ from extproc.request.agent_apis import (
     previous_response_id,
     responses_as_chat,
 )
-from extproc.request.openai_body import render_chat
-from extproc.request.tokenizer import TokenizerError
 from extproc_lab.replica.engine import Generation
 
 if TYPE_CHECKING:

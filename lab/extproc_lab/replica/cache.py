@@ -5,7 +5,7 @@ reference counts, alongside the blocks of running requests). This simpler cache,
 holding blocks, is what the benchmark's ceilings are computed with: ``pooled`` (one cache with the
 whole fleet's capacity receiving every request) and ``ideal`` (one cache without bound).
 
-Blocks are hashed exactly as the router hashes them (:func:`extproc.request.prefix.block_hashes`
+Blocks are hashed exactly as the router hashes them (:func:`extproc.api.sim.block_hashes`
 seeded with the model), so what the router believes a replica holds and what the replica really
 holds can be compared block for block.
 """
@@ -16,8 +16,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from extproc.request.features import CHARS_PER_TOKEN
-from extproc.request.prefix import block_hashes, model_seed
+from extproc.api import CHARS_PER_TOKEN
+from extproc.api.sim import block_hashes, model_seed
 
 """Tokens are approximated as four characters (UTF-8 bytes) of the rendered prompt."""
 

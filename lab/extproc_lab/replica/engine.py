@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.kvevents.wire import Event
-from extproc.request.prefix import block_hashes, model_seed
+from extproc.api import Event
+from extproc.api.sim import block_hashes, model_seed
 from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.kv_events import KvEventRecorder, TokenBlocks
 from extproc_lab.replica.model import (

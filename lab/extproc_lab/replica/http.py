@@ -23,9 +23,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from extproc.kvevents.hashing import HashAlgo
-from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, parse_request_body
-from extproc.request.tokenizer import PromptTokenizer, TokenizerError
+from extproc.api import CHAT_PATH, COMPLETIONS_PATH, BodyError, PromptTokenizer, TokenizerError, parse_request_body
+from extproc.api.sim import HashAlgo
 from extproc_lab.replica.agent_apis import AgentApis
 from extproc_lab.replica.engine import Generation, KvSource, ReplicaEngine, output_budget
 from extproc_lab.replica.kv_events import TokenBlocks

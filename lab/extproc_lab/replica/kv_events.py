@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from extproc.kvevents.hashing import EngineChain, HashAlgo, low64
-from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from extproc.api import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from extproc.api.sim import EngineChain, HashAlgo, low64
 
 GPU = "GPU"
 

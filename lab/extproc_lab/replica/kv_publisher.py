@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 import zmq
 import zmq.asyncio
 
-from extproc.kvevents.wire import Event, encode_batch, seq_frame
+from extproc.api import Event, encode_batch
+from extproc.api.sim import seq_frame
 
 log = logging.getLogger("extproc_lab.replica.kv")
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from extproc.request.kv_transfer import PARAMS_FIELD
+from extproc.api.sim import PARAMS_FIELD
 from extproc_lab.replica.engine import KvSource, ReplicaEngine
 from extproc_lab.replica.model import Seq
 

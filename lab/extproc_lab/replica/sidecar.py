@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from extproc.request.kv_transfer import PREFILLER_HEADER, answer_params, decode_body, prefill_body
-from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
+from extproc.api import CHAT_PATH, COMPLETIONS_PATH
+from extproc.api.sim import PREFILLER_HEADER, answer_params, decode_body, prefill_body
 
 log = logging.getLogger("extproc_lab.sidecar")
 

@@ -1,11 +1,12 @@
 """Simulation: workloads (traces and generators), the discrete-event simulator that drives the
 router's own pipeline against replica models on a virtual clock, and hit-ratio ceilings.
 
-No sockets and no grpc here: the simulator calls :class:`~extproc.router.Router` directly.
+No sockets and no grpc here: the simulator drives the router through its synchronous driver,
+:class:`~extproc.api.sim.SyncDriver`.
 """
 
 from extproc_lab.sim.ceilings import Ceiling, ceiling, ceilings
-from extproc_lab.sim.simulator import Outcome, SimCacheProbe, SimRun, Simulation, VirtualClock, run_sync, simulate
+from extproc_lab.sim.simulator import Outcome, SimCacheProbe, SimRun, Simulation, VirtualClock, simulate
 from extproc_lab.sim.workload import SimRequest, Workload, text_request
 
 __all__ = [
@@ -19,7 +20,6 @@ __all__ = [
     "Workload",
     "ceiling",
     "ceilings",
-    "run_sync",
     "simulate",
     "text_request",
 ]

@@ -11,7 +11,7 @@ first token is the decode replica's; the prefill replica's token is the proxy's 
 Policies read the replicas' true state at the moment of the decision (their caches, queues and
 KV usage, as llm-d's precise prefix index and a fresh scrape would): the comparison is of the
 choice, not of the estimates. Ours is the router's own decision, the code the server runs:
-:func:`extproc.routing.pipeline.decide` with a profile of the router's config (the decode replica
+:func:`extproc.api.decide` with a profile of the router's config (the decode replica
 by its filters, scorers and picker among the replicas that decode, then the prefill hop by
 :func:`extproc.routing.disagg.choose_prefill`), sessions pinned to where the decision pins them,
 as the router's store does; the peers' are those of vLLM's toy proxy (round robin) and of a
@@ -27,13 +27,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from extproc.config import Config
-from extproc.request.features import FeatureSettings, RequestFeatures
-from extproc.routing.disagg import PairSettings
-from extproc.routing.model import AffinityView, Replica, ReplicaState, Snapshot
-from extproc.routing.pipeline import DecisionInputs, decide
-from extproc.routing.registry import build_profile
-from extproc.routing.roles import ROLE_LABEL, Role
+from extproc.api import (
+    ROLE_LABEL,
+    AffinityView,
+    Config,
+    DecisionInputs,
+    FeatureSettings,
+    PairSettings,
+    Replica,
+    ReplicaState,
+    RequestFeatures,
+    Role,
+    Snapshot,
+    build_profile,
+    decide,
+)
 from extproc_lab.replica.model import ReplicaModel, Seq
 from extproc_lab.replica.timing import ReplicaProfile
 from extproc_lab.sim.simulator import ReplicaSteps
@@ -100,7 +108,7 @@ def ours(
     settings: PairSettings | None = None,
     profile: Mapping[str, Any] | None = None,
 ) -> PairPolicy:
-    """The router's own decision (:func:`extproc.routing.pipeline.decide`, as the server calls it)
+    """The router's own decision (:func:`extproc.api.decide`, as the server calls it)
     with ``profile`` (a config's ``profile:``; None: the router's default) and ``settings`` for the
     pair (None: the config's ``disaggregation:``); the view's true matches stand in for the
     router's cache view, sessions are pinned where the decision pins them."""

@@ -5,13 +5,13 @@
 experiments need:
 
 - **membership events** at given virtual times: ``(at_s, replica_count)`` makes replicas
-  ``replica-0 .. replica-{count-1}`` the membership through :meth:`Router.set_replicas` (joins
+  ``replica-0 .. replica-{count-1}`` the membership through the driver's ``set_replicas`` (joins
   take their ring share of live sessions, leaves move theirs); new names get new replica models,
   models that left drain what they already hold and take nothing new;
 - **the session ledger**: each routed session request is noted in the rebalancer's ledger with
-  its OpenAI body, as :meth:`Router.route` does (the simulator calls ``route_features``);
+  its OpenAI body (the driver's ``note_session``), as the router's own entry point does;
 - **pre-warming**: the rebalancer's prewarmer is the real
-  :class:`~extproc.rebalance.prewarm.Prewarmer` (its token bucket, queue and ``prefill_only``
+  :class:`~extproc.api.sim.Prewarmer` (its token bucket, queue and ``prefill_only``
   body) driven by a :class:`SimPrewarmer` on the virtual clock instead of asyncio, which sends
   each pre-warm body as a prefill-only request (``max_tokens`` 1) on the target replica model;
 - **refusals**: a request the router refuses (no replica, reason ``quota``) is dropped and
@@ -26,15 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
-from extproc.request.features import RequestFeatures
-from extproc.request.openai_body import render_chat
-from extproc.request.prefix import block_hashes, model_seed
-from extproc.router import Routed
-from extproc.routing.model import Replica
+from extproc.api import PrewarmSettings, Replica, RequestFeatures, Routed, render_chat
+from extproc.api.sim import Prewarmer, block_hashes, model_seed
 from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.model import Seq
-from extproc_lab.sim.simulator import Outcome, SimRun, Simulation, run_sync
+from extproc_lab.sim.simulator import Outcome, SimRun, Simulation
 from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL, SimRequest
 from extproc_lab.stats import percentile
 
@@ -157,7 +153,7 @@ class DynamicSimulation(Simulation):
         self._changes_made: list[Change] = []
         self._session_keys: dict[int, str] = {}
         self._tenants: dict[int, str] = {}
-        self._members = len(self.router.replicas)
+        self._members = self.driver.replica_count()
         self._followers = self.workload.followers()
         self._loop()
         return DynamicRun(
@@ -181,17 +177,12 @@ class DynamicSimulation(Simulation):
         chosen = routed.decision.replica
         if chosen is None:
             return
-        if self.router.hot_keys is not None:  # a hot prefix's request, kept to warm joining replicas
-            self.router.offer_hot_body(features, functools.partial(_body_bytes, req))
+        body = functools.partial(_body_bytes, req)
+        self.driver.offer_hot_body(features, body)  # a hot prefix's request, kept to warm joining replicas
         if features.session_key is None:
             return
-        # As Router.route does: the session's request noted in the rebalancer's ledger.
         self._session_keys[i] = features.session_key
-        rebalancer = self.router.rebalancer
-        if rebalancer.settings.enabled:
-            body = _body_bytes(req)
-            hashes = features.prefix_hashes  # the keys it was looked up by, as the router keeps them
-            rebalancer.note(features.session_key, features.model, chosen.name, features.path, body, now, hashes)
+        self.driver.note_session(features, chosen.name, body, now)
 
     def _refused(self, i: int, routed: Routed, now: float) -> None:
         reason = routed.decision.reason.value
@@ -219,11 +210,10 @@ class DynamicSimulation(Simulation):
         """Make ``replica-0 .. replica-{target-1}`` the membership."""
         while len(self.models) < target:
             self._add_replica()
-        rebalancer = self.router.rebalancer
-        live = sum(1 for _ in rebalancer.ledger.live(now))
+        live = self.driver.live_sessions(now)
         wanted = [Replica(self.names[i], f"sim:{i}") for i in range(target)]
-        membership = run_sync(self.router.set_replicas(wanted))
-        moved = frozenset(e.session for e in rebalancer.ledger.live(now) if e.moved_at == now)
+        membership = self.driver.set_replicas(wanted)
+        moved = self.driver.sessions_moved_at(now)
         self._changes_made.append(
             Change(now, self._members, target, membership.joined, membership.left, live, len(moved), moved)
         )

@@ -12,11 +12,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from extproc.kvevents.cache_state import EventCacheState
-from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from extproc.request.features import RequestFeatures
-from extproc.request.tokenizer import TokenizerRegistry
+from extproc.api import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventCacheState,
+    KvEventSettings,
+    RequestFeatures,
+    TokenizerRegistry,
+)
 from extproc_lab.replica.model import ReplicaModel
 from extproc_lab.sim.workload import SimRequest
 

@@ -1,12 +1,12 @@
 """The simulator with priority queueing: interactive and batch requests over a full fleet.
 
 :class:`PrioritySimulation` replays an open-loop workload like
-:class:`~extproc_lab.sim.simulator.Simulation` (replica models on a virtual clock, the router's
-``route_features``, ``observe_response`` and ``release``, scrapes into the replica book) and, with
+:class:`~extproc_lab.sim.simulator.Simulation` (replica models on a virtual clock, the router driven
+through :class:`~extproc.api.sim.SyncDriver`, scrapes into the replica book) and, with
 ``config.queueing.enabled``, holds requests as the ext_proc server does: a request goes on when
 nothing of its priority or above waits and its candidates are not all saturated
-(:meth:`Router.fleet_saturated`, the server's test), else it waits. The decisions are the
-server's own (:class:`~extproc.queueing.Admission`, on the virtual clock): release order
+(the driver's ``fleet_saturated``, the server's test), else it waits. The decisions are the
+server's own (:class:`~extproc.api.sim.Admission`, on the virtual clock): release order
 (priority, then round robin by tenant), one at a time whenever the head's candidates have
 headroom (looked at after a scrape and after a request ends), and refusal of a request arriving
 at a full queue or of every request held past its class's ``max_wait_s``, counted. Without
@@ -15,7 +15,7 @@ the queue is compared with.
 
 A request every candidate is predicted to miss goes as its class's ``on_miss`` says, as in the
 server: shed (refused, counted as ``objective``), held in the same queue until a decision would
-meet its objectives or the fleet is idle (:meth:`Router.objective_ready`; ``objective_timeout``
+meet its objectives or the fleet is idle (the driver's ``objective_ready``; ``objective_timeout``
 past its limit), or routed best effort.
 """
 
@@ -24,12 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from extproc.config import Config
-from extproc.health.replicas import LoadReport
-from extproc.queueing import Admission, Refusal
-from extproc.request.features import RequestFeatures
-from extproc.router import Routed
-from extproc.routing.pipeline import Profile
+from extproc.api import Config, LoadReport, Profile, RequestFeatures, Routed
+from extproc.api.sim import Admission, Refusal
 from extproc_lab.replica.model import Seq, StepResult
 from extproc_lab.replica.timing import ReplicaProfile
 from extproc_lab.sim.simulator import Simulation
@@ -71,7 +67,7 @@ class PrioritySimulation(Simulation):
     hooks: an arrival may be held instead of routed, the queue is looked at after each scrape,
     after a step in which requests ended, and at a tick of its own (after the steps ending then)
     when something waits. Replicas report their load as a scraper without the prefix counters
-    would (:meth:`~extproc.health.replicas.ReplicaBook.apply_report`; no health evaluation).
+    would (the driver's ``report_load``; no health evaluation).
     """
 
     TICK = 2
@@ -95,7 +91,7 @@ class PrioritySimulation(Simulation):
 
     def run(self, on_progress: Callable[[int], None] | None = None, progress_every: int = 200) -> PriorityRun:  # type: ignore[override]
         """Replay the workload to its end."""
-        self._held: Admission[int] = Admission(self.config.queueing, self.router.fleet_saturated, self.clock)
+        self._held: Admission[int] = Admission(self.config.queueing, self.driver.fleet_saturated, self.clock)
         self._features: dict[int, RequestFeatures] = {}
         self._dispatched_at: dict[int, float] = {}
         self._out = PriorityRun([])
@@ -113,9 +109,9 @@ class PrioritySimulation(Simulation):
     # --- hooks of the event loop ---------------------------------------------------------------
 
     def _scrape(self, at: float, now: float) -> None:
-        book = self.router.replicas
+        driver = self.driver
         for name, model in zip(self.names, self.models, strict=True):
-            book.apply_report(name, LoadReport(model.num_waiting, model.num_running, model.kv_cache_usage_perc), at)
+            driver.report_load(name, LoadReport(model.num_waiting, model.num_running, model.kv_cache_usage_perc), at)
         if len(self._held):
             self._pump(now)
 
@@ -147,7 +143,7 @@ class PrioritySimulation(Simulation):
         self._dispatched_at.pop(i, None)
         if routed.objective_wait is not None:
             f = routed.features
-            ready = self.router.objective_ready(f, routed.objective_wait)
+            ready = self.driver.objective_ready(f, routed.objective_wait)
             held = self._held.admit(self._out.classes[i], f.tenant, f.pool, i, ready)
             if isinstance(held, Refusal):
                 self._refuse(i, "full")

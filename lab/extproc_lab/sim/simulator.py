@@ -1,14 +1,11 @@
 """A discrete-event simulator: a workload, the router, and replica models on a virtual clock.
 
-It drives the very objects the ext_proc server drives, without sockets: a
-:class:`~extproc.router.Router` built with the virtual clock and a memory store routes each
-request (:meth:`~extproc.router.Router.route_features`), learns of its first token
-(:meth:`~extproc.router.Router.observe_response`, :meth:`~extproc.router.Router.first_token`), of
-its last (:meth:`~extproc.router.Router.tokens_over`) and of its end
-(:meth:`~extproc.router.Router.release`), and takes in each replica's load as a scraper would
-(:meth:`~extproc.health.replicas.ReplicaBook.apply_report`, then ``evaluate``, every scrape
-interval). Replicas are :class:`~extproc_lab.replica.model.ReplicaModel` instances, the model behind
-the fake HTTP replica.
+It drives the very objects the ext_proc server drives, without sockets, through the router's
+synchronous driver (:class:`~extproc.api.sim.SyncDriver`): a router built with the virtual clock and
+a memory store routes each request (``route``), learns of its first token (``first_token``), of
+its last and of its end (``finished``), and takes in each replica's load as a scraper would
+(``scrape``, then ``evaluate``, every scrape interval). Replicas are
+:class:`~extproc_lab.replica.model.ReplicaModel` instances, the model behind the fake HTTP replica.
 
 Events are arrivals (open loop at their time, closed loop a think time after what they follow)
 and ends of replica steps; the variants (:mod:`~extproc_lab.sim.dynamic`,
@@ -25,41 +22,30 @@ replay of hours of traffic fast:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from extproc.config import Config, Metrics, with_overrides
-from extproc.health.vllm_metrics import ReplicaMetrics
-from extproc.rebalance.prewarm import Prewarmer
-from extproc.request.features import RequestFeatures
-from extproc.router import Routed, Router
-from extproc.routing.model import Replica
-from extproc.routing.pipeline import Decider, Profile, decide
-from extproc.routing.registry import build_profile
-from extproc.state.memory import MemoryStore
+from extproc.api import (
+    Config,
+    Metrics,
+    Profile,
+    Replica,
+    ReplicaMetrics,
+    RequestFeatures,
+    Routed,
+    build_profile,
+    decide,
+    with_overrides,
+)
+from extproc.api.sim import Decider, Prewarmer, SyncDriver
 from extproc_lab.peers import PeerDecision, PeerPolicy
 from extproc_lab.replica.model import ReplicaModel, Seq, StepResult
 from extproc_lab.replica.timing import ReplicaProfile
 from extproc_lab.sim.kv_feed import SimKvFeed
 from extproc_lab.sim.workload import Workload
 
-T = TypeVar("T")
-
 _ARRIVAL, _STEP_END = 0, 1  # at equal times an arrival goes first: it joins the next step
-
-_NO_HEADERS: dict[str, str] = {}
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine that never really waits (the memory store's) without an event loop."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        result: T = stop.value
-        return result
-    coro.close()
-    raise RuntimeError("the simulator needs a store that answers without waiting (the memory store)")
 
 
 def scrape(model: ReplicaModel) -> ReplicaMetrics:
@@ -306,9 +292,6 @@ class Simulation(ReplicaSteps):
                 vnodes=self.config.ring.vnodes,
                 ring_key_blocks=self.config.ring.key_blocks,
             )
-        store = MemoryStore(
-            self.config.sessions.ttl_s, self.config.sessions.max_sessions, self.config.prefix.blocks_per_replica
-        )
         slow, slow_profile = slower or (0, profile)
         self.models = [ReplicaModel(profile if i < replicas - slow else slow_profile) for i in range(replicas)]
         # The kv_events policy: the models' stores and evictions reach the router as KV events.
@@ -316,10 +299,9 @@ class Simulation(ReplicaSteps):
             None if kv_events_delay_s is None else SimKvFeed(self.names, self.models, self.clock, kv_events_delay_s)
         )
         kv_events = self.kv_feed.state if self.kv_feed is not None else None
-        self.router = Router(
+        self.driver = SyncDriver(
             self.config,
-            store=store,
-            clock=self.clock,
+            self.clock,
             profile=routing_profile,
             prewarmer=self._prewarmer(),
             kv_events=kv_events,
@@ -408,8 +390,8 @@ class Simulation(ReplicaSteps):
         if features.conversation is not None and self.peer is None:
             # Our router knows a keyless conversation by its messages, as Router.route does; the
             # peers' policies see no session.
-            features = run_sync(self.router.conversations.identify(features, now))
-        decision = run_sync(self.router.route_features(features, now, may_wait=may_wait))
+            features = self.driver.identify(features, now)
+        decision = self.driver.route(features, now, may_wait=may_wait)
         self.routing = None
         reason = decision.decision.reason.value
         self._decisions[reason] = self._decisions.get(reason, 0) + 1
@@ -435,11 +417,11 @@ class Simulation(ReplicaSteps):
 
     def _scrape(self, at: float, now: float) -> None:
         """What a scrape at ``at`` would have read (nothing changed since): into the replica book."""
-        book = self.router.replicas
+        driver = self.driver
         for name, model in zip(self.names, self.models, strict=True):
-            book.apply_scrape(name, scrape(model), at)
+            driver.scrape(name, scrape(model), at)
         if self._evaluate:
-            book.evaluate(at)
+            driver.evaluate(at)
 
     def _arrive(self, i: int, now: float) -> None:
         """Workload request ``i`` arrives: routed at once."""
@@ -485,7 +467,7 @@ class Simulation(ReplicaSteps):
         interval = self.scrape_interval_s
         last_tick = -1
         clock = self.clock
-        router = self.router
+        driver = self.driver
         push = self._push
         done = 0
         while heap:
@@ -509,21 +491,15 @@ class Simulation(ReplicaSteps):
             result = model.end_step()
             self._add_work(a, self._step_start[a], now, result.tokens)
             for seq in result.first:
-                if seq.handle >= 0 and router.sample_response():  # as the processor asks Envoy
-                    # The processor times a sampled stream's tokens from its body (the headers
-                    # of vLLM's streams come before the first token and tell nothing).
-                    answered = routed[seq.handle]
-                    timed = router.times_tokens(_NO_HEADERS) and router.sample_timing()
-                    router.observe_response(answered, 200, timed=timed)
-                    router.first_token(answered, now)
+                if seq.handle >= 0:  # a pre-warm's first token is no request's
+                    driver.first_token(routed[seq.handle], now)
             for seq in result.finished:
                 i = seq.handle
                 if i < 0:
                     self._side_pending -= 1
                     continue
                 over = routed.pop(i)
-                router.tokens_over(over, seq.first_token_at, seq.finished_at, seq.generated)
-                router.release(over)
+                driver.finished(over, seq.first_token_at, seq.finished_at, seq.generated)
                 self._finished(i, seq)
                 del self._seqs[i]
                 for f in followers.get(i, ()):
@@ -558,15 +534,7 @@ class Simulation(ReplicaSteps):
             tokens_series=self._work,
             decisions=dict(sorted(self._decisions.items())),
             events=self._events,
-            reuse_blocks=self._reuse_blocks(),
-        )
-
-    def _reuse_blocks(self) -> tuple[int, int, int]:
-        rows = self.router.reuse.rows()
-        return (
-            sum(r.prompt_blocks for r in rows),
-            sum(r.offered_blocks for r in rows),
-            sum(r.captured_blocks for r in rows),
+            reuse_blocks=self.driver.reuse_blocks(),
         )
 
 

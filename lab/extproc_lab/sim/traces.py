@@ -29,8 +29,8 @@ from pathlib import Path
 
 import xxhash
 
-from extproc.request.features import CHARS_PER_TOKEN
-from extproc.request.prefix import model_seed
+from extproc.api import CHARS_PER_TOKEN
+from extproc.api.sim import model_seed
 from extproc_lab.sim.workload import DEFAULT_MODEL, SimRequest, Workload
 
 TRACES_ENV = "EXTPROC_TRACES_DIR"
@@ -138,7 +138,7 @@ class BlockText:
     Block ``k`` of ``chars`` characters is ``<k>`` followed by filler taken from a fixed pool at an
     offset given by ``k``: equal ids give equal text, different ids differ from their first
     characters. Hashes are chained over 64-character blocks exactly as
-    :func:`extproc.request.prefix.block_hashes` chains them over the whole prompt, so they are
+    :func:`extproc.api.sim.block_hashes` chains them over the whole prompt, so they are
     computed once per trace block (512 tokens = 32 router blocks) and shared by every request
     with that prefix.
     """

@@ -5,7 +5,7 @@ A request either arrives at an absolute time (open loop: traces, Poisson generat
 another one (closed loop: the next turn of a conversation is sent ``arrival_s`` seconds after
 the previous turn's answer is complete). Its prompt is described twice, once per consumer:
 
-- for the **router**, as :class:`~extproc.request.features.RequestFeatures`, the very features
+- for the **router**, as :class:`~extproc.api.RequestFeatures`, the very features
   ``extract_features`` would compute from the request's headers and body (prefix hashes over
   64-character blocks of the rendered prompt, capped at ``max_blocks``);
 - for the **replica model**, as the keys of its full KV blocks (:class:`extproc_lab.replica.Seq`):
@@ -19,10 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.request.conversation import conversation_chain
-from extproc.request.features import FeatureSettings, RequestFeatures
-from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, render_chat
-from extproc.request.prefix import block_hashes, model_seed
+from extproc.api import CHAT_PATH, COMPLETIONS_PATH, FeatureSettings, RequestFeatures, render_chat
+from extproc.api.sim import block_hashes, conversation_chain, model_seed
 from extproc_lab.replica.cache import count_tokens
 
 DEFAULT_MODEL = "demo-model"

@@ -8,6 +8,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.api.sim import _run_sync as run_sync
 from extproc.cache.estimate import CacheEstimate
 from extproc.config import Config
 from extproc.health.vllm_metrics import ReplicaMetrics
@@ -15,7 +16,6 @@ from extproc.request.features import RequestFeatures
 from extproc.router import Router
 from extproc.routing.model import AffinityView, Reason, Replica
 from extproc.state.memory import MemoryStore
-from extproc_lab.sim.simulator import run_sync
 
 
 def _estimate() -> CacheEstimate:

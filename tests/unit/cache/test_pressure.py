@@ -170,11 +170,11 @@ def test_a_replica_whose_hit_counters_disagree_is_trusted_less() -> None:
 
 
 def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
+    from extproc.api.sim import _run_sync as run_sync
     from extproc.config import Config
     from extproc.health.vllm_metrics import ReplicaMetrics
     from extproc.router import Router
     from extproc.state.memory import MemoryStore
-    from extproc_lab.sim.simulator import run_sync
 
     config = Config(replicas=(Replica("a", "x:1"),))
     store = MemoryStore()
@@ -193,11 +193,11 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
     # the decision on made a replica that holds every claimed block look like one that evicted
     # them while its queue grew (shared-prefix at 12,000 blocks: trust fell to 0.2, the holders
     # were dropped as overloaded, hit ratio 55% where SGLang has 64%).
+    from extproc.api.sim import _run_sync as run_sync
     from extproc.config import Config
     from extproc.health.vllm_metrics import ReplicaMetrics
     from extproc.router import Router
     from extproc.state.memory import MemoryStore
-    from extproc_lab.sim.simulator import run_sync
 
     router = Router(Config(replicas=(Replica("a", "x:1"),)), store=MemoryStore())
     router.caches.estimate.min_claimed_tokens = 100
@@ -314,9 +314,9 @@ def test_prefixes_in_flight_count_however_short_the_index_memory() -> None:
 
     # Through the router: the index holds one block of a replica's prompts (its capacity), but a
     # request still queued there covers the whole prompt until it ends.
+    from extproc.api.sim import _run_sync as run_sync
     from extproc.config import Config
     from extproc.state.memory import MemoryStore
-    from extproc_lab.sim.simulator import run_sync
 
     router = Router(Config(replicas=(Replica("a", "x:1"),)), store=MemoryStore())
     router.store.set_capacity("a", 1)

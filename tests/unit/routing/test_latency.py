@@ -78,7 +78,7 @@ def test_on_the_simulators_replicas_predictions_are_within_20_percent_at_the_med
         multi_turn(120, seed=5), replica, 4, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg
     )
     sim.run()
-    fits = sim.router.latency.view().fits
+    fits = sim.driver.latency_fits()
     assert set(fits) == set(sim.names)
     for fit in fits.values():
         assert fit.ttft_warm and fit.tpot_warm
