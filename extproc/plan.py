@@ -162,11 +162,11 @@ class Planner:
         if not can_override:
             return EVERYTHING
         router = self.router
-        sampled = router.sample_response()
+        sampled = router.watching.sample_response()
         kv = router.kv_events
         check = kv is not None and whole_body and kv.sample_check()
-        timed = sampled and router.times_tokens(headers or {}) and router.sample_timing()
-        return Watch(sampled, check, router.budgets is not None, timed, router.keeps_answers(headers or {}))
+        timed = sampled and router.watching.times_tokens(headers or {}) and router.watching.sample_timing()
+        return Watch(sampled, check, router.budgets is not None, timed, router.watching.keeps_answers(headers or {}))
 
     async def plan(self, headers: Mapping[str, str], body: bytes | None, watch: Watch = EVERYTHING) -> Plan:
         """Route the request and say what to do with it."""
@@ -227,7 +227,9 @@ class Planner:
         answered_by = headers.get(ANSWERED_BY_HEADER)
         timed = plan.watch.timed and status == "200"
         if plan.watch.observe:
-            self.router.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by, timed)
+            self.router.outcomes.observe_response(
+                routed, int(status) if status.isdigit() else 0, tries, answered_by, timed
+            )
         chosen = routed.decision.replica
         own = tries == 1 or (chosen is not None and answered_by == chosen.address)
         metered = routed.budget is not None and status == "200"
@@ -255,7 +257,7 @@ class Planner:
         out = None
         clock = plan.clock
         if clock is not None and clock.feed(chunk, now := self.router.clock()) and plan.routed.features.stream:
-            self.router.first_token(plan.routed, now)
+            self.router.outcomes.first_token(plan.routed, now)
         if plan.stripper is not None:
             out = plan.stripper.feed(chunk, end_of_stream)
             out = None if out == chunk else out
@@ -268,7 +270,7 @@ class Planner:
                 plan.transcript += chunk
         if end_of_stream:
             if plan.transcript is not None:
-                self.router.answered(plan.routed, bytes(plan.transcript))
+                self.router.watching.answered(plan.routed.features, bytes(plan.transcript))
                 plan.transcript = None
             await self._body_over(plan)
         return out
@@ -276,12 +278,12 @@ class Planner:
     def first_token_deadline(self, plan: Plan) -> float | None:
         """When to give up on a timed stream whose first token has not come (the router's clock);
         None when nothing is waited for."""
-        return self.router.first_token_deadline(plan.routed)
+        return self.router.outcomes.first_token_deadline(plan.routed)
 
     def first_token_overdue(self, plan: Plan) -> Refuse:
         """Its deadline passed without a token: counted against its replica, and the answer that
         ends it (the client may have its headers, never a token: it retries)."""
-        self.router.first_token_overdue(plan.routed)
+        self.router.outcomes.first_token_overdue(plan.routed)
         plan.clock = None
         return Refuse(504, FIRST_TOKEN_MESSAGE, "first_token_timeout")
 
@@ -293,9 +295,11 @@ class Planner:
             self._check_usage(plan, plan.usage)
             self._tokens_over(plan, plan.usage.usage())
         if isinstance(plan.action, Forward):
-            self.router.charge_unreported(plan.routed, plan.usage.output_seen if plan.usage is not None else None)
+            self.router.charges.charge_unreported(
+                plan.routed, plan.usage.output_seen if plan.usage is not None else None
+            )
         plan.usage = None
-        self.router.release_budget(plan.routed)
+        self.router.charges.release_budget(plan.routed)
         self.router.release(plan.routed)
 
     async def _body_over(self, plan: Plan) -> None:
@@ -307,9 +311,9 @@ class Planner:
         self._tokens_over(plan, usage)
         if usage is None and plan.routed.budget is not None:
             # Metered, no report (a stream not asked for it, an API that reports none): what it was seen to use.
-            usage = self.router.estimated_usage(plan.routed, tail.output_seen)
+            usage = self.router.charges.estimated_usage(plan.routed, tail.output_seen)
         if usage is not None:
-            await self.router.charge_usage(plan.routed, usage)
+            await self.router.charges.charge_usage(plan.routed, usage)
 
     def _tokens_over(self, plan: Plan, usage: Usage | None) -> None:
         """A timed body is over (or cut short): when its tokens came, and how many."""
@@ -317,7 +321,7 @@ class Planner:
         if clock is None:
             return
         reported = usage.output if usage is not None else None
-        self.router.tokens_over(plan.routed, clock.first_at, clock.last_at, clock.output_tokens(reported))
+        self.router.outcomes.tokens_over(plan.routed, clock.first_at, clock.last_at, clock.output_tokens(reported))
 
     def _check_usage(self, plan: Plan, tail: UsageTail) -> None:
         kv, routed = self.router.kv_events, plan.routed

@@ -19,7 +19,7 @@ from extproc_lab.sim import generators
 from extproc_lab.sim.ceilings import ceilings
 from extproc_lab.sim.dynamic import DynamicSimulation
 from extproc_lab.sim.figures import figures, hit_ratio_series, load_series
-from extproc_lab.sim.simulator import Simulation, run_sync
+from extproc_lab.sim.simulator import Simulation
 
 LLAMA = PROFILES["llama-8b-h100"]
 SMALL = WorkloadSpec("multi-turn", rate=1.0, seed=3, limit=250)
@@ -29,22 +29,6 @@ def simulate(policy: str, workload_spec: WorkloadSpec = SMALL, replicas: int = 4
     cfg = Config()
     wl = workload_spec.build()
     return Simulation(wl, LLAMA, replicas, lambda probe: policy_profile(policy, probe, 7, LLAMA, cfg), config=cfg)
-
-
-def test_run_sync_refuses_a_store_that_really_waits() -> None:
-    async def answers() -> int:
-        return 5
-
-    class Pending:
-        def __await__(self):  # type: ignore[no-untyped-def]
-            yield  # what a network store does: wait for the event loop
-
-    async def waits() -> None:
-        await Pending()
-
-    assert run_sync(answers()) == 5
-    with pytest.raises(RuntimeError, match="memory store"):
-        run_sync(waits())
 
 
 def test_simulation_uses_the_router_and_feeds_it_back() -> None:

@@ -5,7 +5,7 @@ No sockets and no grpc here: the simulator calls :class:`~extproc.router.Router`
 """
 
 from extproc_lab.sim.ceilings import Ceiling, ceiling, ceilings
-from extproc_lab.sim.simulator import Outcome, SimCacheProbe, SimRun, Simulation, VirtualClock, run_sync, simulate
+from extproc_lab.sim.simulator import Outcome, SimCacheProbe, SimRun, Simulation, VirtualClock, simulate
 from extproc_lab.sim.workload import SimRequest, Workload, text_request
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "Workload",
     "ceiling",
     "ceilings",
-    "run_sync",
     "simulate",
     "text_request",
 ]

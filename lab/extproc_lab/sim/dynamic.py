@@ -9,7 +9,7 @@ experiments need:
   take their ring share of live sessions, leaves move theirs); new names get new replica models,
   models that left drain what they already hold and take nothing new;
 - **the session ledger**: each routed session request is noted in the rebalancer's ledger with
-  its OpenAI body, as :meth:`Router.route` does (the simulator calls ``route_features``);
+  its OpenAI body, as :meth:`Router.route` does (the simulator enters the request core at ``place``);
 - **pre-warming**: the rebalancer's prewarmer is the real
   :class:`~extproc.rebalance.prewarm.Prewarmer` (its token bucket, queue and ``prefill_only``
   body) driven by a :class:`SimPrewarmer` on the virtual clock instead of asyncio, which sends
@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.core.effects import at_once
 from extproc.rebalance.prewarm import Prewarmer, PrewarmSettings
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import render_chat
@@ -34,7 +35,7 @@ from extproc.router import Routed
 from extproc.routing.model import Replica
 from extproc_lab.replica.cache import count_tokens
 from extproc_lab.replica.model import Seq
-from extproc_lab.sim.simulator import Outcome, SimRun, Simulation, run_sync
+from extproc_lab.sim.simulator import Outcome, SimRun, Simulation
 from extproc_lab.sim.workload import BLOCK_TOKENS, DEFAULT_MODEL, SimRequest
 from extproc_lab.stats import percentile
 
@@ -222,7 +223,7 @@ class DynamicSimulation(Simulation):
         rebalancer = self.router.rebalancer
         live = sum(1 for _ in rebalancer.ledger.live(now))
         wanted = [Replica(self.names[i], f"sim:{i}") for i in range(target)]
-        membership = run_sync(self.router.set_replicas(wanted))
+        membership = at_once(self.router.fleet.set_replicas(wanted))
         moved = frozenset(e.session for e in rebalancer.ledger.live(now) if e.moved_at == now)
         self._changes_made.append(
             Change(now, self._members, target, membership.joined, membership.left, live, len(moved), moved)

@@ -2,7 +2,7 @@
 
 :class:`PrioritySimulation` replays an open-loop workload like
 :class:`~extproc_lab.sim.simulator.Simulation` (replica models on a virtual clock, the router's
-``route_features``, ``observe_response`` and ``release``, scrapes into the replica book) and, with
+request core, its outcomes and ``release``, scrapes into the replica book) and, with
 ``config.queueing.enabled``, holds requests as the ext_proc server does: a request goes on when
 nothing of its priority or above waits and its candidates are not all saturated
 (:meth:`Router.fleet_saturated`, the server's test), else it waits. The decisions are the
@@ -147,7 +147,7 @@ class PrioritySimulation(Simulation):
         self._dispatched_at.pop(i, None)
         if routed.objective_wait is not None:
             f = routed.features
-            ready = self.router.objective_ready(f, routed.objective_wait)
+            ready = self.router.core.objective_ready(f, routed.objective_wait)
             held = self._held.admit(self._out.classes[i], f.tenant, f.pool, i, ready)
             if isinstance(held, Refusal):
                 self._refuse(i, "full")

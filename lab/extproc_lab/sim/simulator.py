@@ -2,9 +2,11 @@
 
 It drives the very objects the ext_proc server drives, without sockets: a
 :class:`~extproc.router.Router` built with the virtual clock and a memory store routes each
-request (:meth:`~extproc.router.Router.route_features`), learns of its first token
-(:meth:`~extproc.router.Router.observe_response`, :meth:`~extproc.router.Router.first_token`), of
-its last (:meth:`~extproc.router.Router.tokens_over`) and of its end
+request (the request core's :meth:`~extproc.core.request.RequestCore.place`, its effects carried
+out at once by :meth:`~extproc.core.effects.Effects.drive_now`), learns of its first token
+(:meth:`~extproc.core.outcome.Outcomes.observe_response`,
+:meth:`~extproc.core.outcome.Outcomes.first_token`), of its last
+(:meth:`~extproc.core.outcome.Outcomes.tokens_over`) and of its end
 (:meth:`~extproc.router.Router.release`), and takes in each replica's load as a scraper would
 (:meth:`~extproc.health.replicas.ReplicaBook.apply_report`, then ``evaluate``, every scrape
 interval). Replicas are :class:`~extproc_lab.replica.model.ReplicaModel` instances, the model behind
@@ -25,11 +27,12 @@ replay of hours of traffic fast:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from extproc.config import Config, Metrics, with_overrides
+from extproc.core.effects import Identify
 from extproc.health.vllm_metrics import ReplicaMetrics
 from extproc.rebalance.prewarm import Prewarmer
 from extproc.request.features import RequestFeatures
@@ -49,17 +52,6 @@ T = TypeVar("T")
 _ARRIVAL, _STEP_END = 0, 1  # at equal times an arrival goes first: it joins the next step
 
 _NO_HEADERS: dict[str, str] = {}
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine that never really waits (the memory store's) without an event loop."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        result: T = stop.value
-        return result
-    coro.close()
-    raise RuntimeError("the simulator needs a store that answers without waiting (the memory store)")
 
 
 def scrape(model: ReplicaModel) -> ReplicaMetrics:
@@ -408,8 +400,8 @@ class Simulation(ReplicaSteps):
         if features.conversation is not None and self.peer is None:
             # Our router knows a keyless conversation by its messages, as Router.route does; the
             # peers' policies see no session.
-            features = run_sync(self.router.conversations.identify(features, now))
-        decision = run_sync(self.router.route_features(features, now, may_wait=may_wait))
+            features = self.router.effects.carry_out_now(Identify(features, now))
+        decision = self.router.effects.drive_now(self.router.core.place(features, now, may_wait=may_wait))
         self.routing = None
         reason = decision.decision.reason.value
         self._decisions[reason] = self._decisions.get(reason, 0) + 1
@@ -509,20 +501,20 @@ class Simulation(ReplicaSteps):
             result = model.end_step()
             self._add_work(a, self._step_start[a], now, result.tokens)
             for seq in result.first:
-                if seq.handle >= 0 and router.sample_response():  # as the processor asks Envoy
+                if seq.handle >= 0 and router.watching.sample_response():  # as the processor asks Envoy
                     # The processor times a sampled stream's tokens from its body (the headers
                     # of vLLM's streams come before the first token and tell nothing).
                     answered = routed[seq.handle]
-                    timed = router.times_tokens(_NO_HEADERS) and router.sample_timing()
-                    router.observe_response(answered, 200, timed=timed)
-                    router.first_token(answered, now)
+                    timed = router.watching.times_tokens(_NO_HEADERS) and router.watching.sample_timing()
+                    router.outcomes.observe_response(answered, 200, timed=timed)
+                    router.outcomes.first_token(answered, now)
             for seq in result.finished:
                 i = seq.handle
                 if i < 0:
                     self._side_pending -= 1
                     continue
                 over = routed.pop(i)
-                router.tokens_over(over, seq.first_token_at, seq.finished_at, seq.generated)
+                router.outcomes.tokens_over(over, seq.first_token_at, seq.finished_at, seq.generated)
                 router.release(over)
                 self._finished(i, seq)
                 del self._seqs[i]

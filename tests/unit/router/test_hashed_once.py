@@ -59,7 +59,7 @@ async def test_tokenized_requests_hash_no_character_blocks(
 
 
 async def test_the_prefix_fingerprint_is_computed_once_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    import extproc.router as router_module
+    import extproc.core.request as router_module
 
     settings = HotKeySettings(
         enabled=True, sample_rate=1.0, window_s=1.0, min_samples=4, replica_prefill_tokens_per_s=5_000
