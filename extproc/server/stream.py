@@ -114,7 +114,7 @@ class RequestStream:
                     else:
                         if waiting is None:
                             waiting = asyncio.ensure_future(anext(source))
-                        left = None if deadline is None else max(0.0, deadline - self.planner.router.clock())
+                        left = None if deadline is None else max(0.0, deadline - self.planner.clock())
                         done, _ = await asyncio.wait((waiting,), timeout=left)
                         if not done:
                             for response in self._overdue():
@@ -162,7 +162,7 @@ class RequestStream:
             return await self._phases[phase](request, kind)
         except Exception:
             log.exception("answering %s in phase %s failed; letting it through", kind, phase.value)
-            self.planner.router.metrics.stream_errors.labels("answer").inc()
+            self.planner.stream_errors.labels("answer").inc()
             return self._failed(kind, phase)
 
     async def _request_headers(self, request: pb.ProcessingRequest, kind: str) -> Answers:
