@@ -232,9 +232,7 @@ class Planner:
         answered_by = headers.get(ANSWERED_BY_HEADER)
         timed = plan.watch.timed and status == "200"
         if plan.watch.observe:
-            self.outcomes.observe_response(
-                routed, int(status) if status.isdigit() else 0, tries, answered_by, timed
-            )
+            self.outcomes.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by, timed)
         chosen = routed.decision.replica
         own = tries == 1 or (chosen is not None and answered_by == chosen.address)
         metered = routed.budget is not None and status == "200"
@@ -300,9 +298,7 @@ class Planner:
             self._check_usage(plan, plan.usage)
             self._tokens_over(plan, plan.usage.usage())
         if isinstance(plan.action, Forward):
-            self.charges.charge_unreported(
-                plan.routed, plan.usage.output_seen if plan.usage is not None else None
-            )
+            self.charges.charge_unreported(plan.routed, plan.usage.output_seen if plan.usage is not None else None)
         plan.usage = None
         self.charges.release_budget(plan.routed)
         self.router.release(plan.routed)
