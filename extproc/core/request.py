@@ -172,9 +172,9 @@ class RequestCore:
             p.metrics.body_errors.inc()
         arm, changed, strip_usage = None, False, False
         if p.config.splits and request.body is not None:
-            request, arm, changed = self._split(headers, request)
+            request, arm, changed = split(p.config, headers, request)
         if request.features.path == RESPONSES_PATH and request.body is not None:
-            request, named = self._name_response(headers, request)
+            request, named = name_response(p.config, headers, request)
             changed = changed or named
         asking = request.features.path in USAGE_ASKED_PATHS  # the agent APIs' streams always report
         if (p.metered or timed) and request.body is not None and asking:
@@ -331,31 +331,33 @@ class RequestCore:
         )
         return given, cached
 
-    # -- rewriting the body -------------------------------------------------------------------
-    def _name_response(self, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, bool]:
-        """A Responses request that may be stored and names no ``request_id`` is given one (the id
-        vLLM gives its response): its next turn's ``previous_response_id`` then finds its replica,
-        the only one that holds the conversation. True when the body changed."""
-        assert request.body is not None
-        body = request.body.body
-        if "request_id" in body or body.get("store") is False:
-            return request, False
-        return with_response_id(request, f"resp_{uuid.uuid4().hex}", headers, self.p.config.features), True
 
-    def _split(self, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, Arm | None, bool]:
-        """The request's split arm, and whether its body changed: rewritten to the arm's model,
-        its features taken again from that body (not parsed again), so the prefix hashes are
-        seeded with the model actually served."""
-        features, parsed = request.features, request.body
-        if parsed is None:
-            return request, None, False
-        key = features.session_key or parsed.user or features.request_id or None
-        arm = choose_arm(self.p.config.splits, features.model, headers, key)
-        if arm is None:
-            return request, None, False
-        changed = arm.target.model != features.model
-        if changed:
-            request = with_model(request, arm.target.model, headers, self.p.config.features, hashed=False)
-        if arm.target.pool is not None:
-            request = ParsedRequest(replace(request.features, pool=(("pool", arm.target.pool),)), request.body)
-        return request, arm, changed
+# -- rewriting the body -----------------------------------------------------------------------
+def name_response(config: Config, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, bool]:
+    """A Responses request that may be stored and names no ``request_id`` is given one (the id
+    vLLM gives its response): its next turn's ``previous_response_id`` then finds its replica,
+    the only one that holds the conversation. True when the body changed."""
+    assert request.body is not None
+    body = request.body.body
+    if "request_id" in body or body.get("store") is False:
+        return request, False
+    return with_response_id(request, f"resp_{uuid.uuid4().hex}", headers, config.features), True
+
+
+def split(config: Config, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, Arm | None, bool]:
+    """The request's split arm, and whether its body changed: rewritten to the arm's model,
+    its features taken again from that body (not parsed again), so the prefix hashes are
+    seeded with the model actually served."""
+    features, parsed = request.features, request.body
+    if parsed is None:
+        return request, None, False
+    key = features.session_key or parsed.user or features.request_id or None
+    arm = choose_arm(config.splits, features.model, headers, key)
+    if arm is None:
+        return request, None, False
+    changed = arm.target.model != features.model
+    if changed:
+        request = with_model(request, arm.target.model, headers, config.features, hashed=False)
+    if arm.target.pool is not None:
+        request = ParsedRequest(replace(request.features, pool=(("pool", arm.target.pool),)), request.body)
+    return request, arm, changed
