@@ -193,7 +193,7 @@ class Planner:
             return Refuse(refusal.status, refusal.message, refusal.kind, refusal.retry_after_s or None, extra)
         if decision.reason is Reason.QUOTA:
             return Refuse(429, QUOTA_MESSAGE, "quota_exceeded", decision.retry_after_s)
-        length = () if routed.body is None else (("content-length", str(len(routed.body))),)
+        length = () if routed.answer.body is None else (("content-length", str(len(routed.answer.body))),)
         replica = decision.replica
         if replica is None and routed.features.subset is not None:
             # The gateway named where it may go and none of it will do: 503, as GIE's protocol says.
@@ -203,7 +203,7 @@ class Planner:
         if replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): Envoy
             # routes it on its own (the default route), and answers 503 itself if it has none.
-            return Forward(length, self.strip, body=routed.body)
+            return Forward(length, self.strip, body=routed.answer.body)
         cfg = self.config
         lb: tuple[tuple[str, str], ...] = ()
         if cfg.mode == "endpoint":
@@ -221,7 +221,7 @@ class Planner:
             headers.append(prefiller_header(decision.prefill.address))
         names = {name for name, _ in headers}
         removals = tuple(h for h in self.strip if h not in names)
-        return Forward((*headers, *length), removals, to_replica=True, lb_metadata=lb, body=routed.body)
+        return Forward((*headers, *length), removals, to_replica=True, lb_metadata=lb, body=routed.answer.body)
 
     def response_headers(self, plan: Plan, headers: Mapping[str, str]) -> bool:
         """Learn from the response headers (a health sample); True to read the response body."""
@@ -239,7 +239,7 @@ class Planner:
         if routed.budget is not None and routed.budget.admitted:
             # OpenAI's clients read these on every answer, not only on a 429.
             plan.response_set_headers = tuple(routed.budget.headers().items())
-        if routed.strip_usage and status == "200" and (metered or timed):
+        if routed.answer.strip_usage and status == "200" and (metered or timed):
             plan.stripper = UsageStripper()  # every such stream is read, to take the chunk out
         # A body another replica answered (after a retry or a hedge): nothing to check.
         check = plan.predicted is not None and status == "200" and own

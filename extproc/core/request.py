@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from extproc.bookkeeping import Hook, PrefillHop, Routed, decided
+from extproc.bookkeeping import Answer, Hook, PrefillHop, Routed, decided
 from extproc.budgets import BudgetLedger
 from extproc.cache import CacheView, ReplicaCaches
 from extproc.config import Config
@@ -147,7 +147,10 @@ class RequestCore:
                 if held is not None:
                     held.settle()
         routed.arrived_at = arrived
-        routed.arm, routed.body, routed.strip_usage = prepared.arm, prepared.rewritten, prepared.strip_usage
+        # The answer complete, before anyone outside the core sees it: never changed after.
+        routed.answer = replace(
+            routed.answer, arm=prepared.arm, body=prepared.rewritten, strip_usage=prepared.strip_usage
+        )
         routed.budget = admitted.budget
         if p.tracer is not None:
             profile = p.profiles.for_request(features).name
@@ -203,10 +206,11 @@ class RequestCore:
         p = self.p
         p.metrics.shed(features.request_class, refusal.kind)
         if refusal.kind in ("tokens_exceeded", "path_refused"):
-            return Routed(features, Decision(None, Reason.QUOTA), p.clock(), refusal=refusal, budget=admitted.budget)
+            quota = Answer(features, Decision(None, Reason.QUOTA), refusal=refusal)
+            return Routed(quota, p.clock(), budget=admitted.budget)
         if p.budgets is not None and admitted.budget is not None:
             p.budgets.release(admitted.budget)
-        return Routed(features, Decision(None, Reason.NO_REPLICA), p.clock(), arm=arm, refusal=refusal)
+        return Routed(Answer(features, Decision(None, Reason.NO_REPLICA), arm=arm, refusal=refusal), p.clock())
 
     # -- the decision -------------------------------------------------------------------------
     def place(
@@ -233,7 +237,7 @@ class RequestCore:
             unrouted = self._missed(features, stored, start, may_wait)
             if unrouted is not None:
                 return unrouted
-        routed = Routed(features, decision, start)
+        routed = Routed(Answer(features, decision), start)
         replica = decision.replica
         if replica is not None:
             self._count(routed, given, cached)
@@ -277,9 +281,9 @@ class RequestCore:
             refusal = self.verdict.shed(features)
             self.p.metrics.shed(features.request_class, refusal.kind)
             decision = Decision(None, Reason.NO_REPLICA, retry_after_s=refusal.retry_after_s)
-            return Routed(features, decision, now, refusal=refusal)
+            return Routed(Answer(features, decision, refusal=refusal), now)
         if on_miss == "queue" and may_wait and not self.idle(now):
-            return Routed(features, Decision(None, Reason.NO_REPLICA), now, objective_wait=stored)
+            return Routed(Answer(features, Decision(None, Reason.NO_REPLICA), objective_wait=stored), now)
         return None
 
     def idle(self, now: float) -> bool:

@@ -41,7 +41,7 @@ async def test_a_split_request_hashes_its_blocks_once_with_the_served_model(monk
     assert routed.arm is not None and routed.features.model == "m-v2" and routed.features.prefix_hashes
     assert len(calls) == 1
     # The same hashes as a request naming the served model in its own body.
-    direct = features_module.read_request(CHAT, routed.body, router.config.features).features
+    direct = features_module.read_request(CHAT, routed.answer.body, router.config.features).features
     assert routed.features.prefix_hashes == direct.prefix_hashes
 
 
