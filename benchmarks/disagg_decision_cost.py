@@ -83,7 +83,7 @@ def decide_cost(roles: bool) -> float:
     router = Router(config)
     headers, body = requests(1)[0]
     features = read_request(headers, body, config.features).features
-    given, _ = router.inputs(features, AffinityView(), 0.0)
+    given, _ = router.core.inputs(features, AffinityView(), 0.0)
     best = float("inf")
     for _ in range(ROUNDS):
         start = time.perf_counter()

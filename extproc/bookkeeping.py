@@ -50,24 +50,39 @@ class PrefillHop:
     """The first byte came back, or the request ended: nothing is counted there any more."""
 
 
-@dataclass(slots=True)
-class Routed:
-    """One routed request: its features, the decision, when it was made, and what is counted for
-    it until it ends."""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the router answered for one request: where it goes, or why not, and what is sent.
+    Given once by the request core, never changed after; what the request's life writes is its
+    :class:`Routed` ledger."""
 
     features: RequestFeatures
     decision: Decision
-    decided_at: float
-    prefill_tokens: int = 0
-    """Prompt tokens not believed cached on the replica, pending there until its first token."""
-    released: bool = False
-    tenant_counted: bool = False
     arm: Arm | None = None
     """The split arm the request landed in, if a ``splits:`` rule took it."""
     body: bytes | None = None
     """The body rewritten for its arm (its model replaced), to send instead of the client's."""
     refusal: Refusal | None = None
     """Held while the fleet was full and refused (queue full, or waited past its class's limit)."""
+    strip_usage: bool = False
+    """The router asked the stream for its usage: the client did not, so that chunk is taken out."""
+    objective_wait: AffinityView | None = None
+    """Every candidate was predicted to miss its objectives and its class queues on a miss: the
+    store's view it was decided on, to judge again while it waits. Nothing is counted for it."""
+
+
+@dataclass(slots=True)
+class Routed:
+    """One routed request: the router's :class:`Answer`, when it was decided, and the ledger of
+    its life until it ends (what is counted for it, what came back), written by the bookkeeping
+    hooks, the outcomes and the charges."""
+
+    answer: Answer
+    decided_at: float
+    prefill_tokens: int = 0
+    """Prompt tokens not believed cached on the replica, pending there until its first token."""
+    released: bool = False
+    tenant_counted: bool = False
     kv_tokens: int = 0
     """KV tokens the request was counted as holding on its replica while in flight."""
     claimed_tokens: int = 0
@@ -107,19 +122,35 @@ class Routed:
     arrived_at: float | None = None
     """When the router was first given it (before any wait in its queue): the client's clock for
     its objectives. None: when it was decided."""
-    objective_wait: AffinityView | None = None
-    """Every candidate was predicted to miss its objectives and its class queues on a miss: the
-    store's view it was decided on, to judge again while it waits. Nothing is counted for it."""
     trace: InferenceSpan | None = None
     """Its call to the replica, when traced: the span open until it is over, and the W3C trace
     context handed to the replica."""
     budget: Admission | None = None
     """The request's token budgets (tenant, API key, model) as it was admitted (its estimate
-    reserved), when metered."""
-    strip_usage: bool = False
-    """The router asked the stream for its usage: the client did not, so that chunk is taken out."""
+    reserved), until charged or given back."""
     hop: PrefillHop | None = None
     """The prefill hop, when the decision disaggregates the request (``decision.prefill``)."""
+
+    # The answer's parts, read where the request's life needs them.
+    @property
+    def features(self) -> RequestFeatures:
+        return self.answer.features
+
+    @property
+    def decision(self) -> Decision:
+        return self.answer.decision
+
+    @property
+    def arm(self) -> Arm | None:
+        return self.answer.arm
+
+    @property
+    def refusal(self) -> Refusal | None:
+        return self.answer.refusal
+
+    @property
+    def objective_wait(self) -> AffinityView | None:
+        return self.answer.objective_wait
 
 
 class Hook(Protocol):

@@ -271,7 +271,9 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
     scraping = asyncio.create_task(scraper.run(), name="scraper")
     reporting = asyncio.create_task(_report_budgets(router), name="budgets") if router.budgets else None
     discovering = asyncio.create_task(
-        run_discovery(cfg.discovery, router, router.metrics, static=cfg.replicas, cluster_mode=cfg.mode == "cluster"),
+        run_discovery(
+            cfg.discovery, router.fleet, router.metrics, static=cfg.replicas, cluster_mode=cfg.mode == "cluster"
+        ),
         name="discovery",
     )
     # What is alive now (modules, config, the router) lives as long as the process: take it out of

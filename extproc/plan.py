@@ -147,7 +147,13 @@ class Planner:
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        cfg = router.config
+        cfg = self.config = router.config
+        # The router's parts the rest of a request's life goes through, named once here.
+        self.clock = router.clock
+        self.outcomes, self.charges, self.watching = router.outcomes, router.charges, router.watching
+        self.kv_events = router.kv_events
+        self.metered = router.budgets is not None
+        self.stream_errors = router.metrics.stream_errors
         self.strip: tuple[str, ...] = cfg.routing_headers
         """The routing headers a client must not set: removed from every request."""
         self.max_body_bytes = cfg.features.max_body_bytes
@@ -161,20 +167,19 @@ class Planner:
         ``whole_body``: its body comes in one buffered piece (a usage check needs all of it)."""
         if not can_override:
             return EVERYTHING
-        router = self.router
-        sampled = router.sample_response()
-        kv = router.kv_events
+        watching = self.watching
+        sampled = watching.sample_response()
+        kv = self.kv_events
         check = kv is not None and whole_body and kv.sample_check()
-        timed = sampled and router.times_tokens(headers or {}) and router.sample_timing()
-        return Watch(sampled, check, router.budgets is not None, timed, router.keeps_answers(headers or {}))
+        timed = sampled and watching.times_tokens(headers or {}) and watching.sample_timing()
+        return Watch(sampled, check, self.metered, timed, watching.keeps_answers(headers or {}))
 
     async def plan(self, headers: Mapping[str, str], body: bytes | None, watch: Watch = EVERYTHING) -> Plan:
         """Route the request and say what to do with it."""
-        router = self.router
-        routed = await router.route(headers, body, timed=watch.timed)
+        routed = await self.router.route(headers, body, timed=watch.timed)
         decision = routed.decision
         replica = decision.replica
-        kv = router.kv_events
+        kv = self.kv_events
         predicted = None
         if watch.check_usage and kv is not None and replica is not None:
             predicted = kv.predicted_tokens(routed.features, replica.name, decision.matched_blocks, routed.decided_at)
@@ -188,7 +193,7 @@ class Planner:
             return Refuse(refusal.status, refusal.message, refusal.kind, refusal.retry_after_s or None, extra)
         if decision.reason is Reason.QUOTA:
             return Refuse(429, QUOTA_MESSAGE, "quota_exceeded", decision.retry_after_s)
-        length = () if routed.body is None else (("content-length", str(len(routed.body))),)
+        length = () if routed.answer.body is None else (("content-length", str(len(routed.answer.body))),)
         replica = decision.replica
         if replica is None and routed.features.subset is not None:
             # The gateway named where it may go and none of it will do: 503, as GIE's protocol says.
@@ -198,8 +203,8 @@ class Planner:
         if replica is None:
             # No replica known (discovery has not answered yet, or the fleet is empty): Envoy
             # routes it on its own (the default route), and answers 503 itself if it has none.
-            return Forward(length, self.strip, body=routed.body)
-        cfg = self.router.config
+            return Forward(length, self.strip, body=routed.answer.body)
+        cfg = self.config
         lb: tuple[tuple[str, str], ...] = ()
         if cfg.mode == "endpoint":
             target = [(cfg.headers.destination_endpoint, replica.address)]
@@ -216,7 +221,7 @@ class Planner:
             headers.append(prefiller_header(decision.prefill.address))
         names = {name for name, _ in headers}
         removals = tuple(h for h in self.strip if h not in names)
-        return Forward((*headers, *length), removals, to_replica=True, lb_metadata=lb, body=routed.body)
+        return Forward((*headers, *length), removals, to_replica=True, lb_metadata=lb, body=routed.answer.body)
 
     def response_headers(self, plan: Plan, headers: Mapping[str, str]) -> bool:
         """Learn from the response headers (a health sample); True to read the response body."""
@@ -227,14 +232,14 @@ class Planner:
         answered_by = headers.get(ANSWERED_BY_HEADER)
         timed = plan.watch.timed and status == "200"
         if plan.watch.observe:
-            self.router.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by, timed)
+            self.outcomes.observe_response(routed, int(status) if status.isdigit() else 0, tries, answered_by, timed)
         chosen = routed.decision.replica
         own = tries == 1 or (chosen is not None and answered_by == chosen.address)
         metered = routed.budget is not None and status == "200"
         if routed.budget is not None and routed.budget.admitted:
             # OpenAI's clients read these on every answer, not only on a 429.
             plan.response_set_headers = tuple(routed.budget.headers().items())
-        if routed.strip_usage and status == "200" and (metered or timed):
+        if routed.answer.strip_usage and status == "200" and (metered or timed):
             plan.stripper = UsageStripper()  # every such stream is read, to take the chunk out
         # A body another replica answered (after a retry or a hedge): nothing to check.
         check = plan.predicted is not None and status == "200" and own
@@ -254,8 +259,8 @@ class Planner:
         piece unchanged). At its end, the usage check is made and the usage charged."""
         out = None
         clock = plan.clock
-        if clock is not None and clock.feed(chunk, now := self.router.clock()) and plan.routed.features.stream:
-            self.router.first_token(plan.routed, now)
+        if clock is not None and clock.feed(chunk, now := self.clock()) and plan.routed.features.stream:
+            self.outcomes.first_token(plan.routed, now)
         if plan.stripper is not None:
             out = plan.stripper.feed(chunk, end_of_stream)
             out = None if out == chunk else out
@@ -268,7 +273,7 @@ class Planner:
                 plan.transcript += chunk
         if end_of_stream:
             if plan.transcript is not None:
-                self.router.answered(plan.routed, bytes(plan.transcript))
+                self.watching.answered(plan.routed.features, bytes(plan.transcript))
                 plan.transcript = None
             await self._body_over(plan)
         return out
@@ -276,12 +281,12 @@ class Planner:
     def first_token_deadline(self, plan: Plan) -> float | None:
         """When to give up on a timed stream whose first token has not come (the router's clock);
         None when nothing is waited for."""
-        return self.router.first_token_deadline(plan.routed)
+        return self.outcomes.first_token_deadline(plan.routed)
 
     def first_token_overdue(self, plan: Plan) -> Refuse:
         """Its deadline passed without a token: counted against its replica, and the answer that
         ends it (the client may have its headers, never a token: it retries)."""
-        self.router.first_token_overdue(plan.routed)
+        self.outcomes.first_token_overdue(plan.routed)
         plan.clock = None
         return Refuse(504, FIRST_TOKEN_MESSAGE, "first_token_timeout")
 
@@ -293,9 +298,9 @@ class Planner:
             self._check_usage(plan, plan.usage)
             self._tokens_over(plan, plan.usage.usage())
         if isinstance(plan.action, Forward):
-            self.router.charge_unreported(plan.routed, plan.usage.output_seen if plan.usage is not None else None)
+            self.charges.charge_unreported(plan.routed, plan.usage.output_seen if plan.usage is not None else None)
         plan.usage = None
-        self.router.release_budget(plan.routed)
+        self.charges.release_budget(plan.routed)
         self.router.release(plan.routed)
 
     async def _body_over(self, plan: Plan) -> None:
@@ -307,9 +312,9 @@ class Planner:
         self._tokens_over(plan, usage)
         if usage is None and plan.routed.budget is not None:
             # Metered, no report (a stream not asked for it, an API that reports none): what it was seen to use.
-            usage = self.router.estimated_usage(plan.routed, tail.output_seen)
+            usage = self.charges.estimated_usage(plan.routed, tail.output_seen)
         if usage is not None:
-            await self.router.charge_usage(plan.routed, usage)
+            await self.charges.charge_usage(plan.routed, usage)
 
     def _tokens_over(self, plan: Plan, usage: Usage | None) -> None:
         """A timed body is over (or cut short): when its tokens came, and how many."""
@@ -317,10 +322,10 @@ class Planner:
         if clock is None:
             return
         reported = usage.output if usage is not None else None
-        self.router.tokens_over(plan.routed, clock.first_at, clock.last_at, clock.output_tokens(reported))
+        self.outcomes.tokens_over(plan.routed, clock.first_at, clock.last_at, clock.output_tokens(reported))
 
     def _check_usage(self, plan: Plan, tail: UsageTail) -> None:
-        kv, routed = self.router.kv_events, plan.routed
+        kv, routed = self.kv_events, plan.routed
         replica = routed.decision.replica
         if kv is None or plan.predicted is None or replica is None:
             return

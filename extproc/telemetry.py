@@ -43,7 +43,7 @@ def after_scrape(router: Router) -> Callable[[list[Transition]], Awaitable[None]
 
     async def listener(transitions: list[Transition]) -> None:
         read_engines(router)
-        await router.after_scrape(transitions)
+        await router.fleet.after_scrape(transitions)
 
     return listener
 

@@ -272,7 +272,7 @@ class AdminService(pb_grpc.AdminServicer):
         await self._authorise(context, call)
         await self._known(context, request.replica)
         try:
-            moved = await self.router.set_cordon(request.replica, state)
+            moved = await self.router.fleet.set_cordon(request.replica, state)
         except Exception as exc:  # the shared store is away: say so rather than pretend
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store did not take it: {exc}")
         return pb.CordonReply(

@@ -21,10 +21,11 @@ As with :mod:`extproc.api`, **a name not in ``__all__`` is private and may move 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from extproc.config import Config
+from extproc.core.effects import Identify, at_once
 from extproc.health.replicas import LoadReport
 from extproc.health.vllm_metrics import ReplicaMetrics
 from extproc.kvevents.hashing import EngineChain, HashAlgo, low64
@@ -87,23 +88,7 @@ __all__ = [
     "seq_frame",
 ]
 
-T = TypeVar("T")
-
 _NO_HEADERS: dict[str, str] = {}
-
-
-def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine that never really waits (the memory store's) without an event loop.
-
-    The driver's mechanism until the request core has no I/O of its own: the router's coroutines,
-    over the memory store, finish on their first step."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        result: T = stop.value
-        return result
-    coro.close()
-    raise RuntimeError("the simulator needs a store that answers without waiting (the memory store)")
 
 
 class SyncDriver:
@@ -138,6 +123,7 @@ class SyncDriver:
             kv_events=kv_events,
             decider=decider,
         )
+        self._effects = self._router.effects
 
     @property
     def profile(self) -> Profile:
@@ -149,27 +135,29 @@ class SyncDriver:
     def identify(self, features: RequestFeatures, now: float) -> RequestFeatures:
         """A keyless conversation known by its messages, as the router's own entry point does:
         ``features`` with the conversation's session key."""
-        return _run_sync(self._router.conversations.identify(features, now))
+        named: RequestFeatures = self._effects.carry_out_now(Identify(features, now))
+        return named
 
     def route(self, features: RequestFeatures, now: float, *, may_wait: bool = False) -> Routed:
-        """Route a request given as features, arrived at ``now``. With ``may_wait`` a request whose
-        class queues on a predicted miss of its objectives comes back unrouted with
-        ``objective_wait`` set, for the simulator's queue to hold."""
-        return _run_sync(self._router.route_features(features, now, may_wait=may_wait))
+        """Route a request given as features, arrived at ``now``: the request core's decision
+        (:meth:`~extproc.core.request.RequestCore.place`), its effects carried out at once. With
+        ``may_wait`` a request whose class queues on a predicted miss of its objectives comes back
+        unrouted with ``objective_wait`` set, for the simulator's queue to hold."""
+        return self._effects.drive_now(self._router.core.place(features, now, may_wait=may_wait))
 
     def first_token(self, routed: Routed, now: float) -> None:
         """The request's first token passed at ``now``: what the processor learns then, if it
         sampled the response (a 200; its tokens timed if the token-timing sample says so, since
         the headers of vLLM's streams come before the first token and tell nothing)."""
-        router = self._router
-        if router.sample_response():
-            timed = router.times_tokens(_NO_HEADERS) and router.sample_timing()
-            router.observe_response(routed, 200, timed=timed)
-            router.first_token(routed, now)
+        watching, outcomes = self._router.watching, self._router.outcomes
+        if watching.sample_response():
+            timed = watching.times_tokens(_NO_HEADERS) and watching.sample_timing()
+            outcomes.observe_response(routed, 200, timed=timed)
+            outcomes.first_token(routed, now)
 
     def finished(self, routed: Routed, first_at: float | None, last_at: float | None, output_tokens: int) -> None:
         """The request ended: its tokens' times taken in, its slot released."""
-        self._router.tokens_over(routed, first_at, last_at, output_tokens)
+        self._router.outcomes.tokens_over(routed, first_at, last_at, output_tokens)
         self._router.release(routed)
 
     def fleet_saturated(self, pool: tuple[tuple[str, str], ...]) -> bool:
@@ -178,7 +166,7 @@ class SyncDriver:
 
     def objective_ready(self, features: RequestFeatures, stored: AffinityView) -> Callable[[], bool]:
         """When a request held for its objectives may go (see the router's ``objective_ready``)."""
-        return self._router.objective_ready(features, stored)
+        return self._router.core.objective_ready(features, stored)
 
     def offer_hot_body(self, features: RequestFeatures, body: Callable[[], bytes]) -> None:
         """Offer the body of a routed request to the hot-key warmer, if hot keys are on; ``body``
@@ -214,7 +202,7 @@ class SyncDriver:
     def set_replicas(self, replicas: Sequence[Replica]) -> Membership:
         """Make ``replicas`` the membership: joins take their ring share of live sessions, leaves
         move theirs."""
-        return _run_sync(self._router.set_replicas(replicas))
+        return at_once(self._router.fleet.set_replicas(replicas))
 
     def replica_count(self) -> int:
         """How many replicas the router knows."""

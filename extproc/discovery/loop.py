@@ -26,7 +26,7 @@ log = logging.getLogger("extproc.discovery")
 
 
 class MembershipTarget(Protocol):
-    """What the loop feeds: :class:`extproc.router.Router` is one."""
+    """What the loop feeds: the router's :class:`~extproc.membership.FleetControl` is one."""
 
     async def set_replicas(self, replicas: Sequence[Replica]) -> object:
         """Make ``replicas`` the membership."""

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from extproc.engine_rates import EngineRates, PoolRates, prior_for
-from extproc.routing.latency import LoadPoint
+from extproc.routing.latency import LearnedRates, LoadPoint
 
 FORGET = 0.98
 """Each observation weighs this much less after the next: about the last fifty count."""
@@ -74,6 +74,19 @@ class RateBook:
     def view(self) -> Mapping[str, EngineRates]:
         """Each replica's rates as last updated (replicas never observed are absent: see :meth:`rates`)."""
         return self._rates
+
+    def learned(self) -> dict[str, LearnedRates]:
+        """What the price takes from the engine rates: only what was learnt (a prior stays the
+        price's own, so a replica nothing was observed of is priced as its pool is). Per decision:
+        only the replicas observed are read (none until answers are timed), no prior is made."""
+        out = {}
+        for name, r in self.view().items():
+            prefill = r.prefill_tokens_per_s if r.prefill_samples > 0 else None
+            overhead = r.overhead_s if r.prefill_samples > 0 else None
+            decode = r.decode_step_s if r.decode_samples > 0 else None
+            if prefill is not None or decode is not None:
+                out[name] = LearnedRates(prefill_tokens_per_s=prefill, decode_s_per_token=decode, overhead_s=overhead)
+        return out
 
     def rates(self, name: str, labels: Mapping[str, str]) -> EngineRates:
         """Replica ``name``'s rates: learned where observed, else its pool's prior."""

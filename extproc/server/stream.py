@@ -107,14 +107,15 @@ class RequestStream:
         waiting: asyncio.Future[pb.ProcessingRequest] | None = None
         try:
             while True:
-                deadline = self._deadline()
+                plan = self.plan if self.phase is Phase.RESPONSE_BODY else None  # a first token awaited
+                deadline = self.planner.first_token_deadline(plan) if plan is not None else None
                 try:
                     if deadline is None and waiting is None:
                         request = await anext(source)
                     else:
                         if waiting is None:
                             waiting = asyncio.ensure_future(anext(source))
-                        left = None if deadline is None else max(0.0, deadline - self.planner.router.clock())
+                        left = None if deadline is None else max(0.0, deadline - self.planner.clock())
                         done, _ = await asyncio.wait((waiting,), timeout=left)
                         if not done:
                             for response in self._overdue():
@@ -131,11 +132,6 @@ class RequestStream:
             if self.plan is not None:
                 self.planner.end(self.plan)
             self.phase = Phase.DONE
-
-    def _deadline(self) -> float | None:
-        if self.phase is not Phase.RESPONSE_BODY or self.plan is None:
-            return None
-        return self.planner.first_token_deadline(self.plan)
 
     def _overdue(self) -> Answers:
         """The first token did not come in time: the stream is ended (Envoy resets the client's
@@ -162,7 +158,7 @@ class RequestStream:
             return await self._phases[phase](request, kind)
         except Exception:
             log.exception("answering %s in phase %s failed; letting it through", kind, phase.value)
-            self.planner.router.metrics.stream_errors.labels("answer").inc()
+            self.planner.stream_errors.labels("answer").inc()
             return self._failed(kind, phase)
 
     async def _request_headers(self, request: pb.ProcessingRequest, kind: str) -> Answers:
@@ -194,7 +190,8 @@ class RequestStream:
             return await self._duplex_end(trailers=False) if body.end_of_stream else []
         if not body.end_of_stream and self.size <= self.planner.max_body_bytes:
             return [msg.continue_body()]
-        return await self._decide(self._take_body())
+        data, self.chunks = b"".join(self.chunks), []
+        return await self._decide(data)
 
     async def _duplex_end(self, trailers: bool) -> Answers:
         data = b"".join(self.chunks)
@@ -208,10 +205,6 @@ class RequestStream:
         if trailers:
             out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
         return out
-
-    def _take_body(self) -> bytes:
-        data, self.chunks = b"".join(self.chunks), []
-        return data
 
     async def _decide(self, body: bytes | None) -> Answers:
         """Plan the request; its decision answers the message that completed it: the request
@@ -258,7 +251,8 @@ class RequestStream:
         duplex, what was held back released with it (the request goes on unrouted)."""
         if phase is Phase.REQUEST_BODY and self.duplex:
             self.phase = Phase.RESPONSE_HEADERS
-            out = [msg.continue_headers(self.planner.strip), *msg.streamed_body(self._take_body())]
+            data, self.chunks = b"".join(self.chunks), []
+            out = [msg.continue_headers(self.planner.strip), *msg.streamed_body(data)]
             if kind == "request_trailers":
                 out.append(msg.passthrough(kind))
             return out

@@ -22,7 +22,8 @@ RANKS = {
     "extproc.calibrate": 7,
     "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
     "extproc.telemetry": 7,
-    "extproc.router": 6,
+    "extproc.router": 6,  # the wiring of the request path's collaborators, and its entry points
+    "extproc.core": 6,  # the request core: steps with no I/O, their effects, admission, outcomes, charges
     "extproc.plan": 6,  # what the router wants done with a request, for an adapter to carry out
     "extproc.bookkeeping": 5,  # what routing a request changes (load, caches, tenants), and undoes
     "extproc.membership": 5,  # membership, cordons and drains, and the moves they cause
@@ -210,6 +211,7 @@ def test_test_files_import_no_other_test_file() -> None:
 METRICS_WIRING = (
     "extproc.metrics",
     "extproc.router",
+    "extproc.core",
     "extproc.server",
     "extproc.cli",
     "extproc.telemetry",

@@ -8,7 +8,6 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.api.sim import _run_sync as run_sync
 from extproc.cache.estimate import CacheEstimate
 from extproc.config import Config
 from extproc.health.vllm_metrics import ReplicaMetrics
@@ -171,13 +170,13 @@ def test_sessions_stay_whatever_the_prefix_counters_do(behaviours: list[tuple[st
             features = RequestFeatures(
                 path="/v1/chat/completions", session_key=session, prefix_hashes=hashes, prompt_chars=64 * len(hashes)
             )
-            routed = run_sync(router.route_features(features, now))
+            routed = router.effects.drive_now(router.core.place(features, now))
             assert routed.decision.replica is not None
             name = routed.decision.replica.name
             if session in pinned:
                 assert name == pinned[session], (turn, session, routed.decision)
                 assert routed.decision.reason is Reason.STICKY
             pinned[session] = name
-            router.observe_response(routed, 200)
+            router.outcomes.observe_response(routed, 200)
             router.release(routed)
         now += 1.0

@@ -170,7 +170,6 @@ def test_a_replica_whose_hit_counters_disagree_is_trusted_less() -> None:
 
 
 def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
-    from extproc.api.sim import _run_sync as run_sync
     from extproc.config import Config
     from extproc.health.vllm_metrics import ReplicaMetrics
     from extproc.router import Router
@@ -183,7 +182,7 @@ def test_the_router_bounds_the_index_by_the_capacity_a_scrape_reports() -> None:
     for i in range(10):
         hashes = tuple(_chain(i + 1, 30, i))
         features = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=64 * 30)
-        run_sync(router.route_features(features, 2.0 + i))
+        router.effects.drive_now(router.core.place(features, 2.0 + i))
     # 100 blocks of 16 tokens, 90% of them for prompts: 90 index blocks, the last three prompts.
     assert store.prefixes.held("a") == 90
 
@@ -193,7 +192,6 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
     # the decision on made a replica that holds every claimed block look like one that evicted
     # them while its queue grew (shared-prefix at 12,000 blocks: trust fell to 0.2, the holders
     # were dropped as overloaded, hit ratio 55% where SGLang has 64%).
-    from extproc.api.sim import _run_sync as run_sync
     from extproc.config import Config
     from extproc.health.vllm_metrics import ReplicaMetrics
     from extproc.router import Router
@@ -204,17 +202,17 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
     router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=0), 1.0)
     hashes = tuple(_chain(1, 30, 0))
     features = RequestFeatures(path="/v1/completions", prefix_hashes=hashes, prompt_chars=64 * 30)
-    run_sync(router.route_features(features, 2.0))  # the first sends the prompt: nothing claimed
-    queued = [run_sync(router.route_features(features, 3.0 + i)) for i in range(5)]
+    router.effects.drive_now(router.core.place(features, 2.0))  # the first sends the prompt: nothing claimed
+    queued = [router.effects.drive_now(router.core.place(features, 3.0 + i)) for i in range(5)]
     assert all(r.claimed_tokens == 480 for r in queued)
     # Still queued at the next scrapes: no hits yet, and none expected.
     for t in (10.0, 11.0):
         router.replicas.apply_scrape("a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_hits=0), t)
-        run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), t))
+        router.effects.drive_now(router.core.place(RequestFeatures(path="/v1/completions", prompt_chars=64), t))
     assert router.caches.estimate.trust("a") == 1.0
     # Prefilled: the first bytes came back, and the replica reports the hits.
     for r in queued[:3]:
-        router.observe_response(r, 200)
+        router.outcomes.observe_response(r, 200)
     for r in queued[3:]:
         router.release(r)
     assert all(r.claimed_tokens == 0 for r in queued)
@@ -222,15 +220,15 @@ def test_a_claim_is_weighed_against_hits_only_once_the_request_is_prefilled() ->
     router.replicas.apply_scrape(
         "a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_queries=6 * 480, prefix_hits=5 * 480), 12.0
     )
-    run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 12.0))
+    router.effects.drive_now(router.core.place(RequestFeatures(path="/v1/completions", prompt_chars=64), 12.0))
     assert router.caches.estimate.trust("a") == 1.0
     # Had the replica looked them up and found none of it, trust would fall.
-    for r in [run_sync(router.route_features(features, 13.0 + i)) for i in range(5)]:
-        router.observe_response(r, 200)
+    for r in [router.effects.drive_now(router.core.place(features, 13.0 + i)) for i in range(5)]:
+        router.outcomes.observe_response(r, 200)
     router.replicas.apply_scrape(
         "a", ReplicaMetrics(num_gpu_blocks=1000, block_size=16, prefix_queries=11 * 480, prefix_hits=5 * 480), 20.0
     )
-    run_sync(router.route_features(RequestFeatures(path="/v1/completions", prompt_chars=64), 20.0))
+    router.effects.drive_now(router.core.place(RequestFeatures(path="/v1/completions", prompt_chars=64), 20.0))
     assert router.caches.estimate.trust("a") < 0.7
 
 
@@ -314,19 +312,18 @@ def test_prefixes_in_flight_count_however_short_the_index_memory() -> None:
 
     # Through the router: the index holds one block of a replica's prompts (its capacity), but a
     # request still queued there covers the whole prompt until it ends.
-    from extproc.api.sim import _run_sync as run_sync
     from extproc.config import Config
     from extproc.state.memory import MemoryStore
 
     router = Router(Config(replicas=(Replica("a", "x:1"),)), store=MemoryStore())
     router.store.set_capacity("a", 1)
     features = RequestFeatures(path="/v1/completions", prefix_hashes=tuple(_chain(1, 30, 0)), prompt_chars=64 * 30)
-    first = run_sync(router.route_features(features, 1.0))
-    second = run_sync(router.route_features(features, 2.0))
+    first = router.effects.drive_now(router.core.place(features, 1.0))
+    second = router.effects.drive_now(router.core.place(features, 2.0))
     assert second.decision.matched_blocks == 30
     router.release(first)
-    third = run_sync(router.route_features(features, 3.0))
+    third = router.effects.drive_now(router.core.place(features, 3.0))
     assert third.decision.matched_blocks == 30  # the second is still in flight
     router.release(second)
     router.release(third)
-    assert run_sync(router.route_features(features, 4.0)).decision.matched_blocks <= 1  # the index alone
+    assert router.effects.drive_now(router.core.place(features, 4.0)).decision.matched_blocks <= 1  # the index alone

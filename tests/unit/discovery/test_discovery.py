@@ -69,7 +69,7 @@ class RecordingRouter:
 
     async def set_replicas(self, replicas: Sequence[Replica]) -> object:
         self.calls.append([r.name for r in replicas])
-        return await self.router.set_replicas(replicas)
+        return await self.router.fleet.set_replicas(replicas)
 
 
 # --- settings -------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def pool_source(kube: FakeKube, **kwargs: Any) -> InferencePoolDiscovery:
 @contextlib.asynccontextmanager
 async def following(source: InferencePoolDiscovery) -> AsyncIterator[Router]:
     router = Router(make_config())
-    loop = DiscoveryLoop(source, router, debounce_s=0.0, max_delay_s=0.0)
+    loop = DiscoveryLoop(source, router.fleet, debounce_s=0.0, max_delay_s=0.0)
     task = asyncio.create_task(loop.run())
     try:
         yield router

@@ -84,12 +84,12 @@ async def test_the_router_learns_them_from_timed_answers_and_shows_the_prior_els
         routed = await router.route({":path": "/v1/chat/completions"}, chat_body(text, stream=True), timed=True)
         assert routed.load_point is not None and routed.decision.replica is not None
         clock.now += 0.001
-        router.observe_response(routed, 200, timed=True)
+        router.outcomes.observe_response(routed, 200, timed=True)
         clock.now += 0.02 + routed.load_point.uncached_tokens / 4000.0  # 4,000 tokens a second
         first = clock.now
-        router.first_token(routed, first)
+        router.outcomes.first_token(routed, first)
         clock.now += 0.1
-        router.tokens_over(routed, first, clock.now, 6)
+        router.outcomes.tokens_over(routed, first, clock.now, 6)
         router.release(routed)
     learnt = router.engine_rates()
     for name in ("r0", "r1"):
@@ -98,7 +98,7 @@ async def test_the_router_learns_them_from_timed_answers_and_shows_the_prior_els
             assert learnt[name].decode_step_s == pytest.approx(0.02, rel=0.3), learnt
     assert sum(r.prefill_samples for r in learnt.values()) == 40
     # The price reads what was learnt through the decision's inputs; no prior passes as learnt.
-    given, _ = router.inputs(routed.features, await router.store.peek(None, (), clock.now), clock.now)
+    given, _ = router.core.inputs(routed.features, await router.store.peek(None, (), clock.now), clock.now)
     for name, r in learnt.items():
         seen = given.latency.rates.get(name) if given.latency is not None else None
         if r.prefill_samples == 0 and r.decode_samples == 0:

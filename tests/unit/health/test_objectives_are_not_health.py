@@ -22,8 +22,8 @@ async def serve(objective_ms: str | None, requests: int = 150) -> Router:
         routed = await router.route(h, chat_body(f"hello {i}", max_tokens=4))
         if routed.refusal is None:
             clock.now += 0.4
-            router.observe_response(routed, 200, timed=True)
-            router.tokens_over(routed, None, None, 1)  # one token: its first came with the answer
+            router.outcomes.observe_response(routed, 200, timed=True)
+            router.outcomes.tokens_over(routed, None, None, 1)  # one token: its first came with the answer
             clock.now += 0.03
             router.release(routed)
         clock.now += 0.5

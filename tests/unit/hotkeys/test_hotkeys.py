@@ -271,7 +271,7 @@ async def test_the_router_spreads_a_hot_prefix_and_warms_a_joining_replica_with_
     assert set(warmed) <= members
     sent.clear()
 
-    await router.set_replicas([*replicas, Replica("r9", "10.0.0.9:80")])
+    await router.fleet.set_replicas([*replicas, Replica("r9", "10.0.0.9:80")])
     await router.rebalancer.prewarmer.drain()
     assert [a for a, _ in sent] == ["10.0.0.9:80"]
     warm = json.loads(sent[0][1])

@@ -51,7 +51,7 @@ def fake_page(block_size: int, algo: HashAlgo = HashAlgo.SHA256) -> str:
 async def scrape(router: Router, pages: dict[str, str]) -> None:
     for name, text in pages.items():
         router.replicas.apply_scrape(name, parse_vllm_metrics(text), router.clock())
-    await router.after_scrape([])
+    await router.fleet.after_scrape([])
 
 
 def gauge(kv: EventCacheState, name: str, *labels: str) -> float:

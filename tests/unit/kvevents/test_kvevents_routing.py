@@ -234,7 +234,7 @@ async def test_membership_changes_follow_and_unfollow_publishers(tmp_path: Path,
     try:
         assert sorted(kv.subscriptions.following()) == ["r0", "r1", "r2"]
         assert kv.resolve("127.0.0.1:9001") == "r1" and kv.resolve("r2") == "r2" and kv.resolve("x") is None
-        await router.set_replicas(members[:2])
+        await router.fleet.set_replicas(members[:2])
         assert sorted(kv.subscriptions.following()) == ["r0", "r1"]
     finally:
         await kv.close()

@@ -151,7 +151,7 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
     before = Counter(e.replica for e in router.rebalancer.ledger.live(router.clock()))
     assert sum(before.values()) == 400
 
-    await router.set_replicas([*router.config.replicas, Replica("r9", "10.0.0.9:80")])
+    await router.fleet.set_replicas([*router.config.replicas, Replica("r9", "10.0.0.9:80")])
     await router.rebalancer.prewarmer.drain()
     moved = metric_value(router.metrics.sessions_moved.labels("join"))
     assert 20 < moved < 140 and sent.count("10.0.0.9:80") == moved
@@ -160,7 +160,9 @@ async def test_router_moves_and_prewarms_on_join_leave_and_heat() -> None:
     assert view.pinned == "r9"  # the store agrees: the next turn goes to the pre-warmed replica
 
     on_r1 = sum(1 for e in router.rebalancer.ledger.live(router.clock()) if e.replica == "r1")
-    await router.set_replicas([r for r in [*router.config.replicas, Replica("r9", "10.0.0.9:80")] if r.name != "r1"])
+    await router.fleet.set_replicas(
+        [r for r in [*router.config.replicas, Replica("r9", "10.0.0.9:80")] if r.name != "r1"]
+    )
     assert metric_value(router.metrics.sessions_moved.labels("leave")) == on_r1
     assert not any(e.replica == "r1" for e in router.rebalancer.ledger.live(router.clock()))
 
@@ -173,14 +175,14 @@ async def test_a_replica_hot_for_long_enough_sheds_once_per_cooldown() -> None:
         await router.route({":path": "/v1/chat/completions", "x-session-id": f"s{i}"}, chat_body(f"c{i} " * 30))
     hot = Counter(e.replica for e in router.rebalancer.ledger.live(clock[0])).most_common(1)[0][0]
     router.replicas.apply_report(hot, LoadReport(queue=2, running=10, kv_usage=0.97))
-    await router.after_scrape([])
+    await router.fleet.after_scrape([])
     assert metric_value(router.metrics.sessions_moved.labels("hot")) == 0  # not hot for long yet
     clock[0] += 11
-    await router.after_scrape([])
+    await router.fleet.after_scrape([])
     shed = metric_value(router.metrics.sessions_moved.labels("hot"))
     assert shed >= 1
     clock[0] += 5
-    await router.after_scrape([])
+    await router.fleet.after_scrape([])
     assert metric_value(router.metrics.sessions_moved.labels("hot")) == shed  # replica cooldown
 
 

@@ -91,14 +91,14 @@ async def test_the_router_rewrites_the_body_and_hashes_the_served_model() -> Non
     body = chat_body("a prompt long enough to fill a few blocks of sixty-four characters " * 4)
     routed = await router.route({":path": "/v1/chat/completions", "x-session-id": "s"}, body)
     assert routed.arm is not None and routed.arm.target.model == "m-v2"
-    assert routed.body is not None and json.loads(routed.body)["model"] == "m-v2"
-    served = extract_features({":path": "/v1/chat/completions"}, routed.body, router.config.features)
+    assert routed.answer.body is not None and json.loads(routed.answer.body)["model"] == "m-v2"
+    served = extract_features({":path": "/v1/chat/completions"}, routed.answer.body, router.config.features)
     assert routed.features.model == "m-v2" and routed.features.prefix_hashes == served.prefix_hashes
     original = extract_features({":path": "/v1/chat/completions"}, body, router.config.features)
     assert routed.features.prefix_hashes != original.prefix_hashes
     assert routed.features.pool == (("pool", "canary"),)
     untouched = await router.route({":path": "/v1/chat/completions"}, chat_body("x", model="other"))
-    assert untouched.arm is None and untouched.body is None
+    assert untouched.arm is None and untouched.answer.body is None
 
 
 async def test_a_split_request_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,5 +119,5 @@ async def test_a_split_request_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -
     rule = SplitRule("c", (SplitTarget("m-v2", 1),), model="m")
     router = Router(make_config(splits=(rule,)))
     routed = await router.route({":path": "/v1/chat/completions", "user": "u"}, chat_body("a prompt " * 40))
-    assert routed.arm is not None and routed.body is not None
+    assert routed.arm is not None and routed.answer.body is not None
     assert calls == 1

@@ -126,7 +126,7 @@ async def test_drain_moves_the_sessions_it_knows_and_stops_new_work() -> None:
         targets[f"s{i}"] = routed.decision.replica.name  # type: ignore[union-attr]
         router.release(routed)
     victim = max(set(targets.values()), key=list(targets.values()).count)
-    moved = await router.set_cordon(victim, "drained")
+    moved = await router.fleet.set_cordon(victim, "drained")
     assert moved == list(targets.values()).count(victim)
     for session, before in targets.items():
         again = await router.route(_headers(session), chat_body(f"conversation {session[1:]}"))
@@ -134,7 +134,7 @@ async def test_drain_moves_the_sessions_it_knows_and_stops_new_work() -> None:
         if before != victim:
             assert again.decision.reason is Reason.STICKY
     assert await router.store.cordons() == {victim: "drained"}
-    await router.set_cordon(victim, None)
+    await router.fleet.set_cordon(victim, None)
     assert router.cordons == {}
 
 

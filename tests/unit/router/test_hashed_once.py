@@ -41,7 +41,7 @@ async def test_a_split_request_hashes_its_blocks_once_with_the_served_model(monk
     assert routed.arm is not None and routed.features.model == "m-v2" and routed.features.prefix_hashes
     assert len(calls) == 1
     # The same hashes as a request naming the served model in its own body.
-    direct = features_module.read_request(CHAT, routed.body, router.config.features).features
+    direct = features_module.read_request(CHAT, routed.answer.body, router.config.features).features
     assert routed.features.prefix_hashes == direct.prefix_hashes
 
 
@@ -59,7 +59,7 @@ async def test_tokenized_requests_hash_no_character_blocks(
 
 
 async def test_the_prefix_fingerprint_is_computed_once_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    import extproc.router as router_module
+    import extproc.core.request as router_module
 
     settings = HotKeySettings(
         enabled=True, sample_rate=1.0, window_s=1.0, min_samples=4, replica_prefill_tokens_per_s=5_000

@@ -99,7 +99,7 @@ async def test_with_no_warm_model_a_shedding_class_is_routed_as_today() -> None:
     for name in [r.replica.name for r in router.replicas.records()]:  # slow, but fewer observations than warm_after
         for _ in range(router.latency.warm_after - 1):
             router.latency.observe_ttft(name, LoadPoint(0, 0, 0, 0), 5.0)
-    given, _ = router.inputs(read(headers(100, session="a")), AffinityView(), router.clock())
+    given, _ = router.core.inputs(read(headers(100, session="a")), AffinityView(), router.clock())
     today = router.decide(replace(given, features=replace(given.features, slo_ttft_ms=None)))
     assert router.decide(given) == today and not today.objective_missed
     with_objective = await router.route(headers(100, session="a"), chat_body("hi"))
@@ -170,12 +170,12 @@ async def test_attainment_is_judged_on_the_first_token_and_the_tpot_between_firs
         # max_tokens is never the count: the stream reports the tokens it generated.
         routed = await router.route(h, chat_body("hi", max_tokens=500, stream=True), timed=True)
         clock.now += 0.005  # vLLM's headers: at once, whatever the queue
-        router.observe_response(routed, status, timed=True)
+        router.outcomes.observe_response(routed, status, timed=True)
         clock.now += ttft_s
         first = clock.now
-        router.first_token(routed, first)
+        router.outcomes.first_token(routed, first)
         clock.now += stream_s
-        router.tokens_over(routed, first, clock.now, tokens)
+        router.outcomes.tokens_over(routed, first, clock.now, tokens)
         router.release(routed)
 
     await one("a", 0.05, 0.4)  # 55 ms, 40 ms a token: met
@@ -187,12 +187,12 @@ async def test_attainment_is_judged_on_the_first_token_and_the_tpot_between_firs
     assert metric_value(met.labels("default", "missed")) == 4
     # Without objectives, never answered, or a stream whose first token never came: not judged.
     routed = await router.route(headers(None, session="e"), chat_body("hi"))
-    router.observe_response(routed, 200)
+    router.outcomes.observe_response(routed, 200)
     router.release(routed)
     unanswered = await router.route(headers(100, session="f"), chat_body("hi"))
     router.release(unanswered)
     tokenless = await router.route(headers(100, session="h"), chat_body("hi", stream=True), timed=True)
-    router.observe_response(tokenless, 200, timed=True)
+    router.outcomes.observe_response(tokenless, 200, timed=True)
     router.release(tokenless)
     assert metric_value(met.labels("default", "met")) + metric_value(met.labels("default", "missed")) == 5
 

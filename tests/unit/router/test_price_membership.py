@@ -25,5 +25,5 @@ async def test_a_replica_that_leaves_is_forgotten_by_every_price_picker() -> Non
     named.fill.wrote(chosen, 100)
     assert chosen in default.fill._written and chosen in named.fill._written
 
-    await router.set_replicas([r for r in replicas if r.name != chosen])
+    await router.fleet.set_replicas([r for r in replicas if r.name != chosen])
     assert chosen not in default.fill._written and chosen not in named.fill._written

@@ -69,7 +69,7 @@ async def test_the_call_to_the_replica_carries_the_usage_its_response_reported(c
         assert routed.trace is not None
         sent = routed.trace.traceparent
         routed.status = 200
-        await router.charge_usage(routed, Usage(input=120, cached_input=96, output=9))
+        await router.charges.charge_usage(routed, Usage(input=120, cached_input=96, output=9))
         router.release(routed)
         router.release(routed)  # a second release ends nothing twice
         await _flushed(tracer, collected, 2)

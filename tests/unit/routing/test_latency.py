@@ -272,8 +272,8 @@ async def test_the_models_learn_only_where_objectives_are_in_use(
     async def one(headers: dict[str, str]) -> bool:
         routed = await router.route({":path": "/v1/chat/completions", **headers}, chat_body("a prompt " * 40))
         assert routed.decision.replica is not None
-        router.observe_response(routed, 200, timed=True)
-        router.tokens_over(routed, None, None, 1)  # a one-token answer: its first token with its headers
+        router.outcomes.observe_response(routed, 200, timed=True)
+        router.outcomes.tokens_over(routed, None, None, 1)  # a one-token answer: its first token with its headers
         router.release(routed)
         return bool(router.latency.view().fits)
 

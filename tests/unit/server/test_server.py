@@ -99,7 +99,7 @@ async def test_with_discovery_pending_ext_proc_is_not_serving_until_a_replica_is
 
             assert await status("") == health_pb2.HealthCheckResponse.SERVING  # alive
             assert await status(service) == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready
-            await router.set_replicas([Replica("r0", "127.0.0.1:8000")])
+            await router.fleet.set_replicas([Replica("r0", "127.0.0.1:8000")])
             for _ in range(30):
                 if await status(service) == health_pb2.HealthCheckResponse.SERVING:
                     break

@@ -153,7 +153,7 @@ async def test_membership_changes_join_and_leave() -> None:
     pinned = (await router.store.lookup("s", (), 0.0, model="m")).pinned
     assert pinned is not None
     keep = [r for r in router.config.replicas if r.name != pinned]
-    change = await router.set_replicas([*keep, Replica("new", "10.9.9.9:8000")])
+    change = await router.fleet.set_replicas([*keep, Replica("new", "10.9.9.9:8000")])
     assert change.joined == ("new",) and change.left == (pinned,)
     assert pinned not in router.replicas and "new" in router.replicas
     out = await run(router, [headers_message({**CHAT, "x-session-id": "s"}), body_message(chat_body("x" * 500))])

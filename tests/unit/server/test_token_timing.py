@@ -181,21 +181,21 @@ async def test_a_retried_streams_first_token_budget_runs_from_its_headers_and_bl
     r = timed_router(clock)
     routed = await r.route({":path": CHAT}, chat_body(PROMPT, stream=True), timed=True)
     budget = r.config.upstream.first_byte_s
-    assert r.first_token_deadline(routed) is None  # nothing waited for before its headers
+    assert r.outcomes.first_token_deadline(routed) is None  # nothing waited for before its headers
     clock.now += budget + 0.5  # the first try timed out; Envoy's second answered
-    r.observe_response(routed, 200, attempts=2, answered_by="127.0.0.1:9", timed=True)
-    assert r.first_token_deadline(routed) == clock.now + budget
+    r.outcomes.observe_response(routed, 200, attempts=2, answered_by="127.0.0.1:9", timed=True)
+    assert r.outcomes.first_token_deadline(routed) == clock.now + budget
     errors = r.replicas.record("r0").errors  # type: ignore[union-attr]
     assert errors == 1  # its own try's timeout, counted as before
-    r.first_token_overdue(routed)  # the other replica's try stalled: not r0's doing
-    assert r.first_token_deadline(routed) is None
+    r.outcomes.first_token_overdue(routed)  # the other replica's try stalled: not r0's doing
+    assert r.outcomes.first_token_deadline(routed) is None
     assert r.replicas.record("r0").errors == errors  # type: ignore[union-attr]
 
 
 def test_what_is_timed_follows_the_latency_models_unless_token_timing_says() -> None:
     def times(**health: object) -> tuple[bool, bool]:
         r = Router(make_config(replicas=ONE, health=HealthSettings(**health)))  # type: ignore[arg-type]
-        return r.times_tokens({}), r.times_tokens({"x-slo-ttft-ms": "200"})
+        return r.watching.times_tokens({}), r.watching.times_tokens({"x-slo-ttft-ms": "200"})
 
     assert times() == (False, True)  # auto: only once a request may carry an objective
     assert times(latency_models="always") == (True, True)

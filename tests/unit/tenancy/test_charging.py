@@ -153,7 +153,7 @@ async def test_a_body_not_parsed_reserves_by_its_size_is_refused_out_of_budget_a
         make_config(budgets=BudgetSettings(enabled=True, bytes_per_token=2.0), request=Request(max_body_bytes=100))
     )
     plan = await Planner(finer).plan(ACME, small, Watch(meter=True))
-    assert finer.estimated_usage(plan.routed, 0).input == len(small) // 2
+    assert finer.charges.estimated_usage(plan.routed, 0).input == len(small) // 2
 
 
 async def test_other_apis_that_run_the_model_are_metered_or_refused() -> None:

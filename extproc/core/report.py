@@ -1,0 +1,78 @@
+"""A decision told to whoever watches: the metrics, the reuse ledger, the decision feed, the log."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from extproc.cache.reuse import ReuseLedger
+from extproc.decisions import DecisionFeed
+from extproc.metrics import RouterMetrics
+from extproc.request.features import RequestFeatures
+from extproc.routing.model import AffinityView, Decision
+
+log = logging.getLogger("extproc.router")
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionReport:
+    """Where each decision is reported."""
+
+    metrics: RouterMetrics
+    reuse: ReuseLedger
+    feed: DecisionFeed
+    fleet_size: Callable[[], int]
+
+    def decided(
+        self, features: RequestFeatures, decision: Decision, view: AffinityView, start: float, now: float
+    ) -> None:
+        """The decision in the metrics, the decision feed and the debug log."""
+        m = self.metrics
+        m.decisions.labels(decision.reason.value, m.model_label(features.model or "none")).inc()
+        m.decision_seconds.observe(now - start)
+        if decision.pair is not None:
+            m.disaggregated(
+                decision.pair.value, decision.prefill.name if decision.prefill else None, decision.transfer_blocks
+            )
+        if decision.total_blocks:
+            m.prefix_blocks.inc(decision.total_blocks)
+            m.prefix_blocks_matched.inc(decision.matched_blocks)
+            size = self.fleet_size()
+            if view.prefix_matches and size:
+                m.prefix_blocks_round_robin.inc(sum(view.prefix_matches.values()) / size)
+            if decision.replica is not None:
+                self.reuse.routed(
+                    decision.replica.name, decision.total_blocks, view.prefix_matches, decision.matched_blocks
+                )
+        if self.feed.watched:
+            self.feed.publish(decision, features.model, now - start)
+        if log.isEnabledFor(logging.DEBUG):
+            _log(features, decision, now - start)
+
+
+def _log(features: RequestFeatures, decision: Decision, took_s: float) -> None:
+    replica = decision.replica.name if decision.replica else None
+    log.debug(
+        "decision request_id=%s replica=%s reason=%s matched=%d/%d moved_by=%s",
+        features.request_id,
+        replica,
+        decision.reason.value,
+        decision.matched_blocks,
+        decision.total_blocks,
+        decision.moved_by or "-",
+        extra={
+            "event": "decision",
+            "request_id": features.request_id,
+            "replica": replica,
+            "reason": decision.reason.value,
+            "model": features.model,
+            "matched_blocks": decision.matched_blocks,
+            "total_blocks": decision.total_blocks,
+            "moved_by": decision.moved_by,
+            "prefill": decision.prefill.name if decision.prefill else None,
+            "pair": decision.pair.value if decision.pair else None,
+            "stream": features.stream,
+            "decision_ms": round(took_s * 1000, 3),
+        },
+    )
