@@ -384,7 +384,7 @@ def _conclude(
     return Decision(
         replica=chosen.replica,
         reason=reason,
-        pin=reason is not Reason.SPILLOVER or profile.repin_on_spillover or priced_out,
+        pin=reason is not Reason.SPILLOVER or view.pinned is None or profile.repin_on_spillover or priced_out,
         fallbacks=tuple(s.replica for s in ordered[1 : 1 + profile.max_fallbacks]),
         matched_blocks=matched,
         total_blocks=len(features.prefix_hashes),

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from extproc.request.features import RequestFeatures
+from extproc.request.features import RequestFeatures, uncached_tokens
 from extproc.routing.latency import LatencyView, Prediction
 from extproc.routing.model import NO_TERMS, AffinityView, ReplicaState, Snapshot, TenantTerms
 from extproc.routing.price_parts import Price
@@ -124,23 +124,40 @@ class InRotationFilter:
 class OverloadFilter:
     """Drops overloaded replicas (KV usage or queue above a threshold) unless all of them are.
 
-    This is what turns a sticky or prefix target into a spillover: affinity never pushes a
-    replica that is out of KV blocks into preemption.
+    This is what turns a prefix target into a spillover: new work that nothing ties to a replica
+    never goes to one that is out of KV blocks.
 
-    A replica believed to hold at least ``holder_share`` of the prompt's blocks more than the
-    median candidate is judged on its queue alone, not on its KV usage. Its full cache is mostly
-    the running turns of the conversations it holds; sent elsewhere, the request is prefilled cold
-    on a replica whose cache is as full, evicting other conversations' prefixes there, whose next
-    turns then spill in turn (through real Envoy with 8 replicas at 1.65x the fleet's KV this
-    cascade cut the hit ratio from 82% to 40% in 3 runs of 7). There it waits for blocks to free,
-    which its queue shows and the queue threshold still bounds. A prefix most candidates hold (a
-    shared system prompt) makes no holder: prefilled elsewhere, it costs nothing more.
+    A replica holding more of the prompt than the median candidate (a session's pinned replica
+    while nothing says its conversation is gone: all of it; otherwise what the index believes it
+    holds, beyond a share ``holder_share`` of the prompt) is not dropped for its KV usage alone.
+    On a real engine under pressure every replica's KV is near full with running requests
+    (``vllm:kv_cache_usage_perc`` counts their blocks), and a turn sent elsewhere then recomputes
+    its history on a replica as full, evicting other conversations there (real vLLM, 36
+    conversations over 3 engines of 4,096 tokens: 25% hit ratio against a session hash's 28-37%).
+    A holder whose KV is over the threshold is dropped only on evidence that waiting there costs
+    more than moving: requests waiting in its queue (``vllm:num_requests_waiting``; a preempted
+    request goes back there too), each worth ``waiting_tokens`` prompt tokens, more than the
+    least-loaded other candidate's queue plus the tokens it would recompute there (what the holder
+    holds beyond it). Where the profile's picker is the price, the same weighing is in its
+    predicted seconds: the holder's predicted time to first token against the others'. No queue,
+    no evidence: the request stays. Over ``queue_threshold`` a holder is dropped whatever it holds.
+    A prefix most candidates hold (a shared system prompt) makes no holder: prefilled elsewhere,
+    it costs nothing more.
     """
 
     kv_threshold: float = 0.9
     queue_threshold: int = 32
-    holder_share: float = 0.5
+    holder_share: float = 0.0
+    """The share of the prompt a replica must hold beyond the median candidate to be weighed as a
+    holder (0: any more than the median). Below it, KV usage alone drops it."""
+    waiting_tokens: int = 256
+    """What one request waiting in a holder's queue is worth, in prompt tokens prefilled elsewhere
+    (the load scorer's decode cost of a request, ``tokens_per_request``). Larger: spill sooner."""
     name: str = "overload"
+
+    def __post_init__(self) -> None:
+        if self.holder_share < 0 or self.waiting_tokens < 1:
+            raise ValueError("holder_share must not be negative, waiting_tokens at least 1")
 
     def overloaded(self, state: ReplicaState) -> bool:
         """Whether a replica should take no new work now.
@@ -155,22 +172,55 @@ class OverloadFilter:
             kv = max(kv, state.inflight_tokens / state.kv_capacity_tokens)
         return kv > self.kv_threshold or state.queue > self.queue_threshold
 
+    def held_tokens(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> dict[str, int]:
+        """The prompt tokens each candidate is believed to hold: a pinned replica without evidence
+        of loss all of them, the others what the index says (their matched leading blocks)."""
+        features, view = cycle.features, cycle.view
+        prompt = features.estimated_prompt_tokens
+        matches = view.prefix_matches
+        out = {}
+        for c in candidates:
+            if c.name == view.pinned and view.pin_lost is None:
+                out[c.name] = prompt
+            else:
+                out[c.name] = prompt - uncached_tokens(features, matches.get(c.name, 0), cycle.block_chars)
+        return out
+
+    def spill_pays(
+        self, cycle: CycleState, state: ReplicaState, others: Sequence[ReplicaState], held: Mapping[str, int]
+    ) -> bool:
+        """Whether the holder ``state``'s queue costs more than moving to the best of ``others``."""
+        if state.queue <= 0 or not others:
+            return False  # no request waiting there: no evidence that staying costs anything
+        if cycle.price_ttft is not None:
+            stay_s = cycle.price_ttft(cycle, state)
+            return any(cycle.price_ttft(cycle, o) < stay_s for o in others)
+        stay = state.queue * self.waiting_tokens
+        mine = held[state.name]
+        return any(o.queue * self.waiting_tokens + max(0, mine - held[o.name]) < stay for o in others)
+
     def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
-        """Drop overloaded replicas (a holder of the prompt only for its queue)."""
-        total = len(cycle.features.prefix_hashes)
-        matches = cycle.view.prefix_matches
+        """Drop overloaded replicas (a holder of the prompt only where the spill pays)."""
+        held = self.held_tokens(cycle, candidates)
         # What half of the candidates hold (a system prompt every replica serving has) is no
         # reason to keep a full replica: prefilled elsewhere, it costs nothing more.
-        base = _median_held(matches, candidates)
-        needed = base + self.holder_share * total
+        ranked = sorted(held.values())
+        base = ranked[(len(ranked) - 1) // 2] if ranked else 0
+        needed = base + self.holder_share * cycle.features.estimated_prompt_tokens
 
         def out(c: ReplicaState) -> bool:
-            if total and matches.get(c.name, 0) >= needed:
-                return c.queue > self.queue_threshold
-            return self.overloaded(c)
+            if not self.overloaded(c):
+                return False
+            if c.queue > self.queue_threshold or held[c.name] <= base or held[c.name] < needed:
+                return True
+            # Where it could go: a replica that takes new work (or holds the prompt too).
+            others = [o for o in candidates if o is not c and (held[o.name] > base or not self.overloaded(o))]
+            return self.spill_pays(cycle, c, others, held)
 
         kept = [c for c in candidates if not out(c)]
-        if len(kept) < len(candidates):
+        if kept and len(kept) < len(candidates):
+            # Only a replica the filter removed makes a spillover: when all are overloaded it
+            # keeps them all, and a session then moves only by the scores (or stays).
             names = {c.name for c in kept}
             cycle.overloaded = frozenset(c.name for c in candidates if c.name not in names)
         return kept or candidates
@@ -179,7 +229,8 @@ class OverloadFilter:
         """Its KV usage or queue over the limits."""
         return (
             f"overloaded (kv usage {state.kv_usage:.2f}, limit {self.kv_threshold}; "
-            f"queue {state.queue}, limit {self.queue_threshold})"
+            f"queue {state.queue}, limit {self.queue_threshold}; a holder of the prompt only when "
+            f"its queue costs more than moving)"
         )
 
 

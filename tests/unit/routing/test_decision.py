@@ -92,6 +92,19 @@ def test_overloaded_pinned_replica_spills_over() -> None:
     assert d.moved_by == "overload"
 
 
+def test_a_spilled_turn_pins_its_session_only_where_it_had_no_pin() -> None:
+    # A pinned session's spill leaves the pin where its conversation is: it returns there.
+    snap = snapshot(r2={"kv_usage": 0.95})
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    assert d.reason is Reason.SPILLOVER and not d.pin
+    # A new session whose prefix's holder is full spills too, but it has nowhere to return to: it is
+    # pinned where it went, where its history now is (unpinned, its every later turn was placed by
+    # the index alone and spilled again).
+    view = AffinityView(prefix_matches={"r2": 10})
+    d = decide(DecisionInputs.of(features("s1", tuple(range(10))), snap, view, 0.0, build_profile()))
+    assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER and d.pin
+
+
 def test_pinned_replica_out_of_rotation_fails_over() -> None:
     snap = snapshot(r2={"in_rotation": False})
     d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
