@@ -22,24 +22,17 @@ from extproc.validation import describe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
-from extproc.routing.plugins import (
-    Filter,
-    InRotationFilter,
+from extproc.routing.filters import InRotationFilter, OverloadFilter, PoolFilter, TenantShardFilter
+from extproc.routing.lora import LoraFilter, LoraScorer
+from extproc.routing.pickers import MaxScorePicker, RoundRobinPicker
+from extproc.routing.plugins import Filter, Picker, Scorer
+from extproc.routing.scorers import (
     LoadScorer,
-    LoraFilter,
-    LoraScorer,
-    MaxScorePicker,
-    OverloadFilter,
-    Picker,
-    PoolFilter,
     PrefillCostScorer,
     PrefixScorer,
     RingScorer,
-    RoundRobinPicker,
-    Scorer,
     SessionAffinityScorer,
     TenantHeadroomScorer,
-    TenantShardFilter,
 )
 
 
