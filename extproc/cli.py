@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from extproc.metrics import RouterMetrics
     from extproc.router import Router
     from extproc.server.workers import WorkerSlot
-    from extproc.state.shared_memory import SharedSegment
+    from extproc.state.shared_segment import SharedSegment
     from extproc.state.store import AffinityStore
 
 COMMANDS_GROUP = "extproc.commands"
@@ -124,7 +124,7 @@ def _check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _serve_worker(argv: Sequence[str], slot: WorkerSlot) -> None:
     """One worker of ``serve --workers N`` (in its own spawned process)."""
     from extproc.server.listeners import BindError
-    from extproc.state.shared_memory import SharedSegment
+    from extproc.state.shared_segment import SharedSegment
 
     parser = build_parser()
     _, args = picker.parse_command_line(parser, argv)

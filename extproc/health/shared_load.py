@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extproc.state.shared_memory import LOAD_FIELDS, SharedSegment
+from extproc.state.shared_segment import LOAD_FIELDS, SharedSegment
 
 if TYPE_CHECKING:
     from extproc.health.replicas import ReplicaRecord
