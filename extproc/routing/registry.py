@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from extproc.routing.hot import HotPrefixFilter, HotPrefixScorer
 from extproc.routing.latency import SloFilter, SloHeadroomScorer
-from extproc.routing.pipeline import Profile, WeightedScorer
 from extproc.routing.price import PricePicker, PriceScorer
+from extproc.routing.profile import Profile, WeightedScorer
 from extproc.validation import describe
 
 if TYPE_CHECKING:
