@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import field_validator, model_validator
 
-from extproc.budgets import BudgetSettings
+from extproc.budgets.settings import BudgetSettings
 from extproc.config.classes import ClassItem
 from extproc.config.profiles import ProfileMapping
 from extproc.config.replicas import ReplicaItem
