@@ -7,8 +7,9 @@ what a decision changes (pins, the prefix index, in-flight counts) is recorded a
 the router.
 
 The built-in plugins are in :mod:`extproc.routing.filters`, :mod:`extproc.routing.scorers` and
-:mod:`extproc.routing.pickers` (and, with their models, :mod:`~extproc.routing.latency`,
-:mod:`~extproc.routing.price`, :mod:`~extproc.routing.hot`, :mod:`~extproc.routing.cordon`).
+:mod:`extproc.routing.pickers` (and, with what they need, :mod:`~extproc.routing.lora`,
+:mod:`~extproc.routing.latency`, :mod:`~extproc.routing.price`, :mod:`~extproc.routing.hot`,
+:mod:`~extproc.routing.cordon`).
 """
 
 from __future__ import annotations

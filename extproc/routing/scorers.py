@@ -1,6 +1,6 @@
-"""The built-in scorers: session affinity, prefix match, load, prefill cost, the ring, tenant
-headroom and adapters. Each returns a score in [0, 1] per candidate and never sees its weight
-(:class:`~extproc.routing.plugins.Scorer`)."""
+"""The built-in scorers: session affinity, prefix match, load, prefill cost, the ring and tenant
+headroom (the adapters' is in :mod:`extproc.routing.lora`). Each returns a score in [0, 1] per
+candidate and never sees its weight (:class:`~extproc.routing.plugins.Scorer`)."""
 
 from __future__ import annotations
 
