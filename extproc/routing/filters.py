@@ -3,12 +3,13 @@ tenant's shard, serving its adapter. Each drops candidates and says why (:class:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from extproc.request.features import uncached_tokens
 from extproc.routing.model import ReplicaState
 from extproc.routing.plugins import CycleState
+from extproc.routing.scorers import median_held
 
 
 @dataclass(slots=True)
@@ -33,35 +34,39 @@ class InRotationFilter:
 class OverloadFilter:
     """Drops overloaded replicas (KV usage or queue above a threshold) unless all of them are.
 
-    This is what turns a prefix target into a spillover: new work that nothing ties to a replica
-    never goes to one that is out of KV blocks.
+    This is what turns a prefix target into a spillover: new work never goes to a replica that is
+    out of KV blocks for a prefix match's sake.
 
-    A replica holding more of the prompt than the median candidate (a session's pinned replica
-    while nothing says its conversation is gone: all of it; otherwise what the index believes it
-    holds, beyond a share ``holder_share`` of the prompt) is not dropped for its KV usage alone.
-    On a real engine under pressure every replica's KV is near full with running requests
-    (``vllm:kv_cache_usage_perc`` counts their blocks), and a turn sent elsewhere then recomputes
-    its history on a replica as full, evicting other conversations there (real vLLM, 36
-    conversations over 3 engines of 4,096 tokens: 25% hit ratio against a session hash's 28-37%).
-    A holder whose KV is over the threshold is dropped only on evidence that waiting there costs
-    more than moving: requests waiting in its queue (``vllm:num_requests_waiting``; a preempted
+    A session's pinned replica is not dropped for its KV usage alone. On a real engine under
+    pressure every replica's KV is near full with running requests (``vllm:kv_cache_usage_perc``
+    counts their blocks; the router's own count of what it sent there counts queued prompts too),
+    and a turn sent elsewhere recomputes its history on a replica as full, evicting other
+    conversations there (real vLLM, 36 conversations over 3 engines of 4,096 tokens: 25% hit ratio
+    against a session hash's 28-37%). The pin is dropped only on evidence that waiting there costs
+    more than moving: the requests waiting in its queue (``vllm:num_requests_waiting``; a preempted
     request goes back there too), each worth ``waiting_tokens`` prompt tokens, more than the
-    least-loaded other candidate's queue plus the tokens it would recompute there (what the holder
-    holds beyond it). Where the profile's picker is the price, the same weighing is in its
-    predicted seconds: the holder's predicted time to first token against the others'. No queue,
-    no evidence: the request stays. Over ``queue_threshold`` a holder is dropped whatever it holds.
-    A prefix most candidates hold (a shared system prompt) makes no holder: prefilled elsewhere,
-    it costs nothing more.
+    queue of the least loaded candidate that could take the turn plus the prompt tokens it would
+    recompute there (what the pin holds beyond it: all of the prompt while nothing says the
+    conversation is gone, else what the index believes). Where the profile's picker is the price,
+    the same weighing is in its predicted seconds: the pin's predicted time to first token against
+    the others'. No queue, no evidence: the session stays. Over ``queue_threshold`` it goes
+    whatever it holds.
+
+    Any other replica believed to hold at least ``holder_share`` of the prompt's blocks more than
+    the median candidate is judged on its queue alone, not on its KV usage: sent elsewhere, the
+    request is prefilled cold on a replica whose cache is as full (through real Envoy with 8
+    replicas at 1.65x the fleet's KV this cascade cut the hit ratio from 82% to 40% in 3 runs of
+    7). A prefix most candidates hold (a shared system prompt) makes no holder: prefilled
+    elsewhere, it costs nothing more.
     """
 
     kv_threshold: float = 0.9
     queue_threshold: int = 32
-    holder_share: float = 0.0
-    """The share of the prompt a replica must hold beyond the median candidate to be weighed as a
-    holder (0: any more than the median). Below it, KV usage alone drops it."""
+    holder_share: float = 0.5
     waiting_tokens: int = 256
-    """What one request waiting in a holder's queue is worth, in prompt tokens prefilled elsewhere
-    (the load scorer's decode cost of a request, ``tokens_per_request``). Larger: spill sooner."""
+    """What one request waiting in a pinned replica's queue is worth, in prompt tokens prefilled
+    elsewhere (the load scorer's decode cost of a request, ``tokens_per_request``). Larger: a
+    session spills sooner."""
     name: str = "overload"
 
     def __post_init__(self) -> None:
@@ -96,35 +101,40 @@ class OverloadFilter:
         return out
 
     def spill_pays(
-        self, cycle: CycleState, state: ReplicaState, others: Sequence[ReplicaState], held: Mapping[str, int]
+        self, cycle: CycleState, pin: ReplicaState, others: Sequence[ReplicaState], held: Mapping[str, int]
     ) -> bool:
-        """Whether the holder ``state``'s queue costs more than moving to the best of ``others``."""
-        if state.queue <= 0 or not others:
+        """Whether the pinned replica's queue costs more than moving the turn to the best of ``others``."""
+        if pin.queue <= 0 or not others:
             return False  # no request waiting there: no evidence that staying costs anything
         if cycle.price_ttft is not None:
-            stay_s = cycle.price_ttft(cycle, state)
+            stay_s = cycle.price_ttft(cycle, pin)
             return any(cycle.price_ttft(cycle, o) < stay_s for o in others)
-        stay = state.queue * self.waiting_tokens
-        mine = held[state.name]
-        return any(o.queue * self.waiting_tokens + max(0, mine - held[o.name]) < stay for o in others)
+        stay = pin.queue * self.waiting_tokens
+        mine = held[pin.name]
+        return any(o.queue * self.waiting_tokens + max(0, mine - held.get(o.name, 0)) < stay for o in others)
 
     def filter(self, cycle: CycleState, candidates: list[ReplicaState]) -> list[ReplicaState]:
-        """Drop overloaded replicas (a holder of the prompt only where the spill pays)."""
-        held = self.held_tokens(cycle, candidates)
+        """Drop overloaded replicas (the session's pin only where the spill pays, a holder of the
+        prompt only for its queue)."""
+        total = len(cycle.features.prefix_hashes)
+        matches = cycle.view.prefix_matches
+        pinned = cycle.view.pinned
         # What half of the candidates hold (a system prompt every replica serving has) is no
         # reason to keep a full replica: prefilled elsewhere, it costs nothing more.
-        ranked = sorted(held.values())
-        base = ranked[(len(ranked) - 1) // 2] if ranked else 0
-        needed = base + self.holder_share * cycle.features.estimated_prompt_tokens
+        base = median_held(matches, candidates)
+        needed = base + self.holder_share * total
+
+        def holder(c: ReplicaState) -> bool:
+            return bool(total) and matches.get(c.name, 0) >= needed
 
         def out(c: ReplicaState) -> bool:
-            if not self.overloaded(c):
-                return False
-            if c.queue > self.queue_threshold or held[c.name] <= base or held[c.name] < needed:
+            if c.queue > self.queue_threshold:
                 return True
-            # Where it could go: a replica that takes new work (or holds the prompt too).
-            others = [o for o in candidates if o is not c and (held[o.name] > base or not self.overloaded(o))]
-            return self.spill_pays(cycle, c, others, held)
+            if c.name == pinned:
+                return self.overloaded(c) and self._pin_goes(cycle, c, candidates, holder)
+            if holder(c):
+                return False
+            return self.overloaded(c)
 
         kept = [c for c in candidates if not out(c)]
         if kept and len(kept) < len(candidates):
@@ -134,12 +144,31 @@ class OverloadFilter:
             cycle.overloaded = frozenset(c.name for c in candidates if c.name not in names)
         return kept or candidates
 
+    def _pin_goes(
+        self,
+        cycle: CycleState,
+        pin: ReplicaState,
+        candidates: Sequence[ReplicaState],
+        holder: Callable[[ReplicaState], bool],
+    ) -> bool:
+        held = self.held_tokens(cycle, candidates)
+        ranked = sorted(held.values())
+        if held[pin.name] <= ranked[(len(ranked) - 1) // 2]:
+            return True  # it holds no more than half of the candidates do: moving recomputes nothing
+        # Where the turn could go: a replica that takes new work.
+        others = [
+            o
+            for o in candidates
+            if o is not pin and o.queue <= self.queue_threshold and (holder(o) or not self.overloaded(o))
+        ]
+        return self.spill_pays(cycle, pin, others, held)
+
     def why(self, state: ReplicaState) -> str:
         """Its KV usage or queue over the limits."""
         return (
             f"overloaded (kv usage {state.kv_usage:.2f}, limit {self.kv_threshold}; "
-            f"queue {state.queue}, limit {self.queue_threshold}; a holder of the prompt only when "
-            f"its queue costs more than moving)"
+            f"queue {state.queue}, limit {self.queue_threshold}; a session's pin only when its queue "
+            f"costs more than recomputing what it holds elsewhere)"
         )
 
 

@@ -271,7 +271,7 @@ def test_prefill_cost_counts_the_kv_a_prompt_needs_beyond_the_cache() -> None:
     assert PrefillCostScorer().score(cycle, [a, b])["a"] > PrefillCostScorer().score(cycle, [a, b])["b"]
 
 
-def test_a_replica_holding_the_prompt_is_dropped_only_where_its_queue_costs_more_than_moving() -> None:
+def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_full_cache() -> None:
     # a's cache is full of its conversations' running turns and it holds this prompt; b is as full
     # and holds nothing. Dropping a sends the turn cold to b, evicting b's conversations there.
     flt = OverloadFilter()
@@ -280,61 +280,61 @@ def test_a_replica_holding_the_prompt_is_dropped_only_where_its_queue_costs_more
     b = _state("b", kv_usage=0.97)
     c = _state("c", kv_usage=0.5)
 
-    def kept(
-        matches: dict[str, int], *candidates: ReplicaState, pinned: str | None = None, lost: str | None = None
-    ) -> list[str]:
-        view = AffinityView(pinned=pinned, prefix_matches=matches, pin_lost=lost)
+    def kept(matches: dict[str, int], *candidates: ReplicaState) -> list[str]:
+        view = AffinityView(prefix_matches=matches)
         cycle = CycleState(f, Snapshot(candidates), view, 0.0, HashRing(()), None)
         return [s.name for s in flt.filter(cycle, list(candidates))]
 
     assert kept({"a": 90}, a, b, c) == ["a", "c"]  # the holder stays; the full one holding nothing goes
-    # A full KV is no evidence that waiting there costs more than recomputing what it holds: with
-    # nothing in its queue, a replica holding 40 blocks (640 tokens) more than the others stays.
-    assert kept({"a": 40}, a, b, c) == ["a", "c"]
-    # Requests waiting there are: each is worth waiting_tokens (256) against the 640 tokens moving costs.
-    assert kept({"a": 40}, _state("a", kv_usage=0.97, queue=2), b, c) == ["a", "c"]  # 512 < 640
-    assert kept({"a": 40}, _state("a", kv_usage=0.97, queue=3), b, c) == ["c"]  # 768 > 640
-    # ... beyond the queue of the least loaded other candidate: as long everywhere, staying is cheaper.
-    busy_c = _state("c", kv_usage=0.5, queue=3)
-    assert kept({"a": 40}, _state("a", kv_usage=0.97, queue=3), b, busy_c) == ["a", "c"]
+    assert kept({"a": 40}, a, b, c) == ["c"]  # under half of the prompt: judged on its KV like any other
     queued = _state("a", kv_usage=0.97, queue=40)
     assert kept({"a": 90}, queued, b, c) == ["c"]  # a holder whose queue is over the threshold still goes
     # A prefix most candidates hold (a shared system prompt) makes no holder: elsewhere it is cached too.
     assert kept({"a": 90, "b": 90, "c": 90}, a, b, c) == ["c"]
     assert kept({"a": 100, "b": 40, "c": 40}, a, b, c) == ["a", "c"]  # 60 blocks more than the others
-    # holder_share restores a share of the prompt below which KV usage alone decides.
-    assert OverloadFilter(holder_share=0.5).filter(
-        CycleState(f, Snapshot((a, b, c)), AffinityView(prefix_matches={"a": 40}), 0.0, HashRing(()), None), [a, b, c]
-    ) == [c]
 
 
-def test_a_pinned_replica_holds_the_whole_conversation_until_it_says_otherwise() -> None:
+def test_a_session_leaves_its_full_pin_only_where_its_queue_costs_more_than_recomputing_elsewhere() -> None:
     flt = OverloadFilter()
     f = RequestFeatures(
         path="/v1/chat/completions", session_key="s", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600
     )
-    b = _state("b", kv_usage=0.97)
+    b = _state("b", kv_usage=0.97)  # as full, holding nothing: no place for the turn
     c = _state("c", kv_usage=0.5)
 
-    def kept(a: ReplicaState, lost: str | None = None) -> list[str]:
-        # The index forgot the conversation (no matches): the pin alone says where it is.
-        view = AffinityView(pinned="a", prefix_matches={}, pin_lost=lost)
+    def kept(
+        a: ReplicaState, matches: dict[str, int] | None = None, lost: str | None = None, c: ReplicaState = c
+    ) -> list[str]:
+        # By default the index forgot the conversation (no matches): the pin alone says where it is.
+        view = AffinityView(pinned="a", prefix_matches=matches or {}, pin_lost=lost)
         cycle = CycleState(f, Snapshot((a, b, c)), view, 0.0, HashRing(()), None)
         return [s.name for s in flt.filter(cycle, [a, b, c])]
 
+    # A full KV alone is no evidence that waiting there costs more than recomputing 1,600 tokens.
     assert kept(_state("a", kv_usage=0.99)) == ["a", "c"]
-    assert kept(_state("a", kv_usage=0.99, queue=6)) == ["a", "c"]  # 1,536 waiting < 1,600 recomputed
+    # Requests waiting there are: each worth waiting_tokens (256) against what moving recomputes.
+    assert kept(_state("a", kv_usage=0.99, queue=6)) == ["a", "c"]  # 1,536 < 1,600
     assert kept(_state("a", kv_usage=0.99, queue=7)) == ["c"]  # 1,792 > 1,600
-    # Its own word that the conversation is gone: nothing held, its full KV drops it as any other.
-    assert kept(_state("a", kv_usage=0.99), lost="kv_events") == ["c"]
+    # ... beyond the queue where it would go: as long there, staying is cheaper.
+    assert kept(_state("a", kv_usage=0.99, queue=7), c=_state("c", kv_usage=0.5, queue=2)) == ["a", "c"]
+    # Its own word that the conversation is gone: it holds what the index says.
+    assert kept(_state("a", kv_usage=0.99), lost="kv_events") == ["c"]  # nothing: its full KV drops it
+    partly = {"a": 40, "b": 0, "c": 0}  # 640 tokens more than the others
+    assert kept(_state("a", kv_usage=0.99, queue=2), partly, lost="kv_events") == ["a", "c"]  # 512 < 640
+    assert kept(_state("a", kv_usage=0.99, queue=3), partly, lost="kv_events") == ["c"]  # 768 > 640
+    # Over the queue threshold it goes whatever it holds; under the KV threshold it stays.
+    assert kept(_state("a", kv_usage=0.5, queue=40)) == ["c"]
+    assert kept(_state("a", kv_usage=0.5, queue=20)) == ["a", "c"]
 
 
-def test_where_the_price_picks_a_holder_leaves_only_for_a_shorter_predicted_first_token() -> None:
+def test_where_the_price_picks_a_pin_leaves_only_for_a_shorter_predicted_first_token() -> None:
     flt = OverloadFilter()
-    f = RequestFeatures(path="/v1/completions", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600)
+    f = RequestFeatures(
+        path="/v1/chat/completions", session_key="s", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600
+    )
     a = _state("a", kv_usage=0.97, queue=9)
     b = _state("b", kv_usage=0.5)
-    view = AffinityView(prefix_matches={"a": 90})
+    view = AffinityView(pinned="a")
     for b_s, expected in ((0.5, ["a", "b"]), (0.1, ["b"])):
         cycle = CycleState(f, Snapshot((a, b)), view, 0.0, HashRing(()), None)
         cycle.price_ttft = lambda _c, s, b_s=b_s: 0.2 if s.name == "a" else b_s

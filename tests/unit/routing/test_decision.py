@@ -100,7 +100,7 @@ def test_a_spilled_turn_pins_its_session_only_where_it_had_no_pin() -> None:
     # A new session whose prefix's holder is full spills too, but it has nowhere to return to: it is
     # pinned where it went, where its history now is (unpinned, its every later turn was placed by
     # the index alone and spilled again).
-    view = AffinityView(prefix_matches={"r2": 10})
+    view = AffinityView(prefix_matches={"r2": 4})  # under half of the prompt: no holder, judged on its KV
     d = decide(DecisionInputs.of(features("s1", tuple(range(10))), snap, view, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER and d.pin
 
