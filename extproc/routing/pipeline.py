@@ -318,10 +318,14 @@ def _conclude(
         # Staying cost more than recomputing the history elsewhere: a spillover, and the session
         # follows its history (re-pinned there, where its next turns are cached).
         reason = Reason.SPILLOVER
+    # A spilled session keeps its pin (it returns once the replica cools down) only where the pin
+    # still holds its conversation: a session without a pin, or whose pin lost it, follows the
+    # history this turn builds where it went.
+    follows = view.pinned is None or view.pin_lost is not None
     return Decision(
         replica=chosen.replica,
         reason=reason,
-        pin=reason is not Reason.SPILLOVER or view.pinned is None or profile.repin_on_spillover or priced_out,
+        pin=reason is not Reason.SPILLOVER or follows or profile.repin_on_spillover or priced_out,
         fallbacks=tuple(s.replica for s in ordered[1 : 1 + profile.max_fallbacks]),
         matched_blocks=matched,
         total_blocks=len(features.prefix_hashes),

@@ -92,7 +92,7 @@ def test_overloaded_pinned_replica_spills_over() -> None:
     assert d.moved_by == "overload"
 
 
-def test_a_spilled_turn_pins_its_session_only_where_it_had_no_pin() -> None:
+def test_a_spilled_turn_keeps_its_pin_only_where_the_pin_holds_the_conversation() -> None:
     # A pinned session's spill leaves the pin where its conversation is: it returns there.
     snap = snapshot(r2={"kv_usage": 0.95})
     d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
@@ -103,6 +103,10 @@ def test_a_spilled_turn_pins_its_session_only_where_it_had_no_pin() -> None:
     view = AffinityView(prefix_matches={"r2": 4})  # under half of the prompt: no holder, judged on its KV
     d = decide(DecisionInputs.of(features("s1", tuple(range(10))), snap, view, 0.0, build_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER and d.pin
+    # Nor where its pin lost the conversation (its own events say so): there is nothing to return to.
+    lost = AffinityView(pinned="r2", pin_lost="kv_events")
+    d = decide(DecisionInputs.of(features("s1"), snap, lost, 0.0, build_profile()))
+    assert d.reason is Reason.SPILLOVER and d.pin and d.moved_by == "overload"
 
 
 def test_pinned_replica_out_of_rotation_fails_over() -> None:
