@@ -216,6 +216,7 @@ async def _serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = 
         except TokenizerError as exc:
             await store.close()
             raise ConfigError(f"kv_events.tokenizers: {exc}") from None
+        kv_events.keep_responses(store, cfg.sessions.ttl_s)  # in Redis, shared by every gateway
     try:
         tracer = DecisionTracer(cfg.tracing) if cfg.tracing.enabled else None
     except TracingUnavailable as exc:

@@ -78,7 +78,7 @@ class BoundedLabel:
 # Label values known in advance get their series at zero from the start, so that rates and alert
 # expressions have data before the first event (an absent series is not a zero).
 STREAM_ERROR_KINDS = ("answer", "stream")
-STORE_OPERATIONS = ("lookup", "record", "forget", "rebalance")
+STORE_OPERATIONS = ("lookup", "record", "forget", "rebalance", "transcript")
 MOVE_REASONS = ("join", "leave", "hot")
 PREWARM_OUTCOMES = ("ok", "error", "dropped", "unusable")
 SHED_REASONS = ("objective", "objective_timeout", "queue_full", "queue_timeout", "quota_exceeded", "tokens_exceeded")

@@ -510,6 +510,11 @@ class RedisStore:
         with contextlib.suppress(*UNAVAILABLE):
             await self.client.aclose()
 
+    def failed(self, operation: str, exc: BaseException) -> None:
+        """A companion's call on :attr:`client` failed (the Responses transcripts): counted and,
+        unless Redis refused only that call, an outage episode as the store's own failures."""
+        self._failed(operation, exc)
+
     def _error(self, operation: str, exc: BaseException) -> None:
         self.counters.errors += 1
         self.observer.store_error(operation)
