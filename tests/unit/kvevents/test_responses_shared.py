@@ -17,7 +17,7 @@ import pytest
 
 from extproc.kvevents.cache_state import EventCacheState
 from extproc.kvevents.hashing import EngineChain, HashAlgo
-from extproc.kvevents.responses import ResponseHistory, link, pack, unpack
+from extproc.kvevents.responses import ResponseHistory, _encode, link, pack, unpack
 from extproc.kvevents.settings import KvEventSettings
 from extproc.metrics import RouterMetrics
 from extproc.metrics.kv_events import KvEventMetrics
@@ -67,8 +67,6 @@ def test_a_conversation_is_known_once_answered_bounded_and_expiring() -> None:
 def test_a_shared_conversation_survives_encoding_and_garbage_is_refused() -> None:
     asked = [{"role": "user", "content": "héllo \udcff"}, {"role": "tool", "content": None, "tool_call_id": "c"}]
     answer = [{"role": "assistant", "content": "x" * 10_000}]
-    from extproc.kvevents.responses import _encode
-
     payload = pack(_encode(asked), _encode(answer))
     assert unpack(payload) == (asked, answer)
     assert len(payload) < 1_000  # compressed
@@ -169,7 +167,8 @@ async def test_a_follow_up_at_the_other_gateway_is_pinned_and_hashed_as_at_the_f
     # And the third back at the first gateway, which never saw the second.
     await settled(b)
     assert two.features.response_id is not None
-    third = {"model": "m", "instructions": "be brief", "input": "why?", "previous_response_id": two.features.response_id}
+    third = {"model": "m", "instructions": "be brief", "input": "why?"}
+    third["previous_response_id"] = two.features.response_id
     three = await turn(a, third, "Reuse.")
     engine += [{"role": "assistant", "content": "A run of tokens."}, {"role": "user", "content": "why?"}]
     assert list(three.features.prefix_hashes) == engine_hashes(tokenizer_dir, engine)
@@ -208,7 +207,8 @@ async def test_a_dead_redis_costs_the_hashing_only_and_its_errors_are_counted(
     own_redis: LocalRedis, tokenizer_dir: Path
 ) -> None:
     metrics = [RouterMetrics(), RouterMetrics()]
-    stores = [open_store(f"{own_redis.url}?near_cache_ttl=0", ttl_s=TTL_S, namespace="dead", observer=m) for m in metrics]
+    url = f"{own_redis.url}?near_cache_ttl=0"
+    stores = [open_store(url, ttl_s=TTL_S, namespace="dead", observer=m) for m in metrics]
     a, b = (gateway(tokenizer_dir, Clock(1000.0), s, m) for s, m in zip(stores, metrics, strict=True))
     try:
         one = await turn(a, {"model": "m", "input": "what is a cache?"}, "A store.")
