@@ -209,7 +209,7 @@ def test_lora_adapters_from_the_file_and_flags(tmp_path: Path) -> None:
 
 
 def test_discovered_replicas_publish_on_the_configured_ports() -> None:
-    from extproc.kvevents.cache_state import replica_endpoints
+    from extproc.kvevents.endpoints import replica_endpoints
     from extproc.routing.model import Replica
 
     settings = KvEventSettings(port=5557, replay_port=5558)
