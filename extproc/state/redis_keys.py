@@ -13,7 +13,7 @@ Keys (``T`` is the tag)::
     ext:{T}:c:<chain, hex>    string   the conversation (hex) a request whose messages hashed to
                                        this chain belonged to (sliding TTL, as a pin)
     ext:{T}:t:<link, hex>     string   a Responses API conversation as vLLM stores it under one
-                                       response id (compressed; sessions' TTL, sliding when read)
+                                       response id (compressed; sessions' TTL, not sliding)
     ext:{T}:r                 zset     replica -> when it was last routed to (ms): who to search
     ext:{T}:p:<replica>       zset     8-byte block hash -> when last routed there (ms), bounded
     ext:{namespace}:models    set      models seen, so forget_replica can find every index

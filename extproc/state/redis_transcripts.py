@@ -9,10 +9,11 @@ this: the response id's link to its conversation is already a shared key, see
 :mod:`extproc.state.conversations`.)
 
 One key a response, ``ext:{T}:t:<link>`` (:meth:`~extproc.state.redis_keys.KeySpace.transcript`),
-holding the caller's opaque bytes, with the sessions' TTL; a read slides it as a pin's lookup
-does. Bounded: bytes over ``max_bytes`` are not written (their follow-up is routed by its pin
-and predicted without its conversation, as before this existed), and at most ``max_writes``
-writes are in flight (past that a write is dropped and counted).
+holding the caller's opaque bytes, with the sessions' TTL from when it was written (a read slides
+nothing: Explain reads too, and a conversation's next turn writes a key of its own). Bounded: bytes
+over ``max_bytes`` are not written (their follow-up is routed by its pin and predicted without its
+conversation, as before this existed), and at most ``max_writes`` writes are in flight (past that a
+write is dropped and counted).
 
 Writes go behind the answer, as the store's pins go behind the decision: another gateway may not
 see a conversation until one round trip after the answer's last byte went to Envoy, which is
@@ -71,14 +72,14 @@ class RedisTranscripts:
         return self.store.available and not self._closed
 
     async def fetch(self, model: str, link: str) -> bytes | None:
-        """The bytes kept for ``link`` (their TTL slid); None when none are, or Redis is away."""
+        """The bytes kept for ``link``; None when none are, or Redis is away."""
         if not self.usable:
             return None
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.store.op_timeout_s):
                 key = self.store.keys.transcript(model, link)
-                raw = await cast("Awaitable[Any]", self.store.client.getex(key, px=self.store.ttl_ms))
+                raw = await cast("Awaitable[Any]", self.store.client.get(key))
         except UNAVAILABLE as exc:
             self.store.failed(OPERATION, exc)
             return None
