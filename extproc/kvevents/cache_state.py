@@ -159,9 +159,10 @@ class EventCacheState:
             # As vLLM renders them: the chat request each API is turned into, through the template.
             if features.path == MESSAGES_PATH:
                 view = messages_as_chat(parsed, merge_inline_system=tok.merges_inline_system)
+                t = tok.chat_ids(view.messages, view.tools, session=features.session_key)
             else:
                 view = self._responses_view(parsed, features)
-            t = tok.chat_ids(view.messages, view.tools, session=features.session_key)
+                t = tok.responses_ids(view.messages, view.tools)
         else:
             raise TokenizerError(f"no prompt on {features.path}")
         ids = t.ids

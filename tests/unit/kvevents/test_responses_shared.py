@@ -123,7 +123,7 @@ async def settled(*routers: Router) -> None:
 
 
 def engine_hashes(tokenizer_dir: Path, messages: list[dict[str, str]]) -> list[int]:
-    return EngineChain(HashAlgo.SHA256).hashes(PromptTokenizer(tokenizer_dir).chat_ids(messages).ids, BS)
+    return EngineChain(HashAlgo.SHA256).hashes(PromptTokenizer(tokenizer_dir).responses_ids(messages).ids, BS)
 
 
 @pytest.fixture
