@@ -24,6 +24,7 @@ from extproc.metrics.kv_events import KvEventMetrics
 from extproc.plan import Planner
 from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
 from extproc.router import Routed, Router
+from extproc.routing.model import Reason
 from extproc.state.factory import open_store
 from extproc.state.memory import MemoryStore
 from extproc.state.redis_store import RedisStore
@@ -122,6 +123,12 @@ async def settled(*routers: Router) -> None:
         assert await shared(router).flush()
 
 
+def busy(router: Router, replica: str) -> None:
+    """``replica`` has prompts in flight from ``router``: a new conversation goes elsewhere."""
+    for _ in range(4):
+        router.replicas.begin(replica, 0.0, prefill_tokens=4096)
+
+
 def engine_hashes(tokenizer_dir: Path, messages: list[dict[str, str]]) -> list[int]:
     return EngineChain(HashAlgo.SHA256).hashes(PromptTokenizer(tokenizer_dir).responses_ids(messages).ids, BS)
 
@@ -151,7 +158,9 @@ async def test_a_follow_up_at_the_other_gateway_is_pinned_and_hashed_as_at_the_f
     with redis_server.client() as c:  # it is Redis that carries it, with the sessions' TTL
         key = shared(a).store.keys.transcript("m", link("", rid))
         assert 0 < c.pttl(key) <= TTL_S * 1000
-    # The next turn reaches the other gateway, which never saw the first.
+    # The next turn reaches the other gateway, which never saw the first, and on its own would
+    # place it elsewhere (that replica is busy there).
+    busy(b, one.decision.replica.name)
     follow = {"model": "m", "instructions": "be brief", "input": "and a block?", "previous_response_id": rid}
     two = await turn(b, follow, "A run of tokens.")
     engine = [
@@ -162,6 +171,7 @@ async def test_a_follow_up_at_the_other_gateway_is_pinned_and_hashed_as_at_the_f
     ]
     assert list(two.features.prefix_hashes) == engine_hashes(tokenizer_dir, engine)
     assert two.decision.replica == one.decision.replica  # where the engine stores the conversation
+    assert two.decision.reason == Reason.STICKY  # by the pin, read from Redis
     assert two.features.conversation is not None and two.features.conversation.match == "continued"
     assert shared(b).counters.fetched == 1
     # And the third back at the first gateway, which never saw the second.
@@ -186,9 +196,13 @@ async def test_without_redis_each_gateway_knows_only_its_own_turns(tokenizer_dir
     for router in routers:
         assert router.kv_events is not None and router.kv_events.responses.shared is None
     one = await turn(routers[0], {"model": "m", "input": "what is a cache?"}, "A store.")
+    assert one.decision.replica is not None
+    busy(routers[1], one.decision.replica.name)
     follow = {"model": "m", "input": "and a block?", "previous_response_id": one.features.response_id}
     two = await turn(routers[1], follow, "A run.")
     assert two.features.tokens_per_block == 0  # character blocks: the conversation is not known there
+    assert two.decision.replica != one.decision.replica  # nor its pin: elsewhere (on vLLM, a 404)
+    assert two.features.conversation is not None and two.features.conversation.match == "unmatched"
     same = await turn(routers[0], follow, "A run.")
     assert same.features.tokens_per_block == BS
 
@@ -247,6 +261,8 @@ async def test_a_transcript_over_the_bound_is_not_shared(pair: tuple[Router, Rou
     one = await turn(a, {"model": "m", "input": text}, "ok")
     await settled(a)
     assert shared(a).counters.written == 0
+    assert one.decision.replica is not None
+    busy(b, one.decision.replica.name)
     follow = {"model": "m", "input": "next", "previous_response_id": one.features.response_id}
     two = await turn(b, follow, "ok")
     assert two.features.tokens_per_block == 0 and shared(b).counters.missed == 1
