@@ -9,7 +9,7 @@ from extproc.metrics.buckets import LATENCY_BUCKETS
 
 # Label values known in advance get their series at zero from the start, so that rates and alert
 # expressions have data before the first event (an absent series is not a zero).
-STORE_OPERATIONS = ("lookup", "record", "forget", "rebalance")
+STORE_OPERATIONS = ("lookup", "record", "forget", "rebalance", "transcript")
 
 
 class StoreMetrics:

@@ -336,5 +336,10 @@ class RedisStore(RedisBackground):
         with contextlib.suppress(*UNAVAILABLE):
             await self.client.aclose()
 
+    def failed(self, operation: str, exc: BaseException) -> None:
+        """A companion's call on :attr:`client` failed (the Responses transcripts): counted and,
+        unless Redis refused only that call, an outage episode as the store's own failures."""
+        self._failed(operation, exc)
+
     def __repr__(self) -> str:
         return f"RedisStore({self.outage.name}, namespace={self.keys.namespace!r})"
