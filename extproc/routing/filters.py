@@ -38,11 +38,10 @@ class OverloadFilter:
     out of KV blocks for a prefix match's sake.
 
     A session's pinned replica is not dropped for its KV usage alone. Under pressure every replica
-    looks full (``vllm:kv_cache_usage_perc`` counts the running requests' blocks; the router's own
-    count of what it sent there counts queued prompts too: on real vLLM engines with live
-    conversations at 2x the fleet's KV, over 0.9 at once on all but one, benchmarks/realstack-vllm.md),
-    and a turn sent elsewhere recomputes its history on a replica as full, evicting other
-    conversations there. The pin is dropped only on evidence that waiting there costs
+    may look full (``vllm:kv_cache_usage_perc`` counts the running requests' blocks; the router's
+    own count of what it sent there counts queued prompts too, and on queue-bound real vLLM engines
+    it is mostly that count that passes 0.9: benchmarks/realstack-vllm.md), and a turn sent
+    elsewhere recomputes its history on a replica as full, evicting other conversations there. The pin is dropped only on evidence that waiting there costs
     more than moving: the requests waiting in its queue (``vllm:num_requests_waiting``; a preempted
     request goes back there too), each worth ``waiting_tokens`` prompt tokens, more than the
     queue of the least loaded candidate that could take the turn plus the prompt tokens it would
