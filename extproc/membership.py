@@ -14,7 +14,7 @@ from extproc.hotkeys.warming import HotKeyWarmer
 from extproc.queueing import FairQueue
 from extproc.rebalance.rebalancer import Rebalancer
 from extproc.routing.model import Replica, Snapshot
-from extproc.routing.pipeline import Profile
+from extproc.routing.profile import Profile
 from extproc.state.store import AffinityStore
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that

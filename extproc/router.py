@@ -119,6 +119,8 @@ class Router:
         self.store: AffinityStore = store or MemoryStore(
             config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica
         )
+        if kv_events is not None:  # Responses conversations kept with the sessions' TTL (in Redis: shared)
+            kv_events.keep_responses(self.store, config.sessions.ttl_s)
         # Keyless chat requests' conversations, new ones named from the world's random source.
         self.conversations = Conversations(self.store, lambda: world.random.getrandbits(64))
         self.clock = clock

@@ -16,24 +16,21 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from extproc.config.model import (
-    REPLICA_KV_FIELDS,
+from extproc.config.errors import ConfigError
+from extproc.config.model import Config, Mode
+from extproc.config.replicas import REPLICA_KV_FIELDS, ReplicaEntry, parse_replica
+from extproc.config.sections import (
     AdminSettings,
-    Config,
-    ConfigError,
     Disaggregation,
     Grpc,
     Headers,
     ListenerTls,
     Metrics,
-    Mode,
     Prefix,
-    ReplicaEntry,
     Request,
     Ring,
     Sessions,
     Spillover,
-    parse_replica,
 )
 from extproc.discovery.settings import SOURCE_KINDS
 from extproc.validation import describe

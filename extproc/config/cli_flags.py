@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from extproc.config import config_from_mapping, read_mapping
+from extproc.config.errors import ConfigError
 from extproc.config.keys import ENV_PREFIX, Key, boolean, config_keys, key
-from extproc.config.model import Config, ConfigError, parse_replica, replica_entry
+from extproc.config.model import Config
+from extproc.config.replicas import parse_replica, replica_entry
 
 __all__ = [
     "ALIASES",

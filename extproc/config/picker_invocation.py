@@ -18,7 +18,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from extproc.config.model import ConfigError
+from extproc.config.errors import ConfigError
 
 POOL_GROUP = "inference.networking.k8s.io"
 # GIE's protocol (endpoint mode) and its picker's ports; a flag given after them wins.

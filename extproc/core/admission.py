@@ -40,6 +40,8 @@ BUDGET_MESSAGES = {
 }
 """The refusal's words, by the budget that refused (a tenant's, an API key's, a model's)."""
 PATH_REFUSED = "this API is not served through this gateway (budgets.other_paths: refuse)"
+SPENDING_REFUSALS = frozenset({"path_refused", "tokens_exceeded"})
+"""Refusals of what the client may spend (decided with reason ``quota``), not of the fleet's state."""
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from extproc.bookkeeping import Answer, Hook, PrefillHop, Routed, decided
 from extproc.budgets import BudgetLedger
 from extproc.cache import CacheView, ReplicaCaches
 from extproc.config import Config
-from extproc.core.admission import AdmissionRule, Admitted, ObjectiveVerdict, admit
+from extproc.core.admission import SPENDING_REFUSALS, AdmissionRule, Admitted, ObjectiveVerdict, admit
 from extproc.core.effects import Hold, Identify, Lookup, Record, Steps, Tokenize
 from extproc.core.report import DecisionReport
 from extproc.health.latency import LatencyBook
@@ -205,7 +205,7 @@ class RequestCore:
         ``x-ratelimit-*`` answer); one refused later gives its reservation back."""
         p = self.p
         p.metrics.shed(features.request_class, refusal.kind)
-        if refusal.kind in ("tokens_exceeded", "path_refused"):
+        if refusal.kind in SPENDING_REFUSALS:
             quota = Answer(features, Decision(None, Reason.QUOTA), refusal=refusal)
             return Routed(quota, p.clock(), budget=admitted.budget)
         if p.budgets is not None and admitted.budget is not None:

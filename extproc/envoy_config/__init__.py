@@ -45,13 +45,16 @@ The scenarios shipped under ``envoy/`` and ``k8s/`` are named presets of :class:
 (:data:`SCENARIOS`); :func:`istio_envoy_filter` builds the Istio ``EnvoyFilter`` that inserts the
 same filters into an Istio ingress gateway, from the same builders.
 
-One module a job: :mod:`.spec` (what a gateway is made of, and the scenarios), :mod:`.bootstrap`
-(the typed builders), :mod:`.rendering` (to plain data and YAML), :mod:`.istio` (the
+One module a job: :mod:`.spec` (what a gateway is made of, and the scenarios), the typed builders
+(:mod:`.values`, :mod:`.filters`, :mod:`.listeners`, :mod:`.clusters`, and :mod:`.bootstrap` the
+whole), :mod:`.rendering` (to plain data and YAML), :mod:`.istio` (the
 EnvoyFilter) and :mod:`.command` (``extproc envoy-config``'s flags).
 """
 
-from extproc.envoy_config.bootstrap import bootstrap, ext_proc_filter, header_mutation_filter, processor_cluster
+from extproc.envoy_config.bootstrap import bootstrap
+from extproc.envoy_config.clusters import processor_cluster
 from extproc.envoy_config.command import run_envoy_config, spec_from_args
+from extproc.envoy_config.filters import ext_proc_filter, header_mutation_filter
 from extproc.envoy_config.istio import IstioSpec, dns_address, istio_envoy_filter
 from extproc.envoy_config.rendering import dump_yaml, render, render_yaml, to_dict
 from extproc.envoy_config.spec import SCENARIOS, GatewaySpec, ProcessorTls, Scenario

@@ -9,7 +9,8 @@ from typing import Any
 from envoy_data_plane.envoy.config.cluster.v3 import Cluster
 from envoy_data_plane.envoy.config.listener.v3 import Listener
 
-from extproc.envoy_config.bootstrap import ext_proc_filter, header_mutation_filter, override_host_policy
+from extproc.envoy_config.clusters import override_host_policy
+from extproc.envoy_config.filters import ext_proc_filter, header_mutation_filter
 from extproc.envoy_config.rendering import to_dict
 from extproc.envoy_config.spec import BUFFER_LIMIT, HCM_FILTER, ROUTER_FILTER, GatewaySpec
 from extproc.request.tenant import TENANT_HEADER

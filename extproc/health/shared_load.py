@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.routing.model import Replica
-from extproc.state.shared_memory import LOAD_FIELDS, SharedSegment
+from extproc.state.shared_segment import LOAD_FIELDS, SharedSegment
 
 
 @dataclass(frozen=True, slots=True)

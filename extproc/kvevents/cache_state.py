@@ -27,17 +27,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+from extproc.kvevents.endpoints import rank_endpoints
 from extproc.kvevents.feed import KvEventSource
 from extproc.kvevents.hashing import EngineChain, HashAlgo, content_chain, low64
 from extproc.kvevents.index import KvIndex
 from extproc.kvevents.layout import EngineLayouts
 from extproc.kvevents.observer import KvEventObserver, NullKvEventObserver
+from extproc.kvevents.responses import ResponseHistory
 from extproc.kvevents.settings import KvEventSettings
 from extproc.kvevents.usage import PredictionStreaks, outcome
 from extproc.request.agent_apis import (
     MESSAGES_PATH,
     RESPONSES_PATH,
-    ResponseHistory,
+    TRANSCRIPT_BYTES,
     messages_as_chat,
     previous_response_id,
     responses_as_chat,
@@ -47,47 +49,11 @@ from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.routing.model import AffinityView, Replica
 from extproc.sampling import RateSampler
+from extproc.state.redis_transcripts import redis_transcripts
+from extproc.state.store import AffinityStore
 from extproc.world import REAL_WORLD, World
 
 log = logging.getLogger("extproc.kvevents")
-
-
-def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
-    """Where data-parallel ``rank`` publishes, given rank 0's endpoint: vLLM offsets a tcp port by
-    the rank and suffixes other endpoints with ``_dp<rank>``."""
-    if not endpoint or rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        head, _, port = endpoint.rpartition(":")
-        return f"{head}:{int(port) + rank}" if port.isdigit() else None
-    return f"{endpoint}_dp{rank}"
-
-
-def rank_endpoints(replica: Replica, settings: KvEventSettings) -> list[tuple[str, str | None]]:
-    """Each data-parallel rank's (publisher, replay) endpoints: ``kv_dp`` ranks (its label, else
-    ``data_parallel_size``) from :func:`replica_endpoints`' rank 0."""
-    pub, replay = replica_endpoints(replica, settings)
-    label = replica.labels.get("kv_dp", "")
-    size = int(label) if label.isdigit() and int(label) >= 1 else settings.data_parallel_size
-    out = []
-    for rank in range(size if pub else 0):
-        rank_pub = rank_endpoint(pub, rank)
-        if rank_pub is not None:
-            out.append((rank_pub, rank_endpoint(replay, rank)))
-    return out
-
-
-def replica_endpoints(replica: Replica, settings: KvEventSettings) -> tuple[str | None, str | None]:
-    """A replica's publisher and replay endpoints: its ``kv_events``/``kv_replay`` labels, else
-    its host with the configured ports (discovery)."""
-    pub = replica.labels.get("kv_events")
-    replay = replica.labels.get("kv_replay")
-    host = replica.address.rpartition(":")[0]
-    if pub is None and settings.port and host:
-        pub = f"tcp://{host}:{settings.port}"
-    if replay is None and settings.replay_port and host and pub is not None:
-        replay = f"tcp://{host}:{settings.replay_port}"
-    return pub, replay
 
 
 class EventCacheState:
@@ -122,8 +88,9 @@ class EventCacheState:
         self.streaks = PredictionStreaks(settings.stale_after_mispredictions)
         self.max_blocks = max_blocks
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        self.responses = ResponseHistory(hash_sessions)
-        """The conversations the engines store under the Responses answers made through here."""
+        self.responses = ResponseHistory(hash_sessions, clock=clock)
+        """The conversations the engines store under the Responses answers made through here
+        (and, once :meth:`keep_responses` is given a Redis store, through the other gateways)."""
         self._hashes: OrderedDict[str, tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
         self._hash_cap = hash_sessions
         # Per request just decided (by its features' identity, until its prediction is read): the
@@ -161,6 +128,9 @@ class EventCacheState:
         if tok is None or not body or features.body_error is not None or features.has_media:
             return features
         bs, algo = self.layouts.layout(model)
+        if features.path == RESPONSES_PATH and (previous := previous_response_id(body)) is not None:
+            # Another gateway may have routed the turn before: its conversation, from the store.
+            await self.responses.fetch(previous, tenant=features.tenant, model=features.model)
         loop = asyncio.get_running_loop()
         try:
             keys, tokens = await loop.run_in_executor(
@@ -189,9 +159,10 @@ class EventCacheState:
             # As vLLM renders them: the chat request each API is turned into, through the template.
             if features.path == MESSAGES_PATH:
                 view = messages_as_chat(parsed, merge_inline_system=tok.merges_inline_system)
+                t = tok.chat_ids(view.messages, view.tools, session=features.session_key)
             else:
-                view = self._responses_view(parsed)
-            t = tok.chat_ids(view.messages, view.tools, session=features.session_key)
+                view = self._responses_view(parsed, features)
+                t = tok.responses_ids(view.messages, view.tools)
         else:
             raise TokenizerError(f"no prompt on {features.path}")
         ids = t.ids
@@ -204,7 +175,7 @@ class EventCacheState:
         digests = self._digests(ids, features.session_key, lora, salt, bs, engine)
         return tuple(low64(d) for d in digests), len(ids)
 
-    def _responses_view(self, parsed: Mapping[str, Any]) -> Any:
+    def _responses_view(self, parsed: Mapping[str, Any], features: RequestFeatures) -> Any:
         """A Responses request as the engine renders it: after the conversation stored under its
         ``previous_response_id`` where this router saw it whole; remembered under its own id."""
         previous = previous_response_id(parsed)
@@ -215,7 +186,7 @@ class EventCacheState:
         view = responses_as_chat(parsed, history or ())
         own = parsed.get("request_id")
         if isinstance(own, str) and own and parsed.get("store") is not False:
-            self.responses.asked(own, view.messages)
+            self.responses.asked(own, view.messages, tenant=features.tenant, model=features.model)
         return view
 
     def _digests(
@@ -356,6 +327,11 @@ class EventCacheState:
             log.info("kv events: %s's predictions agree again: its feed is used again", replica)
         return result
 
+    def keep_responses(self, store: AffinityStore, ttl_s: float) -> None:
+        """Keep Responses conversations for ``ttl_s`` (the sessions' TTL) and, when ``store`` is
+        Redis, share them through it with every gateway of the deployment."""
+        self.responses.share(redis_transcripts(store, TRANSCRIPT_BYTES), ttl_s)
+
     # -- subscriptions ----------------------------------------------------------------------
     def start(self, replicas: Sequence[Replica]) -> None:
         """Subscribe (needs a running loop): each replica's publisher, and ``listen`` if set."""
@@ -419,4 +395,5 @@ class EventCacheState:
         """Stop the subscribers and the tokenizing threads."""
         if self.subscriptions is not None:
             await self.subscriptions.close()
+        await self.responses.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

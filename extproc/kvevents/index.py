@@ -42,33 +42,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from extproc.kvevents.hashing import CONTENT_SEED, HashAlgo, content_chain
+from extproc.kvevents.tiers import _TIER_BITS, DEFAULT_WEIGHTS, TierWeights, tier_of
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
-
-GPU = "GPU"
-CPU = "CPU"
-STORAGE = "STORAGE"
-_TIER_BITS = 3
-
-
-def tier_of(medium: str) -> int:
-    """A ``medium`` as the index's tier: 0 the GPU (the engine's own pool), 1 CPU memory, 2 any
-    other (vLLM's ``STORAGE``; a name it may add later is taken as the slowest)."""
-    name = medium.upper()
-    return 0 if name == GPU else 1 if name == CPU else 2
-
-
-@dataclass(frozen=True, slots=True)
-class TierWeights:
-    """What a block held only on a slower tier is worth in a match, against 1 for the GPU: it is
-    loaded rather than computed, which costs time and bandwidth too. The defaults are the peers':
-    llm-d scores a CPU block 0.8 of a GPU one, Dynamo weighs host memory 0.75 and disk 0.25."""
-
-    cpu: float = 0.8
-    storage: float = 0.25
-
-
-OFFLOAD_WEIGHT = TierWeights().cpu
-"""A block held in CPU memory only is worth this much of one on the GPU (the default weight)."""
 
 
 @dataclass(slots=True)
@@ -92,7 +67,7 @@ class ModelIndex:
         algo: HashAlgo = HashAlgo.SHA256,
         max_blocks_per_replica: int = 1_000_000,
         speculative_ttl_s: float = 2.0,
-        weights: TierWeights = TierWeights(),
+        weights: TierWeights = DEFAULT_WEIGHTS,
     ) -> None:
         self.algo = algo
         self.max_blocks_per_replica = max_blocks_per_replica
@@ -376,7 +351,7 @@ class KvIndex:
         default_algo: HashAlgo = HashAlgo.SHA256,
         max_blocks_per_replica: int = 1_000_000,
         speculative_ttl_s: float = 2.0,
-        weights: TierWeights = TierWeights(),
+        weights: TierWeights = DEFAULT_WEIGHTS,
     ) -> None:
         self._algos = dict(algos or {})
         self.default_algo = default_algo

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from extproc.kvevents.hashing import HashAlgo
-from extproc.kvevents.index import TierWeights
+from extproc.kvevents.tiers import TierWeights
 from extproc.validation import Section, option
 
 _ENDPOINT = r"^[a-z]+://."

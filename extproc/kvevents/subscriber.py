@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 import zmq
 import zmq.asyncio
 
-from extproc.kvevents.feed import KvEventSource, ReplayError, topic_parts
+from extproc.kvevents.feed import KvEventSource
+from extproc.kvevents.feed_state import ReplayError, topic_parts
 from extproc.kvevents.wire import Message, WireError, seq_frame, split_message
 from extproc.world import REAL_WORLD, Sleep, World
 

@@ -30,8 +30,6 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -329,7 +327,8 @@ def max_output_tokens(path: str, body: Mapping[str, Any]) -> int | None:
 # -- what the engine stores of a response ---------------------------------------------------------
 
 TRANSCRIPT_BYTES = 1 << 20
-"""The most of a Responses answer read for its output (past it, the turn is predicted from its pin)."""
+"""The most of a Responses answer read for its output, and of a conversation shared through Redis
+(compressed): past it, the next turn is routed by its pin and predicted without the conversation."""
 
 
 def answer_messages(body: bytes) -> list[dict[str, Any]] | None:
@@ -364,38 +363,3 @@ def answer_messages(body: bytes) -> list[dict[str, Any]] | None:
                 if isinstance(part, Mapping) and isinstance(part.get("text"), str):
                     out.append({"role": "assistant", "content": part["text"]})
     return out
-
-
-class ResponseHistory:
-    """Per Responses answer this router made, the conversation vLLM stores under its id: the
-    request's messages and, once its body was read, its answer. Bounded (least recently used out);
-    this process's own, so a turn routed by another worker or gateway is predicted from its pin."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._turns: OrderedDict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = OrderedDict()
-        self._lock = threading.Lock()  # tokenizing threads write, the event loop reads answers in
-
-    def asked(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        """The request that makes ``response_id`` was rendered from ``messages``."""
-        with self._lock:
-            self._turns[response_id] = (messages, None)
-            self._turns.move_to_end(response_id)
-            while len(self._turns) > self.capacity:
-                self._turns.popitem(last=False)
-
-    def answered(self, response_id: str, answer: list[dict[str, Any]]) -> None:
-        """``response_id``'s answer, as the engine stores it."""
-        with self._lock:
-            turn = self._turns.get(response_id)
-            if turn is not None:
-                self._turns[response_id] = (turn[0], answer)
-
-    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
-        """What the engine prepends to a request continuing ``response_id``; None when not known
-        whole (not this router's, forgotten, or its answer not read)."""
-        with self._lock:
-            turn = self._turns.get(response_id)
-        if turn is None or turn[1] is None:
-            return None
-        return [m for m in turn[0] if m.get("role") != "system"] + turn[1]

@@ -201,6 +201,15 @@ class PromptTokenizer:
         """``/v1/chat/completions``: the rendered template, without extra special tokens."""
         return self.encode(self.render_chat(messages, tools), add_special_tokens=False, session=session)
 
+    def responses_ids(self, messages: Sequence[Any], tools: Any = None) -> Tokenized:
+        """``/v1/responses``: the rendered template encoded *with* the tokenizer's special tokens,
+        as vLLM 0.32 does (its ``ResponsesRequest.build_tok_params`` leaves ``add_special_tokens``
+        at ``TokenizeParams``' default, True, where chat requests pass False): a tokenizer that adds
+        a BOS puts a second one before the template's. Measured on the engines here: the Responses
+        prompt is ``[BOS, BOS, ...]`` where the same chat is ``[BOS, ...]``, so the two APIs never
+        share a block."""
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=True)
+
     def completion_ids(self, prompt: Any) -> Tokenized:
         """``/v1/completions``: a string encoded with special tokens, or token ids as given."""
         if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):

@@ -1,7 +1,8 @@
 """The routing decision: a pure pipeline of filters, weighted scorers and a picker."""
 
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot
-from extproc.routing.pipeline import DecisionInputs, Profile, decide
+from extproc.routing.pipeline import DecisionInputs, decide
+from extproc.routing.profile import Profile
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
 from extproc.routing.ring import HashRing
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import xxhash
 
 from extproc.routing.model import ReplicaState
-from extproc.routing.plugins import CycleState, _held, _relative
+from extproc.routing.plugins import CycleState
+from extproc.routing.scorers import held_share, relative
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -108,5 +109,5 @@ class HotPrefixScorer:
             if c.name in chosen:
                 work[c.name] = float(c.work(self.tokens_per_request))
                 if self.count_uncached and total:
-                    work[c.name] += f.estimated_prompt_tokens * (1.0 - _held(matches, c.name, total))
-        return _relative(work, float(self.floor_tokens)) if work else {}
+                    work[c.name] += f.estimated_prompt_tokens * (1.0 - held_share(matches, c.name, total))
+        return relative(work, float(self.floor_tokens)) if work else {}

@@ -45,15 +45,9 @@ the history elsewhere, not at a KV-usage threshold: on a real engine under press
 replica's KV is near full with running requests, and a threshold then sends a turn to recompute
 its whole history on a replica as full.
 
-Rates: each replica's learned rates where the latency models have them
-(:attr:`extproc.routing.latency.LatencyView.rates`, or derived from a warm TTFT/TPOT fit),
-else its pool's prior: the first ``health.engine_rates`` entry its labels match
-(:attr:`~extproc.routing.latency.LatencyView.priors`, the one place the rate learner reads its
-prior too; ``extproc calibrate`` measures it), else the built-in one
-(:data:`extproc.engine_rates.BUILT_IN`, the lab's ``llama-8b-h100``: derived from the model's
-shape and the GPU's datasheet, not measured). A rate that is unknown or implausible
-(non-positive, or off the prior by more than ``learned_within``) is missing evidence and
-degrades to the prior; it never counts as free.
+The rates a price uses are :mod:`extproc.routing.rates`' (each replica's learned rates, else its
+pool's prior), chosen by :class:`~extproc.routing.price_settings.PriceSettings`, which holds the
+price's weights and margins too.
 """
 
 from __future__ import annotations
@@ -62,155 +56,19 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from extproc.engine_rates import BUILT_IN, EngineRates, prior_for
 from extproc.request.features import uncached_tokens
-from extproc.routing.latency import LatencyFit, LearnedRates
 from extproc.routing.model import ReplicaState
 from extproc.routing.plugins import CycleState
-from extproc.routing.price_parts import Price, Rates
+from extproc.routing.price_parts import Price
+from extproc.routing.price_settings import PriceSettings
 
 __all__ = [
-    "DEFAULT_RATES",
+    "CacheFill",
+    "Price",
     "PricePicker",
     "PriceScorer",
-    "PriceSettings",
-    "fit_rates",
     "prices",
 ]
-
-
-def _as_rates(engine: EngineRates, source: str) -> Rates:
-    return Rates(engine.prefill_tokens_per_s, engine.decode_step_s, engine.decode_per_seq_s, source, engine.overhead_s)
-
-
-DEFAULT_RATES = _as_rates(BUILT_IN, "prior")
-"""The built-in prior: ``llama-8b-h100`` of the lab (:data:`extproc.engine_rates.BUILT_IN`)."""
-
-
-def fit_rates(fit: LatencyFit) -> LearnedRates:
-    """The rates a warm latency fit implies: its TTFT's seconds per thousand uncached tokens
-    (the prefill rate's inverse), its TPOT's constant (a step of one) and batch term (per sixteen
-    sequences). Terms that are not positive say nothing of a rate (the fit's terms are collinear
-    on a quiet replica) and are left unknown."""
-    prefill = decode = per_seq = None
-    if fit.ttft_warm and len(fit.ttft) > 1 and fit.ttft[1] > 0.0:
-        prefill = 1000.0 / fit.ttft[1]
-    if fit.tpot_warm and len(fit.tpot) > 1:
-        if fit.tpot[0] > 0.0:
-            decode = fit.tpot[0]
-        if fit.tpot[1] > 0.0:
-            per_seq = fit.tpot[1] / 16.0
-    return LearnedRates(prefill, decode, per_seq)
-
-
-@dataclass(slots=True)
-class PriceSettings:
-    """What the price is computed with (see the module docstring).
-
-    The rates' prior is not set here: it is each pool's ``health.engine_rates`` entry, read by
-    the rate learner too (:meth:`prior`). ``output_tokens`` is a request's expected output when
-    it does not say (``max_tokens``).
-    """
-
-    output_tokens: int = 256
-    others_weight: float = 0.05
-    """The weight of the running batch's stall (``others``). At 0.1 a batch of 60 long-output
-    streams made a cold 7,000-token prefill cost six times its own time, and prompts queued on
-    the replica holding their prefix (shared-prefix TTFT p99 0.644 s against the default
-    profile's 0.560 s); at 0.05, 0.582 s; at 0.03 the overloaded shared-prefix row at 12,000
-    blocks lost its tail (p99 54 s against 33 s)."""
-    session_tokens: int = 512
-    turn_tokens: int = 512
-    """The new part of a turn: what a session's pinned replica is assumed to lack at most while
-    nothing says it lost the conversation (the index may have forgotten it; the replica has not)."""
-    evict_weight: float = 1.0
-    """The share of what its uncached tokens displace that later requests are expected to
-    recompute (added to ``others``, in the prefill's seconds): 1, all of it once. Without it
-    (0) the price took the Mooncake trace's requests off the replicas holding their prefix
-    for any shorter queue, 24% hit ratio against the default profile's 33%; with 1, 29%."""
-    hysteresis: float = 0.25
-    prefix_hysteresis: float = 0.5
-    """For a request without a session: the share of its price on the replica holding most of its
-    prompt that another replica must save before the request copies the prefix there, times that
-    replica's :class:`CacheFill` (a copy into a cache with room displaces nothing). Without it the
-    price chased shorter queues off the holders of Mooncake's long prefixes (hit ratio 26% against
-    the default profile's 33%); with 0.5, 33.8% and TTFT p99 5.42 s against 5.98 s."""
-    hysteresis_s: float = 0.01
-    decode_s_per_kv_token: float = 6e-8
-    """What each token of running context adds to a step (its KV read): ``llama-8b-h100``'s 128 KiB
-    a token at ~2.2 TB/s. A step of 60 running requests at 8k tokens of context reads ~30 ms of KV,
-    three times its fixed cost, and the prompt's prefill chunks wait through every such step."""
-    chunk_tokens: int = 2048
-    """The tokens one engine step computes (vLLM's ``--max-num-batched-tokens``): a prompt's prefill
-    takes its tokens over this less the running batch, in steps that each pay that batch's decode
-    step too. 0: prefill at the rate alone."""
-    learned_within: float = 4.0
-    """A learned rate more than this factor off its prior is taken for a fit's artefact."""
-
-    def __post_init__(self) -> None:
-        if (
-            min(
-                self.others_weight,
-                self.hysteresis,
-                self.prefix_hysteresis,
-                self.hysteresis_s,
-                self.evict_weight,
-                self.decode_s_per_kv_token,
-            )
-            < 0
-            or self.output_tokens < 1
-        ):
-            raise ValueError("weights and margins must not be negative, output_tokens at least 1")
-        if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
-            raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
-
-    def prior(self, cycle: CycleState, state: ReplicaState) -> Rates:
-        """The prior rates of ``state``: its pool's (the first ``health.engine_rates`` entry its
-        labels match), else the built-in one."""
-        priors = cycle.latency.priors if cycle.latency is not None else ()
-        return _as_rates(*prior_for(priors, state.replica.labels))
-
-    def _plausible(self, learned: float | None, prior: float) -> bool:
-        return (
-            learned is not None
-            and learned > 0.0
-            and prior / self.learned_within <= learned <= prior * self.learned_within
-        )
-
-    def rates(self, cycle: CycleState, state: ReplicaState) -> Rates:
-        """``state``'s rates: what was learned of it, where plausible, else its prior."""
-        prior = self.prior(cycle, state)
-        view = cycle.latency
-        if view is None:
-            return prior
-        learned = view.rates.get(state.name)
-        if learned is None:
-            fit = view.fits.get(state.name)
-            if fit is None:
-                return prior
-            learned = fit_rates(fit)
-        prefill = learned.prefill_tokens_per_s
-        decode = learned.decode_s_per_token
-        per_seq = learned.decode_s_per_seq
-        took = False
-        overhead = prior.overhead_s
-        if self._plausible(prefill, prior.prefill_tokens_per_s):
-            took = True
-            # The intercept learnt with that slope, where it was (a warm fit's is not an overhead).
-            overhead = learned.overhead_s if learned.overhead_s is not None else overhead
-        else:
-            prefill = prior.prefill_tokens_per_s
-        if self._plausible(decode, prior.decode_s_per_token):
-            took = True
-        else:
-            decode = prior.decode_s_per_token
-        # A per-sequence cost may well be near zero on a large accelerator: it is only bounded above.
-        if per_seq is not None and 0.0 <= per_seq <= max(prior.decode_s_per_seq, 1e-6) * self.learned_within:
-            took = True
-        else:
-            per_seq = prior.decode_s_per_seq
-        assert prefill is not None and decode is not None and per_seq is not None
-        return Rates(prefill, decode, per_seq, "learned" if took else prior.source, overhead)
 
 
 class CacheFill:

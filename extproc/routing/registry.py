@@ -15,31 +15,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from extproc.routing.hot import HotPrefixFilter, HotPrefixScorer
-from extproc.routing.pipeline import Profile, WeightedScorer
 from extproc.routing.price import PricePicker, PriceScorer
+from extproc.routing.profile import Profile, WeightedScorer
 from extproc.routing.slo import SloFilter, SloHeadroomScorer
 from extproc.validation import describe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
-from extproc.routing.plugins import (
-    Filter,
-    InRotationFilter,
+from extproc.routing.filters import InRotationFilter, OverloadFilter, PoolFilter, TenantShardFilter
+from extproc.routing.lora import LoraFilter, LoraScorer
+from extproc.routing.pickers import MaxScorePicker, RoundRobinPicker
+from extproc.routing.plugins import Filter, Picker, Scorer
+from extproc.routing.scorers import (
     LoadScorer,
-    LoraFilter,
-    LoraScorer,
-    MaxScorePicker,
-    OverloadFilter,
-    Picker,
-    PoolFilter,
     PrefillCostScorer,
     PrefixScorer,
     RingScorer,
-    RoundRobinPicker,
-    Scorer,
     SessionAffinityScorer,
     TenantHeadroomScorer,
-    TenantShardFilter,
 )
 
 

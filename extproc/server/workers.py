@@ -5,7 +5,7 @@ is free exactly as a single processor does, then holds a bound, non-listening SO
 on it for its lifetime: its own workers join the port, while another processor (which never sets
 SO_REUSEPORT) or another ``serve --workers`` (whose check finds the port held) fails to start
 with the usual "address in use". It creates the shared segment
-(:mod:`extproc.state.shared_memory`), starts the workers (``spawn``: no gRPC state is ever
+(:mod:`extproc.state.shared_segment`), starts the workers (``spawn``: no gRPC state is ever
 forked), and forwards SIGTERM and SIGINT to them. A worker that exits on its own stops the rest
 and the parent exits non-zero, with the worker's code when it was a start-up failure (2 config,
 3 port): a supervisor (systemd, Kubernetes) restarts the whole set, as it would one processor.
@@ -29,7 +29,7 @@ from typing import Any
 
 from extproc.config import Config
 from extproc.server.listeners import BindError, bind_failure, try_bind
-from extproc.state.shared_memory import SegmentSize, SharedSegment
+from extproc.state.shared_segment import SegmentSize, SharedSegment
 from extproc.state.store_url import parse_store_url
 
 log = logging.getLogger("extproc.server")

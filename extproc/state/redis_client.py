@@ -8,14 +8,15 @@ retried three times with backoff on its own would hold a request for that long i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from extproc.state.store_url import StoreURL
 
@@ -23,6 +24,18 @@ RedisClient = Redis | RedisCluster
 
 DEFAULT_TIMEOUT_S = 0.05
 DEFAULT_MAX_CONNECTIONS = 64
+
+# What a lost or slow Redis raises (redis-py's ConnectionError and TimeoutError are RedisErrors;
+# the rest come from sockets and from asyncio.timeout).
+UNAVAILABLE = (RedisError, OSError, TimeoutError)
+
+T = TypeVar("T")
+
+
+def as_awaitable(reply: Awaitable[T] | T) -> Awaitable[T]:
+    """An async client's command, typed as what it is: redis-py types some commands for its sync
+    and async clients at once (``Awaitable[X] | X``), depending on its version."""
+    return cast("Awaitable[T]", reply)
 
 
 def _common(url: StoreURL, env: Mapping[str, str] | None) -> dict[str, Any]:

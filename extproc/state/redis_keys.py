@@ -12,6 +12,8 @@ Keys (``T`` is the tag)::
     ext:{T}:s:<session key>   string   the replica the session is pinned to (sliding TTL)
     ext:{T}:c:<chain, hex>    string   the conversation (hex) a request whose messages hashed to
                                        this chain belonged to (sliding TTL, as a pin)
+    ext:{T}:t:<link, hex>     string   a Responses API conversation as vLLM stores it under one
+                                       response id (compressed; sessions' TTL, not sliding)
     ext:{T}:r                 zset     replica -> when it was last routed to (ms): who to search
     ext:{T}:p:<replica>       zset     8-byte block hash -> when last routed there (ms), bounded
     ext:{namespace}:models    set      models seen, so forget_replica can find every index
@@ -57,6 +59,10 @@ class KeySpace:
     def conversation(self, model: str, chain: int) -> str:
         """The conversation of the request whose message chain ended with ``chain``."""
         return f"{self.tag(model)}c:{chain:016x}"
+
+    def transcript(self, model: str, link: str) -> str:
+        """The conversation stored under one response (``link``: its tenant's and id's digest)."""
+        return f"{self.tag(model)}t:{link}"
 
     def replicas(self, model: str) -> str:
         """The registry of replicas with a prefix index for ``model``."""

@@ -15,7 +15,8 @@ agent's burst of calls in one session); prefix matches then come from the local 
 bounds how long a gateway can follow a pin another gateway has just moved.
 
 **Writes behind the decision.** ``record`` updates the local mirror and the near-cache at once
-and queues the Redis write; a background writer sends what is queued in one pipeline per batch.
+and queues the Redis write; a background writer (:mod:`extproc.state.redis_background`, with the
+prober below) sends what is queued in one pipeline per batch.
 The decision never waits for a write. The price: another gateway may not see a pin for one
 round trip after the answer went to Envoy (a conversation's next turn comes after the reply, far
 later), and writes queued when the process dies are lost. The queue is bounded (``backlog``):
@@ -46,75 +47,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from collections.abc import Sequence
+from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError
 
 from extproc.routing.model import AffinityView
 from extproc.state.memory import MemoryStore
 from extproc.state.near_cache import NearCache
 from extproc.state.outage import Outage
-from extproc.state.redis_client import DEFAULT_TIMEOUT_S, RedisClient
+from extproc.state.redis_background import QueuedWrite, RedisBackground, StoreCounters
+from extproc.state.redis_client import DEFAULT_TIMEOUT_S, UNAVAILABLE, RedisClient, as_awaitable
 from extproc.state.redis_keys import KeySpace
-from extproc.state.redis_scripts import LOOKUP, LOOKUP_SHA, RECORD, RECORD_SHA, pack_hashes, parse_lookup
+from extproc.state.redis_scripts import LOOKUP, LOOKUP_SHA, pack_hashes, parse_lookup
 from extproc.state.store import NullStoreObserver, StoreObserver, StoreStats
 from extproc.world import REAL_WORLD, World
-
-log = logging.getLogger("extproc.state")
-
-# What a lost or slow Redis raises (redis-py's ConnectionError and TimeoutError are RedisErrors;
-# the rest come from sockets and from asyncio.timeout).
-UNAVAILABLE = (RedisError, OSError, TimeoutError)
-
-CONNECT_S = 2.0
-"""How long the writer and the prober may take, off the request path, to open a plain client's
-first connection or to have a cluster client discover the slots and the command table (a few
-round trips and a large ``COMMAND`` reply): the per-operation budget did not always fit either on
-a busy machine."""
-
-
-T = TypeVar("T")
-
-
-def _async(reply: Awaitable[T] | T) -> Awaitable[T]:
-    """An async client's command, typed as what it is: redis-py types some commands for its sync
-    and async clients at once (``Awaitable[X] | X``), depending on its version."""
-    return cast("Awaitable[T]", reply)
-
-
-@dataclass(slots=True)
-class StoreCounters:
-    """What the store did, for tests and benchmarks (metrics go through the observer)."""
-
-    remote_lookups: int = 0
-    near_hits: int = 0
-    local_lookups: int = 0
-    writes: int = 0
-    dropped_writes: int = 0
-    errors: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Write:
-    model: str
-    session: str | None
-    replica: str
-    hashes: Sequence[int]
-    pin: bool
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class RedisStore:
+class RedisStore(RedisBackground):
     """:class:`~extproc.state.store.AffinityStore` on Redis with a near-cache and a local mirror."""
 
     def __init__(
@@ -154,7 +110,7 @@ class RedisStore:
         self.outage = Outage(name, reconnect_base_s, reconnect_max_s)
         self.observer: StoreObserver = observer or NullStoreObserver()
         self.counters = StoreCounters()
-        self._pending: deque[_Write] = deque()
+        self._pending: deque[QueuedWrite] = deque()
         self._in_flight = 0
         self._connected = False  # the first connection opened (a cluster's topology discovered)
         self._wake = asyncio.Event()
@@ -219,9 +175,9 @@ class RedisStore:
         start = time.perf_counter()
         async with asyncio.timeout(self.op_timeout_s):
             try:
-                reply = await _async(self.client.evalsha(LOOKUP_SHA, 2, *keys, *args))
+                reply = await as_awaitable(self.client.evalsha(LOOKUP_SHA, 2, *keys, *args))
             except NoScriptError:  # a restarted or failed-over Redis forgot it: EVAL caches it again
-                reply = await _async(self.client.eval(LOOKUP, 2, *keys, *args))
+                reply = await as_awaitable(self.client.eval(LOOKUP, 2, *keys, *args))
         self.observer.store_latency("lookup", time.perf_counter() - start)
         return reply
 
@@ -242,128 +198,7 @@ class RedisStore:
             self.near.put(skey, replica, now)
         if self._closed:
             return
-        self._queue(_Write(model, skey, replica, prefix_hashes, pin))
-
-    def _queue(self, write: _Write) -> None:
-        """Queue a write for the background writer (the oldest dropped beyond ``backlog``)."""
-        if len(self._pending) >= self.backlog:
-            self._pending.popleft()
-            self.counters.dropped_writes += 1
-        self._pending.append(write)
-        self._wake.set()
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="redis-store-writer")
-
-    async def _write_loop(self) -> None:
-        while not self._closed:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending and not self.outage.down:
-                batch = [self._pending.popleft() for _ in range(min(self.batch, len(self._pending)))]
-                self._in_flight = len(batch)
-                try:
-                    await self._write_batch(batch)
-                except UNAVAILABLE as exc:
-                    # Back to the front, oldest first; the backlog bound still holds.
-                    self._pending.extendleft(reversed(batch))
-                    while len(self._pending) > self.backlog:
-                        self._pending.popleft()
-                        self.counters.dropped_writes += 1
-                    self._failed("record", exc)
-                except Exception as exc:  # a bug must cost this batch, never the writer itself
-                    self.counters.dropped_writes += len(batch)
-                    self._error("record", exc)
-                    log.exception("affinity store write failed")
-                finally:
-                    self._in_flight = 0
-
-    def _record_call(self, w: _Write, keys: KeySpace) -> tuple[Any, ...]:
-        index = keys.prefix_index(w.model, w.replica)
-        return (
-            3,
-            w.session or index,  # any key of the model's slot stands in when there is no session
-            keys.replicas(w.model),
-            index,
-            self.ttl_ms if w.session else 0,
-            self.prefix_ttl_ms,
-            w.replica,
-            self.capacities.get(w.replica, self.blocks_per_replica),
-            pack_hashes(w.hashes),
-            1 if w.pin else 0,  # unpinned (a spillover), the session was still used: its TTL slides
-            self.prefix_ttl_ms // 8,
-        )
-
-    async def _discover(self) -> None:
-        """Off the request path, before the writer's batches and the prober's pings: a cluster
-        client's topology, discovered; a plain client's first connection, opened. Each is
-        retried within :data:`CONNECT_S` (a no-op once done): setting up a connection
-        (a connect, the handshake, a Sentinel asked for the master) overran the per-operation
-        budget on a busy machine, and the first writes then failed. Only timeouts are retried: a
-        refused connection or an error reply is an outage like any other, at once."""
-        if self._connected:
-            return
-        deadline = time.monotonic() + CONNECT_S
-        while True:
-            try:
-                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
-                    if isinstance(self.client, RedisCluster):
-                        await self.client.initialize()
-                    else:
-                        await _async(self.client.ping())
-                self._connected = True
-                return
-            except (TimeoutError, RedisTimeoutError):
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(0.05)  # real time: a connection being set up over the network
-
-    async def _write_batch(self, batch: list[_Write]) -> None:
-        await self._discover()
-        start = time.perf_counter()
-        calls = [self._record_call(w, self.keys) for w in batch]
-        new_models = {w.model for w in batch} - self._models
-        async with asyncio.timeout(self.op_timeout_s + 0.002 * len(batch)):
-            if isinstance(self.client, RedisCluster):
-                results = await self._write_concurrently(calls, new_models)
-            else:
-                results = await self._write_pipelined(calls, new_models)
-        failures = [r for r in results if isinstance(r, Exception) and not isinstance(r, NoScriptError)]
-        unavailable = [r for r in failures if isinstance(r, UNAVAILABLE) and not isinstance(r, ResponseError)]
-        if unavailable:
-            raise unavailable[0]
-        self._models |= new_models
-        self.counters.writes += len(batch) - len(failures)
-        for failure in failures:  # refused by Redis (out of memory, a foreign key type): not retried
-            self._error("record", failure)
-        self.observer.store_latency("record", time.perf_counter() - start)
-
-    async def _write_pipelined(self, calls: list[tuple[Any, ...]], new_models: set[str]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for call in calls:
-            pipe.evalsha(RECORD_SHA, *call)
-        for model in new_models:
-            pipe.sadd(self.keys.models_key, model)
-        results: list[Any] = await pipe.execute(raise_on_error=False)
-        missing = [call for call, result in zip(calls, results, strict=False) if isinstance(result, NoScriptError)]
-        if missing:  # EVAL loads the script again (a restarted Redis), then EVALSHA works
-            pipe = self.client.pipeline(transaction=False)
-            for call in missing:
-                pipe.eval(RECORD, *call)
-            results += await pipe.execute(raise_on_error=False)
-        return results
-
-    async def _write_concurrently(self, calls: list[tuple[Any, ...]], new_models: set[str]) -> list[Any]:
-        # redis-py refuses scripts in a cluster pipeline: the calls go out side by side instead,
-        # each to the node owning its model's slot, which costs about one round trip as well.
-        async def one(call: tuple[Any, ...]) -> Any:
-            try:
-                return await _async(self.client.evalsha(RECORD_SHA, *call))
-            except NoScriptError:
-                return await _async(self.client.eval(RECORD, *call))
-
-        jobs: list[Awaitable[Any]] = [one(call) for call in calls]
-        jobs += [_async(self.client.sadd(self.keys.models_key, model)) for model in new_models]
-        return list(await asyncio.gather(*jobs, return_exceptions=True))
+        self._queue(QueuedWrite(model, skey, replica, prefix_hashes, pin))
 
     def set_capacity(self, replica: str, blocks: int) -> None:
         """Bound what ``replica`` is believed to hold, here and in Redis (each write trims the
@@ -379,7 +214,7 @@ class RedisStore:
             return  # its index expires after prefix_ttl_s; a gone replica is filtered out anyway
         try:
             async with asyncio.timeout(self.op_timeout_s * 4):
-                members = await _async(self.client.smembers(self.keys.models_key))
+                members = await as_awaitable(self.client.smembers(self.keys.models_key))
                 models = self._models | {m.decode() if isinstance(m, bytes) else str(m) for m in members}
                 pipe = self.client.pipeline(transaction=False)
                 for model in models:
@@ -399,7 +234,7 @@ class RedisStore:
             return local
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                raw = await _async(self.client.get(self.keys.session(model, session_key)))
+                raw = await as_awaitable(self.client.get(self.keys.session(model, session_key)))
         except UNAVAILABLE as exc:
             self._failed("lookup", exc)
             return local
@@ -415,7 +250,7 @@ class RedisStore:
             return dropped
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                return bool(await _async(self.client.delete(skey))) or dropped
+                return bool(await as_awaitable(self.client.delete(skey))) or dropped
         except UNAVAILABLE as exc:
             self._failed("forget", exc)
             return dropped
@@ -431,9 +266,9 @@ class RedisStore:
         try:
             async with asyncio.timeout(self.op_timeout_s):
                 if refresh:
-                    raw = await _async(self.client.getex(key, px=self.ttl_ms))
+                    raw = await as_awaitable(self.client.getex(key, px=self.ttl_ms))
                 else:
-                    raw = await _async(self.client.get(key))
+                    raw = await as_awaitable(self.client.get(key))
         except UNAVAILABLE as exc:
             self._failed("lookup", exc)
             return local
@@ -453,7 +288,7 @@ class RedisStore:
         await self.local.remember_conversation(end, conversation, now, model=model)
         if self._closed:
             return
-        self._queue(_Write(model, self.keys.conversation(model, end), f"{conversation:x}", (), True))
+        self._queue(QueuedWrite(model, self.keys.conversation(model, end), f"{conversation:x}", (), True))
 
     async def cordons(self) -> dict[str, str]:
         """The deployment's cordons from Redis; this gateway's last known ones while it is away."""
@@ -461,7 +296,7 @@ class RedisStore:
             return await self.local.cordons()
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                raw = await _async(self.client.hgetall(self.keys.cordons_key))
+                raw = await as_awaitable(self.client.hgetall(self.keys.cordons_key))
         except UNAVAILABLE as exc:
             self._failed("lookup", exc)
             return await self.local.cordons()
@@ -477,23 +312,14 @@ class RedisStore:
         not reach the other gateways)."""
         async with asyncio.timeout(self.op_timeout_s * 4):
             if state is None:
-                await _async(self.client.hdel(self.keys.cordons_key, replica))
+                await as_awaitable(self.client.hdel(self.keys.cordons_key, replica))
             else:
-                await _async(self.client.hset(self.keys.cordons_key, replica, state))
+                await as_awaitable(self.client.hset(self.keys.cordons_key, replica, state))
         await self.local.set_cordon(replica, state)
 
     def stats(self) -> StoreStats:
         """Sizes of the local mirror (this gateway's view; Redis holds the whole deployment's)."""
         return self.local.stats()
-
-    async def flush(self, timeout_s: float = 1.0) -> bool:
-        """Wait until every queued write reached Redis; False if that did not happen in time."""
-        deadline = time.monotonic() + timeout_s
-        while (self._pending or self._in_flight) and not self.outage.down:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.001)  # real time: writes in flight to Redis
-        return not self._pending and not self._in_flight
 
     async def close(self) -> None:
         """Send what is queued (briefly), stop the background tasks, close the connections."""
@@ -510,37 +336,10 @@ class RedisStore:
         with contextlib.suppress(*UNAVAILABLE):
             await self.client.aclose()
 
-    def _error(self, operation: str, exc: BaseException) -> None:
-        self.counters.errors += 1
-        self.observer.store_error(operation)
-        log.debug("affinity store %s failed: %s: %s", operation, type(exc).__name__, exc)
-
-    def _failed(self, operation: str, exc: BaseException) -> None:
-        """An operation failed. A refusal (a ResponseError) concerns that operation only;
-        anything else means Redis is unreachable or too slow: an outage episode starts."""
-        self._error(operation, exc)
-        if isinstance(exc, ResponseError):
-            return
-        if self.outage.failed(operation, exc):
-            self._up.clear()
-            self.observer.store_available(False)
-            if self._prober is None or self._prober.done():
-                self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-store-prober")
-
-    async def _probe_loop(self) -> None:
-        while self.outage.down and not self._closed:
-            await self.world.sleep(self.outage.next_delay())
-            try:
-                await self._discover()
-                async with asyncio.timeout(self.op_timeout_s):
-                    await _async(self.client.ping())
-            except UNAVAILABLE as exc:
-                self._error("probe", exc)
-                continue
-            if self.outage.recovered():
-                self.observer.store_available(True)
-            self._up.set()
-            self._wake.set()  # the writer drains what queued up meanwhile
+    def failed(self, operation: str, exc: BaseException) -> None:
+        """A companion's call on :attr:`client` failed (the Responses transcripts): counted and,
+        unless Redis refused only that call, an outage episode as the store's own failures."""
+        self._failed(operation, exc)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.outage.name}, namespace={self.keys.namespace!r})"

@@ -19,7 +19,7 @@ import yaml
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.admin.client import reuse_rows
+from extproc.admin.tables import reuse_rows
 from extproc.cache.reuse import Shares, shares
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import words

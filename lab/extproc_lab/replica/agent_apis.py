@@ -69,13 +69,16 @@ class AgentApis:
         bs = self.api.engine.profile.block_size
         return max(0, gen.prompt_tokens // bs * bs - gen.cached_tokens)
 
-    def _prompt(self, view: ChatView) -> tuple[str, tuple[int, ...] | None]:
+    def _prompt(self, view: ChatView, responses: bool = False) -> tuple[str, tuple[int, ...] | None]:
+        """The prompt's text and, with a tokenizer, its ids as vLLM 0.32 tokenizes each API's
+        (``responses``: with the tokenizer's special tokens, a second BOS where it adds one)."""
         text, _ = render_chat(view.messages, view.tools)
         tok = self.api.tokenizer
         if tok is None:
             return text, None
         try:
-            return text, tok.chat_ids(view.messages, view.tools).ids
+            ids = tok.responses_ids(view.messages, view.tools) if responses else tok.chat_ids(view.messages, view.tools)
+            return text, ids.ids
         except TokenizerError:
             return text, None
 
@@ -182,7 +185,7 @@ class AgentApis:
         model = body.get("model") if isinstance(body.get("model"), str) else self.api.model
         own = body.get("request_id")
         response_id = own if isinstance(own, str) and own else f"resp_{uuid.uuid4().hex}"
-        prompt, ids = self._prompt(view)
+        prompt, ids = self._prompt(view, responses=True)
         shell = {
             "id": response_id,
             "object": "response",

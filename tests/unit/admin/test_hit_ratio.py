@@ -4,7 +4,7 @@ fleet with the three shares; a router's ledger as the admin API reads it."""
 from __future__ import annotations
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
-from extproc.admin.client import render
+from extproc.admin.tables import render
 from extproc.router import Router
 from extproc.telemetry import reuse_rows
 from tests.conftest import chat_body, make_config

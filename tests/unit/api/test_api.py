@@ -12,7 +12,7 @@ import pytest
 import extproc.api
 import extproc.api.sim
 from extproc.api import Config, Replica, ReplicaMetrics, RequestFeatures
-from extproc.api.sim import SyncDriver, _run_sync
+from extproc.api.sim import SyncDriver
 
 
 @pytest.mark.parametrize("module", [extproc.api, extproc.api.sim])
@@ -41,22 +41,6 @@ def test_the_simulator_s_imports_leave_the_server_and_envoy_alone() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-
-
-def test_run_sync_refuses_a_store_that_really_waits() -> None:
-    async def answers() -> int:
-        return 5
-
-    class Pending:
-        def __await__(self):  # type: ignore[no-untyped-def]
-            yield  # what a network store does: wait for the event loop
-
-    async def waits() -> None:
-        await Pending()
-
-    assert _run_sync(answers()) == 5
-    with pytest.raises(RuntimeError, match="memory store"):
-        _run_sync(waits())
 
 
 def test_the_driver_routes_observes_and_releases_on_a_virtual_clock() -> None:

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from extproc.cache.estimate import CacheEstimate
 from extproc.request.features import RequestFeatures
 from extproc.router import Router
+from extproc.routing.filters import OverloadFilter
 from extproc.routing.model import AffinityView, Replica, ReplicaState, Snapshot
-from extproc.routing.plugins import CycleState, OverloadFilter, PrefillCostScorer
+from extproc.routing.plugins import CycleState
 from extproc.routing.ring import HashRing
+from extproc.routing.scorers import PrefillCostScorer
 from extproc.state.memory import PrefixIndex
 from extproc_lab.bench.pressure import format_sweep, parse_levels, run_sweep
 from extproc_lab.bench.routing import BenchSetup

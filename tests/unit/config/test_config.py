@@ -61,7 +61,7 @@ def test_parse_replica_flag() -> None:
 
 
 def test_a_replicas_kv_event_endpoints_in_the_file_are_the_flags_labels(tmp_path: Path) -> None:
-    from extproc.kvevents.cache_state import rank_endpoints
+    from extproc.kvevents.endpoints import rank_endpoints
     from extproc.kvevents.settings import KvEventSettings
 
     path = tmp_path / "router.yaml"

@@ -660,6 +660,7 @@ async def test_serve_wiring_kubeconfig_and_config(
 
 def test_serve_needs_replicas_only_without_discovery(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from extproc import cli
+    from extproc.server import serving
 
     with pytest.raises(SystemExit):
         cli.main(["serve", "--metrics-listen", "off"])
@@ -668,7 +669,7 @@ def test_serve_needs_replicas_only_without_discovery(monkeypatch: pytest.MonkeyP
     async def fake_serve(cfg: object) -> None:
         served.append(cfg)
 
-    monkeypatch.setattr(cli, "_serve", fake_serve)
+    monkeypatch.setattr(serving, "serve", fake_serve)
     path = tmp_path / "router.yaml"
     path.write_text("discovery: {type: dns, name: vllm.llm.svc, port: 8000}\n")
     assert cli.main(["serve", "--config", str(path)]) == 0 and len(served) == 1

@@ -14,9 +14,9 @@ from prometheus_client import generate_latest
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc.admin.auth import MutationPolicy
-from extproc.admin.client import render
 from extproc.admin.console import ConsoleHistory
 from extproc.admin.service import AdminService
+from extproc.admin.tables import render
 from extproc.hotkeys.detector import HotKeyDetector, HotKeySettings
 from extproc.request.features import RequestFeatures
 from extproc.router import Routed, Router

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.kvevents.hashing import DEFAULT_SEED, EngineChain, HashAlgo, content_chain, event_hash, low64, none_hash
-from extproc.kvevents.index import OFFLOAD_WEIGHT, ModelIndex
+from extproc.kvevents.index import ModelIndex
+from extproc.kvevents.tiers import OFFLOAD_WEIGHT
 from extproc.kvevents.wire import (
     AllBlocksCleared,
     BlockRemoved,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from extproc.kvevents.feed import KvEventSource, ReplayError
+from extproc.kvevents.feed import KvEventSource
+from extproc.kvevents.feed_state import ReplayError
 from extproc.kvevents.subscriber import Subscriptions, ZmqReplayer
 from extproc.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message, encode_batch, seq_frame
 from extproc.metrics.kv_events import KvEventMetrics
@@ -365,7 +366,7 @@ async def test_a_gap_on_one_rank_clears_only_that_rank() -> None:
 
 
 def test_each_rank_publishes_on_its_own_endpoint_as_vllm_offsets_them() -> None:
-    from extproc.kvevents.cache_state import rank_endpoints
+    from extproc.kvevents.endpoints import rank_endpoints
     from extproc.kvevents.settings import KvEventSettings
     from extproc.routing.model import Replica
 
@@ -386,7 +387,7 @@ def test_each_rank_publishes_on_its_own_endpoint_as_vllm_offsets_them() -> None:
 
 
 async def test_connect_layout_reads_every_rank_with_its_own_replay(ipc_dir: Path) -> None:
-    from extproc.kvevents.cache_state import rank_endpoints
+    from extproc.kvevents.endpoints import rank_endpoints
     from extproc.kvevents.settings import KvEventSettings
     from extproc.routing.model import Replica
 

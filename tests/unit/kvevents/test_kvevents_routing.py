@@ -209,7 +209,7 @@ def test_lora_adapters_from_the_file_and_flags(tmp_path: Path) -> None:
 
 
 def test_discovered_replicas_publish_on_the_configured_ports() -> None:
-    from extproc.kvevents.cache_state import replica_endpoints
+    from extproc.kvevents.endpoints import replica_endpoints
     from extproc.routing.model import Replica
 
     settings = KvEventSettings(port=5557, replay_port=5558)
@@ -403,7 +403,12 @@ async def test_a_previous_response_turn_is_hashed_after_the_conversation_its_eng
         {"role": "assistant", "content": "A store."},
         {"role": "user", "content": "and a block?"},
     ]
-    assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256).hashes(tok.chat_ids(engine).ids, BS)
+    # Tokenized as vLLM 0.32 tokenizes a Responses prompt: with the tokenizer's special tokens,
+    # so a second BOS before the template's (the same chat through /v1/chat/completions has one).
+    ids = tok.responses_ids(engine).ids
+    bos = tok.tokenizer.encode("", add_special_tokens=True).ids
+    assert bos and ids == (*bos, *tok.chat_ids(engine).ids)
+    assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256).hashes(ids, BS)
     # It goes where the first turn went (the only engine that stores that conversation).
     assert routed.decision.replica == plan.routed.decision.replica
     assert routed.features.conversation is not None and routed.features.conversation.match == "continued"

@@ -10,8 +10,9 @@ from pathlib import Path
 import msgpack
 
 from extproc.kvevents.hashing import HashAlgo, content_chain
-from extproc.kvevents.index import ModelIndex, TierWeights, tier_of
+from extproc.kvevents.index import ModelIndex
 from extproc.kvevents.settings import KvEventSettings
+from extproc.kvevents.tiers import TierWeights, tier_of
 from extproc.kvevents.wire import BlockRemoved, BlockStored, decode_batch
 from extproc.request.tokenizer import PromptTokenizer
 from tests.helpers import Clock, chat_request, conversation, feed, kv_router, stored_event

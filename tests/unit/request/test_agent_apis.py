@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from extproc.request.agent_apis import (
     AgentApiError,
-    ResponseHistory,
     answer_messages,
     messages_as_chat,
     responses_as_chat,
@@ -266,16 +265,9 @@ def test_answers_are_read_as_vllm_stores_them() -> None:
     assert answer_messages(stream) == [{"role": "assistant", "content": "yes"}]
     assert answer_messages(b"event: response.created\ndata: {}\n\n") is None
     assert answer_messages(b"{not json") is None
-    history = ResponseHistory(capacity=2)
-    history.asked("resp_1", [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
-    assert history.conversation("resp_1") is None  # its answer not read yet
-    history.answered("resp_1", [{"role": "assistant", "content": "yes"}])
-    assert history.conversation("resp_1") == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "yes"}]
-    view = responses_as_chat({"instructions": "t", "input": "more"}, history.conversation("resp_1") or ())
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "yes"}]
+    view = responses_as_chat({"instructions": "t", "input": "more"}, history)
     assert [m["role"] for m in view.messages] == ["system", "user", "assistant", "user"]
-    history.asked("resp_2", [])
-    history.asked("resp_3", [])
-    assert history.conversation("resp_1") is None  # bounded: the oldest went
 
 
 _json = st.recursive(

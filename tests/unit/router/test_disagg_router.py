@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from extproc.admin.client import render
 from extproc.admin.service import explanation_message
+from extproc.admin.tables import render
 from extproc.config import Disaggregation
 from extproc.decisions import DecisionSummary
 from extproc.plan import Planner

@@ -175,8 +175,8 @@ async def test_explain_shows_each_replicas_trust_and_the_age_of_its_evidence() -
 
 
 async def test_explain_shows_each_candidates_price_and_its_parts() -> None:
-    from extproc.admin.client import render
     from extproc.admin.service import explanation_message
+    from extproc.admin.tables import render
     from extproc.routing.registry import PRICE_PROFILE
 
     router = Router(make_config(profile=PRICE_PROFILE))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from extproc.admin.client import render
 from extproc.admin.service import explanation_message
+from extproc.admin.tables import render
 from extproc.router import Router
 from extproc.routing import Reason
 from tests.conftest import make_config

@@ -7,8 +7,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from extproc.admin.client import render
 from extproc.admin.service import explanation_message
+from extproc.admin.tables import render
 from extproc.plan import Planner, Refuse
 from extproc.queueing import QueueClass, QueueSettings
 from extproc.request.features import RequestFeatures, read_request

@@ -240,7 +240,8 @@ def test_a_session_keeps_its_replica_while_it_is_healthy_not_overloaded_and_its_
 @settings(max_examples=150)
 @given(st.lists(st.integers(0, 20), min_size=2, max_size=12), st.text(min_size=1), st.floats(1.0, 2.0))
 def test_the_ring_never_gives_a_replica_more_than_the_bound(inflight: list[int], key: str, load_factor: float) -> None:
-    from extproc.routing.plugins import CycleState, RingScorer
+    from extproc.routing.plugins import CycleState
+    from extproc.routing.scorers import RingScorer
 
     snap = Snapshot(tuple(ReplicaState(Replica(f"r{i}", f"h:{i + 1}"), inflight=n) for i, n in enumerate(inflight)))
     profile = build_profile()
@@ -257,7 +258,8 @@ def test_the_ring_never_gives_a_replica_more_than_the_bound(inflight: list[int],
 @settings(max_examples=40)
 @given(st.integers(3, 16), st.integers(0, 10_000))
 def test_a_join_moves_at_most_about_its_share_of_bounded_placements(n: int, seed: int) -> None:
-    from extproc.routing.plugins import CycleState, RingScorer
+    from extproc.routing.plugins import CycleState
+    from extproc.routing.scorers import RingScorer
 
     def owners(count: int) -> list[str]:
         snap = Snapshot(tuple(ReplicaState(Replica(f"r{i}", f"h:{i + 1}")) for i in range(count)))

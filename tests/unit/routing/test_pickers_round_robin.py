@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.routing.plugins import RoundRobinPicker
+from extproc.routing.pickers import RoundRobinPicker
 from extproc.routing.registry import build_profile
 
 

@@ -10,7 +10,9 @@ from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide
-from extproc.routing.price import DEFAULT_RATES, CacheFill, PriceSettings, fit_rates
+from extproc.routing.price import CacheFill
+from extproc.routing.price_settings import PriceSettings
+from extproc.routing.rates import DEFAULT_RATES, fit_rates
 from extproc.routing.registry import PRICE_PROFILE, ProfileError, build_profile
 from extproc.routing.trace import DecisionTrace
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from extproc.health.replicas import ReplicaBook
 from extproc.health.shared_load import PeerLoad
 from extproc.routing.model import Replica
-from extproc.state.shared_memory import SegmentSize, SharedMemoryStore, SharedSegment
+from extproc.state.shared_memory import SharedMemoryStore
+from extproc.state.shared_segment import SegmentSize, SharedSegment
 
 REPLICAS = [f"r{i}" for i in range(4)]
 SESSIONS = [f"s{i}" for i in range(16)]

@@ -20,7 +20,8 @@ import pytest
 from extproc.state import AffinityStore, MemoryStore
 from extproc.state.factory import open_store
 from extproc.state.redis_store import RedisStore
-from extproc.state.shared_memory import SegmentSize, SharedMemoryStore, SharedSegment
+from extproc.state.shared_memory import SharedMemoryStore
+from extproc.state.shared_segment import SegmentSize, SharedSegment
 from extproc_lab.demo.redis_server import LocalRedis
 
 _namespaces = itertools.count()

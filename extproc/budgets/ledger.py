@@ -1,21 +1,5 @@
-"""Token budgets: tokens per minute and per day for a tenant, an API key or a model, charged from
-the usage replicas report.
-
-Platforms meter in tokens, not requests. A budget limits a weighted total of the tokens used
-(``weights``: input, cached input and output tokens each count for their weight; a cached token is
-cheaper to serve than one prefilled) over fixed windows, a minute and a day, that reset on the
-clock's boundaries. A budget belongs to a subject: a tenant (``tenants``), an API key (``keys``:
-the ``Authorization`` bearer token, known by its SHA-256 digest only) or a model (``models``, over
-every tenant's requests for it). A request is charged to every subject that applies to it and is
-admitted while each has room for its estimated prompt tokens on top of what is charged and what
-its requests in flight have reserved, so the tightest limit decides and a burst overshoots by at
-most the requests in flight. Over budget: 429 with ``Retry-After`` (seconds to the refusing
-window's end) and OpenAI's ``x-ratelimit-*-tokens`` headers.
-
-Where the counts live is a :class:`BudgetStore`: process memory for one gateway, Redis for several
-(one round trip for every subject of a request). The ledger never raises for its store: a store
-that fails degrades to this gateway's own counts, never to no limit and never to refusing everyone.
-"""
+"""The ledger: admission of a request against every budget that applies to it, the reservations
+of requests in flight, and the charges of the usage responses report."""
 
 from __future__ import annotations
 
@@ -24,111 +8,13 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
 
-from pydantic import model_validator
-
+from extproc.budgets.settings import KEY_PREFIX, MODEL_PREFIX, WINDOWS, BudgetSettings, SubjectKind, TokenBudget
+from extproc.budgets.stores import BudgetStore, MemoryBudgetStore, window_start
 from extproc.request.tenant import api_key_digest, bearer_token
 from extproc.usage import Usage
-from extproc.validation import Section, field_error, option
 
 log = logging.getLogger("extproc.budgets")
-
-WINDOWS: tuple[tuple[str, int], ...] = (("minute", 60), ("day", 86_400))
-KEY_PREFIX = "key/"
-"""Subjects of API-key budgets are ``key/NAME`` (a tenant's subject is its bare name, as before)."""
-MODEL_PREFIX = "model/"
-"""Subjects of model budgets are ``model/NAME``."""
-_HEX = frozenset("0123456789abcdef")
-
-SubjectKind = Literal["tenant", "key", "model"]
-
-
-def _is_digest(value: str) -> bool:
-    return len(value) == 64 and set(value) <= _HEX
-
-
-class TokenWeights(Section):
-    """What each kind of token counts for in a budget."""
-
-    input: float = option(1.0, "an input token not found cached", ge=0)
-    cached_input: float = option(0.25, "an input token the replica had cached", ge=0)
-    output: float = option(1.0, "an output token", ge=0)
-
-    def total(self, usage: Usage) -> float:
-        """The weighted total of ``usage`` (cached tokens are part of the input and counted once)."""
-        cached = usage.cached_input or 0
-        return max(0, usage.input - cached) * self.input + cached * self.cached_input + usage.output * self.output
-
-
-class TokenBudget(Section):
-    """One subject's limits (None: no limit in that window)."""
-
-    per_minute: float | None = option(None, "weighted tokens a minute (the clock's minutes)", gt=0)
-    per_day: float | None = option(None, "weighted tokens a day (UTC days)", gt=0)
-
-    def limit(self, window: str) -> float | None:
-        """The limit of ``window`` (``minute`` or ``day``)."""
-        return self.per_minute if window == "minute" else self.per_day
-
-
-class KeyBudget(TokenBudget):
-    """One API key's limits (config ``budgets.keys.NAME``): the key is known by its digest only."""
-
-    sha256: str | None = option(None, "hex SHA-256 of the bearer key (omit when the entry's name is the digest itself)")
-
-    def digest(self, name: str) -> str:
-        """The digest the entry matches (its ``sha256``, else its name)."""
-        return self.sha256 or name
-
-
-class BudgetSettings(Section):
-    """Config ``budgets:``: token metering and the budgets by tenant, API key and model."""
-
-    enabled: bool = option(False, "read every response's usage: token counters, and the budgets below enforced")
-    tenants: dict[str, TokenBudget] = option({}, "budgets by tenant name (tenants without one are metered only)")
-    keys: dict[str, KeyBudget] = option(
-        {}, "budgets by API key: a name (with sha256: the key's hex SHA-256) or the digest itself; never the key"
-    )
-    models: dict[str, TokenBudget] = option({}, "budgets by model, over every tenant's requests for it")
-    weights: TokenWeights = option(TokenWeights(), "what each kind of token counts for")
-    other_paths: Literal["meter", "refuse"] = option(
-        "meter",
-        "the other paths that run the model (/v1/responses, /v1/embeddings, /v1/audio/..., /pooling, /score, "
-        "/rerank, ...): metered like chat, or refused with 403",
-    )
-    bytes_per_token: float = option(
-        4.0,
-        "a body the router does not parse is reserved and, without a usage report, charged its size at this many "
-        "bytes a token (lower for a model whose tokenizer cuts finer: charged more)",
-        gt=0,
-    )
-    output_tokens_per_s: float = option(
-        50.0,
-        "a request abandoned before its answer is charged its prompt and this many output tokens a second it "
-        "ran (at most its max_tokens): an estimate of one sequence's decode speed",
-        gt=0,
-    )
-
-    @model_validator(mode="after")
-    def _subjects(self) -> BudgetSettings:
-        for tenant in self.tenants:
-            if tenant.startswith((KEY_PREFIX, MODEL_PREFIX)):
-                message = f"{tenant!r}: a tenant's name may not start with {KEY_PREFIX!r} or {MODEL_PREFIX!r}"
-                raise field_error(BudgetSettings, "tenants", message, tenant)
-        seen: dict[str, str] = {}
-        for name, entry in self.keys.items():
-            digest = entry.digest(name)
-            if not _is_digest(digest):
-                message = (
-                    f"{name!r}: give sha256 (the hex SHA-256 of the API key) or name the entry by the digest; "
-                    "never the key itself"
-                )
-                raise field_error(BudgetSettings, "keys", message, name)
-            if digest in seen:
-                raise field_error(BudgetSettings, "keys", f"{name!r} and {seen[digest]!r} name one key", name)
-            seen[digest] = name
-        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,50 +75,6 @@ class BudgetStanding:
     kind: SubjectKind
     name: str
     windows: tuple[WindowStanding, ...]
-
-
-class BudgetStore(Protocol):
-    """Where the charged tokens are counted, per subject and window."""
-
-    async def charge(self, subjects: Sequence[str], tokens: float, now: float) -> None:
-        """Add ``tokens`` to each of ``subjects``' current windows."""
-        ...
-
-    async def used(self, subjects: Sequence[str], now: float) -> list[dict[str, float]]:
-        """Each subject's totals in its current windows, by window name, in the order given."""
-        ...
-
-
-def window_start(length_s: int, now: float) -> int:
-    """The start of the fixed window of ``length_s`` that holds ``now`` (wall clock seconds)."""
-    return int(now // length_s) * length_s
-
-
-class MemoryBudgetStore:
-    """Counts in process memory: the budgets of one gateway."""
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[str, str, int], float] = {}
-
-    async def charge(self, subjects: Sequence[str], tokens: float, now: float) -> None:
-        """Add, and forget windows that are over."""
-        self.add(subjects, tokens, now)
-
-    def add(self, subjects: Sequence[str], tokens: float, now: float) -> None:
-        """:meth:`charge`, without waiting (it never does)."""
-        for subject in subjects:
-            for name, length in WINDOWS:
-                key = (subject, name, window_start(length, now))
-                self._counts[key] = self._counts.get(key, 0.0) + tokens
-        if len(self._counts) > 4 * 1024:
-            self._counts = {k: v for k, v in self._counts.items() if k[2] + dict(WINDOWS)[k[1]] > now}
-
-    async def used(self, subjects: Sequence[str], now: float) -> list[dict[str, float]]:
-        """The current windows' totals."""
-        return [
-            {name: self._counts.get((subject, name, window_start(length, now)), 0.0) for name, length in WINDOWS}
-            for subject in subjects
-        ]
 
 
 class BudgetLedger:

@@ -1,0 +1,123 @@
+"""What the price (:mod:`extproc.routing.price`) is computed with: its weights, margins and
+expected sizes, and which of a replica's rates it trusts (learnt where plausible, else the
+pool's prior)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.engine_rates import prior_for
+from extproc.routing.model import ReplicaState
+from extproc.routing.plugins import CycleState
+from extproc.routing.price_parts import Rates
+from extproc.routing.rates import as_rates, fit_rates
+
+
+@dataclass(slots=True)
+class PriceSettings:
+    """What the price is computed with (see :mod:`extproc.routing.price`).
+
+    The rates' prior is not set here: it is each pool's ``health.engine_rates`` entry, read by
+    the rate learner too (:meth:`prior`). ``output_tokens`` is a request's expected output when
+    it does not say (``max_tokens``).
+    """
+
+    output_tokens: int = 256
+    others_weight: float = 0.05
+    """The weight of the running batch's stall (``others``). At 0.1 a batch of 60 long-output
+    streams made a cold 7,000-token prefill cost six times its own time, and prompts queued on
+    the replica holding their prefix (shared-prefix TTFT p99 0.644 s against the default
+    profile's 0.560 s); at 0.05, 0.582 s; at 0.03 the overloaded shared-prefix row at 12,000
+    blocks lost its tail (p99 54 s against 33 s)."""
+    session_tokens: int = 512
+    turn_tokens: int = 512
+    """The new part of a turn: what a session's pinned replica is assumed to lack at most while
+    nothing says it lost the conversation (the index may have forgotten it; the replica has not)."""
+    evict_weight: float = 1.0
+    """The share of what its uncached tokens displace that later requests are expected to
+    recompute (added to ``others``, in the prefill's seconds): 1, all of it once. Without it
+    (0) the price took the Mooncake trace's requests off the replicas holding their prefix
+    for any shorter queue, 24% hit ratio against the default profile's 33%; with 1, 29%."""
+    hysteresis: float = 0.25
+    prefix_hysteresis: float = 0.5
+    """For a request without a session: the share of its price on the replica holding most of its
+    prompt that another replica must save before the request copies the prefix there, times that
+    replica's :class:`CacheFill` (a copy into a cache with room displaces nothing). Without it the
+    price chased shorter queues off the holders of Mooncake's long prefixes (hit ratio 26% against
+    the default profile's 33%); with 0.5, 33.8% and TTFT p99 5.42 s against 5.98 s."""
+    hysteresis_s: float = 0.01
+    decode_s_per_kv_token: float = 6e-8
+    """What each token of running context adds to a step (its KV read): ``llama-8b-h100``'s 128 KiB
+    a token at ~2.2 TB/s. A step of 60 running requests at 8k tokens of context reads ~30 ms of KV,
+    three times its fixed cost, and the prompt's prefill chunks wait through every such step."""
+    chunk_tokens: int = 2048
+    """The tokens one engine step computes (vLLM's ``--max-num-batched-tokens``): a prompt's prefill
+    takes its tokens over this less the running batch, in steps that each pay that batch's decode
+    step too. 0: prefill at the rate alone."""
+    learned_within: float = 4.0
+    """A learned rate more than this factor off its prior is taken for a fit's artefact."""
+
+    def __post_init__(self) -> None:
+        if (
+            min(
+                self.others_weight,
+                self.hysteresis,
+                self.prefix_hysteresis,
+                self.hysteresis_s,
+                self.evict_weight,
+                self.decode_s_per_kv_token,
+            )
+            < 0
+            or self.output_tokens < 1
+        ):
+            raise ValueError("weights and margins must not be negative, output_tokens at least 1")
+        if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
+            raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
+
+    def prior(self, cycle: CycleState, state: ReplicaState) -> Rates:
+        """The prior rates of ``state``: its pool's (the first ``health.engine_rates`` entry its
+        labels match), else the built-in one."""
+        priors = cycle.latency.priors if cycle.latency is not None else ()
+        return as_rates(*prior_for(priors, state.replica.labels))
+
+    def _plausible(self, learned: float | None, prior: float) -> bool:
+        return (
+            learned is not None
+            and learned > 0.0
+            and prior / self.learned_within <= learned <= prior * self.learned_within
+        )
+
+    def rates(self, cycle: CycleState, state: ReplicaState) -> Rates:
+        """``state``'s rates: what was learned of it, where plausible, else its prior."""
+        prior = self.prior(cycle, state)
+        view = cycle.latency
+        if view is None:
+            return prior
+        learned = view.rates.get(state.name)
+        if learned is None:
+            fit = view.fits.get(state.name)
+            if fit is None:
+                return prior
+            learned = fit_rates(fit)
+        prefill = learned.prefill_tokens_per_s
+        decode = learned.decode_s_per_token
+        per_seq = learned.decode_s_per_seq
+        took = False
+        overhead = prior.overhead_s
+        if self._plausible(prefill, prior.prefill_tokens_per_s):
+            took = True
+            # The intercept learnt with that slope, where it was (a warm fit's is not an overhead).
+            overhead = learned.overhead_s if learned.overhead_s is not None else overhead
+        else:
+            prefill = prior.prefill_tokens_per_s
+        if self._plausible(decode, prior.decode_s_per_token):
+            took = True
+        else:
+            decode = prior.decode_s_per_token
+        # A per-sequence cost may well be near zero on a large accelerator: it is only bounded above.
+        if per_seq is not None and 0.0 <= per_seq <= max(prior.decode_s_per_seq, 1e-6) * self.learned_within:
+            took = True
+        else:
+            per_seq = prior.decode_s_per_seq
+        assert prefill is not None and decode is not None and per_seq is not None
+        return Rates(prefill, decode, per_seq, "learned" if took else prior.source, overhead)
