@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.cache.reuse import ReuseLedger
 from extproc.decisions import DecisionFeed
@@ -23,13 +24,20 @@ class DecisionReport:
     reuse: ReuseLedger
     feed: DecisionFeed
     fleet_size: Callable[[], int]
+    _counters: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+    """``decisions``' child per (reason, model label): found once, not by ``labels()`` each decision
+    (bounded: the model label is, and no child of it is ever removed)."""
 
     def decided(
         self, features: RequestFeatures, decision: Decision, view: AffinityView, start: float, now: float
     ) -> None:
         """The decision in the metrics, the decision feed and the debug log."""
         m = self.metrics
-        m.decisions.labels(decision.reason.value, m.model_label(features.model or "none")).inc()
+        key = (decision.reason.value, m.model_label(features.model or "none"))
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = m.decisions.labels(*key)
+        counter.inc()
         m.decision_seconds.observe(now - start)
         if decision.pair is not None:
             m.disaggregated(

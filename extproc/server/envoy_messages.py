@@ -112,7 +112,9 @@ def continue_response_headers(
 
 def forward(plan: Forward, in_body: bool) -> pb.ProcessingResponse:
     """A :class:`~extproc.plan.Forward` as the request-headers answer or (``in_body``, buffered
-    mode) the body answer.
+    mode) the body answer: one shared message for each plan without a body of its own (most
+    requests of a fleet get one of a few: the replica's name, the same headers), only serialized,
+    never changed; a plan with a replaced body is built each time.
 
     A replaced body's ``content-length`` is in the plan's headers, which apply in both modes: in
     buffered mode the headers wait with the body, and in full-duplex mode the headers answer was
@@ -120,6 +122,18 @@ def forward(plan: Forward, in_body: bool) -> pb.ProcessingResponse:
     answer; in full-duplex mode the caller streams it after the headers answer
     (:func:`streamed_body`).
     """
+    if plan.body is None:
+        return _shared_forward(plan, in_body)
+    return _forward(plan, in_body)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_forward(plan: Forward, in_body: bool) -> pb.ProcessingResponse:
+    # Keyed by the whole plan (hashable, frozen): a traceparent's plan is one of its own, pushed out in turn.
+    return _forward(plan, in_body)
+
+
+def _forward(plan: Forward, in_body: bool) -> pb.ProcessingResponse:
     if in_body and plan.only_strips:
         return continue_body()
     common = pb.CommonResponse(clear_route_cache=plan.to_replica)
