@@ -41,8 +41,8 @@ class OverloadFilter:
     may look full (``vllm:kv_cache_usage_perc`` counts the running requests' blocks; the router's
     own count of what it sent there counts queued prompts too, and on queue-bound real vLLM engines
     it is mostly that count that passes 0.9: benchmarks/realstack-vllm.md), and a turn sent
-    elsewhere recomputes its history on a replica as full, evicting other conversations there. The pin is dropped only on evidence that waiting there costs
-    more than moving: the requests waiting in its queue (``vllm:num_requests_waiting``; a preempted
+    elsewhere recomputes its history on a replica as full, evicting other conversations there.
+    The pin is dropped only on evidence that waiting there costs more than moving: the requests waiting in its queue (``vllm:num_requests_waiting``; a preempted
     request goes back there too), each worth ``waiting_tokens`` prompt tokens, more than the
     queue of the least loaded candidate that could take the turn plus the prompt tokens it would
     recompute there (what the pin holds beyond it: all of the prompt while nothing says the
