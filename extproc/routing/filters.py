@@ -42,14 +42,14 @@ class OverloadFilter:
     own count of what it sent there counts queued prompts too, and on queue-bound real vLLM engines
     it is mostly that count that passes 0.9: benchmarks/realstack-vllm.md), and a turn sent
     elsewhere recomputes its history on a replica as full, evicting other conversations there.
-    The pin is dropped only on evidence that waiting there costs more than moving: the requests waiting in its queue (``vllm:num_requests_waiting``; a preempted
-    request goes back there too), each worth ``waiting_tokens`` prompt tokens, more than the
-    queue of the least loaded candidate that could take the turn plus the prompt tokens it would
-    recompute there (what the pin holds beyond it: all of the prompt while nothing says the
-    conversation is gone, else what the index believes). Where the profile's picker is the price,
-    the same weighing is in its predicted seconds: the pin's predicted time to first token against
-    the others'. No queue, no evidence: the session stays. Over ``queue_threshold`` it goes
-    whatever it holds.
+    The pin is dropped only on evidence that waiting there costs more than moving: the requests
+    waiting in its queue (``vllm:num_requests_waiting``; a preempted request goes back there too),
+    each worth ``waiting_tokens`` prompt tokens, more than the queue of the least loaded candidate
+    that could take the turn plus the prompt tokens it would recompute there (what the pin holds
+    beyond it: all of the prompt while nothing says the conversation is gone, else what the index
+    believes). Where the profile's picker is the price, the same weighing is in its predicted
+    seconds: the pin's predicted time to first token against the others'. No queue, no evidence: the
+    session stays. Over ``queue_threshold`` it goes whatever it holds.
 
     Any other replica believed to hold at least ``holder_share`` of the prompt's blocks more than
     the median candidate is judged on its queue alone, not on its KV usage: sent elsewhere, the
