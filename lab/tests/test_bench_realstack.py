@@ -89,3 +89,36 @@ def test_tiny_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) 
     # The processor decided every request (and the one warm-up request before the run).
     assert sum(ours["processor"]["decisions"].values()) == sent + 1
     assert f"| {OURS} * |" in done.stdout and f"| {ROUND_ROBIN} |" in done.stdout
+
+
+def test_tiny_agent_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) -> None:
+    """The simulator's agent workload through real Envoy (2 agents, ours and round robin): every
+    request answered, keyless agents' requests sent without a session header and still kept
+    together by ours, the reuse figures consistent with the replicas' own counters."""
+    require_binary("envoy")
+    out = tmp_path / "agents.json"
+    argv = [sys.executable, "-m", "extproc", "bench", "realstack", "--workload", "agents",
+            "--routers", f"{OURS},{ROUND_ROBIN}", "--agents", "2", "--rate", "10", "--replicas", "2", "--profile", "demo",
+            "--seed", "3", "--run-timeout", "60", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    work = result["setup"]["agent_workload"]
+    sent = work["requests"]
+    # Seed 3 gives a keyless agent among the two: its requests carry no x-session-id.
+    assert sent > 10 and work["keyless_requests"] > 0
+    for name, r in result["routers"].items():
+        assert "error" not in r, (name, r)
+        assert r["answered"] == sent and r["errors"] == 0 and not r["timed_out"], name
+        assert sum(r["requests_per_replica"].values()) == sent, name
+        assert {k: v for k, v in r["requests_per_replica"].items() if v} == r["answers_per_replica"], name
+        assert r["hit_ratio"] == pytest.approx(r["client_hit_ratio"], abs=0.01), name
+        # What was offered is at least what the replicas hit, and a share of it was captured.
+        assert r["hit_ratio"] - 0.01 <= r["reuse_offered"] <= 1.0, name
+        assert 0.0 < r["reuse_captured"] <= r["reuse_placed"] <= 1.0, name
+        assert r["reuse_captured"] == pytest.approx(r["hit_ratio"] / r["reuse_offered"], abs=0.02), name
+    ours, rr = result["routers"][OURS], result["routers"][ROUND_ROBIN]
+    # Ours keeps every agent, keyless or not, on one replica; round robin alternates them.
+    assert ours["sessions_on_one_replica"] == 1.0 and rr["sessions_on_one_replica"] < 1.0
+    assert ours["reuse_placed"] > rr["reuse_placed"]
+    assert "| offered | placed | captured |" in done.stdout
