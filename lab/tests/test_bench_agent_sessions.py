@@ -5,6 +5,7 @@ offered, placed and captured from what the client saw."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ def test_calls_are_the_generators_requests_with_conversations_told_apart() -> No
         by_conversation.setdefault(c.conversation, []).append(c)
     for turns in by_conversation.values():
         # Every conversation's turns chain: each after the one before, its messages extending them.
-        for prev, nxt in zip(turns, turns[1:], strict=False):
+        for prev, nxt in itertools.pairwise(turns):
             assert nxt.after == prev.index
             assert nxt.messages[: len(prev.messages)] == prev.messages
         first = turns[0]

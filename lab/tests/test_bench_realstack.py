@@ -98,8 +98,8 @@ def test_tiny_agent_run_through_envoy_with_our_router_and_round_robin(tmp_path: 
     require_binary("envoy")
     out = tmp_path / "agents.json"
     argv = [sys.executable, "-m", "extproc", "bench", "realstack", "--workload", "agents",
-            "--routers", f"{OURS},{ROUND_ROBIN}", "--agents", "2", "--rate", "10", "--replicas", "2", "--profile", "demo",
-            "--seed", "3", "--run-timeout", "60", "--json", str(out)]  # fmt: skip
+            "--routers", f"{OURS},{ROUND_ROBIN}", "--agents", "2", "--rate", "10", "--replicas", "2",
+            "--profile", "demo", "--seed", "3", "--run-timeout", "60", "--json", str(out)]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
