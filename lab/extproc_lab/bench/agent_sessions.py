@@ -65,10 +65,38 @@ class AgentLoad:
 
     agents: int = 48
     rate: float = 4.0
+    harness_tokens: int = 1500
+    task_tokens: int = 500
+    turns: tuple[int, int] = (8, 16)
+    tool_result_tokens: tuple[int, int] = (100, 500)
+    call_tokens: tuple[int, int] = (30, 90)
 
     def workload(self, model: str, seed: int) -> Workload:
         """The simulator's agent workload for these knobs (requests hashed for ``model``)."""
-        return agents(self.agents, seed=seed, rate=self.rate, model=model)
+        return agents(
+            self.agents,
+            seed=seed,
+            rate=self.rate,
+            model=model,
+            harness_tokens=self.harness_tokens,
+            task_tokens=self.task_tokens,
+            turns=self.turns,
+            tool_result_tokens=self.tool_result_tokens,
+            call_tokens=self.call_tokens,
+        )
+
+
+SMALL_AGENTS = AgentLoad(
+    agents=12,
+    rate=1.0,
+    harness_tokens=600,
+    task_tokens=150,
+    turns=(4, 6),
+    tool_result_tokens=(50, 200),
+    call_tokens=(10, 30),
+)
+"""The agent workload at a size the CPU engines of ``--engine vllm`` serve (contexts under their
+3,072-token limit): the same shape, a shorter harness, task and tool results, 4-6 turns."""
 
 
 def agent_calls(workload: Workload) -> list[AgentCall]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -115,7 +116,7 @@ def _add_overhead_parser(kinds: Any) -> None:
 
 
 def _add_realstack_parser(kinds: Any) -> None:
-    from extproc_lab.bench.agent_sessions import AgentLoad
+    from extproc_lab.bench.agent_sessions import SMALL_AGENTS, AgentLoad
     from extproc_lab.bench.peer_routers import PEERS_DIR_ENV
     from extproc_lab.bench.realstack import (
         AGENT_DEFAULTS,
@@ -151,12 +152,19 @@ def _add_realstack_parser(kinds: Any) -> None:
         "contexts, tool pauses, forks, keyless agents), with the reuse offered and captured "
         f"(defaults then: {agent_defaults})",
     )
-    p.add_argument("--agents", type=int, default=agent["agents"].default, help="agents (--workload agents)")
+    p.add_argument(
+        "--agents",
+        type=int,
+        default=None,
+        help=f"agents (--workload agents; default {agent['agents'].default}, {SMALL_AGENTS.agents} with --engine "
+        "vllm, whose agents are smaller: shorter harness, task and tool results, 4-6 turns)",
+    )
     p.add_argument(
         "--rate",
         type=float,
-        default=agent["rate"].default,
-        help="the agent workload's pace: agents start at 0.5/s x RATE, tool pauses average 2 s / RATE",
+        default=None,
+        help="the agent workload's pace: agents start at 0.5/s x RATE, tool pauses average 2 s / RATE "
+        f"(default {agent['rate'].default}, {SMALL_AGENTS.rate:g} with --engine vllm)",
     )
     p.add_argument("--profile", default=None, help="the fake replicas' timing profile (default: demo)")
     p.add_argument("--conversations", type=int, default=None, help=default("conversations"))
@@ -430,7 +438,7 @@ def run_objectives_ramp_command(args: argparse.Namespace) -> int:
 
 def run_realstack_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench realstack``."""
-    from extproc_lab.bench.agent_sessions import AgentLoad
+    from extproc_lab.bench.agent_sessions import SMALL_AGENTS, AgentLoad
     from extproc_lab.bench.peer_routers import default_peers_dir
     from extproc_lab.bench.realstack import (
         AGENT_DEFAULTS,
@@ -482,7 +490,10 @@ def run_realstack_command(args: argparse.Namespace) -> int:
         log_dir=Path(args.log_dir) if args.log_dir else None,
         price_config=Path(args.price_config) if args.price_config else None,
         workload=args.workload,
-        agents=AgentLoad(agents=args.agents, rate=args.rate),
+        agents=dataclasses.replace(
+            SMALL_AGENTS if vllm else AgentLoad(),
+            **{k: v for k, v in (("agents", args.agents), ("rate", args.rate)) if v is not None},
+        ),
         profile=pick(args.profile, "profile"),
     )
     try:

@@ -152,6 +152,13 @@ class RealStackSetup:
             # The agent requests' block keys are the fake's 16-token text blocks.
             if self.engine == "fake" and get_profile(self.profile).block_size != 16:
                 raise ValueError(f"--workload agents needs a 16-token block profile, not {self.profile!r}")
+            if self.engine == "vllm":
+                # The fake's count (about four bytes a token) stands in for the engine's tokenizer.
+                longest = max(c.text_tokens + c.max_tokens for c in workload_calls(self))
+                if longest > self.max_model_len:
+                    raise ValueError(
+                        f"the agents' longest context (~{longest} tokens) exceeds --max-model-len {self.max_model_len}"
+                    )
         get_profile(self.profile)
         known = self.known_routers()
         unknown = [r for r in self.routers if r not in known]
@@ -396,12 +403,16 @@ _PROCESSOR_COUNTERS = {
     "extproc_decisions_total": ("decisions", "reason"),
     "extproc_sessions_moved_total": ("sessions_moved", "reason"),
     "extproc_replica_ejections_total": ("ejections", "replica"),
+    # Keyless requests by how their conversation was known, and the router's own reuse ledger
+    # (prompt, offered and captured blocks as it believed them), beside the client's figures.
+    "extproc_conversations_total": ("conversations", "match"),
+    "extproc_reuse_blocks_total": ("reuse_blocks", "kind"),
 }
 
 
 async def read_decisions(url: str) -> dict[str, dict[str, float]]:
-    """Our processor's own account of the run: decisions and session moves by reason, and
-    replicas taken out of rotation."""
+    """Our processor's own account of the run: decisions and session moves by reason, replicas
+    taken out of rotation, keyless conversations by match and its reuse ledger by kind."""
     async with aiohttp.ClientSession() as http:
         samples = await load.read_metrics(http, url)
     out: dict[str, dict[str, float]] = {kind: {} for kind, _ in _PROCESSOR_COUNTERS.values()}
@@ -443,6 +454,11 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
         "first_errors": sorted(set(errors))[:3],
         "requests_per_replica": per_replica,
         "answers_per_replica": dict(sorted(Counter(t.replica for t in ok).items())),
+        # Where the slow first tokens were: each replica's TTFT p99 over the answers it gave.
+        "ttft_p99_by_replica": {
+            name: round(percentile([t.ttft_s for t in ok if t.replica == name], 0.99), 4)
+            for name in sorted({t.replica for t in ok})
+        },
         "replicas_used": sum(1 for n in per_replica.values() if n > 0),
         "sessions_on_one_replica": round(sum(len(r) == 1 for r in by_session.values()) / len(by_session), 4)
         if by_session
