@@ -454,6 +454,7 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
         "first_errors": sorted(set(errors))[:3],
         "requests_per_replica": per_replica,
         "answers_per_replica": dict(sorted(Counter(t.replica for t in ok).items())),
+        "slowest": _slowest(ok),
         # Where the slow first tokens were: each replica's TTFT p99 over the answers it gave.
         "ttft_p99_by_replica": {
             name: round(percentile([t.ttft_s for t in ok if t.replica == name], 0.99), 4)
@@ -469,6 +470,31 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
         "wall_s": round(run.wall_s, 2),
         **run.reuse,
     }
+
+
+def _slowest(ok: list[Turn]) -> list[dict[str, Any]]:
+    """The answers in the TTFT p99's tail (at most 8, slowest first): where each went, how much of
+    its prompt the replica had cached, and whether its conversation's previous turn had been
+    answered elsewhere (a move, a cold prefill of its whole context)."""
+    previous: dict[str, str] = {}
+    moved: dict[int, bool] = {}
+    # A conversation's turns are sent one after the other, so they complete in order.
+    for n, t in enumerate(ok):
+        moved[n] = t.session in previous and previous[t.session] != t.replica
+        previous[t.session] = t.replica
+    cut = percentile([t.ttft_s for t in ok], 0.99)
+    tail = sorted((n for n, t in enumerate(ok) if t.ttft_s >= cut), key=lambda n: -ok[n].ttft_s)[:8]
+    return [
+        {
+            "conversation": ok[n].session,
+            "replica": ok[n].replica,
+            "ttft_s": round(ok[n].ttft_s, 3),
+            "prompt_tokens": ok[n].prompt_tokens,
+            "cached_tokens": ok[n].cached_tokens,
+            "moved": moved[n],
+        }
+        for n in tail
+    ]
 
 
 def _price_args(setup: RealStackSetup) -> tuple[str, ...]:
