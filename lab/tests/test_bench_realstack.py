@@ -11,7 +11,18 @@ from typing import Any
 
 import pytest
 
-from extproc_lab.bench.realstack import OURS, ROUND_ROBIN, ROUTERS, RealStackSetup, format_table, run_realstack, verdict
+from extproc_lab.bench.realstack import (
+    OURS,
+    ROUND_ROBIN,
+    ROUTERS,
+    RealStackSetup,
+    Turn,
+    _moves,
+    _slowest,
+    format_table,
+    run_realstack,
+    verdict,
+)
 from tests.conftest import require_binary
 
 
@@ -49,6 +60,26 @@ def test_table_orders_replicas_and_the_verdict_names_each_missed_target() -> Non
     # 70.0% against 71.5% is within 2 points of it: met; the TTFT p99 is not.
     assert any(line.startswith("against vllm_router") and line.endswith("(met)") and "MISSED" in line for line in lines)
     assert lines[-1] == "replicas used by ours: 9 of 10 (MISSED)"
+
+
+def test_moves_and_the_slowest_answers_are_told_per_conversation() -> None:
+    ok = [
+        Turn("a", 0, True, 0.1, "replica-0", 100, 0),
+        Turn("b", 0, True, 0.2, "replica-1", 100, 0),
+        Turn("a", 1, True, 0.9, "replica-1", 200, 0),
+        Turn("a", 2, True, 0.3, "replica-1", 300, 200),
+    ]
+    assert _moves(ok) == {"turns": 1, "ttft_p99_s": 0.9}
+    tail = _slowest(ok)
+    assert tail[0] == {
+        "conversation": "a",
+        "replica": "replica-1",
+        "ttft_s": 0.9,
+        "prompt_tokens": 200,
+        "cached_tokens": 0,
+        "moved": True,
+    }
+    assert _moves(ok[:2]) == {"turns": 0, "ttft_p99_s": None}
 
 
 def test_unknown_router_and_bad_sizes_are_clear_errors() -> None:

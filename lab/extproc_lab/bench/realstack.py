@@ -454,6 +454,7 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
         "first_errors": sorted(set(errors))[:3],
         "requests_per_replica": per_replica,
         "answers_per_replica": dict(sorted(Counter(t.replica for t in ok).items())),
+        "turns_moved": _moves(ok),
         "slowest": _slowest(ok),
         # Where the slow first tokens were: each replica's TTFT p99 over the answers it gave.
         "ttft_p99_by_replica": {
@@ -472,16 +473,29 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
     }
 
 
+def _moved(ok: list[Turn]) -> list[bool]:
+    """For each answer, whether its conversation's previous turn was answered by another replica."""
+    previous: dict[str, str] = {}
+    moved = []
+    # A conversation's turns are sent one after the other, so they complete in order.
+    for t in ok:
+        moved.append(t.session in previous and previous[t.session] != t.replica)
+        previous[t.session] = t.replica
+    return moved
+
+
+def _moves(ok: list[Turn]) -> dict[str, Any]:
+    """Turns answered away from their conversation's previous replica, and their TTFT p99."""
+    moved = _moved(ok)
+    ttfts = [t.ttft_s for t, m in zip(ok, moved, strict=True) if m]
+    return {"turns": len(ttfts), "ttft_p99_s": round(percentile(ttfts, 0.99), 4) if ttfts else None}
+
+
 def _slowest(ok: list[Turn]) -> list[dict[str, Any]]:
     """The answers in the TTFT p99's tail (at most 8, slowest first): where each went, how much of
     its prompt the replica had cached, and whether its conversation's previous turn had been
     answered elsewhere (a move, a cold prefill of its whole context)."""
-    previous: dict[str, str] = {}
-    moved: dict[int, bool] = {}
-    # A conversation's turns are sent one after the other, so they complete in order.
-    for n, t in enumerate(ok):
-        moved[n] = t.session in previous and previous[t.session] != t.replica
-        previous[t.session] = t.replica
+    moved = _moved(ok)
     cut = percentile([t.ttft_s for t in ok], 0.99)
     tail = sorted((n for n, t in enumerate(ok) if t.ttft_s >= cut), key=lambda n: -ok[n].ttft_s)[:8]
     return [
