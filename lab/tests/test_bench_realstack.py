@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from extproc_lab.bench.agent_sessions import SMALL_AGENTS, AgentLoad
 from extproc_lab.bench.realstack import (
     OURS,
     ROUND_ROBIN,
@@ -87,6 +88,16 @@ def test_unknown_router_and_bad_sizes_are_clear_errors() -> None:
         run_realstack(RealStackSetup(routers=("nginx",)))
     with pytest.raises(ValueError, match="at least 1"):
         run_realstack(RealStackSetup(conversations=0))
+    with pytest.raises(ValueError, match="unknown workload"):
+        run_realstack(RealStackSetup(workload="batch"))
+    with pytest.raises(ValueError, match="unknown replica profile"):
+        run_realstack(RealStackSetup(workload="agents", profile="h200"))
+    with pytest.raises(ValueError, match="--agents must be at least 1"):
+        run_realstack(RealStackSetup(workload="agents", agents=AgentLoad(agents=0)))
+    # The full-size agents do not fit the CPU engines' context; the small ones do.
+    with pytest.raises(ValueError, match="exceeds --max-model-len 3072"):
+        RealStackSetup(workload="agents", engine="vllm", kv_blocks=128).check()
+    RealStackSetup(workload="agents", engine="vllm", kv_blocks=128, agents=SMALL_AGENTS).check()
     assert set(ROUTERS) == {OURS, ROUND_ROBIN, "sglang_router", "vllm_router", "smg"}
 
 
