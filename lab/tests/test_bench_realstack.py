@@ -11,7 +11,19 @@ from typing import Any
 
 import pytest
 
-from extproc_lab.bench.realstack import OURS, ROUND_ROBIN, ROUTERS, RealStackSetup, format_table, run_realstack, verdict
+from extproc_lab.bench.agent_sessions import SMALL_AGENTS, AgentLoad
+from extproc_lab.bench.realstack import (
+    OURS,
+    ROUND_ROBIN,
+    ROUTERS,
+    RealStackSetup,
+    Turn,
+    _moves,
+    _slowest,
+    format_table,
+    run_realstack,
+    verdict,
+)
 from tests.conftest import require_binary
 
 
@@ -51,11 +63,41 @@ def test_table_orders_replicas_and_the_verdict_names_each_missed_target() -> Non
     assert lines[-1] == "replicas used by ours: 9 of 10 (MISSED)"
 
 
+def test_moves_and_the_slowest_answers_are_told_per_conversation() -> None:
+    ok = [
+        Turn("a", 0, True, 0.1, "replica-0", 100, 0),
+        Turn("b", 0, True, 0.2, "replica-1", 100, 0),
+        Turn("a", 1, True, 0.9, "replica-1", 200, 0),
+        Turn("a", 2, True, 0.3, "replica-1", 300, 200),
+    ]
+    assert _moves(ok) == {"turns": 1, "ttft_p99_s": 0.9}
+    tail = _slowest(ok)
+    assert tail[0] == {
+        "conversation": "a",
+        "replica": "replica-1",
+        "ttft_s": 0.9,
+        "prompt_tokens": 200,
+        "cached_tokens": 0,
+        "moved": True,
+    }
+    assert _moves(ok[:2]) == {"turns": 0, "ttft_p99_s": None}
+
+
 def test_unknown_router_and_bad_sizes_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="unknown routers"):
         run_realstack(RealStackSetup(routers=("nginx",)))
     with pytest.raises(ValueError, match="at least 1"):
         run_realstack(RealStackSetup(conversations=0))
+    with pytest.raises(ValueError, match="unknown workload"):
+        run_realstack(RealStackSetup(workload="batch"))
+    with pytest.raises(ValueError, match="unknown replica profile"):
+        run_realstack(RealStackSetup(workload="agents", profile="h200"))
+    with pytest.raises(ValueError, match="--agents must be at least 1"):
+        run_realstack(RealStackSetup(workload="agents", agents=AgentLoad(agents=0)))
+    # The full-size agents do not fit the CPU engines' context; the small ones do.
+    with pytest.raises(ValueError, match="exceeds --max-model-len 3072"):
+        RealStackSetup(workload="agents", engine="vllm", kv_blocks=128).check()
+    RealStackSetup(workload="agents", engine="vllm", kv_blocks=128, agents=SMALL_AGENTS).check()
     assert set(ROUTERS) == {OURS, ROUND_ROBIN, "sglang_router", "vllm_router", "smg"}
 
 
@@ -89,3 +131,36 @@ def test_tiny_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) 
     # The processor decided every request (and the one warm-up request before the run).
     assert sum(ours["processor"]["decisions"].values()) == sent + 1
     assert f"| {OURS} * |" in done.stdout and f"| {ROUND_ROBIN} |" in done.stdout
+
+
+def test_tiny_agent_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) -> None:
+    """The simulator's agent workload through real Envoy (2 agents, ours and round robin): every
+    request answered, keyless agents' requests sent without a session header and still kept
+    together by ours, the reuse figures consistent with the replicas' own counters."""
+    require_binary("envoy")
+    out = tmp_path / "agents.json"
+    argv = [sys.executable, "-m", "extproc", "bench", "realstack", "--workload", "agents",
+            "--routers", f"{OURS},{ROUND_ROBIN}", "--agents", "2", "--rate", "10", "--replicas", "2",
+            "--profile", "demo", "--seed", "3", "--run-timeout", "60", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    work = result["setup"]["agent_workload"]
+    sent = work["requests"]
+    # Seed 3 gives a keyless agent among the two: its requests carry no x-session-id.
+    assert sent > 10 and work["keyless_requests"] > 0
+    for name, r in result["routers"].items():
+        assert "error" not in r, (name, r)
+        assert r["answered"] == sent and r["errors"] == 0 and not r["timed_out"], name
+        assert sum(r["requests_per_replica"].values()) == sent, name
+        assert {k: v for k, v in r["requests_per_replica"].items() if v} == r["answers_per_replica"], name
+        assert r["hit_ratio"] == pytest.approx(r["client_hit_ratio"], abs=0.01), name
+        # What was offered is at least what the replicas hit, and a share of it was captured.
+        assert r["hit_ratio"] - 0.01 <= r["reuse_offered"] <= 1.0, name
+        assert 0.0 < r["reuse_captured"] <= r["reuse_placed"] <= 1.0, name
+        assert r["reuse_captured"] == pytest.approx(r["hit_ratio"] / r["reuse_offered"], abs=0.02), name
+    ours, rr = result["routers"][OURS], result["routers"][ROUND_ROBIN]
+    # Ours keeps every agent, keyless or not, on one replica; round robin alternates them.
+    assert ours["sessions_on_one_replica"] == 1.0 and rr["sessions_on_one_replica"] < 1.0
+    assert ours["reuse_placed"] > rr["reuse_placed"]
+    assert "| offered | placed | captured |" in done.stdout

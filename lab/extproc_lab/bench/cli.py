@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -115,8 +116,17 @@ def _add_overhead_parser(kinds: Any) -> None:
 
 
 def _add_realstack_parser(kinds: Any) -> None:
+    from extproc_lab.bench.agent_sessions import SMALL_AGENTS, AgentLoad
     from extproc_lab.bench.peer_routers import PEERS_DIR_ENV
-    from extproc_lab.bench.realstack import ENGINES, ROUTERS, VLLM_DEFAULTS, VLLM_ROUTERS, RealStackSetup
+    from extproc_lab.bench.realstack import (
+        AGENT_DEFAULTS,
+        ENGINES,
+        ROUTERS,
+        VLLM_DEFAULTS,
+        VLLM_ROUTERS,
+        WORKLOADS,
+        RealStackSetup,
+    )
 
     d = RealStackSetup.__dataclass_fields__
     p = kinds.add_parser(
@@ -132,6 +142,31 @@ def _add_realstack_parser(kinds: Any) -> None:
         return f"(default: {d[name].default}{vllm})"
 
     p.add_argument("--engine", choices=ENGINES, default="fake", help="fake replicas, or real vLLM CPU engines")
+    agent = AgentLoad.__dataclass_fields__
+    agent_defaults = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in AGENT_DEFAULTS.items())
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="chat",
+        help="chat: the multi-turn conversations below; agents: the simulator's agent workload (long growing "
+        "contexts, tool pauses, forks, keyless agents), with the reuse offered and captured "
+        f"(defaults then: {agent_defaults})",
+    )
+    p.add_argument(
+        "--agents",
+        type=int,
+        default=None,
+        help=f"agents (--workload agents; default {agent['agents'].default}, {SMALL_AGENTS.agents} with --engine "
+        "vllm, whose agents are smaller: shorter harness, task and tool results, 4-6 turns)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="the agent workload's pace: agents start at 0.5/s x RATE, tool pauses average 2 s / RATE "
+        f"(default {agent['rate'].default}, {SMALL_AGENTS.rate:g} with --engine vllm)",
+    )
+    p.add_argument("--profile", default=None, help="the fake replicas' timing profile (default: demo)")
     p.add_argument("--conversations", type=int, default=None, help=default("conversations"))
     p.add_argument("--turns", type=int, default=None, help=default("turns"))
     p.add_argument("--replicas", type=int, default=None, help=default("replicas"))
@@ -403,8 +438,10 @@ def run_objectives_ramp_command(args: argparse.Namespace) -> int:
 
 def run_realstack_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench realstack``."""
+    from extproc_lab.bench.agent_sessions import SMALL_AGENTS, AgentLoad
     from extproc_lab.bench.peer_routers import default_peers_dir
     from extproc_lab.bench.realstack import (
+        AGENT_DEFAULTS,
         ROUTERS,
         VLLM_DEFAULTS,
         VLLM_ROUTERS,
@@ -417,11 +454,15 @@ def run_realstack_command(args: argparse.Namespace) -> int:
     d = RealStackSetup.__dataclass_fields__
     vllm = args.engine == "vllm"
 
+    agents = args.workload == "agents"
+
     def pick(value: Any, name: str) -> Any:
-        """The flag's value, else the engine kind's default."""
+        """The flag's value, else the engine kind's (or the agent workload's) default."""
         if value is not None:
             return value
-        return VLLM_DEFAULTS[name] if vllm and name in VLLM_DEFAULTS else d[name].default
+        if vllm and name in VLLM_DEFAULTS:
+            return VLLM_DEFAULTS[name]
+        return AGENT_DEFAULTS[name] if agents and not vllm and name in AGENT_DEFAULTS else d[name].default
 
     routers = args.routers or ",".join(VLLM_ROUTERS if vllm else ROUTERS)
     setup = RealStackSetup(
@@ -448,6 +489,12 @@ def run_realstack_command(args: argparse.Namespace) -> int:
         processor_args=tuple(args.processor_arg),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         price_config=Path(args.price_config) if args.price_config else None,
+        workload=args.workload,
+        agents=dataclasses.replace(
+            SMALL_AGENTS if vllm else AgentLoad(),
+            **{k: v for k, v in (("agents", args.agents), ("rate", args.rate)) if v is not None},
+        ),
+        profile=pick(args.profile, "profile"),
     )
     try:
         result = run_realstack(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -455,11 +502,21 @@ def run_realstack_command(args: argparse.Namespace) -> int:
         print(f"extproc bench: {exc}", file=sys.stderr)
         return 2
     s = result["setup"]
-    print(
-        f"{s['conversations']} conversations x {s['turns']} turns, {s['system_tokens']}-token shared system prompt, "
-        f"at most {s['live']} live; {s['replicas']} x {s['profile']} replicas of {s['kv_tokens_per_replica']} KV "
-        f"tokens (workload {s['workload_over_fleet_kv']:g}x the fleet's KV), seed {s['seed']}\n"
-    )
+    if agents:
+        a = s["agent_workload"]
+        print(
+            f"agents: {a['shape']}; {a['requests']} requests ({a['keyless_requests']} keyless), prompts of "
+            f"{a['mean_prompt_tokens']:g} tokens on average; {s['replicas']} x {s['profile']} replicas of "
+            f"{s['kv_tokens_per_replica']} KV tokens (distinct prompt blocks {s['workload_over_fleet_kv']:g}x the "
+            f"fleet's KV), seed {s['seed']}\n"
+        )
+    else:
+        print(
+            f"{s['conversations']} conversations x {s['turns']} turns, {s['system_tokens']}-token shared system "
+            f"prompt, at most {s['live']} live; {s['replicas']} x {s['profile']} replicas of "
+            f"{s['kv_tokens_per_replica']} KV tokens (workload {s['workload_over_fleet_kv']:g}x the fleet's KV), "
+            f"seed {s['seed']}\n"
+        )
     print(format_table(result))
     for line in verdict(result):
         print(f"  {line}")
