@@ -58,7 +58,7 @@ def test_the_replay_keeps_the_closed_loop_and_its_pauses() -> None:
 
     async def send(call: AgentCall) -> int:
         sent[call.index] = time.perf_counter()
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)  # a send that takes real time, as a replica's answer does
         answered[call.index] = time.perf_counter()
         return call.index
 
@@ -75,7 +75,7 @@ def test_a_replay_cut_by_its_timeout_names_what_was_not_answered() -> None:
     calls = agent_calls(AgentLoad(agents=2, rate=1.0).workload("demo-model", 7))
 
     async def send(call: AgentCall) -> int:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # an answer slower than the replay's 0.01 s timeout
         return call.index
 
     done = asyncio.run(replay_calls(calls, send, timeout_s=0.01))
