@@ -132,7 +132,6 @@ class Router:
         self.tenants = tenants or TenantLedger(config.tenants)
         self.replicas = replicas or ReplicaBook(config.replicas, config.health)
         block_tokens = config.features.block_chars // CHARS_PER_TOKEN
-        self.pairing = config.disaggregation.pair_settings(block_tokens)  # read where replicas carry roles
         self.caches = ReplicaCaches(self.replicas, self.store, block_tokens, kv_events)
         self.reuse = ReuseLedger(self._labels_of, world.wall)  # where the hit ratio goes (extproc.cache.reuse)
         self.queue: FairQueue | None = None
