@@ -19,6 +19,8 @@ What is here:
   measuring its memory);
 - replicas and their health as the scraper reads them, request features, tenants, upstream
   timeouts, the Envoy configuration a gateway is rendered from;
+- the admin API's messages and gRPC stub (``admin_pb2``, ``admin_pb2_grpc``), for a client of a
+  running router;
 - the wire formats the router reads: OpenAI bodies, the usage a response reports, vLLM's KV-event
   batches (and the KV-event subscriber, index and cache state built on them).
 """
@@ -86,6 +88,7 @@ from extproc.upstream_timeouts import UpstreamTimeouts
 from extproc.usage import UsageTail, parse_usage
 
 if TYPE_CHECKING:
+    from extproc._proto.admin.v1 import admin_pb2, admin_pb2_grpc
     from extproc.envoy_config import GatewaySpec, render_yaml
     from extproc.kvevents.cache_state import EventCacheState
     from extproc.server.stream import RequestStream
@@ -107,6 +110,11 @@ _LAZY = {
     "RECORD": "extproc.state.redis_scripts",
     "pack_hashes": "extproc.state.redis_scripts",
     "RedisStore": "extproc.state.redis_store",
+}
+# The admin API's messages and stub, for a client of a running router.
+_LAZY_MODULES = {
+    "admin_pb2": "extproc._proto.admin.v1.admin_pb2",
+    "admin_pb2_grpc": "extproc._proto.admin.v1.admin_pb2_grpc",
 }
 
 __all__ = [
@@ -175,6 +183,8 @@ __all__ = [
     "UpstreamTimeouts",
     "UsageTail",
     "WireError",
+    "admin_pb2",
+    "admin_pb2_grpc",
     "answer_messages",
     "build_profile",
     "cli_main",
@@ -198,10 +208,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The names of :data:`_LAZY`, imported on first use."""
+    """The names of :data:`_LAZY` and :data:`_LAZY_MODULES`, imported on first use."""
     module = _LAZY.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(_LAZY_MODULES[name])
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
