@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/mypyc_leaves.py
 
-Copies ``extproc/request/prefix.py`` (block hashing) and ``extproc/cache/inflight.py`` (the
+Copies ``extproc/request/prefix.py`` (block hashing) and ``extproc/fleet/cache/inflight.py`` (the
 in-flight prefix table, whose add and remove touch every block of a prompt) into a scratch
 package, compiles that copy with mypyc (needs gcc and the dev extra's mypy), and times both
 modules, interpreted and compiled, on an 8 KB prompt (128 blocks of 64 characters), each in a
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LEAVES = {"prefix.py": ROOT / "extproc/request/prefix.py", "inflight.py": ROOT / "extproc/cache/inflight.py"}
+LEAVES = {"prefix.py": ROOT / "extproc/request/prefix.py", "inflight.py": ROOT / "extproc/fleet/cache/inflight.py"}
 TIMING = """
 import sys, time
 sys.path.insert(0, sys.argv[1])

@@ -32,15 +32,21 @@ from extproc_lab.bench.overhead import chat_body
 ROOT = str(Path(__file__).resolve().parent.parent) + "/"
 # Where cProfile's own time of a function is charged, by its file (the first marker that matches).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("metrics (prometheus_client)", ("prometheus_client/", "extproc/metrics.py", "extproc/telemetry.py")),
+    (
+        "metrics (prometheus_client)",
+        ("prometheus_client/", "extproc/observe/metrics.py", "extproc/adapters/telemetry.py"),
+    ),
     ("body parsing (orjson, the OpenAI body)", ("orjson", "extproc/request/openai_body.py")),
-    ("prefix hashing", ("extproc/request/prefix.py", "xxhash", "extproc/kvevents/hashing.py")),
+    ("prefix hashing", ("extproc/request/prefix.py", "xxhash", "extproc/fleet/kvevents/hashing.py")),
     ("the decision (routing/)", ("extproc/routing/",)),
-    ("cache view and bookkeeping", ("extproc/cache/", "extproc/bookkeeping.py", "extproc/health/", "extproc/state/")),
+    (
+        "cache view and bookkeeping",
+        ("extproc/fleet/cache/", "extproc/core/bookkeeping.py", "extproc/fleet/health/", "extproc/state/"),
+    ),
     ("sessions", ("extproc/sessions", "extproc/session")),
     ("features (other request/ work)", ("extproc/request/",)),
-    ("the facade and plan (router.py, plan.py)", ("extproc/router.py", "extproc/plan.py")),
-    ("the ext_proc stream (server/)", ("extproc/server/",)),
+    ("the facade and plan (router.py, plan.py)", ("extproc/app/router.py", "extproc/app/plan.py")),
+    ("the ext_proc stream (server/)", ("extproc/adapters/server/",)),
     ("protobuf (parse, serialize, build)", ("google/protobuf", "_pb2", "{method 'SerializeToString'", "FromString")),
     ("asyncio", ("asyncio/",)),
 )

@@ -29,24 +29,27 @@ from extproc_lab.demo.gateway import LocalGateway
 # (category, markers in "function (file:line)" frames), tried from the innermost frame outwards:
 # the first frame that matches one decides. Order matters where a file would match two.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("metrics (prometheus_client)", ("prometheus_client/", "extproc/metrics.py", "extproc/telemetry.py")),
+    (
+        "metrics (prometheus_client)",
+        ("prometheus_client/", "extproc/observe/metrics.py", "extproc/adapters/telemetry.py"),
+    ),
     ("body parsing (orjson, the OpenAI body)", ("orjson", "extproc/request/openai_body.py")),
-    ("prefix hashing", ("extproc/request/prefix.py", "xxhash", "extproc/kvevents/hashing.py")),
+    ("prefix hashing", ("extproc/request/prefix.py", "xxhash", "extproc/fleet/kvevents/hashing.py")),
     ("tokenizing", ("extproc/request/tokenizer.py", "tokenizers")),
     ("the decision (routing/)", ("extproc/routing/",)),
     (
         "cache view and bookkeeping",
         (
-            "extproc/cache/",
-            "extproc/bookkeeping.py",
-            "extproc/health/replicas.py",
+            "extproc/fleet/cache/",
+            "extproc/core/bookkeeping.py",
+            "extproc/fleet/health/replicas.py",
             "extproc/state/",
-            "extproc/tenancy.py",
+            "extproc/state/tenancy.py",
         ),
     ),
     ("features (other request/ work)", ("extproc/request/",)),
-    ("the facade (router.py)", ("extproc/router.py",)),
-    ("the ext_proc stream (server/)", ("extproc/server/",)),
+    ("the facade (router.py)", ("extproc/app/router.py",)),
+    ("the ext_proc stream (server/)", ("extproc/adapters/server/",)),
     ("grpcio and protobuf (Python side)", ("grpc/", "google/protobuf", "_pb2", "envoy/", "xds/")),
     ("asyncio event loop", ("asyncio/", "selectors.py")),
 )

@@ -9,8 +9,8 @@ the lab, fuzzers and benchmarks import from those alone.
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from extproc.app.router import Routed, Router
 from extproc.config import Config, ConfigError, load_config
-from extproc.router import Routed, Router
 from extproc.routing import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot, decide
 from extproc.state import AffinityStore, MemoryStore
 

@@ -1,5 +1,5 @@
 """``python -m extproc``."""
 
-from extproc.cli import main
+from extproc.adapters.cli import main
 
 raise SystemExit(main())

@@ -2,7 +2,7 @@
 selectors and ``metadata.name`` field selectors, as the real one serves them: a watch with a
 selector is sent ``DELETED`` for an object that stops matching and ``ADDED`` for one that starts.
 
-Just enough for InferencePools and Pods (tests/unit/discovery, tests/e2e/test_picker_e2e.py):
+Just enough for InferencePools and Pods (tests/unit/fleet/discovery, tests/e2e/test_picker_e2e.py):
 objects are JSON mappings, every change bumps one resourceVersion, history can be compacted
 (watches from before are told ``410 Gone``), and requests can be made to fail.
 """

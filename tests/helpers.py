@@ -29,16 +29,16 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.kvevents.cache_state import EventCacheState
-from extproc.kvevents.hashing import EngineChain, HashAlgo
-from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.wire import BlockStored, Message, encode_batch
-from extproc.metrics.kv_events import KvEventMetrics
-from extproc.plan import Planner
+from extproc.adapters.server.stream import RequestStream
+from extproc.app.plan import Planner
+from extproc.app.router import Router
+from extproc.fleet.kvevents.cache_state import EventCacheState
+from extproc.fleet.kvevents.hashing import EngineChain, HashAlgo
+from extproc.fleet.kvevents.settings import KvEventSettings
+from extproc.fleet.kvevents.wire import BlockStored, Message, encode_batch
+from extproc.observe.metrics.kv_events import KvEventMetrics
 from extproc.request.tenant import api_key_digest
 from extproc.request.tokenizer import PromptTokenizer, TokenizerRegistry
-from extproc.router import Router
-from extproc.server.stream import RequestStream
 from extproc_lab.demo import fault_matrix as fm
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics

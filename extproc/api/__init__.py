@@ -28,7 +28,10 @@ What is here:
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from extproc.cli import main as cli_main
+from extproc.adapters.cli import main as cli_main
+from extproc.app.plan import Planner
+from extproc.app.router import Routed, Router
+from extproc.base.upstream_timeouts import UpstreamTimeouts
 from extproc.config import (
     Config,
     ConfigError,
@@ -40,14 +43,14 @@ from extproc.config import (
     load_config,
     with_overrides,
 )
-from extproc.health.replicas import LoadReport
-from extproc.health.settings import HealthSettings
-from extproc.health.vllm_metrics import ReplicaMetrics, parse_vllm_metrics
-from extproc.kvevents.feed import KvEventSource
-from extproc.kvevents.index import ModelIndex
-from extproc.kvevents.settings import KvEventSettings
-from extproc.kvevents.subscriber import Subscriptions
-from extproc.kvevents.wire import (
+from extproc.fleet.health.replicas import LoadReport
+from extproc.fleet.health.settings import HealthSettings
+from extproc.fleet.health.vllm_metrics import ReplicaMetrics, parse_vllm_metrics
+from extproc.fleet.kvevents.feed import KvEventSource
+from extproc.fleet.kvevents.index import ModelIndex
+from extproc.fleet.kvevents.settings import KvEventSettings
+from extproc.fleet.kvevents.subscriber import Subscriptions
+from extproc.fleet.kvevents.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -57,11 +60,10 @@ from extproc.kvevents.wire import (
     encode_batch,
     split_message,
 )
-from extproc.metrics.kv_events import KvEventMetrics
-from extproc.plan import Planner
-from extproc.queueing import QueueClass, QueueSettings
-from extproc.rebalance.prewarm import PrewarmSettings
-from extproc.rebalance.rebalancer import RebalanceSettings
+from extproc.fleet.queueing import QueueClass, QueueSettings
+from extproc.fleet.rebalance.prewarm import PrewarmSettings
+from extproc.fleet.rebalance.rebalancer import RebalanceSettings
+from extproc.observe.metrics.kv_events import KvEventMetrics
 from extproc.request.agent_apis import answer_messages
 from extproc.request.agent_hints import MAX_DEMOTION
 from extproc.request.features import (
@@ -73,7 +75,7 @@ from extproc.request.features import (
 )
 from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, parse_request_body, render_chat
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
-from extproc.router import Routed, Router
+from extproc.request.usage import UsageTail, parse_usage
 from extproc.routing.disagg import PairSettings
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, Profile, decide
@@ -83,15 +85,13 @@ from extproc.routing.roles import ROLE_LABEL, Role
 from extproc.routing.trace import DecisionTrace
 from extproc.state import AffinityStore
 from extproc.state.memory import MemoryStore
-from extproc.tenancy import TenantPolicy, TenantSettings
-from extproc.upstream_timeouts import UpstreamTimeouts
-from extproc.usage import UsageTail, parse_usage
+from extproc.state.tenancy import TenantPolicy, TenantSettings
 
 if TYPE_CHECKING:
     from extproc._proto.admin.v1 import admin_pb2, admin_pb2_grpc
-    from extproc.envoy_config import GatewaySpec, render_yaml
-    from extproc.kvevents.cache_state import EventCacheState
-    from extproc.server.stream import RequestStream
+    from extproc.adapters.envoy_config import GatewaySpec, render_yaml
+    from extproc.adapters.server.stream import RequestStream
+    from extproc.fleet.kvevents.cache_state import EventCacheState
     from extproc.state.factory import open_store
     from extproc.state.redis_keys import KeySpace
     from extproc.state.redis_scripts import RECORD, pack_hashes
@@ -101,10 +101,10 @@ if TYPE_CHECKING:
 # data-plane types alone most of a second, the gRPC server and the Redis client the rest) and
 # neither uses them. The names are the TYPE_CHECKING imports above, for the type checker.
 _LAZY = {
-    "GatewaySpec": "extproc.envoy_config",
-    "render_yaml": "extproc.envoy_config",
-    "EventCacheState": "extproc.kvevents.cache_state",
-    "RequestStream": "extproc.server.stream",
+    "GatewaySpec": "extproc.adapters.envoy_config",
+    "render_yaml": "extproc.adapters.envoy_config",
+    "EventCacheState": "extproc.fleet.kvevents.cache_state",
+    "RequestStream": "extproc.adapters.server.stream",
     "open_store": "extproc.state.factory",
     "KeySpace": "extproc.state.redis_keys",
     "RECORD": "extproc.state.redis_scripts",

@@ -24,15 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from extproc.app.router import Routed, Router
 from extproc.config import Config
 from extproc.core.effects import Identify, at_once
-from extproc.health.replicas import LoadReport
-from extproc.health.vllm_metrics import ReplicaMetrics
-from extproc.kvevents.hashing import EngineChain, HashAlgo, low64
-from extproc.kvevents.wire import seq_frame
-from extproc.membership import Membership
-from extproc.queueing import Admission, Refusal
-from extproc.rebalance.prewarm import Prewarmer
+from extproc.core.membership import Membership
+from extproc.fleet.health.replicas import LoadReport
+from extproc.fleet.health.vllm_metrics import ReplicaMetrics
+from extproc.fleet.kvevents.hashing import EngineChain, HashAlgo, low64
+from extproc.fleet.kvevents.wire import seq_frame
+from extproc.fleet.queueing import Admission, Refusal
+from extproc.fleet.rebalance.prewarm import Prewarmer
 from extproc.request.agent_apis import (
     MESSAGES_PATH,
     RESPONSES_PATH,
@@ -46,7 +47,6 @@ from extproc.request.conversation import conversation_chain
 from extproc.request.features import RequestFeatures
 from extproc.request.kv_transfer import PARAMS_FIELD, PREFILLER_HEADER, answer_params, decode_body, prefill_body
 from extproc.request.prefix import block_hashes, model_seed
-from extproc.router import Routed, Router
 from extproc.routing.latency import LatencyFit
 from extproc.routing.model import AffinityView, Replica
 from extproc.routing.pipeline import Decider, Profile, decide, ranked_decision
@@ -54,7 +54,7 @@ from extproc.routing.ring import HashRing
 from extproc.state.memory import MemoryStore, PrefixIndex
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only a run with KV events pays for that
-    from extproc.kvevents.cache_state import EventCacheState
+    from extproc.fleet.kvevents.cache_state import EventCacheState
 
 __all__ = [
     "MESSAGES_PATH",
@@ -227,7 +227,7 @@ class SyncDriver:
     # --- what the run learnt -------------------------------------------------------------------
 
     def reuse_blocks(self) -> tuple[int, int, int]:
-        """The router's hit-ratio ledger over the run (``extproc.cache.reuse``): prefix blocks
+        """The router's hit-ratio ledger over the run (``extproc.fleet.cache.reuse``): prefix blocks
         routed, offered (held by some replica of the pool), captured (held by the replica chosen)."""
         rows = self._router.reuse.rows()
         return (

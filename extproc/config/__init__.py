@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from extproc.base.validation import describe
 from extproc.config.errors import ConfigError
 from extproc.config.model import Config, Mode
 from extproc.config.replicas import REPLICA_KV_FIELDS, ReplicaEntry, parse_replica
@@ -32,8 +33,7 @@ from extproc.config.sections import (
     Sessions,
     Spillover,
 )
-from extproc.discovery.settings import SOURCE_KINDS
-from extproc.validation import describe
+from extproc.fleet.discovery.settings import SOURCE_KINDS
 
 __all__ = [
     "REPLICA_KV_FIELDS",

@@ -7,10 +7,10 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from extproc.base.validation import Section, option
 from extproc.config.held import held_as
 from extproc.request.classes import ClassRule
 from extproc.request.objectives import Objectives
-from extproc.validation import Section, option
 
 
 class ClassMatch(Section):

@@ -2,7 +2,7 @@
 runtime value every subsystem reads (``config.sessions.ttl_s``, ``config.health.weights.queue``).
 
 Each subsystem's section lives beside the subsystem (``HealthSettings`` in
-:mod:`extproc.health.settings`, ``QueueSettings`` in :mod:`extproc.queueing.settings`, ...);
+:mod:`extproc.fleet.health.settings`, ``QueueSettings`` in :mod:`extproc.fleet.queueing.settings`, ...);
 the sections no subsystem owns are in :mod:`extproc.config.sections`, the lists of entries in
 :mod:`.replicas`, :mod:`.classes`, :mod:`.profiles` and :mod:`.splits`; this module composes the
 root. Unknown keys are rejected in every section, types are strict (``"high"`` is not a number,
@@ -19,7 +19,8 @@ from typing import Literal
 
 from pydantic import field_validator, model_validator
 
-from extproc.budgets.settings import BudgetSettings
+from extproc.base.upstream_timeouts import UpstreamTimeouts
+from extproc.base.validation import Section, option
 from extproc.config.classes import ClassItem
 from extproc.config.profiles import ProfileMapping
 from extproc.config.replicas import ReplicaItem
@@ -36,21 +37,20 @@ from extproc.config.sections import (
     Spillover,
 )
 from extproc.config.splits import SplitItem
-from extproc.discovery.settings import DiscoverySettings, StaticSource
-from extproc.health.settings import HealthSettings
-from extproc.hotkeys.detector import HotKeySettings
-from extproc.kvevents.settings import KvEventSettings
-from extproc.queueing.settings import QueueSettings
-from extproc.rebalance.rebalancer import RebalanceSettings
+from extproc.fleet.discovery.settings import DiscoverySettings, StaticSource
+from extproc.fleet.health.settings import HealthSettings
+from extproc.fleet.kvevents.settings import KvEventSettings
+from extproc.fleet.queueing.settings import QueueSettings
+from extproc.fleet.rebalance.rebalancer import RebalanceSettings
+from extproc.observe.hotkeys.detector import HotKeySettings
+from extproc.observe.tracing import TracingSettings
 from extproc.request.features import FeatureSettings
 from extproc.request.kv_transfer import PREFILLER_HEADER
 from extproc.request.splits import SplitRule
 from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
+from extproc.state.budgets.settings import BudgetSettings
 from extproc.state.store_url import parse_store_url
-from extproc.tenancy import TenantSettings
-from extproc.tracing import TracingSettings
-from extproc.upstream_timeouts import UpstreamTimeouts
-from extproc.validation import Section, option
+from extproc.state.tenancy import TenantSettings
 
 Mode = Literal["cluster", "endpoint"]
 

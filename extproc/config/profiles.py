@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from extproc.base.validation import Section, option
 from extproc.config.held import held_as
-from extproc.validation import Section, option
 
 
 class PluginSpec(Section):

@@ -7,10 +7,10 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
+from extproc.base.validation import Section, field_error, option
 from extproc.config.errors import ConfigError
 from extproc.config.held import held_as
 from extproc.routing.model import Replica
-from extproc.validation import Section, field_error, option
 
 _ENDPOINT = r"^[a-z]+://."
 

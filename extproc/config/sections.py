@@ -8,11 +8,11 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
+from extproc.base.validation import Section, field_error, option
 from extproc.config.held import held_as
 from extproc.request.features import FeatureSettings
 from extproc.request.session import SessionSource
 from extproc.routing.disagg import PairSettings
-from extproc.validation import Section, field_error, option
 
 
 class Headers(Section):

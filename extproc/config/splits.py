@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
+from extproc.base.validation import Section, field_error, option
 from extproc.config.held import held_as
 from extproc.request.splits import SplitRule, SplitTarget
-from extproc.validation import Section, field_error, option
 
 
 class SplitMatch(Section):

@@ -24,14 +24,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from extproc.budgets import Admission as BudgetAdmission
-from extproc.budgets import BudgetLedger
 from extproc.config import Config
 from extproc.core.effects import Hold, Reserve, Steps
-from extproc.queueing import FairQueue, Refusal, Ticket
+from extproc.fleet.queueing import FairQueue, Refusal, Ticket
 from extproc.request.features import RequestFeatures
 from extproc.request.openai_body import INFERENCE_PATHS, costs_tokens
 from extproc.routing.model import Decision
+from extproc.state.budgets import Admission as BudgetAdmission
+from extproc.state.budgets import BudgetLedger
 
 OBJECTIVE_MESSAGE = "no replica is predicted to meet this request's latency objectives now; retry later"
 BUDGET_MESSAGES = {

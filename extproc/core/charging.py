@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from extproc.bookkeeping import Routed
-from extproc.budgets import BudgetLedger
 from extproc.config import Config
-from extproc.metering import TokenMeter
+from extproc.core.bookkeeping import Routed
 from extproc.request.features import RequestFeatures
-from extproc.usage import Usage
+from extproc.request.usage import Usage
+from extproc.state.budgets import BudgetLedger
+from extproc.state.metering import TokenMeter
 
 
 class Charges:

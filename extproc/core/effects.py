@@ -13,7 +13,7 @@ plain value naming what to do, and is sent back its result. A driver carries the
 
 The failures an effect may meet are the driver's to absorb where routing goes on without it: a
 store that fails a lookup answers an empty view (the decision then hashes), a record that fails
-is counted and forgotten, each as :mod:`extproc.router` always did.
+is counted and forgotten, each as :mod:`extproc.app.router` always did.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from extproc.budgets import Admission as BudgetAdmission
-from extproc.budgets import BudgetLedger
-from extproc.queueing import FairQueue, Refusal, Ticket
+from extproc.fleet.queueing import FairQueue, Refusal, Ticket
 from extproc.request.features import RequestFeatures
 from extproc.routing.model import AffinityView
+from extproc.state.budgets import Admission as BudgetAdmission
+from extproc.state.budgets import BudgetLedger
 from extproc.state.conversations import Conversations
 from extproc.state.store import AffinityStore
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
-    from extproc.kvevents.cache_state import EventCacheState
+    from extproc.fleet.kvevents.cache_state import EventCacheState
 
 log = logging.getLogger("extproc.core")
 

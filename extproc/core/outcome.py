@@ -1,7 +1,7 @@
 """What comes back from the replica, learnt from: a request's response headers, its first token,
 its last, its end.
 
-Each request's life after its decision is kept on its :class:`~extproc.bookkeeping.Routed`:
+Each request's life after its decision is kept on its :class:`~extproc.core.bookkeeping.Routed`:
 answered (its headers seen), its first token (a timed stream's first event with a token, or a
 non-streamed answer's placed from the engine's decode), its tokens over, ended (once, whatever
 ended it). The bookkeeping hooks hear of each step here.
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from extproc.bookkeeping import Hook, Routed, answered, ended
 from extproc.config import Config
-from extproc.health.rates import RateBook
-from extproc.health.replicas import ReplicaBook
-from extproc.metrics import RouterMetrics
-from extproc.queueing import FairQueue
+from extproc.core.bookkeeping import Hook, Routed, answered, ended
+from extproc.fleet.health.rates import RateBook
+from extproc.fleet.health.replicas import ReplicaBook
+from extproc.fleet.queueing import FairQueue
+from extproc.observe.metrics import RouterMetrics
 
 
 class Outcomes:

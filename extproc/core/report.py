@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.cache.reuse import ReuseLedger
-from extproc.decisions import DecisionFeed
-from extproc.metrics import RouterMetrics
+from extproc.fleet.cache.reuse import ReuseLedger
+from extproc.observe.decisions import DecisionFeed
+from extproc.observe.metrics import RouterMetrics
 from extproc.request.features import RequestFeatures
 from extproc.routing.model import AffinityView, Decision
 
-log = logging.getLogger("extproc.router")
+log = logging.getLogger("extproc.app.router")
 
 
 @dataclass(frozen=True, slots=True)

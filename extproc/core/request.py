@@ -19,20 +19,20 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from extproc.bookkeeping import Answer, Hook, PrefillHop, Routed, decided
-from extproc.budgets import BudgetLedger
-from extproc.cache import CacheView, ReplicaCaches
 from extproc.config import Config
 from extproc.core.admission import SPENDING_REFUSALS, AdmissionRule, Admitted, ObjectiveVerdict, admit
+from extproc.core.bookkeeping import Answer, Hook, PrefillHop, Routed, decided
 from extproc.core.effects import Hold, Identify, Lookup, Record, Steps, Tokenize
 from extproc.core.report import DecisionReport
-from extproc.health.latency import LatencyBook
-from extproc.health.replicas import ReplicaBook
-from extproc.hotkeys.detector import HotKeyDetector
-from extproc.hotkeys.warming import HotKeyWarmer
-from extproc.metrics import RouterMetrics
-from extproc.queueing import Refusal
-from extproc.rebalance.rebalancer import Rebalancer
+from extproc.fleet.cache import CacheView, ReplicaCaches
+from extproc.fleet.health.latency import LatencyBook
+from extproc.fleet.health.replicas import ReplicaBook
+from extproc.fleet.queueing import Refusal
+from extproc.fleet.rebalance.rebalancer import Rebalancer
+from extproc.observe.hotkeys.detector import HotKeyDetector
+from extproc.observe.hotkeys.warming import HotKeyWarmer
+from extproc.observe.metrics import RouterMetrics
+from extproc.observe.tracing import DecisionTracer
 from extproc.request.agent_apis import RESPONSES_PATH
 from extproc.request.features import (
     CHARS_PER_TOKEN,
@@ -47,15 +47,15 @@ from extproc.request.features import (
 )
 from extproc.request.openai_body import USAGE_ASKED_PATHS
 from extproc.request.splits import Arm, choose_arm, encode_body
+from extproc.request.usage import ask_for_usage
 from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason
 from extproc.routing.pipeline import Decider, DecisionInputs, Profiles
-from extproc.tenancy import TenantLedger
-from extproc.tracing import DecisionTracer
-from extproc.usage import ask_for_usage
+from extproc.state.budgets import BudgetLedger
+from extproc.state.tenancy import TenantLedger
 
-log = logging.getLogger("extproc.router")
+log = logging.getLogger("extproc.app.router")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from extproc.base.sampling import RateSampler
 from extproc.config import Config
-from extproc.health.latency import LatencyBook
+from extproc.fleet.health.latency import LatencyBook
 from extproc.request.agent_apis import RESPONSES_PATH, answer_messages
 from extproc.request.features import SLO_TPOT_HEADERS, SLO_TTFT_HEADERS, RequestFeatures, request_path
-from extproc.sampling import RateSampler
 
 if TYPE_CHECKING:  # its module loads the tokenizers: only servers with KV events pay for that
-    from extproc.kvevents.cache_state import EventCacheState
+    from extproc.fleet.kvevents.cache_state import EventCacheState
 
 OBJECTIVE_HEADERS = (*SLO_TTFT_HEADERS, *SLO_TPOT_HEADERS)
 

@@ -12,7 +12,7 @@ header sets it; ``loosen: true`` in the defaults lets a header loosen them too.
 
 from __future__ import annotations
 
-from extproc.validation import Section, option
+from extproc.base.validation import Section, option
 
 
 class Objectives(Section):

@@ -1,6 +1,6 @@
 """Hot prefixes in the decision: a prefix found hot is served by k replicas, not one.
 
-The detector (:mod:`extproc.hotkeys`) says which prefix fingerprints are hot and how many replicas
+The detector (:mod:`extproc.observe.hotkeys`) says which prefix fingerprints are hot and how many replicas
 each should have; the decision is given that table (fingerprint -> k) and stays pure. For a request
 of a hot prefix that no session holds elsewhere, :class:`HotPrefixFilter` keeps its k replicas:
 the first k on the ring from the prefix's own key that are under the bounded load (so gateways

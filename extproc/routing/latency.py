@@ -2,7 +2,7 @@
 a prediction says of a request's latency objectives (:func:`headroom`, :func:`verdict`).
 
 The predictions come from a linear model per replica that the router fits online from what it
-observes (:mod:`extproc.health.latency`); here it is only evaluated. Its inputs are what the
+observes (:mod:`extproc.fleet.health.latency`); here it is only evaluated. Its inputs are what the
 decision already knows of a candidate (:class:`LoadPoint`): the prompt tokens it would prefill
 (the prompt less what it is believed to hold), the prefill work already sent there and not yet
 answered, its running requests and its KV usage.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from extproc.engine_rates import PoolRates
+from extproc.base.engine_rates import PoolRates
 from extproc.request.features import RequestFeatures
 from extproc.routing.model import ReplicaState
 

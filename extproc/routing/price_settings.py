@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.engine_rates import prior_for
+from extproc.base.engine_rates import prior_for
 from extproc.routing.model import ReplicaState
 from extproc.routing.plugins import CycleState
 from extproc.routing.price_parts import Rates

@@ -5,7 +5,7 @@ Rates: each replica's learned rates where the latency models have them
 else its pool's prior: the first ``health.engine_rates`` entry its labels match
 (:attr:`~extproc.routing.latency.LatencyView.priors`, the one place the rate learner reads its
 prior too; ``extproc calibrate`` measures it), else the built-in one
-(:data:`extproc.engine_rates.BUILT_IN`, the lab's ``llama-8b-h100``: derived from the model's
+(:data:`extproc.base.engine_rates.BUILT_IN`, the lab's ``llama-8b-h100``: derived from the model's
 shape and the GPU's datasheet, not measured). A rate that is unknown or implausible
 (non-positive, or off the prior by more than ``learned_within``) is missing evidence and
 degrades to the prior; it never counts as free.
@@ -13,7 +13,7 @@ degrades to the prior; it never counts as free.
 
 from __future__ import annotations
 
-from extproc.engine_rates import BUILT_IN, EngineRates
+from extproc.base.engine_rates import BUILT_IN, EngineRates
 from extproc.routing.latency import LatencyFit, LearnedRates
 from extproc.routing.price_parts import Rates
 
@@ -24,7 +24,7 @@ def as_rates(engine: EngineRates, source: str) -> Rates:
 
 
 DEFAULT_RATES = as_rates(BUILT_IN, "prior")
-"""The built-in prior: ``llama-8b-h100`` of the lab (:data:`extproc.engine_rates.BUILT_IN`)."""
+"""The built-in prior: ``llama-8b-h100`` of the lab (:data:`extproc.base.engine_rates.BUILT_IN`)."""
 
 
 def fit_rates(fit: LatencyFit) -> LearnedRates:

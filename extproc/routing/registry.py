@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from extproc.base.validation import describe
 from extproc.routing.hot import HotPrefixFilter, HotPrefixScorer
 from extproc.routing.price import PricePicker, PriceScorer
 from extproc.routing.profile import Profile, WeightedScorer
 from extproc.routing.slo import SloFilter, SloHeadroomScorer
-from extproc.validation import describe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel

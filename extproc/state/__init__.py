@@ -1,5 +1,7 @@
-"""Affinity state: the store protocol, the in-memory store, and :func:`open_store` for a URL
-(``memory://`` or Redis; the Redis store lives in :mod:`extproc.state.redis_store`)."""
+"""What is kept and shared: the affinity stores (the protocol, the in-memory store, the Redis
+store in :mod:`extproc.state.redis_store`, and :func:`open_store` for a ``memory://`` or Redis
+URL), token budgets (:mod:`.budgets`), tenants (:mod:`.tenancy`) and the usage metered by
+tenant (:mod:`.metering`)."""
 
 from extproc.state.factory import open_store
 from extproc.state.memory import MemoryStore, PrefixIndex, SessionMap

@@ -17,12 +17,12 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from extproc.base.world import World
 from extproc.state.outage import Outage
 from extproc.state.redis_client import UNAVAILABLE, RedisClient, as_awaitable
 from extproc.state.redis_keys import KeySpace
 from extproc.state.redis_scripts import RECORD, RECORD_SHA, pack_hashes
 from extproc.state.store import StoreObserver
-from extproc.world import World
 
 log = logging.getLogger("extproc.state")
 

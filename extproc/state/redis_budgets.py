@@ -5,7 +5,7 @@ so a Redis Cluster serves them from one node. A charge adds to both and sets the
 script; a read fetches both with one MGET. A request under several budgets (its tenant's, its API
 key's, its model's) sends one such command per subject: pipelined on one server, side by side on
 a Cluster (each to its slot's node; redis-py refuses scripts in a cluster pipeline), about one
-round trip either way. Errors reach the ledger (:class:`extproc.budgets.ledger.BudgetLedger`), which
+round trip either way. Errors reach the ledger (:class:`extproc.state.budgets.ledger.BudgetLedger`), which
 then answers from this gateway's own counts.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from extproc.budgets.settings import WINDOWS
-from extproc.budgets.stores import window_start
+from extproc.state.budgets.settings import WINDOWS
+from extproc.state.budgets.stores import window_start
 
 CHARGE = """
 local out = {}
@@ -33,7 +33,7 @@ _TTLS = tuple(str(length + 60) for _, length in WINDOWS)
 
 
 class RedisBudgetStore:
-    """The :class:`~extproc.budgets.stores.BudgetStore` in Redis (``client``: a redis.asyncio client)."""
+    """The :class:`~extproc.state.budgets.stores.BudgetStore` in Redis (``client``: a redis.asyncio client)."""
 
     def __init__(self, client: Any, namespace: str = "extproc") -> None:
         self.client = client

@@ -54,6 +54,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from extproc.base.world import REAL_WORLD, World
 from extproc.routing.model import AffinityView
 from extproc.state.memory import MemoryStore
 from extproc.state.near_cache import NearCache
@@ -63,7 +64,6 @@ from extproc.state.redis_client import DEFAULT_TIMEOUT_S, UNAVAILABLE, RedisClie
 from extproc.state.redis_keys import KeySpace
 from extproc.state.redis_scripts import LOOKUP, LOOKUP_SHA, pack_hashes, parse_lookup
 from extproc.state.store import NullStoreObserver, StoreObserver, StoreStats
-from extproc.world import REAL_WORLD, World
 
 
 def _text(value: bytes | str) -> str:

@@ -2,7 +2,7 @@
 
 vLLM keeps a Responses conversation under its response id and prepends it to a request that names
 it as ``previous_response_id``. To hash such a follow-up in the engine's key space the router
-needs that conversation (:mod:`extproc.kvevents.responses`): the gateway that routed the turn
+needs that conversation (:mod:`extproc.fleet.kvevents.responses`): the gateway that routed the turn
 before knows it, and with a Redis store it also writes it here, so a follow-up that Envoy hands
 to another gateway is hashed as the first gateway would have hashed it. (Its pin needs nothing of
 this: the response id's link to its conversation is already a shared key, see

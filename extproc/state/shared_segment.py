@@ -1,6 +1,6 @@
 """The shared-memory segment of one ``extproc serve --workers N``: fixed-size tables every worker
 reads and writes directly (``multiprocessing.shared_memory``), which
-:class:`~extproc.state.shared_memory.SharedMemoryStore` and :mod:`extproc.health.shared_load` use:
+:class:`~extproc.state.shared_memory.SharedMemoryStore` and :mod:`extproc.fleet.health.shared_load` use:
 
 - replica rows: name, a generation (bumped when a forgotten replica's row is reused), cordon
   state, and the prefix bookkeeping below;
@@ -11,7 +11,7 @@ reads and writes directly (``multiprocessing.shared_memory``), which
   replica's counter. A replica holds a block while its stamp is among the last ``capacity``
   stamps it handed out (and newer than its last forget): a least-recently-routed bound without a
   shared list to keep in order;
-- per-worker load rows (:mod:`extproc.health.shared_load`).
+- per-worker load rows (:mod:`extproc.fleet.health.shared_load`).
 
 Writers take no lock on the request path. Each slot carries a check word computed from its
 fields; a slot torn by a reader racing a writer, or by two writers racing each other, fails the

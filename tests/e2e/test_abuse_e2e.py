@@ -151,7 +151,7 @@ async def test_bodies_over_the_limit_or_not_parsed_and_other_apis(tmp_path: Path
 
 async def test_two_workers_charge_one_count_per_budget(tmp_path: Path) -> None:
     """``--workers 2`` with a budget: with the memory store it does not start
-    (tests/unit/server/test_workers.py); with Redis both workers charge one count, so a burst
+    (tests/unit/adapters/server/test_workers.py); with Redis both workers charge one count, so a burst
     overshoots by what is in flight, never by a second budget (each worker counting apart would
     have admitted up to twice the limit)."""
     require_binary("envoy")

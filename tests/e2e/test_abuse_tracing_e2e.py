@@ -4,7 +4,7 @@ request carries every header a client could force a trace with: a sampled ``trac
 ``x-client-trace-id`` (Envoy's client_sampling, 100% by default), ``x-envoy-force-trace`` and an
 ``x-request-id`` whose UUID carries the forced-trace bits (which Envoy keeps from an address it
 deems internal). The rendered config removes them before Envoy reads them
-(``extproc.envoy_config.filters.trace_forcing_headers``); before it did, the first test's 40
+(``extproc.adapters.envoy_config.filters.trace_forcing_headers``); before it did, the first test's 40
 requests were all traced at 0%."""
 
 from __future__ import annotations

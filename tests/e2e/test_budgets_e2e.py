@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.budgets import window_start
+from extproc.state.budgets import window_start
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
 from tests.conftest import require_binary

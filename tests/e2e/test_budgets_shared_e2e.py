@@ -21,10 +21,10 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.budgets import TokenWeights
 from extproc.config import Config
 from extproc.request.features import extract_features
-from extproc.usage import parse_usage
+from extproc.request.usage import parse_usage
+from extproc.state.budgets import TokenWeights
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.load import read_metrics
 from extproc_lab.demo.processes import free_port

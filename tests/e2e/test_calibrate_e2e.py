@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.cli import main
+from extproc.adapters.cli import main
+from extproc.app.router import Router
 from extproc.config import config_from_mapping
-from extproc.router import Router
 from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_http
 from extproc_lab.replica.timing import LLAMA_8B_A100
 

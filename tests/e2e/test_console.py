@@ -228,5 +228,5 @@ async def test_the_replica_table_shows_each_replicas_role(http: aiohttp.ClientSe
 def test_the_console_ships_in_the_package() -> None:
     from importlib import resources
 
-    static = resources.files("extproc.admin") / "static"
+    static = resources.files("extproc.adapters.admin") / "static"
     assert all((static / name).is_file() for name in ("index.html", "console.js", "console.css"))

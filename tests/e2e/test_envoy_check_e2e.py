@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.server.app import SERVICE_NAME
+from extproc.adapters.server.app import SERVICE_NAME
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
 

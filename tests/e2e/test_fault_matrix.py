@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.envoy_config import GatewaySpec, render
-from extproc.health.vllm_metrics import parse_vllm_metrics
+from extproc.adapters.envoy_config import GatewaySpec, render
+from extproc.fleet.health.vllm_metrics import parse_vllm_metrics
 from extproc.routing import Replica
 from extproc_lab.demo import fault_matrix as fm
 from extproc_lab.demo.faulty import ABSURD_PAGE, NEGATIVE_PAGE

@@ -19,8 +19,8 @@ import yaml
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.admin.tables import reuse_rows
-from extproc.cache.reuse import Shares, shares
+from extproc.adapters.admin.tables import reuse_rows
+from extproc.fleet.cache.reuse import Shares, shares
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import words
 from tests.conftest import require_binary

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from extproc.router import Router
-from extproc.telemetry import export
+from extproc.adapters.telemetry import export
+from extproc.app.router import Router
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.processes import ProcessGroup, free_port, wait_for_http
 from tests.conftest import ROOT, chat_body, make_config, require_binary
@@ -78,7 +78,7 @@ async def test_metrics_page_for_a_known_sequence_of_decisions() -> None:
 
 
 def test_model_labels_are_bounded() -> None:
-    from extproc.metrics import BoundedLabel
+    from extproc.observe.metrics import BoundedLabel
 
     label = BoundedLabel(2)
     assert [label(m) for m in ("a", "b", "c", "a", "d")] == ["a", "b", "other", "a", "other"]

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.envoy_config import GatewaySpec, ProcessorTls, render
+from extproc.adapters.envoy_config import GatewaySpec, ProcessorTls, render
 from extproc.routing.model import Replica
 from extproc_lab.demo.processes import ProcessGroup, envoy_binary, free_port, wait_for_http, wait_for_port
 from tests.conftest import require_binary

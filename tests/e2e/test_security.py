@@ -6,8 +6,8 @@ Certificates are throwaway ones made with the ``openssl`` command line for each 
 routing headers are covered elsewhere: through Envoy with the processor up
 (``tests/e2e/test_e2e.py::test_client_set_routing_headers_are_ignored``), stripped by Envoy before
 ext_proc, so also when the processor is down
-(``tests/unit/envoy_config/test_envoy_config.py::test_client_routing_headers_are_stripped_before_ext_proc``),
-and removed again by the processor (``tests/unit/server/test_stream.py``).
+(``tests/unit/adapters/envoy_config/test_envoy_config.py::test_client_routing_headers_are_stripped_before_ext_proc``),
+and removed again by the processor (``tests/unit/adapters/server/test_stream.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.cli import main
+from extproc.adapters.cli import main
+from extproc.adapters.envoy_config import GatewaySpec, ProcessorTls, render_yaml
+from extproc.adapters.server import ProcessorServer
+from extproc.app.router import Router
 from extproc.config import Config, ConfigError, ListenerTls, config_from_mapping
-from extproc.envoy_config import GatewaySpec, ProcessorTls, render_yaml
-from extproc.router import Router
 from extproc.routing import Replica
-from extproc.server import ProcessorServer
 from extproc.state.factory import open_store
 from extproc.state.redis_store import RedisStore
 from extproc_lab.demo.gateway import LocalGateway
@@ -119,7 +119,7 @@ def test_every_listener_defaults_to_loopback() -> None:
 
 
 async def test_a_plaintext_listener_off_loopback_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("WARNING", "extproc.server")
+    caplog.set_level("WARNING", "extproc.adapters.server")
     server = ProcessorServer(Router(make_config()), "0.0.0.0:0")
     try:
         assert any("not loopback and has no TLS" in r.getMessage() for r in caplog.records)
@@ -450,7 +450,7 @@ async def test_info_logs_hold_no_prompt_key_session_or_password(tmp_path: Path) 
 async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: Pki) -> None:
     from extproc._proto.admin.v1 import admin_pb2 as admin_pb
     from extproc._proto.admin.v1 import admin_pb2_grpc as admin_grpc
-    from extproc.admin.server import AdminServer
+    from extproc.adapters.admin.server import AdminServer
     from extproc.config import AdminSettings
 
     router = Router(make_config())
@@ -475,7 +475,7 @@ async def test_admin_over_mtls_authorises_mutations_by_client_certificate(pki: P
 
 
 def test_the_admin_api_defaults_to_the_loopback_ext_proc_port_and_refuses_mutations() -> None:
-    from extproc.admin.auth import MutationPolicy
+    from extproc.adapters.admin.auth import MutationPolicy
 
     cfg = Config()
     assert cfg.admin.enabled and cfg.admin.listen is None  # a service of the ext_proc port, loopback

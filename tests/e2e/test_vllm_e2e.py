@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.health.vllm_metrics import parse_vllm_metrics
+from extproc.fleet.health.vllm_metrics import parse_vllm_metrics
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn, words
 from tests.conftest import require_binary

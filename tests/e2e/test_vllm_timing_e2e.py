@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.calibrate import Engine
-from extproc.cli import main as cli_main
+from extproc.adapters.calibrate import Engine
+from extproc.adapters.cli import main as cli_main
 from extproc.config import config_from_mapping
 from extproc_lab.bench.price_accuracy import first_token, measure, open_stream, render, summarize
 from extproc_lab.demo.gateway import LocalGateway

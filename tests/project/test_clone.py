@@ -23,7 +23,7 @@ from tests.conftest import ROOT, require_binary
 # page), plus the unit tests of what the benchmark is built on.
 QUICK_SUBSET = (
     "lab/tests/test_workloads.py",
-    "tests/unit/health/test_health.py",
+    "tests/unit/fleet/health/test_health.py",
     "tests/unit/request/test_request.py",
     "tests/unit/config/test_config.py",
     "tests/unit/routing/test_decision.py",
@@ -130,7 +130,7 @@ def wheels(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
 def test_the_router_wheel_holds_no_lab_and_routes_alone(wheels: tuple[Path, Path], tmp_path: Path) -> None:
     router_wheel, _ = wheels
     names = zipfile.ZipFile(router_wheel).namelist()
-    assert any(n.startswith("extproc/router.py") for n in names)
+    assert any(n.startswith("extproc/app/router.py") for n in names)
     assert [n for n in names if not n.startswith(("extproc/", "extproc_router-"))] == []
     assert [
         n for n in names if n.startswith(("extproc/demo/", "extproc/sim/", "extproc/replica/", "extproc/bench/"))
@@ -148,7 +148,7 @@ import asyncio, importlib.util, json, sys
 import extproc
 from extproc.config import Config, Metrics
 from extproc.routing import Replica
-from extproc.router import Router
+from extproc.app.router import Router
 cfg = Config(replicas=(Replica("a", "127.0.0.1:8001"), Replica("b", "127.0.0.1:8002")), metrics=Metrics(enabled=False))
 body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
 routed = asyncio.run(Router(cfg).route({":path": "/v1/chat/completions", "x-session-id": "s1"}, body))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import build_parser
+from extproc.adapters.cli import build_parser
 from tests.conftest import ROOT
 
 PAGES = (

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from helm_python import Chart, HelmError, HelmValuesError, lint
 
+from extproc.adapters.server.tls import server_credentials
 from extproc.config import ListenerTls, config_from_mapping
-from extproc.discovery import InferencePoolSource, KubernetesSource
-from extproc.server.tls import server_credentials
+from extproc.fleet.discovery import InferencePoolSource, KubernetesSource
 from tests.conftest import ROOT
 from tests.helpers import validate
 from tests.k8s_schemas import CORE_GROUPS, CRD_SCHEMAS, EXT_PROC_SERVICE, K8S_VERSIONS

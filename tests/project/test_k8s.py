@@ -24,10 +24,8 @@ import pytest
 import yaml
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ExternalProcessor
 
-from extproc.cli import main
-from extproc.config import config_from_mapping
-from extproc.discovery.settings import KubernetesSource
-from extproc.envoy_config import (
+from extproc.adapters.cli import main
+from extproc.adapters.envoy_config import (
     GatewaySpec,
     IstioSpec,
     istio_envoy_filter,
@@ -35,6 +33,8 @@ from extproc.envoy_config import (
     render,
     to_dict,
 )
+from extproc.config import config_from_mapping
+from extproc.fleet.discovery.settings import KubernetesSource
 from tests.conftest import ROOT, require_binary
 from tests.helpers import apply_istio_patches, validate
 from tests.k8s_schemas import CORE_GROUPS, CRD_SCHEMAS, EXT_PROC_SERVICE, K8S_VERSIONS
@@ -455,7 +455,7 @@ def test_the_wheel_installs_the_extproc_command(tmp_path: Path) -> None:
     wheel = next(tmp_path.glob("extproc_router-*.whl"))
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert "extproc/py.typed" in names and "extproc/cli.py" in names
+    assert "extproc/py.typed" in names and "extproc/adapters/cli.py" in names
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "envoy/", "k8s/"))]
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])

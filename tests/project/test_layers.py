@@ -10,56 +10,38 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-# Higher may import lower (and its own group); see docs/architecture.md.
-RANKS = {
-    "extproc.api": 8,  # the public surface: the only router names the lab, fuzzers and benchmarks import
-    "extproc": 7,  # the package's public re-exports
-    "extproc.__main__": 7,
-    "extproc.cli": 7,
-    "extproc.server": 7,
-    "extproc.envoy_config": 7,
-    "extproc.metrics_http": 7,
-    "extproc.calibrate": 7,
-    "extproc.admin": 7,  # the admin gRPC server, its client (`extproc admin`) and the console
-    "extproc.telemetry": 7,
-    "extproc.router": 6,  # the wiring of the request path's collaborators, and its entry points
-    "extproc.core": 6,  # the request core: steps with no I/O, their effects, admission, outcomes, charges
-    "extproc.plan": 6,  # what the router wants done with a request, for an adapter to carry out
-    "extproc.bookkeeping": 5,  # what routing a request changes (load, caches, tenants), and undoes
-    "extproc.membership": 5,  # membership, cordons and drains, and the moves they cause
-    "extproc.config": 5,
-    "extproc.health": 4,
-    "extproc.discovery": 4,
-    "extproc.rebalance": 4,
-    "extproc.queueing": 4,
-    "extproc.tracing": 4,  # decision spans over OTLP (the SDK imported only when tracing is on)
-    "extproc.kvevents": 4,
-    "extproc.cache": 4,  # what each replica holds: the estimate, the prompts in flight, their one view
-    "extproc.state": 3,
-    "extproc.tenancy": 3,
-    "extproc.budgets": 3,  # token budgets per tenant, API key and model: admission, charges, their stores
-    "extproc.metering": 3,  # the tokens responses reported, by tenant and model (the usage export)
-    "extproc.metrics": 2,
-    "extproc.decisions": 2,  # the sampled feed of decisions (WatchDecisions, the console)
-    "extproc.hotkeys": 2,  # the hot-key detector (sampled fingerprints, a bucketed heavy-hitter sketch)
-    "extproc.routing": 1,
-    "extproc.request": 0,
-    "extproc.logs": 0,
+# Higher may import lower (and its own group); see docs/architecture.md. Each folder of extproc/ is
+# a layer; a module's group is the longest name below that it is or lies in, so a folder may rank
+# some of its parts below the rest (the core's ledger below its steps).
+RANKS: dict[str, float] = {
+    "extproc.api": 10,  # the public surface: the only router names the lab, fuzzers and benchmarks import
+    "extproc": 9,  # the package's public re-exports
+    "extproc.__main__": 9,
+    "extproc.adapters": 9,  # the ext_proc server, admin API and console, Envoy config, the command, /metrics
+    "extproc.app": 8,  # the wiring of the request path's collaborators, and the plan an adapter carries out
+    "extproc.core": 7,  # the request core: steps with no I/O, their effects, admission, outcomes, charges
+    "extproc.core.bookkeeping": 6.5,  # what routing a request changes (load, caches, tenants), and undoes
+    "extproc.core.membership": 6.5,  # membership, cordons and drains, and the moves they cause
+    "extproc.config": 6,
+    "extproc.fleet": 5,  # health, discovery, KV events and cache estimates, rebalance, the fair queue
+    "extproc.state": 4,  # the affinity stores, token budgets, tenants, metering
+    "extproc.observe": 3,  # decision feed, tracing, hot keys
+    "extproc.observe.metrics": 3,  # apart: only the wiring imports it (below)
+    "extproc.routing": 2,
+    "extproc.request": 1,  # the wire of a request and its answer (bodies, sessions, usage, token timing)
     "extproc._proto": 0,  # generated from proto/ (scripts/gen_proto.py)
-    "extproc.upstream_timeouts": 0,
-    "extproc.validation": 0,
-    "extproc.usage": 0,  # the token usage a response body reports, read as it passes
-    "extproc.token_clock": 0,  # when a streamed answer's first and last tokens passed, read from its body
-    "extproc.engine_rates": 0,  # an engine's speeds as pricing reads them (learnt in health/rates)
-    "extproc.sampling": 0,  # deterministic sampling at a rate
-    "extproc.event_loop": 0,  # the processor's event loop: uvloop where installed, asyncio's otherwise
-    "extproc.world": 0,  # time and chance, injected: the one clock, sleeper and random source
+    "extproc.base": 0,  # time and chance, the event loop, logs, sampling, validation, engine rates
 }
 
 
 def _group(module: str) -> str:
+    """The longest name in :data:`RANKS` that ``module`` is or lies in (``module`` itself if none)."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 1 else module
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in RANKS:
+            return name
+    return module
 
 
 def _imports(package_dir: Path) -> Iterator[tuple[str, str, str]]:
@@ -209,21 +191,27 @@ def test_test_files_import_no_other_test_file() -> None:
 # Subsystems report through observer protocols of their own; only these wire the metrics in (and
 # the public surface re-exports the KV-event metrics, which the lab wires a subscriber with).
 METRICS_WIRING = (
-    "extproc.metrics",
-    "extproc.router",
+    "extproc.observe.metrics",
+    "extproc.app.router",
     "extproc.core",
-    "extproc.server",
-    "extproc.cli",
-    "extproc.telemetry",
+    "extproc.adapters.server",
+    "extproc.adapters.cli",
+    "extproc.adapters.telemetry",
     "extproc.api",
 )
+
+
+def _wires_metrics(module: str) -> bool:
+    """In the wiring's modules, the core's ledger below its steps aside."""
+    within = any(module == n or module.startswith(n + ".") for n in METRICS_WIRING)
+    return within and _group(module) not in ("extproc.core.bookkeeping", "extproc.core.membership")
 
 
 def test_only_the_wiring_imports_the_metrics() -> None:
     offenders = {
         f"{where}: {target}"
         for module, target, where in _imports(ROOT / "extproc")
-        if _group(target) == "extproc.metrics" and _group(module) not in METRICS_WIRING
+        if _group(target) == "extproc.observe.metrics" and not _wires_metrics(module)
     }
     assert offenders == set(), "report through the subsystem's observer protocol"
 
@@ -338,3 +326,12 @@ def test_the_router_has_no_import_circle() -> None:
         for members in import_circles(graph)
     ]
     assert found == [], "import circles:\n" + "\n".join(found)
+
+
+def test_unit_tests_mirror_the_router_s_folders() -> None:
+    """Each folder of tests/unit is a folder of extproc/ (the tests of `extproc/fleet/health/` are in
+    `tests/unit/fleet/health/`), so a module's tests are found where the module is."""
+    units = ROOT / "tests" / "unit"
+    folders = [p.relative_to(units) for p in sorted(units.rglob("*")) if p.is_dir() and p.name != "__pycache__"]
+    assert folders, units
+    assert [f for f in folders if not (ROOT / "extproc" / f).is_dir()] == []

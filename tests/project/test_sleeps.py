@@ -1,5 +1,5 @@
 """Tests wait on time only where real time is what they test against: a loop of the router's
-takes its sleeper from :mod:`extproc.world`, so its test drives a manual world instead. A sleep
+takes its sleeper from :mod:`extproc.base.world`, so its test drives a manual world instead. A sleep
 left in a test says why in a comment, on its line or the line above (a real process, a real
 Redis's clock, a client's think time, a loop turn)."""
 
@@ -43,4 +43,4 @@ def test_every_sleep_in_the_tests_says_why() -> None:
         for path in sorted(folder.rglob("*.py"))
         for n in unexplained_sleeps(path.read_text(encoding="utf-8"))
     ]
-    assert offenders == [], "drive extproc.world's ManualWorld, or say why real time is needed"
+    assert offenders == [], "drive extproc.base.world's ManualWorld, or say why real time is needed"

@@ -31,7 +31,8 @@ from extproc.api import Replica
 from extproc_lab.demo.gateway import HOST, LocalGateway
 from extproc_lab.demo.processes import envoy_binary, free_port, wait_for_http, wait_for_port
 
-# What the shipped files are rendered for (tests/unit/envoy_config/test_envoy_config.py renders them with these).
+# What the shipped files are rendered for (tests/unit/adapters/envoy_config/test_envoy_config.py renders
+# them with these).
 SHIPPED_REPLICAS = (
     Replica("replica-0", "127.0.0.1:8001"),
     Replica("replica-1", "127.0.0.1:8002"),

@@ -37,7 +37,7 @@ from extproc_lab.stats import percentile
 
 class SimPrewarmer:
     """The router's pre-warmer driven by the virtual clock instead of asyncio: its queue
-    (:class:`~extproc.rebalance.prewarm.PrewarmQueue`) asks for a pump now whenever a pre-warm
+    (:class:`~extproc.fleet.rebalance.prewarm.PrewarmQueue`) asks for a pump now whenever a pre-warm
     is queued, and :meth:`pump` sends, through ``send(address, path, body) -> status``, what the
     token bucket lets go, then asks to be woken when the next token is due."""
 

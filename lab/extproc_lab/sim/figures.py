@@ -36,7 +36,7 @@ def figures(run: SimRun) -> dict[str, Any]:
     blocks, offered, captured = run.reuse_blocks
     return {
         "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
-        # Where the hit ratio goes (extproc.cache.reuse): the reuse the workload offered, the
+        # Where the hit ratio goes (extproc.fleet.cache.reuse): the reuse the workload offered, the
         # share of it the policy captured.
         "reuse_offered": round(offered / blocks, 4) if blocks else None,
         "reuse_captured": round(captured / offered, 4) if offered else None,

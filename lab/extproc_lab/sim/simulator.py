@@ -109,7 +109,7 @@ class SimRun:
     decisions: dict[str, int] = field(default_factory=dict)
     events: int = 0
     reuse_blocks: tuple[int, int, int] = (0, 0, 0)
-    """The router's hit-ratio ledger over the run (``extproc.cache.reuse``): prefix blocks routed,
+    """The router's hit-ratio ledger over the run (``extproc.fleet.cache.reuse``): prefix blocks routed,
     offered (held by some replica of the pool), captured (held by the replica chosen)."""
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main
+from extproc.adapters.cli import main
 from extproc.config import Config, ConfigError, config_from_mapping, load_config, parse_replica
 
 GOOD = {
@@ -61,8 +61,8 @@ def test_parse_replica_flag() -> None:
 
 
 def test_a_replicas_kv_event_endpoints_in_the_file_are_the_flags_labels(tmp_path: Path) -> None:
-    from extproc.kvevents.endpoints import rank_endpoints
-    from extproc.kvevents.settings import KvEventSettings
+    from extproc.fleet.kvevents.endpoints import rank_endpoints
+    from extproc.fleet.kvevents.settings import KvEventSettings
 
     path = tmp_path / "router.yaml"
     path.write_text(

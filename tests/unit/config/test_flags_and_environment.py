@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import build_parser, main
+from extproc.adapters.cli import build_parser, main
+from extproc.base.validation import Section, option
 from extproc.config import Config, ConfigError, config_from_mapping, parse_replica
 from extproc.config.cli_flags import ALIASES, SWITCHES, add_config_flags, config_from_flags
 from extproc.config.keys import _keys_of, config_keys, key
 from extproc.config.profiles import ProfileSpec
-from extproc.validation import Section, option
 
 
 def _parser() -> argparse.ArgumentParser:

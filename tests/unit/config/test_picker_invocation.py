@@ -6,11 +6,11 @@ import logging
 
 import pytest
 
-from extproc.cli import build_parser, main
+from extproc.adapters.cli import build_parser, main
+from extproc.adapters.server.self_signed import serves_self_signed
 from extproc.config.cli_flags import config_from_flags
 from extproc.config.picker_invocation import apply_picker_flags, as_serve, report_picker_flags
-from extproc.discovery.settings import InferencePoolSource
-from extproc.server.self_signed import serves_self_signed
+from extproc.fleet.discovery.settings import InferencePoolSource
 
 # The arguments GIE's chart gives its picker's container (its epp Deployment, a single replica,
 # tracing off), with a release named qwen in namespace llm.

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from extproc.budgets import Admission as BudgetAdmission
-from extproc.budgets import BudgetSettings
+from extproc.app.router import Router
 from extproc.core.effects import Effect, Hold, Identify, Lookup, Record, Reserve, Steps, Tokenize, at_once
-from extproc.queueing import QueueSettings, Refusal
-from extproc.router import Router
+from extproc.fleet.queueing import QueueSettings, Refusal
 from extproc.routing.model import AffinityView, Reason
+from extproc.state.budgets import Admission as BudgetAdmission
+from extproc.state.budgets import BudgetSettings
 from tests.conftest import chat_body, make_config
 from tests.helpers import CHAT, Clock
 

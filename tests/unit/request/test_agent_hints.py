@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.health.sessions import LiveSessions
-from extproc.queueing import Admission, QueueClass, QueueSettings, Waiter
+from extproc.fleet.health.sessions import LiveSessions
+from extproc.fleet.queueing import Admission, QueueClass, QueueSettings, Waiter
 from extproc.request.agent_hints import MAX_DEMOTION, NO_HINTS, AgentHints, read_hints
 from extproc.request.features import FeatureSettings, read_request
 from extproc.request.session import SessionSource

@@ -82,8 +82,8 @@ def test_the_config_builds_rules() -> None:
 
 
 async def test_the_router_rewrites_the_body_and_hashes_the_served_model() -> None:
+    from extproc.app.router import Router
     from extproc.request.features import extract_features
-    from extproc.router import Router
     from tests.conftest import chat_body, make_config
 
     rule = SplitRule("c", (SplitTarget("m-v2", 1, pool="canary"),), model="m")
@@ -102,8 +102,8 @@ async def test_the_router_rewrites_the_body_and_hashes_the_served_model() -> Non
 
 
 async def test_a_split_request_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.app.router import Router
     from extproc.request import openai_body
-    from extproc.router import Router
     from tests.conftest import chat_body, make_config
 
     calls = 0

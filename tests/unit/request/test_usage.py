@@ -9,7 +9,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.usage import Usage, UsageStripper, UsageTail, ask_for_usage
+from extproc.request.usage import Usage, UsageStripper, UsageTail, ask_for_usage
 
 USAGE = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 96}}
 

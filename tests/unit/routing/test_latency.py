@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.config import Config
-from extproc.health.latency import LatencyBook
-from extproc.health.settings import HealthSettings
+from extproc.fleet.health.latency import LatencyBook
+from extproc.fleet.health.settings import HealthSettings
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint, verdict
@@ -264,7 +264,7 @@ def test_error_quantiles_are_the_windows_nearest_ranks() -> None:
 async def test_the_models_learn_only_where_objectives_are_in_use(
     mode: str, learns_before: bool, learns_after: bool
 ) -> None:
-    from extproc.router import Router
+    from extproc.app.router import Router
     from tests.conftest import chat_body, make_config
 
     router = Router(make_config(health=HealthSettings(latency_models=mode)))  # type: ignore[arg-type]

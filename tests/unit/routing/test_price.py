@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.engine_rates import EngineRates, PoolRates
+from extproc.base.engine_rates import EngineRates, PoolRates
 from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot

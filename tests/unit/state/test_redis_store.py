@@ -18,8 +18,8 @@ from redis.asyncio.cluster import NodesManager, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.metrics import RouterMetrics
-from extproc.router import Router
+from extproc.app.router import Router
+from extproc.observe.metrics import RouterMetrics
 from extproc.routing.model import Reason
 from extproc.state.factory import open_store
 from extproc.state.near_cache import NearCache

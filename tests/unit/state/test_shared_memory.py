@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.health.replicas import ReplicaBook
-from extproc.health.shared_load import PeerLoad
+from extproc.fleet.health.replicas import ReplicaBook
+from extproc.fleet.health.shared_load import PeerLoad
 from extproc.routing.model import Replica
 from extproc.state.shared_memory import SharedMemoryStore
 from extproc.state.shared_segment import SegmentSize, SharedSegment

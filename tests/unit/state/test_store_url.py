@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main
+from extproc.adapters.cli import main
 from extproc.config import ConfigError, config_from_mapping
 from extproc.config.cli_flags import add_config_flags, config_from_flags
 from extproc.state import MemoryStore

@@ -1,6 +1,0 @@
-"""Hot keys: prefixes that carry a disproportionate share of the traffic, found by sampling
-request fingerprints into a bounded heavy-hitter sketch (:mod:`extproc.hotkeys.detector`)."""
-
-from extproc.hotkeys.detector import HotKeyDetector, HotKeySettings
-
-__all__ = ["HotKeyDetector", "HotKeySettings"]
