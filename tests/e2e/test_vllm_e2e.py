@@ -345,34 +345,44 @@ def test_a_full_engine_with_nothing_waiting_takes_new_work_and_a_queued_one_does
 
     wait_until(f"{engine} idle", lambda: (p := page()).running == p.waiting == 0)
     rng = random.Random(31)
-    # Token ids, so that each prompt is exactly its blocks (ids above the tokenizer's specials).
+    # Token ids, so that each prompt is exactly its blocks (ids above the tokenizer's specials, within
+    # its vocabulary of 817: an id beyond it is refused with a 400).
     bodies = [
         {
             "model": MODEL,
-            "prompt": [rng.randrange(10, 2000) for _ in range(prompt_blocks * BLOCK)],
+            "prompt": [rng.randrange(10, 250) for _ in range(prompt_blocks * BLOCK)],
             "max_tokens": output,
             "ignore_eos": True,
         }
         for _ in range(running + 1)
     ]
     seen: dict[str, ReplicaMetrics] = {}
+    states: list[tuple[int, int, float]] = []  # (running, waiting, KV usage) as polled, for a failure's message
+
+    def poll() -> ReplicaMetrics:
+        p = seen["last"] = page()
+        states.append((p.running, p.waiting, round(p.kv_usage, 3)))
+        return p
+
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(_post, url + COMPLETIONS, b, None, 120) for b in bodies[:running]]
 
         def full() -> bool:
-            p = seen["last"] = page()
+            if ended := [f.exception() or "answered" for f in futures if f.done()]:
+                raise AssertionError(f"requests ended before the cache was seen full: {ended[:2]}, {states[-20:]}")
+            p = poll()
             return p.running == running and p.waiting == 0 and p.kv_usage > 0.9
 
-        wait_until(lambda: f"{engine} full with nothing waiting: {seen}", full, timeout_s=60, every_s=0.05)
+        wait_until(lambda: f"{engine} full with nothing waiting: {states[-20:]}", full, timeout_s=60, every_s=0.05)
         seen["full"] = seen["last"]
         futures.append(pool.submit(_post, url + COMPLETIONS, bodies[running], None, 120))
 
         def queued() -> bool:
-            p = seen["last"] = page()
+            p = poll()
             return p.waiting == 1 and p.kv_usage > 0.9
 
         try:
-            wait_until(lambda: f"{engine} full with one waiting: {seen}", queued, timeout_s=30, every_s=0.05)
+            wait_until(lambda: f"{engine} full with one waiting: {states[-20:]}", queued, timeout_s=30, every_s=0.05)
             seen["queued"] = seen["last"]
         finally:
             done = [f.result() for f in futures]
