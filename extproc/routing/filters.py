@@ -32,12 +32,19 @@ class InRotationFilter:
 
 @dataclass(slots=True)
 class OverloadFilter:
-    """Drops overloaded replicas (KV usage or queue above a threshold) unless all of them are.
+    """Drops overloaded replicas (a full cache with work waiting for room, or a long queue) unless
+    all of them are.
 
     This is what turns a prefix target into a spillover: new work never goes to a replica that is
-    out of KV blocks for a prefix match's sake.
+    out of KV blocks for a prefix match's sake. Out of blocks means new work would wait there: the
+    cache is full (KV usage over ``kv_threshold``) *and* requests wait for room (the engine's
+    ``vllm:num_requests_waiting``, or what the router sent there beyond the cache). A full cache
+    alone says little: ``vllm:kv_cache_usage_perc`` counts the running requests' blocks, and under
+    pressure every engine is near full with running requests while still admitting new ones as
+    they finish (on the real engines of benchmarks/realstack-vllm.md, a KV usage threshold alone
+    put all but one engine over it at once, and new conversations herded onto that one).
 
-    A session's pinned replica is not dropped for its KV usage alone. Under pressure every replica
+    A session's pinned replica is not dropped for being overloaded alone. Under pressure every replica
     may look full (``vllm:kv_cache_usage_perc`` counts the running requests' blocks; the router's
     own count of what it sent there counts queued prompts too, and on queue-bound real vLLM engines
     it is mostly that count that passes 0.9: benchmarks/realstack-vllm.md), and a turn sent
@@ -65,25 +72,41 @@ class OverloadFilter:
     waiting_tokens: int = 256
     """What one request waiting in a pinned replica's queue is worth, in prompt tokens prefilled
     elsewhere (the load scorer's decode cost of a request, ``tokens_per_request``). Larger: a
-    session spills sooner."""
+    session spills sooner. Also the size of a waiting request when the router's own count says
+    how many wait (:meth:`waiting`)."""
+    waiting_threshold: float = 0.0
+    """Requests waiting at a replica whose cache is full beyond which it takes no new work: 0,
+    any request waiting there for room."""
     name: str = "overload"
 
     def __post_init__(self) -> None:
-        if self.holder_share < 0 or self.waiting_tokens < 1:
-            raise ValueError("holder_share must not be negative, waiting_tokens at least 1")
+        if self.holder_share < 0 or self.waiting_tokens < 1 or self.waiting_threshold < 0:
+            raise ValueError("holder_share and waiting_threshold must not be negative, waiting_tokens at least 1")
+
+    def waiting(self, state: ReplicaState) -> float:
+        """Requests believed waiting at a replica for room: the engine's queue as last scraped, or,
+        if more, what the router's requests in flight there need beyond the cache (their prompts'
+        uncached parts cannot all be held at once), counted in ``waiting_tokens`` per request."""
+        beyond = 0.0
+        if state.kv_capacity_tokens:
+            beyond = max(0, state.inflight_tokens - state.kv_capacity_tokens) / self.waiting_tokens
+        return max(float(state.queue), beyond)
 
     def overloaded(self, state: ReplicaState) -> bool:
-        """Whether a replica should take no new work now.
+        """Whether a replica should take no new work now: its queue is over ``queue_threshold``, or
+        its cache is full and work waits there for room (:meth:`waiting` over ``waiting_threshold``).
 
         KV usage is the higher of the last scrape's and the KV the router's requests in flight
         there added (their prompts' uncached parts) over the cache's size: a scrape is up to an
-        interval old, and in a burst the one replica that looked below the threshold would
-        otherwise take every request until the next.
+        interval old, and in a burst the one replica that looked free would otherwise take every
+        request until the next (what it was sent beyond its cache counts as waiting).
         """
+        if state.queue > self.queue_threshold:
+            return True
         kv = state.kv_usage
         if state.kv_capacity_tokens:
             kv = max(kv, state.inflight_tokens / state.kv_capacity_tokens)
-        return kv > self.kv_threshold or state.queue > self.queue_threshold
+        return kv > self.kv_threshold and self.waiting(state) > self.waiting_threshold
 
     def held_tokens(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> dict[str, int]:
         """The prompt tokens each candidate is believed to hold: a pinned replica without evidence
@@ -165,7 +188,8 @@ class OverloadFilter:
     def why(self, state: ReplicaState) -> str:
         """Its KV usage or queue over the limits."""
         return (
-            f"overloaded (kv usage {state.kv_usage:.2f}, limit {self.kv_threshold}; "
+            f"overloaded (kv usage {state.kv_usage:.2f}, limit {self.kv_threshold}, with "
+            f"{self.waiting(state):.1f} requests waiting, limit {self.waiting_threshold:g}; "
             f"queue {state.queue}, limit {self.queue_threshold}; a session's pin only when its queue "
             f"costs more than recomputing what it holds elsewhere)"
         )

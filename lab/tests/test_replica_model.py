@@ -225,3 +225,39 @@ def test_profiles_document_their_shape() -> None:
     assert LLAMA.max_num_batched_tokens == 8192 and LLAMA.max_running == 1024 and LLAMA.chunked_prefill
     assert DEMO.chunked_prefill is False
     assert LLAMA.prefill_seconds(10_000) == pytest.approx(0.008 + 0.5 + 1.5e-9 * 5e7)
+
+
+# The scenario tests/e2e/test_vllm_e2e.py runs on a real engine and on this model: a cache 512 blocks of
+# 32 tokens, 8 distinct prompts of 58 blocks with 160 tokens each to decode (at most 63 blocks
+# each: 504 in all, they fit), then a ninth that does not fit until one finishes.
+FULL_BLOCKS, FULL_PROMPT, FULL_OUTPUT, FULL_RUNNING = 512, 58 * 32, 160, 8
+
+
+def test_a_cache_full_of_running_requests_reads_full_with_nothing_waiting_as_vllm_does() -> None:
+    model = ReplicaModel(tiny(FULL_BLOCKS, block_size=32, max_running=256, max_num_batched_tokens=2048))
+
+    def prompt(i: int) -> Seq:
+        keys = tuple(range(1000 * (i + 1), 1000 * (i + 1) + 58))
+        return Seq(f"r{i}", FULL_PROMPT, FULL_OUTPUT, keys, 32, 32)
+
+    for i in range(FULL_RUNNING):
+        model.submit(prompt(i), 0.0)
+    now = 0.0
+    while model.waiting or any(s.prefilling for s in model.running):
+        d = model.begin_step(now)
+        assert d is not None
+        now += d
+        model.end_step()
+    # Every prompt admitted and prefilled: the cache reads full, nothing waits for room.
+    assert (model.num_running, model.num_waiting) == (FULL_RUNNING, 0)
+    assert model.kv_cache_usage_perc > 0.9
+    # One more does not fit: it waits, and the replica takes no new work.
+    model.submit(prompt(FULL_RUNNING), now)
+    d = model.begin_step(now)
+    assert d is not None
+    model.end_step()
+    assert (model.num_running, model.num_waiting) == (FULL_RUNNING, 1) and model.kv_cache_usage_perc > 0.9
+    drain(model, now + d)
+    # A warm but idle cache reads 0: usage counts the blocks running requests reference.
+    assert model.kv_cache_usage_perc == 0.0 and model.pool.cached_blocks > 0
+    assert model.preemptions == 0

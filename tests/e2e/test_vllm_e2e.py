@@ -15,6 +15,7 @@ own ``vllm:request_success_total`` (requests here are sent one at a time).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -31,9 +32,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc._proto.admin.v1 import admin_pb2 as pb
 from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.fleet.health.vllm_metrics import parse_vllm_metrics
+from extproc.fleet.health.vllm_metrics import ReplicaMetrics, parse_vllm_metrics
+from extproc.routing.filters import OverloadFilter
+from extproc.routing.model import Replica, ReplicaState
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn, words
+from extproc_lab.replica import PROFILES, ReplicaModel, Seq
 from tests.conftest import require_binary
 from tests.e2e.conftest import TINY_BLOCKS, TinyEngines
 from tests.helpers import scrape_total
@@ -287,6 +291,111 @@ def test_a_real_metrics_page_feeds_the_health_score(gw: LocalGateway, admin: pb_
             done = [f.result() for f in futures]
     assert all(d["usage"]["completion_tokens"] == 300 for d in done)
     wait_until(f"{loaded} healthy again", lambda: replicas(admin)[loaded].health > 0.9, timeout_s=30)
+
+
+def _fake_full_and_queued(blocks: int, prompt_blocks: int, output: int, running: int) -> tuple[float, float]:
+    """The fake replica's model on the scenario below: its KV usage with ``running`` prompts all
+    admitted and nothing waiting, then with one more waiting (each reading asserted to be that)."""
+    profile = dataclasses.replace(
+        PROFILES["demo"], block_size=BLOCK, num_gpu_blocks=blocks, max_running=256, max_num_batched_tokens=2048
+    )
+    model = ReplicaModel(profile)
+
+    def prompt(i: int) -> Seq:
+        keys = tuple(range(1000 * (i + 1), 1000 * (i + 1) + prompt_blocks))
+        return Seq(f"r{i}", prompt_blocks * BLOCK, output, keys, BLOCK, BLOCK)
+
+    for i in range(running):
+        model.submit(prompt(i), 0.0)
+    now = 0.0
+    while model.waiting or any(s.prefilling for s in model.running):
+        now += model.begin_step(now) or 0.0
+        model.end_step()
+    assert (model.num_running, model.num_waiting) == (running, 0)
+    full = model.kv_cache_usage_perc
+    model.submit(prompt(running), now)
+    model.begin_step(now)
+    model.end_step()
+    assert (model.num_running, model.num_waiting) == (running, 1)
+    return full, model.kv_cache_usage_perc
+
+
+def test_a_full_engine_with_nothing_waiting_takes_new_work_and_a_queued_one_does_not(gw: LocalGateway) -> None:
+    # What the overload filter's rule rests on, read from a real engine: vLLM's KV usage counts the
+    # blocks its running requests reference, so a cache full of running requests reads near 1 while
+    # nothing waits; a request waits only when its blocks do not fit. 8 distinct prompts of 58
+    # blocks with 160 tokens to decode each (at most 63 blocks each, 504 of the 511 usable: vLLM
+    # keeps one of the 512 as its null block) fill the cache without a queue; a ninth waits.
+    engine = gw.members[0].name
+    url = gw.replica_url(engine)
+    prompt_blocks, output, running = 58, 160, 8
+    flt = OverloadFilter()
+
+    def page() -> ReplicaMetrics:
+        return parse_vllm_metrics(_get(url + "/metrics"))
+
+    def as_state(p: ReplicaMetrics) -> ReplicaState:
+        return ReplicaState(
+            Replica(engine, url),
+            queue=p.waiting,
+            running=p.running,
+            kv_usage=p.kv_usage,
+            kv_capacity_tokens=BLOCKS * BLOCK,
+        )
+
+    wait_until(f"{engine} idle", lambda: (p := page()).running == p.waiting == 0)
+    rng = random.Random(31)
+    # Token ids, so that each prompt is exactly its blocks (ids above the tokenizer's specials, within
+    # its vocabulary of 817: an id beyond it is refused with a 400).
+    bodies = [
+        {
+            "model": MODEL,
+            "prompt": [rng.randrange(10, 250) for _ in range(prompt_blocks * BLOCK)],
+            "max_tokens": output,
+            "ignore_eos": True,
+        }
+        for _ in range(running + 1)
+    ]
+    seen: dict[str, ReplicaMetrics] = {}
+    states: list[tuple[int, int, float]] = []  # (running, waiting, KV usage) as polled, for a failure's message
+
+    def poll() -> ReplicaMetrics:
+        p = seen["last"] = page()
+        states.append((p.running, p.waiting, round(p.kv_usage, 3)))
+        return p
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(_post, url + COMPLETIONS, b, None, 120) for b in bodies[:running]]
+
+        def full() -> bool:
+            if ended := [f.exception() or "answered" for f in futures if f.done()]:
+                raise AssertionError(f"requests ended before the cache was seen full: {ended[:2]}, {states[-20:]}")
+            p = poll()
+            return p.running == running and p.waiting == 0 and p.kv_usage > 0.9
+
+        wait_until(lambda: f"{engine} full with nothing waiting: {states[-20:]}", full, timeout_s=60, every_s=0.05)
+        seen["full"] = seen["last"]
+        futures.append(pool.submit(_post, url + COMPLETIONS, bodies[running], None, 120))
+
+        def queued() -> bool:
+            p = poll()
+            return p.waiting == 1 and p.kv_usage > 0.9
+
+        try:
+            wait_until(lambda: f"{engine} full with one waiting: {states[-20:]}", queued, timeout_s=30, every_s=0.05)
+            seen["queued"] = seen["last"]
+        finally:
+            done = [f.result() for f in futures]
+    assert all(d["usage"]["completion_tokens"] == output for d in done)
+    wait_until(f"{engine} idle again", lambda: (p := page()).running == p.waiting == 0 and p.kv_usage == 0.0)
+    # The filter: full with nothing waiting takes new work, full with a queue does not.
+    assert not flt.overloaded(as_state(seen["full"])), seen
+    assert flt.overloaded(as_state(seen["queued"])), seen
+    # The fake replica's model reads the same on the same scenario (both phases reached, both above
+    # the threshold; its cache has no null block, so it reads at most 1/512 lower).
+    fake_full, fake_queued = _fake_full_and_queued(BLOCKS, prompt_blocks, output, running)
+    assert fake_full > 0.9 and fake_queued > 0.9, (fake_full, fake_queued)
+    assert abs(fake_queued - seen["queued"].kv_usage) < 0.03, (fake_queued, seen["queued"])
 
 
 def test_evicted_blocks_leave_the_index(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:

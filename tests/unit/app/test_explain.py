@@ -27,7 +27,7 @@ def _snapshot(n: int = 4, **states: dict[str, object]) -> Snapshot:
 
 
 def test_the_trace_adds_up_to_the_decision() -> None:
-    snap = _snapshot(4, r1={"in_rotation": False, "health": 0.2}, r3={"kv_usage": 0.99})
+    snap = _snapshot(4, r1={"in_rotation": False, "health": 0.2}, r3={"kv_usage": 0.99, "queue": 2})
     features = RequestFeatures(path=CHAT, model="m", session_key="s", prefix_hashes=tuple(range(10)))
     view = AffinityView(prefix_matches={"r2": 6})
     profile = build_profile()
@@ -37,7 +37,11 @@ def test_the_trace_adds_up_to_the_decision() -> None:
     assert traced == plain
     removed = trace.removed_by()
     assert removed["r1"][0] == "in_rotation" and "health 0.20" in removed["r1"][1]
-    assert removed["r3"][0] == "overload" and "kv usage 0.99" in removed["r3"][1]
+    assert (
+        removed["r3"][0] == "overload"
+        and "kv usage 0.99" in removed["r3"][1]
+        and "2.0 requests waiting" in removed["r3"][1]
+    )
     assert trace.order[0] == plain.replica.name == "r2"  # type: ignore[union-attr]
     for name, total in trace.totals.items():
         parts = sum(s.weight * s.raw.get(name, 0.0) for s in trace.scorers)

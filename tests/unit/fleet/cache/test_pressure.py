@@ -241,19 +241,48 @@ def _state(name: str, **kw: object) -> ReplicaState:
     return ReplicaState(Replica(name, f"h:{name}"), kv_capacity_tokens=48_000, **kw)  # type: ignore[arg-type]
 
 
-def test_a_burst_does_not_herd_onto_the_one_replica_a_stale_scrape_shows_below_the_threshold() -> None:
-    # The last scrape saw b at 80% and a at 95%; since then the router sent b prompts filling it
-    # past its cache. b is overloaded too: neither is dropped, the scorers choose.
+def test_a_burst_does_not_herd_onto_the_one_replica_a_stale_scrape_shows_free() -> None:
+    # The last scrape saw b at 80% with an empty queue, a at 95% with 3 waiting; since then the
+    # router sent b prompts beyond its cache: those wait there. b is overloaded too: neither is
+    # dropped, the scorers choose.
     flt = OverloadFilter()
-    a = _state("a", kv_usage=0.95, inflight_tokens=40_000)
+    a = _state("a", kv_usage=0.95, queue=3, inflight_tokens=40_000)
     b = _state("b", kv_usage=0.80, inflight_tokens=60_000)
     cycle = CycleState(
         RequestFeatures(path="/v1/completions"), Snapshot((a, b)), AffinityView(), 0.0, HashRing(()), None
     )
     assert flt.filter(cycle, [a, b]) == [a, b]
+    assert flt.waiting(b) == 12_000 / 256
     # Without what was sent since, b alone would have been kept.
     b_scraped_only = _state("b", kv_usage=0.80)
     assert flt.filter(cycle, [a, b_scraped_only]) == [b_scraped_only]
+    # What it was sent short of its cache is running, not waiting: b is full, not overloaded.
+    b_full = _state("b", kv_usage=0.80, inflight_tokens=47_000)
+    assert flt.waiting(b_full) == 0 and flt.filter(cycle, [a, b_full]) == [b_full]
+
+
+def test_a_full_cache_is_overloaded_only_with_work_waiting_for_room() -> None:
+    # Under pressure a real engine's KV usage reads near 1 with running requests while it still
+    # admits new ones as they finish: only a queue says new work would wait there.
+    flt = OverloadFilter()
+    assert not flt.overloaded(_state("a", kv_usage=0.97))
+    assert not flt.overloaded(_state("a", kv_usage=0.97, inflight_tokens=45_000))  # ours running there
+    assert flt.overloaded(_state("a", kv_usage=0.97, queue=1))
+    assert flt.overloaded(_state("a", kv_usage=0.5, inflight_tokens=49_000))  # sent beyond its cache
+    assert not flt.overloaded(_state("a", kv_usage=0.5, queue=5))  # waiting for the batch, not for room
+    assert flt.overloaded(_state("a", kv_usage=0.1, queue=33))  # over queue_threshold whatever its KV
+    # With a threshold: over it, not at it.
+    tolerant = OverloadFilter(waiting_threshold=2)
+    assert not tolerant.overloaded(_state("a", kv_usage=0.97, queue=2))
+    assert tolerant.overloaded(_state("a", kv_usage=0.97, queue=3))
+    # Through the filter: the full replica without a queue takes the new work, the queued one not.
+    full, queued = _state("a", kv_usage=0.97), _state("b", kv_usage=0.97, queue=4)
+    cycle = CycleState(
+        RequestFeatures(path="/v1/completions"), Snapshot((full, queued)), AffinityView(), 0.0, HashRing(()), None
+    )
+    assert flt.filter(cycle, [full, queued]) == [full]
+    assert cycle.overloaded == frozenset({"b"})
+    assert "4.0 requests waiting" in flt.why(queued)
 
 
 def test_prefill_cost_counts_the_kv_a_prompt_needs_beyond_the_cache() -> None:
@@ -276,8 +305,8 @@ def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_ful
     # and holds nothing. Dropping a sends the turn cold to b, evicting b's conversations there.
     flt = OverloadFilter()
     f = RequestFeatures(path="/v1/completions", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600)
-    a = _state("a", kv_usage=0.97)
-    b = _state("b", kv_usage=0.97)
+    a = _state("a", kv_usage=0.97, queue=2)
+    b = _state("b", kv_usage=0.97, queue=2)
     c = _state("c", kv_usage=0.5)
 
     def kept(matches: dict[str, int], *candidates: ReplicaState) -> list[str]:
@@ -286,7 +315,7 @@ def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_ful
         return [s.name for s in flt.filter(cycle, list(candidates))]
 
     assert kept({"a": 90}, a, b, c) == ["a", "c"]  # the holder stays; the full one holding nothing goes
-    assert kept({"a": 40}, a, b, c) == ["c"]  # under half of the prompt: judged on its KV like any other
+    assert kept({"a": 40}, a, b, c) == ["c"]  # under half of the prompt: judged on its KV and queue like any other
     queued = _state("a", kv_usage=0.97, queue=40)
     assert kept({"a": 90}, queued, b, c) == ["c"]  # a holder whose queue is over the threshold still goes
     # A prefix most candidates hold (a shared system prompt) makes no holder: elsewhere it is cached too.
@@ -299,7 +328,7 @@ def test_a_session_leaves_its_full_pin_only_where_its_queue_costs_more_than_reco
     f = RequestFeatures(
         path="/v1/chat/completions", session_key="s", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600
     )
-    b = _state("b", kv_usage=0.97)  # as full, holding nothing: no place for the turn
+    b = _state("b", kv_usage=0.97, queue=1)  # as full, holding nothing, work waiting: no place for the turn
     c = _state("c", kv_usage=0.5)
 
     def kept(
@@ -312,13 +341,15 @@ def test_a_session_leaves_its_full_pin_only_where_its_queue_costs_more_than_reco
 
     # A full KV alone is no evidence that waiting there costs more than recomputing 1,600 tokens.
     assert kept(_state("a", kv_usage=0.99)) == ["a", "c"]
+    assert kept(_state("a", kv_usage=0.99, queue=1)) == ["a", "c"]
     # Requests waiting there are: each worth waiting_tokens (256) against what moving recomputes.
     assert kept(_state("a", kv_usage=0.99, queue=6)) == ["a", "c"]  # 1,536 < 1,600
     assert kept(_state("a", kv_usage=0.99, queue=7)) == ["c"]  # 1,792 > 1,600
     # ... beyond the queue where it would go: as long there, staying is cheaper.
     assert kept(_state("a", kv_usage=0.99, queue=7), c=_state("c", kv_usage=0.5, queue=2)) == ["a", "c"]
     # Its own word that the conversation is gone: it holds what the index says.
-    assert kept(_state("a", kv_usage=0.99), lost="kv_events") == ["c"]  # nothing: its full KV drops it
+    assert kept(_state("a", kv_usage=0.99, queue=1), lost="kv_events") == ["c"]  # nothing: a queue drops it
+    assert kept(_state("a", kv_usage=0.99), lost="kv_events") == ["a", "c"]  # full, nothing waiting: a candidate
     partly = {"a": 40, "b": 0, "c": 0}  # 640 tokens more than the others
     assert kept(_state("a", kv_usage=0.99, queue=2), partly, lost="kv_events") == ["a", "c"]  # 512 < 640
     assert kept(_state("a", kv_usage=0.99, queue=3), partly, lost="kv_events") == ["c"]  # 768 > 640
@@ -343,8 +374,8 @@ def test_where_the_price_picks_a_pin_leaves_only_for_a_shorter_predicted_first_t
 
 def test_when_every_candidate_is_overloaded_none_is_marked_and_all_stay() -> None:
     flt = OverloadFilter()
-    a = _state("a", kv_usage=0.97)
-    b = _state("b", kv_usage=0.97)
+    a = _state("a", kv_usage=0.97, queue=3)
+    b = _state("b", kv_usage=0.97, queue=1)
     cycle = CycleState(
         RequestFeatures(path="/v1/completions"), Snapshot((a, b)), AffinityView(pinned="a"), 0.0, HashRing(()), None
     )
