@@ -28,14 +28,19 @@ class InflightPrefixes:
         """A request whose prompt has ``hashes`` was sent to ``replica``."""
         if not hashes:
             return
-        counts = self._per_replica.setdefault(replica, {})
-        if counts.keys().isdisjoint(hashes):
+        counts = self._per_replica.get(replica)
+        if not counts or counts.keys().isdisjoint(hashes):
             # Nothing of it in flight there (the usual case): counted at once, in C. A prompt
             # whose hashes repeat (a collision) is counted one by one below, as its repeats count.
             fresh = dict.fromkeys(hashes, 1)
             if len(fresh) == len(hashes):
-                counts.update(fresh)
+                if counts:
+                    counts.update(fresh)
+                else:
+                    self._per_replica[replica] = fresh
                 return
+        if counts is None:
+            counts = self._per_replica[replica] = {}
         for h in hashes:
             counts[h] = counts.get(h, 0) + 1
 
