@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import timeit
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from extproc.api import sim
+from extproc.api.sim import PrefixIndex, block_hashes, model_seed
 
 
 def _inflight_module() -> Any:
-    root = Path(sim.__file__).resolve().parents[2]  # the checkout whose router is imported
+    # The checkout whose router is imported (extproc/request/prefix.py is block_hashes' module).
+    root = Path(inspect.getfile(block_hashes)).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("inflight_leaf", root / "extproc/fleet/cache/inflight.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -41,12 +43,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=9)
     args = p.parse_args()
     text = ("gateway replica prefix cache session token " * 200)[:8192]
-    seed = sim.model_seed("m")
-    hashes = sim.block_hashes(text, seed, 64, 2048)
+    seed = model_seed("m")
+    hashes = block_hashes(text, seed, 64, 2048)
     half = len(hashes) // 2
-    other = sim.block_hashes(text[: half * 64] + "x" * (len(text) - half * 64), seed, 64, 2048)
+    other = block_hashes(text[: half * 64] + "x" * (len(text) - half * 64), seed, 64, 2048)
     table = _inflight_module().InflightPrefixes()
-    index = sim.PrefixIndex(31_250)
+    index = PrefixIndex(31_250)
     index.add("r0", hashes)
     data = text.encode()
 
@@ -61,7 +63,7 @@ def main() -> None:
         table.remove("r0", other)
 
     cases = {
-        "block_hashes": lambda: sim.block_hashes(text, seed, 64, 2048),
+        "block_hashes": lambda: block_hashes(text, seed, 64, 2048),
         "in-flight add+remove": one,
         "two overlapping add+remove": overlapping,
         "index add (held)": lambda: index.add("r0", hashes),
