@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/request_path_inprocess.py                # the cost, best of rounds
     .venv/bin/python benchmarks/request_path_inprocess.py --profile      # and where it goes (cProfile)
+    py-spy record -r 400 -f raw -o /tmp/path.txt -- .venv/bin/python benchmarks/request_path_inprocess.py --rounds 6
+    .venv/bin/python benchmarks/request_path_inprocess.py --spy-summary /tmp/path.txt    # the same, sampled
 
 What ``extproc bench overhead`` sends the processor, played through :class:`RequestStream` (the
 planner, the router) with the messages parsed from bytes and the answers serialized, as gRPC would:
@@ -129,6 +131,38 @@ def summary(profiler: cProfile.Profile, top: int) -> str:
     return "\n".join(lines)
 
 
+def spy_summary(path: Path, top: int) -> str:
+    """Own and inclusive shares from a py-spy raw file (``-f raw``) of this benchmark, over the
+    samples inside a request (under :func:`play`). Sampling adds nothing to the calls it sees,
+    which cProfile inflates (a cheap call costs it as much as a dear one)."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not any(f.startswith("play ") for f in frames):
+            continue
+        n = int(count)
+        total += n
+        # A frame reads "function (file:line)": charged by its file, as cProfile's rows are.
+        name, _, where = frames[-1].partition(" (")
+        own[category(where, name)] += n
+        for frame in {f.rsplit(":", 1)[0].removeprefix(ROOT).replace(ROOT, "") for f in frames}:
+            inclusive[frame] += n
+    total = total or 1
+    lines = ["| where (own time, sampled) | share |", "|---|---|"]
+    lines += [f"| {label} | {n / total:.1%} |" for label, n in own.most_common()]
+    lines += ["", f"| the {top} frames with the most time in them (inclusive) | share |", "|---|---|"]
+    rows = [
+        (n, f)
+        for f, n in inclusive.items()
+        if not f.startswith(("<module>", "main ", "run ", "Runner", "Base", "Handle"))
+    ]
+    lines += [f"| `{f})` | {n / total:.1%} |" for n, f in sorted(rows, reverse=True)[:top]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     """Parse the arguments and print the figures."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -137,7 +171,11 @@ def main() -> None:
     p.add_argument("--prompt-kb", type=int, default=8)
     p.add_argument("--profile", action="store_true", help="also print where the time goes (cProfile)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--spy-summary", type=Path, help="summarise this py-spy raw file of the benchmark instead")
     args = p.parse_args()
+    if args.spy_summary is not None:
+        print(spy_summary(args.spy_summary, args.top))
+        return
     profiler = cProfile.Profile() if args.profile else None
     figures = asyncio.run(run(args.requests, args.rounds, args.prompt_kb, profiler))
     print(

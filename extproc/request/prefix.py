@@ -26,10 +26,6 @@ def block_hashes(text: str, seed: int, block_chars: int, max_blocks: int) -> tup
     # Blocks are measured in characters of the text, approximated here by bytes: cheap, and
     # stable for a given text, which is all the index needs.
     end = min(len(data) // block_chars, max_blocks) * block_chars
-    hashes: list[int] = []
-    append, xxh3 = hashes.append, _xxh3  # the loop runs up to max_blocks times: keep it lean
+    xxh3 = _xxh3  # the loop runs up to max_blocks times: keep it lean (a comprehension, no appends)
     h = seed
-    for start in range(0, end, block_chars):
-        h = xxh3(data[start : start + block_chars], h)
-        append(h)
-    return tuple(hashes)
+    return tuple([h := xxh3(data[start : start + block_chars], h) for start in range(0, end, block_chars)])

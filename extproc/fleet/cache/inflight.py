@@ -28,7 +28,19 @@ class InflightPrefixes:
         """A request whose prompt has ``hashes`` was sent to ``replica``."""
         if not hashes:
             return
-        counts = self._per_replica.setdefault(replica, {})
+        counts = self._per_replica.get(replica)
+        if not counts or counts.keys().isdisjoint(hashes):
+            # Nothing of it in flight there (the usual case): counted at once, in C. A prompt
+            # whose hashes repeat (a collision) is counted one by one below, as its repeats count.
+            fresh = dict.fromkeys(hashes, 1)
+            if len(fresh) == len(hashes):
+                if counts:
+                    counts.update(fresh)
+                else:
+                    self._per_replica[replica] = fresh
+                return
+        if counts is None:
+            counts = self._per_replica[replica] = {}
         for h in hashes:
             counts[h] = counts.get(h, 0) + 1
 
@@ -36,6 +48,11 @@ class InflightPrefixes:
         """That request ended (or was abandoned)."""
         counts = self._per_replica.get(replica)
         if counts is None:
+            return
+        if len(counts) == len(hashes) and sum(counts.values()) == len(counts) and all(map(counts.__contains__, hashes)):
+            # It was the only request in flight there (each of its blocks counted once, and
+            # nothing else): every count goes to zero, so the table goes at once.
+            del self._per_replica[replica]
             return
         for h in hashes:
             n = counts.get(h, 0)

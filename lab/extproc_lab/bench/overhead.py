@@ -135,9 +135,11 @@ class OverheadSetup:
 class Wrk:
     """Runs ``wrk`` with the bench's Lua scripts (one thread: the other core serves)."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, threads: int = 1) -> None:
         self.binary = binary
         self.workdir = workdir
+        self.threads = threads
+        """wrk's threads (one: the other core serves; a scaling run on a larger machine gives more)."""
         self._scripts: dict[tuple[int, float], Path] = {}
 
     def script(self, size_kb: int, interval_ms: float) -> Path:
@@ -156,7 +158,7 @@ class Wrk:
         """One run; ``rate`` > 0 paces the requests at that many a second in all."""
         interval = 1000.0 / rate if rate > 0 else 0.0
         duration = max(1, round(seconds))
-        argv = [self.binary, "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s",
+        argv = [self.binary, f"-t{self.threads}", f"-c{connections}", f"-d{duration}s", "--latency", "-s",
                 str(self.script(size_kb, interval)), url]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
         if done.returncode != 0:

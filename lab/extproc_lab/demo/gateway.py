@@ -45,6 +45,8 @@ class LocalGateway:
     log_dir: Path | None = None
     members: list[Replica] = field(default_factory=list)
     processors: int = 1  # several share one Redis store (pass --store in processor_args)
+    # Envoy's worker threads (`--concurrency`): one, unless a benchmark scales Envoy with the processor.
+    envoy_concurrency: int = 1
     # More GatewaySpec fields for Envoy (route_timeout_s, processor_tls, ...), for fault and TLS tests.
     envoy_options: dict[str, Any] = field(default_factory=dict)
     # More `extproc replica` flags per replica name, e.g. {"replica-0": ("--lora-adapters", "a,b")}.
@@ -311,7 +313,7 @@ class LocalGateway:
             "--log-level",
             "warn",
             "--concurrency",
-            "1",
+            str(self.envoy_concurrency),
             # No hot restart, so no shared-memory base id that another Envoy on the host (another
             # test run, a developer's gateway) could already hold.
             "--disable-hot-restart",
