@@ -45,9 +45,7 @@ class LiveSessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def begin(
-        self, replica: str, session: str, now: float, hold_s: float | None = None, tokens: int = 0
-    ) -> None:
+    def begin(self, replica: str, session: str, now: float, hold_s: float | None = None, tokens: int = 0) -> None:
         """A turn of ``session`` was sent to ``replica`` at ``now`` (``hold_s``: the agent keeps its
         KV that long across its tool call: live at least until then), adding ``tokens`` of KV of
         its own there (the part of its prompt not believed cached)."""
