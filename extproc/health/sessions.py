@@ -24,6 +24,9 @@ class _Session:
     inflight: int = 0
     tokens: int = 0
     """The KV of its own it added there: its turns' prompt tokens not believed cached when sent."""
+    returning: bool = False
+    """It came back for a second turn (or its agent said it keeps its KV across a tool call): only
+    then is its KV counted as load to come, since a one-off request leaves nothing to come."""
     held_until: float = 0.0
     """An agent's KV retention: live at least until then, whatever ``live_s`` says."""
 
@@ -55,13 +58,20 @@ class LiveSessions:
             self._counts[replica] = self._counts.get(replica, 0) + 1
             if len(self._sessions) > self.max_sessions:
                 self._drop(next(iter(self._sessions)))
-        elif s.replica != replica:
-            self._uncount(s.replica, s.tokens)
-            self._counts[replica] = self._counts.get(replica, 0) + 1
-            s.replica = replica
-            s.tokens = 0  # what it held on the replica it left is not carried here
-        if tokens > 0:
-            s.tokens += tokens
+        else:
+            if s.replica != replica:
+                self._uncount(s)
+                self._counts[replica] = self._counts.get(replica, 0) + 1
+                s.replica = replica
+                s.tokens = 0  # what it held on the replica it left is not carried here
+            elif not s.returning:
+                self._tokens[replica] = self._tokens.get(replica, 0) + s.tokens  # its first turn's KV
+            s.returning = True
+        if hold_s is not None and not s.returning:
+            s.returning = True
+            self._tokens[replica] = self._tokens.get(replica, 0) + s.tokens
+        s.tokens += max(0, tokens)
+        if s.returning and tokens > 0:
             self._tokens[replica] = self._tokens.get(replica, 0) + tokens
         s.last_begin = now
         s.inflight += 1
@@ -97,8 +107,8 @@ class LiveSessions:
         return self._counts
 
     def tokens(self, now: float) -> dict[str, int]:
-        """Per replica, the KV of their own that the sessions live there at ``now`` added
-        (replicas without any are left out)."""
+        """Per replica, the KV of their own that the sessions live there at ``now`` and returning
+        (a second turn begun, or a KV retention asked) added (replicas without any are left out)."""
         self.counts(now)
         return self._tokens
 
@@ -110,16 +120,16 @@ class LiveSessions:
         self._tokens.pop(replica, None)
 
     def _drop(self, key: str) -> None:
-        s = self._sessions.pop(key)
-        self._uncount(s.replica, s.tokens)
+        self._uncount(self._sessions.pop(key))
 
-    def _uncount(self, replica: str, tokens: int) -> None:
+    def _uncount(self, s: _Session) -> None:
+        replica = s.replica
         left = self._counts.get(replica, 0) - 1
         if left > 0:
             self._counts[replica] = left
         else:
             self._counts.pop(replica, None)
-        held = self._tokens.get(replica, 0) - tokens
+        held = self._tokens.get(replica, 0) - (s.tokens if s.returning else 0)
         if held > 0:
             self._tokens[replica] = held
         else:

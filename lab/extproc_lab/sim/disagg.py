@@ -88,8 +88,9 @@ class _Sessions:
 
     pins: dict[str, str] = field(default_factory=dict)
     seen: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    own: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """Per live session: the replica its last turn went to and the KV of its own it added there."""
+    own: dict[str, tuple[str, int, bool]] = field(default_factory=dict)
+    """Per live session: the replica its last turn went to, the KV of its own it added there, and
+    whether it has returned (a second turn: only then is that KV counted, as the router does)."""
 
     def live(self, now: float) -> tuple[dict[str, int], dict[str, int]]:
         """Per replica, the conversations pinned there and live, and the KV of their own."""
@@ -102,7 +103,7 @@ class _Sessions:
             if name is not None:
                 counts[name] = counts.get(name, 0) + 1
             where = self.own.get(session)
-            if where is not None:
+            if where is not None and where[2]:
                 tokens[where[0]] = tokens.get(where[0], 0) + where[1]
         return counts, tokens
 
@@ -111,7 +112,8 @@ class _Sessions:
         self.seen.move_to_end(session)
         was = self.own.get(session)
         # What it held on a replica it left is not carried to the next.
-        self.own[session] = (replica, tokens + (was[1] if was is not None and was[0] == replica else 0))
+        held = was[1] if was is not None and was[0] == replica else 0
+        self.own[session] = (replica, tokens + held, was is not None)
 
 
 def ours(

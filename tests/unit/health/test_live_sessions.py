@@ -35,23 +35,31 @@ def test_a_session_is_live_while_streaming_and_for_a_while_after_its_turn_began(
     assert live.counts(41.0) == {} and len(live) == 0
 
 
-def test_a_live_session_counts_the_kv_of_its_own_it_added_where_it_lives() -> None:
+def test_a_live_session_counts_the_kv_of_its_own_it_added_where_it_lives_once_it_returns() -> None:
     live = LiveSessions(live_s=10.0)
     live.begin("r0", "a", 0.0, tokens=500)  # its task (the harness was cached there already)
     live.end("a")
-    live.begin("r0", "a", 1.0, tokens=300)  # a tool result
-    live.end("a")
-    live.begin("r0", "b", 2.0, tokens=2000)  # the one that brought the harness
+    live.begin("r0", "b", 0.5, tokens=2000)  # the one that brought the harness
     live.end("b")
-    assert live.tokens(3.0) == {"r0": 2800}
+    assert live.tokens(1.0) == {}  # one request each so far: nothing says more will come
+    live.begin("r0", "a", 1.0, tokens=300)  # a tool result: a returns, its first turn counts too
+    live.end("a")
+    assert live.tokens(1.5) == {"r0": 800}
+    live.begin("r0", "b", 2.0, tokens=40)
+    live.end("b")
+    assert live.tokens(3.0) == {"r0": 2840}
     live.begin("r1", "a", 4.0, tokens=900)  # moved: what it held on r0 is not carried to r1
-    assert live.tokens(4.0) == {"r0": 2000, "r1": 900}
+    assert live.tokens(4.0) == {"r0": 2040, "r1": 900}
     live.end("a")
     assert live.tokens(12.5) == {"r1": 900}  # b's last turn began 10.5 s ago: b is no longer live
     assert live.tokens(20.0) == {} and live.counts(20.0) == {}
-    live.begin("r2", "c", 30.0, tokens=100)
+    live.begin("r2", "c", 30.0, tokens=100, hold_s=5.0)  # an agent keeping its KV: it returns
+    assert live.tokens(30.0) == {"r2": 100}
+    live.begin("r2", "d", 30.0, tokens=100)
+    live.begin("r3", "d", 31.0, tokens=50)  # moved before it returned: it counts where it went
+    assert live.tokens(31.0) == {"r2": 100, "r3": 50}
     live.forget("r2")
-    assert live.tokens(30.0) == {}
+    assert live.tokens(31.0) == {"r3": 50}
 
 
 def test_live_sessions_are_bounded() -> None:
@@ -137,8 +145,10 @@ def test_a_burst_of_new_conversations_with_one_prompt_is_not_split_by_its_own_kv
     live.begin("r0", "s1", 0.0, tokens=640)
     for i in range(2, 6):
         live.begin("r0", f"s{i}", 0.1 * i, tokens=0)
-    own = live.tokens(1.0)["r0"]
-    assert own == 640 and new_conversation_by_default(own, matched=40) == "r0"
+    for i in range(1, 6):  # their second turns
+        live.begin("r0", f"s{i}", 1.0 + 0.1 * i, tokens=20)
+    own = live.tokens(2.0)["r0"]
+    assert own == 740 and new_conversation_by_default(own, matched=40) == "r0"
 
 
 def test_a_new_conversation_is_placed_by_the_conversations_a_replica_already_carries() -> None:
