@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from extproc.config import Config
 from extproc.health.sessions import LiveSessions
@@ -11,7 +12,7 @@ from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState,
 from extproc.routing.registry import DEFAULT_PROFILE
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
-from extproc_lab.sim.generators import shared_system_chat
+from extproc_lab.sim.generators import agents, shared_system_chat
 from extproc_lab.sim.simulator import Simulation
 
 
@@ -171,6 +172,16 @@ def test_with_the_default_profile_a_shared_system_prompt_does_not_herd() -> None
     assert max(len(s) for s in sessions.values()) <= 12, {k: len(v) for k, v in sessions.items()}
     prompt = sum(o.prompt_tokens for o in run.outcomes)
     assert sum(o.cached_tokens for o in run.outcomes) / prompt > 0.88
+
+
+def test_with_the_default_profile_agents_sharing_a_harness_do_not_herd() -> None:
+    # Before the conversations' own KV was counted: all 16 agents on one replica.
+    replica = dataclasses.replace(get_profile("llama-8b-h100"), num_gpu_blocks=3000)
+    cfg = Config()
+    wl = agents(16, rate=4.0)
+    sim = Simulation(wl, replica, 4, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg)
+    used = {o.replica for o in sim.run().outcomes}
+    assert len(used) >= 3, used
 
 
 def test_a_system_prompt_every_conversation_shares_does_not_leave_replicas_idle() -> None:
