@@ -15,26 +15,18 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from extproc.api import cli_main as extproc
-from extproc_lab.bench.price_accuracy import first_token, measure, open_stream, render, summarize
+from extproc_lab.bench.price_accuracy import measure_cold_prompts, render, summarize
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 
 MODEL = "demo-model"
 POOL = "cpu"
 PRICE_PROFILE = Path(__file__).parent / "routing" / "price.yaml"
-
-
-def prompt(c: int, words: int) -> list[dict[str, str]]:
-    """A prompt new to every cache (about 5.5 tokens a word)."""
-    text = f"client {c} {time.time_ns()}: " + " ".join(f"w{c}x{j}" for j in range(words))
-    return [{"role": "user", "content": text}]
 
 
 def main() -> int:
@@ -68,18 +60,10 @@ def main() -> int:
                 processor_args=("--config", str(tmp / "router.yaml")),
             )
             with gateway:
-                for i in range(4):
-                    warm = {"model": MODEL, "messages": prompt(100 + i, 100 + 50 * i), "max_tokens": 4, "stream": True}
-                    first_token(*open_stream(gateway.url, warm))
-
-                def body(c: int, r: int) -> dict[str, Any]:
-                    words = 120 + 40 * ((c + r) % 3)
-                    return {"model": MODEL, "messages": prompt(c, words), "max_tokens": 16, "stream": True}
-
-                rows, decisions = measure(
+                rows, decisions = measure_cold_prompts(
                     gateway.url,
                     gateway.admin_addresses[0],
-                    body,
+                    MODEL,
                     clients=args.clients,
                     rounds=args.rounds,
                     warm_rounds=args.warm_rounds,

@@ -33,7 +33,7 @@ import yaml
 from extproc.adapters.calibrate import Engine
 from extproc.adapters.cli import main as cli_main
 from extproc.config import config_from_mapping
-from extproc_lab.bench.price_accuracy import first_token, measure, open_stream, render, summarize
+from extproc_lab.bench.price_accuracy import cold_prompt, measure_cold_prompts, render, summarize
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 from tests.conftest import ROOT, require_binary, require_engines
@@ -83,13 +83,6 @@ def _get(url: str) -> str:
         return str(resp.read().decode())
 
 
-def prompt(i: int, words: int = 250) -> list[dict[str, str]]:
-    # A different start each time: nothing of it is in the engine's cache (cold). With i < 10,
-    # about 5.5 tokens a word: 250 words about 1,400 tokens.
-    text = f"request {i} {time.time_ns()}: " + " ".join(f"w{i}x{j}" for j in range(words))
-    return [{"role": "user", "content": text}]
-
-
 def post(gw: LocalGateway, body: dict[str, Any]) -> tuple[float, float, float | None, bytes]:
     """Send ``body``; seconds to the response headers, to the end, to the first ``data:`` line."""
     req = urllib.request.Request(
@@ -131,11 +124,11 @@ def learned(gw: LocalGateway, before: tuple[float, float, float, float]) -> tupl
 
 
 def test_a_streams_learned_ttft_is_the_clients_first_token_not_its_headers(gw: LocalGateway) -> None:
-    post(gw, {"model": MODEL, "messages": prompt(-1), "max_tokens": 2, "stream": True})  # warm the server
+    post(gw, {"model": MODEL, "messages": cold_prompt(-1), "max_tokens": 2, "stream": True})  # warm the server
     rows = []
     for i in range(6):
         before = totals(gw)
-        body = {"model": MODEL, "messages": prompt(i), "max_tokens": 8, "stream": True}
+        body = {"model": MODEL, "messages": cold_prompt(i), "max_tokens": 8, "stream": True}
         headers_s, _, first_s, out = post(gw, body)
         assert first_s is not None and b"[DONE]" in out
         ours, engine = learned(gw, before)
@@ -155,12 +148,12 @@ def test_a_streams_learned_ttft_is_the_clients_first_token_not_its_headers(gw: L
 
 def test_a_non_streamed_answers_ttft_is_learned_from_what_the_engine_reports(gw: LocalGateway) -> None:
     # Streams first: the engine's inter-token gaps the router reads from its /metrics.
-    post(gw, {"model": MODEL, "messages": prompt(100), "max_tokens": 32, "ignore_eos": True, "stream": True})
+    post(gw, {"model": MODEL, "messages": cold_prompt(100), "max_tokens": 32, "ignore_eos": True, "stream": True})
     time.sleep(1.0)  # a scrape after it
     errors = []
     for i, tokens in enumerate((1, 1, 16, 16, 16)):
         before = totals(gw)
-        body = {"model": MODEL, "messages": prompt(200 + i), "max_tokens": tokens, "ignore_eos": True}
+        body = {"model": MODEL, "messages": cold_prompt(200 + i), "max_tokens": tokens, "ignore_eos": True}
         _, total_s, _, out = post(gw, body)
         assert json.loads(out)["usage"]["completion_tokens"] == tokens
         ours, engine = learned(gw, before)
@@ -180,7 +173,7 @@ def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_i
     assert gw.fleet is not None
     engine = gw.fleet.group.procs[gw.members[0].name]
     host, port = gw.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": MODEL, "messages": prompt(300), "max_tokens": 8, "stream": True})
+    body = json.dumps({"model": MODEL, "messages": cold_prompt(300), "max_tokens": 8, "stream": True})
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     before = scrape_total(_get(gw.metrics_url), "extproc_first_token_timeouts_total")
     started = time.monotonic()
@@ -243,7 +236,7 @@ def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
     engine = Engine(engines.url(engines.members[1].name), MODEL)
     errors = []
     for i in range(5):
-        timed = engine.stream(prompt(i, 150)[0]["content"], 1)
+        timed = engine.stream(cold_prompt(i, 150)[0]["content"], 1)
         predicted = prior.pool().rates.prefill_s(timed.prompt_tokens)
         errors.append(abs(predicted - timed.ttft_s) / timed.ttft_s)
         print(f"{timed.prompt_tokens} tokens: predicted {predicted:.3f} s, took {timed.ttft_s:.3f} s")
@@ -283,18 +276,8 @@ def test_under_load_the_price_predicts_the_chosen_engines_first_token(priced: Lo
     sees), the bound is one a working price holds there run after run (15% on a quiet host, 38% in
     one CI run): well under the header-timed router's 87%, and a queue part that predicts a wait
     the clients then have."""
-    # A few answers alone first: the engines' rates learnt on from the calibrated prior.
-    for i in range(4):
-        warm = {"model": MODEL, "messages": prompt(i, 100 + 50 * i), "max_tokens": 4, "stream": True}
-        first_token(*open_stream(priced.url, warm))
-
-    def body(c: int, r: int) -> dict[str, Any]:
-        # 120 to 200 words: about 650 to 1,100 tokens, a cold TTFT well over 50 ms here.
-        words = 120 + 40 * ((c + r) % 3)
-        return {"model": MODEL, "messages": prompt(c, words), "max_tokens": 16, "stream": True}
-
-    rows, decisions = measure(
-        priced.url, priced.admin_addresses[0], body, clients=CLIENTS, rounds=ROUNDS, warm_rounds=WARM_ROUNDS
+    rows, decisions = measure_cold_prompts(
+        priced.url, priced.admin_addresses[0], MODEL, clients=CLIENTS, rounds=ROUNDS, warm_rounds=WARM_ROUNDS
     )
     print(render(rows))
     summary = summarize(rows)

@@ -31,6 +31,13 @@ CHAT = "/v1/chat/completions"
 JSON = "application/json"
 
 
+def cold_prompt(tag: int, words: int = 250) -> list[dict[str, str]]:
+    """A user message no cache holds any of (it starts with the time): with ``tag`` under 10, about
+    5.5 tokens a word, so 250 words are about 1,400 tokens."""
+    text = f"request {tag} {time.time_ns()}: " + " ".join(f"w{tag}x{j}" for j in range(words))
+    return [{"role": "user", "content": text}]
+
+
 @dataclass(frozen=True)
 class Row:
     """One counted request: what Explain predicted for the replica it chose, what the client saw."""
@@ -136,6 +143,23 @@ def measure(
         for i, explained, pred, queue, first in sorted(raw)
     ]
     return rows, len(decided)
+
+
+def measure_cold_prompts(
+    url: str, admin_address: str, model: str, *, clients: int, rounds: int, warm_rounds: int
+) -> tuple[list[Row], int]:
+    """:func:`measure` on cold prompts of 650 to 1,100 tokens (a cold TTFT well over 50 ms on the
+    lab's ``small`` CPU engine), 16 tokens out, after four streams alone of growing length from
+    which the router's engine rates are learnt on from their prior."""
+    for i in range(4):
+        warm = {"model": model, "messages": cold_prompt(i, 100 + 50 * i), "max_tokens": 4, "stream": True}
+        first_token(*open_stream(url, warm))
+
+    def body(c: int, r: int) -> dict[str, Any]:
+        words = 120 + 40 * ((c + r) % 3)
+        return {"model": model, "messages": cold_prompt(c, words), "max_tokens": 16, "stream": True}
+
+    return measure(url, admin_address, body, clients=clients, rounds=rounds, warm_rounds=warm_rounds)
 
 
 @dataclass(frozen=True)
