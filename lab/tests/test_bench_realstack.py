@@ -17,6 +17,7 @@ from extproc_lab.bench.realstack import (
     ROUND_ROBIN,
     ROUTERS,
     RealStackSetup,
+    ServeLoad,
     Turn,
     _moves,
     _slowest,
@@ -98,6 +99,14 @@ def test_unknown_router_and_bad_sizes_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="exceeds --max-model-len 3072"):
         RealStackSetup(workload="agents", engine="vllm", kv_blocks=128).check()
     RealStackSetup(workload="agents", engine="vllm", kv_blocks=128, agents=SMALL_AGENTS).check()
+    # vLLM's own client runs in the engines' venv, on prompts that fit their context.
+    with pytest.raises(ValueError, match="needs --engine vllm"):
+        RealStackSetup(workload="vllm-bench").check()
+    with pytest.raises(ValueError, match="--num-prefixes must be at least 1"):
+        RealStackSetup(workload="vllm-bench", engine="vllm", kv_blocks=128, serve=ServeLoad(num_prefixes=0)).check()
+    with pytest.raises(ValueError, match="exceeds --max-model-len"):
+        RealStackSetup(workload="vllm-bench", engine="vllm", kv_blocks=128, serve=ServeLoad(prefix_len=3072)).check()
+    RealStackSetup(workload="vllm-bench", engine="vllm", kv_blocks=128).check()
     assert set(ROUTERS) == {OURS, ROUND_ROBIN, "sglang_router", "vllm_router", "smg"}
 
 

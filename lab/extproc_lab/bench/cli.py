@@ -126,9 +126,11 @@ def _add_realstack_parser(kinds: Any) -> None:
         VLLM_ROUTERS,
         WORKLOADS,
         RealStackSetup,
+        ServeLoad,
     )
 
     d = RealStackSetup.__dataclass_fields__
+    serve = ServeLoad.__dataclass_fields__
     p = kinds.add_parser(
         "realstack",
         help="a multi-turn chat workload through Envoy with our router, Envoy's round robin, sglang-router and "
@@ -150,8 +152,19 @@ def _add_realstack_parser(kinds: Any) -> None:
         default="chat",
         help="chat: the multi-turn conversations below; agents: the simulator's agent workload (long growing "
         "contexts, tool pauses, forks, keyless agents), with the reuse offered and captured "
-        f"(defaults then: {agent_defaults})",
+        f"(defaults then: {agent_defaults}); vllm-bench: vLLM's own `vllm bench serve` client, its "
+        "prefix_repetition dataset, no session key (--engine vllm)",
     )
+    for flag, name, kind, what in (
+        ("--num-prompts", "num_prompts", int, "requests"),
+        ("--request-rate", "request_rate", float, "requests a second (Poisson)"),
+        ("--prefix-len", "prefix_len", int, "tokens of each shared prefix"),
+        ("--suffix-len", "suffix_len", int, "tokens of each request's own suffix"),
+        ("--num-prefixes", "num_prefixes", int, "shared prefixes"),
+    ):
+        p.add_argument(
+            flag, type=kind, default=serve[name].default, help=f"--workload vllm-bench: {what} (default %(default)s)"
+        )
     p.add_argument(
         "--agents",
         type=int,
@@ -446,6 +459,7 @@ def run_realstack_command(args: argparse.Namespace) -> int:
         VLLM_DEFAULTS,
         VLLM_ROUTERS,
         RealStackSetup,
+        ServeLoad,
         format_table,
         run_realstack,
         verdict,
@@ -495,6 +509,13 @@ def run_realstack_command(args: argparse.Namespace) -> int:
             **{k: v for k, v in (("agents", args.agents), ("rate", args.rate)) if v is not None},
         ),
         profile=pick(args.profile, "profile"),
+        serve=ServeLoad(
+            num_prompts=args.num_prompts,
+            request_rate=args.request_rate,
+            prefix_len=args.prefix_len,
+            suffix_len=args.suffix_len,
+            num_prefixes=args.num_prefixes,
+        ),
     )
     try:
         result = run_realstack(setup, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -502,7 +523,12 @@ def run_realstack_command(args: argparse.Namespace) -> int:
         print(f"extproc bench: {exc}", file=sys.stderr)
         return 2
     s = result["setup"]
-    if agents:
+    if args.workload == "vllm-bench":
+        print(
+            f"{s['client']}; {s['replicas']} x {s['profile']} engines of {s['kv_tokens_per_replica']} KV tokens "
+            f"(shared prefixes {s['workload_over_fleet_kv']:g}x the fleet's KV)\n"
+        )
+    elif agents:
         a = s["agent_workload"]
         print(
             f"agents: {a['shape']}; {a['requests']} requests ({a['keyless_requests']} keyless), prompts of "

@@ -24,6 +24,11 @@ to first token as the client sees it (the first streamed line: vLLM and the fake
 at once and their first event with the first token) and requests per replica
 (``vllm:request_success_total`` deltas).
 
+With ``workload="vllm-bench"`` (real engines only) the client is vLLM's own ``vllm bench serve``
+(:mod:`extproc_lab.engines.serve_bench`, run in the vLLM venv): its ``prefix_repetition`` dataset
+(a few long shared prefixes, each request one of them plus a random suffix) on ``/v1/completions``
+at a Poisson request rate, no session key; TTFT is the client's own figure.
+
 With ``workload="agents"`` the requests are the simulator's agent workload instead
 (:mod:`extproc_lab.bench.agent_sessions`: long growing contexts, tool pauses, forks, keyless
 agents without ``x-session-id``), and the rows add the reuse the workload offered and the share of
@@ -38,6 +43,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -62,6 +68,7 @@ from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, star
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, multi_turn
+from extproc_lab.engines import install
 from extproc_lab.engines.fleet import EngineSettings
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.stats import percentile
@@ -77,7 +84,7 @@ ROUTERS = (OURS, ROUND_ROBIN, *PEER_ROUTERS)
 # On real engines: ours also without KV events.
 VLLM_ROUTERS = (OURS, OURS_ESTIMATE, ROUND_ROBIN, *PEER_ROUTERS)
 ENGINES = ("fake", "vllm")
-WORKLOADS = ("chat", "agents")
+WORKLOADS = ("chat", "agents", "vllm-bench")
 PROFILE = "demo"
 CHAT_PATH = "/v1/chat/completions"
 MODEL = "demo-model"
@@ -86,6 +93,47 @@ _HITS, _QUERIES, _DONE = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_quer
 HIT_RATIO_SLACK = 0.02
 # Where issue 42 allows us to trail a peer's captured reuse on the agent workload (1 point).
 CAPTURED_SLACK = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLoad:
+    """``vllm bench serve``'s workload (``workload="vllm-bench"``): its ``prefix_repetition``
+    dataset, sized for the CPU engines' small caches (the prefixes fill about two thirds of three
+    engines' 128 blocks of 32 tokens: they fit when spread, not when they herd)."""
+
+    num_prompts: int = 160
+    request_rate: float = 4.0
+    prefix_len: int = 1024
+    suffix_len: int = 64
+    num_prefixes: int = 8
+
+    def args(self, output_len: int, seed: int) -> list[str]:
+        """The client's own flags for this load."""
+        return [
+            "--backend",
+            "openai",
+            "--endpoint",
+            "/v1/completions",
+            "--dataset-name",
+            "prefix_repetition",
+            "--num-prompts",
+            str(self.num_prompts),
+            "--request-rate",
+            str(self.request_rate),
+            "--prefix-repetition-prefix-len",
+            str(self.prefix_len),
+            "--prefix-repetition-suffix-len",
+            str(self.suffix_len),
+            "--prefix-repetition-num-prefixes",
+            str(self.num_prefixes),
+            "--prefix-repetition-output-len",
+            str(output_len),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--seed",
+            str(seed),
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +174,8 @@ class RealStackSetup:
     """The agent workload's size and pace (``workload="agents"``; its seed is ``seed``)."""
     profile: str = PROFILE
     """The fake replicas' timing profile (``engine="fake"``)."""
+    serve: ServeLoad = field(default_factory=ServeLoad)
+    """``vllm bench serve``'s load (``workload="vllm-bench"``; its seed is ``seed``)."""
 
     def known_routers(self) -> tuple[str, ...]:
         """The routers this engine kind can be benchmarked with."""
@@ -146,6 +196,13 @@ class RealStackSetup:
             raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; known: {', '.join(WORKLOADS)}")
+        if self.workload == "vllm-bench":
+            if self.engine != "vllm":
+                raise ValueError("--workload vllm-bench needs --engine vllm (vLLM's client lives in its venv)")
+            if self.serve.num_prompts < 1 or self.serve.request_rate <= 0 or self.serve.num_prefixes < 1:
+                raise ValueError("--num-prompts and --num-prefixes must be at least 1, --request-rate positive")
+            if self.serve.prefix_len + self.serve.suffix_len + self.max_tokens > self.max_model_len:
+                raise ValueError("--prefix-len + --suffix-len + --max-tokens exceeds --max-model-len")
         if self.workload == "agents":
             if self.agents.agents < 1 or self.agents.rate <= 0:
                 raise ValueError("--agents must be at least 1 and --rate positive")
@@ -335,10 +392,57 @@ async def replay_agents(url: str, setup: RealStackSetup, calls: list[AgentCall])
     return result
 
 
+# vLLM's benchmark client: the script it runs in the vLLM venv.
+_SERVE_BENCH = Path(install.__file__).resolve().parent / "serve_bench.py"
+
+
+def replay_vllm_bench(url: str, setup: RealStackSetup) -> Replay:
+    """Run ``vllm bench serve`` against ``url`` (:data:`_SERVE_BENCH` in the vLLM venv); each
+    request it sent is a turn with the client's own TTFT, failed ones with vLLM's error."""
+    base = setup.engine_settings().base_dir
+    with tempfile.TemporaryDirectory(prefix="extproc-serve-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [
+            str(install.vllm_python(base)),
+            str(_SERVE_BENCH),
+            str(out),
+            "--base-url",
+            url,
+            "--model",
+            MODEL,
+            "--tokenizer",
+            str(install.model_dir(setup.engine_model, base)),
+            "--",
+            *setup.serve.args(setup.max_tokens, setup.seed),
+        ]
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=setup.run_timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return Replay(
+                turns=[Turn("", 0, ok=False, error="vllm bench serve did not finish before the run timeout")],
+                wall_s=time.perf_counter() - started,
+                timed_out=True,
+            )
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {' | '.join(tail)}")
+        figures = json.loads(out.read_text())
+    if len(figures["ttfts_s"]) != int(figures.get("completed", 0)) + int(figures.get("failed", 0)):
+        raise RuntimeError("vllm bench serve gave no TTFT for each request it sent")
+    turns = [Turn(f"request-{i}", 0, ok=True, ttft_s=t, index=i) for i, t in enumerate(figures["ttfts_s"]) if t > 0]
+    lost = int(figures.get("failed", 0)) + max(0, setup.serve.num_prompts - len(figures["ttfts_s"]))
+    errors = figures.get("errors") or ["failed"]
+    turns += [Turn("", 0, ok=False, error=errors[i % len(errors)]) for i in range(lost)]
+    return Replay(turns=turns, wall_s=float(figures.get("duration", time.perf_counter() - started)))
+
+
 async def replay(url: str, setup: RealStackSetup, run_id: str) -> Replay:
     """Replay the workload through ``url``; turns not sent before the run's timeout count as failed."""
     if setup.workload == "agents":
         return await replay_agents(url, setup, workload_calls(setup))
+    if setup.workload == "vllm-bench":
+        return await asyncio.to_thread(replay_vllm_bench, url, setup)
     conversations = multi_turn(
         setup.conversations,
         setup.turns,
@@ -634,6 +738,11 @@ def describe(setup: RealStackSetup) -> dict[str, Any]:
         n: f"{p.package}=={p.version} --policy {p.policy}" for n, p in PEER_ROUTERS.items() if n in setup.routers
     }
     fleet_kv = s["kv_tokens_per_replica"] * setup.replicas
+    if setup.workload == "vllm-bench":
+        # The shared prefixes over the fleet's KV tokens (each suffix is used once).
+        s["workload_over_fleet_kv"] = round(setup.serve.num_prefixes * setup.serve.prefix_len / fleet_kv, 2)
+        s["client"] = "vllm bench serve " + " ".join(setup.serve.args(setup.max_tokens, setup.seed))
+        return s
     if setup.workload == "agents":
         calls = workload_calls(setup)
         work = setup.agents.workload(MODEL, setup.seed)
