@@ -40,6 +40,10 @@ class ReplicaState:
     live_sessions: int = 0
     """Conversations live there: a turn in flight, or one begun within the last minute (their next
     turns come back to it)."""
+    live_session_tokens: int = 0
+    """The KV of their own that those conversations added there: each turn's prompt tokens not
+    believed cached when it was sent (a prefix they share is counted once, by whoever brought it),
+    counted once a conversation has come back for a second turn (or its agent asked to keep its KV)."""
     recent_requests: float = 0.0
     queue: int = 0
     running: int = 0

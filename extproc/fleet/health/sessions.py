@@ -22,6 +22,11 @@ class _Session:
     replica: str
     last_begin: float
     inflight: int = 0
+    tokens: int = 0
+    """The KV of its own it added there: its turns' prompt tokens not believed cached when sent."""
+    returning: bool = False
+    """It came back for a second turn (or its agent said it keeps its KV across a tool call): only
+    then is its KV counted as load to come, since a one-off request leaves nothing to come."""
     held_until: float = 0.0
     """An agent's KV retention: live at least until then, whatever ``live_s`` says."""
 
@@ -38,23 +43,36 @@ class LiveSessions:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._counts: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def begin(self, replica: str, session: str, now: float, hold_s: float | None = None) -> None:
+    def begin(self, replica: str, session: str, now: float, hold_s: float | None = None, tokens: int = 0) -> None:
         """A turn of ``session`` was sent to ``replica`` at ``now`` (``hold_s``: the agent keeps its
-        KV that long across its tool call: live at least until then)."""
+        KV that long across its tool call: live at least until then), adding ``tokens`` of KV of
+        its own there (the part of its prompt not believed cached)."""
         s = self._sessions.get(session)
         if s is None:
             s = self._sessions[session] = _Session(replica, now)
             self._counts[replica] = self._counts.get(replica, 0) + 1
             if len(self._sessions) > self.max_sessions:
                 self._drop(next(iter(self._sessions)))
-        elif s.replica != replica:
-            self._uncount(s.replica)
-            self._counts[replica] = self._counts.get(replica, 0) + 1
-            s.replica = replica
+        else:
+            if s.replica != replica:
+                self._uncount(s)
+                self._counts[replica] = self._counts.get(replica, 0) + 1
+                s.replica = replica
+                s.tokens = 0  # what it held on the replica it left is not carried here
+            elif not s.returning:
+                self._tokens[replica] = self._tokens.get(replica, 0) + s.tokens  # its first turn's KV
+            s.returning = True
+        if hold_s is not None and not s.returning:
+            s.returning = True
+            self._tokens[replica] = self._tokens.get(replica, 0) + s.tokens
+        s.tokens += max(0, tokens)
+        if s.returning and tokens > 0:
+            self._tokens[replica] = self._tokens.get(replica, 0) + tokens
         s.last_begin = now
         s.inflight += 1
         if hold_s is not None:
@@ -88,18 +106,31 @@ class LiveSessions:
             self._drop(key)
         return self._counts
 
+    def tokens(self, now: float) -> dict[str, int]:
+        """Per replica, the KV of their own that the sessions live there at ``now`` and returning
+        (a second turn begun, or a KV retention asked) added (replicas without any are left out)."""
+        self.counts(now)
+        return self._tokens
+
     def forget(self, replica: str) -> None:
         """A replica left: its sessions are no longer counted anywhere."""
         for key in [k for k, s in self._sessions.items() if s.replica == replica]:
             self._drop(key)
         self._counts.pop(replica, None)
+        self._tokens.pop(replica, None)
 
     def _drop(self, key: str) -> None:
-        self._uncount(self._sessions.pop(key).replica)
+        self._uncount(self._sessions.pop(key))
 
-    def _uncount(self, replica: str) -> None:
+    def _uncount(self, s: _Session) -> None:
+        replica = s.replica
         left = self._counts.get(replica, 0) - 1
         if left > 0:
             self._counts[replica] = left
         else:
             self._counts.pop(replica, None)
+        held = self._tokens.get(replica, 0) - (s.tokens if s.returning else 0)
+        if held > 0:
+            self._tokens[replica] = held
+        else:
+            self._tokens.pop(replica, None)
