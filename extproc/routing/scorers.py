@@ -147,12 +147,16 @@ class PrefillCostScorer:
     A new conversation (a session without a pin: keyed, or keyless and known by its messages) is
     placed by its whole cost: the KV of their own that the conversations live on a replica hold
     there (:attr:`ReplicaState.live_session_tokens`: each turn's part not believed cached when it
-    was sent, counted once a conversation has come back for a second turn) beyond the replica's
-    share (the candidates' mean), times ``live_context_weight``. Those conversations come back with
-    their next turns whatever else happens; their context is what this one's competes with for the
-    replica's KV and queue. One-off requests (every keyless request opens a conversation) leave
-    nothing to come and count nothing: counted, they spread a hot prefix's single requests over
-    replicas new to it (hot-prefix at rate x2: TTFT p99 0.053 -> 0.165 s). A prefix the new conversation
+    was sent) beyond the replica's share (the candidates' mean), times ``live_context_weight``.
+    Those conversations come back with their next turns whatever else happens; their context is
+    what this one's competes with for the replica's KV and queue. A conversation counts from the
+    moment it is placed, so a burst of new conversations sees the ones placed just before it
+    (counted only once they came back, a burst after any imbalance all went to the replica
+    carrying less: six new sessions onto one of two vLLM engines). A keyed one counts in full; a
+    keyless request opening a conversation may be a one-off, which leaves nothing to come, so it
+    counts at the rate recent keyless openings came back, in full once it comes back itself:
+    counted in full, a hot prefix's single questions spread over replicas new to it (hot-prefix at
+    rate x2: TTFT p99 0.053 -> 0.165 s); they never come back, so they count nothing. A prefix the new conversation
     shares with them (a system prompt, an agent harness) saves its prefill once, on its first
     turn, whereas the conversations it joins are a load for its whole life; without this, that
     one-time saving drew every new conversation onto the replica that prefilled the prefix

@@ -182,14 +182,16 @@ class ReplicaBook:
         kv_tokens: int = 0,
         session: str | None = None,
         hold_s: float | None = None,
+        declared: bool = True,
     ) -> None:
         """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there
         and ``kv_tokens`` it will hold in the KV cache while it runs (its whole prompt), a turn of
-        ``session`` if it has one."""
+        ``session`` if it has one (``declared`` False: a keyless request opening a conversation,
+        see :meth:`LiveSessions.begin`)."""
         rec = self._records.get(name)
         if rec is not None:
             if session is not None:
-                self.sessions.begin(name, session, now, hold_s, kv_tokens)
+                self.sessions.begin(name, session, now, hold_s, kv_tokens, declared)
             rec.recent = self._decayed(rec, now) + 1.0
             rec.recent_at = now
             rec.inflight += 1

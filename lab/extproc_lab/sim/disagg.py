@@ -88,9 +88,9 @@ class _Sessions:
 
     pins: dict[str, str] = field(default_factory=dict)
     seen: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    own: dict[str, tuple[str, int, bool]] = field(default_factory=dict)
-    """Per live session: the replica its last turn went to, the KV of its own it added there, and
-    whether it has returned (a second turn: only then is that KV counted, as the router does)."""
+    own: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Per live session: the replica its last turn went to and the KV of its own it added there
+    (a keyed session's, counted from its first turn, as the router does)."""
 
     def live(self, now: float) -> tuple[dict[str, int], dict[str, int]]:
         """Per replica, the conversations pinned there and live, and the KV of their own."""
@@ -103,7 +103,7 @@ class _Sessions:
             if name is not None:
                 counts[name] = counts.get(name, 0) + 1
             where = self.own.get(session)
-            if where is not None and where[2]:
+            if where is not None:
                 tokens[where[0]] = tokens.get(where[0], 0) + where[1]
         return counts, tokens
 
@@ -113,7 +113,7 @@ class _Sessions:
         was = self.own.get(session)
         # What it held on a replica it left is not carried to the next.
         held = was[1] if was is not None and was[0] == replica else 0
-        self.own[session] = (replica, tokens + held, was is not None)
+        self.own[session] = (replica, tokens + held)
 
 
 def ours(
