@@ -181,7 +181,9 @@ class LoadHook:
         prefix is held once, however many requests use it)."""
         features = routed.features
         hold = features.hints.kv_retention_s  # an agent keeps its KV across a tool call
-        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens, features.session_key, hold)
+        chain = features.conversation
+        opening = chain is not None and chain.match == "new"  # keyless, no assistant turn: maybe a one-off
+        self.book.begin(replica, now, routed.prefill_tokens, routed.kv_tokens, features.session_key, hold, not opening)
         if routed.hop is not None:
             self.book.hop(routed.hop.replica, routed.hop.tokens)
 

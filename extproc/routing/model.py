@@ -40,6 +40,12 @@ class ReplicaState:
     live_sessions: int = 0
     """Conversations live there: a turn in flight, or one begun within the last minute (their next
     turns come back to it)."""
+    live_session_tokens: int = 0
+    """The KV of their own that those conversations added there: each turn's prompt tokens not
+    believed cached when it was sent (a prefix they share is counted once, by whoever brought it),
+    counted from the moment a conversation is placed: in full for a declared one (a session key)
+    or one that came back, at the recent keyless openings' return rate for a keyless request that
+    opened one and has not come back (:class:`~extproc.fleet.health.sessions.LiveSessions`)."""
     recent_requests: float = 0.0
     queue: int = 0
     running: int = 0

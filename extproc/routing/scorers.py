@@ -144,26 +144,44 @@ class PrefillCostScorer:
     prompt held by one replica attracts new sessions only until the work piling up there costs
     more than prefilling the prompt elsewhere, which is what stops a burst from herding.
 
-    A new conversation is placed by its whole cost: ``session_tokens`` for each conversation live
-    there (:attr:`ReplicaState.live_sessions`: its stream running, its next turn to come) beyond
-    the replica's share (the candidates' mean, rounded up), the decode load already pinned to it.
-    Without it a prefix every conversation shares keeps drawing new ones onto the replicas that
-    prefilled it first, however many conversations they already carry (a 2,000-token system
-    prompt in the simulator: 3 of 8 replicas took all 96 conversations). Only for a new
-    conversation (a session without a pin): a pinned one is part of that load already, and under
-    KV pressure, where pins are lost, counting it moved conversations off their partial caches
-    (multi-turn at 3,000 blocks: TTFT p99 0.28 -> 0.51 s).
+    A new conversation (a session without a pin: keyed, or keyless and known by its messages) is
+    placed by its whole cost: the KV of their own that the conversations live on a replica hold
+    there (:attr:`ReplicaState.live_session_tokens`: each turn's part not believed cached when it
+    was sent) beyond the replica's share (the candidates' mean), times ``live_context_weight``.
+    Those conversations come back with their next turns whatever else happens; their context is
+    what this one's competes with for the replica's KV and queue. A conversation counts from the
+    moment it is placed, so a burst of new conversations sees the ones placed just before it
+    (counted only once they came back, a burst after any imbalance all went to the replica
+    carrying less: six new sessions onto one of two vLLM engines). A keyed one counts in full; a
+    keyless request opening a conversation may be a one-off, which leaves nothing to come, so it
+    counts at the rate recent keyless openings came back, in full once it comes back itself:
+    counted in full, a hot prefix's single questions spread over replicas new to it (hot-prefix at
+    rate x2: TTFT p99 0.053 -> 0.165 s); they never come back, so they count nothing. A prefix the new conversation
+    shares with them (a system prompt, an agent harness) saves its prefill once, on its first
+    turn, whereas the conversations it joins are a load for its whole life; without this, that
+    one-time saving drew every new conversation onto the replica that prefilled the prefix
+    first, so it never reached the other replicas and never stopped telling them apart (agents
+    through real Envoy: 27 of the first 28 agents on one replica, which then evicted and moved
+    them). With it a replica holding a shared prefix takes new conversations until what it
+    carries beyond its share outweighs the prefix's prefill; then the next one prefills the
+    prefix elsewhere, once, and that replica holds it too. A prefix they share is counted once,
+    by the conversation that brought it, so a burst of conversations with the same long prompt
+    stays together; a fork, whose prompt is its parent's whole context, goes with its parent
+    unless the parent's replica already carries more than that context beyond its share.
 
-    Off by default (0; 512 is what benchmarks/latency_objectives.md measured): it spreads the
-    conversations of a shared prompt, but their first turns then prefill that prompt on replicas
-    new to it (shared-system-chat: TTFT p50 0.040 -> 0.027 s, p99 0.076 -> 0.236 s), and a burst
-    KV events would keep together is split.
+    ``session_tokens`` (0 by default) adds a fixed price per conversation live there beyond the
+    share (by count, rounded up). Both only for a new conversation: a pinned one is part of that
+    load already, and under KV pressure, where pins are lost, counting it moved conversations off
+    their partial caches (multi-turn at 3,000 blocks: TTFT p99 0.28 -> 0.51 s).
     """
 
     floor_tokens: int = 2048
     kv_weight: float = 0.0
     overflow_weight: float = 0.0
     session_tokens: int = 0
+    live_context_weight: float = 1.0
+    """Tokens of cost per token of live conversations' own KV beyond the replica's share, for a
+    new conversation (0: off)."""
     name: str = "prefill_cost"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
@@ -176,12 +194,16 @@ class PrefillCostScorer:
         matches = cycle.view.prefix_matches
         # Only a new conversation joins a replica's pinned load (a pinned one is already part of
         # it), and a replica pays only for the conversations it carries beyond its share.
-        per_session = self.session_tokens if f.session_key and cycle.view.pinned is None else 0
+        new_conversation = bool(f.session_key) and cycle.view.pinned is None
+        per_session = self.session_tokens if new_conversation else 0
         share = math.ceil(sum(c.live_sessions for c in candidates) / len(candidates)) if per_session else 0
+        per_token = self.live_context_weight if new_conversation else 0.0
+        context_share = sum(c.live_session_tokens for c in candidates) / len(candidates) if per_token else 0.0
         cost = {}
         for c in candidates:
             cost[c.name] = float(c.pending_prefill_tokens) + tokens * (1.0 - held_share(matches, c.name, total))
             cost[c.name] += per_session * max(0, c.live_sessions - share)
+            cost[c.name] += per_token * max(0.0, c.live_session_tokens - context_share)
             if self.kv_weight or self.overflow_weight:
                 # KV held by running requests (what the router's requests in flight added, or what
                 # the replica last reported if more): beyond the cache, this request queues until some finish,

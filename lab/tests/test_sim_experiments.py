@@ -18,7 +18,10 @@ def test_scaling_moves_about_the_newcomers_share_and_prewarms() -> None:
     assert out.change == "8 -> 10" and back.change == "10 -> 8"
     # Two of ten replicas join: about 1/5 of live sessions move (slack for the bound and a small run).
     assert 0.08 <= out.moved_share <= 0.35
-    assert 0.08 <= back.moved_share <= 0.35
+    # Two leave: the sessions that move are those they carry. New conversations are placed by the
+    # KV of their own each replica's live conversations hold, so the newcomers take more, younger
+    # and smaller, conversations than their count's share (35% at this seed; 30% before that rule).
+    assert 0.08 <= back.moved_share <= 0.4
     assert d.prewarms_sent > 0 and d.prewarm_results.get("ok", 0) == d.prewarms_sent
     again, _ = scaling.run_mode("prewarm", 300, 7, 20.0, 40.0, 20.0)
     assert [r.moved for r in again] == [r.moved for r in rows]  # deterministic for a seed

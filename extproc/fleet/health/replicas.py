@@ -142,6 +142,7 @@ class ReplicaBook:
         trusted: a replica whose page broke while it was busy must not look busy forever."""
         stale_before = now - self.settings.stale_after_s
         live = self.sessions.counts(now)
+        live_tokens = self.sessions.tokens(now)
         states = []
         peers = self.peers.others(now) if self.peers is not None else {}
         for r in self._records.values():
@@ -157,6 +158,7 @@ class ReplicaBook:
                     inflight_tokens=r.inflight_tokens + peer.inflight_tokens,
                     pending_prefill_tokens=r.pending_prefill_tokens + peer.pending_prefill_tokens,
                     live_sessions=live.get(r.replica.name, 0),
+                    live_session_tokens=live_tokens.get(r.replica.name, 0),
                     recent_requests=self._decayed(r, now) + peer.recent,
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
@@ -180,14 +182,16 @@ class ReplicaBook:
         kv_tokens: int = 0,
         session: str | None = None,
         hold_s: float | None = None,
+        declared: bool = True,
     ) -> None:
         """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there
         and ``kv_tokens`` it will hold in the KV cache while it runs (its whole prompt), a turn of
-        ``session`` if it has one."""
+        ``session`` if it has one (``declared`` False: a keyless request opening a conversation,
+        see :meth:`LiveSessions.begin`)."""
         rec = self._records.get(name)
         if rec is not None:
             if session is not None:
-                self.sessions.begin(name, session, now, hold_s)
+                self.sessions.begin(name, session, now, hold_s, kv_tokens, declared)
             rec.recent = self._decayed(rec, now) + 1.0
             rec.recent_at = now
             rec.inflight += 1

@@ -7,8 +7,15 @@ back to it whatever else happens. Counted here per replica, it is part of the lo
 (:attr:`~extproc.routing.model.ReplicaState.live_sessions`), so a prefix every conversation shares
 does not draw all new conversations onto the few replicas that prefilled it first.
 
+Each session also carries the KV of its own it added where it lives, counted from the moment it
+is placed, so that a burst of new conversations sees the ones placed just before it. A
+conversation its client declared (a session key) counts in full at once; a keyless request that
+opens a conversation may be a one-off (a hot system prompt's single questions, which leave nothing
+to come), so its KV counts at the rate at which recent keyless openings came back for a second
+turn, and in full once it comes back itself.
+
 Bounded and cheap: one entry per session live within ``live_s``, oldest first; a decision or an end
-is O(1), a snapshot drops what expired since the last one.
+is O(1), a snapshot drops what expired since the last one and reads one sum per replica.
 """
 
 from __future__ import annotations
@@ -22,6 +29,13 @@ class _Session:
     replica: str
     last_begin: float
     inflight: int = 0
+    tokens: int = 0
+    """The KV of its own it added there: its turns' prompt tokens not believed cached when sent."""
+    firm: bool = True
+    """Its KV is counted in full: its client declared a conversation (a session key), it came back
+    for a second turn, or its agent said it keeps its KV across a tool call. Otherwise it is a
+    keyless request that opened a conversation and has not come back: it may be a one-off, and
+    its KV counts at the rate such openings have been coming back (:meth:`LiveSessions.return_rate`)."""
     held_until: float = 0.0
     """An agent's KV retention: live at least until then, whatever ``live_s`` says."""
 
@@ -29,32 +43,65 @@ class _Session:
 MAX_HOLD_S = 3600.0
 """The longest retention honoured (Anthropic's longest cache ttl, an hour)."""
 
+RETURN_MEMORY = 64.0
+"""How many of the latest keyless openings (come back or lapsed) the return rate remembers, each
+older one weighing ``1 - 1/RETURN_MEMORY`` of the one after it: enough not to swing on a few, few
+enough to follow a change of traffic within a minute or so of it."""
+
 
 class LiveSessions:
-    """Per replica, the sessions live there (a turn in flight, or one begun within ``live_s``)."""
+    """Per replica, the sessions live there (a turn in flight, or one begun within ``live_s``), and
+    the KV of their own they hold there."""
 
     def __init__(self, live_s: float = 60.0, max_sessions: int = 200_000) -> None:
         self.live_s = live_s
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._counts: dict[str, int] = {}
+        self._firm: dict[str, int] = {}
+        self._provisional: dict[str, int] = {}
+        self._returned = 0.0
+        self._lapsed = 0.0
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def begin(self, replica: str, session: str, now: float, hold_s: float | None = None) -> None:
+    def begin(
+        self,
+        replica: str,
+        session: str,
+        now: float,
+        hold_s: float | None = None,
+        tokens: int = 0,
+        declared: bool = True,
+    ) -> None:
         """A turn of ``session`` was sent to ``replica`` at ``now`` (``hold_s``: the agent keeps its
-        KV that long across its tool call: live at least until then)."""
+        KV that long across its tool call: live at least until then), adding ``tokens`` of KV of
+        its own there (the part of its prompt not believed cached). ``declared``: the request
+        says it belongs to a conversation (a session key, or messages continuing one); False for
+        a keyless request opening one, which may never come back."""
         s = self._sessions.get(session)
         if s is None:
-            s = self._sessions[session] = _Session(replica, now)
+            s = self._sessions[session] = _Session(replica, now, firm=declared or hold_s is not None)
             self._counts[replica] = self._counts.get(replica, 0) + 1
             if len(self._sessions) > self.max_sessions:
                 self._drop(next(iter(self._sessions)))
-        elif s.replica != replica:
-            self._uncount(s.replica)
-            self._counts[replica] = self._counts.get(replica, 0) + 1
-            s.replica = replica
+        else:
+            if s.replica != replica:
+                self._uncount(s)
+                self._counts[replica] = self._counts.get(replica, 0) + 1
+                s.replica = replica
+                s.tokens = 0  # what it held on the replica it left is not carried here
+            if not s.firm:
+                self._note(returned=True)
+                self._firm_up(s)
+        if hold_s is not None and not s.firm:
+            self._firm_up(s)
+        added = max(0, tokens)
+        s.tokens += added
+        if added:
+            held = self._firm if s.firm else self._provisional
+            held[replica] = held.get(replica, 0) + added
         s.last_begin = now
         s.inflight += 1
         if hold_s is not None:
@@ -88,18 +135,63 @@ class LiveSessions:
             self._drop(key)
         return self._counts
 
+    def return_rate(self) -> float:
+        """The share of recent keyless openings that came back for a second turn (0 until one
+        has): what a keyless opening's KV is counted at until it comes back itself."""
+        return self._returned / (self._returned + self._lapsed) if self._returned else 0.0
+
+    def tokens(self, now: float) -> dict[str, int]:
+        """Per replica, the KV of their own that the sessions live there at ``now`` added: in full
+        for declared conversations and those that came back, at :meth:`return_rate` for keyless
+        openings that have not (replicas without any are left out). O(replicas)."""
+        self.counts(now)
+        rate = self.return_rate()
+        held = dict(self._firm)
+        if rate:
+            for replica, provisional in self._provisional.items():
+                held[replica] = held.get(replica, 0) + round(provisional * rate)
+        return {replica: tokens for replica, tokens in held.items() if tokens > 0}
+
     def forget(self, replica: str) -> None:
         """A replica left: its sessions are no longer counted anywhere."""
         for key in [k for k, s in self._sessions.items() if s.replica == replica]:
-            self._drop(key)
+            self._sessions.pop(key)
         self._counts.pop(replica, None)
+        self._firm.pop(replica, None)
+        self._provisional.pop(replica, None)
+
+    def _note(self, returned: bool) -> None:
+        """A keyless opening came back (or lapsed): the evidence the return rate is made of."""
+        keep = 1.0 - 1.0 / RETURN_MEMORY
+        self._returned *= keep
+        self._lapsed *= keep
+        if returned:
+            self._returned += 1.0
+        else:
+            self._lapsed += 1.0
+
+    def _firm_up(self, s: _Session) -> None:
+        """Count ``s``'s KV in full from now on."""
+        _take(self._provisional, s.replica, s.tokens)
+        if s.tokens:
+            self._firm[s.replica] = self._firm.get(s.replica, 0) + s.tokens
+        s.firm = True
 
     def _drop(self, key: str) -> None:
-        self._uncount(self._sessions.pop(key).replica)
+        s = self._sessions.pop(key)
+        if not s.firm:
+            self._note(returned=False)  # it never came back within the window: a one-off
+        self._uncount(s)
 
-    def _uncount(self, replica: str) -> None:
-        left = self._counts.get(replica, 0) - 1
-        if left > 0:
-            self._counts[replica] = left
-        else:
-            self._counts.pop(replica, None)
+    def _uncount(self, s: _Session) -> None:
+        _take(self._counts, s.replica, 1)
+        _take(self._firm if s.firm else self._provisional, s.replica, s.tokens)
+
+
+def _take(counts: dict[str, int], replica: str, amount: int) -> None:
+    """Take ``amount`` off ``replica``'s count, leaving it out once nothing is left."""
+    left = counts.get(replica, 0) - amount
+    if left > 0:
+        counts[replica] = left
+    else:
+        counts.pop(replica, None)

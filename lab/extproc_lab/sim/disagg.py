@@ -88,20 +88,32 @@ class _Sessions:
 
     pins: dict[str, str] = field(default_factory=dict)
     seen: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    own: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Per live session: the replica its last turn went to and the KV of its own it added there
+    (a keyed session's, counted from its first turn, as the router does)."""
 
-    def live(self, now: float) -> dict[str, int]:
+    def live(self, now: float) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica, the conversations pinned there and live, and the KV of their own."""
         while self.seen and next(iter(self.seen.values())) < now - LIVE_S:
-            self.seen.popitem(last=False)
+            self.own.pop(self.seen.popitem(last=False)[0], None)
         counts: dict[str, int] = {}
+        tokens: dict[str, int] = {}
         for session in self.seen:
             name = self.pins.get(session)
             if name is not None:
                 counts[name] = counts.get(name, 0) + 1
-        return counts
+            where = self.own.get(session)
+            if where is not None:
+                tokens[where[0]] = tokens.get(where[0], 0) + where[1]
+        return counts, tokens
 
-    def turn(self, session: str, now: float) -> None:
+    def turn(self, session: str, now: float, replica: str, tokens: int) -> None:
         self.seen[session] = now
         self.seen.move_to_end(session)
+        was = self.own.get(session)
+        # What it held on a replica it left is not carried to the next.
+        held = was[1] if was is not None and was[0] == replica else 0
+        self.own[session] = (replica, tokens + held)
 
 
 def ours(
@@ -123,8 +135,8 @@ def ours(
         if features is None:
             raise RuntimeError("the router's decision needs the request's features (FleetView.features)")
         pinned = sessions.pins.get(view.session) if view.session else None
-        live = sessions.live(view.now)
-        states = tuple(replace_live(s, live.get(s.name, 0)) for s in view.states)
+        live, own = sessions.live(view.now)
+        states = tuple(replace_live(s, live.get(s.name, 0), own.get(s.name, 0)) for s in view.states)
         # What each replica holds, in the prompt's blocks (the engine's block is the router's: 16 tokens).
         matches = {name: tokens // view.block_tokens for name, tokens in view.cached.items() if tokens > 0}
         given = DecisionInputs.of(
@@ -142,7 +154,8 @@ def ours(
         if view.session:
             if decision.pin:
                 sessions.pins[view.session] = decision.replica.name
-            sessions.turn(view.session, view.now)
+            chosen = decision.replica.name
+            sessions.turn(view.session, view.now, chosen, max(0, view.prompt_tokens - view.cached.get(chosen, 0)))
         index = {s.name: i for i, s in enumerate(view.states)}
         prefill = decision.prefill
         return Route(index[decision.replica.name], None if prefill is None else index[prefill.name])
@@ -150,9 +163,11 @@ def ours(
     return policy
 
 
-def replace_live(state: ReplicaState, live: int) -> ReplicaState:
-    """``state`` with ``live`` conversations live there."""
-    return replace(state, live_sessions=live) if live != state.live_sessions else state
+def replace_live(state: ReplicaState, live: int, own_tokens: int = 0) -> ReplicaState:
+    """``state`` with ``live`` conversations live there, holding ``own_tokens`` of KV of their own."""
+    if live == state.live_sessions and own_tokens == state.live_session_tokens:
+        return state
+    return replace(state, live_sessions=live, live_session_tokens=own_tokens)
 
 
 def _load(state: ReplicaState) -> int:

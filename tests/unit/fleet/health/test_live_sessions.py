@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from extproc.config import Config
 from extproc.fleet.health.sessions import LiveSessions
@@ -11,7 +12,7 @@ from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState,
 from extproc.routing.registry import DEFAULT_PROFILE
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
-from extproc_lab.sim.generators import shared_system_chat
+from extproc_lab.sim.generators import agents, shared_system_chat
 from extproc_lab.sim.simulator import Simulation
 
 
@@ -33,6 +34,84 @@ def test_a_session_is_live_while_streaming_and_for_a_while_after_its_turn_began(
     assert live.counts(41.0) == {"r1": 1}
     live.forget("r1")
     assert live.counts(41.0) == {} and len(live) == 0
+
+
+def test_a_declared_conversation_counts_the_kv_of_its_own_where_it_lives_from_its_first_turn() -> None:
+    live = LiveSessions(live_s=10.0)
+    live.begin("r0", "a", 0.0, tokens=500)  # its task (the harness was cached there already)
+    live.end("a")
+    live.begin("r0", "b", 0.5, tokens=2000)  # the one that brought the harness
+    live.end("b")
+    assert live.tokens(1.0) == {"r0": 2500}  # a session key declares a conversation: counted at once
+    live.begin("r0", "a", 1.0, tokens=300)  # a tool result
+    live.end("a")
+    assert live.tokens(1.5) == {"r0": 2800}
+    live.begin("r1", "a", 4.0, tokens=900)  # moved: what it held on r0 is not carried to r1
+    assert live.tokens(4.0) == {"r0": 2000, "r1": 900}
+    live.end("a")
+    assert live.tokens(10.8) == {"r1": 900}  # b's last turn began 10.3 s ago: b is no longer live
+    assert live.tokens(20.0) == {} and live.counts(20.0) == {}
+    live.forget("r1")
+    assert live.tokens(20.0) == {}
+
+
+def test_a_burst_of_declared_conversations_counts_each_as_it_is_placed() -> None:
+    # What the real-vLLM module's burst needs: six new sessions sent one after another, none back
+    # yet; each one placed is counted before the next is decided.
+    live = LiveSessions()
+    for i in range(6):
+        live.begin(f"r{i % 2}", f"s{i}", 0.1 * i, tokens=300 + i)
+        live.end(f"s{i}")
+    assert live.tokens(1.0) == {"r0": 300 + 302 + 304, "r1": 301 + 303 + 305}
+
+
+def test_a_keyless_opening_counts_at_the_rate_openings_come_back_and_in_full_once_it_does() -> None:
+    live = LiveSessions(live_s=10.0)
+    live.begin("r0", "k1", 0.0, tokens=1000, declared=False)
+    live.begin("r0", "k2", 0.0, tokens=400, declared=False)
+    live.end("k1")
+    live.end("k2")
+    # No opening has come back yet: it may be a one-off, counted at nothing.
+    assert live.return_rate() == 0.0 and live.tokens(1.0) == {} and live.counts(1.0) == {"r0": 2}
+    live.begin("r0", "k1", 2.0, tokens=100)  # k1 comes back: in full from now on
+    live.end("k1")
+    assert live.return_rate() == 1.0
+    assert live.tokens(2.0) == {"r0": 1100 + 400}  # and k2, not back yet, at the rate (1)
+    live.begin("r1", "k3", 3.0, tokens=600, declared=False)
+    live.end("k3")
+    assert live.tokens(3.0) == {"r0": 1500, "r1": 600}
+    # k2 lapses at 10 s without coming back: one of two came back (the older a little less weight).
+    assert live.tokens(10.5) == {"r0": 1100, "r1": round(600 * live.return_rate())}
+    assert 0.49 < live.return_rate() < 0.51
+    live.begin("r2", "k3", 11.0, tokens=50)  # k3 comes back on another replica: only what it adds there
+    assert live.tokens(11.0) == {"r0": 1100, "r2": 50}
+    # An agent asking to keep its KV across a tool call declares that it will come back.
+    live.begin("r3", "k4", 11.0, tokens=70, hold_s=5.0, declared=False)
+    assert live.tokens(11.0)["r3"] == 70
+
+
+def test_one_offs_that_never_come_back_count_nothing() -> None:
+    # A hot system prompt's single questions (each a keyless opening): counted, they spread the
+    # prompt over replicas new to it (hot-prefix at rate x2 in the simulator: TTFT p99 0.053 ->
+    # 0.165 s). They never come back, so the return rate stays 0.
+    live = LiveSessions(live_s=5.0)
+    for i in range(200):
+        live.begin("r0", f"q{i}", 0.1 * i, tokens=150, declared=False)
+        live.end(f"q{i}")
+        assert live.tokens(0.1 * i) == {}
+    assert live.return_rate() == 0.0 and live.counts(20.0) == {"r0": 50}
+    # Once a tenth of the openings come back, about that share of what the others added counts (a
+    # return is known at once, a lapse only a window later: the rate leans high, here 0.29).
+    for i in range(200, 400):
+        live.begin("r0", f"q{i}", 0.1 * i, tokens=150, declared=False)
+        live.end(f"q{i}")
+        if i % 10 == 0:
+            live.begin("r0", f"q{i}", 0.1 * i + 0.05, tokens=0)
+            live.end(f"q{i}")
+    assert 0.05 < live.return_rate() < 0.35
+    provisional = 150 * sum(1 for i in range(350, 400) if i % 10)
+    firm = 150 * sum(1 for i in range(350, 400) if i % 10 == 0)
+    assert live.tokens(40.0)["r0"] == firm + round(provisional * live.return_rate())
 
 
 def test_live_sessions_are_bounded() -> None:
@@ -68,7 +147,7 @@ def new_conversation_goes_to(r0_live: int, pinned: str | None = None) -> str:
     return d.replica.name
 
 
-def test_by_default_a_new_conversation_goes_where_the_prompt_is() -> None:
+def test_by_default_the_count_of_conversations_alone_moves_nothing() -> None:
     spec = dict(DEFAULT_PROFILE)
     d = decide(
         DecisionInputs.of(
@@ -79,13 +158,83 @@ def test_by_default_a_new_conversation_goes_where_the_prompt_is() -> None:
             build_profile(spec),
         )
     )
-    assert d.replica is not None and d.replica.name == "r0"  # the whole-cost rule is opt-in
+    # ``session_tokens`` is opt-in; the conversations' own KV (none here) is what the default counts
+    assert d.replica is not None and d.replica.name == "r0"
+
+
+def new_conversation_by_default(r0_own: int, matched: int = 32, pinned: str | None = None) -> str:
+    """Where a new conversation of 40 blocks (640 tokens) goes with the default profile when r0
+    holds ``matched`` of its blocks and its live conversations hold ``r0_own`` tokens of KV of
+    their own, r1 neither."""
+    features = RequestFeatures(
+        path="/v1/chat/completions", model="m", session_key="new", prefix_hashes=tuple(range(40)), prompt_chars=40 * 64
+    )
+    replicas = (
+        ReplicaState(Replica("r0", "h:0"), live_sessions=4, live_session_tokens=r0_own),
+        ReplicaState(Replica("r1", "h:1")),
+    )
+    view = AffinityView(pinned=pinned, prefix_matches={"r0": matched})
+    d = decide(DecisionInputs.of(features, Snapshot(replicas), view, 0.0, build_profile(dict(DEFAULT_PROFILE))))
+    assert d.replica is not None
+    return d.replica.name
+
+
+def test_a_shared_prefix_draws_a_new_conversation_only_until_the_conversations_there_outweigh_it() -> None:
+    # r0 holds the system prompt (32 blocks: 512 tokens of prefill saved, once).
+    assert new_conversation_by_default(0) == "r0"
+    assert new_conversation_by_default(400) == "r0"  # 200 beyond the mean of 200: less than the saving
+    assert new_conversation_by_default(8000) == "r1"  # 4,000 beyond its share: prefill the prompt on r1
+    assert new_conversation_by_default(8000, pinned="r0") == "r0"  # a continuing conversation stays
+    # A fork: its prompt is its parent's whole context, held on r0; it goes with its parent until
+    # r0 carries more than that context beyond its share.
+    assert new_conversation_by_default(8000, matched=40) == "r1"
+    assert new_conversation_by_default(1000, matched=40) == "r0"
+
+
+def test_a_burst_of_new_conversations_with_one_prompt_is_not_split_by_its_own_kv() -> None:
+    # The first brought the prompt (its own KV there); the next ones add nothing of their own.
+    live = LiveSessions()
+    live.begin("r0", "s1", 0.0, tokens=640)
+    for i in range(2, 6):
+        live.begin("r0", f"s{i}", 0.1 * i, tokens=0)
+    own = live.tokens(1.0)["r0"]
+    assert own == 640 and new_conversation_by_default(own, matched=40) == "r0"
+    for i in range(1, 6):  # their second turns
+        live.begin("r0", f"s{i}", 1.0 + 0.1 * i, tokens=20)
+    own = live.tokens(2.0)["r0"]
+    assert own == 740 and new_conversation_by_default(own, matched=40) == "r0"
 
 
 def test_a_new_conversation_is_placed_by_the_conversations_a_replica_already_carries() -> None:
     assert new_conversation_goes_to(12) == "r1"  # 6 beyond its share
     assert new_conversation_goes_to(12, pinned="r0") == "r0"  # a pinned conversation stays
     assert new_conversation_goes_to(1) == "r0"  # within its share: it pays nothing
+
+
+def test_with_the_default_profile_a_shared_system_prompt_does_not_herd() -> None:
+    # Before the conversations' own KV was counted: 3 of 8 replicas took all 48 conversations.
+    replica = get_profile("demo")
+    cfg = Config()
+    wl = shared_system_chat(48, 6, system_tokens=2000, document_tokens=300)
+    sim = Simulation(wl, replica, 8, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg)
+    run = sim.run()
+    sessions: dict[int, set[str | None]] = {}
+    for o in run.outcomes:
+        sessions.setdefault(o.replica, set()).add(o.session)
+    assert len(sessions) >= 6, {k: len(v) for k, v in sessions.items()}
+    assert max(len(s) for s in sessions.values()) <= 12, {k: len(v) for k, v in sessions.items()}
+    prompt = sum(o.prompt_tokens for o in run.outcomes)
+    assert sum(o.cached_tokens for o in run.outcomes) / prompt > 0.88
+
+
+def test_with_the_default_profile_agents_sharing_a_harness_do_not_herd() -> None:
+    # Before the conversations' own KV was counted: all 16 agents on one replica.
+    replica = dataclasses.replace(get_profile("llama-8b-h100"), num_gpu_blocks=3000)
+    cfg = Config()
+    wl = agents(16, rate=4.0)
+    sim = Simulation(wl, replica, 4, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg)
+    used = {o.replica for o in sim.run().outcomes}
+    assert len(used) >= 3, used
 
 
 def test_a_system_prompt_every_conversation_shares_does_not_leave_replicas_idle() -> None:
