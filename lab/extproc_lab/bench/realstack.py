@@ -671,11 +671,12 @@ def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]
     gw = _fresh_gateway(setup, name)
     try:
         url = start_router(gw, name, setup)
-        what = (
-            f"{setup.agents.agents} agents at rate {setup.agents.rate:g}"
-            if setup.workload == "agents"
-            else f"{setup.conversations} conversations x {setup.turns} turns"
-        )
+        if setup.workload == "agents":
+            what = f"{setup.agents.agents} agents at rate {setup.agents.rate:g}"
+        elif setup.workload == "vllm-bench":
+            what = f"vllm bench serve's {setup.serve.num_prompts} prompts at {setup.serve.request_rate:g}/s"
+        else:
+            what = f"{setup.conversations} conversations x {setup.turns} turns"
         progress(f"{name}: replaying {what} through {url}")
         before = asyncio.run(read_counters(gw))
         run = asyncio.run(replay(url, setup, run_id=f"{name}-{setup.seed}"))
