@@ -492,6 +492,38 @@ def run(
     }
 
 
+def in_process(requests: int, rounds: int) -> dict[str, dict[str, float]]:
+    """``Router.route`` in process (no Envoy, no gRPC, no engines) on the ``shared`` part's chats
+    with ``llama-tiny``'s tokenizer and KV events configured, against the default configuration:
+    the median over ``rounds`` of the mean route time, ms (the first turns of each round, with the
+    head store warm after the first request, as the engines' run sends them)."""
+    from extproc.api import Config, EventCacheState, KvEventSettings, Metrics, Replica, Router
+    from extproc_lab.engines import install
+
+    model_dir = install.ensure(("tiny",))["tiny"]
+    chats = [c.next_messages(0) for c in shared_prompt_chat(requests * rounds, 1, system_words=Workload.shared_words)]
+    bodies = [json.dumps({"model": MODEL, "messages": m, "max_tokens": 8}).encode() for m in chats]
+    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    cfg = Config(replicas=(Replica("r0", "127.0.0.1:1"), Replica("r1", "127.0.0.1:2")), metrics=Metrics(enabled=False))
+    kv = EventCacheState(KvEventSettings(tokenizers={MODEL: str(model_dir)}, block_size=32))
+    routers = {DEFAULT: Router(cfg), CONFIGURED: Router(cfg, kv_events=kv)}
+    for replica in ("r0", "r1"):  # every feed live, so the event index answers
+        kv.source.apply_events(replica, ())
+
+    async def mean_ms(router: Router, batch: list[bytes]) -> float:
+        started = time.perf_counter()
+        for body in batch:
+            await router.route(headers, body)
+        return (time.perf_counter() - started) / len(batch) * 1e3
+
+    out: dict[str, list[float]] = {name: [] for name in routers}
+    for r in range(rounds):
+        batch = bodies[r * requests : (r + 1) * requests]
+        for name, router in routers.items():
+            out[name].append(asyncio.run(mean_ms(router, batch)))
+    return {name: {"route_ms": round(statistics.median(v), 3)} for name, v in out.items()}
+
+
 def table(result: dict[str, Any]) -> str:
     """Markdown: one row a path."""
     rows = result["rows"]
@@ -540,6 +572,9 @@ def main() -> None:
     ap.add_argument("--shared", type=int, default=Workload.shared)
     ap.add_argument("--conversations", type=int, default=Workload.conversations)
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument(
+        "--in-process", action="store_true", help="only Router.route in process, default against configured"
+    )
     ap.add_argument("--profile", type=Path, help="py-spy the configured processor; its raw stacks here")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument(
@@ -552,6 +587,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1 or args.shared <= WARMUP or args.conversations < 1:
         ap.error(f"--rounds and --conversations at least 1, --shared more than {WARMUP}")
+    if args.in_process:
+        print(json.dumps(in_process(200, args.rounds)))
+        return
     work = Workload(shared=args.shared, conversations=args.conversations)
     baselines: dict[str, Path] = {}
     for spec in args.baseline:
