@@ -36,7 +36,7 @@ requests, and the difference each adds over ``envoy_direct``.
 run from another checkout of the repository (``git archive COMMIT extproc | tar -x -C DIR``), so
 that a change is measured against the code before it in the same run, in the same turns.
 
-``--profile FILE`` adds one more phase of each processor, after the rounds and not counted in
+``--profile FILE`` adds ``--profile-phases`` more phases of each processor, after the rounds and not counted in
 them, sampled by py-spy (every thread, ``--nonblocking``; raw stacks in ``FILE-<path>.txt``), and
 prints where its CPU went: tokenizing, the chat template, block hashing, KV event decoding and
 indexing, the event loop, grpcio.
@@ -385,6 +385,7 @@ def run(
     rate: int,
     baselines: dict[str, Path] | None = None,
     log: Any = print,
+    profile_phases: int = 1,
 ) -> dict[str, Any]:
     """Start two engines and the gateways, run the rounds (and, with ``profile``, one more round of
     the configured processors only, sampled); every figure by path."""
@@ -467,8 +468,14 @@ def run(
                 if name == DIRECT or pid is None:
                     continue
                 raw = profile.with_name(f"{profile.stem}-{name}{profile.suffix or '.txt'}")
-                sampled = phase_of(name, f"profiled-{name}", Sampler(pid, raw, rate))
-                profiles[name] = breakdown(raw, sampled["processor_cpu_s"], sampled["requests"], rate)
+                cpu, requests, stacks = 0.0, 0, []
+                for i in range(profile_phases):
+                    part = Path(tmp) / f"spy-{name}-{i}.txt"
+                    sampled = phase_of(name, f"profiled-{name}-{i}", Sampler(pid, part, rate))
+                    cpu, requests = cpu + sampled["processor_cpu_s"], requests + sampled["requests"]
+                    stacks.append(part.read_text() if part.exists() else "")
+                raw.write_text("".join(stacks))
+                profiles[name] = breakdown(raw, cpu, requests, rate)
     rows = {name: summarize(name, phases[name]) for name in paths}
     base = rows[DIRECT]
     for name in paths[1:]:
@@ -577,6 +584,7 @@ def main() -> None:
     )
     ap.add_argument("--profile", type=Path, help="py-spy the configured processor; its raw stacks here")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--profile-phases", type=int, default=1, help="sampled phases of each processor")
     ap.add_argument(
         "--baseline",
         action="append",
@@ -598,11 +606,17 @@ def main() -> None:
             ap.error(f"--baseline {spec!r}: NAME=DIR, DIR a checkout with extproc/")
         baselines[name] = Path(directory)
     result = run(
-        args.rounds, work, args.profile, args.rate, baselines, log=lambda m: print(m, file=sys.stderr, flush=True)
+        args.rounds,
+        work,
+        args.profile,
+        args.rate,
+        baselines,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+        profile_phases=max(1, args.profile_phases),
     )
     print(table(result))
     for name, p in result.get("profiles", {}).items():
-        print(f"\n{name}, sampled (one more phase):\n")
+        print(f"\n{name}, sampled (phases after the rounds):\n")
         print(profile_table(p))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
