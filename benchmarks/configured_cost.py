@@ -349,6 +349,11 @@ def summarize(name: str, phases: list[dict[str, Any]]) -> dict[str, Any]:
         "shared_ttft_p99_ms": q(streamed, 0.99),
         "shared_latency_p50_ms": q(plain, 0.5),
         "shared_latency_p99_ms": q(plain, 0.99),
+        # What the engines' cache is worth on this model: the TTFT of the streamed requests that
+        # found under half of their prompt cached, against those that found more.
+        "cold_ttft_p50_ms": q(cold := [t for t in streamed + convos if t.cached_tokens * 2 < t.prompt_tokens], 0.5),
+        "warm_ttft_p50_ms": q([t for t in streamed + convos if t.cached_tokens * 2 >= t.prompt_tokens], 0.5),
+        "cold_requests": len(cold),
         "conversation_ttft_p50_ms": q(convos, 0.5),
         "conversation_ttft_p99_ms": q(convos, 0.99),
         "shared_streamed": len(streamed),
@@ -557,6 +562,20 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cache_table(result: dict[str, Any]) -> str:
+    """Markdown: the streamed requests' TTFT by what they found cached, one row a path."""
+    lines = [
+        "| path | TTFT p50, under half cached | TTFT p50, half or more cached | requests under half cached |",
+        "|---|---|---|---|",
+    ]
+    for name, r in result["rows"].items():
+        if "cold_ttft_p50_ms" in r:
+            lines.append(
+                f"| {name} | {r['cold_ttft_p50_ms']:.1f} ms | {r['warm_ttft_p50_ms']:.1f} ms | {r['cold_requests']} |"
+            )
+    return "\n".join(lines)
+
+
 def profile_table(p: dict[str, Any]) -> str:
     """Markdown: where the configured processor's sampled time went."""
     lines = [
@@ -615,6 +634,8 @@ def main() -> None:
         profile_phases=max(1, args.profile_phases),
     )
     print(table(result))
+    print()
+    print(cache_table(result))
     for name, p in result.get("profiles", {}).items():
         print(f"\n{name}, sampled (phases after the rounds):\n")
         print(profile_table(p))
