@@ -9,8 +9,12 @@ A model's tokenizer is a directory holding ``tokenizer.json`` and ``tokenizer_co
 
 Incremental where it is safe: a session's next turn usually re-sends the last turn's text and
 adds to it. Tokens never straddle a special token (added tokens are split out before the model
-runs), so everything up to the last special token of the text already tokenized is reused and
-only the rest is encoded again.
+runs), so everything up to the last special token the new text shares with the text already
+tokenized is reused and only the rest is encoded again. The text already tokenized is the
+session's previous turn, else the last prompt that opened with the same head (its text through
+the first special token past :data:`HEAD_CHARS` characters: a shared system prompt, say), kept in
+a store bounded by characters: requests of different sessions, or of none, that share a long
+system prompt tokenize it once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+HEAD_CHARS = 256
+"""A prompt's head, the key of the store of recent prompts: its text through the first special
+token that ends at or past this many characters (short heads would make every prompt one key)."""
+HEAD_STORE_CHARS = 4_000_000
+"""What the store of recent prompts by head holds at most, in characters of their text (their
+token ids besides: about as many again in memory)."""
 
 
 class TokenizerError(ValueError):
@@ -66,10 +77,26 @@ def _message_content(content: Any) -> Any:
     return content
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (by halving: slices compare in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PromptTokenizer:
     """One model's tokenizer and chat template."""
 
-    def __init__(self, directory: str | Path, session_cache: int = 4096) -> None:
+    def __init__(
+        self, directory: str | Path, session_cache: int = 4096, head_store_chars: int = HEAD_STORE_CHARS
+    ) -> None:
         path = Path(directory)
         try:
             self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -116,6 +143,13 @@ class PromptTokenizer:
         ``/v1/messages`` merges inline system messages into the leading one, and so does the router."""
         self._sessions: OrderedDict[str, Tokenized] = OrderedDict()
         self._session_cap = session_cache
+        # Recent prompts by head (a shared system prompt is tokenized once), bounded by characters.
+        # Off where one cut token is inside another: counting cuts in the text would then be ambiguous.
+        self._heads: OrderedDict[str, Tokenized] | None = OrderedDict()
+        if any(a != b and a in b for a in self._cut_tokens for b in self._cut_tokens):
+            self._heads = None
+        self._head_chars = 0
+        self._head_cap = head_store_chars
         self._lock = threading.Lock()
 
     def _takes_only_a_leading_system(self) -> bool:
@@ -154,29 +188,83 @@ class PromptTokenizer:
             raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
     def encode(self, text: str, add_special_tokens: bool, session: str | None = None) -> Tokenized:
-        """Token ids of ``text``; with ``session``, reusing what its previous turn tokenized."""
-        previous = None
-        if session is not None:
-            with self._lock:
+        """Token ids of ``text``; with ``session``, reusing what its previous turn tokenized, else
+        (or where that shares less) what a recent prompt with the same head did."""
+        if add_special_tokens:  # a prompt that starts with added tokens: never cut (completions)
+            return self._encode_from(text, True)
+        head = self._head(text)
+        previous = by_head = None
+        with self._lock:
+            if session is not None:
                 previous = self._sessions.get(session)
-        result = self._encode_from(text, add_special_tokens, previous)
-        if session is not None:
-            with self._lock:
+            if head is not None and self._heads is not None:
+                by_head = self._heads.get(head)
+        result = self._encode_from(text, False, previous, by_head)
+        with self._lock:
+            if session is not None:
                 self._sessions[session] = result
                 self._sessions.move_to_end(session)
                 while len(self._sessions) > self._session_cap:
                     self._sessions.popitem(last=False)
+            if head is not None and self._heads is not None and len(text) <= self._head_cap:
+                self._keep_head(head, result)
         return result
 
-    def _encode_from(self, text: str, add_special_tokens: bool, previous: Tokenized | None) -> Tokenized:
-        cut, token = self._safe_cut(previous, text) if previous is not None and not add_special_tokens else (0, "")
-        if cut and previous is not None:
-            # The special token ending at ``cut`` is the last special id of the previous ids (a
-            # literal special token is always split out as one): everything up to it is reused.
+    def unshared(self, text: str, session: str | None = None) -> int:
+        """How many characters of ``text`` (a chat's rendered template) :meth:`encode` would encode
+        afresh: what follows the last special token it shares with the session's previous turn or
+        a recent prompt of the same head (all of it when none)."""
+        head = self._head(text)
+        with self._lock:
+            previous = self._sessions.get(session) if session is not None else None
+            by_head = self._heads.get(head) if head is not None and self._heads is not None else None
+        cut = max((self._safe_cut(p, text)[0] for p in (previous, by_head) if p is not None), default=0)
+        return len(text) - cut
+
+    def _head(self, text: str) -> str | None:
+        """The text through the first cut token ending at or past :data:`HEAD_CHARS` (None: none)."""
+        end = -1
+        for token in self._cut_tokens:
+            at = text.find(token, max(0, HEAD_CHARS - len(token)))
+            if at >= 0 and (end < 0 or at + len(token) < end):
+                end = at + len(token)
+        return text[:end] if end > 0 else None
+
+    def _keep_head(self, head: str, result: Tokenized) -> None:
+        # Under the lock.
+        assert self._heads is not None
+        old = self._heads.pop(head, None)
+        if old is not None:
+            self._head_chars -= len(old.text)
+        self._heads[head] = result
+        self._head_chars += len(result.text)
+        while self._head_chars > self._head_cap and self._heads:
+            _, dropped = self._heads.popitem(last=False)
+            self._head_chars -= len(dropped.text)
+
+    def _encode_from(self, text: str, add_special_tokens: bool, *candidates: Tokenized | None) -> Tokenized:
+        """``text`` encoded, reusing the candidate that shares the most of it up to a special token."""
+        best: tuple[int, str, int, Tokenized] | None = None
+        if not add_special_tokens:
+            for previous in candidates:
+                if previous is not None:
+                    cut, token, after = self._safe_cut(previous, text)
+                    if cut and (best is None or cut > best[0]):
+                        best = (cut, token, after, previous)
+        if best is not None:
+            # The special token ending at ``cut`` is followed, in the previous ids, by ``after``
+            # more cut ids (a literal special token is always split out as one): everything up to
+            # it is reused.
+            cut, token, after, previous = best
             ids = previous.ids
             n = len(ids)
             cut_ids = self._cut_ids
-            while n and ids[n - 1] not in cut_ids:
+            skip = after
+            while n:
+                if ids[n - 1] in cut_ids:
+                    if not skip:
+                        break
+                    skip -= 1
                 n -= 1
             if n and cut_ids[ids[n - 1]] == token:
                 rest = self.tokenizer.encode(text[cut:], add_special_tokens=False)
@@ -184,18 +272,21 @@ class PromptTokenizer:
         enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return Tokenized(text, tuple(enc.ids))
 
-    def _safe_cut(self, previous: Tokenized, text: str) -> tuple[int, str]:
-        """The end of the last special token of the previous text and that token, if the new
-        text shares all of the previous text before it; (0, "") otherwise."""
+    def _safe_cut(self, previous: Tokenized, text: str) -> tuple[int, str, int]:
+        """The end of the last special token of the previous text that the new text shares all
+        of the previous text before, that token, and how many special tokens follow it in the
+        previous text; (0, "", 0) if none."""
         old = previous.text
+        shared = _common_prefix(old, text)
         cut, token = 0, ""
         for candidate in self._cut_tokens:
-            at = old.rfind(candidate)
+            at = old.rfind(candidate, 0, shared)
             if at >= 0 and at + len(candidate) > cut:
                 cut, token = at + len(candidate), candidate
-        if cut and text.startswith(old[:cut]):
-            return cut, token
-        return 0, ""
+        if not cut:
+            return 0, "", 0
+        after = sum(old.count(t, cut) for t in self._cut_tokens) if cut < len(old) else 0
+        return cut, token, after
 
     def chat_ids(self, messages: Sequence[Any], tools: Any = None, session: str | None = None) -> Tokenized:
         """``/v1/chat/completions``: the rendered template, without extra special tokens."""

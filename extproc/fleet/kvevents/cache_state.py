@@ -1,11 +1,13 @@
 """The KV events as a cache-state source of the router: tokenize, match, credit, subscribe.
 
-The router asks three things, none of which blocks its event loop:
+The router asks three things, none of which blocks its event loop for long:
 
 - :meth:`EventCacheState.tokenized` (before the decision): for a model with a tokenizer, the
   request's prefix hashes become the engine's own block hashes over the model's tokens (or our
   content hashes in ``content`` mode), computed in a worker thread (``tokenizers`` and hashlib
-  release the GIL), with the block size and hash algorithm the model's engines report
+  release the GIL) unless little is left to encode after what a session's previous turn or a
+  prompt of the same head shares (:data:`INLINE_CHARS`: then on the loop, cheaper than the hop),
+  with the block size and hash algorithm the model's engines report
   (:mod:`.layout`; the configured ones until they do);
 - :meth:`EventCacheState.view` (the decision's input): replicas whose feed is live get their
   matches from the event index, the others keep the estimate's;
@@ -54,6 +56,14 @@ from extproc.state.redis_transcripts import redis_transcripts
 from extproc.state.store import AffinityStore
 
 log = logging.getLogger("extproc.fleet.kvevents")
+
+INLINE_CHARS = 1024
+"""A chat prompt with at most this many characters left to encode (after what its session's
+previous turn or a prompt of the same head shares) is tokenized on the event loop: about 0.2 ms
+of the lab's tokenizer, less than the hop to a worker thread and back on a loaded machine
+(benchmarks/configured_cost.md)."""
+INLINE_TEXT_CHARS = 64 * 1024
+"""And is at most this long: its blocks' hashes are computed with it (where no session's reuse)."""
 
 
 class EventCacheState:
@@ -131,16 +141,35 @@ class EventCacheState:
         if features.path == RESPONSES_PATH and (previous := previous_response_id(body)) is not None:
             # Another gateway may have routed the turn before: its conversation, from the store.
             await self.responses.fetch(previous, tenant=features.tenant, model=features.model)
-        loop = asyncio.get_running_loop()
+        layout = (bs, self._chain(algo))
         try:
-            keys, tokens = await loop.run_in_executor(
-                self._executor, self.block_keys, tok, features, body, (bs, self._chain(algo))
-            )
+            text = self._chat_text(tok, features, body)
+            if (
+                text is not None
+                and len(text) <= INLINE_TEXT_CHARS
+                and tok.unshared(text, features.session_key) <= INLINE_CHARS
+            ):
+                # Little left to encode (a follow-up, a prompt after a known system prompt): on the
+                # loop, where the hop to a worker and back would cost more than the work.
+                keys, tokens = self.block_keys(tok, features, body, layout, text)
+            else:
+                loop = asyncio.get_running_loop()
+                keys, tokens = await loop.run_in_executor(
+                    self._executor, self.block_keys, tok, features, body, layout, text
+                )
         except Exception as exc:  # bad input gets character blocks, never a failed decision
             self.metrics.tokenize_failed()
             log.debug("not tokenized (%s): routed on character blocks", exc)
             return features
         return replace(features, prefix_hashes=keys, prompt_tokens=tokens, tokens_per_block=bs)
+
+    @staticmethod
+    def _chat_text(tok: PromptTokenizer, features: RequestFeatures, parsed: Mapping[str, Any]) -> str | None:
+        """A chat request's rendered template (None for the other APIs). Rendered on the loop: jinja2
+        holds the GIL, so a worker thread would not free the loop while it renders."""
+        if not features.path.startswith(CHAT_PATH):
+            return None
+        return tok.render_chat(parsed.get("messages") or [], parsed.get("tools"))
 
     def block_keys(
         self,
@@ -148,10 +177,14 @@ class EventCacheState:
         features: RequestFeatures,
         parsed: Mapping[str, Any],
         layout: tuple[int, EngineChain | None],
+        chat_text: str | None = None,
     ) -> tuple[tuple[int, ...], int]:
-        """The request's block keys and prompt length in tokens (runs in a worker thread), in
-        blocks of ``layout``'s size hashed by its chain (None: content hashes)."""
-        if features.path.startswith(CHAT_PATH):
+        """The request's block keys and prompt length in tokens (in a worker thread unless little
+        is left to encode), in blocks of ``layout``'s size hashed by its chain (None: content
+        hashes); ``chat_text``: a chat request's template already rendered."""
+        if features.path.startswith(CHAT_PATH) and chat_text is not None:
+            t = tok.encode(chat_text, add_special_tokens=False, session=features.session_key)
+        elif features.path.startswith(CHAT_PATH):
             t = tok.chat_ids(parsed.get("messages") or [], parsed.get("tools"), session=features.session_key)
         elif features.path.startswith(COMPLETIONS_PATH):
             t = tok.completion_ids(parsed.get("prompt"))

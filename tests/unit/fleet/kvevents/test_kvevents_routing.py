@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +20,7 @@ from extproc.fleet.kvevents.wire import AllBlocksCleared, BlockRemoved
 from extproc.observe.metrics.kv_events import KvEventMetrics
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError
 from extproc.routing.model import AffinityView
+from extproc_lab.replica.tokenizer_dir import sample_text
 from tests.conftest import make_config
 from tests.helpers import BS, Clock, chat_request, conversation, feed, kv_router, metric_value, stored_event
 
@@ -54,6 +56,46 @@ def test_incremental_turns_equal_full_tokenization(tokenizer_dir: Path, seed: in
     )
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_prompts_sharing_a_head_reuse_it_and_equal_full_tokenization(tokenizer_dir: Path, seed: int) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    system = conversation(1, seed)[0]
+
+    def full(msgs: list[dict[str, str]]) -> tuple[int, ...]:
+        return tuple(tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids)
+
+    # No session: distinct questions after one system prompt; the second on reuse its tokens.
+    for q in range(4):
+        msgs = [system, {"role": "user", "content": sample_text(30, seed * 10 + q)}]
+        got = tok.chat_ids(msgs)
+        assert got.ids == full(msgs)
+        assert (got.reused > 0) == (q > 0)
+    # Another session's first turn, and a session whose history was rewritten mid-way: the shared
+    # part reused, the rest encoded, the same ids as tokenizing it whole.
+    first = [system, {"role": "user", "content": sample_text(30, seed + 99)}]
+    got = tok.chat_ids(first, session="fresh")
+    assert got.ids == full(first) and got.reused > 0
+    msgs = conversation(4, seed)
+    tok.chat_ids(msgs, session="s")
+    rewritten = [*msgs[:3], {"role": "assistant", "content": "edited"}, *msgs[4:]]
+    got = tok.chat_ids(rewritten, session="s")
+    assert got.ids == full(rewritten) and got.reused > 0
+    # A prompt unlike anything seen: nothing reused, still right.
+    other = conversation(2, seed + 500)
+    assert tok.chat_ids(other).ids == full(other)
+
+
+def test_the_head_store_stays_within_its_characters(tokenizer_dir: Path) -> None:
+    tok = PromptTokenizer(tokenizer_dir, head_store_chars=5_000)
+    for seed in range(20):
+        msgs = conversation(1, seed)
+        assert tok.chat_ids(msgs).ids == tuple(
+            tok.tokenizer.encode(tok.render_chat(msgs), add_special_tokens=False).ids
+        )
+    assert 0 < tok._head_chars <= 5_000
+    assert sum(len(t.text) for t in (tok._heads or {}).values()) == tok._head_chars
+
+
 def test_bad_tokenizer_directory_and_media_are_refused(tmp_path: Path, tokenizer_dir: Path) -> None:
     with pytest.raises(TokenizerError):
         PromptTokenizer(tmp_path)
@@ -63,6 +105,36 @@ def test_bad_tokenizer_directory_and_media_are_refused(tmp_path: Path, tokenizer
 
 
 # -- routing -----------------------------------------------------------------------------------
+
+
+async def test_little_left_to_encode_is_tokenized_on_the_loop_the_rest_in_a_worker(tokenizer_dir: Path) -> None:
+    clock = Clock(1000.0)
+    router, kv = kv_router(tokenizer_dir, clock)
+    submitted: list[object] = []
+    pool = kv._executor
+
+    class Counting:
+        def submit(self, fn: Any, *args: Any) -> Any:
+            submitted.append(fn)
+            return pool.submit(fn, *args)
+
+    kv._executor = Counting()  # type: ignore[assignment]
+    tok = PromptTokenizer(tokenizer_dir)
+    system = {"role": "system", "content": sample_text(400, 3)}  # far more than INLINE_CHARS
+
+    async def hashes(msgs: list[dict[str, str]], session: str | None = None) -> list[int]:
+        routed = await router.route(*chat_request(msgs, session))
+        assert list(routed.features.prefix_hashes) == EngineChain(HashAlgo.SHA256).hashes(tok.chat_ids(msgs).ids, BS)
+        return list(routed.features.prefix_hashes)
+
+    first = [system, {"role": "user", "content": sample_text(20, 1)}]
+    await hashes(first)
+    assert len(submitted) == 1  # a long prompt seen nowhere: the worker
+    second = [system, {"role": "user", "content": sample_text(20, 2)}]
+    assert (await hashes(second))[:3] == (await hashes(first))[:3]
+    assert len(submitted) == 1  # the same system prompt, a short question: on the loop
+    await hashes([{"role": "system", "content": sample_text(400, 4)}, {"role": "user", "content": "hi"}])
+    assert len(submitted) == 2  # another long system prompt: the worker again
 
 
 async def test_tokenized_features_carry_vllm_block_hashes(tokenizer_dir: Path) -> None:
