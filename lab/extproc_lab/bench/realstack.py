@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,7 +68,8 @@ from extproc_lab.bench.agent_sessions import (
 from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
-from extproc_lab.demo.workload import Conversation, multi_turn
+from extproc_lab.demo.run import reset_caches
+from extproc_lab.demo.workload import Conversation, multi_turn, words
 from extproc_lab.engines import install
 from extproc_lab.engines.fleet import EngineSettings
 from extproc_lab.replica.timing import get_profile
@@ -666,6 +668,23 @@ def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:
     return url
 
 
+def warm_engines(gw: LocalGateway) -> None:
+    """One request straight to each real engine, then every prefix cache emptied. A fresh vLLM
+    engine's first requests take several times longer than later ones of the same size (measured
+    with ``vllm bench serve``: the two slowest of 160 requests were the first two for every router,
+    0.18-0.59 s against a TTFT p50 of 0.02-0.11 s), so without this a run's TTFT p99 measures which
+    engines a router's first requests woke, not its routing. The requests bypass every router."""
+    text = words(random.Random(0), 1000)
+    for r in gw.members:
+        body = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 2}).encode()
+        req = urllib.request.Request(
+            f"http://{r.address}/v1/completions", data=body, headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60):
+            pass
+    reset_caches(gw)
+
+
 def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]) -> dict[str, Any]:
     """One router's run on a fleet of its own, every process ended (by PID) afterwards."""
     gw = _fresh_gateway(setup, name)
@@ -677,6 +696,8 @@ def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]
             what = f"vllm bench serve's {setup.serve.num_prompts} prompts at {setup.serve.request_rate:g}/s"
         else:
             what = f"{setup.conversations} conversations x {setup.turns} turns"
+        if setup.engine == "vllm":
+            warm_engines(gw)
         progress(f"{name}: replaying {what} through {url}")
         before = asyncio.run(read_counters(gw))
         run = asyncio.run(replay(url, setup, run_id=f"{name}-{setup.seed}"))
