@@ -31,6 +31,7 @@ from typing import Any
 
 from extproc.base.sampling import RateSampler
 from extproc.base.world import REAL_WORLD, World
+from extproc.fleet.kvevents.digests import SessionDigests
 from extproc.fleet.kvevents.endpoints import rank_endpoints
 from extproc.fleet.kvevents.feed import KvEventSource
 from extproc.fleet.kvevents.hashing import EngineChain, HashAlgo, content_chain, low64
@@ -101,8 +102,8 @@ class EventCacheState:
         self.responses = ResponseHistory(hash_sessions, clock=clock)
         """The conversations the engines store under the Responses answers made through here
         (and, once :meth:`keep_responses` is given a Redis store, through the other gateways)."""
-        self._hashes: OrderedDict[str, tuple[tuple[int, ...], list[bytes]]] = OrderedDict()
-        self._hash_cap = hash_sessions
+        self.digests = SessionDigests(hash_sessions, max_blocks)
+        self._held_cap = hash_sessions
         # Per request just decided (by its features' identity, until its prediction is read): the
         # chosen replica and the blocks it held on any tier.
         self._held: OrderedDict[int, tuple[str, int]] = OrderedDict()
@@ -205,7 +206,7 @@ class EventCacheState:
             return tuple(content_chain(ids, bs, max_blocks=self.max_blocks, extra=lora or "")), len(ids)
         salt = parsed.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
-        digests = self._digests(ids, features.session_key, lora, salt, bs, engine)
+        digests = self.digests.digests(ids, features.session_key, lora, salt, bs, engine)
         return tuple(low64(d) for d in digests), len(ids)
 
     def _responses_view(self, parsed: Mapping[str, Any], features: RequestFeatures) -> Any:
@@ -221,49 +222,6 @@ class EventCacheState:
         if isinstance(own, str) and own and parsed.get("store") is not False:
             self.responses.asked(own, view.messages, tenant=features.tenant, model=features.model)
         return view
-
-    def _digests(
-        self,
-        ids: tuple[int, ...],
-        session: str | None,
-        lora: str | None,
-        salt: str | None,
-        bs: int,
-        chain: EngineChain,
-    ) -> list[bytes]:
-        """The engine chain's digests, reusing a session's previous turn's leading blocks.
-
-        Extra keys as vLLM's ``generate_block_hash_extra_keys`` builds them: a LoRA adapter's name
-        in every block (the same tokens under two adapters, or an adapter and its base, never share
-        a block), and the request's ``cache_salt`` after it in the first block only (the chain
-        carries it to the rest)."""
-        extra = (lora,) if lora else None
-        reuse: list[bytes] = []
-        if salt is not None and len(ids) >= bs:
-            reuse = chain.digests(ids[:bs], bs, (*(extra or ()), salt))
-        if session is not None:
-            # Another adapter, salt, block size or algorithm: another chain (a layout learned from the
-            # engines mid-conversation must not reuse digests of the old one).
-            session = f"{lora or ''}\0{salt or ''}\0{bs}\0{chain.algo}\0{session}"
-            with self._lock:
-                prev = self._hashes.get(session)
-            if prev is not None:
-                prev_ids, prev_digests = prev
-                k = min(len(prev_digests), len(ids) // bs)
-                while k and ids[: k * bs] != prev_ids[: k * bs]:
-                    k //= 2  # a turn that rewrote history: find a shorter shared run, cheaply
-                if k > len(reuse):
-                    reuse = prev_digests[:k]
-        n = min(len(ids) // bs, self.max_blocks)
-        tail = chain.digests(ids[len(reuse) * bs : n * bs], bs, extra, parent=reuse[-1] if reuse else None)
-        digests = (reuse + tail)[:n]
-        if session is not None:
-            with self._lock:
-                self._hashes[session] = (ids, digests)
-                self._hashes.move_to_end(session)
-                while len(self._hashes) > self._hash_cap:
-                    self._hashes.popitem(last=False)
-        return digests
 
     # -- the decision's input and after -----------------------------------------------------
     def view(self, view: AffinityView, features: RequestFeatures, members: Sequence[str], now: float) -> AffinityView:
@@ -306,7 +264,7 @@ class EventCacheState:
             matched_blocks = max(matched_blocks, held)
             with self._lock:
                 self._held[id(features)] = (replica, matched_blocks)
-                while len(self._held) > self._hash_cap:
+                while len(self._held) > self._held_cap:
                     self._held.popitem(last=False)
             self.metrics.tokens_predicted(replica, matched_blocks * features.tokens_per_block)
         else:
