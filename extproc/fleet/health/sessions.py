@@ -11,8 +11,9 @@ Each session also carries the KV of its own it added where it lives, counted fro
 is placed, so that a burst of new conversations sees the ones placed just before it. A
 conversation its client declared (a session key) counts in full at once; a keyless request that
 opens a conversation may be a one-off (a hot system prompt's single questions, which leave nothing
-to come), so its KV counts at the rate at which recent keyless openings came back for a second
-turn, and in full once it comes back itself.
+to come), so its KV counts in full while its first turn runs (a one-off then weighs only while it
+holds that KV, as any request does), then at the rate at which recent keyless openings came back
+for a second turn, and in full again once it comes back itself.
 
 Bounded and cheap: one entry per session live within ``live_s``, oldest first; a decision or an end
 is O(1), a snapshot drops what expired since the last one and reads one sum per replica.
@@ -35,7 +36,8 @@ class _Session:
     """Its KV is counted in full: its client declared a conversation (a session key), it came back
     for a second turn, or its agent said it keeps its KV across a tool call. Otherwise it is a
     keyless request that opened a conversation and has not come back: it may be a one-off, and
-    its KV counts at the rate such openings have been coming back (:meth:`LiveSessions.return_rate`)."""
+    its KV counts in full while its first turn runs, then at the rate such openings have been
+    coming back (:meth:`LiveSessions.return_rate`)."""
     held_until: float = 0.0
     """An agent's KV retention: live at least until then, whatever ``live_s`` says."""
 
@@ -60,6 +62,8 @@ class LiveSessions:
         self._counts: dict[str, int] = {}
         self._firm: dict[str, int] = {}
         self._provisional: dict[str, int] = {}
+        self._opening: dict[str, int] = {}
+        """The part of ``_provisional`` whose first turn is still running (counted in full)."""
         self._returned = 0.0
         self._lapsed = 0.0
 
@@ -102,6 +106,8 @@ class LiveSessions:
         if added:
             held = self._firm if s.firm else self._provisional
             held[replica] = held.get(replica, 0) + added
+            if not s.firm:  # its first turn is starting: in full while it runs
+                self._opening[replica] = self._opening.get(replica, 0) + added
         s.last_begin = now
         s.inflight += 1
         if hold_s is not None:
@@ -113,6 +119,8 @@ class LiveSessions:
         s = self._sessions.get(session)
         if s is not None and s.inflight > 0:
             s.inflight -= 1
+            if not s.firm and s.inflight == 0:  # an opening's first turn is over: at the rate now
+                _take(self._opening, s.replica, s.tokens)
 
     def counts(self, now: float) -> dict[str, int]:
         """Live sessions per replica at ``now`` (replicas without any are left out)."""
@@ -142,14 +150,15 @@ class LiveSessions:
 
     def tokens(self, now: float) -> dict[str, int]:
         """Per replica, the KV of their own that the sessions live there at ``now`` added: in full
-        for declared conversations and those that came back, at :meth:`return_rate` for keyless
-        openings that have not (replicas without any are left out). O(replicas)."""
+        for declared conversations, those that came back and keyless openings whose first turn
+        is still running, at :meth:`return_rate` for keyless openings whose first turn is over and
+        that have not come back (replicas without any are left out). O(replicas)."""
         self.counts(now)
         rate = self.return_rate()
         held = dict(self._firm)
-        if rate:
-            for replica, provisional in self._provisional.items():
-                held[replica] = held.get(replica, 0) + round(provisional * rate)
+        for replica, provisional in self._provisional.items():
+            running = self._opening.get(replica, 0)
+            held[replica] = held.get(replica, 0) + running + round((provisional - running) * rate)
         return {replica: tokens for replica, tokens in held.items() if tokens > 0}
 
     def forget(self, replica: str) -> None:
@@ -159,6 +168,7 @@ class LiveSessions:
         self._counts.pop(replica, None)
         self._firm.pop(replica, None)
         self._provisional.pop(replica, None)
+        self._opening.pop(replica, None)
 
     def _note(self, returned: bool) -> None:
         """A keyless opening came back (or lapsed): the evidence the return rate is made of."""
@@ -173,6 +183,8 @@ class LiveSessions:
     def _firm_up(self, s: _Session) -> None:
         """Count ``s``'s KV in full from now on."""
         _take(self._provisional, s.replica, s.tokens)
+        if s.inflight:
+            _take(self._opening, s.replica, s.tokens)
         if s.tokens:
             self._firm[s.replica] = self._firm.get(s.replica, 0) + s.tokens
         s.firm = True
@@ -186,6 +198,8 @@ class LiveSessions:
     def _uncount(self, s: _Session) -> None:
         _take(self._counts, s.replica, 1)
         _take(self._firm if s.firm else self._provisional, s.replica, s.tokens)
+        if not s.firm and s.inflight:
+            _take(self._opening, s.replica, s.tokens)
 
 
 def _take(counts: dict[str, int], replica: str, amount: int) -> None:
