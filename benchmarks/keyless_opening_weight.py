@@ -18,7 +18,6 @@ import statistics
 from collections import Counter
 
 from extproc.api import Config
-from extproc.fleet.health import sessions
 from extproc_lab.bench.policies import policy_profile, scrape_interval
 from extproc_lab.bench.workloads import WorkloadSpec
 from extproc_lab.replica.timing import get_profile
@@ -29,17 +28,18 @@ from extproc_lab.sim.simulator import Simulation
 RATE_ONLY = -1.0
 
 
-def first_wave(seed: int) -> float:
+def first_wave(seed: int, weight: float) -> float:
     """The keyless first wave's busiest replica over the mean (requests)."""
     replica, cfg = get_profile("demo"), Config()
     short = {"document_tokens": 20, "followup_tokens": 10, "max_tokens": 8}
     wl = shared_system_chat(32, 6, seed=seed, live=8, stagger_s=0.0, system_tokens=2000, keyed=False, **short)
     sim = Simulation(wl, replica, 4, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg)
+    sim.driver.set_opening_weight(weight)
     per_replica = Counter(o.replica for o in sim.run().outcomes)
     return max(per_replica.values()) / (len(wl) / 4)
 
 
-def shared_prefix(router_seed: int) -> tuple[float, float]:
+def shared_prefix(router_seed: int, weight: float) -> tuple[float, float]:
     """The shared-prefix table's row (seed 7, 8 `llama-8b-h100` replicas) at ``router_seed``:
     hit ratio and TTFT p99 (s)."""
     replica, cfg = get_profile("llama-8b-h100"), Config()
@@ -54,6 +54,7 @@ def shared_prefix(router_seed: int) -> tuple[float, float]:
         scrape_interval_s=scrape_interval("extproc"),
         seed=router_seed,
     )
+    sim.driver.set_opening_weight(weight)
     figs = figures(sim.run())
     return float(figs["hit_ratio"]), float(figs["ttft_p99_s"])
 
@@ -72,9 +73,9 @@ def main() -> None:
     )
     print("|---|---|---|---|")
     for weight in (float(w) for w in args.weights.split(",")):
-        sessions.OPENING_WEIGHT = 0.0 if weight == RATE_ONLY else weight
-        waves = [first_wave(int(s)) for s in args.wave_seeds.split(",")]
-        rows = [shared_prefix(s) for s in seeds]
+        at = 0.0 if weight == RATE_ONLY else weight
+        waves = [first_wave(int(s), at) for s in args.wave_seeds.split(",")]
+        rows = [shared_prefix(s, at) for s in seeds]
         hits, p99s = [h for h, _ in rows], [t for _, t in rows]
         label = "the rate alone" if weight == RATE_ONLY else f"at least {weight:g}"
         print(

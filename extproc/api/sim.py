@@ -222,6 +222,11 @@ class SyncDriver:
         """Whether any replica's load has been scraped."""
         return any(rec.scraped_at > 0 for rec in self._router.replicas.records())
 
+    def set_opening_weight(self, weight: float) -> None:
+        """What a keyless opening's KV counts at, at least, while its first turn runs (0: at the
+        return rate alone), for a sweep of it (``benchmarks/keyless_opening_weight.py``)."""
+        self._router.replicas.sessions.opening_weight = weight
+
     def live_sessions(self, now: float) -> int:
         """Sessions live in the rebalancer's ledger at ``now``."""
         return sum(1 for _ in self._router.rebalancer.ledger.live(now))

@@ -78,6 +78,8 @@ class LiveSessions:
         :data:`OPENING_WEIGHT`)."""
         self._returned = 0.0
         self._lapsed = 0.0
+        self.opening_weight = OPENING_WEIGHT
+        """What a keyless opening counts at, at least, while its first turn runs."""
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -170,7 +172,7 @@ class LiveSessions:
         held = dict(self._firm)
         for replica, provisional in self._provisional.items():
             running = self._opening.get(replica, 0)
-            counted = running * max(rate, OPENING_WEIGHT) + (provisional - running) * rate
+            counted = running * max(rate, self.opening_weight) + (provisional - running) * rate
             held[replica] = held.get(replica, 0) + round(counted)
         return {replica: tokens for replica, tokens in held.items() if tokens > 0}
 
