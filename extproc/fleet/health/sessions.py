@@ -58,8 +58,8 @@ shared system prompt, counted at the rate alone, all followed the prompt's holde
 Envoy: 84, 12, 0, 96 requests on four replicas; in the simulator 6, 84, 6, 96); from a quarter
 up they spread evenly in the simulator. Counted in full while they run, a shared prefix's single
 requests, which never come back, were split from their group's replica (simulator shared-prefix:
-hit ratio 66.4% -> 64.7%, -1.7 points over six router seeds); at a quarter, -0.3 point, TTFT
-p99 0.58-0.70 s over the six against 0.58-0.66 s."""
+-1.7 points of hit ratio over seven router seeds); at a quarter, -0.3 point, TTFT p99 within
+the seeds' spread (``benchmarks/keyless_opening_weight.py``, benchmarks/keyless_conversations.md)."""
 
 
 class LiveSessions:
