@@ -21,10 +21,12 @@ As with :mod:`extproc.api`, **a name not in ``__all__`` is private and may move 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from extproc.app.router import Routed, Router
+from extproc.base.world import World
 from extproc.config import Config
 from extproc.core.effects import Identify, at_once
 from extproc.core.membership import Membership
@@ -97,6 +99,8 @@ class SyncDriver:
     It is built from the router's ``config`` (its replicas are the initial membership), the
     simulator's ``clock``, and optionally the default ``profile``, a ``prewarmer`` of the
     simulator's own, the ``kv_events`` cache state the simulator feeds and a peer's ``decider``.
+    Its chance is seeded (``seed``: new keyless conversations' identities, which the ring's
+    tie-break follows), so that a run repeats exactly.
     The simulator calls it as the ext_proc server would call the router over a request's life:
     :meth:`identify` and :meth:`route` when it arrives, :meth:`first_token` when its first token
     passes, :meth:`finished` at its end; and as the scraper and the fleet would:
@@ -112,6 +116,7 @@ class SyncDriver:
         prewarmer: Prewarmer | None = None,
         kv_events: EventCacheState | None = None,
         decider: Decider = decide,
+        seed: int = 0,
     ) -> None:
         store = MemoryStore(config.sessions.ttl_s, config.sessions.max_sessions, config.prefix.blocks_per_replica)
         self._router = Router(
@@ -122,6 +127,7 @@ class SyncDriver:
             prewarmer=prewarmer,
             kv_events=kv_events,
             decider=decider,
+            world=World(rng=random.Random(seed)),
         )
         self._effects = self._router.effects
 
@@ -215,6 +221,11 @@ class SyncDriver:
     def scraped(self) -> bool:
         """Whether any replica's load has been scraped."""
         return any(rec.scraped_at > 0 for rec in self._router.replicas.records())
+
+    def set_opening_weight(self, weight: float) -> None:
+        """What a keyless opening's KV counts at, at least, while its first turn runs (0: at the
+        return rate alone), for a sweep of it (``benchmarks/keyless_opening_weight.py``)."""
+        self._router.replicas.sessions.opening_weight = weight
 
     def live_sessions(self, now: float) -> int:
         """Sessions live in the rebalancer's ledger at ``now``."""

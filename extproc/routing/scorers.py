@@ -154,9 +154,11 @@ class PrefillCostScorer:
     (counted only once they came back, a burst after any imbalance all went to the replica
     carrying less: six new sessions onto one of two vLLM engines). A keyed one counts in full; a
     keyless request opening a conversation may be a one-off, which leaves nothing to come, so it
-    counts at the rate recent keyless openings came back, in full once it comes back itself:
-    counted in full, a hot prefix's single questions spread over replicas new to it (hot-prefix at
-    rate x2: TTFT p99 0.053 -> 0.165 s); they never come back, so they count nothing. A prefix the new conversation
+    counts at the rate recent keyless openings came back (at least a quarter while its first turn
+    runs, so that a first wave opening together spreads), in full once it comes back itself:
+    counted in full for the whole minute, a hot prefix's single questions spread over replicas new
+    to it (hot-prefix at rate x2: TTFT p99 0.053 -> 0.165 s); they never come back, so they count
+    a quarter only while they run. A prefix the new conversation
     shares with them (a system prompt, an agent harness) saves its prefill once, on its first
     turn, whereas the conversations it joins are a load for its whole life; without this, that
     one-time saving drew every new conversation onto the replica that prefilled the prefix

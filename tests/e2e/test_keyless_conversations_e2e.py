@@ -8,8 +8,8 @@ replica that first held the system prompt.
 
 The profile prices each conversation live on a replica beyond its share
 (``prefill_cost.session_tokens: 512``) on top of the default's live-context rule; with the
-default profile alone these short conversations (8-token answers) spread unevenly, keyless ones
-more than keyed (1.5-2.0x the mean against 1.1-1.5x: benchmarks/keyless_conversations.md). Answers are timed
+default profile alone these short conversations (8-token answers) spread within 1.12x (keyless)
+and 1.12-1.75x (keyed) of the mean (benchmarks/keyless_conversations.md). Answers are timed
 (``health.token_timing: always``): the fake replica sends a stream's headers at once, as vLLM
 does, so an untimed answer's prefill ends at its headers and the replicas holding the prompt look
 idle; untimed, keyless runs here put 50/50/10/10 and 55/55/5/5 requests on the four replicas.

@@ -12,7 +12,9 @@ is placed, so that a burst of new conversations sees the ones placed just before
 conversation its client declared (a session key) counts in full at once; a keyless request that
 opens a conversation may be a one-off (a hot system prompt's single questions, which leave nothing
 to come), so its KV counts at the rate at which recent keyless openings came back for a second
-turn, and in full once it comes back itself.
+turn, and in full once it comes back itself; while its first turn runs, at least at
+:data:`OPENING_WEIGHT` (a first wave of conversations opening together, before any has come
+back, then sees the ones placed before it, and a one-off weighs only that little while it runs).
 
 Bounded and cheap: one entry per session live within ``live_s``, oldest first; a decision or an end
 is O(1), a snapshot drops what expired since the last one and reads one sum per replica.
@@ -35,7 +37,8 @@ class _Session:
     """Its KV is counted in full: its client declared a conversation (a session key), it came back
     for a second turn, or its agent said it keeps its KV across a tool call. Otherwise it is a
     keyless request that opened a conversation and has not come back: it may be a one-off, and
-    its KV counts at the rate such openings have been coming back (:meth:`LiveSessions.return_rate`)."""
+    its KV counts at the rate such openings have been coming back (:meth:`LiveSessions.return_rate`),
+    at least at :data:`OPENING_WEIGHT` while its first turn runs."""
     held_until: float = 0.0
     """An agent's KV retention: live at least until then, whatever ``live_s`` says."""
 
@@ -47,6 +50,16 @@ RETURN_MEMORY = 64.0
 """How many of the latest keyless openings (come back or lapsed) the return rate remembers, each
 older one weighing ``1 - 1/RETURN_MEMORY`` of the one after it: enough not to swing on a few, few
 enough to follow a change of traffic within a minute or so of it."""
+
+OPENING_WEIGHT = 0.25
+"""What a keyless opening's KV counts at, at least, while its first turn runs (its rate before
+any opening has come back, which is 0). Eight keyless conversations opening together with a
+shared system prompt, counted at the rate alone, all followed the prompt's holder (through real
+Envoy: 84, 12, 0, 96 requests on four replicas; in the simulator 6, 84, 6, 96); from a quarter
+up they spread evenly in the simulator. Counted in full while they run, a shared prefix's single
+requests, which never come back, were split from their group's replica (simulator shared-prefix:
+-1.7 points of hit ratio over seven router seeds); at a quarter, -0.3 point, TTFT p99 within
+the seeds' spread (``benchmarks/keyless_opening_weight.py``, benchmarks/keyless_conversations.md)."""
 
 
 class LiveSessions:
@@ -60,8 +73,13 @@ class LiveSessions:
         self._counts: dict[str, int] = {}
         self._firm: dict[str, int] = {}
         self._provisional: dict[str, int] = {}
+        self._opening: dict[str, int] = {}
+        """The part of ``_provisional`` whose first turn is still running (counted at least at
+        :data:`OPENING_WEIGHT`)."""
         self._returned = 0.0
         self._lapsed = 0.0
+        self.opening_weight = OPENING_WEIGHT
+        """What a keyless opening counts at, at least, while its first turn runs."""
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -102,6 +120,8 @@ class LiveSessions:
         if added:
             held = self._firm if s.firm else self._provisional
             held[replica] = held.get(replica, 0) + added
+            if not s.firm:  # its first turn is starting: at least at OPENING_WEIGHT while it runs
+                self._opening[replica] = self._opening.get(replica, 0) + added
         s.last_begin = now
         s.inflight += 1
         if hold_s is not None:
@@ -113,6 +133,8 @@ class LiveSessions:
         s = self._sessions.get(session)
         if s is not None and s.inflight > 0:
             s.inflight -= 1
+            if not s.firm and s.inflight == 0:  # an opening's first turn is over: at the rate now
+                _take(self._opening, s.replica, s.tokens)
 
     def counts(self, now: float) -> dict[str, int]:
         """Live sessions per replica at ``now`` (replicas without any are left out)."""
@@ -143,13 +165,15 @@ class LiveSessions:
     def tokens(self, now: float) -> dict[str, int]:
         """Per replica, the KV of their own that the sessions live there at ``now`` added: in full
         for declared conversations and those that came back, at :meth:`return_rate` for keyless
-        openings that have not (replicas without any are left out). O(replicas)."""
+        openings that have not (at least at :data:`OPENING_WEIGHT` while their first turn runs;
+        replicas without any are left out). O(replicas)."""
         self.counts(now)
         rate = self.return_rate()
         held = dict(self._firm)
-        if rate:
-            for replica, provisional in self._provisional.items():
-                held[replica] = held.get(replica, 0) + round(provisional * rate)
+        for replica, provisional in self._provisional.items():
+            running = self._opening.get(replica, 0)
+            counted = running * max(rate, self.opening_weight) + (provisional - running) * rate
+            held[replica] = held.get(replica, 0) + round(counted)
         return {replica: tokens for replica, tokens in held.items() if tokens > 0}
 
     def forget(self, replica: str) -> None:
@@ -159,6 +183,7 @@ class LiveSessions:
         self._counts.pop(replica, None)
         self._firm.pop(replica, None)
         self._provisional.pop(replica, None)
+        self._opening.pop(replica, None)
 
     def _note(self, returned: bool) -> None:
         """A keyless opening came back (or lapsed): the evidence the return rate is made of."""
@@ -173,6 +198,8 @@ class LiveSessions:
     def _firm_up(self, s: _Session) -> None:
         """Count ``s``'s KV in full from now on."""
         _take(self._provisional, s.replica, s.tokens)
+        if s.inflight:
+            _take(self._opening, s.replica, s.tokens)
         if s.tokens:
             self._firm[s.replica] = self._firm.get(s.replica, 0) + s.tokens
         s.firm = True
@@ -186,6 +213,8 @@ class LiveSessions:
     def _uncount(self, s: _Session) -> None:
         _take(self._counts, s.replica, 1)
         _take(self._firm if s.firm else self._provisional, s.replica, s.tokens)
+        if not s.firm and s.inflight:
+            _take(self._opening, s.replica, s.tokens)
 
 
 def _take(counts: dict[str, int], replica: str, amount: int) -> None:

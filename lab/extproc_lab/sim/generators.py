@@ -365,12 +365,15 @@ def shared_system_chat(
     followup_tokens: int = 140,
     max_tokens: int = 16,
     model: str = DEFAULT_MODEL,
+    keyed: bool = True,
 ) -> Workload:
     """``extproc bench realstack``'s workload in the simulator: conversations sharing one system
     prompt (the same text, :func:`extproc_lab.demo.workload.multi_turn`), each turn sent as soon as
     the previous answer is complete, at most ``live`` conversations at once. The first ``live``
     start ``stagger_s / rate`` apart; conversation ``i`` after them starts when conversation
-    ``i - live`` ends (a fixed slot, where the real client takes whichever slot frees first)."""
+    ``i - live`` ends (a fixed slot, where the real client takes whichever slot frees first).
+    Without ``keyed`` the requests carry no session key, as a chat client's without a session
+    header (the router knows them by their messages)."""
     from extproc_lab.demo.workload import multi_turn as conversations_of
 
     reqs: list[SimRequest] = []
@@ -386,7 +389,7 @@ def shared_system_chat(
                 arrival,
                 max_tokens,
                 messages=convo.next_messages(t),
-                session=convo.session_id,
+                session=convo.session_id if keyed else None,
                 after=prev,
                 model=model,
             )

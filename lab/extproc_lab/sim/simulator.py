@@ -63,6 +63,12 @@ def scrape(model: ReplicaModel) -> ReplicaMetrics:
     )
 
 
+def _seed_of(workload: Workload) -> int:
+    """The workload's seed, as its generator recorded it (0 when it has none, as a trace's)."""
+    seed = workload.info.get("seed", 0)
+    return seed if isinstance(seed, int) else 0
+
+
 class VirtualClock:
     """The simulator's clock: it reads what the event loop last set."""
 
@@ -234,7 +240,9 @@ class Simulation(ReplicaSteps):
     the router's (replicas are set here); ``scrape_interval_s`` defaults to its health settings'
     interval. Requests carry their latency objectives to the router unless ``objectives`` is False
     (they are still judged by them). ``slower`` makes the last ``n`` replicas of another profile
-    (a mixed pool), ``(n, profile)``.
+    (a mixed pool), ``(n, profile)``. ``seed`` seeds the router's chance (new keyless
+    conversations' identities); by default the workload's seed (``info["seed"]``, else 0), so
+    that a run repeats exactly.
 
     The loop is the lab's one for routed requests: its variants extend it through hooks, not
     copies (a disaggregated fleet, whose requests are two hops and no router's, has its own, on
@@ -265,6 +273,7 @@ class Simulation(ReplicaSteps):
         kv_events_delay_s: float | None = None,
         objectives: bool = True,
         slower: tuple[int, ReplicaProfile] | None = None,
+        seed: int | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -306,6 +315,7 @@ class Simulation(ReplicaSteps):
             prewarmer=self._prewarmer(),
             kv_events=kv_events,
             decider=decider,
+            seed=_seed_of(workload) if seed is None else seed,
         )
         self.scrape_interval_s = scrape_interval_s or self.config.health.scrape_interval_s
         # The health evaluation only matters to profiles that filter on rotation.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 
 from extproc.config import Config
-from extproc.fleet.health.sessions import LiveSessions
+from extproc.fleet.health.sessions import OPENING_WEIGHT, LiveSessions
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.registry import DEFAULT_PROFILE
@@ -88,6 +89,55 @@ def test_a_keyless_opening_counts_at_the_rate_openings_come_back_and_in_full_onc
     # An agent asking to keep its KV across a tool call declares that it will come back.
     live.begin("r3", "k4", 11.0, tokens=70, hold_s=5.0, declared=False)
     assert live.tokens(11.0)["r3"] == 70
+
+
+def test_a_keyless_opening_counts_at_least_a_quarter_while_its_first_turn_runs() -> None:
+    # Eight keyless conversations opening together, before any has come back (the return rate
+    # still 0): each placed sees the ones placed before it while their first turns run.
+    assert OPENING_WEIGHT == 0.25
+    live = LiveSessions(live_s=10.0)
+    live.begin("r0", "k1", 0.0, tokens=2000, declared=False)
+    assert live.return_rate() == 0.0 and live.tokens(0.0) == {"r0": 500}
+    live.begin("r1", "k2", 0.0, tokens=40, declared=False)
+    assert live.tokens(0.0) == {"r0": 500, "r1": 10}
+    live.end("k1")  # its first turn is over, not back yet: at the rate (0)
+    assert live.tokens(0.5) == {"r1": 10}
+    live.begin("r0", "k1", 1.0, tokens=40)  # back: in full from now on
+    assert live.tokens(1.0) == {"r0": 2040, "r1": 40}  # and k2 at the rate, 1 now
+    live.end("k1")
+    live.end("k2")
+    assert live.tokens(1.5) == {"r0": 2040, "r1": 40}
+    # A second turn sent before the first one ended: in full once, not twice, and after both end.
+    live.begin("r2", "k3", 2.0, tokens=500, declared=False)
+    live.begin("r2", "k3", 2.1, tokens=10)
+    assert live.tokens(2.1)["r2"] == 510
+    live.end("k3")
+    live.end("k3")
+    assert live.tokens(2.2)["r2"] == 510
+    # An opening that moves replica while its first turn runs leaves nothing behind, nor does
+    # one whose replica leaves.
+    live.begin("r3", "k4", 3.0, tokens=300, declared=False)
+    live.begin("r1", "k4", 3.1, tokens=20)
+    assert "r3" not in live.tokens(3.1)
+    live.begin("r3", "k5", 3.2, tokens=300, declared=False)
+    live.forget("r3")
+    live.end("k5")
+    assert "r3" not in live.tokens(3.3)
+
+
+def test_a_one_off_weighs_a_quarter_only_while_it_runs() -> None:
+    # A hot prefix's single questions: each counts a quarter while it holds its KV, nothing after.
+    live = LiveSessions(live_s=5.0)
+    for i in range(100):
+        live.begin("r0", f"q{i}", 0.1 * i, tokens=160, declared=False)
+        assert live.tokens(0.1 * i) == {"r0": 40}
+        live.end(f"q{i}")
+        assert live.tokens(0.1 * i) == {}
+    # Dropped while running (the bound), it leaves nothing counted either.
+    bounded = LiveSessions(max_sessions=2)
+    for i in range(3):
+        bounded.begin("r0", f"q{i}", 0.0, tokens=100, declared=False)
+    assert bounded.tokens(0.0) == {"r0": 50}
 
 
 def test_one_offs_that_never_come_back_count_nothing() -> None:
@@ -225,6 +275,21 @@ def test_with_the_default_profile_a_shared_system_prompt_does_not_herd() -> None
     assert max(len(s) for s in sessions.values()) <= 12, {k: len(v) for k, v in sessions.items()}
     prompt = sum(o.prompt_tokens for o in run.outcomes)
     assert sum(o.cached_tokens for o in run.outcomes) / prompt > 0.88
+
+
+def test_with_the_default_profile_keyless_conversations_opening_together_do_not_herd() -> None:
+    # benchmarks/keyless_conversations.py's workload in the simulator: 8 keyless conversations at
+    # a time sharing a long system prompt, short questions. When an opening counted only at the
+    # return rate (0 before any had come back), the first eight followed the prompt's holder:
+    # 6, 84, 6, 96 requests on the four replicas (2.00x the mean), as through real Envoy. At a
+    # tenth while their first turns run, 1.75-1.88x; from a quarter, 48 each.
+    replica = get_profile("demo")
+    cfg = Config()
+    short = {"document_tokens": 20, "followup_tokens": 10, "max_tokens": 8}
+    wl = shared_system_chat(32, 6, live=8, stagger_s=0.0, system_tokens=2000, keyed=False, **short)
+    sim = Simulation(wl, replica, 4, lambda probe: policy_profile("extproc", probe, 7, replica, cfg), config=cfg)
+    per_replica = Counter(o.replica for o in sim.run().outcomes)
+    assert len(per_replica) == 4 and max(per_replica.values()) <= 1.5 * 192 / 4, per_replica
 
 
 def test_with_the_default_profile_agents_sharing_a_harness_do_not_herd() -> None:
