@@ -395,7 +395,10 @@ def test_a_full_engine_with_nothing_waiting_takes_new_work_and_a_queued_one_does
     # the threshold; its cache has no null block, so it reads at most 1/512 lower).
     fake_full, fake_queued = _fake_full_and_queued(BLOCKS, prompt_blocks, output, running)
     assert fake_full > 0.9 and fake_queued > 0.9, (fake_full, fake_queued)
-    assert abs(fake_queued - seen["queued"].kv_usage) < 0.03, (fake_queued, seen["queued"])
+    # The engine was read while its 8 requests went on decoding: between the fake's reading when the
+    # ninth arrives and the 8 at their full length (63 blocks each of the 511 usable).
+    longest = running * (prompt_blocks + -(-output // BLOCK)) / (BLOCKS - 1)
+    assert fake_queued - 0.01 <= seen["queued"].kv_usage <= longest + 0.01, (fake_queued, longest, seen["queued"])
 
 
 def test_evicted_blocks_leave_the_index(gw: LocalGateway, admin: pb_grpc.AdminStub) -> None:
