@@ -329,7 +329,7 @@ def test_a_full_engine_with_nothing_waiting_takes_new_work_and_a_queued_one_does
     engine = gw.members[0].name
     url = gw.replica_url(engine)
     prompt_blocks, output, running = 58, 160, 8
-    flt = OverloadFilter()
+    flt = OverloadFilter(waiting_threshold=0)  # any request waiting: the signal, read from the engine
 
     def page() -> ReplicaMetrics:
         return parse_vllm_metrics(_get(url + "/metrics"))

@@ -27,7 +27,7 @@ def _snapshot(n: int = 4, **states: dict[str, object]) -> Snapshot:
 
 
 def test_the_trace_adds_up_to_the_decision() -> None:
-    snap = _snapshot(4, r1={"in_rotation": False, "health": 0.2}, r3={"kv_usage": 0.99, "queue": 2})
+    snap = _snapshot(4, r1={"in_rotation": False, "health": 0.2}, r3={"kv_usage": 0.99, "queue": 20})
     features = RequestFeatures(path=CHAT, model="m", session_key="s", prefix_hashes=tuple(range(10)))
     view = AffinityView(prefix_matches={"r2": 6})
     profile = build_profile()
@@ -40,7 +40,7 @@ def test_the_trace_adds_up_to_the_decision() -> None:
     assert (
         removed["r3"][0] == "overload"
         and "kv usage 0.99" in removed["r3"][1]
-        and "2.0 requests waiting" in removed["r3"][1]
+        and "20.0 requests waiting" in removed["r3"][1]
     )
     assert trace.order[0] == plain.replica.name == "r2"  # type: ignore[union-attr]
     for name, total in trace.totals.items():

@@ -86,7 +86,7 @@ def test_a_pin_whose_cache_is_known_lost_moves_only_for_a_better_place() -> None
 
 
 def test_overloaded_pinned_replica_spills_over() -> None:
-    snap = snapshot(r2={"kv_usage": 0.95, "queue": 2})
+    snap = snapshot(r2={"kv_usage": 0.95, "queue": 20})
     d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER
     assert d.moved_by == "overload"
@@ -94,7 +94,7 @@ def test_overloaded_pinned_replica_spills_over() -> None:
 
 def test_a_spilled_turn_keeps_its_pin_only_where_the_pin_holds_the_conversation() -> None:
     # A pinned session's spill leaves the pin where its conversation is: it returns there.
-    snap = snapshot(r2={"kv_usage": 0.95, "queue": 2})
+    snap = snapshot(r2={"kv_usage": 0.95, "queue": 20})
     d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
     assert d.reason is Reason.SPILLOVER and not d.pin
     # A new session whose prefix's holder is full spills too, but it has nowhere to return to: it is

@@ -245,7 +245,7 @@ def test_a_burst_does_not_herd_onto_the_one_replica_a_stale_scrape_shows_free() 
     # The last scrape saw b at 80% with an empty queue, a at 95% with 3 waiting; since then the
     # router sent b prompts beyond its cache: those wait there. b is overloaded too: neither is
     # dropped, the scorers choose.
-    flt = OverloadFilter()
+    flt = OverloadFilter(waiting_threshold=0)
     a = _state("a", kv_usage=0.95, queue=3, inflight_tokens=40_000)
     b = _state("b", kv_usage=0.80, inflight_tokens=60_000)
     cycle = CycleState(
@@ -264,17 +264,20 @@ def test_a_burst_does_not_herd_onto_the_one_replica_a_stale_scrape_shows_free() 
 def test_a_full_cache_is_overloaded_only_with_work_waiting_for_room() -> None:
     # Under pressure a real engine's KV usage reads near 1 with running requests while it still
     # admits new ones as they finish: only a queue says new work would wait there.
-    flt = OverloadFilter()
+    flt = OverloadFilter(waiting_threshold=0)
     assert not flt.overloaded(_state("a", kv_usage=0.97))
     assert not flt.overloaded(_state("a", kv_usage=0.97, inflight_tokens=45_000))  # ours running there
     assert flt.overloaded(_state("a", kv_usage=0.97, queue=1))
     assert flt.overloaded(_state("a", kv_usage=0.5, inflight_tokens=49_000))  # sent beyond its cache
     assert not flt.overloaded(_state("a", kv_usage=0.5, queue=5))  # waiting for the batch, not for room
     assert flt.overloaded(_state("a", kv_usage=0.1, queue=33))  # over queue_threshold whatever its KV
-    # With a threshold: over it, not at it.
+    # With a threshold: over it, not at it. The default's is 16: a few requests waiting at a full
+    # engine are its normal state under pressure, left to the scorers' queued prefill.
     tolerant = OverloadFilter(waiting_threshold=2)
     assert not tolerant.overloaded(_state("a", kv_usage=0.97, queue=2))
     assert tolerant.overloaded(_state("a", kv_usage=0.97, queue=3))
+    assert not OverloadFilter().overloaded(_state("a", kv_usage=0.97, queue=16))
+    assert OverloadFilter().overloaded(_state("a", kv_usage=0.97, queue=17))
     # Through the filter: the full replica without a queue takes the new work, the queued one not.
     full, queued = _state("a", kv_usage=0.97), _state("b", kv_usage=0.97, queue=4)
     cycle = CycleState(
@@ -303,7 +306,7 @@ def test_prefill_cost_counts_the_kv_a_prompt_needs_beyond_the_cache() -> None:
 def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_full_cache() -> None:
     # a's cache is full of its conversations' running turns and it holds this prompt; b is as full
     # and holds nothing. Dropping a sends the turn cold to b, evicting b's conversations there.
-    flt = OverloadFilter()
+    flt = OverloadFilter(waiting_threshold=0)
     f = RequestFeatures(path="/v1/completions", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600)
     a = _state("a", kv_usage=0.97, queue=2)
     b = _state("b", kv_usage=0.97, queue=2)
@@ -324,7 +327,7 @@ def test_a_replica_holding_most_of_the_prompt_is_judged_on_its_queue_not_its_ful
 
 
 def test_a_session_leaves_its_full_pin_only_where_its_queue_costs_more_than_recomputing_elsewhere() -> None:
-    flt = OverloadFilter()
+    flt = OverloadFilter(waiting_threshold=0)
     f = RequestFeatures(
         path="/v1/chat/completions", session_key="s", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600
     )
@@ -359,7 +362,7 @@ def test_a_session_leaves_its_full_pin_only_where_its_queue_costs_more_than_reco
 
 
 def test_where_the_price_picks_a_pin_leaves_only_for_a_shorter_predicted_first_token() -> None:
-    flt = OverloadFilter()
+    flt = OverloadFilter(waiting_threshold=0)
     f = RequestFeatures(
         path="/v1/chat/completions", session_key="s", prefix_hashes=tuple(range(100)), prompt_chars=4 * 1600
     )
@@ -373,7 +376,7 @@ def test_where_the_price_picks_a_pin_leaves_only_for_a_shorter_predicted_first_t
 
 
 def test_when_every_candidate_is_overloaded_none_is_marked_and_all_stay() -> None:
-    flt = OverloadFilter()
+    flt = OverloadFilter(waiting_threshold=0)
     a = _state("a", kv_usage=0.97, queue=3)
     b = _state("b", kv_usage=0.97, queue=1)
     cycle = CycleState(
