@@ -78,12 +78,12 @@ class OverloadFilter:
     """Requests waiting at a replica whose cache is full beyond which it takes no new work. Not 0
     (any request waiting there): on real vLLM engines under KV pressure (36 conversations, 18 live,
     on 3 engines of 128 blocks: benchmarks/realstack-vllm.md) a few requests wait at every engine
-    most of the time, so 0 left most new conversations one candidate, whichever had no queue at
-    that moment; that kept the placement level, every cache thrashed, and ours found 20-25% in
-    cache over seven runs where a session hash or smg, whose placement is uneven, found 22-36%.
-    At 16 the busy replicas stay candidates, weighed by the scorers' queued prefill: 33-37% over
-    three runs, TTFT p99 2.6-3.3 s against 2.9-3.8 s; the simulator's committed tables moved
-    within their noise (benchmarks/ours_against_committed.md)."""
+    most of the time, and at 0 most new conversations had one or two candidates (22 of 36 first
+    turns in a logged run), their prefix's holder often filtered out; ours found 20-25% in cache
+    over seven runs. At 16 the busy replicas stay candidates, weighed by the scorers' queued
+    prefill: 33-37% over three runs, TTFT p99 2.6-3.3 s against 2.9-3.8 s, no turn spilled (5 and
+    17 at 0), the requests per engine as level; the simulator's committed tables moved within
+    their noise (benchmarks/ours_against_committed.md)."""
     name: str = "overload"
 
     def __post_init__(self) -> None:
