@@ -48,9 +48,10 @@ PROMPT = " ".join(f"word{i % 97}" for i in range(150))
 STREAMS = 6
 TENANTS = ("acme", "beta", "bulk", "small", "tight")
 # Output a stream's engine made after the client went and before it saw it go (never seen by
-# Envoy, so never charged): measured up to 32 a stream on average (docs/tenancy.md); the bound
-# the tests hold, with room for a loaded machine.
-UNSEEN_PER_STREAM = 64
+# Envoy, so never charged): measured 1 to 40 a stream on average (docs/tenancy.md), more the
+# busier the machine (the tiny model decodes a token in a few ms, so each 10 ms the engine takes
+# to see its client gone is a few more); the bound the tests hold, with room for a loaded machine.
+UNSEEN_PER_STREAM = 128
 
 
 @pytest.fixture(scope="module")
