@@ -673,8 +673,9 @@ def warm_engines(gw: LocalGateway) -> None:
     engine's first requests take several times longer than later ones of the same size (measured
     with ``vllm bench serve``: the two slowest of 160 requests were the first two for every router,
     0.18-0.59 s against a TTFT p50 of 0.02-0.11 s), so without this a run's TTFT p99 measures which
-    engines a router's first requests woke, not its routing. The requests bypass every router."""
-    text = words(random.Random(0), 1000)
+    engines a router's first requests woke, not its routing. The requests bypass every router.
+    Short enough (about 1,200 characters) for any context the engines are started with."""
+    text = words(random.Random(0), 300)
     for r in gw.members:
         body = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 2}).encode()
         req = urllib.request.Request(
