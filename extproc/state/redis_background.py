@@ -89,6 +89,8 @@ class RedisBackground:
             self._pending.popleft()
             self.counters.dropped_writes += 1
         self._pending.append(write)
+        if self.outage.down:  # a backlog piling up is worth seeing; in normal running the writer reports
+            self.observer.store_queued(len(self._pending))
         self._wake.set()
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="redis-store-writer")
@@ -115,6 +117,7 @@ class RedisBackground:
                     log.exception("affinity store write failed")
                 finally:
                     self._in_flight = 0
+                    self.observer.store_queued(len(self._pending))
 
     def _record_call(self, w: QueuedWrite, keys: KeySpace) -> tuple[Any, ...]:
         index = keys.prefix_index(w.model, w.replica)

@@ -118,6 +118,10 @@ class StoreObserver(Protocol):
         """The store became reachable (True) or unreachable (False)."""
         ...
 
+    def store_queued(self, writes: int) -> None:
+        """How many writes wait for the store (they pile up during an outage, drain after it)."""
+        ...
+
 
 class NullStoreObserver:
     """The default: nothing is reported."""
@@ -129,4 +133,7 @@ class NullStoreObserver:
         """Not reported."""
 
     def store_available(self, available: bool) -> None:
+        """Not reported."""
+
+    def store_queued(self, writes: int) -> None:
         """Not reported."""

@@ -30,6 +30,11 @@ class StoreMetrics:
             "extproc_store_available", "1 while the affinity store is reachable, 0 during an outage.", registry=r
         )
         self.store_up.set(1)
+        self.store_queued_writes = Gauge(
+            "extproc_store_queued_writes",
+            "Writes waiting for the affinity store: they pile up during an outage and drain after it.",
+            registry=r,
+        )
         for operation in STORE_OPERATIONS:
             self.store_errors.labels(operation)
         for operation in ("lookup", "record"):
@@ -47,3 +52,7 @@ class StoreMetrics:
     def store_available(self, available: bool) -> None:
         """The store became reachable or unreachable."""
         self.store_up.set(1 if available else 0)
+
+    def store_queued(self, writes: int) -> None:
+        """Writes waiting for the store."""
+        self.store_queued_writes.set(writes)

@@ -40,6 +40,7 @@ class RecordingObserver:
         self.errors: Counter[str] = Counter()
         self.latencies: Counter[str] = Counter()
         self.availability: list[bool] = []
+        self.queued: list[int] = []
 
     def store_error(self, operation: str) -> None:
         self.errors[operation] += 1
@@ -49,6 +50,9 @@ class RecordingObserver:
 
     def store_available(self, available: bool) -> None:
         self.availability.append(available)
+
+    def store_queued(self, writes: int) -> None:
+        self.queued.append(writes)
 
 
 def redis_store(
@@ -195,11 +199,13 @@ async def test_routing_carries_on_when_redis_dies_and_writes_resume_when_it_retu
         assert observer.errors["lookup"] == 1  # one failed call; the rest never tried a dead Redis
         unavailable = [r for r in caplog.records if "unavailable" in r.getMessage()]
         assert len(unavailable) == 1  # logged once per episode
+        assert observer.queued[-1] == 200  # the backlog is seen growing while Redis is away
 
         own_redis.start()
         assert await store.wait_available(5.0)
         assert observer.availability == [False, True]
         assert await store.flush(2.0)
+        assert observer.queued[-1] == 0  # and drained once it is back
         with own_redis.client() as c:
             # Written during the outage, sent when Redis returned (a fresh Redis: nothing else).
             assert c.get(store.keys.session("m", "during-199")) == b"r2"
