@@ -80,7 +80,7 @@ def test_blocks_never_exceed_capacity_and_every_request_finishes(blocks: int, pr
     assert model.prefix_hits_tokens <= model.prefix_queries_tokens
 
 
-def test_fully_cached_request_computes_no_prefill() -> None:
+def test_a_fully_cached_request_recomputes_only_its_last_block() -> None:
     model = ReplicaModel(LLAMA)
     keys = tuple(range(200))  # 3,200 tokens
     first, second = seq(keys, name="a"), seq(keys, name="b")
@@ -89,9 +89,10 @@ def test_fully_cached_request_computes_no_prefill() -> None:
     model.submit(second, t)
     drain(model, t)
     assert first.prefill_tokens == 3200 and first.cached_tokens == 0
-    assert second.prefill_tokens == 0 and second.cached_tokens == 3200
-    # A fully cached prompt costs only the step's fixed part.
-    assert second.first_token_at - second.arrived_at == pytest.approx(LLAMA.ttft_overhead_s)
+    # As vLLM: the last token is always computed (its logits are the answer), so a hit ends a
+    # block before a prompt that is cached to its last token (KVCacheManager's num_tokens - 1).
+    assert second.prefill_tokens == 16 and second.cached_tokens == 3184
+    assert second.first_token_at - second.arrived_at < first.first_token_at - first.arrived_at
 
 
 @pytest.mark.parametrize("profile", [DEMO, LLAMA], ids=["demo", "llama"])
@@ -105,7 +106,7 @@ def test_ttft_grows_with_uncached_tokens(profile: ReplicaProfile) -> None:
         s = seq(shared + tuple(10_000 * (own + 1) + j for j in range(own)), output=1, name=str(own))
         model.submit(s, t)
         t = drain(model, t)
-        assert s.cached_tokens == 200 * 16
+        assert s.cached_tokens == 200 * 16 - (16 if own == 0 else 0)  # the last block recomputed
         ttfts.append(s.first_token_at - s.arrived_at)
     assert ttfts == sorted(ttfts) and len(set(ttfts)) == 4
 

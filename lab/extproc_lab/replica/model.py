@@ -9,8 +9,9 @@ No I/O and no clock: drivers hand it requests and step it.
 
 What it models, following vLLM's V1 scheduler:
 
-- **KV blocks** (:class:`KVPool`): ``num_gpu_blocks`` blocks of ``block_size`` tokens. Full prompt
-  blocks are cached under their prefix key and shared by every sequence that references them;
+- **KV blocks** (:class:`KVPool`): ``num_gpu_blocks`` blocks of ``block_size`` tokens. Full
+  blocks (the prompt's, and the answer's where the driver knows its keys) are cached under their
+  prefix key and shared by every sequence that references them;
   a cached block no sequence references stays cached but is *free*, and free cached blocks are
   evicted least recently freed first when blocks are needed (a sequence frees its blocks tail
   first, so a shared head outlives the tails). Usage (``kv_cache_usage_perc``) counts the blocks
@@ -18,7 +19,8 @@ What it models, following vLLM's V1 scheduler:
 - **Continuous batching**: every step first gives each running sequence its next tokens (one to
   decode, or the next chunk of its prompt), then admits waiting sequences first come first
   served, within ``max_num_batched_tokens`` tokens and ``max_running`` sequences. An admitted
-  prompt starts after its longest cached prefix: only uncached tokens are computed.
+  prompt starts after its longest cached prefix that ends before its last token (that one is
+  always computed): only uncached tokens are computed.
 - **Preemption**: when a running sequence needs a block and none is free, the most recently
   admitted sequence is preempted (its blocks are released, it goes back to the head of the
   queue and recomputes its prompt and output so far when readmitted), as vLLM's recompute mode.
@@ -316,9 +318,11 @@ class KVPool:
 class Seq:
     """One request inside a replica: what it asks for and how far it got.
 
-    ``keys`` are the prefix keys of the prompt's full blocks; key ``i`` covers ``key_span``
-    tokens except the last, which covers ``tail_span`` (both multiples of the block size, and
-    together at most ``prompt_tokens``).
+    ``keys`` are the prefix keys of the sequence's full blocks; key ``i`` covers ``key_span``
+    tokens except the last, which covers ``tail_span`` (both multiples of the block size). They
+    cover the prompt, and may go on over the output where the driver knows what the answer will
+    be (a conversation's next turn resends it): vLLM caches every full block it computed, the
+    answer's too, so the next turn finds them.
     """
 
     request_id: str
@@ -441,7 +445,7 @@ class ReplicaModel:
 
     def cached_prefix_tokens(self, seq: Seq) -> int:
         """Tokens of ``seq``'s prompt this replica holds now (what a precise index would report)."""
-        return seq.key_end(self.pool.match(seq.keys))
+        return min(seq.key_end(self.pool.match(seq.keys)), seq.prompt_tokens)
 
     def missing_blocks(self, seq: Seq, keys: int) -> int:
         """Blocks of ``seq``'s first ``keys`` prompt keys this replica does not hold: what a KV
@@ -524,7 +528,7 @@ class ReplicaModel:
 
     def _grow(self, seq: Seq, n: int) -> bool:
         """Give ``seq`` the blocks for ``n`` more computed tokens; False (nothing changed) if there
-        is no room. Full prompt blocks become cached entries as soon as they are scheduled, so a
+        is no room. Full blocks become cached entries as soon as they are scheduled, so a
         request admitted later can hit them, as in vLLM."""
         if seq.unbounded:
             return True
@@ -586,10 +590,10 @@ class ReplicaModel:
     def _admit(self, seq: Seq, budget: int, batch_empty: bool) -> int:
         """Try to admit the head of the queue; returns its tokens this step, or -1."""
         pool = self.pool
-        local = matched = pool.match(seq.keys)
+        local = matched = self._hittable(seq, pool.match(seq.keys))
         if pool.offload is not None:
             self._load_offloaded(seq, matched)
-            matched = pool.match(seq.keys)
+            matched = self._hittable(seq, pool.match(seq.keys))
         hit = seq.key_end(matched)
         remaining = seq.prompt_tokens + seq.generated - hit
         if self.profile.chunked_prefill:
@@ -618,6 +622,15 @@ class ReplicaModel:
             seq.cached_tokens = prompt_hit
             self.cached_prompt_tokens_total += prompt_hit
         return n
+
+    @staticmethod
+    def _hittable(seq: Seq, matched: int) -> int:
+        """Of ``matched`` cached keys, those a request can use: vLLM computes at least the last
+        token it has (its logits are needed), so a hit ends before it, in whole keys."""
+        last = seq.prompt_tokens + seq.generated - 1
+        while matched and seq.key_end(matched) > last:
+            matched -= 1
+        return matched
 
     def _schedule(self) -> tuple[list[tuple[Seq, int]], bool]:
         """Choose this step's work; also says whether the queue was left waiting for room (so
@@ -712,7 +725,12 @@ class ReplicaModel:
             return 1
         bs = self.pool.block_size
         available = self.pool.available_blocks
-        offsets = [seq.computed - seq.covered for seq, _ in plan]
+        for seq, _ in plan:
+            if seq.held < len(seq.keys):  # an output key ahead: the run stops where its block fills
+                steps = min(steps, seq.key_end(seq.held + 1) - seq.computed)
+        if steps <= 1:
+            return 1
+        offsets = [seq.computed - seq.key_end(seq.held) for seq, _ in plan]
 
         def extra(k: int) -> int:
             # Blocks needed by steps 2..k beyond what the first step already holds.
@@ -782,7 +800,7 @@ class ReplicaModel:
                 # (room for them was checked when the run was planned).
                 seq.computed += steps
                 seq.generated += steps
-                private = -(-(seq.computed - seq.covered) // bs)
+                private = -(-(seq.computed - seq.key_end(seq.held)) // bs)
                 pool.grow_private(private - seq.private)
                 seq.private = private
                 self.generation_tokens_total += steps
