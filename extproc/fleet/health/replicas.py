@@ -266,14 +266,18 @@ class ReplicaBook:
     def scrape_failed(self, name: str, refused: bool, *, timed_out: bool = False, now: float | None = None) -> None:
         """A scrape failed: broken page, (``refused``) nothing listening, or (``timed_out``) no page
         within the budget. A page that is late while the replica answers requests (Envoy saw one
-        answered within ``stale_after_s`` before ``now``) is a busy replica's, not a dead one's:
-        a CPU engine busy prefilling answers /metrics late, and counting that as unreachable
-        ejected a working engine under load (on real vLLM, one of three, which then served 19 of
-        144 requests). It is no failure; its load figures simply age."""
+        answered within ``stale_after_s`` before ``now``), or while requests sent to it are still
+        running, is a busy replica's, not a dead one's: a CPU engine busy prefilling answers
+        /metrics late, and counting that as unreachable ejected a working engine under load (on
+        real vLLM, one of three, which then served 19 of 144 requests; again at 27 live
+        conversations, with long prefills running and no new answer for two seconds). It is no
+        failure; its load figures simply age. A replica that really hung is judged by those
+        requests: they meet the first-byte or idle timeout and fail, and failures eject it."""
         rec = self._records.get(name)
         if rec is None:
             return
-        if timed_out and not refused and now is not None and rec.answered_at >= now - self.settings.stale_after_s:
+        busy = rec.inflight > 0 or (now is not None and rec.answered_at >= now - self.settings.stale_after_s)
+        if timed_out and not refused and now is not None and busy:
             return
         rec.scrape_failures += 1
         rec.refused = refused

@@ -264,7 +264,14 @@ async def test_a_late_page_from_a_replica_that_keeps_answering_is_no_failure() -
         book.observe("a", 200, 0.5, clock[0])
         await scraper.scrape_once()
     assert all(s.in_rotation for s in book.snapshot(clock[0]).replicas)
-    for _ in range(12):  # it stops answering too: after stale_after_s its late pages count
+    # No new answer for longer than stale_after_s, but long prefills still running there: busy.
+    book.begin("a", clock[0], prefill_tokens=4000)
+    for _ in range(12):
+        clock[0] += 0.25
+        await scraper.scrape_once()
+    assert all(s.in_rotation for s in book.snapshot(clock[0]).replicas)
+    book.end("a", prefill_tokens=4000)
+    for _ in range(12):  # nothing running and nothing answered: after stale_after_s its late pages count
         clock[0] += 0.25
         await scraper.scrape_once()
     assert [s.name for s in book.snapshot(clock[0]).replicas if not s.in_rotation] == ["a"]
