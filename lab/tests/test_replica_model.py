@@ -95,6 +95,24 @@ def test_a_fully_cached_request_recomputes_only_its_last_block() -> None:
     assert second.first_token_at - second.arrived_at < first.first_token_at - first.arrived_at
 
 
+@pytest.mark.parametrize("max_steps", [1, 64], ids=["steps", "runs"])
+def test_an_answers_full_blocks_are_cached_for_the_next_turn(max_steps: int) -> None:
+    # As vLLM: every full block computed is cached, the answer's too (its last token is never
+    # computed). A prompt of 10 blocks and 8 tokens, 60 tokens of answer: 68 tokens after the
+    # prompt's full blocks, 67 computed, so 4 more blocks cached (the last key, ending at the
+    # answer's end, is not).
+    model = ReplicaModel(tiny(blocks=64))
+    prompt = tuple(range(10))
+    first = Seq("t1", 10 * 16 + 8, 60, (*prompt, 100, 101, 102, 103, 104), 16, 16)
+    model.submit(first, 0.0)
+    t = drain(model, max_steps=max_steps)
+    assert [k in model.pool for k in (103, 104)] == [True, False]
+    follow_up = seq((*prompt, 100, 101, 102, 103, 200, 201), name="t2")
+    model.submit(follow_up, t)
+    drain(model, t, max_steps=max_steps)
+    assert follow_up.cached_tokens == 14 * 16
+
+
 @pytest.mark.parametrize("profile", [DEMO, LLAMA], ids=["demo", "llama"])
 def test_ttft_grows_with_uncached_tokens(profile: ReplicaProfile) -> None:
     model = ReplicaModel(profile)

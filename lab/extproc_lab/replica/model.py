@@ -716,20 +716,17 @@ class ReplicaModel:
 
     def _run_length(self, plan: list[tuple[Seq, int]], max_steps: int) -> int:
         """How many identical decode steps can follow from this one: until the first sequence
-        finishes, and no further than the free blocks allow."""
+        finishes or fills a block its keys name (it becomes cached then), and no further than the
+        free blocks allow."""
         steps = max_steps
         for seq, _ in plan:
-            left = seq.output_tokens - seq.generated
-            steps = min(steps, left)
-        if steps <= 1:
-            return 1
-        bs = self.pool.block_size
-        available = self.pool.available_blocks
-        for seq, _ in plan:
+            steps = min(steps, seq.output_tokens - seq.generated)
             if seq.held < len(seq.keys):  # an output key ahead: the run stops where its block fills
                 steps = min(steps, seq.key_end(seq.held + 1) - seq.computed)
         if steps <= 1:
             return 1
+        bs = self.pool.block_size
+        available = self.pool.available_blocks
         offsets = [seq.computed - seq.key_end(seq.held) for seq, _ in plan]
 
         def extra(k: int) -> int:
