@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from extproc_lab.replica import PROFILES, ReplicaModel, Seq
+from extproc_lab.replica.kv_events import TokenBlocks
 from tests.e2e.conftest import TINY_BLOCKS, TinyEngines
 
 pytestmark = pytest.mark.e2e
@@ -91,13 +92,8 @@ def play_trace(url: str, seed: int = 11) -> list[Played]:
 
 
 def block_keys(tokens: list[int]) -> tuple[int, ...]:
-    """Chained keys of ``tokens``' full blocks (equal prefixes, equal keys: as vLLM's hashes)."""
-    keys: list[int] = []
-    parent = 0
-    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
-        parent = hash((parent, tuple(tokens[start : start + BLOCK])))
-        keys.append(parent)
-    return tuple(keys)
+    """Keys of ``tokens``' full blocks, chained as vLLM's hashes (the fake replica's own)."""
+    return TokenBlocks(BLOCK).keys(tokens, len(tokens) // BLOCK)
 
 
 def replay(played: list[Played], answers: bool = True) -> list[int]:
