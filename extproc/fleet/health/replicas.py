@@ -277,7 +277,7 @@ class ReplicaBook:
         if rec is None:
             return
         busy = rec.inflight > 0 or (now is not None and rec.answered_at >= now - self.settings.stale_after_s)
-        if timed_out and not refused and now is not None and busy:
+        if timed_out and not refused and busy:
             return
         rec.scrape_failures += 1
         rec.refused = refused
