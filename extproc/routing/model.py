@@ -37,9 +37,11 @@ class ReplicaState:
     inflight_tokens: int = 0
     """KV the requests in flight there added: their prompts' parts not believed cached before."""
     pending_prefill_tokens: int = 0
-    live_sessions: int = 0
-    """Conversations live there: a turn in flight, or one begun within the last minute (their next
-    turns come back to it)."""
+    live_sessions: float = 0.0
+    """Conversations live there and expected to come back with their next turns: a turn in flight,
+    or one begun within the last minute; a keyless request that opened one and has not come back
+    counts at the rate such openings come back (a one-off leaves nothing to come), as
+    :class:`~extproc.fleet.health.sessions.LiveSessions` counts it."""
     live_session_tokens: int = 0
     """The KV of their own that those conversations added there: each turn's prompt tokens not
     believed cached when it was sent (a prefix they share is counted once, by whoever brought it),

@@ -141,7 +141,7 @@ class ReplicaBook:
         """Every replica's state at ``now``. Scraped load older than ``stale_after_s`` is not
         trusted: a replica whose page broke while it was busy must not look busy forever."""
         stale_before = now - self.settings.stale_after_s
-        live = self.sessions.counts(now)
+        live = self.sessions.expected(now)
         live_tokens = self.sessions.tokens(now)
         states = []
         peers = self.peers.others(now) if self.peers is not None else {}

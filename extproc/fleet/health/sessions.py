@@ -76,6 +76,9 @@ class LiveSessions:
         self._opening: dict[str, int] = {}
         """The part of ``_provisional`` whose first turn is still running (counted at least at
         :data:`OPENING_WEIGHT`)."""
+        self._provisional_n: dict[str, int] = {}
+        self._opening_n: dict[str, int] = {}
+        """As ``_provisional`` and ``_opening``, in conversations rather than tokens."""
         self._returned = 0.0
         self._lapsed = 0.0
         self.opening_weight = OPENING_WEIGHT
@@ -101,15 +104,15 @@ class LiveSessions:
         s = self._sessions.get(session)
         if s is None:
             s = self._sessions[session] = _Session(replica, now, firm=declared or hold_s is not None)
-            self._counts[replica] = self._counts.get(replica, 0) + 1
+            self._count(s)
             if len(self._sessions) > self.max_sessions:
                 self._drop(next(iter(self._sessions)))
         else:
             if s.replica != replica:
                 self._uncount(s)
-                self._counts[replica] = self._counts.get(replica, 0) + 1
                 s.replica = replica
                 s.tokens = 0  # what it held on the replica it left is not carried here
+                self._count(s)
             if not s.firm:
                 self._note(returned=True)
                 self._firm_up(s)
@@ -123,6 +126,8 @@ class LiveSessions:
             if not s.firm:  # its first turn is starting: at least at OPENING_WEIGHT while it runs
                 self._opening[replica] = self._opening.get(replica, 0) + added
         s.last_begin = now
+        if not s.firm and s.inflight == 0:
+            self._opening_n[replica] = self._opening_n.get(replica, 0) + 1
         s.inflight += 1
         if hold_s is not None:
             s.held_until = max(s.held_until, now + min(hold_s, MAX_HOLD_S))
@@ -135,6 +140,7 @@ class LiveSessions:
             s.inflight -= 1
             if not s.firm and s.inflight == 0:  # an opening's first turn is over: at the rate now
                 _take(self._opening, s.replica, s.tokens)
+                _take(self._opening_n, s.replica, 1)
 
     def counts(self, now: float) -> dict[str, int]:
         """Live sessions per replica at ``now`` (replicas without any are left out)."""
@@ -162,6 +168,20 @@ class LiveSessions:
         has): what a keyless opening's KV is counted at until it comes back itself."""
         return self._returned / (self._returned + self._lapsed) if self._returned else 0.0
 
+    def expected(self, now: float) -> dict[str, float]:
+        """Per replica, the conversations live there that are expected to come back: each declared
+        one or one that came back in full, a keyless opening at :meth:`return_rate` (at least at
+        :data:`OPENING_WEIGHT` while its first turn runs), as :meth:`tokens` counts their KV; a hot
+        prefix's single questions, which never come back, weigh only that little while they run."""
+        counts = self.counts(now)
+        rate = self.return_rate()
+        out: dict[str, float] = {}
+        for replica, n in counts.items():
+            provisional = self._provisional_n.get(replica, 0)
+            running = self._opening_n.get(replica, 0)
+            out[replica] = n - provisional + running * max(rate, self.opening_weight) + (provisional - running) * rate
+        return out
+
     def tokens(self, now: float) -> dict[str, int]:
         """Per replica, the KV of their own that the sessions live there at ``now`` added: in full
         for declared conversations and those that came back, at :meth:`return_rate` for keyless
@@ -184,6 +204,8 @@ class LiveSessions:
         self._firm.pop(replica, None)
         self._provisional.pop(replica, None)
         self._opening.pop(replica, None)
+        self._provisional_n.pop(replica, None)
+        self._opening_n.pop(replica, None)
 
     def _note(self, returned: bool) -> None:
         """A keyless opening came back (or lapsed): the evidence the return rate is made of."""
@@ -198,8 +220,10 @@ class LiveSessions:
     def _firm_up(self, s: _Session) -> None:
         """Count ``s``'s KV in full from now on."""
         _take(self._provisional, s.replica, s.tokens)
+        _take(self._provisional_n, s.replica, 1)
         if s.inflight:
             _take(self._opening, s.replica, s.tokens)
+            _take(self._opening_n, s.replica, 1)
         if s.tokens:
             self._firm[s.replica] = self._firm.get(s.replica, 0) + s.tokens
         s.firm = True
@@ -210,11 +234,22 @@ class LiveSessions:
             self._note(returned=False)  # it never came back within the window: a one-off
         self._uncount(s)
 
+    def _count(self, s: _Session) -> None:
+        """Count ``s`` on its replica (its KV is added by its turns, as they are sent)."""
+        self._counts[s.replica] = self._counts.get(s.replica, 0) + 1
+        if not s.firm:
+            self._provisional_n[s.replica] = self._provisional_n.get(s.replica, 0) + 1
+            if s.inflight:
+                self._opening_n[s.replica] = self._opening_n.get(s.replica, 0) + 1
+
     def _uncount(self, s: _Session) -> None:
         _take(self._counts, s.replica, 1)
         _take(self._firm if s.firm else self._provisional, s.replica, s.tokens)
-        if not s.firm and s.inflight:
-            _take(self._opening, s.replica, s.tokens)
+        if not s.firm:
+            _take(self._provisional_n, s.replica, 1)
+            if s.inflight:
+                _take(self._opening, s.replica, s.tokens)
+                _take(self._opening_n, s.replica, 1)
 
 
 def _take(counts: dict[str, int], replica: str, amount: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 from collections import Counter
 
 from extproc.config import Config
@@ -162,6 +163,45 @@ def test_one_offs_that_never_come_back_count_nothing() -> None:
     provisional = 150 * sum(1 for i in range(350, 400) if i % 10)
     firm = 150 * sum(1 for i in range(350, 400) if i % 10 == 0)
     assert live.tokens(40.0)["r0"] == firm + round(provisional * live.return_rate())
+
+
+def test_the_conversations_expected_back_weigh_keyless_openings_as_their_kv_is_weighed() -> None:
+    live = LiveSessions(live_s=10.0)
+    live.begin("r0", "d", 0.0, tokens=100)  # declared: expected back
+    for i in range(4):  # a hot prefix's single questions, running: a quarter each
+        live.begin("r1", f"q{i}", 0.0, tokens=100, declared=False)
+    assert live.expected(0.0) == {"r0": 1.0, "r1": 1.0}
+    for i in range(4):
+        live.end(f"q{i}")  # over, none back yet: nothing to come
+    assert live.expected(0.5) == {"r0": 1.0, "r1": 0.0}
+    live.begin("r1", "q0", 1.0)  # one came back: in full, and the others at the return rate
+    assert live.expected(1.0)["r1"] == 1.0 + 3 * live.return_rate()
+
+
+def test_the_conversations_expected_back_agree_with_a_count_over_the_sessions() -> None:
+    # Random turns (declared or keyless, moving between replicas, ending, expiring, replicas
+    # leaving): the running per-replica figures equal a plain sum over the live sessions.
+    rng = random.Random(5)
+    live = LiveSessions(live_s=3.0, max_sessions=40)
+    now = 0.0
+    for _ in range(3000):
+        now += rng.random() * 0.05
+        session = f"s{rng.randrange(60)}"
+        roll = rng.random()
+        if roll < 0.55:
+            live.begin(f"r{rng.randrange(3)}", session, now, tokens=rng.randrange(200), declared=rng.random() < 0.4)
+        elif roll < 0.95:
+            live.end(session)
+        else:
+            live.forget(f"r{rng.randrange(3)}")
+        got = live.expected(now)
+        rate = live.return_rate()
+        want: dict[str, float] = {}
+        for s in live._sessions.values():
+            weight = 1.0 if s.firm else (max(rate, live.opening_weight) if s.inflight else rate)
+            want[s.replica] = want.get(s.replica, 0.0) + weight
+        assert set(got) == set(want)
+        assert all(abs(got[r] - want[r]) < 1e-9 for r in want)
 
 
 def test_live_sessions_are_bounded() -> None:
