@@ -80,7 +80,14 @@ from extproc.routing.disagg import PairSettings
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, Profile, decide
 from extproc.routing.plugins import CycleState
-from extproc.routing.registry import DEFAULT_PROFILE, PRICE_PROFILE, REGISTRY, ProfileError, build_profile
+from extproc.routing.registry import (
+    DEFAULT_PROFILE,
+    PRICE_PROFILE,
+    REGISTRY,
+    SCORES_PROFILE,
+    ProfileError,
+    build_profile,
+)
 from extproc.routing.roles import ROLE_LABEL, Role
 from extproc.routing.trace import DecisionTrace
 from extproc.state import AffinityStore
@@ -127,6 +134,7 @@ __all__ = [
     "RECORD",
     "REGISTRY",
     "ROLE_LABEL",
+    "SCORES_PROFILE",
     "AffinityStore",
     "AffinityView",
     "AllBlocksCleared",

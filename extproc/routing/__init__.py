@@ -1,13 +1,16 @@
-"""The routing decision: a pure pipeline of filters, weighted scorers and a picker."""
+"""The routing decision: a pure pipeline of filters, weighted scorers and a picker (by default the
+price, :mod:`extproc.routing.price`)."""
 
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide
 from extproc.routing.profile import Profile
-from extproc.routing.registry import DEFAULT_PROFILE, ProfileError, build_profile
+from extproc.routing.registry import DEFAULT_PROFILE, PRICE_PROFILE, SCORES_PROFILE, ProfileError, build_profile
 from extproc.routing.ring import HashRing
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "PRICE_PROFILE",
+    "SCORES_PROFILE",
     "AffinityView",
     "Decision",
     "DecisionInputs",

@@ -110,6 +110,20 @@ def _batch(state: ReplicaState) -> int:
     return max(state.inflight, state.running + state.queue)
 
 
+def _held_blocks(cycle: CycleState, state: ReplicaState) -> int:
+    """The request's leading blocks ``state`` is believed to hold. A hot prefix's k replicas
+    (:mod:`extproc.routing.hot`) are priced as each holding what the best of them holds: the set
+    shares the prefix by design (the prewarmer sends it to a member that joins), so it is spread by
+    load, as the hot-key design asks; priced as it stands, the holder was always cheapest and the
+    set never spread (every hot request on one of four)."""
+    matches = cycle.view.prefix_matches
+    held = matches.get(state.name, 0)
+    hot = cycle.hot_set
+    if hot and state.name in hot:
+        held = max(matches.get(name, 0) for name in hot)  # its own among them
+    return held
+
+
 def _price(
     cycle: CycleState,
     state: ReplicaState,
@@ -122,7 +136,7 @@ def _price(
     rates = settings.rates(cycle, state)
     rate = rates.prefill_tokens_per_s
     view = cycle.view
-    uncached = uncached_tokens(features, view.prefix_matches.get(state.name, 0), block_chars)
+    uncached = uncached_tokens(features, _held_blocks(cycle, state), block_chars)
     if state.name == view.pinned and view.pin_lost is None:
         # The pin's conversation is there until the replica itself says it is gone: an index that
         # forgot it is no evidence (``AffinityView.pin_lost``), so it lacks at most the turn's new part.

@@ -8,7 +8,17 @@ import pytest
 
 from extproc.app.router import Router
 from extproc.request.features import RequestFeatures
-from extproc.routing import AffinityView, DecisionInputs, Reason, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.routing import (
+    SCORES_PROFILE,
+    AffinityView,
+    DecisionInputs,
+    Reason,
+    Replica,
+    ReplicaState,
+    Snapshot,
+    build_profile,
+    decide,
+)
 from extproc.routing.trace import DecisionTrace
 from tests.conftest import chat_body, make_config
 from tests.helpers import Clock, chat_request, conversation, feed, kv_router, metric_value, stored_event
@@ -30,7 +40,7 @@ def test_the_trace_adds_up_to_the_decision() -> None:
     snap = _snapshot(4, r1={"in_rotation": False, "health": 0.2}, r3={"kv_usage": 0.99, "queue": 20})
     features = RequestFeatures(path=CHAT, model="m", session_key="s", prefix_hashes=tuple(range(10)))
     view = AffinityView(prefix_matches={"r2": 6})
-    profile = build_profile()
+    profile = build_profile(SCORES_PROFILE)  # its overload filter and weighed scorers
     trace = DecisionTrace()
     traced = decide(DecisionInputs.of(features, snap, view, 0.0, profile), trace=trace)
     plain = decide(DecisionInputs.of(features, snap, view, 0.0, profile))

@@ -13,12 +13,20 @@ from extproc.adapters.telemetry import collect
 from extproc.app.plan import Planner, Refuse
 from extproc.app.router import Router
 from extproc.base.world import ManualWorld
+from extproc.config import Config
 from extproc.fleet.queueing import QueueClass, QueueSettings
 from extproc.request.features import RequestFeatures, read_request
 from extproc.routing.latency import LoadPoint
 from extproc.routing.model import AffinityView
+from extproc.routing.registry import SCORES_PROFILE
 from tests.conftest import chat_body, make_config
 from tests.helpers import CHAT, Clock, metric_value
+
+
+def scores_config(**changes: Any) -> Config:
+    # The objectives judged by the latency models' fits (warmed below): under the price, the
+    # default, they judge by the price's own prediction (tests/unit/routing/test_price_objectives.py).
+    return make_config(profile=SCORES_PROFILE, **changes)
 
 
 def headers(ttft_ms: float | None = 100.0, session: str = "s", **extra: str) -> dict[str, str]:
@@ -37,11 +45,11 @@ def warm(router: Router, ttft_s: float = 0.5, per_running_s: float = 0.0) -> Non
 
 
 def read(h: dict[str, str]) -> RequestFeatures:
-    return read_request(h, chat_body("hi"), make_config().features).features
+    return read_request(h, chat_body("hi"), scores_config().features).features
 
 
 def router_with(**queueing: Any) -> Router:
-    return Router(make_config(queueing=QueueSettings(**queueing)), clock=Clock())
+    return Router(scores_config(queueing=QueueSettings(**queueing)), clock=Clock())
 
 
 def shed_count(router: Router, reason: str, cls: str = "default") -> float:
@@ -109,7 +117,7 @@ async def test_with_no_warm_model_a_shedding_class_is_routed_as_today() -> None:
 async def test_a_class_that_queues_waits_until_a_replica_is_predicted_to_meet_its_objective() -> None:
     world = ManualWorld()
     router = Router(
-        make_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=10))),
+        scores_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=10))),
         world=world,
     )
     warm(router, 0.02, per_running_s=0.03)  # 20 ms idle, 30 ms more per request running
@@ -141,7 +149,7 @@ async def test_a_class_that_queues_waits_until_a_replica_is_predicted_to_meet_it
 async def test_a_held_request_past_its_limit_is_refused_and_an_idle_fleet_holds_nobody() -> None:
     world = ManualWorld()
     router = Router(
-        make_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=0.2))),
+        scores_config(queueing=QueueSettings(enabled=True, default=QueueClass(on_miss="queue", max_wait_s=0.2))),
         world=world,
     )
     warm(router, 0.5)
@@ -162,7 +170,7 @@ async def test_a_held_request_past_its_limit_is_refused_and_an_idle_fleet_holds_
 
 async def test_attainment_is_judged_on_the_first_token_and_the_tpot_between_first_and_last_tokens() -> None:
     clock = Clock()
-    router = Router(make_config(), clock=clock)
+    router = Router(scores_config(), clock=clock)
     met = router.metrics.objective_requests
 
     async def one(session: str, ttft_s: float, stream_s: float, status: int = 200, tokens: int = 11) -> None:
@@ -215,7 +223,7 @@ async def test_explain_shows_each_candidates_predictions_the_objective_and_why()
 
 
 def test_prediction_errors_are_gauged_per_replica_at_scrape_time() -> None:
-    router = Router(make_config(), clock=Clock())
+    router = Router(scores_config(), clock=Clock())
     names = [r.replica.name for r in router.replicas.records()]
     for i in range(router.latency.warm_after + 40):
         # r0 is always 100 ms; r1 alternates, so its errors spread.

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from extproc.request.features import RequestFeatures
 from extproc.routing import (
+    SCORES_PROFILE,
     AffinityView,
     DecisionInputs,
     HashRing,
+    Profile,
     Reason,
     Replica,
     ReplicaState,
@@ -22,6 +24,12 @@ from extproc.routing import (
 )
 
 CHAT = "/v1/chat/completions"
+
+
+def scores_profile() -> Profile:
+    # The scores profile's rules (stickiness by its floor, spillover at the overload filter): the
+    # price, the default, has its own tests (test_price.py).
+    return build_profile(SCORES_PROFILE)
 
 
 def snapshot(n: int = 4, **overrides: dict[str, object]) -> Snapshot:
@@ -37,7 +45,7 @@ def features(session: str | None = None, hashes: tuple[int, ...] = (), request_i
 
 
 def test_pinned_session_is_sticky() -> None:
-    d = decide(DecisionInputs.of(features("s1"), snapshot(), AffinityView(pinned="r2"), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), snapshot(), AffinityView(pinned="r2"), 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
 
 
@@ -49,7 +57,7 @@ def test_pin_outweighs_a_full_prefix_match_elsewhere() -> None:
             snapshot(r1={"inflight": 0}, r2={"inflight": 5}),
             view,
             0.0,
-            build_profile(),
+            scores_profile(),
         )
     )
     assert d.replica is not None and d.replica.name == "r2"
@@ -60,7 +68,7 @@ def test_a_pin_the_index_forgot_still_holds_the_session() -> None:
     # loss (no eviction event, no misses on its counters): the session stays where it is.
     view = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 2, "r3": 2, "r0": 2})
     snap = snapshot(r2={"inflight": 8, "pending_prefill_tokens": 20_000})
-    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, view, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, view, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY and d.moved_by == ""
 
 
@@ -68,26 +76,26 @@ def test_a_pin_whose_cache_is_known_lost_moves_only_for_a_better_place() -> None
     snap = snapshot(r2={"inflight": 8, "pending_prefill_tokens": 20_000})
     lost = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 2, "r3": 2, "r0": 2}, pin_lost="kv_events")
     # Evicted and loaded: another replica is worth the move, and the decision says what moved it.
-    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, lost, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, lost, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name != "r2"
     assert d.reason is Reason.EVICTED and d.moved_by == "kv_events"
     # Evicted but no busier than the rest, and nobody holds more of this conversation: moving would
     # only rebuild it elsewhere, so it stays.
-    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snapshot(), lost, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snapshot(), lost, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
     # Another replica holds most of this conversation: that outweighs the price of moving.
     elsewhere = AffinityView(pinned="r2", prefix_matches={"r1": 36, "r2": 2, "r3": 2}, pin_lost="hit_counters")
-    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snapshot(), elsewhere, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snapshot(), elsewhere, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == "r1" and d.moved_by == "hit_counters"
     # Still held there: it stays, however the evidence was labelled.
     held = AffinityView(pinned="r2", prefix_matches={"r1": 2, "r2": 40, "r3": 2, "r0": 2}, pin_lost="kv_events")
-    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, held, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1", tuple(range(40))), snap, held, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == "r2" and d.reason is Reason.STICKY
 
 
 def test_overloaded_pinned_replica_spills_over() -> None:
     snap = snapshot(r2={"kv_usage": 0.95, "queue": 20})
-    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER
     assert d.moved_by == "overload"
 
@@ -95,41 +103,41 @@ def test_overloaded_pinned_replica_spills_over() -> None:
 def test_a_spilled_turn_keeps_its_pin_only_where_the_pin_holds_the_conversation() -> None:
     # A pinned session's spill leaves the pin where its conversation is: it returns there.
     snap = snapshot(r2={"kv_usage": 0.95, "queue": 20})
-    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, scores_profile()))
     assert d.reason is Reason.SPILLOVER and not d.pin
     # A new session whose prefix's holder is full spills too, but it has nowhere to return to: it is
     # pinned where it went, where its history now is (unpinned, its every later turn was placed by
     # the index alone and spilled again).
     view = AffinityView(prefix_matches={"r2": 4})  # under half of the prompt: no holder, judged on its KV and queue
-    d = decide(DecisionInputs.of(features("s1", tuple(range(10))), snap, view, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1", tuple(range(10))), snap, view, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.SPILLOVER and d.pin
     # Nor where its pin lost the conversation (its own events say so): there is nothing to return to.
     lost = AffinityView(pinned="r2", pin_lost="kv_events")
-    d = decide(DecisionInputs.of(features("s1"), snap, lost, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), snap, lost, 0.0, scores_profile()))
     assert d.reason is Reason.SPILLOVER and d.pin and d.moved_by == "overload"
 
 
 def test_pinned_replica_out_of_rotation_fails_over() -> None:
     snap = snapshot(r2={"in_rotation": False})
-    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name != "r2" and d.reason is Reason.FAILOVER
     assert d.moved_by == "in_rotation"
 
 
 def test_all_out_of_rotation_still_routes() -> None:
     snap = snapshot(**{f"r{i}": {"in_rotation": False} for i in range(4)})
-    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(), 0.0, scores_profile()))
     assert d.replica is not None
 
 
 def test_no_replicas_is_no_replica() -> None:
-    d = decide(DecisionInputs.of(features("s1"), Snapshot(()), AffinityView(), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), Snapshot(()), AffinityView(), 0.0, scores_profile()))
     assert d.replica is None and d.reason is Reason.NO_REPLICA
 
 
 def test_strong_prefix_match_wins_for_new_requests() -> None:
     view = AffinityView(prefix_matches={"r3": 9})
-    d = decide(DecisionInputs.of(features(None, tuple(range(10))), snapshot(), view, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features(None, tuple(range(10))), snapshot(), view, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == "r3" and d.reason is Reason.PREFIX
     assert d.matched_blocks == 9 and d.total_blocks == 10
 
@@ -140,7 +148,7 @@ def test_weak_shared_prefix_does_not_herd() -> None:
     view = AffinityView(prefix_matches={"r0": 1})
     chosen = Counter()
     for i in range(200):
-        d = decide(DecisionInputs.of(features(f"s{i}", tuple(range(40))), snapshot(), view, 0.0, build_profile()))
+        d = decide(DecisionInputs.of(features(f"s{i}", tuple(range(40))), snapshot(), view, 0.0, scores_profile()))
         assert d.replica is not None
         chosen[d.replica.name] += 1
     assert chosen["r0"] < 100 and len(chosen) == 4
@@ -149,7 +157,7 @@ def test_weak_shared_prefix_does_not_herd() -> None:
 def test_new_sessions_spread_by_hashing() -> None:
     chosen = Counter()
     for i in range(400):
-        d = decide(DecisionInputs.of(features(f"session-{i}"), snapshot(), AffinityView(), 0.0, build_profile()))
+        d = decide(DecisionInputs.of(features(f"session-{i}"), snapshot(), AffinityView(), 0.0, scores_profile()))
         assert d.replica is not None and d.reason is Reason.NEW_SESSION
         chosen[d.replica.name] += 1
     assert len(chosen) == 4 and min(chosen.values()) > 50
@@ -158,14 +166,16 @@ def test_new_sessions_spread_by_hashing() -> None:
 def test_requests_without_any_key_spread_over_request_ids() -> None:
     chosen = Counter()
     for i in range(200):
-        d = decide(DecisionInputs.of(features(request_id=f"req-{i}"), snapshot(), AffinityView(), 0.0, build_profile()))
+        d = decide(
+            DecisionInputs.of(features(request_id=f"req-{i}"), snapshot(), AffinityView(), 0.0, scores_profile())
+        )
         assert d.replica is not None and d.reason is Reason.FALLBACK
         chosen[d.replica.name] += 1
     assert len(chosen) == 4
 
 
 def test_bounded_load_passes_over_a_busy_ring_owner() -> None:
-    profile = build_profile()
+    profile = scores_profile()
     idle = decide(DecisionInputs.of(features("k"), snapshot(), AffinityView(), 0.0, profile))
     assert idle.replica is not None
     busy = snapshot(**{idle.replica.name: {"inflight": 10}})
@@ -174,7 +184,7 @@ def test_bounded_load_passes_over_a_busy_ring_owner() -> None:
 
 
 def test_fallbacks_are_other_replicas() -> None:
-    d = decide(DecisionInputs.of(features("s"), snapshot(), AffinityView(), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s"), snapshot(), AffinityView(), 0.0, scores_profile()))
     assert d.replica is not None
     assert d.replica not in d.fallbacks and len(d.fallbacks) == 2
 
@@ -199,7 +209,7 @@ def test_decision_is_always_a_member_with_scores_in_range(
         pinned=f"r{pinned}" if pinned is not None else None,
         prefix_matches={f"r{k}": v for k, v in matches.items()},
     )
-    profile = build_profile()
+    profile = scores_profile()
     d = decide(DecisionInputs.of(features(session, tuple(range(20))), snap, view, 0.0, profile))
     assert d.replica is not None and snap.get(d.replica.name) is not None
     total_weight = sum(w.weight for w in profile.scorers)
@@ -250,7 +260,7 @@ def test_a_session_keeps_its_replica_while_it_is_healthy_not_overloaded_and_its_
     held = {f"r{k % len(loads)}": v for k, v in matches.items()}
     held[f"r{pinned}"] = 40  # its conversation is still believed cached there
     view = AffinityView(pinned=f"r{pinned}", prefix_matches=held)
-    d = decide(DecisionInputs.of(features(session, tuple(range(40))), snap, view, 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features(session, tuple(range(40))), snap, view, 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == f"r{pinned}" and d.reason is Reason.STICKY
 
 
@@ -261,7 +271,7 @@ def test_the_ring_never_gives_a_replica_more_than_the_bound(inflight: list[int],
     from extproc.routing.scorers import RingScorer
 
     snap = Snapshot(tuple(ReplicaState(Replica(f"r{i}", f"h:{i + 1}"), inflight=n) for i, n in enumerate(inflight)))
-    profile = build_profile()
+    profile = scores_profile()
     cycle = CycleState(features(key), snap, AffinityView(), 0.0, profile.ring_for(snap), key, "session")
     scores = RingScorer(load_factor=load_factor).score(cycle, list(snap.replicas))
     (owner,) = [name for name, s in scores.items() if s == 1.0]
@@ -280,7 +290,7 @@ def test_a_join_moves_at_most_about_its_share_of_bounded_placements(n: int, seed
 
     def owners(count: int) -> list[str]:
         snap = Snapshot(tuple(ReplicaState(Replica(f"r{i}", f"h:{i + 1}")) for i in range(count)))
-        ring = build_profile().ring_for(snap)
+        ring = scores_profile().ring_for(snap)
         out = []
         for k in range(1500):
             key = f"{seed}-{k}"
@@ -303,12 +313,12 @@ def test_a_turn_only_its_pinned_engine_stores_stays_there_when_that_replica_is_o
     snap = snapshot(r2={"kv_usage": 0.95, "queue": 40})
     chain = replace(response_chain("resp_1", "resp_2", "", 0, 2), conversation=7, match="continued")
     stored = replace(features("conv-0000000000000007"), conversation=chain)
-    d = decide(DecisionInputs.of(stored, snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(stored, snap, AffinityView(pinned="r2"), 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name == "r2"  # elsewhere the engine answers 404
     # A chat conversation (its history resent) spills over as any session does.
-    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(features("s1"), snap, AffinityView(pinned="r2"), 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name != "r2"
     # Its engine out of rotation: it fails over (the next turn may well be a 404, the engine's word).
     gone = snapshot(r2={"in_rotation": False})
-    d = decide(DecisionInputs.of(stored, gone, AffinityView(pinned="r2"), 0.0, build_profile()))
+    d = decide(DecisionInputs.of(stored, gone, AffinityView(pinned="r2"), 0.0, scores_profile()))
     assert d.replica is not None and d.replica.name != "r2"

@@ -13,7 +13,16 @@ from extproc.config import Config
 from extproc.fleet.health.latency import LatencyBook
 from extproc.fleet.health.settings import HealthSettings
 from extproc.request.features import RequestFeatures
-from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
+from extproc.routing import (
+    SCORES_PROFILE,
+    AffinityView,
+    DecisionInputs,
+    Replica,
+    ReplicaState,
+    Snapshot,
+    build_profile,
+    decide,
+)
 from extproc.routing.latency import LatencyFit, LatencyView, LoadPoint, verdict
 from extproc.routing.plugins import CycleState
 from extproc.routing.slo import SloHeadroomScorer
@@ -127,7 +136,14 @@ def inputs(
         slo_tpot_ms=tpot_ms,
     )
     return DecisionInputs.of(
-        features, Snapshot(replicas), view or AffinityView(), 0.0, build_profile(), latency=LatencyView(fits)
+        features,
+        Snapshot(replicas),
+        view or AffinityView(),
+        0.0,
+        # The objectives judged by the latency models' fits: under the price (the default) they
+        # judge by the price's own prediction (test_price_objectives.py).
+        build_profile(SCORES_PROFILE),
+        latency=LatencyView(fits),
     )
 
 

@@ -13,7 +13,7 @@ from extproc.routing.disagg import PairSettings
 from extproc.routing.latency import TPOT_TERMS, TTFT_TERMS, LatencyFit, LatencyView
 from extproc.routing.model import AffinityView, Decision, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide
-from extproc.routing.registry import DEFAULT_PROFILE, PRICE_PROFILE, build_profile
+from extproc.routing.registry import PRICE_PROFILE, SCORES_PROFILE, build_profile
 from extproc.routing.roles import PairReason
 from extproc.routing.trace import DecisionTrace
 
@@ -79,8 +79,8 @@ def test_with_the_price_the_objectives_judge_by_the_prices_ttft() -> None:
     tight = min(p.ttft_s for p in trace.prices.values()) * 1000.0 / 2
     d, _ = decided(replicas, PRICE_PROFILE, slo_ttft_ms=tight, latency=latency)
     assert d.objective_missed and d.objective_headroom == pytest.approx(-1.0)
-    # The default profile still judges by its fits.
-    d, trace = decided(replicas, DEFAULT_PROFILE, slo_ttft_ms=tight, latency=latency)
+    # The scores profile judges by its fits.
+    d, trace = decided(replicas, SCORES_PROFILE, slo_ttft_ms=tight, latency=latency)
     assert not trace.prices and not d.objective_missed
 
 
@@ -91,7 +91,7 @@ def test_with_the_price_the_objectives_judge_without_any_warm_fit() -> None:
     d, trace = decided(replicas, PRICE_PROFILE, slo_ttft_ms=1_000.0)
     assert set(trace.predicted) == {"a", "b"} and trace.predicted["a"].tpot_s is None
     assert d.objective_headroom is not None and not d.objective_missed
-    d, _ = decided(replicas, DEFAULT_PROFILE, slo_ttft_ms=1_000.0)
+    d, _ = decided(replicas, SCORES_PROFILE, slo_ttft_ms=1_000.0)
     assert d.objective_headroom is None
 
 
@@ -103,7 +103,7 @@ def test_with_the_price_the_prefill_hop_goes_where_the_price_is_least() -> None:
     decode = state("d", {ROLE: "decode"}, running=2, pending_prefill_tokens=10_000)
     p1 = state("p1", {ROLE: "prefill"}, pending_prefill_tokens=500, running=600, kv_capacity_tokens=65_536)
     p2 = state("p2", {ROLE: "prefill"}, pending_prefill_tokens=1_500, kv_capacity_tokens=65_536)
-    d, _ = decided([decode, p1, p2], DEFAULT_PROFILE)
+    d, _ = decided([decode, p1, p2], SCORES_PROFILE)
     assert d.pair is PairReason.DISAGGREGATED and d.prefill is not None and d.prefill.name == "p1"
     d, _ = decided([decode, p1, p2], PRICE_PROFILE)
     assert d.pair is PairReason.DISAGGREGATED and d.prefill is not None and d.prefill.name == "p2"
@@ -116,7 +116,7 @@ def test_with_the_price_the_decode_replica_prefills_itself_when_that_is_cheaper(
     # than prefilling in chunks beside that batch's decode, the batch's stall (`others`) included.
     decode = state("d", {ROLE: "decode"}, running=10)
     p = state("p", {ROLE: "prefill"}, pending_prefill_tokens=3_500)
-    d, _ = decided([decode, p], DEFAULT_PROFILE)
+    d, _ = decided([decode, p], SCORES_PROFILE)
     assert d.pair is PairReason.DISAGGREGATED
     d, trace = decided([decode, p], PRICE_PROFILE)
     assert d.pair is PairReason.LOCAL, trace.prices

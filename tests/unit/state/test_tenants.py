@@ -14,6 +14,7 @@ from extproc.fleet.health.vllm_metrics import LoraInfo, ReplicaMetrics
 from extproc.request import FeatureSettings, extract_features
 from extproc.request.tenant import api_key_digest
 from extproc.routing import Reason
+from extproc.routing.registry import SCORES_PROFILE
 from tests.conftest import body_message, chat_body, headers_message
 from tests.helpers import SEED_CLASSES, metric_value, run
 
@@ -143,7 +144,13 @@ async def test_over_quota_can_overflow_to_a_shared_pool() -> None:
 
 
 async def test_tenant_headroom_spreads_one_tenants_burst() -> None:
-    cfg = fleet_config(classes=[], tenants={"definitions": {"t": {"max_concurrent": 100}}, "per_replica": 2})
+    # In the scores profile headroom outweighs a short prompt's prefix; under the price it only
+    # breaks ties (3 ms at full), and a burst leaves its prefix's replica when its queue costs more.
+    cfg = fleet_config(
+        classes=[],
+        tenants={"definitions": {"t": {"max_concurrent": 100}}, "per_replica": 2},
+        profile=SCORES_PROFILE,
+    )
     router = Router(config_from_mapping(cfg))
     held = [await router.route({**CHAT, "x-tenant-id": "t"}, chat_body("same prompt " * 50)) for _ in range(8)]
     assert len({r.decision.replica.name for r in held if r.decision.replica}) >= 3

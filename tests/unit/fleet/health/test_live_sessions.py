@@ -11,7 +11,7 @@ from extproc.config import Config
 from extproc.fleet.health.sessions import OPENING_WEIGHT, LiveSessions
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
-from extproc.routing.registry import DEFAULT_PROFILE
+from extproc.routing.registry import SCORES_PROFILE
 from extproc_lab.bench.policies import policy_profile
 from extproc_lab.replica.timing import get_profile
 from extproc_lab.sim.generators import agents, shared_system_chat
@@ -213,8 +213,8 @@ def test_live_sessions_are_bounded() -> None:
 
 
 def whole_cost_profile() -> dict[str, object]:
-    """The default profile with a new conversation placed by its whole cost (``session_tokens``)."""
-    spec = copy.deepcopy(dict(DEFAULT_PROFILE))
+    """The scores profile with a new conversation placed by its whole cost (``session_tokens``)."""
+    spec = copy.deepcopy(dict(SCORES_PROFILE))
     for scorer in spec["scorers"]:  # type: ignore[attr-defined]
         if scorer["type"] == "prefill_cost":
             scorer["parameters"] = {"session_tokens": 512}
@@ -237,8 +237,8 @@ def new_conversation_goes_to(r0_live: int, pinned: str | None = None) -> str:
     return d.replica.name
 
 
-def test_by_default_the_count_of_conversations_alone_moves_nothing() -> None:
-    spec = dict(DEFAULT_PROFILE)
+def test_in_the_scores_profile_the_count_of_conversations_alone_moves_nothing() -> None:
+    spec = dict(SCORES_PROFILE)
     d = decide(
         DecisionInputs.of(
             RequestFeatures(path="/v1/chat/completions", model="m", session_key="new", prefix_hashes=tuple(range(40))),
@@ -248,12 +248,12 @@ def test_by_default_the_count_of_conversations_alone_moves_nothing() -> None:
             build_profile(spec),
         )
     )
-    # ``session_tokens`` is opt-in; the conversations' own KV (none here) is what the default counts
+    # ``session_tokens`` is opt-in there; the conversations' own KV (none here) is what it counts
     assert d.replica is not None and d.replica.name == "r0"
 
 
-def new_conversation_by_default(r0_own: int, matched: int = 32, pinned: str | None = None) -> str:
-    """Where a new conversation of 40 blocks (640 tokens) goes with the default profile when r0
+def new_conversation_by_scores(r0_own: int, matched: int = 32, pinned: str | None = None) -> str:
+    """Where a new conversation of 40 blocks (640 tokens) goes with the scores profile when r0
     holds ``matched`` of its blocks and its live conversations hold ``r0_own`` tokens of KV of
     their own, r1 neither."""
     features = RequestFeatures(
@@ -264,21 +264,21 @@ def new_conversation_by_default(r0_own: int, matched: int = 32, pinned: str | No
         ReplicaState(Replica("r1", "h:1")),
     )
     view = AffinityView(pinned=pinned, prefix_matches={"r0": matched})
-    d = decide(DecisionInputs.of(features, Snapshot(replicas), view, 0.0, build_profile(dict(DEFAULT_PROFILE))))
+    d = decide(DecisionInputs.of(features, Snapshot(replicas), view, 0.0, build_profile(dict(SCORES_PROFILE))))
     assert d.replica is not None
     return d.replica.name
 
 
 def test_a_shared_prefix_draws_a_new_conversation_only_until_the_conversations_there_outweigh_it() -> None:
     # r0 holds the system prompt (32 blocks: 512 tokens of prefill saved, once).
-    assert new_conversation_by_default(0) == "r0"
-    assert new_conversation_by_default(400) == "r0"  # 200 beyond the mean of 200: less than the saving
-    assert new_conversation_by_default(8000) == "r1"  # 4,000 beyond its share: prefill the prompt on r1
-    assert new_conversation_by_default(8000, pinned="r0") == "r0"  # a continuing conversation stays
+    assert new_conversation_by_scores(0) == "r0"
+    assert new_conversation_by_scores(400) == "r0"  # 200 beyond the mean of 200: less than the saving
+    assert new_conversation_by_scores(8000) == "r1"  # 4,000 beyond its share: prefill the prompt on r1
+    assert new_conversation_by_scores(8000, pinned="r0") == "r0"  # a continuing conversation stays
     # A fork: its prompt is its parent's whole context, held on r0; it goes with its parent until
     # r0 carries more than that context beyond its share.
-    assert new_conversation_by_default(8000, matched=40) == "r1"
-    assert new_conversation_by_default(1000, matched=40) == "r0"
+    assert new_conversation_by_scores(8000, matched=40) == "r1"
+    assert new_conversation_by_scores(1000, matched=40) == "r0"
 
 
 def test_a_burst_of_new_conversations_with_one_prompt_is_not_split_by_its_own_kv() -> None:
@@ -288,11 +288,11 @@ def test_a_burst_of_new_conversations_with_one_prompt_is_not_split_by_its_own_kv
     for i in range(2, 6):
         live.begin("r0", f"s{i}", 0.1 * i, tokens=0)
     own = live.tokens(1.0)["r0"]
-    assert own == 640 and new_conversation_by_default(own, matched=40) == "r0"
+    assert own == 640 and new_conversation_by_scores(own, matched=40) == "r0"
     for i in range(1, 6):  # their second turns
         live.begin("r0", f"s{i}", 1.0 + 0.1 * i, tokens=20)
     own = live.tokens(2.0)["r0"]
-    assert own == 740 and new_conversation_by_default(own, matched=40) == "r0"
+    assert own == 740 and new_conversation_by_scores(own, matched=40) == "r0"
 
 
 def test_a_new_conversation_is_placed_by_the_conversations_a_replica_already_carries() -> None:
