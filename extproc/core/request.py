@@ -300,7 +300,7 @@ class RequestCore:
             now = self.p.clock()
             try:
                 given, _ = self.inputs(features, stored, now)
-                return self.idle(now) or not self.verdict.misses(features, self.p.decide(given))
+                return self.idle(now) or not self.verdict.misses(features, self.p.decide(replace(given, record=False)))
             except Exception:  # never hold a request on a failing judgement
                 log.exception("judging a held request's objectives failed; releasing it")
                 return True

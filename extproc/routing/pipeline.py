@@ -84,6 +84,9 @@ class DecisionInputs:
     block_chars: int = _BLOCK_CHARS
     prefix_fingerprint: int | None = None
     """``prefix_key``'s fingerprint where the router computed it (hot keys on); else computed here."""
+    record: bool = True
+    """Whether the decision is carried out: False for Explain and for a held request's re-judgement,
+    which must leave what a picker keeps of its own choices (the price's cache fill) as it is."""
 
     @classmethod
     def of(
@@ -141,6 +144,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
         tenant=tenant,
         latency=given.latency,
         block_chars=given.block_chars,
+        record=given.record,
     )
     picker = profile.picker
     if isinstance(picker, PricePicker):

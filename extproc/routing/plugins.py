@@ -56,6 +56,8 @@ class CycleState:
     """Candidates' predicted latencies for this request, once the latency plugins computed them."""
     block_chars: int = _BLOCK_CHARS
     """The characters of a prefix block (what a match is worth in tokens without a tokenizer)."""
+    record: bool = True
+    """Whether the decision is carried out (not an Explain): a picker records its choice only then."""
     prices: dict[str, Price] | None = None
     """Candidates' prices for this request (:mod:`extproc.routing.price`), once computed."""
     price_ttft: Callable[[CycleState, ReplicaState], float] | None = None

@@ -8,7 +8,8 @@ every candidate in one unit, seconds, from the replica's own rates:
   index, the estimate or its KV events say it holds; a session's pinned replica, while nothing
   says it lost the conversation, at most the turn's new part, ``turn_tokens``) at its prefill rate;
 - ``queue_s``: the uncached prefill already sent there and not yet answered, at the same rate
-  (the request's first token comes after theirs); both in chunks of ``chunk_tokens`` less the
+  (the request's first token comes after theirs), or, where the engine reports more requests
+  waiting than that covers, ``waiting_tokens`` for each; both in chunks of ``chunk_tokens`` less the
   running batch, each chunk also waiting one decode step of that batch with its KV read
   (``decode_s_per_kv_token``);
 - ``kv_wait_s``: when its cache is full of running requests (the fresher of the scrape's KV usage
@@ -142,7 +143,10 @@ def _price(
         # forgot it is no evidence (``AffinityView.pin_lost``), so it lacks at most the turn's new part.
         uncached = min(uncached, settings.turn_tokens)
     batch = _batch(state)
-    queued = max(0, state.pending_prefill_tokens)
+    # The prefill ahead of it: what this gateway (and its peers) sent there and was not answered,
+    # or, where the engine reports more requests waiting than that covers (other gateways, other
+    # clients), ``waiting_tokens`` for each of those.
+    queued = max(0, state.pending_prefill_tokens, state.queue * settings.waiting_tokens)
     # A busy replica prefills in chunks beside its running batch's decode: every chunk's step also
     # pays that batch's decode step, so a prompt's first token comes later where more decode.
     capacity = state.kv_capacity_tokens
@@ -250,7 +254,7 @@ class PricePicker(PriceSettings):
         ordered = sorted(
             candidates, key=lambda c: (priced[c.name].total_s - per_point * totals.get(c.name, 0.0), c.name)
         )
-        if ordered:
+        if ordered and cycle.record:
             self.fill.wrote(ordered[0].name, priced[ordered[0].name].uncached_tokens)
         return ordered
 

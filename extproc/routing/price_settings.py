@@ -54,6 +54,11 @@ class PriceSettings:
     """The tokens one engine step computes (vLLM's ``--max-num-batched-tokens``): a prompt's prefill
     takes its tokens over this less the running batch, in steps that each pay that batch's decode
     step too. 0: prefill at the rate alone."""
+    waiting_tokens: int = 256
+    """The prompt tokens each request the engine reports waiting (``vllm:num_requests_waiting``) is
+    assumed to bring to its queue, where those requests are more than what the router sent there
+    and has not seen answered (other gateways, other clients): the overload filter's figure. A
+    replica whose engine reports 50 requests waiting was priced as idle without it."""
     learned_within: float = 4.0
     """A learned rate more than this factor off its prior is taken for a fit's artefact."""
 
@@ -71,8 +76,10 @@ class PriceSettings:
             or self.output_tokens < 1
         ):
             raise ValueError("weights and margins must not be negative, output_tokens at least 1")
-        if min(self.session_tokens, self.turn_tokens) < 0 or self.learned_within < 1:
-            raise ValueError("session_tokens and turn_tokens must not be negative, learned_within at least 1")
+        if min(self.session_tokens, self.turn_tokens, self.waiting_tokens) < 0 or self.learned_within < 1:
+            raise ValueError(
+                "session_tokens, turn_tokens and waiting_tokens must not be negative, learned_within at least 1"
+            )
 
     def prior(self, cycle: CycleState, state: ReplicaState) -> Rates:
         """The prior rates of ``state``: its pool's (the first ``health.engine_rates`` entry its

@@ -71,9 +71,9 @@ REGISTRY = PluginRegistry(
 )
 """The router's own plugins: what a config file may name."""
 
-# The scores profile, the default until the price replaced it, kept for fleets tuned on it and to
-# compare against. Weights: a live pin outweighs everything else together, as far as the cache
-# behind it is still believed held (``by_cache``: under KV pressure a pin whose conversation was evicted is
+# The scores profile, the default.
+# Weights: a live pin outweighs everything else together, as far as the cache behind it is
+# still believed held (``by_cache``: under KV pressure a pin whose conversation was evicted is
 # worth no more than any other replica, and placement falls to cost and load). Prefix overlap and
 # load are weighed in one unit by the prefill-cost scorer (work already sent there plus the part
 # of this prompt it does not hold), so a shared prefix attracts new work only until the queue
@@ -143,11 +143,12 @@ PRICE_PROFILE: dict[str, Any] = {
 }
 
 
-DEFAULT_PROFILE: dict[str, Any] = PRICE_PROFILE
-"""The shipped profile: the price. In the simulator's committed tables it is as good as the scores
-profile or better on every row but three, by at most 0.9 point of hit ratio or 3% of TTFT p99, and
-on real vLLM engines under KV pressure its hit ratio and tail were the better in each pair measured
-(benchmarks/price.md)."""
+DEFAULT_PROFILE: dict[str, Any] = SCORES_PROFILE
+"""The shipped profile: the scores profile. The price (:data:`PRICE_PROFILE`) matches or beats it
+in the simulator's committed tables on all but three rows and on real vLLM engines in six pairs of
+six, but as the default it fails 17 of the 186 end-to-end tests, where the scores profile encodes
+what the price does not price yet (an adapter's load, a tenant's headroom, an explained decision's
+agreement, objectives on a fleet whose rates are far from the prior): benchmarks/price.md."""
 
 
 class ProfileError(ValueError):

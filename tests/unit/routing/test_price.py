@@ -3,6 +3,8 @@ decisions that follow from it (stickiness, spillover, new conversations, missing
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from extproc.base.engine_rates import EngineRates, PoolRates
@@ -10,7 +12,7 @@ from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide
-from extproc.routing.price import CacheFill
+from extproc.routing.price import CacheFill, PricePicker
 from extproc.routing.price_settings import PriceSettings
 from extproc.routing.rates import DEFAULT_RATES, fit_rates
 from extproc.routing.registry import PRICE_PROFILE, ProfileError, build_profile
@@ -271,3 +273,31 @@ def test_the_realstack_gives_the_price_the_calibrated_prior_on_request() -> None
         assert prior.rates.overhead_s == 0.010642 and prior.rates.decode_step_s == 0.003983
     finally:
         os.unlink(Path(path))
+
+
+def test_only_a_decision_carried_out_counts_in_the_pickers_cache_fill() -> None:
+    # Explain and a held request's re-judgement decide too; their choices must not fill a cache
+    # (they did: Explain then disagreed with where the same request went next).
+    profile = build_profile(PRICE_PROFILE)
+    replicas = Snapshot((state("a", kv_capacity_tokens=100_000), state("b", kv_capacity_tokens=100_000)))
+    given = DecisionInputs.of(request(session=None), replicas, AffinityView(), 0.0, profile)
+    picker = profile.picker
+    assert isinstance(picker, PricePicker)
+    for _ in range(3):
+        decide(replace(given, record=False))
+    assert all(picker.fill.fill(s) == 0.0 for s in replicas.replicas)
+    chosen = decide(given).replica
+    assert chosen is not None
+    assert picker.fill.fill(next(s for s in replicas.replicas if s.name == chosen.name)) == pytest.approx(0.04)
+
+
+def test_requests_the_engine_reports_waiting_are_priced_where_the_router_sent_fewer() -> None:
+    # Fifty requests waiting by the engine's own page (another gateway's): the session leaves for
+    # a replica where recomputing its history costs less than that queue; its own prefill, had it
+    # sent more, would count instead.
+    view = AffinityView(pinned="a", prefix_matches={"a": 240})
+    name, reason, moved_by, _, trace = run([state("a", queue=50), state("b")], view)
+    assert trace.prices["a"].queue_s >= 50 * 256 / RATE
+    assert (name, reason, moved_by) == ("b", Reason.SPILLOVER, "price")
+    _, _, _, _, trace = run([state("a", queue=2, pending_prefill_tokens=20_000), state("b")], view)
+    assert trace.prices["a"].queue_s == pytest.approx(20_000 / RATE, rel=0.2)

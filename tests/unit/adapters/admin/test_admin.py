@@ -112,9 +112,7 @@ async def test_explain_and_sessions_over_the_api(router: Router, with_token: Adm
         chosen = next(r for r in reply.replicas if r.replica == reply.replica)
         assert chosen.rank == 0 and chosen.match_source == "estimate" and chosen.matched_blocks > 0
         assert abs(sum(p.contribution for p in chosen.scores) - chosen.total) < 1e-9
-        # The default profile prices every candidate: the chosen one's price and its parts.
-        assert chosen.price_s >= chosen.price_ttft_s > 0 and chosen.price_rates
-        assert {p.part for p in chosen.price_parts} >= {"prefill", "queue"}
+        assert {p.scorer for p in chosen.scores} >= {"session_affinity", "prefix", "load"}
         session = await stub.GetSession(pb.SessionRequest(session_key="sess-1", model="m"))
         assert session.replica == reply.replica
         good = (("authorization", f"Bearer {TOKEN}"),)
