@@ -1,5 +1,4 @@
-"""The routing decision: a pure pipeline of filters, weighted scorers and a picker (by default the
-price, :mod:`extproc.routing.price`)."""
+"""The routing decision: a pure pipeline of filters, weighted scorers and a picker."""
 
 from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide

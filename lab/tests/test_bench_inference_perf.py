@@ -64,7 +64,7 @@ def test_session_cost_rows_get_a_router_config_the_router_accepts() -> None:
     build_profile(config.profile)
     scorers = {s["type"]: s for s in config.profile["scorers"]}
     assert scorers["prefill_cost"]["parameters"] == {"session_tokens": 2048}
-    assert scorers["prefill_cost"]["weight"] == 3  # the rest of the scores profile kept
+    assert scorers["prefill_cost"]["weight"] == 3  # the rest of the default profile kept
     assert row_label(OURS, 2048) == "extproc (session_tokens=2048)"
     with pytest.raises(ValueError, match="unknown workloads"):
         InferencePerfSetup(workloads=("nope",)).check()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.api import SCORES_PROFILE, Config, cli_main
+from extproc.api import DEFAULT_PROFILE, Config, cli_main
 from extproc_lab.bench.cli import run_bench_command
 from extproc_lab.bench.policies import ALL, policy_profile
 from extproc_lab.bench.routing import BenchSetup, format_table, run_bench, verdict
@@ -109,7 +109,7 @@ def test_report_table_json_and_verdict() -> None:
 
 def test_extproc_policy_is_the_router_configs_profile(tmp_path: Path) -> None:
     variant = tmp_path / "v.yaml"
-    variant.write_text(json.dumps({"profile": {**SCORES_PROFILE, "scorers": [{"type": "load", "weight": 1}]}}))
+    variant.write_text(json.dumps({"profile": {**DEFAULT_PROFILE, "scorers": [{"type": "load", "weight": 1}]}}))
     setup = BenchSetup(
         WorkloadSpec("multi-turn", seed=3, limit=150), replicas=4, variants=(("load-only", str(variant)),)
     )

@@ -24,8 +24,8 @@ from tests.helpers import CHAT, Clock, metric_value
 
 
 def scores_config(**changes: Any) -> Config:
-    # The objectives judged by the latency models' fits (warmed below): under the price, the
-    # default, they judge by the price's own prediction (tests/unit/routing/test_price_objectives.py).
+    # The objectives judged by the latency models' fits (warmed below), the scores profile's way:
+    # under the price they judge by its own prediction (tests/unit/routing/test_price_objectives.py).
     return make_config(profile=SCORES_PROFILE, **changes)
 
 

@@ -27,8 +27,8 @@ CHAT = "/v1/chat/completions"
 
 
 def scores_profile() -> Profile:
-    # The scores profile's rules (stickiness by its floor, spillover at the overload filter): the
-    # price, the default, has its own tests (test_price.py).
+    # The scores profile's rules (stickiness by its floor, spillover at the overload filter), named
+    # so that they hold whatever the default profile is; the price has its own (test_price.py).
     return build_profile(SCORES_PROFILE)
 
 

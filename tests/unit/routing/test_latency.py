@@ -140,8 +140,8 @@ def inputs(
         Snapshot(replicas),
         view or AffinityView(),
         0.0,
-        # The objectives judged by the latency models' fits: under the price (the default) they
-        # judge by the price's own prediction (test_price_objectives.py).
+        # The objectives judged by the latency models' fits (the scores profile's way): under the
+        # price they judge by the price's own prediction (test_price_objectives.py).
         build_profile(SCORES_PROFILE),
         latency=LatencyView(fits),
     )

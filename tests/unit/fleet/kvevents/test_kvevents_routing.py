@@ -207,16 +207,14 @@ async def test_speculative_credit_keeps_a_burst_together_until_events_arrive(tok
         await feed(kv, name, 0)
     msgs = conversation(2, seed=11)
     chosen = []
-    # New sessions sharing one long prompt (four: a fifth, by the price, goes where the four
-    # conversations' next turns will not queue ahead of its own).
-    for session in ("s1", "s2", "s3", "s4"):
+    for session in ("s1", "s2", "s3", "s4", "s5"):  # new sessions sharing one long prompt
         routed = await router.route(*chat_request(msgs, session=session))
         router.release(routed)
         chosen.append((routed.decision.replica.name, routed.decision.matched_blocks))  # type: ignore[union-attr]
         clock.now += 0.1
     total = len(routed.features.prefix_hashes)
     if ttl:
-        assert chosen == [(chosen[0][0], 0)] + [(chosen[0][0], total)] * 3
+        assert chosen == [(chosen[0][0], 0)] + [(chosen[0][0], total)] * 4
         clock.now += ttl  # no BlockStored came: the credit lapses
         view = kv.view(AffinityView(), routed.features, ["r0", "r1", "r2"], clock.now)
         assert view.prefix_matches == {}
