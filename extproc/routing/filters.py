@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from extproc.request.features import uncached_tokens
-from extproc.routing.model import ReplicaState
+from extproc.routing.model import WAITING_REQUEST_TOKENS, ReplicaState
 from extproc.routing.plugins import CycleState
 from extproc.routing.scorers import median_held
 
@@ -69,7 +69,7 @@ class OverloadFilter:
     kv_threshold: float = 0.9
     queue_threshold: int = 32
     holder_share: float = 0.5
-    waiting_tokens: int = 256
+    waiting_tokens: int = WAITING_REQUEST_TOKENS
     """What one request waiting in a pinned replica's queue is worth, in prompt tokens prefilled
     elsewhere (the load scorer's decode cost of a request, ``tokens_per_request``). Larger: a
     session spills sooner. Also the size of a waiting request when the router's own count says

@@ -9,6 +9,10 @@ from typing import Literal
 
 from extproc.routing.roles import PairReason, Role, role_of
 
+WAITING_REQUEST_TOKENS = 256
+"""The prompt tokens a request the engine reports waiting (:attr:`ReplicaState.queue`) is assumed
+to bring when nothing says more: what the overload filter and the price both weigh it at."""
+
 
 @dataclass(frozen=True, slots=True)
 class Replica:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.base.engine_rates import prior_for
-from extproc.routing.model import ReplicaState
+from extproc.routing.model import WAITING_REQUEST_TOKENS, ReplicaState
 from extproc.routing.plugins import CycleState
 from extproc.routing.price_parts import Rates
 from extproc.routing.rates import as_rates, fit_rates
@@ -54,11 +54,11 @@ class PriceSettings:
     """The tokens one engine step computes (vLLM's ``--max-num-batched-tokens``): a prompt's prefill
     takes its tokens over this less the running batch, in steps that each pay that batch's decode
     step too. 0: prefill at the rate alone."""
-    waiting_tokens: int = 256
+    waiting_tokens: int = WAITING_REQUEST_TOKENS
     """The prompt tokens each request the engine reports waiting (``vllm:num_requests_waiting``) is
     assumed to bring to its queue, where those requests are more than what the router sent there
-    and has not seen answered (other gateways, other clients): the overload filter's figure. A
-    replica whose engine reports 50 requests waiting was priced as idle without it."""
+    and has not seen answered (other gateways, other clients). A replica whose engine reports 50
+    requests waiting was priced as idle without it."""
     learned_within: float = 4.0
     """A learned rate more than this factor off its prior is taken for a fit's artefact."""
 
