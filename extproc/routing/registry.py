@@ -144,11 +144,10 @@ PRICE_PROFILE: dict[str, Any] = {
 
 
 DEFAULT_PROFILE: dict[str, Any] = SCORES_PROFILE
-"""The shipped profile: the scores profile. The price (:data:`PRICE_PROFILE`) matches or beats it
-in the simulator's committed tables on all but three rows and on real vLLM engines in six pairs of
-six, but as the default it fails 17 of the 186 end-to-end tests, where the scores profile encodes
-what the price does not price yet (an adapter's load, a tenant's headroom, repeated identical
-conversations, objectives on a fleet whose rates are far from the prior): benchmarks/price.md."""
+"""The shipped profile: the scores profile. The price (:data:`PRICE_PROFILE`) is not the default
+yet: the scores profile also encodes what the price does not price (an adapter's load, a tenant's
+headroom, repeated identical conversations, objectives on a fleet whose rates are far from the
+prior); benchmarks/price.md has the measurements and what the end-to-end suite found."""
 
 
 class ProfileError(ValueError):
