@@ -12,6 +12,8 @@ every candidate in one unit, seconds, from the replica's own rates:
   waiting than that covers, ``waiting_tokens`` for each; both in chunks of ``chunk_tokens`` less the
   running batch, each chunk also waiting one decode step of that batch with its KV read
   (``decode_s_per_kv_token``);
+- ``adapter_s``: for a LoRA adapter the replica does not hold in a slot, loading it
+  (``adapter_load_s``);
 - ``kv_wait_s``: when its cache is full of running requests (the fresher of the scrape's KV usage
   and what the router's requests in flight added), the wait for room: the share of the running
   requests' KV that must be freed, times the time a running request takes to finish its decode.
@@ -58,9 +60,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from extproc.request.features import uncached_tokens
+from extproc.routing.lora import adapter_requested
 from extproc.routing.model import ReplicaState
 from extproc.routing.plugins import CycleState
 from extproc.routing.price_parts import Price
@@ -132,6 +135,7 @@ def _price(
     block_chars: int,
     new_conversation: bool,
     fill: CacheFill | None,
+    adapter: str = "",
 ) -> Price:
     features = cycle.features
     rates = settings.rates(cycle, state)
@@ -176,7 +180,11 @@ def _price(
     future = 0.0
     if new_conversation and settings.session_tokens:
         future = state.live_sessions * settings.session_tokens / rate
-    return Price(prefill, queue, kv_wait, others, future, 0.0, uncached, rates)
+    # An adapter being loaded for requests already waiting there (``adapters_waiting``) is as good as held.
+    load = 0.0
+    if adapter and adapter not in state.adapters and adapter not in state.adapters_waiting:
+        load = settings.adapter_load_s
+    return Price(prefill, queue, kv_wait, others, future, 0.0, uncached, rates, load)
 
 
 def prices(
@@ -193,15 +201,14 @@ def prices(
         return cycle.prices
     pinned = cycle.view.pinned
     new_conversation = bool(cycle.features.session_key) and pinned is None
-    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill) for c in candidates}
+    adapter = _adapter(cycle, candidates)
+    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill, adapter) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
     if stay is not None:
         margin = settings.hysteresis * stay.total_s + settings.hysteresis_s
         for name, p in out.items():
             if name != pinned:
-                out[name] = Price(
-                    p.prefill_s, p.queue_s, p.kv_wait_s, p.others_s, p.future_s, margin, p.uncached_tokens, p.rates
-                )
+                out[name] = replace(p, move_s=margin)
     elif settings.prefix_hysteresis and out:
         # No session: the replica holding most of the prompt is where its prefix lives. A copy
         # elsewhere splits the prefix's later requests and, in a full cache, displaces others':
@@ -213,23 +220,27 @@ def prices(
         for name, p in out.items():
             if p.uncached_tokens > stay.uncached_tokens:
                 m = margin * (fill.fill(by_name[name]) if fill is not None else 1.0)
-                out[name] = Price(
-                    p.prefill_s, p.queue_s, p.kv_wait_s, p.others_s, p.future_s, m, p.uncached_tokens, p.rates
-                )
+                out[name] = replace(p, move_s=m)
     cycle.prices = out
     return out
 
 
+def _adapter(cycle: CycleState, candidates: Sequence[ReplicaState]) -> str:
+    """The LoRA adapter the request names, judged over ``candidates``; empty for a base model."""
+    model = cycle.features.model
+    return model if adapter_requested(model, candidates) else ""
+
+
 def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings) -> float:
     """The price's time to first token of the request on ``state`` (:attr:`Price.ttft_s`): its
-    parts depend on that candidate alone, so it is the same whatever else is a candidate."""
-    return _price(cycle, state, settings, cycle.block_chars, False, None).ttft_s
+    parts depend on that candidate alone (an adapter judged by what ``state`` lists)."""
+    return _price(cycle, state, settings, cycle.block_chars, False, None, _adapter(cycle, (state,))).ttft_s
 
 
 def prefill_here_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings, fill: CacheFill | None) -> float:
     """What prefilling the request on ``state`` costs: its time to first token there and what it
     costs the requests already there (``others``: the stall of the batch it decodes)."""
-    p = _price(cycle, state, settings, cycle.block_chars, False, fill)
+    p = _price(cycle, state, settings, cycle.block_chars, False, fill, _adapter(cycle, (state,)))
     return p.ttft_s + p.others_s
 
 

@@ -39,12 +39,13 @@ class Price:
     move_s: float
     uncached_tokens: int
     rates: Rates
+    adapter_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
-        """The predicted time to first token there: the engine's overhead, its prefill, the queue
-        before it, the KV wait."""
-        return self.rates.overhead_s + self.prefill_s + self.queue_s + self.kv_wait_s
+        """The predicted time to first token there: the engine's overhead, loading the request's
+        LoRA adapter, its prefill, the queue before it, the KV wait."""
+        return self.rates.overhead_s + self.adapter_s + self.prefill_s + self.queue_s + self.kv_wait_s
 
     @property
     def total_s(self) -> float:
@@ -55,6 +56,7 @@ class Price:
         """The parts by name (Explain)."""
         return {
             "overhead": self.rates.overhead_s,
+            "adapter": self.adapter_s,
             "prefill": self.prefill_s,
             "queue": self.queue_s,
             "kv_wait": self.kv_wait_s,

@@ -59,8 +59,22 @@ class PriceSettings:
     assumed to bring to its queue, where those requests are more than what the router sent there
     and has not seen answered (other gateways, other clients). A replica whose engine reports 50
     requests waiting was priced as idle without it."""
+    adapter_load_s: float = 0.3
+    """The seconds a replica takes to load a LoRA adapter it does not hold in a slot (vLLM reads
+    it from disk, or its CPU cache, into the accelerator before the request's first step). Not
+    measured here: an estimate for an adapter of tens of megabytes read from local disk; set it
+    to what loading takes on the fleet. Without it the price saw nothing between a replica
+    holding the adapter and one with a free slot, and half of an adapter's turns went to the
+    other."""
     learned_within: float = 4.0
     """A learned rate more than this factor off its prior is taken for a fit's artefact."""
+    slower_than_built_in: float = 100.0
+    """Where a replica's prior is the built-in one (no pool prior was calibrated for it), how much
+    slower than it a learned rate may be and still be taken. The built-in prior is an H100's, and
+    slower hardware is the common case (vLLM's CPU engines here prefill 1,300-3,100 tokens/s,
+    under a quarter of it): bounded at ``learned_within`` both ways, their learned rates were
+    refused and the H100's priced them, so an objective predicted met on every replica shed
+    nothing. Faster than the built-in by more than ``learned_within`` is still an artefact."""
 
     def __post_init__(self) -> None:
         if (
@@ -71,14 +85,19 @@ class PriceSettings:
                 self.hysteresis_s,
                 self.evict_weight,
                 self.decode_s_per_kv_token,
+                self.adapter_load_s,
             )
             < 0
             or self.output_tokens < 1
         ):
             raise ValueError("weights and margins must not be negative, output_tokens at least 1")
-        if min(self.session_tokens, self.turn_tokens, self.waiting_tokens) < 0 or self.learned_within < 1:
+        if (
+            min(self.session_tokens, self.turn_tokens, self.waiting_tokens) < 0
+            or min(self.learned_within, self.slower_than_built_in) < 1
+        ):
             raise ValueError(
-                "session_tokens, turn_tokens and waiting_tokens must not be negative, learned_within at least 1"
+                "session_tokens, turn_tokens and waiting_tokens must not be negative,"
+                " learned_within and slower_than_built_in at least 1"
             )
 
     def prior(self, cycle: CycleState, state: ReplicaState) -> Rates:
@@ -87,12 +106,10 @@ class PriceSettings:
         priors = cycle.latency.priors if cycle.latency is not None else ()
         return as_rates(*prior_for(priors, state.replica.labels))
 
-    def _plausible(self, learned: float | None, prior: float) -> bool:
-        return (
-            learned is not None
-            and learned > 0.0
-            and prior / self.learned_within <= learned <= prior * self.learned_within
-        )
+    def _plausible(self, learned: float | None, prior: float, slower: float) -> bool:
+        """Whether ``learned`` is within ``learned_within`` of ``prior`` on the faster side and
+        ``slower`` on the slower one, for a rate that is larger when faster."""
+        return learned is not None and learned > 0.0 and prior / slower <= learned <= prior * self.learned_within
 
     def rates(self, cycle: CycleState, state: ReplicaState) -> Rates:
         """``state``'s rates: what was learned of it, where plausible, else its prior."""
@@ -111,18 +128,21 @@ class PriceSettings:
         per_seq = learned.decode_s_per_seq
         took = False
         overhead = prior.overhead_s
-        if self._plausible(prefill, prior.prefill_tokens_per_s):
+        slower = self.slower_than_built_in if prior.source == "prior" else self.learned_within
+        if self._plausible(prefill, prior.prefill_tokens_per_s, slower):
             took = True
             # The intercept learnt with that slope, where it was (a warm fit's is not an overhead).
             overhead = learned.overhead_s if learned.overhead_s is not None else overhead
         else:
             prefill = prior.prefill_tokens_per_s
-        if self._plausible(decode, prior.decode_s_per_token):
+        # A decode step is larger when slower: its inverse, a step rate, is bounded as the prefill's.
+        steps_per_s = 1.0 / decode if decode is not None and decode > 0.0 else None
+        if self._plausible(steps_per_s, 1.0 / prior.decode_s_per_token, slower):
             took = True
         else:
             decode = prior.decode_s_per_token
         # A per-sequence cost may well be near zero on a large accelerator: it is only bounded above.
-        if per_seq is not None and 0.0 <= per_seq <= max(prior.decode_s_per_seq, 1e-6) * self.learned_within:
+        if per_seq is not None and 0.0 <= per_seq <= max(prior.decode_s_per_seq, 1e-6) * slower:
             took = True
         else:
             per_seq = prior.decode_s_per_seq

@@ -208,10 +208,10 @@ async def test_explain_shows_each_candidates_price_and_its_parts() -> None:
     by_name = {r.replica: r for r in message.replicas}
     assert by_name[holder].price_s == pytest.approx(prices[holder].total_s)
     parts = {p.part: p.seconds for p in by_name[other].price_parts}
-    assert set(parts) == {"overhead", "prefill", "queue", "kv_wait", "others", "future", "move"}
+    assert set(parts) == {"overhead", "adapter", "prefill", "queue", "kv_wait", "others", "future", "move"}
     assert sum(parts.values()) == pytest.approx(by_name[other].price_s)  # the parts make the price
     assert by_name[other].price_ttft_s == pytest.approx(
-        sum(parts[k] for k in ("overhead", "prefill", "queue", "kv_wait"))
+        sum(parts[k] for k in ("overhead", "adapter", "prefill", "queue", "kv_wait"))
     )
     assert by_name[holder].price_rates == "prior"
     assert "price " in render("explain", message) and "ttft " in render("explain", message)

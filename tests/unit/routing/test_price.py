@@ -134,6 +134,23 @@ def test_missing_evidence_degrades_to_the_prior() -> None:
     assert run([state("a")], view, latency=absurd)[4].prices["a"].rates.source == "prior"
 
 
+def test_a_replica_slower_than_the_built_in_prior_is_priced_at_its_learned_rates() -> None:
+    # The built-in prior is an H100's: a CPU engine 20x slower is what it is, not an artefact.
+    view = AffinityView(prefix_matches={})
+    slow = LatencyView(rates={"a": LearnedRates(RATE / 20, DEFAULT_RATES.decode_s_per_token * 20)})
+    p = run([state("a")], view, latency=slow)[4].prices["a"]
+    assert p.rates.source == "learned"
+    assert p.rates.prefill_tokens_per_s == RATE / 20
+    assert p.rates.decode_s_per_token == pytest.approx(DEFAULT_RATES.decode_s_per_token * 20)
+    # Beyond ``slower_than_built_in`` (100x) it is refused, as is 20x off a calibrated pool prior.
+    glacial = LatencyView(rates={"a": LearnedRates(RATE / 200)})
+    assert run([state("a")], view, latency=glacial)[4].prices["a"].rates.source == "prior"
+    pool = PoolRates({"gpu": "h100"}, EngineRates(RATE, DEFAULT_RATES.decode_s_per_token))
+    calibrated = LatencyView(rates=slow.rates, priors=(pool,))
+    p = run([state("a", labels={"gpu": "h100"})], view, latency=calibrated)[4].prices["a"]
+    assert p.rates.source == "pool:gpu=h100" and p.rates.prefill_tokens_per_s == RATE
+
+
 def test_learned_rates_and_pool_priors() -> None:
     view = AffinityView(prefix_matches={})
     learned = LatencyView(rates={"a": LearnedRates(prefill_tokens_per_s=RATE / 2)})
@@ -301,3 +318,19 @@ def test_requests_the_engine_reports_waiting_are_priced_where_the_router_sent_fe
     assert (name, reason, moved_by) == ("b", Reason.SPILLOVER, "price")
     _, _, _, _, trace = run([state("a", queue=2, pending_prefill_tokens=20_000), state("b")], view)
     assert trace.prices["a"].queue_s == pytest.approx(20_000 / RATE, rel=0.2)
+
+
+def test_a_lora_adapter_not_held_costs_its_load() -> None:
+    # The adapter "sql" is loaded on "a", a slot is free on "b": "b" is priced its load, so the
+    # adapter's requests stay on "a" unless what waits there costs more than loading it on "b".
+    sql = replace(request(session=None), model="sql")
+    held = ReplicaState(Replica("a", "a:8000"), adapters=frozenset({"sql"}), max_lora=2, models=frozenset({"m"}))
+    free = ReplicaState(Replica("b", "b:8000"), max_lora=2, models=frozenset({"m"}))
+    name, _, _, _, trace = run([free, held], AffinityView(prefix_matches={}), sql)
+    assert name == "a"
+    assert trace.prices["b"].adapter_s == pytest.approx(0.3) and trace.prices["a"].adapter_s == 0.0
+    busy = replace(held, pending_prefill_tokens=20_000, inflight=5)  # over a second of prefill ahead
+    assert run([free, busy], AffinityView(prefix_matches={}), sql)[0] == "b"
+    # The base model loads nothing anywhere.
+    base = run([free, held], AffinityView(prefix_matches={}), request(session=None))[4]
+    assert base.prices["a"].adapter_s == base.prices["b"].adapter_s == 0.0
