@@ -62,7 +62,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from extproc.request.features import uncached_tokens
+from extproc.request.features import RequestFeatures, uncached_tokens
 from extproc.routing.lora import adapter_requested
 from extproc.routing.model import ReplicaState
 from extproc.routing.plugins import CycleState
@@ -128,6 +128,18 @@ def _held_blocks(cycle: CycleState, state: ReplicaState) -> int:
     return held
 
 
+def _output_tokens(features: RequestFeatures, settings: PriceSettings) -> int:
+    """The output the request is expected to decode: an agent's estimate (Dynamo's ``osl``, within
+    its ``max_tokens``), else ``output_tokens`` or the request's ``max_tokens`` if smaller. A cap is
+    not an expectation (chat mostly ends at EOS): priced as one, a unary request with
+    ``max_tokens: 1000000`` cost its pinned replica's batch a million decode steps and was sent
+    elsewhere."""
+    expected = features.expected_output_tokens
+    if features.hints.expected_output_tokens is not None and expected is not None:
+        return expected
+    return min(expected, settings.output_tokens) if expected else settings.output_tokens
+
+
 def _price(
     cycle: CycleState,
     state: ReplicaState,
@@ -165,7 +177,7 @@ def _price(
         own_steps = max(1, math.ceil(uncached / chunk))
         prefill += own_steps * step
         queue += (max(1, math.ceil((queued + uncached) / chunk)) - own_steps) * step
-    output_tokens = features.expected_output_tokens or settings.output_tokens  # an agent's osl, else the cap
+    output_tokens = _output_tokens(features, settings)
     kv_wait = 0.0
     if capacity > 0:
         short = used + uncached - capacity

@@ -18,8 +18,9 @@ class PriceSettings:
     """What the price is computed with (see :mod:`extproc.routing.price`).
 
     The rates' prior is not set here: it is each pool's ``health.engine_rates`` entry, read by
-    the rate learner too (:meth:`prior`). ``output_tokens`` is a request's expected output when
-    it does not say (``max_tokens``).
+    the rate learner too (:meth:`prior`). ``output_tokens`` is a request's expected output unless
+    an agent's estimate says otherwise; a smaller ``max_tokens`` caps it, a larger one does not
+    raise it (a cap is not an expectation).
     """
 
     output_tokens: int = 256

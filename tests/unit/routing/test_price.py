@@ -334,3 +334,17 @@ def test_a_lora_adapter_not_held_costs_its_load() -> None:
     # The base model loads nothing anywhere.
     base = run([free, held], AffinityView(prefix_matches={}), request(session=None))[4]
     assert base.prices["a"].adapter_s == base.prices["b"].adapter_s == 0.0
+
+
+def test_max_tokens_caps_the_expected_output_but_does_not_set_it() -> None:
+    # A pinned replica with a batch running: a huge max_tokens (a cap, not an expectation) prices
+    # the batch's stall as for the usual output, so the session stays where its history is.
+    busy = state("a", inflight=8, running=8, kv_capacity_tokens=200_000, kv_usage=0.2)
+    pin = AffinityView(pinned="a", prefix_matches={"a": 250})
+    huge = run([busy, state("b")], pin, request(output=1_000_000))
+    assert huge[0] == "a"
+    usual = run([busy, state("b")], pin, request(output=None))[4].prices["a"]
+    assert huge[4].prices["a"].others_s == pytest.approx(usual.others_s)
+    # A smaller cap does lower it; an agent's estimate sets it, within the cap.
+    short = run([busy, state("b")], pin, request(output=16))[4].prices["a"]
+    assert short.others_s < usual.others_s
