@@ -137,7 +137,9 @@ class OverloadFilter:
             return False  # no request waiting there: no evidence that staying costs anything
         if cycle.price_ttft is not None:
             stay_s = cycle.price_ttft(cycle, pin)
-            return any(cycle.price_ttft(cycle, o) < stay_s for o in others)
+            if stay_s is not None:
+                moves = (cycle.price_ttft(cycle, o) for o in others)
+                return any(s is not None and s < stay_s for s in moves)
         stay = pin.queue * self.waiting_tokens
         mine = held[pin.name]
         return any(o.queue * self.waiting_tokens + max(0, mine - held.get(o.name, 0)) < stay for o in others)

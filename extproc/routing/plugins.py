@@ -60,10 +60,11 @@ class CycleState:
     """Whether the decision is carried out (not an Explain): a picker records its choice only then."""
     prices: dict[str, Price] | None = None
     """Candidates' prices for this request (:mod:`extproc.routing.price`), once computed."""
-    price_ttft: Callable[[CycleState, ReplicaState], float] | None = None
+    price_ttft: Callable[[CycleState, ReplicaState], float | None] | None = None
     """The price's predicted time to first token of this request on a replica, where the profile's
-    picker is the price: the latency objectives and the prefill hop judge by it then (one
-    prediction for every choice), not by their own estimates."""
+    picker is the price: the latency objectives judge by it then (one prediction for every choice),
+    not by their own estimates. None for a replica priced at the built-in prior alone (nothing
+    measured of it: not known)."""
 
 
 class Filter(Protocol):

@@ -243,10 +243,14 @@ def _adapter(cycle: CycleState, candidates: Sequence[ReplicaState]) -> str:
     return model if adapter_requested(model, candidates) else ""
 
 
-def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings) -> float:
+def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings) -> float | None:
     """The price's time to first token of the request on ``state`` (:attr:`Price.ttft_s`): its
-    parts depend on that candidate alone (an adapter judged by what ``state`` lists)."""
-    return _price(cycle, state, settings, cycle.block_chars, False, None, _adapter(cycle, (state,))).ttft_s
+    parts depend on that candidate alone (an adapter judged by what ``state`` lists). None where
+    its rates are the built-in prior's: an H100's, not measured on this fleet, so no evidence to
+    shed a request or break a pin on (a CPU engine's first request was shed against an objective
+    the built-in prior said it would miss, before anything was learned of it)."""
+    price = _price(cycle, state, settings, cycle.block_chars, False, None, _adapter(cycle, (state,)))
+    return None if price.rates.source == "prior" else price.ttft_s
 
 
 def prefill_here_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings, fill: CacheFill | None) -> float:

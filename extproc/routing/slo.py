@@ -36,7 +36,7 @@ def predictions(cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mappin
     view = cycle.latency
     if cycle.price_ttft is not None:
         # The price profile: every candidate's TTFT is the price's (from its learnt rates or its
-        # pool's prior, so always known); its TPOT is still the fit's, where warm.
+        # pool's prior; not known on the built-in prior alone); its TPOT is still the fit's, where warm.
         matches = cycle.view.prefix_matches
         for c in candidates:
             fit = view.fits.get(c.name) if view is not None else None

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from extproc.base.engine_rates import PoolRates
 from extproc.request.features import RequestFeatures
 from extproc.routing.disagg import PairSettings
 from extproc.routing.latency import TPOT_TERMS, TTFT_TERMS, LatencyFit, LatencyView
@@ -25,6 +26,10 @@ FAST_FIT = LatencyFit(
     tpot_warm=True,
 )
 ROLE = "llm-d.ai/role"
+CALIBRATED = (PoolRates({}),)
+"""A pool prior for every replica (``health.engine_rates``, as ``extproc calibrate`` writes it),
+at the built-in prior's rates: the objectives judge by the price only on rates measured for the
+fleet, never on the built-in prior alone."""
 
 
 def request() -> RequestFeatures:
@@ -67,7 +72,7 @@ def decided(
 def test_with_the_price_the_objectives_judge_by_the_prices_ttft() -> None:
     # Two cold replicas, one with a long prefill queue; the warm fits say 1 ms everywhere.
     replicas = [state("a"), state("b", pending_prefill_tokens=40_000)]
-    latency = LatencyView(fits={"a": FAST_FIT, "b": FAST_FIT})
+    latency = LatencyView(fits={"a": FAST_FIT, "b": FAST_FIT}, priors=CALIBRATED)
     d, trace = decided(replicas, PRICE_PROFILE, slo_ttft_ms=1_000.0, latency=latency)
     for name, price in trace.prices.items():
         assert trace.predicted[name].ttft_s == pytest.approx(price.ttft_s)
@@ -85,14 +90,26 @@ def test_with_the_price_the_objectives_judge_by_the_prices_ttft() -> None:
 
 
 def test_with_the_price_the_objectives_judge_without_any_warm_fit() -> None:
-    # No latency model at all: the price still predicts (from the pools' prior), so a request
+    # No latency model at all: the price still predicts (from the pool's prior), so a request
     # with an objective is judged rather than routed as if it had none.
     replicas = [state("a"), state("b")]
-    d, trace = decided(replicas, PRICE_PROFILE, slo_ttft_ms=1_000.0)
+    d, trace = decided(replicas, PRICE_PROFILE, slo_ttft_ms=1_000.0, latency=LatencyView(priors=CALIBRATED))
     assert set(trace.predicted) == {"a", "b"} and trace.predicted["a"].tpot_s is None
     assert d.objective_headroom is not None and not d.objective_missed
     d, _ = decided(replicas, SCORES_PROFILE, slo_ttft_ms=1_000.0)
     assert d.objective_headroom is None
+
+
+def test_on_the_built_in_prior_alone_an_objective_is_not_judged() -> None:
+    # Nothing measured of the fleet (no pool prior, nothing learnt): the built-in prior is an
+    # H100's, no evidence that these replicas miss an objective, so nothing is shed on it.
+    replicas = [state("a"), state("b")]
+    d, trace = decided(replicas, PRICE_PROFILE, slo_ttft_ms=0.001)
+    assert trace.predicted["a"].ttft_s is None and trace.prices["a"].rates.source == "prior"
+    assert d.objective_headroom is None and not d.objective_missed
+    # With the pool's prior the same objective is judged, and missed.
+    d, _ = decided(replicas, PRICE_PROFILE, slo_ttft_ms=0.001, latency=LatencyView(priors=CALIBRATED))
+    assert d.objective_missed
 
 
 def test_with_the_price_the_prefill_hop_goes_where_the_price_is_least() -> None:
