@@ -130,14 +130,14 @@ def _held_blocks(cycle: CycleState, state: ReplicaState) -> int:
 
 def _output_tokens(features: RequestFeatures, settings: PriceSettings) -> int:
     """The output the request is expected to decode: an agent's estimate (Dynamo's ``osl``, within
-    its ``max_tokens``), else ``output_tokens`` or the request's ``max_tokens`` if smaller. A cap is
-    not an expectation (chat mostly ends at EOS): priced as one, a unary request with
-    ``max_tokens: 1000000`` cost its pinned replica's batch a million decode steps and was sent
-    elsewhere."""
+    its ``max_tokens``), else its ``max_tokens`` up to ``settings.max_output_tokens``, else
+    ``settings.output_tokens``."""
     expected = features.expected_output_tokens
-    if features.hints.expected_output_tokens is not None and expected is not None:
-        return expected
-    return min(expected, settings.output_tokens) if expected else settings.output_tokens
+    if expected is None:
+        return settings.output_tokens
+    if features.hints.expected_output_tokens is None and expected > settings.max_output_tokens:
+        return settings.output_tokens  # a cap beyond any likely answer: it says nothing of this one
+    return expected
 
 
 def _price(

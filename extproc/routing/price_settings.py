@@ -18,12 +18,21 @@ class PriceSettings:
     """What the price is computed with (see :mod:`extproc.routing.price`).
 
     The rates' prior is not set here: it is each pool's ``health.engine_rates`` entry, read by
-    the rate learner too (:meth:`prior`). ``output_tokens`` is a request's expected output unless
-    an agent's estimate says otherwise; a smaller ``max_tokens`` caps it, a larger one does not
-    raise it (a cap is not an expectation).
+    the rate learner too (:meth:`prior`).
     """
 
     output_tokens: int = 256
+    """A request's expected output when neither an agent's estimate nor a ``max_tokens`` up to
+    ``max_output_tokens`` says."""
+    max_output_tokens: int = 4096
+    """The largest ``max_tokens`` taken as the output a request expects. Up to it, the price reads
+    ``max_tokens`` so (benchmarks and traces set it to the answer's length: the Mooncake traces'
+    answers are at most 2,000 tokens, and expecting 256 for every one of them instead raised the
+    price's TTFT p99 on mooncake-synthetic from 5.42 to 5.93 s); beyond it, it is a cap that says
+    nothing of the answer (priced as an expectation, a unary request with ``max_tokens: 1000000``
+    cost its pinned replica's batch a million decode steps and left it). The router learns no
+    output length yet: where chat answers end well before their ``max_tokens``, this overprices
+    their decode."""
     others_weight: float = 0.05
     """The weight of the running batch's stall (``others``). At 0.1 a batch of 60 long-output
     streams made a cold 7,000-token prefill cost six times its own time, and prompts queued on
@@ -89,9 +98,9 @@ class PriceSettings:
                 self.adapter_load_s,
             )
             < 0
-            or self.output_tokens < 1
+            or min(self.output_tokens, self.max_output_tokens) < 1
         ):
-            raise ValueError("weights and margins must not be negative, output_tokens at least 1")
+            raise ValueError("weights and margins must not be negative, output_tokens and max_output_tokens at least 1")
         if (
             min(self.session_tokens, self.turn_tokens, self.waiting_tokens) < 0
             or min(self.learned_within, self.slower_than_built_in) < 1

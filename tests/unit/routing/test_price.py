@@ -336,7 +336,7 @@ def test_a_lora_adapter_not_held_costs_its_load() -> None:
     assert base.prices["a"].adapter_s == base.prices["b"].adapter_s == 0.0
 
 
-def test_max_tokens_caps_the_expected_output_but_does_not_set_it() -> None:
+def test_a_max_tokens_beyond_any_likely_answer_is_not_the_expected_output() -> None:
     # A pinned replica with a batch running: a huge max_tokens (a cap, not an expectation) prices
     # the batch's stall as for the usual output, so the session stays where its history is.
     busy = state("a", inflight=8, running=8, kv_capacity_tokens=200_000, kv_usage=0.2)
@@ -345,6 +345,7 @@ def test_max_tokens_caps_the_expected_output_but_does_not_set_it() -> None:
     assert huge[0] == "a"
     usual = run([busy, state("b")], pin, request(output=None))[4].prices["a"]
     assert huge[4].prices["a"].others_s == pytest.approx(usual.others_s)
-    # A smaller cap does lower it; an agent's estimate sets it, within the cap.
+    # One within max_output_tokens is read as the answer's length, shorter or longer than the usual.
     short = run([busy, state("b")], pin, request(output=16))[4].prices["a"]
-    assert short.others_s < usual.others_s
+    long = run([busy, state("b")], pin, request(output=4096))[4].prices["a"]
+    assert short.others_s < usual.others_s < long.others_s
