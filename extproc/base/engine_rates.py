@@ -50,6 +50,10 @@ fixed overhead). No vLLM, llm-d or Dynamo publication at hand gives these per-GP
 derivation, not a measurement, and any other fleet should state its own (``extproc calibrate``)."""
 
 
+BUILT_IN_SOURCE = "prior"
+"""The ``source`` of rates that are the built-in prior's: nothing measured of the replica."""
+
+
 @dataclass(frozen=True, slots=True)
 class PoolRates:
     """A pool's prior: the replicas carrying every one of ``labels`` (``{}``: all) start from ``rates``."""
@@ -69,4 +73,4 @@ def prior_for(priors: Sequence[PoolRates], labels: Mapping[str, str]) -> tuple[E
     for prior in priors:
         if all(labels.get(k) == v for k, v in prior.labels.items()):
             return prior.rates, prior.source
-    return BUILT_IN, "prior"
+    return BUILT_IN, BUILT_IN_SOURCE

@@ -62,6 +62,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from extproc.base.engine_rates import BUILT_IN_SOURCE
 from extproc.request.features import RequestFeatures, uncached_tokens
 from extproc.routing.lora import adapter_requested
 from extproc.routing.model import ReplicaState
@@ -247,10 +248,10 @@ def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSett
     """The price's time to first token of the request on ``state`` (:attr:`Price.ttft_s`): its
     parts depend on that candidate alone (an adapter judged by what ``state`` lists). None where
     its rates are the built-in prior's: an H100's, not measured on this fleet, so no evidence to
-    shed a request or break a pin on (a CPU engine's first request was shed against an objective
-    the built-in prior said it would miss, before anything was learned of it)."""
+    shed a request or break a pin on (the objectives' end-to-end test had its first request shed
+    against an objective the built-in prior said it would miss, before anything was learnt)."""
     price = _price(cycle, state, settings, cycle.block_chars, False, None, _adapter(cycle, (state,)))
-    return None if price.rates.source == "prior" else price.ttft_s
+    return None if price.rates.source == BUILT_IN_SOURCE else price.ttft_s
 
 
 def prefill_here_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings, fill: CacheFill | None) -> float:

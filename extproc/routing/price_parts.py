@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from extproc.base.engine_rates import BUILT_IN_SOURCE
+
 
 @dataclass(frozen=True, slots=True)
 class Rates:
@@ -18,7 +20,7 @@ class Rates:
     prefill_tokens_per_s: float
     decode_s_per_token: float
     decode_s_per_seq: float
-    source: str = "prior"
+    source: str = BUILT_IN_SOURCE
     overhead_s: float = 0.0
 
     def decode_step_s(self, batch: float) -> float:

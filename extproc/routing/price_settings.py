@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.base.engine_rates import prior_for
+from extproc.base.engine_rates import BUILT_IN_SOURCE, prior_for
 from extproc.routing.model import WAITING_REQUEST_TOKENS, ReplicaState
 from extproc.routing.plugins import CycleState
 from extproc.routing.price_parts import Rates
@@ -83,8 +83,8 @@ class PriceSettings:
     slower than it a learned rate may be and still be taken. The built-in prior is an H100's, and
     slower hardware is the common case (vLLM's CPU engines here prefill 1,300-3,100 tokens/s,
     under a quarter of it): bounded at ``learned_within`` both ways, their learned rates were
-    refused and the H100's priced them, so an objective predicted met on every replica shed
-    nothing. Faster than the built-in by more than ``learned_within`` is still an artefact."""
+    refused and they were priced as H100s. Faster than the built-in by more than
+    ``learned_within`` is still an artefact."""
 
     def __post_init__(self) -> None:
         if (
@@ -138,7 +138,7 @@ class PriceSettings:
         per_seq = learned.decode_s_per_seq
         took = False
         overhead = prior.overhead_s
-        slower = self.slower_than_built_in if prior.source == "prior" else self.learned_within
+        slower = self.slower_than_built_in if prior.source == BUILT_IN_SOURCE else self.learned_within
         if self._plausible(prefill, prior.prefill_tokens_per_s, slower):
             took = True
             # The intercept learnt with that slope, where it was (a warm fit's is not an overhead).

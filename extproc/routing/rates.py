@@ -13,7 +13,7 @@ degrades to the prior; it never counts as free.
 
 from __future__ import annotations
 
-from extproc.base.engine_rates import BUILT_IN, EngineRates
+from extproc.base.engine_rates import BUILT_IN, BUILT_IN_SOURCE, EngineRates
 from extproc.routing.latency import LatencyFit, LearnedRates
 from extproc.routing.price_parts import Rates
 
@@ -23,7 +23,7 @@ def as_rates(engine: EngineRates, source: str) -> Rates:
     return Rates(engine.prefill_tokens_per_s, engine.decode_step_s, engine.decode_per_seq_s, source, engine.overhead_s)
 
 
-DEFAULT_RATES = as_rates(BUILT_IN, "prior")
+DEFAULT_RATES = as_rates(BUILT_IN, BUILT_IN_SOURCE)
 """The built-in prior: ``llama-8b-h100`` of the lab (:data:`extproc.base.engine_rates.BUILT_IN`)."""
 
 
