@@ -60,6 +60,8 @@ class CycleState:
     """Whether the decision is carried out (not an Explain): a picker records its choice only then."""
     prices: dict[str, Price] | None = None
     """Candidates' prices for this request (:mod:`extproc.routing.price`), once computed."""
+    adapter: str | None = None
+    """The LoRA adapter the request names (empty: a base model), once the price judged it."""
     price_ttft: Callable[[CycleState, ReplicaState], float | None] | None = None
     """The price's predicted time to first token of this request on a replica, where the profile's
     picker is the price: the latency objectives judge by it then (one prediction for every choice),

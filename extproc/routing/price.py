@@ -214,7 +214,7 @@ def prices(
         return cycle.prices
     pinned = cycle.view.pinned
     new_conversation = bool(cycle.features.session_key) and pinned is None
-    adapter = _adapter(cycle, candidates)
+    adapter = _adapter(cycle)
     out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill, adapter) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
     if stay is not None:
@@ -238,26 +238,29 @@ def prices(
     return out
 
 
-def _adapter(cycle: CycleState, candidates: Sequence[ReplicaState]) -> str:
-    """The LoRA adapter the request names, judged over ``candidates``; empty for a base model."""
-    model = cycle.features.model
-    return model if adapter_requested(model, candidates) else ""
+def _adapter(cycle: CycleState) -> str:
+    """The LoRA adapter the request names, empty for a base model: judged once a decision, over
+    the whole fleet, so every price of the decision (the picker's, the objectives') agrees."""
+    if cycle.adapter is None:
+        model = cycle.features.model
+        cycle.adapter = model if adapter_requested(model, cycle.snapshot.replicas) else ""
+    return cycle.adapter
 
 
 def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings) -> float | None:
     """The price's time to first token of the request on ``state`` (:attr:`Price.ttft_s`): its
-    parts depend on that candidate alone (an adapter judged by what ``state`` lists). None where
+    parts depend on that candidate alone, so it is the same whatever else is a candidate. None where
     its rates are the built-in prior's: an H100's, not measured on this fleet, so no evidence to
     shed a request or break a pin on (the objectives' end-to-end test had its first request shed
     against an objective the built-in prior said it would miss, before anything was learnt)."""
-    price = _price(cycle, state, settings, cycle.block_chars, False, None, _adapter(cycle, (state,)))
+    price = _price(cycle, state, settings, cycle.block_chars, False, None, _adapter(cycle))
     return None if price.rates.source == BUILT_IN_SOURCE else price.ttft_s
 
 
 def prefill_here_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings, fill: CacheFill | None) -> float:
     """What prefilling the request on ``state`` costs: its time to first token there and what it
     costs the requests already there (``others``: the stall of the batch it decodes)."""
-    p = _price(cycle, state, settings, cycle.block_chars, False, fill, _adapter(cycle, (state,)))
+    p = _price(cycle, state, settings, cycle.block_chars, False, fill, _adapter(cycle))
     return p.ttft_s + p.others_s
 
 

@@ -137,3 +137,25 @@ def test_with_the_price_the_decode_replica_prefills_itself_when_that_is_cheaper(
     assert d.pair is PairReason.DISAGGREGATED
     d, trace = decided([decode, p], PRICE_PROFILE)
     assert d.pair is PairReason.LOCAL, trace.prices
+
+
+def test_the_objectives_and_the_picker_price_an_adapter_alike() -> None:
+    # "b" lists no models and does not hold the adapter: whether "sql" is an adapter is judged
+    # over the fleet ("a" holds it), once, for the picker's prices and the objectives' alike.
+    held = ReplicaState(Replica("a", "a:8000"), adapters=frozenset({"sql"}), max_lora=2)
+    bare = ReplicaState(Replica("b", "b:8000"), max_lora=2)
+    features = replace(request(), model="sql", slo_ttft_ms=60_000.0)
+    trace = DecisionTrace()
+    given = DecisionInputs.of(
+        features,
+        Snapshot((held, bare)),
+        AffinityView(),
+        0.0,
+        build_profile(PRICE_PROFILE),
+        latency=LatencyView(priors=CALIBRATED),
+        block_chars=64,
+    )
+    decide(given, trace)
+    assert trace.prices["b"].adapter_s > 0.0 and trace.prices["a"].adapter_s == 0.0
+    for name, price in trace.prices.items():
+        assert trace.predicted[name].ttft_s == pytest.approx(price.ttft_s)
