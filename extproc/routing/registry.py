@@ -145,9 +145,9 @@ PRICE_PROFILE: dict[str, Any] = {
 
 DEFAULT_PROFILE: dict[str, Any] = SCORES_PROFILE
 """The shipped profile: the scores profile. The price (:data:`PRICE_PROFILE`) is not the default
-yet: the scores profile also encodes what the price does not price (an adapter's load, a tenant's
-headroom, repeated identical conversations, objectives on a fleet whose rates are far from the
-prior); benchmarks/price.md has the measurements and what the end-to-end suite found."""
+yet: the scores profile also encodes what the price does not (a tenant's headroom beyond a tie,
+repeated identical short conversations kept on their holder, a spilled session's return);
+benchmarks/price.md has the measurements and what the end-to-end suite found."""
 
 
 class ProfileError(ValueError):

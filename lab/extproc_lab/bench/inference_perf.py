@@ -52,7 +52,7 @@ from typing import Any
 
 import yaml
 
-from extproc.api import DEFAULT_PROFILE
+from extproc.api import SCORES_PROFILE
 from extproc_lab.bench.realstack import OURS, ROUND_ROBIN, RealStackSetup, read_counters, read_decisions, start_router
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.engines.install import engines_dir
@@ -390,8 +390,9 @@ CONFIGS: dict[str, Callable[[InferencePerfSetup, str, Path, Path], dict[str, Any
 
 
 def session_cost_config(session_tokens: int) -> dict[str, Any]:
-    """A router config: the default profile with ``prefill_cost.session_tokens`` set (opt-in, 0 by default)."""
-    profile = copy.deepcopy(DEFAULT_PROFILE)
+    """A router config: the scores profile (the default today) with ``prefill_cost.session_tokens``
+    set (opt-in, 0 by default)."""
+    profile = copy.deepcopy(SCORES_PROFILE)  # its prefill_cost scorer carries the knob
     for scorer in profile["scorers"]:
         if scorer["type"] == "prefill_cost":
             scorer["parameters"] = {**scorer.get("parameters", {}), "session_tokens": session_tokens}

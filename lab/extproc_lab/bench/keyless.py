@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from extproc.api import DEFAULT_PROFILE
+from extproc.api import SCORES_PROFILE
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, shared_prompt_chat
 from extproc_lab.stats import percentile
@@ -149,7 +149,7 @@ class KeylessSettings:
     time_scale: float = 0.05
     seed: int = 11
     session_tokens: int | None = None
-    """The default profile with ``prefill_cost.session_tokens`` set to this (the price of each
+    """The scores profile with ``prefill_cost.session_tokens`` set to this (the price of each
     conversation live on a replica beyond its share); None: the default profile as it is."""
     token_timing: str | None = None
     """``health.token_timing`` (None: the default). The fake replica sends a stream's headers at
@@ -157,13 +157,13 @@ class KeylessSettings:
 
 
 def router_config(settings: KeylessSettings, conversations: bool = True) -> dict[str, Any]:
-    """The router's config for a run: the default profile with ``session_tokens`` where set, and
-    ``request.conversations``."""
+    """The router's config for a run: the default profile, or the scores profile (the default today)
+    with ``session_tokens`` where set, and ``request.conversations``."""
     config: dict[str, Any] = {"request": {"conversations": conversations}}
     if settings.token_timing is not None:
         config["health"] = {"token_timing": settings.token_timing}
     if settings.session_tokens is not None:
-        profile = copy.deepcopy(DEFAULT_PROFILE)
+        profile = copy.deepcopy(SCORES_PROFILE)  # its prefill_cost scorer carries the knob
         for scorer in profile["scorers"]:
             if scorer["type"] == "prefill_cost":
                 scorer["parameters"] = {**scorer.get("parameters", {}), "session_tokens": settings.session_tokens}
