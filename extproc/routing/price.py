@@ -1,8 +1,8 @@
 """One price per candidate: what sending this request there costs, in predicted seconds.
 
-Where the default profile adds scorers in different units (blocks held, tokens pending, requests
-decayed over a minute, free KV) and drops replicas at hard thresholds, a price profile weighs
-every candidate in one unit, seconds, from the replica's own rates:
+Where the scores profile adds scorers in different units (blocks held, tokens pending, requests
+decayed over a minute, free KV) and drops replicas at hard thresholds, the price profile
+weighs every candidate in one unit, seconds, from the replica's own rates:
 
 - ``prefill_s``: the prompt's tokens the replica does not hold (the prompt less the blocks the
   index, the estimate or its KV events say it holds; a session's pinned replica, while nothing
@@ -31,7 +31,8 @@ To them the price adds what the choice costs others and later turns:
   there, which later requests recompute (``evict_weight``, 1: the displaced tokens once, at the
   same rate, times how full that cache is believed to be, :class:`CacheFill`), so a copy of a
   prefix elsewhere is not free where the cache is full;
-- ``future_s``: for a new conversation (a session key, no pin), the prefill its replica's live
+- ``future_s``: for a new conversation (a session key, no pin; not a keyless request whose history
+  continues a conversation the router does not remember), the prefill its replica's live
   conversations will queue with their next turns (``session_tokens`` each, the new part of a
   turn), which this conversation's next turns will wait behind; a keyless opening counts at the
   rate such openings come back (:attr:`~extproc.routing.model.ReplicaState.live_sessions`):
@@ -213,7 +214,7 @@ def prices(
     if cycle.prices is not None:
         return cycle.prices
     pinned = cycle.view.pinned
-    new_conversation = bool(cycle.features.session_key) and pinned is None
+    new_conversation = _opens_conversation(cycle.features) and pinned is None
     adapter = _adapter(cycle)
     out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill, adapter) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
@@ -236,6 +237,16 @@ def prices(
                 out[name] = replace(p, move_s=m)
     cycle.prices = out
     return out
+
+
+def _opens_conversation(features: RequestFeatures) -> bool:
+    """Whether the request opens a conversation that will choose where it lives: a session key,
+    except a keyless request whose messages continue a conversation the router does not remember
+    (``unmatched``: its history is already somewhere, and the blocks it holds say where, as a pin
+    would; charged the live conversations' next turns, a few such requests with one history left
+    the replica holding it from the second on)."""
+    chain = features.conversation
+    return bool(features.session_key) and not (chain is not None and chain.match == "unmatched")
 
 
 def _adapter(cycle: CycleState) -> str:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from extproc.base.engine_rates import EngineRates, PoolRates
+from extproc.request.conversation import ConversationChain
 from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
@@ -116,6 +117,20 @@ def test_a_new_conversation_pays_for_the_next_turns_of_the_live_ones() -> None:
     assert pinned[4].prices["a"].future_s == 0.0
     # A request without a session has no next turns.
     assert run([state("a", live_sessions=12)], view, request(session=None))[4].prices["a"].future_s == 0.0
+
+
+def test_a_keyless_history_the_router_does_not_remember_is_not_a_new_conversation() -> None:
+    # Its messages continue a conversation no request the router saw ended with ("unmatched"):
+    # the conversation lives where its blocks are, so the replica holding them is not charged the
+    # next turns of the conversations live there (charged, it lost to an empty replica: 12 x 512
+    # tokens against the 4,000 it holds).
+    view = AffinityView(prefix_matches={"a": 250})
+    chain = ConversationChain(end=1, turn=2, messages=3, conversation=7, match="unmatched")
+    unmatched = replace(request(session="conv-0000000000000007"), conversation=chain)
+    name, _, _, _, trace = run([state("a", live_sessions=12), state("b")], view, unmatched)
+    assert name == "a" and trace.prices["a"].future_s == 0.0
+    opened = replace(unmatched, conversation=replace(chain, match="new", turn=None))
+    assert run([state("a", live_sessions=12), state("b")], view, opened)[4].prices["a"].future_s > 0
 
 
 def test_missing_evidence_degrades_to_the_prior() -> None:
