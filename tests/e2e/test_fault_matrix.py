@@ -20,7 +20,7 @@ from extproc.routing import Replica
 from extproc_lab.demo import fault_matrix as fm
 from extproc_lab.demo.faulty import ABSURD_PAGE, NEGATIVE_PAGE
 from tests.conftest import require_binary
-from tests.helpers import assert_every_shape_answered_within_its_budget
+from tests.helpers import PRICE_CONFIG, assert_every_shape_answered_within_its_budget
 
 pytestmark = pytest.mark.e2e
 SMALL = fm.SMALL
@@ -99,6 +99,10 @@ async def test_a_hung_replica_costs_every_request_shape_only_its_budget() -> Non
     row = await fm.replica_hung_every_shape(SMALL)
     assert row.facts["health_check_path"] == "/health" and row.facts["mode"] == "cluster"
     assert_every_shape_answered_within_its_budget(row, SMALL)
+    # The price (opt-in) sends a session away once the unanswered queue on the hung replica costs
+    # more than its short history: only the upper bound holds for every request there.
+    priced = await fm.replica_hung_every_shape(SMALL, profile=PRICE_CONFIG.read_text())
+    assert_every_shape_answered_within_its_budget(priced, SMALL, tried_first=False)
 
 
 async def test_broken_metrics_pages_cost_no_request() -> None:

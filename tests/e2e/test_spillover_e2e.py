@@ -1,5 +1,7 @@
-"""A replica that reports overload spills its sessions over, then gets them back, through real
-Envoy, the processor and fake replicas (one whose /metrics page is switched at run time)."""
+"""A replica that reports overload spills its sessions over, through real Envoy, the processor and
+fake replicas (one whose /metrics page is switched at run time); once it recovers, the default
+profile brings its sessions back, the price (opt-in) leaves each spilled session where its history
+now is and sends new conversations to the replica again."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from extproc_lab.demo.fault_matrix import FAST_HEALTH, FaultyGateway
 from tests.conftest import require_binary
-from tests.helpers import turn
+from tests.helpers import PRICE_CONFIG, turn
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -27,10 +29,11 @@ async def spillovers(http: aiohttp.ClientSession, metrics_url: str) -> float:
         return sum(float(v) for v in SPILLOVER.findall(await resp.text()))
 
 
-async def test_overloaded_replica_spills_over_then_gets_its_sessions_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("profile", ["default", "price"])
+async def test_overloaded_replica_spills_over_then_recovers(tmp_path: Path, profile: str) -> None:
     require_binary("envoy")
     gw = FaultyGateway(replicas=3, time_scale=0.05, faulty=(VICTIM,), log_dir=tmp_path)
-    (tmp_path / "router.yaml").write_text(FAST_HEALTH)
+    (tmp_path / "router.yaml").write_text(FAST_HEALTH + (PRICE_CONFIG.read_text() if profile == "price" else ""))
     gw.processor_args = ("--config", str(tmp_path / "router.yaml"))
     loop = asyncio.get_running_loop()
     histories = {f"s{i}": f"conversation {i} " + "background text " * 100 for i in range(12)}
@@ -84,9 +87,26 @@ async def test_overloaded_replica_spills_over_then_gets_its_sessions_back(tmp_pa
             assert all(placement[s] == r for s, r in others.items())  # the others stay put
 
             gw.set_metrics_fault(VICTIM, "ok")
-            back_s = await until(http, "back", lambda p: all(p[s] == VICTIM for s in mine))
-            placement = await round_of_turns(http, "after")
-            assert placement == first, Counter(placement.values())  # every session on its pinned replica
+            if profile == "default":
+                # A spill does not re-pin: the sessions return to their pinned replica.
+                back_s = await until(http, "back", lambda p: all(p[s] == VICTIM for s in mine))
+                placement = await round_of_turns(http, "after")
+                assert placement == first, Counter(placement.values())  # every session on its pinned replica
+            else:
+                # The price re-pins a spilled session where its history now is (going back would
+                # recompute it): it stays there, and the recovered replica takes new conversations.
+                for tag in ("after1", "after2"):
+                    assert await round_of_turns(http, tag) == placement
+                start = loop.time()
+                while True:
+                    new = f"s{len(histories)}"
+                    histories[new] = f"conversation {new} " + "background text " * 100
+                    status, replica, _ = await turn(http, gw.url, new, histories[new])
+                    assert status == 200
+                    if replica == VICTIM:
+                        break
+                    assert len(histories) < 60, "no new conversation went to the recovered replica"
+                back_s = loop.time() - start
             assert errors == []  # no client saw any of it
             assert away_s < 5 and back_s < 5, (away_s, back_s)
             print(f"{len(mine)} of {len(histories)} sessions moved away in {away_s:.2f}s, back in {back_s:.2f}s")

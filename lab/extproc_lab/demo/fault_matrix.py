@@ -597,7 +597,7 @@ def shape_timeouts(scale: Scale) -> UpstreamTimeouts:
 
 
 async def replica_hung_every_shape(
-    scale: Scale = SMALL, mode: str = "cluster", health_check_path: str | None = "/health"
+    scale: Scale = SMALL, mode: str = "cluster", health_check_path: str | None = "/health", profile: str = ""
 ) -> CaseResult:
     """``shape_sessions`` sessions pinned over three replicas (by default the rendered failover
     scenario: cluster mode with Envoy's health checks), then the replica holding most of them
@@ -609,7 +609,9 @@ async def replica_hung_every_shape(
     Each must be answered 200 by another replica once its try's budget passed
     (:meth:`RequestShape.budget_s`: a stream's first-byte timeout, a non-streaming request's
     ``min(first_byte_s + max_tokens x unary_s_per_output_token, unary_max_s)``), plus the retry's
-    own time. ``recover_s``: the slowest answer after the hang."""
+    own time. ``recover_s``: the slowest answer after the hang. ``profile``: config text naming a
+    routing profile (the price sends a session away from a replica whose requests go unanswered
+    once their queue costs more than its short history: not every request tries it)."""
     upstream = shape_timeouts(scale)
     envoy: dict[str, Any] = {
         "route_timeout_s": scale.route_timeout_s,
@@ -621,7 +623,9 @@ async def replica_hung_every_shape(
         f"upstream:\n  first_byte_s: {upstream.first_byte_s}\n  stream_idle_s: {upstream.stream_idle_s}\n"
         f"  unary_s_per_output_token: {upstream.unary_s_per_output_token}\n  unary_max_s: {upstream.unary_max_s}\n"
     )
-    gw = with_config(LocalGateway(replicas=3, mode=mode, time_scale=1.0, envoy_options=envoy), FAST_HEALTH + config)
+    gw = with_config(
+        LocalGateway(replicas=3, mode=mode, time_scale=1.0, envoy_options=envoy), FAST_HEALTH + config + profile
+    )
     paused_pid = 0
     sent: list[tuple[RequestShape, Outcome]] = []
     try:
