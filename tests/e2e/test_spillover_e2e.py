@@ -29,6 +29,11 @@ async def spillovers(http: aiohttp.ClientSession, metrics_url: str) -> float:
         return sum(float(v) for v in SPILLOVER.findall(await resp.text()))
 
 
+def history(name: str) -> str:
+    """A conversation's opening: long enough that recomputing it elsewhere costs."""
+    return f"conversation {name} " + "background text " * 100
+
+
 @pytest.mark.parametrize("profile", ["default", "price"])
 async def test_overloaded_replica_spills_over_then_recovers(tmp_path: Path, profile: str) -> None:
     require_binary("envoy")
@@ -36,7 +41,7 @@ async def test_overloaded_replica_spills_over_then_recovers(tmp_path: Path, prof
     (tmp_path / "router.yaml").write_text(FAST_HEALTH + (PRICE_CONFIG.read_text() if profile == "price" else ""))
     gw.processor_args = ("--config", str(tmp_path / "router.yaml"))
     loop = asyncio.get_running_loop()
-    histories = {f"s{i}": f"conversation {i} " + "background text " * 100 for i in range(12)}
+    histories = {f"s{i}": history(f"{i}") for i in range(12)}
     errors: list[tuple[str, int]] = []
 
     async def round_of_turns(http: aiohttp.ClientSession, tag: str) -> dict[str, str]:
@@ -68,7 +73,7 @@ async def test_overloaded_replica_spills_over_then_recovers(tmp_path: Path, prof
             while sum(r == VICTIM for r in first.values()) < 2 and len(histories) < 40:
                 # Placement follows the ring and the load: add sessions until the victim holds some.
                 new = f"s{len(histories)}"
-                histories[new] = f"conversation {new} " + "background text " * 100
+                histories[new] = history(new)
                 status, first[new], _ = await turn(http, gw.url, new, histories[new])
                 assert status == 200
             for _ in range(2):
@@ -100,7 +105,7 @@ async def test_overloaded_replica_spills_over_then_recovers(tmp_path: Path, prof
                 start = loop.time()
                 while True:
                     new = f"s{len(histories)}"
-                    histories[new] = f"conversation {new} " + "background text " * 100
+                    histories[new] = history(new)
                     status, replica, _ = await turn(http, gw.url, new, histories[new])
                     assert status == 200
                     if replica == VICTIM:

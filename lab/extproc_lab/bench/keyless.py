@@ -14,7 +14,6 @@ chat client does); ``concurrency`` conversations run at once. Per run, measured 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from extproc.api import SCORES_PROFILE
+from extproc_lab.bench.inference_perf import session_cost_config
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import Conversation, shared_prompt_chat
 from extproc_lab.stats import percentile
@@ -163,11 +162,7 @@ def router_config(settings: KeylessSettings, conversations: bool = True) -> dict
     if settings.token_timing is not None:
         config["health"] = {"token_timing": settings.token_timing}
     if settings.session_tokens is not None:
-        profile = copy.deepcopy(SCORES_PROFILE)  # its prefill_cost scorer carries the knob
-        for scorer in profile["scorers"]:
-            if scorer["type"] == "prefill_cost":
-                scorer["parameters"] = {**scorer.get("parameters", {}), "session_tokens": settings.session_tokens}
-        config["profile"] = profile
+        config.update(session_cost_config(settings.session_tokens))
     return config
 
 
