@@ -106,6 +106,17 @@ class RequestFeatures:
         return min(hint, cap) if hint is not None and cap is not None else hint or cap
 
     @property
+    def opens_conversation(self) -> bool:
+        """Whether the request, where the router holds no pin for its session, opens a conversation
+        that will choose where it lives (and so is placed by the conversations it will join): a
+        session key, except a keyless request whose messages continue a conversation the router
+        does not remember (``unmatched``: its history is already somewhere, and the blocks it holds
+        say where, as a pin would; placed as a new conversation, a few such requests with one
+        history left the replica holding it from the second on)."""
+        chain = self.conversation
+        return bool(self.session_key) and not (chain is not None and chain.match == "unmatched")
+
+    @property
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens where known, else an estimate: about four characters a token."""
         return self.prompt_tokens or self.prompt_chars // CHARS_PER_TOKEN

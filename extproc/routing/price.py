@@ -214,7 +214,7 @@ def prices(
     if cycle.prices is not None:
         return cycle.prices
     pinned = cycle.view.pinned
-    new_conversation = _opens_conversation(cycle.features) and pinned is None
+    new_conversation = cycle.features.opens_conversation and pinned is None
     adapter = _adapter(cycle)
     out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill, adapter) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
@@ -237,16 +237,6 @@ def prices(
                 out[name] = replace(p, move_s=m)
     cycle.prices = out
     return out
-
-
-def _opens_conversation(features: RequestFeatures) -> bool:
-    """Whether the request opens a conversation that will choose where it lives: a session key,
-    except a keyless request whose messages continue a conversation the router does not remember
-    (``unmatched``: its history is already somewhere, and the blocks it holds say where, as a pin
-    would; charged the live conversations' next turns, a few such requests with one history left
-    the replica holding it from the second on)."""
-    chain = features.conversation
-    return bool(features.session_key) and not (chain is not None and chain.match == "unmatched")
 
 
 def _adapter(cycle: CycleState) -> str:

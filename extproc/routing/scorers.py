@@ -144,8 +144,9 @@ class PrefillCostScorer:
     prompt held by one replica attracts new sessions only until the work piling up there costs
     more than prefilling the prompt elsewhere, which is what stops a burst from herding.
 
-    A new conversation (a session without a pin: keyed, or keyless and known by its messages) is
-    placed by its whole cost: the KV of their own that the conversations live on a replica hold
+    A new conversation (a session without a pin: keyed, or keyless and known by its messages, not
+    one continuing a history the router does not remember, :attr:`RequestFeatures.opens_conversation`)
+    is placed by its whole cost: the KV of their own that the conversations live on a replica hold
     there (:attr:`ReplicaState.live_session_tokens`: each turn's part not believed cached when it
     was sent) beyond the replica's share (the candidates' mean), times ``live_context_weight``.
     Those conversations come back with their next turns whatever else happens; their context is
@@ -196,7 +197,7 @@ class PrefillCostScorer:
         matches = cycle.view.prefix_matches
         # Only a new conversation joins a replica's pinned load (a pinned one is already part of
         # it), and a replica pays only for the conversations it carries beyond its share.
-        new_conversation = bool(f.session_key) and cycle.view.pinned is None
+        new_conversation = f.opens_conversation and cycle.view.pinned is None
         per_session = self.session_tokens if new_conversation else 0
         share = math.ceil(sum(c.live_sessions for c in candidates) / len(candidates)) if per_session else 0
         per_token = self.live_context_weight if new_conversation else 0.0

@@ -9,6 +9,7 @@ from collections import Counter
 
 from extproc.config import Config
 from extproc.fleet.health.sessions import OPENING_WEIGHT, LiveSessions
+from extproc.request.conversation import ConversationChain
 from extproc.request.features import RequestFeatures
 from extproc.routing import AffinityView, DecisionInputs, Replica, ReplicaState, Snapshot, build_profile, decide
 from extproc.routing.registry import SCORES_PROFILE
@@ -252,12 +253,19 @@ def test_in_the_scores_profile_the_count_of_conversations_alone_moves_nothing() 
     assert d.replica is not None and d.replica.name == "r0"
 
 
-def new_conversation_by_scores(r0_own: int, matched: int = 32, pinned: str | None = None) -> str:
+def new_conversation_by_scores(
+    r0_own: int, matched: int = 32, pinned: str | None = None, chain: ConversationChain | None = None
+) -> str:
     """Where a new conversation of 40 blocks (640 tokens) goes with the scores profile when r0
     holds ``matched`` of its blocks and its live conversations hold ``r0_own`` tokens of KV of
-    their own, r1 neither."""
+    their own, r1 neither (``chain``: a keyless request's, by which its session key was found)."""
     features = RequestFeatures(
-        path="/v1/chat/completions", model="m", session_key="new", prefix_hashes=tuple(range(40)), prompt_chars=40 * 64
+        path="/v1/chat/completions",
+        model="m",
+        session_key="new",
+        prefix_hashes=tuple(range(40)),
+        prompt_chars=40 * 64,
+        conversation=chain,
     )
     replicas = (
         ReplicaState(Replica("r0", "h:0"), live_sessions=4, live_session_tokens=r0_own),
@@ -279,6 +287,15 @@ def test_a_shared_prefix_draws_a_new_conversation_only_until_the_conversations_t
     # r0 carries more than that context beyond its share.
     assert new_conversation_by_scores(8000, matched=40) == "r1"
     assert new_conversation_by_scores(1000, matched=40) == "r0"
+
+
+def test_in_the_scores_profile_a_keyless_history_the_router_does_not_remember_is_not_a_new_conversation() -> None:
+    # Its messages continue a conversation no request the router saw ended with ("unmatched"): it
+    # lives where its blocks are, as a pinned one does, and is not placed by r0's conversations.
+    unmatched = ConversationChain(end=1, turn=2, messages=3, conversation=7, match="unmatched")
+    assert new_conversation_by_scores(8000, matched=36, chain=unmatched) == "r0"
+    opened = ConversationChain(end=1, turn=None, messages=1, conversation=7, match="new")
+    assert new_conversation_by_scores(8000, matched=36, chain=opened) == "r1"
 
 
 def test_a_burst_of_new_conversations_with_one_prompt_is_not_split_by_its_own_kv() -> None:
