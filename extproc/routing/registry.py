@@ -145,9 +145,10 @@ PRICE_PROFILE: dict[str, Any] = {
 
 DEFAULT_PROFILE: dict[str, Any] = SCORES_PROFILE
 """The shipped profile: the scores profile. The price (:data:`PRICE_PROFILE`) is not the default:
-on real vLLM engines at twice the fleet's KV the scores profile found more in cache in six pairs
-of six (benchmarks/price.md), though the price passes the end-to-end suite as the default and
-matches it in the simulator; where they disagree, the real engines decide."""
+on real vLLM engines at twice the fleet's KV the scores profile found as much in cache or a
+little more (2.5 points on average over twenty pairs, the price ahead in seven;
+benchmarks/price.md), though the price passes the end-to-end suite as the default and matches it
+in the simulator; where they disagree, the real engines decide."""
 
 
 class ProfileError(ValueError):

@@ -65,6 +65,7 @@ from extproc_lab.bench.agent_sessions import (
     replay_calls,
     reuse,
 )
+from extproc_lab.bench.follow_ups import follow_ups, records
 from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
 from extproc_lab.demo.gateway import LocalGateway
@@ -258,7 +259,8 @@ class Turn:
     """The workload's request index (the agent workload; -1 for the chat workload)."""
     sent_at: float = 0.0
     first_at: float = 0.0
-    """When the request was sent and its first streamed line came, seconds into the run."""
+    done_at: float = 0.0
+    """When the request was sent, its first streamed line came and its last, seconds into the run."""
 
 
 @dataclass(slots=True)
@@ -275,12 +277,12 @@ class Replay:
 
 
 async def _stream_turn(
-    http: aiohttp.ClientSession, url: str, convo: Conversation, turn: int, setup: RealStackSetup
+    http: aiohttp.ClientSession, url: str, convo: Conversation, turn: int, setup: RealStackSetup, clock: float
 ) -> Turn:
     """Send one streamed turn and read it to ``[DONE]``; the answer is added to the conversation."""
     text: list[str] = []
     out = await stream_chat(
-        http, url, convo.next_messages(turn), convo.session_id, setup.max_tokens, setup.request_timeout_s, text
+        http, url, convo.next_messages(turn), convo.session_id, setup.max_tokens, setup.request_timeout_s, text, clock
     )
     out.session, out.turn = convo.session_id, turn
     convo.add_answer("".join(text))
@@ -298,8 +300,8 @@ async def stream_chat(
     clock: float | None = None,
 ) -> Turn:
     """Send one streamed chat request (with ``x-session-id`` when ``session`` is given) and read it
-    to ``[DONE]``; the answer's pieces go to ``text``. ``sent_at`` and ``first_at`` are counted
-    from ``clock`` (a ``perf_counter`` reading) when given."""
+    to ``[DONE]``; the answer's pieces go to ``text``. ``sent_at``, ``first_at`` and ``done_at``
+    are counted from ``clock`` (a ``perf_counter`` reading) when given."""
     body = {
         "model": MODEL,
         "messages": messages,
@@ -347,6 +349,7 @@ async def stream_chat(
     if clock is not None:
         out.sent_at = started - clock
         out.first_at = out.sent_at + out.ttft_s
+        out.done_at = time.perf_counter() - clock
     return out
 
 
@@ -460,6 +463,7 @@ async def replay(url: str, setup: RealStackSetup, run_id: str) -> Replay:
     live_tokens: dict[str, int] = {}
     think = random.Random(setup.seed)
     pauses = [[think.uniform(0, 2 * setup.think_s) for _ in range(setup.turns)] for _ in conversations]
+    started = time.perf_counter()  # the run's clock: its answers' times and its wall time
 
     async def converse(http: aiohttp.ClientSession, index: int, convo: Conversation) -> None:
         await asyncio.sleep(index * setup.stagger_s)
@@ -470,14 +474,13 @@ async def replay(url: str, setup: RealStackSetup, run_id: str) -> Replay:
                 for turn in range(setup.turns):
                     if turn and pauses[index][turn]:
                         await asyncio.sleep(pauses[index][turn])
-                    outcome = await _stream_turn(http, url, convo, turn, setup)
+                    outcome = await _stream_turn(http, url, convo, turn, setup, started)
                     result.turns.append(outcome)
                     live_tokens[convo.session_id] = outcome.prompt_tokens + setup.max_tokens
                     result.peak_live_tokens = max(result.peak_live_tokens, sum(live_tokens.values()))
             finally:
                 live_tokens.pop(convo.session_id, None)
 
-    started = time.perf_counter()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         tasks = [asyncio.ensure_future(converse(http, i, c)) for i, c in enumerate(conversations)]
@@ -576,6 +579,9 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
         "timed_out": run.timed_out,
         "wall_s": round(run.wall_s, 2),
         **run.reuse,
+        # Where the hit ratio was lost: each follow-up's history found or not, and every answer's
+        # timing, so that a run can be analysed after the fact (the chat workload's turns only).
+        **({"follow_ups": follow_ups(ok), "answers": records(ok)} if setup.workload == "chat" else {}),
     }
 
 
