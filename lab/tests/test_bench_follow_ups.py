@@ -3,7 +3,7 @@ engine prefilled for others while they waited."""
 
 from __future__ import annotations
 
-from extproc_lab.bench.follow_ups import follow_ups, records
+from extproc_lab.bench.follow_ups import follow_ups, records, summary
 from extproc_lab.bench.realstack import Turn
 
 
@@ -33,10 +33,16 @@ def test_each_follow_up_found_its_history_or_none_of_it_and_what_came_between() 
     # "b" waited behind c's and d's prefill; "a" behind none.
     assert got["others_prefill_tokens"] == {"found": 0.0, "none": 1712.0}
     assert records(answers)[0] == ["a", 0, "r0", 0.0, 0.2, 0.3, 1000, 288]
+    assert summary("extproc", {"follow_ups": got}) == (
+        "extproc: follow-ups that found their history 1, part of it 1, none 1; found: waited 0.05 s behind "
+        "0 tokens of others' prefill; none: waited 1.00 s behind 1,712 tokens of others' prefill"
+    )
 
 
 def test_a_run_without_follow_ups_says_so() -> None:
     got = follow_ups([answer("a", 0, "r0", (0.0, 0.1, 0.2), 100, 0)])
+    assert summary("extproc", {"follow_ups": got}) is None
+    assert summary("smg", {"error": "did not start"}) is None
     assert got == {
         "history": {"found": 0, "part": 0, "none": 0},
         "wait_s": {"found": None, "none": None},

@@ -80,6 +80,19 @@ def follow_ups(answers: Sequence[Answer]) -> dict[str, Any]:
     }
 
 
+def summary(router: str, figures: dict[str, Any]) -> str | None:
+    """One line of what :func:`follow_ups` found for ``router`` (None without follow-ups)."""
+    fu = figures.get("follow_ups")
+    if not fu or not sum(fu["history"].values()):
+        return None
+    h, wait, others = fu["history"], fu["wait_s"], fu["others_prefill_tokens"]
+    line = f"{router}: follow-ups that found their history {h['found']}, part of it {h['part']}, none {h['none']}"
+    for kind in ("found", "none"):
+        if wait[kind] is not None:
+            line += f"; {kind}: waited {wait[kind]:.2f} s behind {others[kind]:,.0f} tokens of others' prefill"
+    return line
+
+
 def records(answers: Sequence[Answer]) -> list[list[Any]]:
     """Each answer as ``[session, turn, replica, sent_at, first_at, done_at, prompt_tokens,
     cached_tokens]``, for an analysis this module does not make."""
