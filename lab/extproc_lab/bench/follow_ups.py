@@ -5,10 +5,9 @@ the replica that answered its previous turn finds that history there (the engine
 ``cached_tokens`` cover the previous prompt), part of it, or none of it beyond what the
 conversation's first turn found (the prefix it shares with others, such as a system prompt):
 between the two answers the engine admitted other requests whose prefill reused the history's
-freed blocks.
-vLLM matches a request's prefix when it schedules it, not when it arrives, so what counts is
-the prefill of others that the engine took on between the previous turn's last byte and this
-turn's first token.
+freed blocks. vLLM matches a request's prefix when it schedules it, not when it arrives, so what
+counts is the prefill of others that the engine took on between the previous turn's last byte and
+this turn's first token.
 
 Measured on vLLM's CPU engines at 36 conversations / 18 live (about 2.2x the fleet's KV live at
 once), 24 runs of our two profiles: 5-26 of about 105 follow-ups per run found their history and
@@ -42,9 +41,9 @@ class Answer(Protocol):
 
 def follow_ups(answers: Sequence[Answer]) -> dict[str, Any]:
     """The follow-ups answered where their previous turn was: how many found their history, found
-    part of it, or found none of it; for the first and the last, the mean wait from the previous
-    turn's last byte to this one's first token and the mean of others' uncached prompt tokens sent
-    to that replica in that time."""
+    part of it, or found none of it; for those that found it and those that found none, the mean
+    wait from the previous turn's last byte to this one's first token and the mean of others'
+    uncached prompt tokens sent to that replica in that time."""
     by_turn = {(a.session, a.turn): a for a in answers}
     firsts = {a.session: a for a in answers if a.turn == 0}
     waits: dict[str, list[float]] = {"found": [], "none": []}
