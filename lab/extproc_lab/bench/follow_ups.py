@@ -45,7 +45,6 @@ def follow_ups(answers: Sequence[Answer]) -> dict[str, Any]:
     wait from the previous turn's last byte to this one's first token and the mean of others'
     uncached prompt tokens sent to that replica in that time."""
     by_turn = {(a.session, a.turn): a for a in answers}
-    firsts = {a.session: a for a in answers if a.turn == 0}
     waits: dict[str, list[float]] = {"found": [], "none": []}
     others: dict[str, list[int]] = {"found": [], "none": []}
     counts = {"found": 0, "part": 0, "none": 0}
@@ -53,7 +52,7 @@ def follow_ups(answers: Sequence[Answer]) -> dict[str, Any]:
         prev = by_turn.get((a.session, a.turn - 1))
         if prev is None or prev.replica != a.replica or not prev.prompt_tokens:
             continue
-        first = firsts.get(a.session)
+        first = by_turn.get((a.session, 0))
         shared = first.cached_tokens if first is not None else 0
         if a.cached_tokens >= FOUND_SHARE * prev.prompt_tokens:
             kind = "found"
