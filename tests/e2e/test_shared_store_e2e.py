@@ -43,9 +43,27 @@ class SharedGateway:
     def __exit__(self, *exc: object) -> None:
         self.gw.stop()  # the Redis is in the gateway's process group: stopped by PID with the rest
 
-    def session_keys(self) -> list[bytes]:
+    def session_keys(self, session_id: str = "*") -> list[bytes]:
         with self.redis.client() as c:
-            return list(c.scan_iter(match=f"ext:{{{NAMESPACE}/*}}:s:*", count=1000))
+            return list(c.scan_iter(match=f"ext:{{{NAMESPACE}/*}}:s:{session_id}", count=1000))
+
+    async def pinned(self, session_id: str, within_s: float = 5.0) -> None:
+        """Wait until a session's pin is in Redis: the decision's write goes behind it, so a client
+        faster than one Redis write (a fake replica answering in milliseconds on a busy machine)
+        can reach the other processor first. A real reply takes far longer than the write."""
+        deadline = asyncio.get_running_loop().time() + within_s
+        while not self.session_keys(session_id):
+            assert asyncio.get_running_loop().time() < deadline, f"{session_id} never pinned in Redis"
+            await asyncio.sleep(0.005)  # real time: a real processor's write reaching the real Redis
+
+
+async def store_errors(http: aiohttp.ClientSession, metrics_urls: list[str]) -> int:
+    """Failed store operations counted by the processors: each may have answered from local state."""
+    total = 0
+    for url in metrics_urls:
+        metrics = await read_metrics(http, url)
+        total += int(sum(v for k, v in metrics.items() if k.startswith("extproc_store_errors_total")))
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +98,22 @@ async def test_turns_alternate_processors_and_stay_on_one_replica(shared: Shared
                 status, replica = await send_turn(http, gw.url, conv, t)
                 assert status == 200
                 replicas.add(replica)
+                if t == 0:
+                    await shared.pinned(conv.session_id)
             return replicas
 
-        before = await decisions(http, gw.metrics_urls)
+        before, errors_before = await decisions(http, gw.metrics_urls), await store_errors(http, gw.metrics_urls)
         results = await asyncio.gather(*(converse(c) for c in convs))
-        after = await decisions(http, gw.metrics_urls)
+        after, errors = await decisions(http, gw.metrics_urls), await store_errors(http, gw.metrics_urls)
+        errors -= errors_before
     assert all(len(r) == 1 for r in results), results
     assert len({next(iter(r)) for r in results}) >= 2  # the conversations themselves are spread
     per_processor = [after[i] - before[i] for i in range(2)]
     totals = [sum(c.values()) for c in per_processor]
     assert sum(totals) == 60 and min(totals) >= 20, per_processor
-    assert sum(c["sticky"] for c in per_processor) == 60 - 10, per_processor
+    # A lookup that timed out on a busy machine is answered from the processor's own state, which
+    # may not hold a pin the other processor made: only such a counted failure excuses a miss.
+    assert 60 - 10 - errors <= sum(c["sticky"] for c in per_processor) <= 60 - 10, (per_processor, errors)
 
 
 async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(shared: SharedGateway) -> None:
@@ -129,11 +152,7 @@ async def test_killing_redis_mid_replay_fails_no_request_and_state_returns(share
             while (await read_metrics(http, url))["extproc_store_available{}"] != 1:
                 assert asyncio.get_running_loop().time() < deadline, f"{url}: store still unavailable"
                 await asyncio.sleep(0.1)  # real time: real processors probing the real Redis
-        errors = [
-            sum(v for k, v in (await read_metrics(http, url)).items() if k.startswith("extproc_store_errors_total"))
-            for url in gw.metrics_urls
-        ]
-        assert sum(errors) >= 1, errors
+        assert await store_errors(http, gw.metrics_urls) >= 1
         for index in range(2):
             log = (gw.dir / f"{gw.processor_name(index)}.log").read_text()
             # Logged once per episode, however many requests it touched (here, at most one).
