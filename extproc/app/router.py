@@ -33,6 +33,7 @@ from extproc.core.watching import Watching
 from extproc.fleet.cache import ReplicaCaches
 from extproc.fleet.cache.reuse import ReuseLedger
 from extproc.fleet.health.latency import LatencyBook
+from extproc.fleet.health.output_lengths import OutputLengths
 from extproc.fleet.health.rates import RateBook
 from extproc.fleet.health.replicas import ReplicaBook
 from extproc.fleet.queueing import FairQueue, saturated
@@ -173,6 +174,7 @@ class Router:
         # Each replica's engine speeds (cold prefill, decode step), from the same observations,
         # from its pool's prior (health.engine_rates): what a choice can be priced in seconds with.
         self.rates = RateBook(priors)
+        self.outputs = OutputLengths()
         self.hooks: tuple[Hook, ...] = (
             LoadHook(self.replicas),
             CacheHook(self.caches),
@@ -182,7 +184,9 @@ class Router:
             RateHook(self.rates, self._labels),
         )
         # What comes back, what is charged, what of the response is read.
-        self.outcomes = Outcomes(config, clock, self.metrics, self.replicas, self.rates, self.hooks, self.queue)
+        self.outcomes = Outcomes(
+            config, clock, self.metrics, self.replicas, self.rates, self.hooks, self.queue, self.outputs
+        )
         self.charges = Charges(config, clock, world.wall, self.budgets, self.meter)
         self.watching = Watching(config, self.latency, kv_events)
         # The request path: steps with no I/O, and what carries out their effects.
@@ -274,10 +278,14 @@ class Router:
         }
 
     def latency_view(self) -> LatencyView:
-        """The latency models' fits, with the engine rates learnt so far for the price."""
+        """The latency models' fits, with the engine rates and the models' output lengths learnt
+        so far for the price."""
         view = self.latency.view()
         learned = self.rates.learned()
-        return replace(view, rates=learned) if learned else view
+        outputs = self.outputs.view()
+        if learned or outputs:
+            return replace(view, rates=learned or view.rates, output_tokens=outputs)
+        return view
 
     def _labels(self, name: str) -> Mapping[str, str]:
         rec = self.replicas.record(name)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from extproc.config import Config
 from extproc.core.bookkeeping import Hook, Routed, answered, ended
+from extproc.fleet.health.output_lengths import OutputLengths
 from extproc.fleet.health.rates import RateBook
 from extproc.fleet.health.replicas import ReplicaBook
 from extproc.fleet.queueing import FairQueue
@@ -31,6 +32,7 @@ class Outcomes:
         rates: RateBook,
         hooks: tuple[Hook, ...],
         queue: FairQueue | None = None,
+        outputs: OutputLengths | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -39,6 +41,7 @@ class Outcomes:
         self.rates = rates
         self.hooks = hooks
         self.queue = queue
+        self.outputs = outputs
 
     def observe_response(
         self, routed: Routed, status: int, attempts: int = 1, answered_by: str | None = None, timed: bool = False
@@ -136,6 +139,11 @@ class Outcomes:
         replica = routed.decision.replica
         if replica is None or not routed.timed:
             return
+        if output_tokens > 0:
+            self.metrics.observed_output_tokens.labels(replica.name).observe(output_tokens)
+        if self.outputs is not None:
+            features = routed.features
+            self.outputs.observe(features.model, output_tokens, features.max_output_tokens)
         if routed.first_token_seen:  # a stream
             if first_at is not None and last_at is not None and output_tokens > 1:
                 routed.tpot_s = (last_at - first_at) / (output_tokens - 1)

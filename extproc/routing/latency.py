@@ -116,6 +116,9 @@ class LatencyView:
     rates: Mapping[str, LearnedRates] = field(default_factory=dict)
     priors: tuple[PoolRates, ...] = ()
     """The pools' prior rates (``health.engine_rates``), for a replica nothing was learnt of."""
+    output_tokens: Mapping[str, float] = field(default_factory=dict)
+    """Each model's mean output tokens where enough answers were seen
+    (:class:`~extproc.fleet.health.output_lengths.OutputLengths`)."""
 
 
 @dataclass(frozen=True, slots=True)

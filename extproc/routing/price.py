@@ -130,15 +130,17 @@ def _held_blocks(cycle: CycleState, state: ReplicaState) -> int:
     return held
 
 
-def _output_tokens(features: RequestFeatures, settings: PriceSettings) -> int:
+def _output_tokens(features: RequestFeatures, settings: PriceSettings, learned: float | None = None) -> int:
     """The output the request is expected to decode: an agent's estimate (Dynamo's ``osl``, within
-    its ``max_tokens``), else its ``max_tokens`` up to ``settings.max_output_tokens``, else
+    its ``max_tokens``), else its ``max_tokens`` up to ``settings.max_output_tokens``, else what
+    its model's answers came to (``learned``, :mod:`extproc.fleet.health.output_lengths`), else
     ``settings.output_tokens``."""
+    fallback = max(1, round(learned)) if learned is not None else settings.output_tokens
     expected = features.expected_output_tokens
     if expected is None:
-        return settings.output_tokens
+        return fallback
     if features.hints.expected_output_tokens is None and expected > settings.max_output_tokens:
-        return settings.output_tokens  # a cap beyond any likely answer: it says nothing of this one
+        return fallback  # a cap beyond any likely answer: it says nothing of this one
     return expected
 
 
@@ -179,7 +181,8 @@ def _price(
         own_steps = max(1, math.ceil(uncached / chunk))
         prefill += own_steps * step
         queue += (max(1, math.ceil((queued + uncached) / chunk)) - own_steps) * step
-    output_tokens = _output_tokens(features, settings)
+    learned = cycle.latency.output_tokens.get(features.model) if cycle.latency is not None else None
+    output_tokens = _output_tokens(features, settings, learned)
     kv_wait = 0.0
     if capacity > 0:
         short = used + uncached - capacity

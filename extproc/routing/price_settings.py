@@ -23,16 +23,16 @@ class PriceSettings:
 
     output_tokens: int = 256
     """A request's expected output when neither an agent's estimate nor a ``max_tokens`` up to
-    ``max_output_tokens`` says."""
+    ``max_output_tokens`` says, until its model's answers have been seen (then their mean:
+    :mod:`extproc.fleet.health.output_lengths`)."""
     max_output_tokens: int = 4096
     """The largest ``max_tokens`` taken as the output a request expects. Up to it, the price reads
     ``max_tokens`` so (benchmarks and traces set it to the answer's length: the Mooncake traces'
     answers are at most 2,000 tokens, and expecting 256 for every one of them instead raised the
     price's TTFT p99 on mooncake-synthetic from 5.42 to 5.93 s); beyond it, it is a cap that says
     nothing of the answer (priced as an expectation, a unary request with ``max_tokens: 1000000``
-    cost its pinned replica's batch a million decode steps and left it). The router learns no
-    output length yet: where chat answers end well before their ``max_tokens``, this overprices
-    their decode."""
+    cost its pinned replica's batch a million decode steps and left it). Where chat answers end
+    well before a ``max_tokens`` under it, this still overprices their decode."""
     others_weight: float = 0.05
     """The weight of the running batch's stall (``others``). At 0.1 a batch of 60 long-output
     streams made a cold 7,000-token prefill cost six times its own time, and prompts queued on

@@ -167,6 +167,41 @@ def test_a_non_streamed_answers_ttft_is_learned_from_what_the_engine_reports(gw:
     assert statistics.median(errors) <= 0.2, errors
 
 
+def test_the_output_tokens_the_router_learns_from_are_what_the_engine_generated(gw: LocalGateway) -> None:
+    # Streams that asked for no usage (the router asks for it itself) and non-streamed answers, of
+    # several lengths: the router's count of each answer's output tokens (which the price learns
+    # a model's answer length from) against the engine's own count of the tokens it generated.
+    def counts() -> tuple[float, float, float]:
+        ours = _get(gw.metrics_url)
+        engine = _get(gw.replica_url(gw.members[0].name) + "/metrics")
+        return (
+            scrape_total(ours, "extproc_observed_output_tokens_sum"),
+            scrape_total(ours, "extproc_observed_output_tokens_count"),
+            scrape_total(engine, "vllm:generation_tokens_total"),
+        )
+
+    sent = [(3, True), (7, True), (12, False), (5, False), (9, True)]
+    before = counts()
+    client_tokens = 0
+    for i, (tokens, stream) in enumerate(sent):
+        body = {"model": MODEL, "messages": cold_prompt(300 + i), "max_tokens": tokens, "ignore_eos": True}
+        if stream:
+            body |= {"stream": True}
+        out = post(gw, body)[3]
+        if not stream:
+            client_tokens += json.loads(out)["usage"]["completion_tokens"]
+        else:
+            client_tokens += tokens  # ignore_eos: every stream decodes its max_tokens
+    expected = sum(t for t, _ in sent)
+    deadline = time.monotonic() + 5.0
+    while (after := counts())[1] < before[1] + len(sent) or after[2] < before[2] + expected:
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.05)  # real time: the processor sees a body's end after the client does
+    ours, answers, engine = (a - b for a, b in zip(after, before, strict=True))
+    assert answers == len(sent)
+    assert ours == engine == client_tokens == expected, (ours, engine, client_tokens)
+
+
 def test_an_engine_stuck_after_its_headers_costs_the_first_byte_budget_not_the_idle_timeout(gw: LocalGateway) -> None:
     """The engine process stopped as soon as a stream's headers are out (vLLM sends them before its
     first token): Envoy's first-byte timeout never sees it, the processor's does."""

@@ -27,3 +27,5 @@ FIRST_TOKEN_BUCKETS = (
     30.0,
 )
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+OUTPUT_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 16384)
+"""An answer's output tokens: powers of two where chat answers end, up to long generations."""

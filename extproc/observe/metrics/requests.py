@@ -8,7 +8,13 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from extproc.observe.metrics.buckets import FIRST_TOKEN_BUCKETS, LATENCY_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS
+from extproc.observe.metrics.buckets import (
+    FIRST_TOKEN_BUCKETS,
+    LATENCY_BUCKETS,
+    OUTPUT_TOKEN_BUCKETS,
+    REQUEST_BUCKETS,
+    TTFT_BUCKETS,
+)
 from extproc.routing.model import Reason
 from extproc.routing.roles import PairReason
 
@@ -167,6 +173,14 @@ class RequestMetrics:
             "Time per output token after the first, as the router learnt it, by replica.",
             ["replica"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.observed_output_tokens = Histogram(
+            "extproc_observed_output_tokens",
+            "Output tokens of each answer whose body the router read (the usage its engine reported, "
+            "else the events counted), by replica: what the price learns each model's answer length from.",
+            ["replica"],
+            buckets=OUTPUT_TOKEN_BUCKETS,
             registry=r,
         )
         for kind in STREAM_ERROR_KINDS:

@@ -364,3 +364,21 @@ def test_a_max_tokens_beyond_any_likely_answer_is_not_the_expected_output() -> N
     short = run([busy, state("b")], pin, request(output=16))[4].prices["a"]
     long = run([busy, state("b")], pin, request(output=4096))[4].prices["a"]
     assert short.others_s < usual.others_s < long.others_s
+
+
+def test_without_a_usable_max_tokens_the_models_learned_answer_length_is_expected() -> None:
+    busy = state("a", inflight=8, running=8, kv_capacity_tokens=200_000, kv_usage=0.2)
+    pin = AffinityView(pinned="a", prefix_matches={"a": 250})
+
+    def others_s(output: int | None, learned: dict[str, float]) -> float:
+        view = LatencyView(output_tokens=learned)
+        return run([busy, state("b")], pin, request(output=output), latency=view)[4].prices["a"].others_s
+
+    usual = others_s(None, {})
+    # The model's answers came to 40 tokens on average: that, not 256, for no max_tokens or a huge one.
+    assert others_s(None, {"m": 40.0}) < usual
+    assert others_s(None, {"m": 40.0}) == pytest.approx(others_s(40, {}))
+    assert others_s(1_000_000, {"m": 40.0}) == pytest.approx(others_s(40, {}))
+    # Another model's answers say nothing of this one's; a max_tokens within the cap still decides.
+    assert others_s(None, {"other": 40.0}) == pytest.approx(usual)
+    assert others_s(1000, {"m": 40.0}) == pytest.approx(others_s(1000, {}))
