@@ -281,11 +281,8 @@ class Router:
         """The latency models' fits, with the engine rates and the models' output lengths learnt
         so far for the price."""
         view = self.latency.view()
-        learned = self.rates.learned()
-        outputs = self.outputs.view()
-        if learned or outputs:
-            return replace(view, rates=learned or view.rates, output_tokens=outputs)
-        return view
+        learned, outputs = self.rates.learned(), self.outputs.view()
+        return replace(view, rates=learned, output_tokens=outputs) if learned or outputs else view
 
     def _labels(self, name: str) -> Mapping[str, str]:
         rec = self.replicas.record(name)

@@ -16,7 +16,7 @@ from extproc_lab.demo.processes import free_port
 from extproc_lab.demo.redis_server import LocalRedis
 from extproc_lab.demo.workload import Conversation, multi_turn
 from tests.conftest import require_binary
-from tests.helpers import decisions, send_turn
+from tests.helpers import decisions, metrics_page, scrape_total, send_turn
 
 pytestmark = pytest.mark.e2e
 NAMESPACE = "e2e"
@@ -59,11 +59,8 @@ class SharedGateway:
 
 async def store_errors(http: aiohttp.ClientSession, metrics_urls: list[str]) -> int:
     """Failed store operations counted by the processors: each may have answered from local state."""
-    total = 0
-    for url in metrics_urls:
-        metrics = await read_metrics(http, url)
-        total += int(sum(v for k, v in metrics.items() if k.startswith("extproc_store_errors_total")))
-    return total
+    pages = [await metrics_page(http, url) for url in metrics_urls]
+    return int(sum(scrape_total(page, "extproc_store_errors_total") for page in pages))
 
 
 @pytest.fixture(scope="module")
