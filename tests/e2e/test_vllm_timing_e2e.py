@@ -265,15 +265,18 @@ def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
     # vLLM's CPU engine on this model: thousands of prompt tokens a second, a decode step of ms.
     assert 500 < prior.prefill_tokens_per_s < 200_000, prior
     assert 0.0005 < prior.decode_step_s < 0.5, prior
-    # What it predicts of a fresh prompt alone is what the engine then takes, within 25%.
+    # What it predicts of a fresh prompt alone is what the engine then takes uncontended, within
+    # 25%: the fastest of five, the statistic calibrate fits (each length's fastest repeat), since
+    # whatever else runs on a 2-core host only adds to a request. The median of five is not: one CI
+    # run took 88-105 ms for a prompt whose own calibration repeats had taken 89-99 ms.
     engine = Engine(engines.url(engines.members[1].name), MODEL)
-    errors = []
-    for i in range(5):
-        timed = engine.stream(cold_prompt(i, 150)[0]["content"], 1)
+    timings = [engine.stream(cold_prompt(i, 150)[0]["content"], 1) for i in range(5)]
+    for timed in timings:
         predicted = prior.pool().rates.prefill_s(timed.prompt_tokens)
-        errors.append(abs(predicted - timed.ttft_s) / timed.ttft_s)
         print(f"{timed.prompt_tokens} tokens: predicted {predicted:.3f} s, took {timed.ttft_s:.3f} s")
-    assert statistics.median(errors) <= 0.25, errors
+    fastest = min(timings, key=lambda t: t.ttft_s)
+    predicted = prior.pool().rates.prefill_s(fastest.prompt_tokens)
+    assert abs(predicted - fastest.ttft_s) <= 0.25 * fastest.ttft_s, (predicted, [t.ttft_s for t in timings])
 
 
 @pytest.fixture(scope="module")
