@@ -97,7 +97,13 @@ class ProcessGroup:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """Start ``argv`` as ``name``, its output going to ``log_dir/name.log``."""
+        """Start ``argv`` as ``name``, its output going to ``log_dir/name.log``.
+
+        A name whose process still runs is refused: replacing it would drop the only PID the
+        group could stop it by, and the process would outlive the group."""
+        running = self.procs.get(name)
+        if running is not None and running.poll() is None:
+            raise RuntimeError(f"{name} is already running (pid {running.pid}): stop it first")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
         proc = subprocess.Popen(
