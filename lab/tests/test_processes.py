@@ -9,6 +9,7 @@ import pytest
 
 from extproc_lab.demo.processes import ProcessGroup
 
+# A real process that outlives the test unless the group stops it.
 SLEEP = [sys.executable, "-c", "import time; time.sleep(30)"]
 
 
