@@ -176,7 +176,7 @@ class Router:
         self.rates = RateBook(priors)
         self.outputs = OutputLengths()
         self.hooks: tuple[Hook, ...] = (
-            LoadHook(self.replicas),
+            LoadHook(self.replicas, clock),
             CacheHook(self.caches),
             TenantHook(self.tenants),
             LatencyHook(self.latency, clock),

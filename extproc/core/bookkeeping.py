@@ -173,8 +173,9 @@ class LoadHook:
     """The replica's requests, pending prefill and KV tokens in flight (the load the decision
     reads before a scrape catches up)."""
 
-    def __init__(self, book: ReplicaBook) -> None:
+    def __init__(self, book: ReplicaBook, clock: Callable[[], float]) -> None:
         self.book = book
+        self.clock = clock
 
     def decided(self, routed: Routed, replica: str, now: float) -> None:
         """Count it: what it adds to the replica's KV is the part not believed cached (a shared
@@ -195,7 +196,7 @@ class LoadHook:
 
     def ended(self, routed: Routed, replica: str) -> None:
         """Uncount it."""
-        self.book.end(replica, routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
+        self.book.end(replica, self.clock(), routed.prefill_tokens, routed.kv_tokens, routed.features.session_key)
         routed.prefill_tokens = 0
         self._hop_over(routed)
 

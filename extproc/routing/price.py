@@ -66,7 +66,7 @@ from dataclasses import dataclass, field, replace
 from extproc.base.engine_rates import BUILT_IN_SOURCE
 from extproc.request.features import RequestFeatures, uncached_tokens
 from extproc.routing.lora import adapter_requested
-from extproc.routing.model import ReplicaState
+from extproc.routing.model import ReplicaState, working_set_overflow
 from extproc.routing.plugins import CycleState
 from extproc.routing.price_parts import Price
 from extproc.routing.price_settings import PriceSettings
@@ -152,6 +152,7 @@ def _price(
     new_conversation: bool,
     fill: CacheFill | None,
     adapter: str = "",
+    own: int = 0,
 ) -> Price:
     features = cycle.features
     rates = settings.rates(cycle, state)
@@ -197,6 +198,8 @@ def _price(
     future = 0.0
     if new_conversation and settings.session_tokens:
         future = state.live_sessions * settings.session_tokens / rate
+    if settings.working_set_weight and features.session_key and capacity > 0 and own > 0:
+        future += settings.working_set_weight * working_set_overflow(state, own, view.pinned) / rate
     # An adapter being loaded for requests already waiting there (``adapters_waiting``) is as good as held.
     load = 0.0
     if adapter and adapter not in state.adapters and adapter not in state.adapters_waiting:
@@ -219,7 +222,11 @@ def prices(
     pinned = cycle.view.pinned
     new_conversation = cycle.features.opens_conversation and pinned is None
     adapter = _adapter(cycle)
-    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill, adapter) for c in candidates}
+    own = 0
+    if settings.working_set_weight and candidates:
+        # The conversation's own history: what the replica holding least of it would compute.
+        own = max(uncached_tokens(cycle.features, _held_blocks(cycle, c), block_chars) for c in candidates)
+    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill, adapter, own) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
     if stay is not None:
         margin = settings.hysteresis * stay.total_s + settings.hysteresis_s

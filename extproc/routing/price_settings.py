@@ -48,6 +48,11 @@ class PriceSettings:
     recompute (added to ``others``, in the prefill's seconds): 1, all of it once. Without it
     (0) the price took the Mooncake trace's requests off the replicas holding their prefix
     for any shorter queue, 24% hit ratio against the default profile's 33%; with 1, 29%."""
+    working_set_weight: float = 0.0
+    """The weight, for a request with a session, of what its place is expected to make its own next
+    turns and those of the conversations due back there recompute
+    (:func:`~extproc.routing.model.working_set_overflow`), at the replica's prefill rate, added
+    to ``future``. 0 (off) by default; ``benchmarks/realstack-vllm.md`` has what 1 does."""
     hysteresis: float = 0.25
     prefix_hysteresis: float = 0.5
     """For a request without a session: the share of its price on the replica holding most of its

@@ -19,6 +19,7 @@ from extproc.fleet.health.sessions import LiveSessions
 from extproc.fleet.health.settings import HealthSettings
 from extproc.fleet.health.shared_load import PeerCounts, PeerLoad
 from extproc.fleet.health.vllm_metrics import ReplicaMetrics, bucket_delta, histogram_quantile
+from extproc.fleet.health.working_sets import WorkingSets
 from extproc.routing.model import Replica, ReplicaState, Snapshot
 
 ERROR_EWMA_ALPHA = 0.1
@@ -97,6 +98,7 @@ class ReplicaBook:
         self._unreported: list[Transition] = []
         self._baseline: HealthSignals | None = None  # the fleet's median load at the last evaluation
         self.sessions = LiveSessions()  # the conversations each replica carries (its pinned decode load)
+        self.working_sets = WorkingSets()  # and the KV of their own they hold there, while due back
         self.scrapes = 0
         """Successful scrapes taken in so far (readers of ``metrics`` check it for news)."""
 
@@ -128,6 +130,7 @@ class ReplicaBook:
     def leave(self, name: str) -> bool:
         """Remove a replica; True if it was a member."""
         self.sessions.forget(name)
+        self.working_sets.forget(name)
         return self._records.pop(name, None) is not None
 
     # --- the decision's view --------------------------------------------------------------------
@@ -143,6 +146,7 @@ class ReplicaBook:
         stale_before = now - self.settings.stale_after_s
         live = self.sessions.expected(now)
         live_tokens = self.sessions.tokens(now)
+        working = self.working_sets.tokens(now)
         states = []
         peers = self.peers.others(now) if self.peers is not None else {}
         for r in self._records.values():
@@ -159,6 +163,7 @@ class ReplicaBook:
                     pending_prefill_tokens=r.pending_prefill_tokens + peer.pending_prefill_tokens,
                     live_sessions=live.get(r.replica.name, 0),
                     live_session_tokens=live_tokens.get(r.replica.name, 0),
+                    working_set_tokens=working.get(r.replica.name, 0),
                     recent_requests=self._decayed(r, now) + peer.recent,
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
@@ -184,14 +189,14 @@ class ReplicaBook:
         hold_s: float | None = None,
         declared: bool = True,
     ) -> None:
-        """A request was sent to ``name``, with about ``prefill_tokens`` of its prompt uncached there
-        and ``kv_tokens`` it will hold in the KV cache while it runs (its whole prompt), a turn of
-        ``session`` if it has one (``declared`` False: a keyless request opening a conversation,
-        see :meth:`LiveSessions.begin`)."""
+        """A request was sent to ``name``: ``prefill_tokens`` of its prompt to prefill there, the
+        ``kv_tokens`` of KV it adds there (its prompt's part not believed cached), a turn of ``session``
+        if any (``declared`` False: a keyless request opening a conversation, :meth:`LiveSessions.begin`)."""
         rec = self._records.get(name)
         if rec is not None:
             if session is not None:
                 self.sessions.begin(name, session, now, hold_s, kv_tokens, declared)
+                self.working_sets.begin(name, session, now, kv_tokens)
             rec.recent = self._decayed(rec, now) + 1.0
             rec.recent_at = now
             rec.inflight += 1
@@ -219,12 +224,13 @@ class ReplicaBook:
             if self.peers is not None:
                 self.peers.publish(rec)
 
-    def end(self, name: str, prefill_tokens: int = 0, kv_tokens: int = 0, session: str | None = None) -> None:
-        """A request to ``name`` finished (or was abandoned); ``prefill_tokens`` still pending are
-        dropped and the ``kv_tokens`` it held are freed."""
+    def end(self, name: str, now: float, prefill_tokens: int, kv_tokens: int, session: str | None = None) -> None:
+        """A request to ``name`` finished (or was abandoned) at ``now``; ``prefill_tokens`` still
+        pending are dropped and the ``kv_tokens`` it held are freed."""
         rec = self._records.get(name)
         if session is not None:
             self.sessions.end(session)
+            self.working_sets.end(session, now)
         if rec is not None and rec.inflight > 0:
             rec.inflight -= 1
             rec.inflight_tokens = max(0, rec.inflight_tokens - kv_tokens)

@@ -135,7 +135,7 @@ async def test_a_class_that_queues_waits_until_a_replica_is_predicted_to_meet_it
     assert not task.done()
     for name in names:
         for _ in range(3):
-            router.replicas.end(name)
+            router.replicas.end(name, world.monotonic(), 0, 0)
     queue.wake()
     await world.advance()
     routed = await asyncio.wait_for(task, 5)

@@ -382,3 +382,31 @@ def test_without_a_usable_max_tokens_the_models_learned_answer_length_is_expecte
     # Another model's answers say nothing of this one's; a max_tokens within the cap still decides.
     assert others_s(None, {"other": 40.0}) == pytest.approx(usual)
     assert others_s(1000, {"m": 40.0}) == pytest.approx(others_s(1000, {}))
+
+
+def test_a_new_conversation_goes_where_the_working_sets_still_fit_else_where_they_already_do_not() -> None:
+    # 8,000-token caches; the new conversation's history is 4,000 tokens (250 blocks, none held).
+    # "full" holds 6,000 tokens of conversations due back: it would overflow them all. "thrashing"
+    # is past its cache already (10,000): nothing there survives anyway. "room" has 3,000.
+    cache = {"kv_capacity_tokens": 8000}
+    parameters: dict[str, object] = {"working_set_weight": 1.0, "session_tokens": 0}
+    full = state("full", working_set_tokens=6000, **cache)
+    thrashing = state("thrashing", working_set_tokens=10_000, **cache)
+    room = state("room", working_set_tokens=3000, **cache)
+    name, *_, trace = run([full, thrashing, room], AffinityView(), parameters=parameters)
+    assert name == "room" and trace.prices["room"].future_s == 0
+    # Without room: half its history and half theirs where it tips the cache over; where the cache
+    # overflows already, its own history, the less the more it overflows (8,000 / 10,000 of it).
+    name, *_, trace = run([full, thrashing], AffinityView(), parameters=parameters)
+    assert name == "thrashing"
+    assert trace.prices["full"].future_s == pytest.approx((0.5 * 4000 + 0.5 * 6000) / RATE)
+    assert trace.prices["thrashing"].future_s == pytest.approx(4000 * 0.8 / RATE)
+    fuller = state("fuller", working_set_tokens=20_000, **cache)
+    assert run([thrashing, fuller], AffinityView(), parameters=parameters)[0] == "fuller"
+    # Its own history counts once where it is pinned: there it is part of what is due back.
+    pinned = AffinityView(pinned="full", prefix_matches={"full": 250})
+    *_, trace = run([full, room], pinned, parameters=parameters)
+    assert trace.prices["full"].future_s == 0
+    # Off by default: the working sets price nothing.
+    *_, trace = run([full, thrashing], AffinityView(), parameters={"session_tokens": 0})
+    assert trace.prices["full"].future_s == trace.prices["thrashing"].future_s == 0

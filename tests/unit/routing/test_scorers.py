@@ -38,6 +38,7 @@ def replica_states(draw: st.DrawFn, name: str) -> ReplicaState:
         running=draw(st.integers(0, 500)),
         kv_usage=draw(st.floats(-0.5, 2.0)),  # a scrape may say anything: the scorers bound it
         kv_capacity_tokens=draw(st.sampled_from([0, 1, 4096, 1_000_000])),
+        working_set_tokens=draw(st.integers(0, 2_000_000)),
         adapters=draw(adapter_sets),
         adapters_waiting=draw(adapter_sets),
         max_lora=draw(st.integers(0, 4)),
@@ -108,7 +109,12 @@ PARAMETERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "tenant_headroom": st.fixed_dictionaries({"per_replica": st.integers(0, 64)}),
     "lora": st.just({}),
     "prefill_cost": st.fixed_dictionaries(
-        {"floor_tokens": floors, "kv_weight": st.floats(0.0, 2.0), "overflow_weight": st.floats(0.0, 2.0)}
+        {
+            "floor_tokens": floors,
+            "kv_weight": st.floats(0.0, 2.0),
+            "overflow_weight": st.floats(0.0, 2.0),
+            "working_set_weight": st.floats(0.0, 2.0),
+        }
     ),
     # Its range with objectives and warm models drawn is tests/unit/routing/test_latency.py's own property test.
     "slo_headroom": st.just({}),
@@ -124,6 +130,7 @@ PARAMETERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
             "hysteresis_s": st.floats(0.0, 1.0),
             "turn_tokens": st.integers(0, 4096),
             "evict_weight": st.floats(0.0, 4.0),
+            "working_set_weight": st.floats(0.0, 2.0),
             "floor_s": st.floats(0.0, 1.0),
         }
     ),

@@ -119,7 +119,7 @@ def test_each_worker_sees_the_load_every_worker_has_in_flight() -> None:
             assert (states["a"].inflight, states["b"].inflight) == (2, 1)
             assert states["a"].inflight_tokens == 100
             assert states["a"].pending_prefill_tokens == 10
-        books[0].end("a", prefill_tokens=10, kv_tokens=100)
+        books[0].end("a", 0.0, prefill_tokens=10, kv_tokens=100)
         assert {s.replica.name: s.inflight for s in books[1].snapshot(0.0).replicas} == {"a": 1, "b": 1}
         assert books[1].peers is not None and books[1].peers.requests() == [2, 1]
     finally:

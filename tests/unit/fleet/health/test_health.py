@@ -270,7 +270,7 @@ async def test_a_late_page_from_a_replica_that_keeps_answering_is_no_failure() -
         clock[0] += 0.25
         await scraper.scrape_once()
     assert all(s.in_rotation for s in book.snapshot(clock[0]).replicas)
-    book.end("a", prefill_tokens=4000)
+    book.end("a", clock[0], prefill_tokens=4000, kv_tokens=0)
     for _ in range(12):  # nothing running and nothing answered: after stale_after_s its late pages count
         clock[0] += 0.25
         await scraper.scrape_once()
