@@ -189,8 +189,8 @@ class PrefillCostScorer:
     """Tokens of cost, for a new conversation, per token its place is expected to make its own next
     turns and those of the conversations due back there recompute
     (:func:`~extproc.routing.model.working_set_overflow`; 0: off, the default). With 1 and
-    ``live_context_weight`` 0, real vLLM at 36 conversations / 18 live found 33.9% against 29.1%
-    (benchmarks/realstack-vllm.md); beside ``live_context_weight`` 1, which spreads conversations
+    ``live_context_weight`` 0, real vLLM at 36 conversations / 18 live found 33.2% against 29.3%
+    over nine pairs (benchmarks/realstack-vllm.md); beside ``live_context_weight`` 1, which spreads conversations
     evenly whether or not their histories fit, it found no more than without it."""
     name: str = "prefill_cost"
 
