@@ -200,9 +200,10 @@ def working_set_overflow(state: ReplicaState, own: int, pinned: str | None = Non
     - They overflow the cache already: its own history, times the cache over what is due back.
       Nothing more is lost there, and the fuller such a cache, the less one more conversation
       costs, so that the overflow gathers on as few replicas as possible while the others drain
-      back under their caches (real vLLM at 36 conversations / 18 live: 33.2% hit ratio over nine
-      runs, against 32.2% over twelve with its own history at full cost on every overflowing
-      replica, a difference within the runs' spread; benchmarks/realstack-vllm.md).
+      back under their caches (real vLLM at 36 conversations / 18 live: 34.3% hit ratio over
+      thirteen runs, against 32.2% over twelve with its own history at full cost on every
+      overflowing replica; in the same rounds 2.8 points apart, standard error 2.6;
+      benchmarks/realstack-vllm.md).
 
     0 where the cache's size is unknown."""
     capacity = state.kv_capacity_tokens

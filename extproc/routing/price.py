@@ -37,7 +37,10 @@ To them the price adds what the choice costs others and later turns:
   turn), which this conversation's next turns will wait behind; a keyless opening counts at the
   rate such openings come back (:attr:`~extproc.routing.model.ReplicaState.live_sessions`):
   counted in full, a hot prefix's single questions, which never come back, priced its holder out
-  (simulator hot-prefix TTFT p99 0.131 s against 0.038 s);
+  (simulator hot-prefix TTFT p99 0.131 s against 0.038 s); and, with ``working_set_weight`` (off
+  by default), for any request with a session, what its place makes its own next turns and its
+  neighbours' recompute where their histories no longer fit that cache together
+  (:func:`~extproc.routing.model.working_set_overflow`);
 - ``move_s``: for a session whose pinned replica is a candidate, what leaving it must save before
   it is worth it (``hysteresis`` of staying's price, plus ``hysteresis_s``): staying is already
   cheap where the history is cached (its ``prefill_s`` is the new part of the turn only), and the
@@ -198,7 +201,7 @@ def _price(
     future = 0.0
     if new_conversation and settings.session_tokens:
         future = state.live_sessions * settings.session_tokens / rate
-    if settings.working_set_weight and features.session_key and capacity > 0 and own > 0:
+    if settings.working_set_weight and features.session_key:
         future += settings.working_set_weight * working_set_overflow(state, own, view.pinned) / rate
     # An adapter being loaded for requests already waiting there (``adapters_waiting``) is as good as held.
     load = 0.0

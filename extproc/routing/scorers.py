@@ -189,9 +189,10 @@ class PrefillCostScorer:
     """Tokens of cost, for a new conversation, per token its place is expected to make its own next
     turns and those of the conversations due back there recompute
     (:func:`~extproc.routing.model.working_set_overflow`; 0: off, the default). With 1 and
-    ``live_context_weight`` 0, real vLLM at 36 conversations / 18 live found 33.2% against 29.3%
-    over nine pairs (benchmarks/realstack-vllm.md); beside ``live_context_weight`` 1, which spreads conversations
-    evenly whether or not their histories fit, it found no more than without it."""
+    ``live_context_weight`` 0, real vLLM at 36 conversations / 18 live found 34.3% against 30.0%
+    over thirteen pairs, TTFT p99 0.48 s later (benchmarks/realstack-vllm.md); beside
+    ``live_context_weight`` 1, which spreads conversations evenly whether or not their histories
+    fit, it found no more than without it."""
     name: str = "prefill_cost"
 
     def score(self, cycle: CycleState, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
