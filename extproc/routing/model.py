@@ -215,5 +215,4 @@ def working_set_overflow(state: ReplicaState, own: int, pinned: str | None = Non
         return 0.0
     if others > capacity:
         return own * capacity / others
-    share = min(1.0, overflow / own)
-    return share * own + others * share
+    return overflow / own * (own + others)  # others fit: the overflow is at most its own history

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 GAP_FACTOR = 4.0
@@ -97,9 +98,10 @@ class WorkingSets:
             live_s = GAP_FACTOR * max(gap, MIN_GAP_S) if gap is not None else DEFAULT_GAP_S * GAP_FACTOR
             heapq.heappush(self._expiries, (now + min(live_s, self.max_live_s), c.turn, session))
 
-    def tokens(self, now: float) -> dict[str, int]:
+    def tokens(self, now: float) -> Mapping[str, int]:
         """Per replica, the sizes of the conversations live there at ``now`` summed (replicas
-        without any left out)."""
+        without any left out): the running sums themselves, read at once by the snapshot, not a
+        copy for every decision."""
         while self._expiries and self._expiries[0][0] <= now:
             _, turn, session = heapq.heappop(self._expiries)
             c = self._conversations.get(session)
@@ -111,7 +113,7 @@ class WorkingSets:
             if c.inflight or c.counted or now - c.last_end <= self.max_live_s:
                 break
             self._drop(key)
-        return dict(self._sums)
+        return self._sums
 
     def forget(self, replica: str) -> None:
         """A replica left: its conversations hold nothing there."""
