@@ -14,7 +14,8 @@ from collections import OrderedDict
 
 
 class NearCache:
-    """session -> replica, each entry valid for ``ttl_s`` after it was stored; LRU-bounded."""
+    """session -> replica, each entry valid for ``ttl_s`` after it was read from Redis (or first
+    written, when Redis had none); LRU-bounded."""
 
     def __init__(self, ttl_s: float = 1.0, max_entries: int = 10_000) -> None:
         self.ttl_s = ttl_s
@@ -49,6 +50,19 @@ class NearCache:
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+    def write(self, key: str, replica: str, now: float) -> None:
+        """This gateway's own pin: the answer changes at once (it reads its writes while they are
+        queued), but an entry's expiry stays where the last read from Redis put it. Two gateways
+        that came to disagree (each routed on its own memory through an outage) would otherwise
+        keep their own answers alive by writing them, each turn within ``ttl_s`` of the last, and
+        never read the pin Redis settled on."""
+        entry = self._entries.get(key)
+        if entry is None or entry[1] <= now:
+            self.put(key, replica, now)
+            return
+        self._entries[key] = (replica, entry[1])
+        self._entries.move_to_end(key)
 
     def discard(self, key: str) -> None:
         """Forget ``key``."""

@@ -195,7 +195,7 @@ class RedisStore(RedisBackground):
         await self.local.record(session_key, replica, prefix_hashes, now, pin, model=model)
         skey = self.keys.session(model, session_key) if session_key else None
         if skey is not None and pin:
-            self.near.put(skey, replica, now)
+            self.near.write(skey, replica, now)
         if self._closed:
             return
         self._queue(QueuedWrite(model, skey, replica, prefix_hashes, pin))

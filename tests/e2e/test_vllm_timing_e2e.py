@@ -265,10 +265,14 @@ def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
     # vLLM's CPU engine on this model: thousands of prompt tokens a second, a decode step of ms.
     assert 500 < prior.prefill_tokens_per_s < 200_000, prior
     assert 0.0005 < prior.decode_step_s < 0.5, prior
-    # What it predicts of a fresh prompt alone is what the engine then takes uncontended, within
-    # 25%: the fastest of five, the statistic calibrate fits (each length's fastest repeat), since
-    # whatever else runs on a 2-core host only adds to a request. The median of five is not: one CI
-    # run took 88-105 ms for a prompt whose own calibration repeats had taken 89-99 ms.
+    # What it predicts of a fresh prompt alone is what the engine then takes uncontended, within a
+    # factor of 1.5: the fastest of five, the statistic calibrate fits (each length's fastest
+    # repeat), since whatever else runs on a 2-core host only adds to a request. The bound is the
+    # sum of two errors CI showed: the fit is a line through five lengths (one run predicted 88 ms
+    # where the fastest repeat at that length had taken 77), and the same prompt's fastest of five
+    # moves by a quarter between runs (65 ms in that run; another took 88-105 ms for a prompt whose
+    # calibration repeats had taken 89-99). A prior in the wrong units or without the engine's
+    # fixed overhead is off by more.
     engine = Engine(engines.url(engines.members[1].name), MODEL)
     timings = [engine.stream(cold_prompt(i, 150)[0]["content"], 1) for i in range(5)]
     for timed in timings:
@@ -276,7 +280,7 @@ def test_calibrate_measures_a_real_engine_and_its_prior_predicts_a_cold_prompt(
         print(f"{timed.prompt_tokens} tokens: predicted {predicted:.3f} s, took {timed.ttft_s:.3f} s")
     fastest = min(timings, key=lambda t: t.ttft_s)
     predicted = prior.pool().rates.prefill_s(fastest.prompt_tokens)
-    assert abs(predicted - fastest.ttft_s) <= 0.25 * fastest.ttft_s, (predicted, [t.ttft_s for t in timings])
+    assert 1 / 1.5 <= predicted / fastest.ttft_s <= 1.5, (predicted, [t.ttft_s for t in timings])
 
 
 @pytest.fixture(scope="module")

@@ -159,11 +159,41 @@ async def test_the_near_cache_answers_a_hot_session_without_redis(redis_server: 
         await store.close()
 
 
+async def test_two_gateways_that_disagree_converge_within_the_near_cache_ttl(redis_server: LocalRedis) -> None:
+    # As after an outage, each gateway pinned the conversation on its own: both near-caches hold
+    # their own answer. Every 0.3 s each routes a turn on what it sees and records that; their own
+    # writes must not keep their answers alive past the near-cache's second.
+    namespace = f"diverged-{next(_namespaces)}"
+    a, b = (open_store(f"{redis_server.url}?near_cache_ttl=1", ttl_s=30, namespace=namespace) for _ in range(2))
+    assert isinstance(a, RedisStore) and isinstance(b, RedisStore)
+    try:
+        await a.record("conv", "r1", [], now=0, pin=True, model="m")
+        await b.record("conv", "r2", [], now=0, pin=True, model="m")
+        assert await a.flush() and await b.flush()
+        seen: list[tuple[str | None, str | None]] = []
+        for step in range(1, 8):
+            now = step * 0.3
+            views = [await store.lookup("conv", [], now=now, model="m") for store in (a, b)]
+            seen.append((views[0].pinned, views[1].pinned))
+            for store, view in zip((a, b), views, strict=True):
+                assert view.pinned is not None
+                await store.record("conv", view.pinned, [], now=now, pin=True, model="m")
+                assert await store.flush()
+        assert seen[0] == ("r1", "r2")
+        assert all(x == y for x, y in seen[4:]), seen  # from 1.5 s on: both read Redis's one pin
+    finally:
+        await a.close()
+        await b.close()
+
+
 def test_near_cache_entries_do_not_slide_and_the_cache_is_bounded() -> None:
     near = NearCache(ttl_s=1.0, max_entries=3)
     near.put("a", "r1", now=0)
     assert near.get("a", now=0.9) == "r1"
     assert near.get("a", now=1.0) is None  # reading did not extend it
+    near.put("a", "r1", now=2)
+    near.write("a", "r3", now=2.5)  # this gateway's own pin: answered at once, not extended
+    assert near.get("a", now=2.9) == "r3" and near.get("a", now=3.0) is None
     for key in "bcde":
         near.put(key, "r2", now=2)
     assert len(near) == 3 and near.get("b", now=2) is None
