@@ -66,8 +66,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check extproc lab tests benchmarks fuzz envoy
 	$(VENV)/bin/mypy
 
+# Two xdist workers, each module on one of them and every test on real vLLM engines on the same
+# one (tests/conftest.py); TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) os-deps engines peers lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=30 $(PYTEST_ARGS)
 
 # Envoy alone, Envoy + our processor, sglang-router and vllm-router side by side (about 3 minutes;
 # the peer routers are pip-installed into venvs under ~/.cache/extproc on first use).

@@ -30,6 +30,49 @@ settings.load_profile("extproc")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+ENGINES_SCOPE = "tests/e2e: real vLLM engines"
+"""The xdist scope of every test that starts real vLLM engines (see :func:`engine_scope`)."""
+
+
+def engine_scope(nodeid: str) -> str | None:
+    """:data:`ENGINES_SCOPE` for a test that starts real vLLM engines, else None.
+
+    ``make test`` runs two xdist workers (``--dist loadscope``): each module's tests on one worker,
+    so its module fixtures (a gateway, Redis) start once. Every test on real engines goes to one
+    worker: the session's fleet (``tiny_engines``) then starts once, and the engines' forward
+    passes do not share two cores with another worker's engines. The controller that schedules
+    sees only node ids, so such a test says so in its id: an e2e test with ``vllm`` in its module's
+    or its own name (:func:`pytest_collection_modifyitems` holds every engine test to that).
+    """
+    return ENGINES_SCOPE if nodeid.startswith("tests/e2e/") and "vllm" in nodeid.lower() else None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadscope``, with every real-engine test in one scope (:func:`engine_scope`)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return engine_scope(nodeid) or super()._split_scope(nodeid)
+
+    return EngineScopeScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts real vLLM engines (marked ``vllm``, or using ``tiny_engines``) must be
+    scheduled with the others (:func:`engine_scope`): one that is not is a collection error."""
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        on_engines = item.get_closest_marker("vllm") is not None or "tiny_engines" in item.fixturenames
+        if on_engines and engine_scope(item.nodeid) is None:
+            raise pytest.UsageError(
+                f"{item.nodeid} starts real vLLM engines: put it in tests/e2e with vllm in its name"
+            )
+
+
 def require_binary(name: str) -> str:
     """The path of a binary the test needs: missing fails under CI, skips elsewhere."""
     beside = Path(sys.executable).with_name(name)

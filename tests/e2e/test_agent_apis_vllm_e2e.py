@@ -29,7 +29,7 @@ from extproc_lab.engines.fleet import EngineSettings
 from tests.conftest import require_binary, require_engines
 from tests.helpers import as_tenant, charged_tokens, scrape_total, tenant_api_keys
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 MODEL = "demo-model"
 BLOCK = 32
 TENANT = "agents"

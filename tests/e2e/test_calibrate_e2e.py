@@ -1,7 +1,6 @@
 """``extproc calibrate`` against the fake replica, whose speeds are known (its profile's), and the
 prior it writes read back by the router's strict config: the rate learner and the price both
-start from it. The same command against real vLLM is in ``tests/e2e/vllm_fleet.py``'s module
-(``test_vllm_shared_e2e.py``)."""
+start from it. The same command against real vLLM is in ``tests/e2e/test_vllm_timing_e2e.py``."""
 
 from __future__ import annotations
 

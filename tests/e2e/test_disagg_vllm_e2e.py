@@ -29,7 +29,7 @@ from extproc_lab.replica.sidecar import Sidecar, build_sidecar_app
 from tests.conftest import require_engines
 from tests.helpers import metrics_page, scrape_total
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 COMPLETIONS = "/v1/completions"
 BLOCK = 32
 PREFILL, DECODE = "replica-0", "replica-1"

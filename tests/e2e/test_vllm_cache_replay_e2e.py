@@ -28,7 +28,7 @@ from extproc_lab.replica import PROFILES, ReplicaModel, Seq
 from extproc_lab.replica.kv_events import TokenBlocks
 from tests.e2e.conftest import TINY_BLOCKS, TinyEngines
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 MODEL = "demo-model"
 BLOCK = 32
 VOCAB = 800  # the tiny model's vocabulary is 817 ids; ids above its special tokens

@@ -39,7 +39,7 @@ from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 from tests.conftest import ROOT, require_binary, require_engines
 from tests.helpers import scrape_total
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 CHAT = "/v1/chat/completions"
 MODEL = "demo-model"
 TTFT = "extproc_ttft_seconds"
