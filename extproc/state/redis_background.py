@@ -74,6 +74,8 @@ class RedisBackground:
     observer: StoreObserver
     counters: StoreCounters
     _pending: deque[QueuedWrite]
+    _unsent: dict[str, tuple[str, int]]
+    """key -> the newest pin queued for it and how many of its pin writes are not in Redis yet"""
     _in_flight: int
     _connected: bool
     _wake: asyncio.Event
@@ -86,9 +88,12 @@ class RedisBackground:
     def _queue(self, write: QueuedWrite) -> None:
         """Queue a write for the background writer (the oldest dropped beyond ``backlog``)."""
         if len(self._pending) >= self.backlog:
-            self._pending.popleft()
+            self._settled(self._pending.popleft())
             self.counters.dropped_writes += 1
         self._pending.append(write)
+        if write.pin and write.session is not None:
+            _, queued = self._unsent.get(write.session, ("", 0))
+            self._unsent[write.session] = (write.replica, queued + 1)
         if self.outage.down:  # a backlog piling up is worth seeing; in normal running the writer reports
             self.observer.store_queued(len(self._pending))
         self._wake.set()
@@ -108,16 +113,37 @@ class RedisBackground:
                     # Back to the front, oldest first; the backlog bound still holds.
                     self._pending.extendleft(reversed(batch))
                     while len(self._pending) > self.backlog:
-                        self._pending.popleft()
+                        self._settled(self._pending.popleft())
                         self.counters.dropped_writes += 1
                     self._failed("record", exc)
                 except Exception as exc:  # a bug must cost this batch, never the writer itself
                     self.counters.dropped_writes += len(batch)
                     self._error("record", exc)
                     log.exception("affinity store write failed")
+                    for write in batch:
+                        self._settled(write)
+                else:
+                    for write in batch:
+                        self._settled(write)
                 finally:
                     self._in_flight = 0
                     self.observer.store_queued(len(self._pending))
+
+    def unsent_pin(self, key: str) -> str | None:
+        """The newest pin this gateway queued for ``key`` while some pin write of it has not
+        reached Redis yet (the backlog of an outage still draining): what Redis says is older."""
+        entry = self._unsent.get(key)
+        return entry[0] if entry is not None else None
+
+    def _settled(self, write: QueuedWrite) -> None:
+        """``write`` reached Redis, or never will (dropped): one pin write fewer on its way."""
+        if not write.pin or write.session is None:
+            return
+        replica, queued = self._unsent.get(write.session, ("", 0))
+        if queued <= 1:
+            self._unsent.pop(write.session, None)
+        else:
+            self._unsent[write.session] = (replica, queued - 1)
 
     def _record_call(self, w: QueuedWrite, keys: KeySpace) -> tuple[Any, ...]:
         index = keys.prefix_index(w.model, w.replica)

@@ -17,7 +17,9 @@ bounds how long a gateway can follow a pin another gateway has just moved.
 **Writes behind the decision.** ``record`` updates the local mirror and the near-cache at once
 and queues the Redis write; a background writer (:mod:`extproc.state.redis_background`, with the
 prober below) sends what is queued in one pipeline per batch.
-The decision never waits for a write. The price: another gateway may not see a pin for one
+The decision never waits for a write, and this gateway reads its own: while a pin write of a
+session is queued, its lookups answer the newest pin queued, not what Redis still holds (an
+outage's backlog may take a while to drain). The price: another gateway may not see a pin for one
 round trip after the answer went to Envoy (a conversation's next turn comes after the reply, far
 later), and writes queued when the process dies are lost. The queue is bounded (``backlog``):
 when Redis is away the oldest writes are dropped first and the rest are sent when it returns.
@@ -111,6 +113,7 @@ class RedisStore(RedisBackground):
         self.observer: StoreObserver = observer or NullStoreObserver()
         self.counters = StoreCounters()
         self._pending: deque[QueuedWrite] = deque()
+        self._unsent: dict[str, tuple[str, int]] = {}
         self._in_flight = 0
         self._connected = False  # the first connection opened (a cluster's topology discovered)
         self._wake = asyncio.Event()
@@ -159,9 +162,14 @@ class RedisStore(RedisBackground):
         for replica, blocks in local.prefix_matches.items():
             if blocks > matches.get(replica, 0):
                 matches[replica] = blocks
-        if pinned is None:
-            # Not in Redis: our pin is still queued, or Redis lost its data (a restart). Ours
-            # holds, and the decision's record writes it back.
+        unsent = self.unsent_pin(skey) if skey is not None else None
+        if unsent is not None:
+            # This gateway's newer pin is still on its way to Redis (an outage's backlog draining):
+            # it reads its own write, not the older pin Redis still holds.
+            pinned = unsent
+        elif pinned is None:
+            # Not in Redis, and no pin of ours on its way: Redis lost it (a restart, or a write
+            # dropped from a full backlog). Ours holds, and the decision's record writes it back.
             pinned = local.pinned
         elif skey is not None and session_key is not None:
             self.near.put(skey, pinned, now)

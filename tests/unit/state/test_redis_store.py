@@ -23,6 +23,7 @@ from extproc.observe.metrics import RouterMetrics
 from extproc.routing.model import Reason
 from extproc.state.factory import open_store
 from extproc.state.near_cache import NearCache
+from extproc.state.redis_background import QueuedWrite
 from extproc.state.redis_keys import KeySpace
 from extproc.state.redis_store import RedisStore
 from extproc_lab.demo.processes import ProcessGroup
@@ -184,6 +185,36 @@ async def test_two_gateways_that_disagree_converge_within_the_near_cache_ttl(red
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_gateway_reads_its_own_pin_while_its_write_waits_to_reach_redis(
+    redis_server: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = redis_store(redis_server.url, near_cache_ttl=1)
+    release = asyncio.Event()
+    try:
+        await store.record("conv", "r1", [], now=0, pin=True, model="m")
+        assert await store.flush()
+        send = store._write_batch
+
+        async def held(batch: list[QueuedWrite]) -> None:  # an outage's backlog, still draining
+            await release.wait()
+            await send(batch)
+
+        monkeypatch.setattr(store, "_write_batch", held)
+        await store.record("conv", "r2", [], now=5, pin=True, model="m")  # moved: a failover
+        # The near-cache's entry from 5 s has expired: the lookup reads Redis, which says r1.
+        view = await store.lookup("conv", [], now=6.5, model="m")
+        assert store.counters.remote_lookups == 1
+        assert view.pinned == "r2"
+        release.set()
+        assert await store.flush()
+        assert store.unsent_pin(store.keys.session("m", "conv")) is None
+        assert (await store.lookup("conv", [], now=8, model="m")).pinned == "r2"  # Redis's, now
+        assert store.counters.remote_lookups == 2
+    finally:
+        release.set()
+        await store.close()
 
 
 def test_near_cache_entries_do_not_slide_and_the_cache_is_bounded() -> None:
