@@ -47,6 +47,7 @@ def engine_scope(nodeid: str) -> str | None:
     return ENGINES_SCOPE if nodeid.startswith("tests/e2e/") and "vllm" in nodeid.lower() else None
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: the suite also runs without xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """``--dist loadscope``, with every real-engine test in one scope (:func:`engine_scope`)."""
     if config.getvalue("dist") != "loadscope":
