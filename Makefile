@@ -67,10 +67,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Two xdist workers, each module on one of them and every test on real vLLM engines on the same
-# one (tests/conftest.py); TEST_WORKERS=0 runs the suite in one process.
+# one (tests/conftest.py; TEST_WORKERS=0 runs one process); then the tests that time real engines
+# (marked alone), with the host to themselves (exit 5: PYTEST_ARGS selected none of them).
 TEST_WORKERS ?= 2
 test: $(STAMP) os-deps engines peers lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=30 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=30 -m "not alone" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # Envoy alone, Envoy + our processor, sglang-router and vllm-router side by side (about 3 minutes;
 # the peer routers are pip-installed into venvs under ~/.cache/extproc on first use).

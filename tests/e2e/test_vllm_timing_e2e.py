@@ -39,7 +39,9 @@ from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 from tests.conftest import ROOT, require_binary, require_engines
 from tests.helpers import scrape_total
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+# Timings against real engines: `make test` runs this module after the others, the host to itself
+# (under the other xdist worker's load the queued and the lone requests took the same time).
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.alone]
 CHAT = "/v1/chat/completions"
 MODEL = "demo-model"
 TTFT = "extproc_ttft_seconds"
