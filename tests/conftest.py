@@ -17,7 +17,7 @@ from hypothesis import settings
 
 from extproc.config import Config, Metrics
 from extproc.routing import Replica
-from extproc_lab.demo.processes import ProcessGroup
+from extproc_lab.demo.processes import PORTS_ENV, ProcessGroup, share_ports
 from extproc_lab.demo.redis_server import LocalRedis
 from extproc_lab.replica.tokenizer_dir import build_tokenizer_dir
 
@@ -28,6 +28,11 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 settings.register_profile("extproc", deadline=None)
 settings.load_profile("extproc")
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# Each xdist worker (and what it starts) hands out ports from its own part of the range.
+if (_worker := os.environ.get("PYTEST_XDIST_WORKER")) is not None:
+    os.environ[PORTS_ENV] = share_ports(int(_worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 ENGINES_SCOPE = "tests/e2e: real vLLM engines"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc_lab.demo.processes import ProcessGroup
+from extproc_lab.demo.processes import PORTS_ENV, ProcessGroup, free_port, share_ports
 
 # A real process that outlives the test unless the group stops it.
 SLEEP = [sys.executable, "-c", "import time; time.sleep(30)"]
@@ -28,3 +28,12 @@ def test_a_name_still_running_is_refused_not_replaced(tmp_path: Path) -> None:
     finally:
         group.stop_all()
     assert all(p.poll() is not None for p in (first, again))
+
+
+def test_processes_given_their_share_of_ports_hand_out_disjoint_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    shares = [share_ports(i, 2) for i in range(2)]
+    ranges = [tuple(int(p) for p in share.split("-")) for share in shares]
+    assert ranges[0][1] <= ranges[1][0] and ranges[0][0] < ranges[0][1] and ranges[1][0] < ranges[1][1]
+    for (start, stop), share in zip(ranges, shares, strict=True):
+        monkeypatch.setenv(PORTS_ENV, share)
+        assert all(start <= free_port() < stop for _ in range(20))

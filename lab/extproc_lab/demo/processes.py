@@ -31,6 +31,35 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+PORTS_ENV = "EXTPROC_FREE_PORTS"
+"""``start-stop``: the ports :func:`free_port` draws from in this process and its children."""
+
+
+def _port_range() -> tuple[int, int]:
+    """``[start, stop)``: :data:`PORTS_ENV`'s, else the 16,384 ports below the ephemeral range."""
+    spec = os.environ.get(PORTS_ENV)
+    if spec:
+        start, _, stop = spec.partition("-")
+        return int(start), int(stop)
+    return _default_range()
+
+
+def _default_range() -> tuple[int, int]:
+    low = min(_ephemeral_low(), 61000)
+    return max(1024, low - 16384), low
+
+
+def share_ports(index: int, count: int) -> str:
+    """A :data:`PORTS_ENV` value: the ``index``-th of ``count`` disjoint parts of the default
+    range, for processes that hand out ports at once (the test suite's xdist workers). Each
+    process knows only the ports it handed out itself, and two that draw from one range hand out
+    the same port now and then: one's replica then fails to bind it while the other's answers
+    there (seen under two workers: a scenario's Envoy sent to another test's replicas)."""
+    start, stop = _default_range()
+    size = (stop - start) // count
+    return f"{start + index * size}-{start + (index + 1) * size}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago, and never one this process handed out before: a
     gateway asks for several at once, before anything binds them.
@@ -39,10 +68,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     offered again to the next outgoing connection or port-0 bind of any process (a vLLM engine's
     own sockets, a client), which can take it before our process binds it (seen: an engine's
     KV-event port and a processor's metrics port "already in use" while other tests ran)."""
-    low = min(_ephemeral_low(), 61000)
-    start = max(1024, low - 16384)
+    start, stop = _port_range()
     for _ in range(200):
-        port = _random.randrange(start, low)
+        port = _random.randrange(start, stop)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
