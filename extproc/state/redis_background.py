@@ -116,18 +116,16 @@ class RedisBackground:
                         self._settled(self._pending.popleft())
                         self.counters.dropped_writes += 1
                     self._failed("record", exc)
+                    continue  # queued again: still on its way
                 except Exception as exc:  # a bug must cost this batch, never the writer itself
                     self.counters.dropped_writes += len(batch)
                     self._error("record", exc)
                     log.exception("affinity store write failed")
-                    for write in batch:
-                        self._settled(write)
-                else:
-                    for write in batch:
-                        self._settled(write)
                 finally:
                     self._in_flight = 0
                     self.observer.store_queued(len(self._pending))
+                for write in batch:  # in Redis, or lost to a bug: no longer on its way
+                    self._settled(write)
 
     def unsent_pin(self, key: str) -> str | None:
         """The newest pin this gateway queued for ``key`` while some pin write of it has not
