@@ -26,6 +26,7 @@ from extproc.fleet.health.latency import LatencyBook
 from extproc.fleet.health.rates import RateBook
 from extproc.fleet.health.replicas import ReplicaBook
 from extproc.fleet.queueing import Refusal
+from extproc.fleet.queueing.kv_room import Entry
 from extproc.observe.tracing import InferenceSpan
 from extproc.request.features import RequestFeatures
 from extproc.request.splits import Arm
@@ -130,6 +131,8 @@ class Routed:
     reserved), until charged or given back."""
     hop: PrefillHop | None = None
     """The prefill hop, when the decision disaggregates the request (``decision.prefill``)."""
+    room: Entry | None = None
+    """Its claim on its replica's KV room (``queueing.kv_room``), given back when it is over."""
 
     # The answer's parts, read where the request's life needs them.
     @property

@@ -116,6 +116,11 @@ class ReplicaBook:
         """Replica ``name``'s record, None when it is not a member."""
         return self._records.get(name)
 
+    def kv_capacity_tokens(self, name: str) -> int:
+        """Replica ``name``'s KV cache in tokens, as it last reported it (0 while unknown)."""
+        record = self._records.get(name)
+        return _kv_tokens(record.metrics) if record is not None else 0
+
     # --- membership ---------------------------------------------------------------------------
 
     def join(self, replica: Replica) -> bool:

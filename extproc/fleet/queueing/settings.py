@@ -49,6 +49,9 @@ class QueueSettings(Section):
     what it was running at the scrape: sent since, so queued there by now), or, with
     ``max_inflight_per_replica``, when the router has that many requests in flight on it.
     Classes not named in ``classes`` get ``default`` (interactive: above batch).
+
+    ``kv_room`` is apart from that (and from ``enabled``): a request decided on a replica waits
+    until its KV has room for it (:mod:`extproc.fleet.queueing.kv_room`).
     """
 
     enabled: bool = option(False, "hold requests instead of sending them to saturated replicas")
@@ -58,6 +61,19 @@ class QueueSettings(Section):
     )
     max_inflight_per_replica: int = option(
         0, "requests in flight from this router at which it is saturated (0: off)", ge=0
+    )
+    kv_room: bool = option(
+        False, "hold a request decided on a replica until its KV has room for it, and keep a turn's room for the next"
+    )
+    kv_room_grace_s: float = option(
+        0.1, "with kv_room: the longest a turn's room is kept for its conversation's next turn", ge=0
+    )
+    kv_room_patience_s: float = option(
+        2.0, "with kv_room: a request waiting this long goes before room kept for a conversation", gt=0
+    )
+    kv_room_max_wait_s: float = option(3.0, "with kv_room: held at most this long, then sent anyway", gt=0)
+    kv_room_share: float = option(
+        1.0, "with kv_room: the share of a replica's KV this router's requests in flight there may claim", gt=0, le=1
     )
     default: QueueClass = option(QueueClass(), "classes not named below (interactive)")
     classes: dict[str, QueueClass] = option(
@@ -81,6 +97,7 @@ class QueueSettings(Section):
     @property
     def longest_wait_s(self) -> float:
         """The longest any request may be held (Envoy's message and route timeouts must exceed it)."""
+        room = self.kv_room_max_wait_s if self.kv_room else 0.0
         if not self.enabled:
-            return 0.0
-        return max([self.default.max_wait_s, *(c.max_wait_s for c in self.classes.values())])
+            return room
+        return room + max([self.default.max_wait_s, *(c.max_wait_s for c in self.classes.values())])

@@ -43,6 +43,12 @@ class AdmissionMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.kv_room_wait_seconds = Histogram(
+            "extproc_kv_room_wait_seconds",
+            "Time a request waited for KV room on its replica (queueing.kv_room), once decided.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         # Latency objectives: classes come from the config; replicas are members.
         self.objective_requests = Counter(
             "extproc_objective_requests",
@@ -93,6 +99,10 @@ class AdmissionMetrics:
     def queue_waited(self, request_class: str, seconds: float) -> None:
         """One wait, by request class."""
         self.queue_wait_seconds.labels(request_class).observe(seconds)
+
+    def kv_room_waited(self, seconds: float) -> None:
+        """One request's wait for KV room (0 when it went at once)."""
+        self.kv_room_wait_seconds.observe(seconds)
 
     def queue_outcome(self, request_class: str, outcome: str) -> None:
         """One held request's outcome."""

@@ -56,6 +56,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from extproc.config import load_config
 from extproc_lab.bench.agent_sessions import (
     AgentCall,
     AgentLoad,
@@ -645,7 +646,7 @@ def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
         log_dir.mkdir(parents=True, exist_ok=True)
     processor_args = setup.processor_args + (_price_args(setup) if name == OURS_PRICE else ())
     if setup.engine == "vllm":
-        return LocalGateway(
+        gw = LocalGateway(
             replicas=setup.replicas,
             processor_args=processor_args,
             engine="vllm",
@@ -653,10 +654,21 @@ def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
             kv_events=name != OURS_ESTIMATE,
             log_dir=log_dir,
         )
+        gw.envoy_options["queue_wait_s"] = _held_at_most(processor_args)
+        return gw
     blocks = ("--kv-blocks", str(setup.kv_blocks)) if setup.kv_blocks else ()
     gw = LocalGateway(replicas=setup.replicas, profile=setup.profile, processor_args=processor_args, log_dir=log_dir)
     gw.replica_args = {r.name: blocks for r in gw.members}
     return gw
+
+
+def _held_at_most(processor_args: tuple[str, ...]) -> float:
+    """The longest the processor's config may hold a request (Envoy's timeouts must exceed it),
+    as ``extproc envoy-config`` renders them."""
+    args = list(processor_args)
+    if "--config" not in args:
+        return 0.0
+    return load_config(args[args.index("--config") + 1]).queueing.longest_wait_s
 
 
 def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:

@@ -187,6 +187,10 @@ def test_envoy_waits_longer_than_the_longest_hold(tmp_path: Path, capsys: pytest
     cfg = config_from_mapping({"queueing": queueing})
     assert cfg.queueing.longest_wait_s == 45
     assert config_from_mapping({"queueing": {**queueing, "enabled": False}}).queueing.longest_wait_s == 0
+    # A request held for KV room waits that too, before or after the fair queue.
+    room = {**queueing, "kv_room": True, "kv_room_max_wait_s": 4}
+    assert config_from_mapping({"queueing": room}).queueing.longest_wait_s == 49
+    assert config_from_mapping({"queueing": {**room, "enabled": False}}).queueing.longest_wait_s == 4
     rendered = render_yaml(GatewaySpec(replicas=[Replica("r", "127.0.0.1:1")], queue_wait_s=45))
     assert "message_timeout: 46s" in rendered, rendered
     # `extproc envoy-config --config` takes it from the router's config: message and route timeouts.

@@ -1,0 +1,287 @@
+"""KV room: a request decided on a replica waits at the gateway until that replica's KV has room
+for it, and the room a conversation's turn used is kept a moment for its next turn.
+
+An engine whose running requests fill its KV cache queues the rest itself, first come first
+served, and every prefill it then makes evicts the least recently used cached blocks. A
+conversation's history, freed when its turn ends, is gone before its next turn, queued behind
+the others, is run (benchmarks/realstack-vllm.md: under 1,500 tokens prefilled beside it a
+follow-up finds 70-88% of its prompt, past 3,000 only the system prompt).
+
+:class:`KvRoom` keeps what the router sends a replica within the replica's KV (the prompts and
+expected outputs of its requests in flight, in tokens; ``queueing.kv_room_share`` of the cache)
+and holds the rest here, first come first served. When a request of a conversation (a session
+key) ends, the room it used is kept for that conversation: its next turn, sent at once by an
+agent or a script, goes ahead of what waits and runs while its history is still cached. The room
+is kept a few times the conversation's own last gap between turns (``grace_s`` at most, all of
+it until a gap is known), so a conversation whose turns are further apart keeps little. What has
+waited ``patience_s`` goes before kept room (the time to first token of new conversations is
+bounded by it, at the price of the histories it evicts), and what has waited ``max_wait_s`` goes
+anyway: the engine's own queue is the worst it gets.
+
+The room is counted per router process, from the requests it sent: each of ``serve --workers N``
+claims 1/N of a replica's KV, and several gateways in front of one engine should divide it with
+``kv_room_share``.
+
+:class:`KvRoom` is the decisions, without IO (an injected clock); :class:`RoomGate` drives it on
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from extproc.fleet.queueing.settings import QueueSettings
+
+GAP_FLOOR_S = 0.05
+"""The least room is kept for a conversation: its next turn's way through Envoy and the router."""
+GAP_TIMES = 4.0
+"""Room is kept this many times the conversation's last gap between turns."""
+SESSIONS_KEPT = 100_000
+"""Conversations whose last end (and gap) is remembered, the oldest forgotten first."""
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One request's claim on a replica's KV: ``tokens`` (its prompt and expected output), the
+    first of which are ``blocks`` (its prompt's block keys) of ``block_tokens`` each; a block
+    another request there holds too is counted once, as the engine holds it once."""
+
+    replica: str
+    session: str | None
+    tokens: int
+    since: float
+    blocks: tuple[int, ...] = ()
+    block_tokens: int = 0
+    inside: bool = False
+    """It went (and holds its room until :meth:`KvRoom.leave`)."""
+    granted: asyncio.Future[None] | None = None
+
+
+@dataclass(slots=True)
+class _Replica:
+    capacity: int = 0
+    own: int = 0
+    """The tokens of the requests inside beyond their blocks (their prompts' tails, their outputs)."""
+    blocks: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Each block a request inside holds: (requests holding it, its tokens)."""
+    block_total: int = 0
+    inside: int = 0
+    waiting: deque[Entry] = field(default_factory=deque)
+    kept: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """session -> (tokens kept for its next turn, until when)."""
+
+    def kept_for_others(self, session: str | None, now: float) -> int:
+        return sum(tokens for s, (tokens, until) in self.kept.items() if s != session and until > now)
+
+    @property
+    def used(self) -> int:
+        return self.block_total + self.own
+
+    def claim(self, entry: Entry) -> int:
+        """The tokens ``entry`` would add here: what of it no request inside holds."""
+        blocks = self.blocks
+        shared = sum(1 for b in entry.blocks if b in blocks)
+        return entry.tokens - shared * entry.block_tokens
+
+    def add(self, entry: Entry) -> None:
+        for b in entry.blocks:
+            held, tokens = self.blocks.get(b, (0, entry.block_tokens))
+            if not held:
+                self.block_total += tokens
+            self.blocks[b] = (held + 1, tokens)
+        self.own += entry.tokens - len(entry.blocks) * entry.block_tokens
+        self.inside += 1
+
+    def remove(self, entry: Entry) -> None:
+        for b in entry.blocks:
+            held, tokens = self.blocks[b]
+            if held == 1:
+                del self.blocks[b]
+                self.block_total -= tokens
+            else:
+                self.blocks[b] = (held - 1, tokens)
+        self.own -= entry.tokens - len(entry.blocks) * entry.block_tokens
+        self.inside -= 1
+
+
+class KvRoom:
+    """Per replica: the KV the router's requests in flight there claim, the requests waiting for
+    room, and the room kept for conversations between turns."""
+
+    def __init__(self, clock: Callable[[], float], grace_s: float, patience_s: float) -> None:
+        self.clock = clock
+        self.grace_s = grace_s
+        self.patience_s = patience_s
+        self._replicas: dict[str, _Replica] = {}
+        self._ended: dict[str, float] = {}
+        """session -> when its last turn ended."""
+        self._gaps: dict[str, float] = {}
+        """session -> its last gap between a turn's end and its next turn's arrival."""
+
+    def waiting(self) -> int:
+        """Requests waiting for room, over every replica."""
+        return sum(len(r.waiting) for r in self._replicas.values())
+
+    def enter(self, entry: Entry, capacity: int) -> bool:
+        """A request decided on ``entry.replica`` (whose KV is ``capacity`` tokens, 0 unknown):
+        True when it goes now; else it waits, until :meth:`leave` or :meth:`expire_kept` returns
+        it (or :meth:`force`)."""
+        now = self.clock()
+        r = self._replicas.setdefault(entry.replica, _Replica())
+        if capacity > 0:
+            r.capacity = capacity
+        own = False
+        if entry.session is not None:
+            own = r.kept.pop(entry.session, None) is not None
+            if (ended := self._ended.pop(entry.session, None)) is not None:
+                _remember(self._gaps, entry.session, now - ended)
+        if own and r.waiting and now - r.waiting[0].since >= self.patience_s:
+            own = False  # what waits has waited long enough: it goes first
+        if (own or not r.waiting) and self._fits(r, entry, now):
+            self._take(r, entry)
+            return True
+        if own:
+            r.waiting.appendleft(entry)  # its history grew past its kept room: it is next, all the same
+        else:
+            r.waiting.append(entry)
+        return False
+
+    def leave(self, entry: Entry) -> list[Entry]:
+        """A request that went is over: its room is freed, and kept a moment for its
+        conversation; the waiters that go now."""
+        if not entry.inside:
+            return []
+        entry.inside = False
+        r = self._replicas[entry.replica]
+        r.remove(entry)
+        now = self.clock()
+        if entry.session is not None and self.grace_s > 0:
+            kept = r.claim(entry)  # what its next turn will hold again beside the others
+            r.kept[entry.session] = (kept, now + self.kept_for(entry.session))
+            _remember(self._ended, entry.session, now)
+        return self._release(r, now)
+
+    def kept_for(self, session: str) -> float:
+        """How long room is kept for ``session``'s next turn."""
+        gap = self._gaps.get(session)
+        return self.grace_s if gap is None else min(self.grace_s, max(GAP_FLOOR_S, GAP_TIMES * gap))
+
+    def abandon(self, entry: Entry) -> list[Entry]:
+        """A waiter gave up (its client went away); the waiters that go now."""
+        r = self._replicas.get(entry.replica)
+        if r is None or entry.inside:
+            return []
+        with contextlib.suppress(ValueError):
+            r.waiting.remove(entry)
+        return self._release(r, self.clock())
+
+    def force(self, entry: Entry) -> None:
+        """A waiter held ``max_wait_s`` goes anyway (the engine queues it)."""
+        r = self._replicas[entry.replica]
+        with contextlib.suppress(ValueError):
+            r.waiting.remove(entry)
+        if not entry.inside:
+            self._take(r, entry)
+
+    def expire_kept(self, replica: str) -> list[Entry]:
+        """Room kept past its moment is free again; the waiters that go now."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return []
+        now = self.clock()
+        r.kept = {s: kept for s, kept in r.kept.items() if kept[1] > now}
+        return self._release(r, now)
+
+    def _fits(self, r: _Replica, entry: Entry, now: float) -> bool:
+        kept = 0 if now - entry.since >= self.patience_s else r.kept_for_others(entry.session, now)
+        if r.inside == 0 and kept == 0:
+            return True  # an idle replica takes anything: a request larger than its KV still runs
+        return r.capacity <= 0 or r.used + kept + r.claim(entry) <= r.capacity
+
+    def _take(self, r: _Replica, entry: Entry) -> None:
+        entry.inside = True
+        r.add(entry)
+
+    def _release(self, r: _Replica, now: float) -> list[Entry]:
+        out = []
+        while r.waiting and self._fits(r, r.waiting[0], now):
+            entry = r.waiting.popleft()
+            self._take(r, entry)
+            out.append(entry)
+        return out
+
+
+def _remember(memory: dict[str, float], session: str, value: float) -> None:
+    memory.pop(session, None)
+    memory[session] = value
+    if len(memory) > SESSIONS_KEPT:
+        del memory[next(iter(memory))]  # the oldest: dicts keep insertion order
+
+
+class RoomGate:
+    """:class:`KvRoom` on the event loop: a request waits on a future, at most ``max_wait_s``."""
+
+    def __init__(
+        self, clock: Callable[[], float], *, grace_s: float, patience_s: float, max_wait_s: float, share: float
+    ) -> None:
+        self.room = KvRoom(clock, grace_s, patience_s)
+        self.max_wait_s = max_wait_s
+        self.share = share
+
+    async def enter(
+        self,
+        replica: str,
+        session: str | None,
+        tokens: int,
+        capacity: int,
+        blocks: tuple[int, ...] = (),
+        block_tokens: int = 0,
+    ) -> Entry:
+        """Wait until ``replica`` (of ``capacity`` KV tokens) has room for ``tokens`` (the first
+        in ``blocks`` of ``block_tokens``), at most ``max_wait_s``; the claim to give back with
+        :meth:`leave`."""
+        entry = Entry(replica, session, tokens, self.room.clock(), blocks, block_tokens)
+        if self.room.enter(entry, int(capacity * self.share)):
+            return entry
+        granted = entry.granted = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(granted), self.max_wait_s)
+        except TimeoutError:
+            self.room.force(entry)
+        except asyncio.CancelledError:
+            _grant(self.room.abandon(entry))
+            raise
+        return entry
+
+    def leave(self, entry: Entry) -> None:
+        """The request is over: its room goes to what waits (a moment first to its conversation)."""
+        _grant(self.room.leave(entry))
+        if entry.session is not None and self.room.grace_s > 0:
+            replica = entry.replica
+            asyncio.get_running_loop().call_later(
+                self.room.kept_for(entry.session), lambda: _grant(self.room.expire_kept(replica))
+            )
+
+
+def _grant(entries: list[Entry]) -> None:
+    for entry in entries:
+        if entry.granted is not None and not entry.granted.done():
+            entry.granted.set_result(None)
+
+
+def room_gate(settings: QueueSettings, clock: Callable[[], float], workers: int = 1) -> RoomGate | None:
+    """The gate ``queueing:`` asks for (None: ``kv_room`` off); each of ``workers`` processes
+    serving one port claims its share of a replica's KV."""
+    if not settings.kv_room:
+        return None
+    return RoomGate(
+        clock,
+        grace_s=settings.kv_room_grace_s,
+        patience_s=settings.kv_room_patience_s,
+        max_wait_s=settings.kv_room_max_wait_s,
+        share=settings.kv_room_share / max(1, workers),
+    )

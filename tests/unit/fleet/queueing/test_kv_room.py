@@ -1,0 +1,179 @@
+"""KV room: a request waits for room on its replica, and a conversation's next turn finds the
+room its last turn used."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.fleet.queueing.kv_room import GAP_FLOOR_S, Entry, KvRoom, RoomGate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _room(grace_s: float = 0.1, patience_s: float = 1.0) -> tuple[KvRoom, Clock]:
+    clock = Clock()
+    return KvRoom(clock, grace_s, patience_s), clock
+
+
+def _entry(room: KvRoom, session: str | None, tokens: int, replica: str = "r0") -> Entry:
+    return Entry(replica, session, tokens, room.clock())
+
+
+def test_a_request_waits_while_its_replica_s_kv_is_claimed_and_goes_when_room_frees() -> None:
+    room, _ = _room(grace_s=0)
+    a, b, c = _entry(room, None, 1500), _entry(room, None, 1500), _entry(room, None, 1500)
+    assert room.enter(a, 4096) and room.enter(b, 4096)
+    assert not room.enter(c, 4096)  # 4,500 tokens would not fit in 4,096
+    assert room.waiting() == 1
+    assert room.leave(a) == [c]
+    assert c.inside and room.waiting() == 0
+
+
+def test_an_idle_replica_takes_a_request_larger_than_its_kv_and_an_unknown_capacity_holds_nothing() -> None:
+    room, _ = _room()
+    assert room.enter(_entry(room, None, 9000), 4096)
+    assert room.enter(_entry(room, None, 9000, replica="unknown"), 0)
+    assert room.enter(_entry(room, None, 9000, replica="unknown"), 0)
+
+
+def test_a_conversation_s_next_turn_goes_ahead_of_what_waits_into_the_room_its_turn_left() -> None:
+    room, clock = _room(grace_s=0.1, patience_s=1.0)
+    turn1, other = _entry(room, "s1", 2000), _entry(room, "s2", 2000)
+    newcomer = _entry(room, "s3", 2000)
+    assert room.enter(turn1, 4096) and room.enter(other, 4096)
+    assert not room.enter(newcomer, 4096)
+    clock.now += 0.2
+    assert room.leave(turn1) == []  # its room is kept for s1, not given to s3
+    clock.now += 0.01
+    turn2 = _entry(room, "s1", 2090)
+    assert room.enter(turn2, 4096)  # ahead of s3, which still waits
+    assert not newcomer.inside
+
+
+def test_kept_room_lapses_and_goes_to_the_waiter() -> None:
+    room, clock = _room(grace_s=0.1, patience_s=1.0)
+    turn1, other = _entry(room, "s1", 2000), _entry(room, "s2", 2000)
+    waiter = _entry(room, "s3", 2000)
+    room.enter(turn1, 4096)
+    room.enter(other, 4096)
+    room.enter(waiter, 4096)
+    assert room.leave(turn1) == []
+    assert room.kept_for("s1") == 0.1  # no gap known yet: all of grace
+    clock.now += 0.11
+    assert room.expire_kept("r0") == [waiter]
+
+
+def test_room_is_kept_a_few_times_the_conversation_s_own_gap_between_turns() -> None:
+    room, clock = _room(grace_s=5.0)
+    first = _entry(room, "s1", 100)
+    room.enter(first, 4096)
+    room.leave(first)
+    clock.now += 0.02  # the next turn came 20 ms after the last ended
+    second = _entry(room, "s1", 100)
+    room.enter(second, 4096)
+    assert room.kept_for("s1") == pytest.approx(max(GAP_FLOOR_S, 0.08))
+    room.leave(second)
+    clock.now += 3.0  # a slow turn: its next wait is longer, within grace
+    room.enter(_entry(room, "s1", 100), 4096)
+    assert room.kept_for("s1") == 5.0
+
+
+def test_what_waited_past_patience_goes_before_kept_room() -> None:
+    room, clock = _room(grace_s=0.5, patience_s=1.0)
+    turn1, other = _entry(room, "s1", 2000), _entry(room, "s2", 2000)
+    room.enter(turn1, 4096)
+    room.enter(other, 4096)
+    waiter = _entry(room, "s3", 2000)
+    room.enter(waiter, 4096)
+    clock.now += 1.0  # the waiter has waited its patience
+    assert room.leave(turn1) == [waiter]  # the kept room is not kept from it
+    turn2 = _entry(room, "s1", 2100)
+    assert not room.enter(turn2, 4096)  # s1's next turn now waits its own turn
+
+
+def test_a_waiter_that_gives_up_leaves_and_one_forced_goes_over_the_room() -> None:
+    room, _ = _room(grace_s=0)
+    a = _entry(room, None, 3000)
+    room.enter(a, 4096)
+    gone, forced = _entry(room, None, 3000), _entry(room, None, 3000)
+    room.enter(gone, 4096)
+    room.enter(forced, 4096)
+    assert room.abandon(gone) == []
+    room.force(forced)
+    assert forced.inside and room.waiting() == 0
+    assert room.leave(a) == [] and room.leave(forced) == []
+    assert room.leave(forced) == []  # given back once
+
+
+def test_the_gate_holds_on_the_event_loop_and_sends_a_request_anyway_after_its_limit() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        gate = RoomGate(loop.time, grace_s=0.05, patience_s=1.0, max_wait_s=0.3, share=1.0)
+        first = await gate.enter("r0", "s1", 3000, 4096)
+        second = asyncio.ensure_future(gate.enter("r0", "s2", 3000, 4096))
+        await asyncio.sleep(0.05)  # second is waiting for room
+        assert not second.done()
+        gate.leave(first)
+        await asyncio.sleep(0.1)  # s1's room lapses after its grace: second goes
+        assert second.done() and second.result().inside
+        stuck = asyncio.ensure_future(gate.enter("r0", "s3", 3000, 4096))
+        started = loop.time()
+        entry = await stuck  # nothing leaves: its limit sends it anyway
+        assert entry.inside and loop.time() - started >= 0.29
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_whose_client_goes_away_frees_its_place() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        gate = RoomGate(loop.time, grace_s=0.0, patience_s=1.0, max_wait_s=5.0, share=1.0)
+        first = await gate.enter("r0", None, 3000, 4096)
+        waiting = asyncio.ensure_future(gate.enter("r0", None, 3000, 4096))
+        behind = asyncio.ensure_future(gate.enter("r0", None, 500, 4096))
+        await asyncio.sleep(0.01)  # both wait
+        waiting.cancel()
+        await asyncio.sleep(0.01)  # the cancelled waiter left: the small one fits beside the first
+        assert behind.done() and gate.room.waiting() == 0
+        gate.leave(first)
+
+    asyncio.run(scenario())
+
+
+def test_blocks_two_requests_share_are_counted_once_as_the_engine_holds_them() -> None:
+    room, _ = _room(grace_s=0)
+    system = tuple(range(25))  # 25 blocks of 16 tokens: a 400-token system prompt both begin with
+
+    def request(own: int) -> Entry:
+        blocks = (*system, *range(own, own + 70))  # and 1,120 tokens of their own
+        return Entry("r0", None, 1600, room.clock(), blocks, 16)
+
+    first, second, third = request(1000), request(2000), request(3000)
+    assert room.enter(first, 4096) and room.enter(second, 4096)  # 400 + 2 x 1,200 of their own
+    assert room.enter(third, 4096)  # 400 + 3 x 1,200 = 4,000: the three fit, as in the engine
+    fourth = request(4000)
+    assert not room.enter(fourth, 4096)
+    # The system prompt's blocks are still held by the other two: only the first's own room frees.
+    assert room.leave(first) == [fourth]
+    assert not room.enter(request(5000), 4096)
+
+
+def test_a_next_turn_grown_past_its_kept_room_is_next_in_line() -> None:
+    room, _ = _room(grace_s=0.1, patience_s=1.0)
+    turn1, other = _entry(room, "s1", 2000), _entry(room, None, 2000)  # other: no conversation to keep room for
+    room.enter(turn1, 4096)
+    room.enter(other, 4096)
+    newcomer = _entry(room, "s3", 1000)
+    room.enter(newcomer, 4096)
+    room.leave(turn1)
+    turn2 = _entry(room, "s1", 2200)  # its history grew: 2,000 + 2,200 do not fit
+    assert not room.enter(turn2, 4096)
+    assert room.leave(other) == [turn2, newcomer]  # it goes first, the newcomer beside it
