@@ -19,6 +19,7 @@ from extproc_lab.bench.realstack import (
     RealStackSetup,
     ServeLoad,
     Turn,
+    _held_at_most,
     _moves,
     _slowest,
     format_table,
@@ -173,3 +174,10 @@ def test_tiny_agent_run_through_envoy_with_our_router_and_round_robin(tmp_path: 
     assert ours["sessions_on_one_replica"] == 1.0 and rr["sessions_on_one_replica"] < 1.0
     assert ours["reuse_placed"] > rr["reuse_placed"]
     assert "| offered | placed | captured |" in done.stdout
+
+
+def test_envoy_is_given_the_longest_hold_of_the_processor_s_config(tmp_path: Path) -> None:
+    assert _held_at_most(("--tokenizer", "x")) == 0.0
+    path = tmp_path / "router.yaml"
+    path.write_text("queueing:\n  kv_room: true\n  kv_room_max_wait_s: 4\n")
+    assert _held_at_most(("--kv-check-sample-rate", "1", "--config", str(path))) == 4.0
