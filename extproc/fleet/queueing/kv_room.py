@@ -8,10 +8,12 @@ the others, is run (benchmarks/realstack-vllm.md: under 1,500 tokens prefilled b
 follow-up finds 70-88% of its prompt, past 3,000 only the system prompt).
 
 :class:`KvRoom` keeps what the router sends a replica within the replica's KV (the prompts and
-expected outputs of its requests in flight, in tokens; ``queueing.kv_room_share`` of the cache)
-and holds the rest here, first come first served. When a request of a conversation (a session
-key) ends, the room it used is kept for that conversation: its next turn, sent at once by an
-agent or a script, goes ahead of what waits and runs while its history is still cached. The room
+expected outputs of its requests in flight, in tokens, a prompt block several of them hold counted
+once, as the engine holds it; ``queueing.kv_room_share`` of the cache) and holds the rest here,
+first come first served. When a request of a conversation (a session key) ends, the room it used
+is kept for that conversation: its next turn, sent at once by an agent or a script, goes ahead of
+what waits (first in line should its history have grown past the room kept) and runs while its
+history is still cached. The room
 is kept a few times the conversation's own last gap between turns (``grace_s`` at most, all of
 it until a gap is known), so a conversation whose turns are further apart keeps little. What has
 waited ``patience_s`` goes before kept room (the time to first token of new conversations is
@@ -150,8 +152,8 @@ class KvRoom:
             r.waiting.append(entry)
         return False
 
-    def leave(self, entry: Entry) -> list[Entry]:
-        """A request that went is over: its room is freed, and kept a moment for its
+    def leave(self, entry: Entry, keep: bool = True) -> list[Entry]:
+        """A request that went is over: its room is freed, and (``keep``) kept a moment for its
         conversation; the waiters that go now."""
         if not entry.inside:
             return []
@@ -159,7 +161,7 @@ class KvRoom:
         r = self._replicas[entry.replica]
         r.remove(entry)
         now = self.clock()
-        if entry.session is not None and self.grace_s > 0:
+        if keep and entry.session is not None and self.grace_s > 0:
             kept = r.claim(entry)  # what its next turn will hold again beside the others
             r.kept[entry.session] = (kept, now + self.kept_for(entry.session))
             _remember(self._ended, entry.session, now)
@@ -253,7 +255,8 @@ class RoomGate:
         except TimeoutError:
             self.room.force(entry)
         except asyncio.CancelledError:
-            _grant(self.room.abandon(entry))
+            # Its client went away: granted in the meantime, the room it was given goes back.
+            _grant(self.room.leave(entry, keep=False) if entry.inside else self.room.abandon(entry))
             raise
         return entry
 

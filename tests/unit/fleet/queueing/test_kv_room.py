@@ -177,3 +177,19 @@ def test_a_next_turn_grown_past_its_kept_room_is_next_in_line() -> None:
     turn2 = _entry(room, "s1", 2200)  # its history grew: 2,000 + 2,200 do not fit
     assert not room.enter(turn2, 4096)
     assert room.leave(other) == [turn2, newcomer]  # it goes first, the newcomer beside it
+
+
+def test_a_waiter_cancelled_just_after_its_grant_gives_its_room_back() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        gate = RoomGate(loop.time, grace_s=0.0, patience_s=1.0, max_wait_s=5.0, share=1.0)
+        first = await gate.enter("r0", None, 3000, 4096)
+        waiting = asyncio.ensure_future(gate.enter("r0", None, 3000, 4096))
+        await asyncio.sleep(0.01)  # it waits
+        waiting.cancel()  # its client goes away ...
+        gate.leave(first)  # ... and, before its task runs again, room is granted to it
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await asyncio.wait_for(gate.enter("r0", None, 4000, 4096), 0.1)  # nothing is left claimed
+
+    asyncio.run(scenario())
