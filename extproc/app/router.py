@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from extproc.app.room import RoomKeeper
 from extproc.base.engine_rates import EngineRates
 from extproc.base.world import REAL_WORLD, World
 from extproc.config import Config
@@ -139,7 +140,8 @@ class Router:
         self.queue: FairQueue | None = None
         if config.queueing.enabled:
             self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics, world=world)
-        self.room = room_gate(config.queueing, clock, config.workers)
+        gate = room_gate(config.queueing, clock, config.workers)
+        self.room = RoomKeeper(gate, self.replicas, self.metrics, clock, config.features.block_chars) if gate else None
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
@@ -243,27 +245,13 @@ class Router:
         """Decide where a request goes and record the decision (:meth:`RequestCore.route`); with
         ``queueing.kv_room``, return once its replica has KV room for it."""
         routed = await self.effects.drive(self.core.route(headers, body, timed))
-        replica = routed.decision.replica
-        if self.room is not None and replica is not None and routed.refusal is None:
-            await self._make_room(routed, replica.name)
+        if self.room is not None:
+            try:
+                await self.room.hold(routed)
+            except BaseException:
+                self.release(routed)  # cancelled (its client went away) while it waited
+                raise
         return routed
-
-    async def _make_room(self, routed: Routed, replica: str) -> None:
-        assert self.room is not None
-        features = routed.features
-        capacity = self.replicas.kv_capacity_tokens(replica)
-        tokens = features.estimated_prompt_tokens + (features.expected_output_tokens or 0)
-        block_tokens = features.tokens_per_block or self.config.features.block_chars // CHARS_PER_TOKEN
-        blocks = features.prefix_hashes[: tokens // block_tokens] if block_tokens else ()
-        since = self.clock()
-        try:
-            routed.room = await self.room.enter(replica, features.session_key, tokens, capacity, blocks, block_tokens)
-        except BaseException:
-            self.release(routed)  # its client went away while it waited
-            raise
-        now = self.clock()
-        self.metrics.kv_room_waited(now - since)
-        routed.decided_at = now  # sent now: the time from here on is the engine's
 
     async def explain(self, headers: Mapping[str, str], body: bytes | None) -> Explanation:
         """The decision :meth:`route` would make for this request now, with its trace, and
@@ -273,9 +261,8 @@ class Router:
     def release(self, routed: Routed) -> None:
         """The request is over (or abandoned): its in-flight slot is freed, once."""
         self.outcomes.release(routed)
-        if routed.room is not None and self.room is not None:
-            room, routed.room = routed.room, None
-            self.room.leave(room)
+        if self.room is not None:
+            self.room.give_back(routed)
 
     def offer_hot_body(self, features: RequestFeatures, body: bytes | Callable[[], bytes]) -> None:
         """Keep a request of a hot prefix (one per hot key) to warm joining replicas with; ``body``

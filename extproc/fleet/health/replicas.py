@@ -77,12 +77,6 @@ class ReplicaRecord:
     errors: int = 0
 
 
-def _kv_tokens(metrics: ReplicaMetrics | None) -> int:
-    if metrics is None or not metrics.num_gpu_blocks or not metrics.block_size:
-        return 0
-    return metrics.num_gpu_blocks * metrics.block_size
-
-
 class ReplicaBook:
     """All replicas' records; produces the immutable :class:`Snapshot` each decision reads."""
 
@@ -115,11 +109,6 @@ class ReplicaBook:
     def record(self, name: str) -> ReplicaRecord | None:
         """Replica ``name``'s record, None when it is not a member."""
         return self._records.get(name)
-
-    def kv_capacity_tokens(self, name: str) -> int:
-        """Replica ``name``'s KV cache in tokens, as it last reported it (0 while unknown)."""
-        record = self._records.get(name)
-        return _kv_tokens(record.metrics) if record is not None else 0
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -173,7 +162,7 @@ class ReplicaBook:
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
                     kv_usage=r.kv_usage if fresh else 0.0,
-                    kv_capacity_tokens=_kv_tokens(r.metrics),
+                    kv_capacity_tokens=r.metrics.kv_capacity_tokens if r.metrics is not None else 0,
                     adapters=frozenset(lora.running) if lora else frozenset(),
                     adapters_waiting=frozenset(lora.waiting) if lora else frozenset(),
                     max_lora=lora.max_lora if lora else 0,

@@ -62,6 +62,11 @@ class ReplicaMetrics:
     lora: LoraInfo | None = None
     models: tuple[str, ...] = field(default=())
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The KV cache in tokens (``vllm:cache_config_info``: blocks times block size), 0 unknown."""
+        return (self.num_gpu_blocks or 0) * (self.block_size or 0)
+
 
 class MetricsPageError(ValueError):
     """The page is not a Prometheus exposition, or has none of vLLM's load gauges."""

@@ -1,4 +1,5 @@
-"""What the fair queue reports: how many wait, how long they waited, how their wait ended."""
+"""What the fair queue reports: how many wait, how long they waited, how their wait ended; and
+how long a request waited for KV room."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class QueueObserver(Protocol):
         """A held request's wait ended: dispatched, timeout, full or gone."""
         ...
 
+    def kv_room_waited(self, seconds: float) -> None:
+        """A routed request waited ``seconds`` for KV room on its replica (0: it went at once)."""
+        ...
+
 
 class NullQueueObserver:
     """The default: nothing is reported."""
@@ -31,4 +36,7 @@ class NullQueueObserver:
         """Not reported."""
 
     def queue_outcome(self, request_class: str, outcome: str) -> None:
+        """Not reported."""
+
+    def kv_room_waited(self, seconds: float) -> None:
         """Not reported."""

@@ -56,7 +56,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from extproc.config import load_config
+from extproc.api import load_config
 from extproc_lab.bench.agent_sessions import (
     AgentCall,
     AgentLoad,
