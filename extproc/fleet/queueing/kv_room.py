@@ -15,7 +15,7 @@ is kept for that conversation: its next turn, sent at once by an agent or a scri
 what waits (first in line should its history have grown past the room kept) and runs while its
 history is still cached. The room
 is kept a few times the conversation's own last gap between turns (``grace_s`` at most, all of
-it until a gap is known), so a conversation whose turns are further apart keeps little. What has
+it until a gap is known), and not at all for a conversation whose last gap was longer. What has
 waited ``patience_s`` goes before kept room (the time to first token of new conversations is
 bounded by it, at the price of the histories it evicts), and what has waited ``max_wait_s`` goes
 anyway: the engine's own queue is the worst it gets.
@@ -161,16 +161,20 @@ class KvRoom:
         r = self._replicas[entry.replica]
         r.remove(entry)
         now = self.clock()
-        if keep and entry.session is not None and self.grace_s > 0:
-            kept = r.claim(entry)  # what its next turn will hold again beside the others
-            r.kept[entry.session] = (kept, now + self.kept_for(entry.session))
+        if keep and entry.session is not None:
             _remember(self._ended, entry.session, now)
+            if (moment := self.kept_for(entry.session)) > 0:
+                kept = r.claim(entry)  # what its next turn will hold again beside the others
+                r.kept[entry.session] = (kept, now + moment)
         return self._release(r, now)
 
     def kept_for(self, session: str) -> float:
-        """How long room is kept for ``session``'s next turn."""
+        """How long room is kept for ``session``'s next turn: none where its last gap was longer
+        than ``grace_s`` (it would only idle the room)."""
         gap = self._gaps.get(session)
-        return self.grace_s if gap is None else min(self.grace_s, max(GAP_FLOOR_S, GAP_TIMES * gap))
+        if gap is None:
+            return self.grace_s
+        return 0.0 if gap > self.grace_s else min(self.grace_s, max(GAP_FLOOR_S, GAP_TIMES * gap))
 
     def abandon(self, entry: Entry) -> list[Entry]:
         """A waiter gave up (its client went away); the waiters that go now."""
@@ -263,11 +267,9 @@ class RoomGate:
     def leave(self, entry: Entry) -> None:
         """The request is over: its room goes to what waits (a moment first to its conversation)."""
         _grant(self.room.leave(entry))
-        if entry.session is not None and self.room.grace_s > 0:
+        if entry.session is not None and (moment := self.room.kept_for(entry.session)) > 0:
             replica = entry.replica
-            asyncio.get_running_loop().call_later(
-                self.room.kept_for(entry.session), lambda: _grant(self.room.expire_kept(replica))
-            )
+            asyncio.get_running_loop().call_later(moment, lambda: _grant(self.room.expire_kept(replica)))
 
 
 def _grant(entries: list[Entry]) -> None:

@@ -82,8 +82,16 @@ def test_room_is_kept_a_few_times_the_conversation_s_own_gap_between_turns() -> 
     assert room.kept_for("s1") == pytest.approx(max(GAP_FLOOR_S, 0.08))
     room.leave(second)
     clock.now += 3.0  # a slow turn: its next wait is longer, within grace
-    room.enter(_entry(room, "s1", 100), 4096)
+    third = _entry(room, "s1", 100)
+    room.enter(third, 4096)
     assert room.kept_for("s1") == 5.0
+    room.leave(third)
+    clock.now += 6.0  # longer than grace: keeping room for it would only idle it
+    fourth = _entry(room, "s1", 100)
+    room.enter(fourth, 4096)
+    assert room.kept_for("s1") == 0.0
+    room.leave(fourth)
+    assert room.enter(_entry(room, "s2", 4096), 4096)  # nothing is kept for s1
 
 
 def test_what_waited_past_patience_goes_before_kept_room() -> None:
