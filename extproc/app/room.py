@@ -10,7 +10,6 @@ from extproc.core.bookkeeping import Routed
 from extproc.fleet.health.replicas import ReplicaBook
 from extproc.fleet.queueing.kv_room import RoomGate
 from extproc.fleet.queueing.observer import QueueObserver
-from extproc.request.features import CHARS_PER_TOKEN
 
 
 class RoomKeeper:
@@ -22,13 +21,14 @@ class RoomKeeper:
         replicas: ReplicaBook,
         metrics: QueueObserver,
         clock: Callable[[], float],
-        block_chars: int,
+        char_block_tokens: int,
     ) -> None:
         self.gate = gate
         self.replicas = replicas
         self.metrics = metrics
         self.clock = clock
-        self.block_chars = block_chars
+        self.char_block_tokens = char_block_tokens
+        """A character block's tokens (about four characters a token): an untokenized prompt's."""
 
     async def hold(self, routed: Routed) -> None:
         """Return once the request's replica has room for it (or its limit passed). Its claim: its
@@ -41,7 +41,7 @@ class RoomKeeper:
         capacity = record.metrics.kv_capacity_tokens if record is not None and record.metrics is not None else 0
         features = routed.features
         tokens = features.estimated_prompt_tokens + (features.expected_output_tokens or 0)
-        block_tokens = features.tokens_per_block or self.block_chars // CHARS_PER_TOKEN
+        block_tokens = features.tokens_per_block or self.char_block_tokens
         blocks = features.prefix_hashes[: tokens // block_tokens] if block_tokens else ()
         since = self.clock()
         routed.room = await self.gate.enter(replica.name, features.session_key, tokens, capacity, blocks, block_tokens)

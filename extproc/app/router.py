@@ -141,7 +141,7 @@ class Router:
         if config.queueing.enabled:
             self.queue = FairQueue(config.queueing, self.fleet_saturated, self.metrics, world=world)
         gate = room_gate(config.queueing, clock, config.workers)
-        self.room = RoomKeeper(gate, self.replicas, self.metrics, clock, config.features.block_chars) if gate else None
+        self.room = RoomKeeper(gate, self.replicas, self.metrics, clock, block_tokens) if gate else None
         self.rebalancer = Rebalancer(
             config.rebalance,
             self.store,
