@@ -1,6 +1,7 @@
-"""A routed request's wait for KV room on its replica (``queueing.kv_room``), and the room given
-back when the request is over: :class:`~extproc.fleet.queueing.kv_room.RoomGate` fed from what
-the router knows of the request and of its replica."""
+"""A routed request's wait for KV room on its replica (``queueing.kv_room``), a new conversation's
+wait for room on any replica before it is decided, and the room given back when the request is
+over: :class:`~extproc.fleet.queueing.kv_room.RoomGate` fed from what the router knows of the
+request and of its replicas."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Callable
 
 from extproc.core.bookkeeping import Routed
 from extproc.fleet.health.replicas import ReplicaBook
-from extproc.fleet.queueing.kv_room import RoomGate
+from extproc.fleet.queueing.kv_room import Entry, RoomGate
 from extproc.fleet.queueing.observer import QueueObserver
+from extproc.request.features import RequestFeatures
 
 
 class RoomKeeper:
@@ -30,23 +32,41 @@ class RoomKeeper:
         self.char_block_tokens = char_block_tokens
         """A character block's tokens (about four characters a token): an untokenized prompt's."""
 
+    def full(self, features: RequestFeatures) -> frozenset[str]:
+        """The replicas ``features``, a new conversation, would wait for room on now."""
+        entry = self._entry("", features)
+        would_wait = self.gate.would_wait
+        return frozenset(
+            name for name, capacity in self._capacities() if capacity > 0 and would_wait(entry, name, capacity)
+        )
+
+    async def await_any(self, features: RequestFeatures, among: frozenset[str]) -> Entry:
+        """Wait until one of ``among`` has room for ``features``, a new conversation: its claim
+        there (or, its time up, nowhere: :meth:`hold` then sends it where it is decided)."""
+        entry = self._entry("", features)
+        entry.among = among
+        await self.gate.enter_any(entry)
+        self.metrics.kv_room_waited(self.clock() - entry.since)
+        return entry
+
     async def hold(self, routed: Routed) -> None:
         """Return once the request's replica has room for it (or its limit passed). Its claim: its
         prompt and expected output, its prompt's blocks (over the model's tokens where tokenized,
-        else characters) counted once beside the others' on that replica."""
+        else characters) counted once beside the others' on that replica. A new conversation that
+        waited for room before its decision (:meth:`await_any`) has it already where it went."""
         replica = routed.decision.replica
         if replica is None or routed.refusal is not None:
             return
-        record = self.replicas.record(replica.name)
-        capacity = record.metrics.kv_capacity_tokens if record is not None and record.metrics is not None else 0
-        features = routed.features
-        tokens = features.estimated_prompt_tokens + (features.expected_output_tokens or 0)
-        block_tokens = features.tokens_per_block or self.char_block_tokens
-        blocks = features.prefix_hashes[: tokens // block_tokens] if block_tokens else ()
-        since = self.clock()
-        routed.room = await self.gate.enter(replica.name, features.session_key, tokens, capacity, blocks, block_tokens)
+        waited, held = 0.0, routed.room
+        if held is not None:
+            if held.inside and held.replica == replica.name:
+                return
+            self.gate.leave(held, keep=False)  # it went elsewhere after all: the room it waited for goes
+            waited = self.clock() - held.since
+        entry = self._entry(replica.name, routed.features)
+        routed.room = await self.gate.enter(entry, self._capacity(replica.name), waited)
         now = self.clock()
-        self.metrics.kv_room_waited(now - since)
+        self.metrics.kv_room_waited(now - entry.since)
         routed.decided_at = now  # sent now: the time from here on is the engine's
 
     def give_back(self, routed: Routed) -> None:
@@ -54,3 +74,19 @@ class RoomKeeper:
         if routed.room is not None:
             room, routed.room = routed.room, None
             self.gate.leave(room)
+
+    def _entry(self, replica: str, features: RequestFeatures) -> Entry:
+        tokens = features.estimated_prompt_tokens + (features.expected_output_tokens or 0)
+        block_tokens = features.tokens_per_block or self.char_block_tokens
+        blocks = features.prefix_hashes[: tokens // block_tokens] if block_tokens else ()
+        return Entry(replica, features.session_key, tokens, self.clock(), blocks, block_tokens)
+
+    def _capacity(self, name: str) -> int:
+        record = self.replicas.record(name)
+        return record.metrics.kv_capacity_tokens if record is not None and record.metrics is not None else 0
+
+    def _capacities(self) -> list[tuple[str, int]]:
+        return [
+            (rec.replica.name, rec.metrics.kv_capacity_tokens if rec.metrics is not None else 0)
+            for rec in self.replicas.records()
+        ]

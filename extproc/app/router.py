@@ -201,6 +201,7 @@ class Router:
             budgets=self.budgets,
             queue=self.queue,
             kv_events=kv_events,
+            room=self.room.await_any if self.room is not None else None,
         )
         rules = admission_rules(config, self.budgets, self.queue, self.charges.prompt_charge, world.wall)
         self.core = RequestCore(
@@ -225,6 +226,7 @@ class Router:
                 hot_keys=self.hot_keys,
                 warmer=self.warmer,
                 tracer=tracer,
+                room_full=self.room.full if self.room is not None else None,
                 queued=self.queue is not None,
                 metered=self.budgets is not None,
             )

@@ -70,6 +70,9 @@ class Answer:
     objective_wait: AffinityView | None = None
     """Every candidate was predicted to miss its objectives and its class queues on a miss: the
     store's view it was decided on, to judge again while it waits. Nothing is counted for it."""
+    room_wait: frozenset[str] | None = None
+    """A new conversation every replica it may go to is full for (``queueing.kv_room``): the
+    replicas to wait for room on, to be decided among when one has it. Nothing is counted for it."""
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from extproc.fleet.queueing import FairQueue, Refusal, Ticket
+from extproc.fleet.queueing.kv_room import Entry
 from extproc.request.features import RequestFeatures
 from extproc.routing.model import AffinityView
 from extproc.state.budgets import Admission as BudgetAdmission
@@ -99,7 +100,16 @@ class Record:
     prefill: str | None = None
 
 
-Effect = Identify | Tokenize | Reserve | Hold | Lookup | Record
+@dataclass(frozen=True, slots=True)
+class AwaitRoom:
+    """Wait until one of ``among`` has KV room for a new conversation (``queueing.kv_room``):
+    its claim, inside on that replica, or not inside once its time is up."""
+
+    features: RequestFeatures
+    among: frozenset[str]
+
+
+Effect = Identify | Tokenize | Reserve | Hold | Lookup | Record | AwaitRoom
 Steps = Generator[Effect, Any, T]
 """A step of the core: yields effects, is sent each one's result, returns its own."""
 
@@ -116,6 +126,7 @@ class Effects:
         budgets: BudgetLedger | None = None,
         queue: FairQueue | None = None,
         kv_events: EventCacheState | None = None,
+        room: Callable[[RequestFeatures, frozenset[str]], Coroutine[Any, Any, Entry]] | None = None,
     ) -> None:
         self.store = store
         self.conversations = conversations
@@ -123,6 +134,7 @@ class Effects:
         self.budgets = budgets
         self.queue = queue
         self.kv_events = kv_events
+        self.room = room
 
     async def drive(self, steps: Steps[T]) -> T:
         """Run ``steps`` to its result, each effect awaited."""
@@ -204,6 +216,10 @@ class Effects:
         assert self.queue is not None, "a hold without a queue configured"
         return await self.queue.admit(effect.request_class, effect.tenant, effect.pool, effect.ready, effect.demotion)
 
+    async def _await_room(self, effect: AwaitRoom) -> Entry:
+        assert self.room is not None, "a wait for KV room without queueing.kv_room"
+        return await self.room(effect.features, effect.among)
+
 
 _CARRIERS: dict[type[Any], Callable[[Effects, Any], Coroutine[Any, Any, Any]]] = {
     Lookup: Effects._lookup,
@@ -212,6 +228,7 @@ _CARRIERS: dict[type[Any], Callable[[Effects, Any], Coroutine[Any, Any, Any]]] =
     Tokenize: Effects._tokenize,
     Reserve: Effects._reserve,
     Hold: Effects._hold,
+    AwaitRoom: Effects._await_room,
 }
 """Each effect's handler, by its type (the effects are final: no subclass is ever yielded)."""
 

@@ -15,19 +15,20 @@ The processor drives it on the event loop (:meth:`Effects.drive`), the simulator
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from extproc.config import Config
 from extproc.core.admission import SPENDING_REFUSALS, AdmissionRule, Admitted, ObjectiveVerdict, admit
 from extproc.core.bookkeeping import Answer, Hook, PrefillHop, Routed, decided
-from extproc.core.effects import Hold, Identify, Lookup, Record, Steps, Tokenize
+from extproc.core.effects import AwaitRoom, Hold, Identify, Lookup, Record, Steps, Tokenize
 from extproc.core.report import DecisionReport
+from extproc.core.rewriting import name_response, split
 from extproc.fleet.cache import CacheView, ReplicaCaches
 from extproc.fleet.health.latency import LatencyBook
 from extproc.fleet.health.replicas import ReplicaBook
 from extproc.fleet.queueing import Refusal
+from extproc.fleet.queueing.kv_room import Entry
 from extproc.fleet.rebalance.rebalancer import Rebalancer
 from extproc.observe.hotkeys.detector import HotKeyDetector
 from extproc.observe.hotkeys.warming import HotKeyWarmer
@@ -42,12 +43,11 @@ from extproc.request.features import (
     uncached_tokens,
     with_block_hashes,
     with_chain,
-    with_model,
-    with_response_id,
 )
 from extproc.request.openai_body import USAGE_ASKED_PATHS
-from extproc.request.splits import Arm, choose_arm, encode_body
+from extproc.request.splits import Arm, encode_body
 from extproc.request.usage import ask_for_usage
+from extproc.routing.cordon import FULL
 from extproc.routing.hot import fingerprint
 from extproc.routing.latency import LatencyView, LoadPoint
 from extproc.routing.model import AffinityView, Decision, Reason
@@ -95,6 +95,8 @@ class CoreParts:
     hot_keys: HotKeyDetector | None = None
     warmer: HotKeyWarmer | None = None
     tracer: DecisionTracer | None = None
+    room_full: Callable[[RequestFeatures], frozenset[str]] | None = None
+    """``queueing.kv_room``: the replicas a new conversation would wait for KV room on now."""
     queued: bool = False
     """The fair queue is on: a class that queues on a predicted miss may be held for its objectives."""
     metered: bool = False
@@ -146,6 +148,11 @@ class RequestCore:
             finally:
                 if held is not None:
                     held.settle()
+        if routed.answer.room_wait is not None:
+            # A new conversation with no room anywhere it may go: decided among them once one has.
+            room = yield AwaitRoom(features, routed.answer.room_wait)
+            routed = yield from self.place(features, p.clock(), prepared.sent, room=room)
+            routed.room = room
         routed.arrived_at = arrived
         # The answer complete, before anyone outside the core sees it: never changed after (most
         # requests change nothing in it, and a dataclass replace is a few microseconds).
@@ -215,17 +222,28 @@ class RequestCore:
 
     # -- the decision -------------------------------------------------------------------------
     def place(
-        self, features: RequestFeatures, start: float, body: bytes | None = None, *, may_wait: bool = False
+        self,
+        features: RequestFeatures,
+        start: float,
+        body: bytes | None = None,
+        *,
+        may_wait: bool = False,
+        room: Entry | None = None,
     ) -> Steps[Routed]:
         """Decide on the inputs as they are at ``start``, count the request where it went, record
         its pin and prefix; ``body`` (a usable one) is kept as a hot prefix's exemplar if wanted.
         A request every candidate is predicted to miss goes as its class's ``on_miss`` says: shed
         (refused, nothing counted), held (``may_wait``: returned unrouted with ``objective_wait``,
-        nothing counted) or routed as decided."""
+        nothing counted) or routed as decided. A new conversation goes where there is KV room for
+        it (``queueing.kv_room``), with none anywhere is returned to wait (``room_wait``, nothing
+        counted), then placed again where ``room`` was given."""
         p = self.p
         stored: AffinityView = yield Lookup(features, start)
         p.caches.refresh(start)
         given, cached = self.inputs(features, stored, start)
+        full = self._full(features, stored, given, room)
+        if full:  # an operator's cordon stands over the room's
+            given = replace(given, cordons={**dict.fromkeys(full, FULL), **(given.cordons or {})})
         fp = None  # the prefix key's fingerprint, once a request, where hot keys are on
         if p.hot_keys is not None:
             fp = fingerprint(given.prefix_key) if given.prefix_key is not None else None
@@ -238,6 +256,8 @@ class RequestCore:
             unrouted = self._missed(features, stored, start, may_wait)
             if unrouted is not None:
                 return unrouted
+        if room is None and decision.replica is not None and decision.replica.name in full:
+            return Routed(Answer(features, Decision(None, Reason.NO_REPLICA), room_wait=full), start)
         routed = Routed(Answer(features, decision), start)
         replica = decision.replica
         if replica is not None:
@@ -253,6 +273,19 @@ class RequestCore:
         routed.decided_at = p.clock()
         p.report.decided(features, decision, given.view, start, routed.decided_at)
         return routed
+
+    def _full(
+        self, features: RequestFeatures, stored: AffinityView, given: DecisionInputs, room: Entry | None
+    ) -> frozenset[str]:
+        """The replicas a new conversation may not go to for want of KV room: those full now, or
+        all but the one that gave it room after its wait (none once its wait ran out)."""
+        if self.p.room_full is None or stored.pinned is not None:
+            return frozenset()
+        if room is None:
+            return self.p.room_full(features)
+        return (
+            frozenset(s.name for s in given.snapshot.replicas if s.name != room.replica) if room.inside else frozenset()
+        )
 
     def _count(self, routed: Routed, given: DecisionInputs, cached: CacheView) -> None:
         """What a routed request is counted for where it goes (its prefill, its KV, the claim)."""
@@ -335,34 +368,3 @@ class RequestCore:
             block_chars=p.config.features.block_chars,
         )
         return given, cached
-
-
-# -- rewriting the body -----------------------------------------------------------------------
-def name_response(config: Config, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, bool]:
-    """A Responses request that may be stored and names no ``request_id`` is given one (the id
-    vLLM gives its response): its next turn's ``previous_response_id`` then finds its replica,
-    the only one that holds the conversation. True when the body changed."""
-    assert request.body is not None
-    body = request.body.body
-    if "request_id" in body or body.get("store") is False:
-        return request, False
-    return with_response_id(request, f"resp_{uuid.uuid4().hex}", headers, config.features), True
-
-
-def split(config: Config, headers: Mapping[str, str], request: ParsedRequest) -> tuple[ParsedRequest, Arm | None, bool]:
-    """The request's split arm, and whether its body changed: rewritten to the arm's model,
-    its features taken again from that body (not parsed again), so the prefix hashes are
-    seeded with the model actually served."""
-    features, parsed = request.features, request.body
-    if parsed is None:
-        return request, None, False
-    key = features.session_key or parsed.user or features.request_id or None
-    arm = choose_arm(config.splits, features.model, headers, key)
-    if arm is None:
-        return request, None, False
-    changed = arm.target.model != features.model
-    if changed:
-        request = with_model(request, arm.target.model, headers, config.features, hashed=False)
-    if arm.target.pool is not None:
-        request = ParsedRequest(replace(request.features, pool=(("pool", arm.target.pool),)), request.body)
-    return request, arm, changed

@@ -17,6 +17,9 @@ from extproc.routing.model import ReplicaState
 
 CordonState = Literal["cordoned", "drained"]
 CORDON_STATES: tuple[CordonState, ...] = ("cordoned", "drained")
+FULL = "full"
+"""The router's own mark, not an operator's: no KV room for a new conversation there now
+(``queueing.kv_room``); kept like a cordon for the session pinned there."""
 
 
 @dataclass(slots=True)
@@ -33,9 +36,11 @@ class CordonFilter:
     def keeps(self, state: ReplicaState, pinned: str | None) -> bool:
         """Whether the replica may take this request."""
         mark = self.cordons.get(state.name)
-        return mark is None or (mark == "cordoned" and state.name == pinned)
+        return mark is None or (mark != "drained" and state.name == pinned)
 
     def why(self, state: ReplicaState) -> str:
         """Why it was dropped."""
         mark = self.cordons.get(state.name)
+        if mark == FULL:
+            return "no KV room for a new conversation now (queueing.kv_room)"
         return "drained" if mark == "drained" else "cordoned (no new sessions or prefixes)"

@@ -61,10 +61,14 @@ class Entry:
     inside: bool = False
     """It went (and holds its room until :meth:`KvRoom.leave`)."""
     granted: asyncio.Future[None] | None = None
+    among: frozenset[str] = frozenset()
+    """A new conversation waiting for room on any of these replicas (``replica`` empty until it
+    is given one: :meth:`KvRoom.enter_any`)."""
 
 
 @dataclass(slots=True)
 class _Replica:
+    name: str
     capacity: int = 0
     own: int = 0
     """The tokens of the requests inside beyond their blocks (their prompts' tails, their outputs)."""
@@ -119,6 +123,8 @@ class KvRoom:
         self.grace_s = grace_s
         self.patience_s = patience_s
         self._replicas: dict[str, _Replica] = {}
+        self._unbound: deque[Entry] = deque()
+        """New conversations waiting for room on whichever of their replicas frees it first."""
         self._ended: dict[str, float] = {}
         """session -> when its last turn ended."""
         self._gaps: dict[str, float] = {}
@@ -126,16 +132,34 @@ class KvRoom:
 
     def waiting(self) -> int:
         """Requests waiting for room, over every replica."""
-        return sum(len(r.waiting) for r in self._replicas.values())
+        return len(self._unbound) + sum(len(r.waiting) for r in self._replicas.values())
+
+    def would_wait(self, entry: Entry, replica: str, capacity: int) -> bool:
+        """Whether ``entry``, a new conversation, would wait for room on ``replica`` (of
+        ``capacity`` KV tokens, 0 unknown) were it sent there now."""
+        r = self._replica(replica, capacity)
+        now = self.clock()
+        return bool(r.waiting) or self._first_unbound(r) is not None or not self._fits(r, entry, now)
+
+    def enter_any(self, entry: Entry) -> bool:
+        """A new conversation every replica it may go to (``entry.among``) is full for: True when
+        one of them has room for it now (``entry.replica`` names it); else it waits, first come
+        first served, for whichever frees room first (:meth:`leave`, :meth:`expire_kept`)."""
+        now = self.clock()
+        for name in sorted(entry.among):
+            r = self._replicas.get(name)
+            if r is not None and not r.waiting and self._first_unbound(r) is None and self._fits(r, entry, now):
+                self._take(r, entry)
+                return True
+        self._unbound.append(entry)
+        return False
 
     def enter(self, entry: Entry, capacity: int) -> bool:
         """A request decided on ``entry.replica`` (whose KV is ``capacity`` tokens, 0 unknown):
         True when it goes now; else it waits, until :meth:`leave` or :meth:`expire_kept` returns
         it (or :meth:`force`)."""
         now = self.clock()
-        r = self._replicas.setdefault(entry.replica, _Replica())
-        if capacity > 0:
-            r.capacity = capacity
+        r = self._replica(entry.replica, capacity)
         own = False
         if entry.session is not None:
             own = r.kept.pop(entry.session, None) is not None
@@ -177,13 +201,21 @@ class KvRoom:
         return 0.0 if gap > self.grace_s else min(self.grace_s, max(GAP_FLOOR_S, GAP_TIMES * gap))
 
     def abandon(self, entry: Entry) -> list[Entry]:
-        """A waiter gave up (its client went away); the waiters that go now."""
+        """A waiter gave up (its client went away, or its time is up); the waiters that go now."""
+        if entry.inside:
+            return []
+        now = self.clock()
+        if not entry.replica:
+            with contextlib.suppress(ValueError):
+                self._unbound.remove(entry)
+            # It may have stood first in line for a replica with room for those behind it.
+            return [e for name in sorted(entry.among) if (r := self._replicas.get(name)) for e in self._release(r, now)]
         r = self._replicas.get(entry.replica)
-        if r is None or entry.inside:
+        if r is None:
             return []
         with contextlib.suppress(ValueError):
             r.waiting.remove(entry)
-        return self._release(r, self.clock())
+        return self._release(r, now)
 
     def force(self, entry: Entry) -> None:
         """A waiter held ``max_wait_s`` goes anyway (the engine queues it)."""
@@ -208,16 +240,35 @@ class KvRoom:
             return True  # an idle replica takes anything: a request larger than its KV still runs
         return r.capacity <= 0 or r.used + kept + r.claim(entry) <= r.capacity
 
+    def _replica(self, name: str, capacity: int) -> _Replica:
+        r = self._replicas.get(name)
+        if r is None:
+            r = self._replicas[name] = _Replica(name)
+        if capacity > 0:
+            r.capacity = capacity
+        return r
+
     def _take(self, r: _Replica, entry: Entry) -> None:
         entry.inside = True
+        entry.replica = r.name
         r.add(entry)
 
+    def _first_unbound(self, r: _Replica) -> Entry | None:
+        """The longest waiting new conversation that may go to ``r``."""
+        return next((e for e in self._unbound if r.name in e.among), None)
+
     def _release(self, r: _Replica, now: float) -> list[Entry]:
+        """The waiters that go to ``r`` now: those decided on it first (their conversations'
+        histories are there), then new conversations, each in the order they came."""
         out = []
         while r.waiting and self._fits(r, r.waiting[0], now):
             entry = r.waiting.popleft()
             self._take(r, entry)
             out.append(entry)
+        while not r.waiting and (first := self._first_unbound(r)) is not None and self._fits(r, first, now):
+            self._unbound.remove(first)
+            self._take(r, first)
+            out.append(first)
         return out
 
 
@@ -238,36 +289,45 @@ class RoomGate:
         self.max_wait_s = max_wait_s
         self.share = share
 
-    async def enter(
-        self,
-        replica: str,
-        session: str | None,
-        tokens: int,
-        capacity: int,
-        blocks: tuple[int, ...] = (),
-        block_tokens: int = 0,
-    ) -> Entry:
-        """Wait until ``replica`` (of ``capacity`` KV tokens) has room for ``tokens`` (the first
-        in ``blocks`` of ``block_tokens``), at most ``max_wait_s``; the claim to give back with
-        :meth:`leave`."""
-        entry = Entry(replica, session, tokens, self.room.clock(), blocks, block_tokens)
+    async def enter(self, entry: Entry, capacity: int, waited: float = 0.0) -> Entry:
+        """Wait until ``entry.replica`` (of ``capacity`` KV tokens) has room for ``entry``, at
+        most ``max_wait_s`` less the ``waited`` already (then it goes anyway); the claim to give
+        back with :meth:`leave`."""
         if self.room.enter(entry, int(capacity * self.share)):
             return entry
+        if not await self._granted(entry, self.max_wait_s - waited):
+            self.room.force(entry)
+        return entry
+
+    def would_wait(self, entry: Entry, replica: str, capacity: int) -> bool:
+        """Whether ``entry``, a new conversation, would wait for room on ``replica`` now."""
+        return self.room.would_wait(entry, replica, int(capacity * self.share))
+
+    async def enter_any(self, entry: Entry) -> Entry:
+        """Wait until any of ``entry.among`` has room for it, at most ``max_wait_s``: ``entry``,
+        inside on the replica that had room (``entry.inside``), or not (its time was up)."""
+        if not self.room.enter_any(entry) and not await self._granted(entry, self.max_wait_s):
+            _grant(self.room.abandon(entry))
+        return entry
+
+    async def _granted(self, entry: Entry, limit: float) -> bool:
+        """Wait for ``entry``'s room at most ``limit``: False when none came (it still waits)."""
         granted = entry.granted = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(granted), self.max_wait_s)
+            await asyncio.wait_for(asyncio.shield(granted), max(0.0, limit))
         except TimeoutError:
-            self.room.force(entry)
+            return entry.inside  # granted as its time ran out, or not
         except asyncio.CancelledError:
             # Its client went away: granted in the meantime, the room it was given goes back.
             _grant(self.room.leave(entry, keep=False) if entry.inside else self.room.abandon(entry))
             raise
-        return entry
+        return True
 
-    def leave(self, entry: Entry) -> None:
-        """The request is over: its room goes to what waits (a moment first to its conversation)."""
-        _grant(self.room.leave(entry))
-        if entry.session is not None and (moment := self.room.kept_for(entry.session)) > 0:
+    def leave(self, entry: Entry, keep: bool = True) -> None:
+        """The request is over: its room goes to what waits (a moment first to its conversation,
+        unless not ``keep``)."""
+        _grant(self.room.leave(entry, keep))
+        if keep and entry.session is not None and (moment := self.room.kept_for(entry.session)) > 0:
             replica = entry.replica
             asyncio.get_running_loop().call_later(moment, lambda: _grant(self.room.expire_kept(replica)))
 

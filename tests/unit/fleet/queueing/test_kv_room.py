@@ -27,6 +27,10 @@ def _entry(room: KvRoom, session: str | None, tokens: int, replica: str = "r0") 
     return Entry(replica, session, tokens, room.clock())
 
 
+async def _go(gate: RoomGate, replica: str, session: str | None, tokens: int, capacity: int) -> Entry:
+    return await gate.enter(Entry(replica, session, tokens, gate.room.clock()), capacity)
+
+
 def test_a_request_waits_while_its_replica_s_kv_is_claimed_and_goes_when_room_frees() -> None:
     room, _ = _room(grace_s=0)
     a, b, c = _entry(room, None, 1500), _entry(room, None, 1500), _entry(room, None, 1500)
@@ -125,14 +129,14 @@ def test_the_gate_holds_on_the_event_loop_and_sends_a_request_anyway_after_its_l
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         gate = RoomGate(loop.time, grace_s=0.05, patience_s=1.0, max_wait_s=0.3, share=1.0)
-        first = await gate.enter("r0", "s1", 3000, 4096)
-        second = asyncio.ensure_future(gate.enter("r0", "s2", 3000, 4096))
+        first = await _go(gate, "r0", "s1", 3000, 4096)
+        second = asyncio.ensure_future(_go(gate, "r0", "s2", 3000, 4096))
         await asyncio.sleep(0.05)  # second is waiting for room
         assert not second.done()
         gate.leave(first)
         await asyncio.sleep(0.1)  # s1's room lapses after its grace: second goes
         assert second.done() and second.result().inside
-        stuck = asyncio.ensure_future(gate.enter("r0", "s3", 3000, 4096))
+        stuck = asyncio.ensure_future(_go(gate, "r0", "s3", 3000, 4096))
         started = loop.time()
         entry = await stuck  # nothing leaves: its limit sends it anyway
         assert entry.inside and loop.time() - started >= 0.29
@@ -144,9 +148,9 @@ def test_a_waiter_whose_client_goes_away_frees_its_place() -> None:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         gate = RoomGate(loop.time, grace_s=0.0, patience_s=1.0, max_wait_s=5.0, share=1.0)
-        first = await gate.enter("r0", None, 3000, 4096)
-        waiting = asyncio.ensure_future(gate.enter("r0", None, 3000, 4096))
-        behind = asyncio.ensure_future(gate.enter("r0", None, 500, 4096))
+        first = await _go(gate, "r0", None, 3000, 4096)
+        waiting = asyncio.ensure_future(_go(gate, "r0", None, 3000, 4096))
+        behind = asyncio.ensure_future(_go(gate, "r0", None, 500, 4096))
         await asyncio.sleep(0.01)  # both wait
         waiting.cancel()
         await asyncio.sleep(0.01)  # the cancelled waiter left: the small one fits beside the first
@@ -191,13 +195,90 @@ def test_a_waiter_cancelled_just_after_its_grant_gives_its_room_back() -> None:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         gate = RoomGate(loop.time, grace_s=0.0, patience_s=1.0, max_wait_s=5.0, share=1.0)
-        first = await gate.enter("r0", None, 3000, 4096)
-        waiting = asyncio.ensure_future(gate.enter("r0", None, 3000, 4096))
+        first = await _go(gate, "r0", None, 3000, 4096)
+        waiting = asyncio.ensure_future(_go(gate, "r0", None, 3000, 4096))
         await asyncio.sleep(0.01)  # it waits
         waiting.cancel()  # its client goes away ...
         gate.leave(first)  # ... and, before its task runs again, room is granted to it
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert await asyncio.wait_for(gate.enter("r0", None, 4000, 4096), 0.1)  # nothing is left claimed
+        assert await asyncio.wait_for(_go(gate, "r0", None, 4000, 4096), 0.1)  # nothing is left claimed
+
+    asyncio.run(scenario())
+
+
+def _new(room: KvRoom, session: str, tokens: int, among: tuple[str, ...] = ("r0", "r1")) -> Entry:
+    entry = Entry("", session, tokens, room.clock())
+    entry.among = frozenset(among)
+    return entry
+
+
+def _fill(room: KvRoom, replica: str, tokens: int = 3000) -> Entry:
+    entry = _entry(room, None, tokens, replica)
+    assert room.enter(entry, 4096)
+    return entry
+
+
+def test_a_new_conversation_waits_for_whichever_replica_frees_room_first() -> None:
+    room, _ = _room(grace_s=0)
+    on_r0, on_r1 = _fill(room, "r0"), _fill(room, "r1")
+    new = _new(room, "s1", 2000)
+    assert room.would_wait(new, "r0", 4096) and room.would_wait(new, "r1", 4096)
+    assert not room.enter_any(new)
+    assert room.waiting() == 1 and new.replica == ""
+    assert room.leave(on_r1) == [new]  # r1 freed first: it goes there, not to r0
+    assert new.inside and new.replica == "r1"
+    assert room.leave(on_r0) == []
+
+
+def test_a_replica_s_own_waiters_go_before_new_conversations_and_those_in_the_order_they_came() -> None:
+    room, _ = _room(grace_s=0)
+    on_r0 = _fill(room, "r0")
+    _fill(room, "r1", 3500)
+    follow_up = _entry(room, "s0", 2000, "r0")  # decided on r0: its history is there
+    assert not room.enter(follow_up, 4096)
+    first, second = _new(room, "s1", 1000), _new(room, "s2", 1000)
+    assert not room.enter_any(first) and not room.enter_any(second)
+    assert room.would_wait(_new(room, "s3", 10), "r0", 4096)  # others wait for r0: a newcomer too
+    assert room.leave(on_r0) == [follow_up, first, second]  # 2,000 + 1,000 + 1,000 fit in 4,096
+    assert first.replica == second.replica == "r0"
+
+
+def test_a_new_conversation_waits_only_for_the_replicas_it_may_go_to() -> None:
+    room, _ = _room(grace_s=0)
+    _fill(room, "r0")
+    on_r1 = _fill(room, "r1")
+    new = _new(room, "s1", 2000, among=("r0",))
+    assert not room.enter_any(new)
+    assert room.leave(on_r1) == []  # room on r1 is not room for it
+    assert room.waiting() == 1
+
+
+def test_a_new_conversation_that_gives_up_lets_the_one_behind_it_take_the_room() -> None:
+    room, _ = _room(grace_s=0)
+    on_r0 = _fill(room, "r0", 2000)
+    big, small = _new(room, "s1", 3000, among=("r0",)), _new(room, "s2", 1000, among=("r0",))
+    assert not room.enter_any(big)
+    assert not room.enter_any(small)  # first come first served: behind the big one, though it fits
+    assert room.abandon(big) == [small]
+    assert small.inside and room.waiting() == 0
+    room.leave(on_r0)
+
+
+def test_the_gate_gives_a_new_conversation_the_first_room_or_nothing_after_its_limit() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        gate = RoomGate(loop.time, grace_s=0.0, patience_s=1.0, max_wait_s=0.2, share=1.0)
+        await _go(gate, "r0", None, 3000, 4096)
+        on_r1 = await _go(gate, "r1", None, 3000, 4096)
+        waiting = asyncio.ensure_future(gate.enter_any(_new(gate.room, "s1", 2000)))
+        await asyncio.sleep(0.01)  # it waits for either
+        gate.leave(on_r1)
+        entry = await asyncio.wait_for(waiting, 0.1)
+        assert entry.inside and entry.replica == "r1"
+        started = loop.time()
+        late = await gate.enter_any(_new(gate.room, "s2", 3000))  # r0 and r1 stay full
+        assert not late.inside and loop.time() - started >= 0.19
+        assert gate.room.waiting() == 0  # it no longer waits: its decision sends it anyway
 
     asyncio.run(scenario())

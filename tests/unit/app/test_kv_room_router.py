@@ -1,0 +1,79 @@
+"""KV room in the router (``queueing.kv_room``): a new conversation goes where there is room for
+it, and with room nowhere is decided once a replica has it, on that replica."""
+
+from __future__ import annotations
+
+import asyncio
+
+from extproc.app.router import Router
+from extproc.fleet.queueing.settings import QueueSettings
+from extproc.fleet.health.vllm_metrics import ReplicaMetrics
+from extproc.routing import Replica
+from extproc.routing.model import Decision, Reason
+from extproc.routing.pipeline import DecisionInputs
+from extproc.routing.trace import DecisionTrace
+from tests.conftest import chat_body, make_config
+
+# 128 blocks of 16 tokens: 2,048 tokens, where one ~1,500-token prompt fits and two do not.
+PROMPT = "word " * 1200  # 6,000 characters: about 1,500 tokens
+
+
+def r0_first(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
+    """Always r0 unless it is marked (cordoned, or full for a new conversation): the decision a
+    request would get on arrival whatever becomes free first."""
+    states = {s.name: s for s in given.snapshot.replicas}
+    marks = given.cordons or {}
+    open_ = [n for n in sorted(states) if n not in marks] or sorted(states)
+    return Decision(states[open_[0]].replica, Reason.NEW_SESSION)
+
+
+def _router(max_wait_s: float) -> Router:
+    replicas = (Replica("r0", "10.0.0.1:80"), Replica("r1", "10.0.0.2:80"))
+    queueing = QueueSettings(kv_room=True, kv_room_grace_s=0.0, kv_room_max_wait_s=max_wait_s)
+    router = Router(make_config(replicas=replicas, queueing=queueing), decider=r0_first)
+    for r in replicas:
+        router.replicas.apply_scrape(r.name, ReplicaMetrics(num_gpu_blocks=128, block_size=16), router.clock())
+    return router
+
+
+async def _route(router: Router, session: str, seed: int):  # type: ignore[no-untyped-def]
+    body = chat_body(f"{seed} " + PROMPT, max_tokens=16)
+    return await router.route({":path": "/v1/chat/completions", "x-session-id": session}, body)
+
+
+def _on(routed) -> str:  # type: ignore[no-untyped-def]
+    return routed.decision.replica.name
+
+
+async def test_a_new_conversation_is_decided_on_the_replica_that_frees_room_first() -> None:
+    router = _router(max_wait_s=5.0)
+    a = await _route(router, "a", 1)
+    b = await _route(router, "b", 2)
+    assert (_on(a), _on(b)) == ("r0", "r1")  # r0 full for b: it went where there was room
+    c = asyncio.ensure_future(_route(router, "c", 3))
+    await asyncio.sleep(0.05)  # both full: c waits, decided nowhere yet
+    assert not c.done()
+    router.release(b)  # r1 frees first
+    routed = await asyncio.wait_for(c, 1.0)
+    assert _on(routed) == "r1"  # not r0, where it would have been decided on arrival
+    view = await router.store.lookup("c", (), router.clock(), model="m")
+    assert view.pinned == "r1"
+    router.release(routed)
+    router.release(a)
+    assert router.room is not None and router.room.gate.room.waiting() == 0
+
+
+async def test_a_follow_up_waits_for_its_own_replica_and_a_new_conversation_out_of_time_goes_as_decided() -> None:
+    router = _router(max_wait_s=0.3)
+    a = await _route(router, "a", 1)
+    router.release(a)
+    await _route(router, "x", 2)  # r0 again: a's room is not kept (grace 0)
+    await _route(router, "y", 3)  # r1
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    follow_up = await _route(router, "a", 1)  # pinned to r0: it waits there, not elsewhere
+    assert _on(follow_up) == "r0"
+    late = await _route(router, "z", 4)  # no room anywhere until its time is up: sent as decided
+    waited = loop.time() - started
+    assert _on(late) == "r0"
+    assert waited < 0.3 * 2 + 0.25  # each waited its limit once, not twice
