@@ -13,12 +13,17 @@ once, as the engine holds it; ``queueing.kv_room_share`` of the cache) and holds
 first come first served. When a request of a conversation (a session key) ends, the room it used
 is kept for that conversation: its next turn, sent at once by an agent or a script, goes ahead of
 what waits (first in line should its history have grown past the room kept) and runs while its
-history is still cached. The room
-is kept a few times the conversation's own last gap between turns (``grace_s`` at most, all of
-it until a gap is known), and not at all for a conversation whose last gap was longer. What has
-waited ``patience_s`` goes before kept room (the time to first token of new conversations is
-bounded by it, at the price of the histories it evicts), and what has waited ``max_wait_s`` goes
-anyway: the engine's own queue is the worst it gets.
+history is still cached. The room is kept a few times the conversation's own last gap between
+turns (``grace_s`` at most, all of it until a gap is known), and not at all for a conversation
+whose last gap was longer. What has waited ``patience_s`` goes before kept room (the time to
+first token of new conversations is bounded by it, at the price of the histories it evicts), and
+what has waited ``max_wait_s`` goes anyway: the engine's own queue is the worst it gets.
+
+A new conversation (no replica holds its history) is decided among the replicas with room for
+it; with none, it waits for whichever of them frees room first (:meth:`KvRoom.enter_any`, in the
+order it came among the requests decided on that replica) and is decided there, not on the
+replica it would have been decided on at once: which engine finishes first is not known when it
+arrives.
 
 The room is counted per router process, from the requests it sent: each of ``serve --workers N``
 claims 1/N of a replica's KV, and several gateways in front of one engine should divide it with
@@ -61,6 +66,8 @@ class Entry:
     inside: bool = False
     """It went (and holds its room until :meth:`KvRoom.leave`)."""
     granted: asyncio.Future[None] | None = None
+    ahead: bool = False
+    """A conversation's next turn grown past the room kept for it: first in line all the same."""
     among: frozenset[str] = frozenset()
     """A new conversation waiting for room on any of these replicas (``replica`` empty until it
     is given one: :meth:`KvRoom.enter_any`)."""
@@ -138,8 +145,7 @@ class KvRoom:
         """Whether ``entry``, a new conversation, would wait for room on ``replica`` (of
         ``capacity`` KV tokens, 0 unknown) were it sent there now."""
         r = self._replica(replica, capacity)
-        now = self.clock()
-        return bool(r.waiting) or self._first_unbound(r) is not None or not self._fits(r, entry, now)
+        return self._queued(r) or not self._fits(r, entry, self.clock())
 
     def enter_any(self, entry: Entry) -> bool:
         """A new conversation every replica it may go to (``entry.among``) is full for: True when
@@ -148,7 +154,7 @@ class KvRoom:
         now = self.clock()
         for name in sorted(entry.among):
             r = self._replicas.get(name)
-            if r is not None and not r.waiting and self._first_unbound(r) is None and self._fits(r, entry, now):
+            if r is not None and not self._queued(r) and self._fits(r, entry, now):
                 self._take(r, entry)
                 return True
         self._unbound.append(entry)
@@ -167,11 +173,12 @@ class KvRoom:
                 _remember(self._gaps, entry.session, now - ended)
         if own and r.waiting and now - r.waiting[0].since >= self.patience_s:
             own = False  # what waits has waited long enough: it goes first
-        if (own or not r.waiting) and self._fits(r, entry, now):
+        if (own or not self._queued(r)) and self._fits(r, entry, now):
             self._take(r, entry)
             return True
         if own:
-            r.waiting.appendleft(entry)  # its history grew past its kept room: it is next, all the same
+            entry.ahead = True  # its history grew past its kept room: it is next, all the same
+            r.waiting.appendleft(entry)
         else:
             r.waiting.append(entry)
         return False
@@ -257,18 +264,29 @@ class KvRoom:
         """The longest waiting new conversation that may go to ``r``."""
         return next((e for e in self._unbound if r.name in e.among), None)
 
+    def _queued(self, r: _Replica) -> bool:
+        """Whether requests wait for room on ``r``: those decided on it, or new conversations."""
+        return bool(r.waiting) or self._first_unbound(r) is not None
+
+    def _next(self, r: _Replica) -> Entry | None:
+        """The waiter ``r``'s room goes to first: the one that came first, of those decided on it
+        and the new conversations that may go there (a next turn grown past its kept room first)."""
+        head = r.waiting[0] if r.waiting else None
+        new = self._first_unbound(r)
+        if head is None or (new is not None and not head.ahead and new.since < head.since):
+            return new
+        return head
+
     def _release(self, r: _Replica, now: float) -> list[Entry]:
-        """The waiters that go to ``r`` now: those decided on it first (their conversations'
-        histories are there), then new conversations, each in the order they came."""
+        """The waiters that go to ``r`` now, in the order :meth:`_next` gives, while they fit."""
         out = []
-        while r.waiting and self._fits(r, r.waiting[0], now):
-            entry = r.waiting.popleft()
+        while (entry := self._next(r)) is not None and self._fits(r, entry, now):
+            if entry.replica:
+                r.waiting.popleft()
+            else:
+                self._unbound.remove(entry)
             self._take(r, entry)
             out.append(entry)
-        while not r.waiting and (first := self._first_unbound(r)) is not None and self._fits(r, first, now):
-            self._unbound.remove(first)
-            self._take(r, first)
-            out.append(first)
         return out
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from extproc.app.router import Router
-from extproc.fleet.queueing.settings import QueueSettings
 from extproc.fleet.health.vllm_metrics import ReplicaMetrics
+from extproc.fleet.queueing.settings import QueueSettings
 from extproc.routing import Replica
 from extproc.routing.model import Decision, Reason
 from extproc.routing.pipeline import DecisionInputs

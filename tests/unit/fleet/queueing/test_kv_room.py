@@ -231,16 +231,20 @@ def test_a_new_conversation_waits_for_whichever_replica_frees_room_first() -> No
     assert room.leave(on_r0) == []
 
 
-def test_a_replica_s_own_waiters_go_before_new_conversations_and_those_in_the_order_they_came() -> None:
-    room, _ = _room(grace_s=0)
-    on_r0 = _fill(room, "r0")
+def test_waiters_decided_on_a_replica_and_new_conversations_take_its_room_in_the_order_they_came() -> None:
+    room, clock = _room(grace_s=0)
+    on_r0 = _fill(room, "r0", 3500)
     _fill(room, "r1", 3500)
+    first = _new(room, "s1", 1000)
+    assert not room.enter_any(first)
+    clock.now += 0.1
     follow_up = _entry(room, "s0", 2000, "r0")  # decided on r0: its history is there
-    assert not room.enter(follow_up, 4096)
-    first, second = _new(room, "s1", 1000), _new(room, "s2", 1000)
-    assert not room.enter_any(first) and not room.enter_any(second)
+    assert not room.enter(follow_up, 4096)  # behind the new conversation that came first
+    clock.now += 0.1
+    second = _new(room, "s2", 1000)
+    assert not room.enter_any(second)
     assert room.would_wait(_new(room, "s3", 10), "r0", 4096)  # others wait for r0: a newcomer too
-    assert room.leave(on_r0) == [follow_up, first, second]  # 2,000 + 1,000 + 1,000 fit in 4,096
+    assert room.leave(on_r0) == [first, follow_up, second]  # 1,000 + 2,000 + 1,000 fit in 4,096
     assert first.replica == second.replica == "r0"
 
 
