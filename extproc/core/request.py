@@ -257,7 +257,9 @@ class RequestCore:
             if unrouted is not None:
                 return unrouted
         if room is None and decision.replica is not None and decision.replica.name in full:
-            return Routed(Answer(features, Decision(None, Reason.NO_REPLICA), room_wait=full), start)
+            among = full.difference(p.cordons())  # an operator's cordon: no room to wait for there
+            if among:
+                return Routed(Answer(features, Decision(None, Reason.NO_REPLICA), room_wait=among), start)
         routed = Routed(Answer(features, decision), start)
         replica = decision.replica
         if replica is not None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +41,31 @@ def test_processes_given_their_share_of_ports_hand_out_disjoint_ones(monkeypatch
     for (start, stop), share in zip(ranges, shares, strict=True):
         monkeypatch.setenv(PORTS_ENV, share)
         assert all(start <= free_port() < stop for _ in range(20))
+
+
+def test_a_process_ends_when_the_run_that_started_it_is_killed(tmp_path: Path) -> None:
+    starter = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from extproc_lab.demo.processes import ProcessGroup\n"
+        f"proc = ProcessGroup(Path({str(tmp_path)!r})).start('engine', {SLEEP!r})\n"
+        "print(proc.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    child = int(run.stdout.readline())
+    os.kill(run.pid, signal.SIGKILL)  # as a CI timeout would: no teardown runs
+    run.wait(5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)  # the kernel signals it at once; its exit takes a moment
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"  # a zombie has ended (init reaps it)
+    except FileNotFoundError:
+        return False

@@ -1,6 +1,8 @@
 """Starting and stopping the local gateway's processes (Envoy, the processor, fake replicas).
 
-Every process is started in its own process group and ended by its PID, also on Ctrl-C.
+Every process is started in its own process group and ended by its PID, also on Ctrl-C; on
+Linux it is also sent SIGTERM should the process that started it die without ending it (a
+SIGTERM or SIGKILL to a test run), so no engine outlives its run.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -117,6 +120,14 @@ def wait_for_http(url: str, timeout_s: float = 15.0) -> None:
     raise TimeoutError(f"{url} did not answer 200 after {timeout_s}s")
 
 
+def _end_with_parent() -> None:
+    """In the child before it runs: SIGTERM once its parent dies (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 class ProcessGroup:
     """Processes started together and stopped together (context manager)."""
 
@@ -141,6 +152,9 @@ class ProcessGroup:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            # Only from the main thread: the kernel signals the child when the thread that forked
+            # it ends, and a worker thread may end long before the process does.
+            preexec_fn=_end_with_parent if threading.current_thread() is threading.main_thread() else None,
         )
         log.close()
         self.procs[name] = proc
