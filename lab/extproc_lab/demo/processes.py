@@ -8,6 +8,7 @@ SIGTERM or SIGKILL to a test run), so no engine outlives its run.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import shutil
@@ -120,12 +121,15 @@ def wait_for_http(url: str, timeout_s: float = 15.0) -> None:
     raise TimeoutError(f"{url} did not answer 200 after {timeout_s}s")
 
 
-def _end_with_parent() -> None:
-    """In the child before it runs: SIGTERM once its parent dies (Linux's PR_SET_PDEATHSIG)."""
-    if sys.platform == "linux":
-        import ctypes
+# libc's prctl, looked up here: between fork and exec the child only calls it (no import, no lock).
+_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+def _end_with_parent() -> None:
+    """In the child before it runs: SIGTERM once its parent dies."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ProcessGroup:
@@ -154,7 +158,7 @@ class ProcessGroup:
             start_new_session=True,
             # Only from the main thread: the kernel signals the child when the thread that forked
             # it ends, and a worker thread may end long before the process does.
-            preexec_fn=_end_with_parent if threading.current_thread() is threading.main_thread() else None,
+            preexec_fn=_end_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
         )
         log.close()
         self.procs[name] = proc
