@@ -241,9 +241,7 @@ class RequestCore:
         stored: AffinityView = yield Lookup(features, start)
         p.caches.refresh(start)
         given, cached = self.inputs(features, stored, start)
-        full = self._full(features, stored, given, room)
-        if full:  # an operator's cordon stands over the room's
-            given = replace(given, cordons={**dict.fromkeys(full, FULL), **(given.cordons or {})})
+        given, full = self.room_marked(given, stored, room)
         fp = None  # the prefix key's fingerprint, once a request, where hot keys are on
         if p.hot_keys is not None:
             fp = fingerprint(given.prefix_key) if given.prefix_key is not None else None
@@ -276,18 +274,23 @@ class RequestCore:
         p.report.decided(features, decision, given.view, start, routed.decided_at)
         return routed
 
-    def _full(
-        self, features: RequestFeatures, stored: AffinityView, given: DecisionInputs, room: Entry | None
-    ) -> frozenset[str]:
-        """The replicas a new conversation may not go to for want of KV room: those full now, or
-        all but the one that gave it room after its wait (none once its wait ran out)."""
+    def room_marked(
+        self, given: DecisionInputs, stored: AffinityView, room: Entry | None = None
+    ) -> tuple[DecisionInputs, frozenset[str]]:
+        """``given`` with the replicas a new conversation may not go to for want of KV room marked
+        (``queueing.kv_room``), and those replicas: the ones full for it now, or all but the one
+        that gave it room after its wait (none once its wait ran out)."""
         if self.p.room_full is None or stored.pinned is not None:
-            return frozenset()
+            return given, frozenset()
         if room is None:
-            return self.p.room_full(features)
-        return (
-            frozenset(s.name for s in given.snapshot.replicas if s.name != room.replica) if room.inside else frozenset()
-        )
+            full = self.p.room_full(given.features)
+        elif room.inside:
+            full = frozenset(s.name for s in given.snapshot.replicas if s.name != room.replica)
+        else:
+            return given, frozenset()
+        if full:  # an operator's cordon stands over the room's
+            given = replace(given, cordons={**dict.fromkeys(full, FULL), **(given.cordons or {})})
+        return given, full
 
     def _count(self, routed: Routed, given: DecisionInputs, cached: CacheView) -> None:
         """What a routed request is counted for where it goes (its prefill, its KV, the claim)."""

@@ -19,6 +19,7 @@ from extproc.routing import (
     build_profile,
     decide,
 )
+from extproc.routing.cordon import FULL
 from extproc.routing.trace import DecisionTrace
 from tests.conftest import chat_body, make_config
 from tests.helpers import Clock, chat_request, conversation, feed, kv_router, metric_value, stored_event
@@ -215,3 +216,18 @@ async def test_explain_shows_each_candidates_price_and_its_parts() -> None:
     )
     assert by_name[holder].price_rates == "prior"
     assert "price " in render("explain", message) and "ttft " in render("explain", message)
+
+
+def test_a_replica_full_for_new_conversations_keeps_its_pinned_ones_and_explain_says_why() -> None:
+    snap, profile = _snapshot(2), build_profile()
+    full = {"r0": FULL}
+    pinned = RequestFeatures(path=CHAT, model="m", session_key="old")
+    assert (
+        decide(DecisionInputs.of(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons=full)).replica.name
+        == "r0"
+    )  # type: ignore[union-attr]
+    trace = DecisionTrace()
+    fresh = RequestFeatures(path=CHAT, model="m", session_key="new")
+    d = decide(DecisionInputs.of(fresh, snap, AffinityView(), 0.0, profile, cordons=full), trace=trace)
+    assert d.replica.name == "r1"  # type: ignore[union-attr]
+    assert trace.filters[0].removed == [("r0", "no KV room for a new conversation now (queueing.kv_room)")]

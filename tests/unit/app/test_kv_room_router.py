@@ -48,6 +48,9 @@ def _on(routed) -> str:  # type: ignore[no-untyped-def]
 async def test_a_new_conversation_is_decided_on_the_replica_that_frees_room_first() -> None:
     router = _router(max_wait_s=5.0)
     a = await _route(router, "a", 1)
+    headers = {":path": "/v1/chat/completions", "x-session-id": "b"}
+    explained = await router.explain(headers, chat_body("2 " + PROMPT, max_tokens=16))
+    assert explained.decision.replica is not None and explained.decision.replica.name == "r1"  # as route() will
     b = await _route(router, "b", 2)
     assert (_on(a), _on(b)) == ("r0", "r1")  # r0 full for b: it went where there was room
     c = asyncio.ensure_future(_route(router, "c", 3))
