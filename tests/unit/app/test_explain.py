@@ -222,10 +222,8 @@ def test_a_replica_full_for_new_conversations_keeps_its_pinned_ones_and_explain_
     snap, profile = _snapshot(2), build_profile()
     full = {"r0": FULL}
     pinned = RequestFeatures(path=CHAT, model="m", session_key="old")
-    assert (
-        decide(DecisionInputs.of(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons=full)).replica.name
-        == "r0"
-    )  # type: ignore[union-attr]
+    stays = decide(DecisionInputs.of(pinned, snap, AffinityView(pinned="r0"), 0.0, profile, cordons=full))
+    assert stays.replica is not None and stays.replica.name == "r0"
     trace = DecisionTrace()
     fresh = RequestFeatures(path=CHAT, model="m", session_key="new")
     d = decide(DecisionInputs.of(fresh, snap, AffinityView(), 0.0, profile, cordons=full), trace=trace)
