@@ -9,7 +9,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -29,14 +29,19 @@ SHARE = 0.15
 PROMPT_WORDS = 2200  # about 1,470 of the tiny model's tokens
 
 
+def _config(path: Any, grace_s: float) -> Any:
+    path.write_text(
+        "health:\n  scrape_timeout_s: 1.0\n"
+        f"queueing:\n  kv_room: true\n  kv_room_share: {SHARE}\n  kv_room_grace_s: {grace_s}\n"
+        "  kv_room_max_wait_s: 20\n"
+    )
+    return path
+
+
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory, tiny_engines: TinyEngines) -> Iterator[LocalGateway]:
     require_binary("envoy")
-    config = tmp_path_factory.mktemp("room-vllm") / "router.yaml"
-    config.write_text(
-        "health:\n  scrape_timeout_s: 1.0\n"
-        f"queueing:\n  kv_room: true\n  kv_room_share: {SHARE}\n  kv_room_grace_s: 1.0\n  kv_room_max_wait_s: 20\n"
-    )
+    config = _config(tmp_path_factory.mktemp("room-vllm") / "router.yaml", grace_s=1.0)
     gateway = LocalGateway(
         replicas=1,
         engines=tiny_engines.fresh(),
@@ -49,13 +54,20 @@ def gw(tmp_path_factory: pytest.TempPathFactory, tiny_engines: TinyEngines) -> I
 
 
 async def streamed(
-    http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], session: str
+    http: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, str]],
+    session: str,
+    max_tokens: int = 32,
+    on_first: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
-    """A streamed chat turn: when it ended, its answer and the usage the engine reported."""
+    """A streamed chat turn: when it ended, its answer and the usage the engine reported;
+    ``on_first`` awaited at its first token."""
     body = {
         "model": "demo-model",
         "messages": messages,
-        "max_tokens": 32,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # vLLM's: the answer is as long as asked, whatever the tiny model says
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -69,6 +81,9 @@ async def streamed(
             chunk = json.loads(data)
             answer += [c["delta"].get("content") or "" for c in chunk.get("choices") or []]
             usage = chunk.get("usage") or usage
+            if on_first is not None and answer:
+                first, on_first = on_first, None
+                await first()
     return {"ended": time.monotonic(), "answer": "".join(answer), "usage": usage}
 
 
@@ -101,3 +116,56 @@ async def test_a_turn_s_room_is_kept_for_its_conversation_while_a_newcomer_waits
         assert cached >= prompt - 32
         page = await metrics_page(http, gw.metrics_url)
         assert scrape_total(page, "extproc_kv_room_wait_seconds_sum") > 0.1
+
+
+@pytest.fixture(scope="module")
+def gw2(tmp_path_factory: pytest.TempPathFactory, tiny_engines: TinyEngines) -> Iterator[LocalGateway]:
+    """Two engines, no room kept between turns (grace 0)."""
+    require_binary("envoy")
+    gateway = LocalGateway(
+        replicas=2,
+        engines=tiny_engines.fresh(),
+        log_dir=tmp_path_factory.mktemp("room-vllm-gw2"),
+        processor_args=("--config", str(_config(tmp_path_factory.mktemp("room-vllm2") / "router.yaml", grace_s=0))),
+        envoy_options={"queue_wait_s": 20.0},
+    )
+    with gateway:
+        yield gateway
+
+
+async def test_a_new_conversation_with_no_room_anywhere_goes_to_the_engine_that_frees_room_first(
+    gw2: LocalGateway,
+) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await deciding(http, gw2)
+        await asyncio.sleep(1.0)  # a few scrapes of the engines' /metrics: their KV sizes are known
+
+        def prompt(seed: int) -> list[dict[str, str]]:
+            return [{"role": "user", "content": words(random.Random(seed), PROMPT_WORDS)}]
+
+        async def inflight() -> list[float]:
+            page = await metrics_page(http, gw2.metrics_url)
+            return sorted(scrape_total(page, "extproc_replica_inflight_requests", replica=m.name) for m in gw2.members)
+
+        seen: list[list[float]] = []
+
+        async def newcomer() -> dict[str, Any]:
+            await asyncio.sleep(0.6)  # a runs on one engine, b on the other: no room on either
+
+            async def look() -> None:
+                seen.append(await inflight())
+
+            return await streamed(http, gw2.url, prompt(13), "c", max_tokens=8, on_first=look)
+
+        async def short() -> dict[str, Any]:
+            await asyncio.sleep(0.3)  # after a: no room beside it, so to the other engine
+            return await streamed(http, gw2.url, prompt(12), "b", max_tokens=48)
+
+        long, b, c = await asyncio.gather(
+            streamed(http, gw2.url, prompt(11), "a", max_tokens=500), short(), newcomer()
+        )
+        # c waited for b's engine and ran there while a was still being answered on the other.
+        assert b["ended"] < c["ended"] < long["ended"]
+        assert seen == [[1.0, 1.0]]
+        page = await metrics_page(http, gw2.metrics_url)
+        assert scrape_total(page, "extproc_kv_room_wait_seconds_count") >= 2
