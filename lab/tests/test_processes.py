@@ -50,7 +50,7 @@ def test_a_process_ends_when_the_run_that_started_it_is_killed(tmp_path: Path) -
         "from extproc_lab.demo.processes import ProcessGroup\n"
         f"proc = ProcessGroup(Path({str(tmp_path)!r})).start('engine', {SLEEP!r})\n"
         "print(proc.pid, flush=True)\n"
-        "time.sleep(30)\n"
+        "time.sleep(30)\n"  # the run, alive until the test kills it
     )
     run = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
     assert run.stdout is not None

@@ -1,7 +1,8 @@
 """KV room on a real vLLM engine (``queueing.kv_room``), through real Envoy: the engine's KV size
 is read from its /metrics, a streamed answer holds its room until its stream ends (vLLM sends the
-headers before the first token), and a conversation's next turn goes ahead of a waiting newcomer
-and finds its history in the engine's cache."""
+headers before the first token), a conversation's next turn goes ahead of a waiting newcomer
+and finds its history in the engine's cache, and a new conversation with room on neither of two
+engines goes to the one that frees room first."""
 
 from __future__ import annotations
 
@@ -161,9 +162,7 @@ async def test_a_new_conversation_with_no_room_anywhere_goes_to_the_engine_that_
             await asyncio.sleep(0.3)  # after a: no room beside it, so to the other engine
             return await streamed(http, gw2.url, prompt(12), "b", max_tokens=48)
 
-        long, b, c = await asyncio.gather(
-            streamed(http, gw2.url, prompt(11), "a", max_tokens=500), short(), newcomer()
-        )
+        long, b, c = await asyncio.gather(streamed(http, gw2.url, prompt(11), "a", max_tokens=500), short(), newcomer())
         # c waited for b's engine and ran there while a was still being answered on the other.
         assert b["ended"] < c["ended"] < long["ended"]
         assert seen == [[1.0, 1.0]]
