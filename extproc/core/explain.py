@@ -22,7 +22,7 @@ def explain(core: RequestCore, headers: Mapping[str, str], body: bytes | None) -
     features = yield from core.hashed(features, request)  # as route() hashes them (a memo, no state)
     stored: AffinityView = yield Lookup(features, now, peek=True)
     given, cached = core.inputs(features, stored, now, explain=True)
-    given, _ = core.room_marked(replace(given, record=False), stored)
+    given, _ = core.room_marked(replace(given, record=False))
     if p.hot_keys is not None:
         given = replace(given, hot=p.hot_keys.table())
     trace = DecisionTrace()

@@ -241,7 +241,7 @@ class RequestCore:
         stored: AffinityView = yield Lookup(features, start)
         p.caches.refresh(start)
         given, cached = self.inputs(features, stored, start)
-        given, full = self.room_marked(given, stored, room)
+        given, full = self.room_marked(given, room)
         fp = None  # the prefix key's fingerprint, once a request, where hot keys are on
         if p.hot_keys is not None:
             fp = fingerprint(given.prefix_key) if given.prefix_key is not None else None
@@ -274,13 +274,15 @@ class RequestCore:
         p.report.decided(features, decision, given.view, start, routed.decided_at)
         return routed
 
-    def room_marked(
-        self, given: DecisionInputs, stored: AffinityView, room: Entry | None = None
-    ) -> tuple[DecisionInputs, frozenset[str]]:
+    def room_marked(self, given: DecisionInputs, room: Entry | None = None) -> tuple[DecisionInputs, frozenset[str]]:
         """``given`` with the replicas a new conversation may not go to for want of KV room marked
         (``queueing.kv_room``), and those replicas: the ones full for it now, or all but the one
-        that gave it room after its wait (none once its wait ran out)."""
-        if self.p.room_full is None or stored.pinned is not None:
+        that gave it room after its wait (none once its wait ran out). A conversation whose
+        replica is known to have lost it (``pin_lost``) is a new one here, unless that replica
+        stores it (a Responses chain: anywhere else is a 404)."""
+        view, chain = given.view, given.features.conversation
+        kept = view.pin_lost is None or (chain is not None and chain.stored)
+        if self.p.room_full is None or (view.pinned is not None and kept):
             return given, frozenset()
         if room is None:
             full = self.p.room_full(given.features)

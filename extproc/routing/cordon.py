@@ -31,12 +31,17 @@ class CordonFilter:
     """
 
     cordons: Mapping[str, str] = field(default_factory=dict)
+    pin_lost: bool = False
+    """The pinned replica is known to have lost the conversation (``AffinityView.pin_lost``): a
+    full mark keeps it no more (its next turn is a new conversation's prefill anywhere)."""
     name: str = "cordon"
 
     def keeps(self, state: ReplicaState, pinned: str | None) -> bool:
         """Whether the replica may take this request."""
         mark = self.cordons.get(state.name)
-        return mark is None or (mark != "drained" and state.name == pinned)
+        if mark is None:
+            return True
+        return state.name == pinned and (mark == "cordoned" or (mark == FULL and not self.pin_lost))
 
     def why(self, state: ReplicaState) -> str:
         """Why it was dropped."""

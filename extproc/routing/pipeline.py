@@ -170,7 +170,7 @@ def decide(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decisio
     cordons = given.cordons
     if cordons:
         # Before the profile's filters, whatever the profile: a cordon is the operator's word.
-        cordon = CordonFilter(cordons)
+        cordon = CordonFilter(cordons, pin_lost=view.pin_lost is not None)
         kept = [c for c in candidates if cordon.keeps(c, view.pinned)]
         if trace is not None:
             step = FilterPass(cordon.name, failed_open=not kept)

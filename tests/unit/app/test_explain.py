@@ -229,3 +229,13 @@ def test_a_replica_full_for_new_conversations_keeps_its_pinned_ones_and_explain_
     d = decide(DecisionInputs.of(fresh, snap, AffinityView(), 0.0, profile, cordons=full), trace=trace)
     assert d.replica.name == "r1"  # type: ignore[union-attr]
     assert trace.filters[0].removed == [("r0", "no KV room for a new conversation now (queueing.kv_room)")]
+
+
+def test_a_full_mark_keeps_a_pinned_conversation_no_more_once_its_replica_lost_it() -> None:
+    snap, profile = _snapshot(2), build_profile()
+    pinned = RequestFeatures(path=CHAT, model="m", session_key="old")
+    lost = AffinityView(pinned="r0", pin_lost="kv_events")
+    moved = decide(DecisionInputs.of(pinned, snap, lost, 0.0, profile, cordons={"r0": FULL}))
+    assert moved.replica is not None and moved.replica.name == "r1"
+    stays = decide(DecisionInputs.of(pinned, snap, lost, 0.0, profile, cordons={"r0": "cordoned"}))
+    assert stays.replica is not None and stays.replica.name == "r0"  # an operator's cordon keeps it

@@ -4,12 +4,15 @@ it, and with room nowhere is decided once a replica has it, on that replica."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from extproc.app.router import Router
 from extproc.fleet.health.vllm_metrics import ReplicaMetrics
 from extproc.fleet.queueing.settings import QueueSettings
+from extproc.request.conversation import ConversationChain
+from extproc.request.features import RequestFeatures
 from extproc.routing import Replica
-from extproc.routing.model import Decision, Reason
+from extproc.routing.model import AffinityView, Decision, Reason
 from extproc.routing.pipeline import DecisionInputs
 from extproc.routing.trace import DecisionTrace
 from tests.conftest import chat_body, make_config
@@ -80,3 +83,21 @@ async def test_a_follow_up_waits_for_its_own_replica_and_a_new_conversation_out_
     waited = loop.time() - started
     assert _on(late) == "r0"
     assert waited < 0.3 * 2 + 0.25  # each waited its limit once, not twice
+
+
+async def test_a_conversation_its_replica_lost_is_a_new_one_for_the_room_unless_that_replica_stores_it() -> None:
+    router = _router(max_wait_s=5.0)
+    await _route(router, "a", 1)  # r0 full for another 1,500 tokens
+    now = router.clock()
+    features = RequestFeatures(path="/v1/chat/completions", model="m", session_key="b", prompt_chars=6000)
+    snapshot, profile = router.replicas.snapshot(now), router.profile
+
+    def marked(view: AffinityView) -> frozenset[str]:
+        return router.core.room_marked(DecisionInputs.of(features, snapshot, view, now, profile))[1]
+
+    assert marked(AffinityView()) == {"r0"}  # new: not where there is no room
+    assert marked(AffinityView(pinned="r0")) == frozenset()  # its history is there: it waits there
+    assert marked(AffinityView(pinned="r0", pin_lost="kv_events")) == {"r0"}  # gone: a new one
+    stored = ConversationChain(end=1, turn=None, messages=1, match="continued", stored=True)
+    features = replace(features, conversation=stored)
+    assert marked(AffinityView(pinned="r0", pin_lost="kv_events")) == frozenset()  # only r0 can answer it
