@@ -141,8 +141,8 @@ async def test_a_new_conversation_with_no_room_anywhere_goes_to_the_engine_that_
         await deciding(http, gw2)
         await asyncio.sleep(1.0)  # a few scrapes of the engines' /metrics: their KV sizes are known
 
-        def prompt(seed: int) -> list[dict[str, str]]:
-            return [{"role": "user", "content": words(random.Random(seed), PROMPT_WORDS)}]
+        def prompt(seed: int, length: int = PROMPT_WORDS) -> list[dict[str, str]]:
+            return [{"role": "user", "content": words(random.Random(seed), length)}]
 
         async def inflight() -> list[float]:
             page = await metrics_page(http, gw2.metrics_url)
@@ -162,7 +162,10 @@ async def test_a_new_conversation_with_no_room_anywhere_goes_to_the_engine_that_
             await asyncio.sleep(0.3)  # after a: no room beside it, so to the other engine
             return await streamed(http, gw2.url, prompt(12), "b", max_tokens=48)
 
-        long, b, c = await asyncio.gather(streamed(http, gw2.url, prompt(11), "a", max_tokens=500), short(), newcomer())
+        # a: a short prompt and a long answer (about 530 + 1,400 tokens, within the engines' 2,048),
+        # long past b's and c's; b and c (about 1,500 each) do not fit beside it or each other.
+        long = streamed(http, gw2.url, prompt(11, 800), "a", max_tokens=1400)
+        long, b, c = await asyncio.gather(long, short(), newcomer())
         # c waited for b's engine and ran there while a was still being answered on the other.
         assert b["ended"] < c["ended"] < long["ended"]
         assert seen == [[1.0, 1.0]]
