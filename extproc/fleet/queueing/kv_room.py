@@ -152,6 +152,10 @@ class KvRoom:
         one of them has room for it now (``entry.replica`` names it); else it waits, first come
         first served, for whichever frees room first (:meth:`leave`, :meth:`expire_kept`)."""
         now = self.clock()
+        if entry.session is not None:  # a conversation its replica lost: what was kept there is no use
+            self._arrived(entry.session, now)
+            for r in self._replicas.values():
+                r.kept.pop(entry.session, None)
         for name in sorted(entry.among):
             r = self._replicas.get(name)
             if r is not None and not self._queued(r) and self._fits(r, entry, now):
@@ -169,9 +173,8 @@ class KvRoom:
         own = False
         if entry.session is not None:
             own = r.kept.pop(entry.session, None) is not None
-            if (ended := self._ended.pop(entry.session, None)) is not None:
-                _remember(self._gaps, entry.session, now - ended)
-        if own and r.waiting and now - r.waiting[0].since >= self.patience_s:
+            self._arrived(entry.session, now)
+        if own and (first := self._next(r)) is not None and now - first.since >= self.patience_s:
             own = False  # what waits has waited long enough: it goes first
         if (own or not self._queued(r)) and self._fits(r, entry, now):
             self._take(r, entry)
@@ -198,6 +201,11 @@ class KvRoom:
                 kept = r.claim(entry)  # what its next turn will hold again beside the others
                 r.kept[entry.session] = (kept, now + moment)
         return self._release(r, now)
+
+    def _arrived(self, session: str, now: float) -> None:
+        """A turn of ``session`` came: the gap since its last one ended is remembered."""
+        if (ended := self._ended.pop(session, None)) is not None:
+            _remember(self._gaps, session, now - ended)
 
     def kept_for(self, session: str) -> float:
         """How long room is kept for ``session``'s next turn: none where its last gap was longer

@@ -286,3 +286,17 @@ def test_the_gate_gives_a_new_conversation_the_first_room_or_nothing_after_its_l
         assert gate.room.waiting() == 0  # it no longer waits: its decision sends it anyway
 
     asyncio.run(scenario())
+
+
+def test_a_new_conversation_that_waited_its_patience_goes_before_a_next_turn_s_kept_room() -> None:
+    room, clock = _room(grace_s=0.5, patience_s=1.0)
+    turn1, other = _entry(room, "s1", 2000), _entry(room, None, 2000)
+    room.enter(turn1, 4096)
+    room.enter(other, 4096)
+    new = _new(room, "s2", 2000, among=("r0",))
+    assert not room.enter_any(new)
+    assert room.leave(turn1) == []  # the room is kept for s1's next turn
+    clock.now += 1.0  # the new conversation has waited its patience
+    turn2 = _entry(room, "s1", 2000)
+    assert not room.enter(turn2, 4096)  # it goes after the new conversation
+    assert room.expire_kept("r0") == [new]
