@@ -154,8 +154,8 @@ class KvRoom:
         now = self.clock()
         if entry.session is not None:  # a conversation its replica lost: what was kept there is no use
             self._arrived(entry.session, now)
-            for r in self._replicas.values():
-                r.kept.pop(entry.session, None)
+            for kept_on in self._replicas.values():
+                kept_on.kept.pop(entry.session, None)
         for name in sorted(entry.among):
             r = self._replicas.get(name)
             if r is not None and not self._queued(r) and self._fits(r, entry, now):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from extproc.app.router import Router
+from extproc.app.router import Routed, Router
 from extproc.fleet.health.vllm_metrics import ReplicaMetrics
 from extproc.fleet.queueing.settings import QueueSettings
 from extproc.request.conversation import ConversationChain
@@ -39,12 +39,13 @@ def _router(max_wait_s: float) -> Router:
     return router
 
 
-async def _route(router: Router, session: str, seed: int):  # type: ignore[no-untyped-def]
+async def _route(router: Router, session: str, seed: int) -> Routed:
     body = chat_body(f"{seed} " + PROMPT, max_tokens=16)
     return await router.route({":path": "/v1/chat/completions", "x-session-id": session}, body)
 
 
-def _on(routed) -> str:  # type: ignore[no-untyped-def]
+def _on(routed: Routed) -> str:
+    assert routed.decision.replica is not None
     return routed.decision.replica.name
 
 
