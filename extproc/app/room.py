@@ -37,7 +37,9 @@ class RoomKeeper:
         entry = self._entry("", features)
         would_wait = self.gate.would_wait
         return frozenset(
-            name for name, capacity in self._capacities() if capacity > 0 and would_wait(entry, name, capacity)
+            rec.replica.name
+            for rec in self.replicas.records()
+            if rec.kv_capacity_tokens > 0 and would_wait(entry, rec.replica.name, rec.kv_capacity_tokens)
         )
 
     async def await_any(self, features: RequestFeatures, among: frozenset[str]) -> Entry:
@@ -64,7 +66,9 @@ class RoomKeeper:
             self.gate.leave(held, keep=False)  # it went elsewhere after all: the room it waited for goes
             waited = self.clock() - held.since
         entry = self._entry(replica.name, routed.features)
-        routed.room = await self.gate.enter(entry, self._capacity(replica.name), waited)
+        record = self.replicas.record(replica.name)
+        capacity = record.kv_capacity_tokens if record is not None else 0
+        routed.room = await self.gate.enter(entry, capacity, waited)
         now = self.clock()
         self.metrics.kv_room_waited(now - entry.since)
         routed.decided_at = now  # sent now: the time from here on is the engine's
@@ -80,13 +84,3 @@ class RoomKeeper:
         block_tokens = features.tokens_per_block or self.char_block_tokens
         blocks = features.prefix_hashes[: tokens // block_tokens] if block_tokens else ()
         return Entry(replica, features.session_key, tokens, self.clock(), blocks, block_tokens)
-
-    def _capacity(self, name: str) -> int:
-        record = self.replicas.record(name)
-        return record.metrics.kv_capacity_tokens if record is not None and record.metrics is not None else 0
-
-    def _capacities(self) -> list[tuple[str, int]]:
-        return [
-            (rec.replica.name, rec.metrics.kv_capacity_tokens if rec.metrics is not None else 0)
-            for rec in self.replicas.records()
-        ]

@@ -76,6 +76,11 @@ class ReplicaRecord:
     requests: int = 0
     errors: int = 0
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Its KV cache in tokens, as last scraped (``vllm:cache_config_info``); 0 unknown."""
+        return self.metrics.kv_capacity_tokens if self.metrics is not None else 0
+
 
 class ReplicaBook:
     """All replicas' records; produces the immutable :class:`Snapshot` each decision reads."""
@@ -162,7 +167,7 @@ class ReplicaBook:
                     queue=r.queue if fresh else 0,
                     running=r.running if fresh else 0,
                     kv_usage=r.kv_usage if fresh else 0.0,
-                    kv_capacity_tokens=r.metrics.kv_capacity_tokens if r.metrics is not None else 0,
+                    kv_capacity_tokens=r.kv_capacity_tokens,
                     adapters=frozenset(lora.running) if lora else frozenset(),
                     adapters_waiting=frozenset(lora.waiting) if lora else frozenset(),
                     max_lora=lora.max_lora if lora else 0,
