@@ -10,12 +10,15 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
+from extproc._proto.admin.v1 import admin_pb2 as pb
+from extproc._proto.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.demo.workload import words
 from tests.conftest import require_binary
@@ -60,10 +63,8 @@ async def streamed(
     messages: list[dict[str, str]],
     session: str,
     max_tokens: int = 32,
-    on_first: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
-    """A streamed chat turn: when it ended, its answer and the usage the engine reported;
-    ``on_first`` awaited at its first token."""
+    """A streamed chat turn: when it ended, its answer and the usage the engine reported."""
     body = {
         "model": "demo-model",
         "messages": messages,
@@ -82,9 +83,6 @@ async def streamed(
             chunk = json.loads(data)
             answer += [c["delta"].get("content") or "" for c in chunk.get("choices") or []]
             usage = chunk.get("usage") or usage
-            if on_first is not None and answer:
-                first, on_first = on_first, None
-                await first()
     return {"ended": time.monotonic(), "answer": "".join(answer), "usage": usage}
 
 
@@ -144,19 +142,9 @@ async def test_a_new_conversation_with_no_room_anywhere_goes_to_the_engine_that_
         def prompt(seed: int, length: int = PROMPT_WORDS) -> list[dict[str, str]]:
             return [{"role": "user", "content": words(random.Random(seed), length)}]
 
-        async def inflight() -> list[float]:
-            page = await metrics_page(http, gw2.metrics_url)
-            return sorted(scrape_total(page, "extproc_replica_inflight_requests", replica=m.name) for m in gw2.members)
-
-        seen: list[list[float]] = []
-
         async def newcomer() -> dict[str, Any]:
             await asyncio.sleep(0.6)  # a runs on one engine, b on the other: no room on either
-
-            async def look() -> None:
-                seen.append(await inflight())
-
-            return await streamed(http, gw2.url, prompt(13), "c", max_tokens=8, on_first=look)
+            return await streamed(http, gw2.url, prompt(13), "c", max_tokens=8)
 
         async def short() -> dict[str, Any]:
             await asyncio.sleep(0.3)  # after a: no room beside it, so to the other engine
@@ -168,6 +156,13 @@ async def test_a_new_conversation_with_no_room_anywhere_goes_to_the_engine_that_
         long, b, c = await asyncio.gather(long, short(), newcomer())
         # c waited for b's engine and ran there while a was still being answered on the other.
         assert b["ended"] < c["ended"] < long["ended"]
-        assert seen == [[1.0, 1.0]]
+        # Where the router sent each conversation, as it pinned them: c where b was, not where a was.
+        async with grpc.aio.insecure_channel(gw2.admin_addresses[0]) as channel:
+            stub = pb_grpc.AdminStub(channel)
+            pins = {
+                key: (await stub.GetSession(pb.SessionRequest(session_key=key, model="demo-model"))).replica
+                for key in ("a", "b", "c")
+            }
+        assert pins["c"] == pins["b"] != pins["a"]
         page = await metrics_page(http, gw2.metrics_url)
         assert scrape_total(page, "extproc_kv_room_wait_seconds_count") >= 2
