@@ -1,6 +1,6 @@
 """A routed request's wait for KV room on its replica (``queueing.kv_room``), a new conversation's
 wait for room on any replica before it is decided, and the room given back when the request is
-over: :class:`~extproc.fleet.queueing.kv_room.RoomGate` fed from what the router knows of the
+over: :class:`~extproc.fleet.queueing.room_gate.RoomGate` fed from what the router knows of the
 request and of its replicas."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 from extproc.core.bookkeeping import Routed
 from extproc.fleet.health.replicas import ReplicaBook
-from extproc.fleet.queueing.kv_room import Entry, RoomGate
+from extproc.fleet.queueing.kv_room import Entry
 from extproc.fleet.queueing.observer import QueueObserver
+from extproc.fleet.queueing.room_gate import RoomGate
 from extproc.request.features import RequestFeatures
 
 
@@ -31,6 +32,10 @@ class RoomKeeper:
         self.clock = clock
         self.char_block_tokens = char_block_tokens
         """A character block's tokens (about four characters a token): an untokenized prompt's."""
+
+    def arrived(self, session: str) -> None:
+        """A turn of ``session`` came, before it is decided: the room kept for it waits for it."""
+        self.gate.arrived(session)
 
     def full(self, features: RequestFeatures) -> frozenset[str]:
         """The replicas ``features``, a new conversation, would wait for room on now."""

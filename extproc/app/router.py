@@ -38,7 +38,7 @@ from extproc.fleet.health.output_lengths import OutputLengths
 from extproc.fleet.health.rates import RateBook
 from extproc.fleet.health.replicas import ReplicaBook
 from extproc.fleet.queueing import FairQueue, saturated
-from extproc.fleet.queueing.kv_room import room_gate
+from extproc.fleet.queueing.room_gate import room_gate
 from extproc.fleet.rebalance.prewarm import Prewarmer
 from extproc.fleet.rebalance.rebalancer import Rebalancer
 from extproc.observe.decisions import DecisionFeed
@@ -201,7 +201,7 @@ class Router:
             budgets=self.budgets,
             queue=self.queue,
             kv_events=kv_events,
-            room=self.room.await_any if self.room is not None else None,
+            room=self.room,
         )
         rules = admission_rules(config, self.budgets, self.queue, self.charges.prompt_charge, world.wall)
         self.core = RequestCore(

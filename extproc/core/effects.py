@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from extproc.fleet.queueing import FairQueue, Refusal, Ticket
 from extproc.fleet.queueing.kv_room import Entry
@@ -114,6 +114,17 @@ Steps = Generator[Effect, Any, T]
 """A step of the core: yields effects, is sent each one's result, returns its own."""
 
 
+class RoomWaits(Protocol):
+    """The KV room (``queueing.kv_room``) as the request path meets it."""
+
+    def arrived(self, session: str) -> None:
+        """A turn of ``session`` came, before it is decided: room kept for it waits for it."""
+
+    async def await_any(self, features: RequestFeatures, among: frozenset[str]) -> Entry:
+        """Wait until one of ``among`` has room for ``features``, a new conversation."""
+        ...
+
+
 class Effects:
     """Carries out the core's effects on the router's store, queue, budgets and tokenizers."""
 
@@ -126,7 +137,7 @@ class Effects:
         budgets: BudgetLedger | None = None,
         queue: FairQueue | None = None,
         kv_events: EventCacheState | None = None,
-        room: Callable[[RequestFeatures, frozenset[str]], Coroutine[Any, Any, Entry]] | None = None,
+        room: RoomWaits | None = None,
     ) -> None:
         self.store = store
         self.conversations = conversations
@@ -168,7 +179,12 @@ class Effects:
         return await _CARRIERS[type(effect)](self, effect)
 
     async def _identify(self, effect: Identify) -> RequestFeatures:
-        return await self.conversations.identify(effect.features, effect.now, peek=effect.peek)
+        features = await self.conversations.identify(effect.features, effect.now, peek=effect.peek)
+        if self.room is not None and not effect.peek and features.session_key is not None:
+            # Its conversation is known from here: the room kept for it must not lapse while the
+            # router itself decides (tokenizing, the store), which a loaded gateway makes slow.
+            self.room.arrived(features.session_key)
+        return features
 
     async def _tokenize(self, effect: Tokenize) -> RequestFeatures:
         if self.kv_events is None:
@@ -218,7 +234,7 @@ class Effects:
 
     async def _await_room(self, effect: AwaitRoom) -> Entry:
         assert self.room is not None, "a wait for KV room without queueing.kv_room"
-        return await self.room(effect.features, effect.among)
+        return await self.room.await_any(effect.features, effect.among)
 
 
 _CARRIERS: dict[type[Any], Callable[[Effects, Any], Coroutine[Any, Any, Any]]] = {

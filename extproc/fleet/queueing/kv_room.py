@@ -14,10 +14,12 @@ first come first served. When a request of a conversation (a session key) ends, 
 is kept for that conversation: its next turn, sent at once by an agent or a script, goes ahead of
 what waits (first in line should its history have grown past the room kept) and runs while its
 history is still cached. The room is kept a few times the conversation's own last gap between
-turns (``grace_s`` at most, all of it until a gap is known), and not at all for a conversation
-whose last gap was longer. What has waited ``patience_s`` goes before kept room (the time to
-first token of new conversations is bounded by it, at the price of the histories it evicts), and
-what has waited ``max_wait_s`` goes anyway: the engine's own queue is the worst it gets.
+turns (``grace_s`` at most, all of it until a gap is known; at least as long as most next turns
+sent at once take to come), and not at all for a conversation whose last gap was longer; a turn
+that came is waited for while the router decides it (:meth:`KvRoom.arrived`). What has waited
+``patience_s`` goes before kept room (the time to first token of new conversations is bounded by
+it, at the price of the histories it evicts), and what has waited ``max_wait_s`` goes anyway:
+the engine's own queue is the worst it gets.
 
 A new conversation (no replica holds its history) is decided among the replicas with room for
 it; with none, it waits for whichever of them frees room first (:meth:`KvRoom.enter_any`, in the
@@ -29,8 +31,8 @@ The room is counted per router process, from the requests it sent: each of ``ser
 claims 1/N of a replica's KV, and several gateways in front of one engine should divide it with
 ``kv_room_share``.
 
-:class:`KvRoom` is the decisions, without IO (an injected clock); :class:`RoomGate` drives it on
-the event loop.
+:class:`KvRoom` is the decisions, without IO (an injected clock);
+:class:`~extproc.fleet.queueing.room_gate.RoomGate` drives it on the event loop.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from extproc.fleet.queueing.settings import QueueSettings
-
 GAP_FLOOR_S = 0.05
 """The least room is kept for a conversation: its next turn's way through Envoy and the router."""
 GAP_TIMES = 4.0
 """Room is kept this many times the conversation's last gap between turns."""
+TURNAROUNDS_KEPT = 256
+"""The last gaps between turns (of conversations without think time) the floor is read from."""
+TURNAROUND_QUANTILE = 0.95
+"""Room is kept at least this quantile of those gaps: how late a next turn sent at once comes."""
 SESSIONS_KEPT = 100_000
 """Conversations whose last end (and gap) is remembered, the oldest forgotten first."""
 
@@ -136,6 +140,11 @@ class KvRoom:
         """session -> when its last turn ended."""
         self._gaps: dict[str, float] = {}
         """session -> its last gap between a turn's end and its next turn's arrival."""
+        self._turnarounds: deque[float] = deque(maxlen=TURNAROUNDS_KEPT)
+        self.floor_s = GAP_FLOOR_S
+        """The least room is kept for: the gaps of next turns sent at once vary with the client, the
+        proxy and a loaded gateway (one of 10 ms, the same conversation's next of 90 ms, measured on
+        a loaded machine), and one that comes after its room lapsed waits behind newcomers."""
 
     def waiting(self) -> int:
         """Requests waiting for room, over every replica."""
@@ -202,10 +211,30 @@ class KvRoom:
                 r.kept[entry.session] = (kept, now + moment)
         return self._release(r, now)
 
+    def arrived(self, session: str) -> list[str]:
+        """A turn of ``session`` came to the router, before it is decided: its gap since its last
+        turn ended is measured from here, and room kept for it is kept ``grace_s`` more for it to
+        be decided in (the router's own time, longer on a loaded gateway, is not the
+        conversation's gap); the replicas it is kept on."""
+        now = self.clock()
+        self._arrived(session, now)
+        out = []
+        for r in self._replicas.values():
+            kept = r.kept.get(session)
+            if kept is not None and kept[1] > now:
+                r.kept[session] = (kept[0], max(kept[1], now + self.grace_s))
+                out.append(r.name)
+        return out
+
     def _arrived(self, session: str, now: float) -> None:
         """A turn of ``session`` came: the gap since its last one ended is remembered."""
         if (ended := self._ended.pop(session, None)) is not None:
-            _remember(self._gaps, session, now - ended)
+            gap = now - ended
+            _remember(self._gaps, session, gap)
+            if gap <= self.grace_s:
+                self._turnarounds.append(gap)
+                ordered = sorted(self._turnarounds)
+                self.floor_s = max(GAP_FLOOR_S, ordered[int(TURNAROUND_QUANTILE * (len(ordered) - 1))])
 
     def kept_for(self, session: str) -> float:
         """How long room is kept for ``session``'s next turn: none where its last gap was longer
@@ -213,7 +242,7 @@ class KvRoom:
         gap = self._gaps.get(session)
         if gap is None:
             return self.grace_s
-        return 0.0 if gap > self.grace_s else min(self.grace_s, max(GAP_FLOOR_S, GAP_TIMES * gap))
+        return 0.0 if gap > self.grace_s else min(self.grace_s, max(self.floor_s, GAP_TIMES * gap))
 
     def abandon(self, entry: Entry) -> list[Entry]:
         """A waiter gave up (its client went away, or its time is up); the waiters that go now."""
@@ -303,76 +332,3 @@ def _remember(memory: dict[str, float], session: str, value: float) -> None:
     memory[session] = value
     if len(memory) > SESSIONS_KEPT:
         del memory[next(iter(memory))]  # the oldest: dicts keep insertion order
-
-
-class RoomGate:
-    """:class:`KvRoom` on the event loop: a request waits on a future, at most ``max_wait_s``."""
-
-    def __init__(
-        self, clock: Callable[[], float], *, grace_s: float, patience_s: float, max_wait_s: float, share: float
-    ) -> None:
-        self.room = KvRoom(clock, grace_s, patience_s)
-        self.max_wait_s = max_wait_s
-        self.share = share
-
-    async def enter(self, entry: Entry, capacity: int, waited: float = 0.0) -> Entry:
-        """Wait until ``entry.replica`` (of ``capacity`` KV tokens) has room for ``entry``, at
-        most ``max_wait_s`` less the ``waited`` already (then it goes anyway); the claim to give
-        back with :meth:`leave`."""
-        if self.room.enter(entry, int(capacity * self.share)):
-            return entry
-        if not await self._granted(entry, self.max_wait_s - waited):
-            self.room.force(entry)
-        return entry
-
-    def would_wait(self, entry: Entry, replica: str, capacity: int) -> bool:
-        """Whether ``entry``, a new conversation, would wait for room on ``replica`` now."""
-        return self.room.would_wait(entry, replica, int(capacity * self.share))
-
-    async def enter_any(self, entry: Entry) -> Entry:
-        """Wait until any of ``entry.among`` has room for it, at most ``max_wait_s``: ``entry``,
-        inside on the replica that had room (``entry.inside``), or not (its time was up)."""
-        if not self.room.enter_any(entry) and not await self._granted(entry, self.max_wait_s):
-            _grant(self.room.abandon(entry))
-        return entry
-
-    async def _granted(self, entry: Entry, limit: float) -> bool:
-        """Wait for ``entry``'s room at most ``limit``: False when none came (it still waits)."""
-        granted = entry.granted = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait_for(asyncio.shield(granted), max(0.0, limit))
-        except TimeoutError:
-            return entry.inside  # granted as its time ran out, or not
-        except asyncio.CancelledError:
-            # Its client went away: granted in the meantime, the room it was given goes back.
-            _grant(self.room.leave(entry, keep=False) if entry.inside else self.room.abandon(entry))
-            raise
-        return True
-
-    def leave(self, entry: Entry, keep: bool = True) -> None:
-        """The request is over: its room goes to what waits (a moment first to its conversation,
-        unless not ``keep``)."""
-        _grant(self.room.leave(entry, keep))
-        if keep and entry.session is not None and (moment := self.room.kept_for(entry.session)) > 0:
-            replica = entry.replica
-            asyncio.get_running_loop().call_later(moment, lambda: _grant(self.room.expire_kept(replica)))
-
-
-def _grant(entries: list[Entry]) -> None:
-    for entry in entries:
-        if entry.granted is not None and not entry.granted.done():
-            entry.granted.set_result(None)
-
-
-def room_gate(settings: QueueSettings, clock: Callable[[], float], workers: int = 1) -> RoomGate | None:
-    """The gate ``queueing:`` asks for (None: ``kv_room`` off); each of ``workers`` processes
-    serving one port claims its share of a replica's KV."""
-    if not settings.kv_room:
-        return None
-    return RoomGate(
-        clock,
-        grace_s=settings.kv_room_grace_s,
-        patience_s=settings.kv_room_patience_s,
-        max_wait_s=settings.kv_room_max_wait_s,
-        share=settings.kv_room_share / max(1, workers),
-    )

@@ -66,7 +66,7 @@ class QueueSettings(Section):
         False, "hold a request decided on a replica until its KV has room for it, and keep a turn's room for the next"
     )
     kv_room_grace_s: float = option(
-        0.1, "with kv_room: the longest a turn's room is kept for its conversation's next turn", ge=0
+        0.25, "with kv_room: the longest a turn's room is kept for its conversation's next turn", ge=0
     )
     kv_room_patience_s: float = option(
         2.0, "with kv_room: a request waiting this long goes before room kept for a conversation", gt=0

@@ -102,3 +102,24 @@ async def test_a_conversation_its_replica_lost_is_a_new_one_for_the_room_unless_
     stored = ConversationChain(end=1, turn=None, messages=1, match="continued", stored=True)
     features = replace(features, conversation=stored)
     assert marked(AffinityView(pinned="r0", pin_lost="kv_events")) == frozenset()  # only r0 can answer it
+
+
+async def test_a_turn_arrives_at_the_room_before_it_is_decided_and_explain_does_not_arrive() -> None:
+    replicas = (Replica("r0", "10.0.0.1:80"),)
+    queueing = QueueSettings(kv_room=True, kv_room_grace_s=1.0)
+    seen: list[float] = []
+
+    def recording(given: DecisionInputs, trace: DecisionTrace | None = None) -> Decision:
+        assert router.room is not None
+        seen.append(router.room.gate.room.kept_for("a"))  # what the room knows of a at the decision
+        return r0_first(given, trace)
+
+    router = Router(make_config(replicas=replicas, queueing=queueing), decider=recording)
+    router.replicas.apply_scrape("r0", ReplicaMetrics(num_gpu_blocks=128, block_size=16), router.clock())
+    router.release(await _route(router, "a", 1))  # its room kept all of grace: no gap known yet
+    headers = {":path": "/v1/chat/completions", "x-session-id": "a"}
+    await router.explain(headers, chat_body("1 " + PROMPT, max_tokens=16))
+    follow_up = await _route(router, "a", 1)
+    assert seen[1] == 1.0  # explain: nothing arrived
+    assert seen[2] < 1.0  # the follow-up: its gap was measured before it was decided
+    router.release(follow_up)

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from extproc.fleet.queueing.kv_room import GAP_FLOOR_S, Entry, KvRoom, RoomGate
+from extproc.fleet.queueing.kv_room import GAP_FLOOR_S, Entry, KvRoom
+from extproc.fleet.queueing.room_gate import RoomGate
 
 
 class Clock:
@@ -300,3 +301,69 @@ def test_a_new_conversation_that_waited_its_patience_goes_before_a_next_turn_s_k
     turn2 = _entry(room, "s1", 2000)
     assert not room.enter(turn2, 4096)  # it goes after the new conversation
     assert room.expire_kept("r0") == [new]
+
+
+def test_kept_room_waits_for_a_next_turn_that_arrived_while_the_router_decides_it() -> None:
+    room, clock = _room(grace_s=0.1, patience_s=1.0)
+    turn1, other = _entry(room, "s1", 2000), _entry(room, "s2", 2000)
+    waiter = _entry(room, "s3", 2000)
+    assert room.enter(turn1, 4096) and room.enter(other, 4096)
+    assert not room.enter(waiter, 4096)
+    assert room.leave(turn1) == []
+    clock.now += 0.09
+    assert room.arrived("s1") == ["r0"]  # s1's next turn is here, not yet decided
+    clock.now += 0.05  # past the moment kept at its end
+    assert room.expire_kept("r0") == []  # still kept: its turn is on its way to it
+    assert room.enter(_entry(room, "s1", 2090), 4096)
+    assert not waiter.inside
+
+
+def test_a_conversation_s_gap_is_measured_to_its_arrival_not_to_its_decision() -> None:
+    room, clock = _room(grace_s=0.1)
+    first = _entry(room, "s1", 100)
+    room.enter(first, 4096)
+    room.leave(first)
+    clock.now += 0.01
+    room.arrived("s1")
+    clock.now += 0.3  # the router took its time deciding it: not the conversation's think time
+    second = _entry(room, "s1", 200)
+    room.enter(second, 4096)
+    assert room.kept_for("s1") == GAP_FLOOR_S  # 4 x 10 ms, at least the floor; not 0 (think time)
+    assert room.arrived("s9") == []  # nothing kept for a conversation never seen
+
+
+def test_the_gate_lets_an_arrived_turn_s_room_go_once_its_longer_wait_is_over() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        gate = RoomGate(loop.time, grace_s=0.2, patience_s=5.0, max_wait_s=5.0, share=1.0)
+        turn1 = await _go(gate, "r0", "s1", 2000, 4096)
+        await _go(gate, "r0", "s2", 2000, 4096)
+        waiter = asyncio.ensure_future(_go(gate, "r0", "s3", 2000, 4096))
+        await asyncio.sleep(0)  # the waiter is in line
+        gate.leave(turn1)  # s1's room kept 0.2 s
+        await asyncio.sleep(0.15)  # its next turn comes late in that moment
+        gate.arrived("s1")  # and then never reaches the room (refused, say): kept to 0.35 s
+        await asyncio.sleep(0.1)  # past the moment kept at its end, within the longer wait
+        assert not waiter.done()
+        entry = await asyncio.wait_for(waiter, 1.0)  # the longer wait over, the room goes on
+        assert entry.inside
+
+    asyncio.run(scenario())
+
+
+def test_room_is_kept_at_least_as_late_as_next_turns_sent_at_once_come_here() -> None:
+    room, clock = _room(grace_s=0.25)
+    for i in range(20):  # next turns sent at once: most after 10 ms, two after 90 ms
+        turn = _entry(room, f"s{i}", 100)
+        room.enter(turn, 4096)
+        room.leave(turn)
+        clock.now += 0.09 if i in (3, 11) else 0.01
+        room.arrived(f"s{i}")
+    slow = _entry(room, "thinker", 100)
+    room.enter(slow, 4096)
+    room.leave(slow)
+    clock.now += 2.0  # think time: no measure of how late a turn sent at once comes
+    room.arrived("thinker")
+    assert room.floor_s == pytest.approx(0.09)
+    assert room.kept_for("s0") == pytest.approx(0.09)  # its own 10 ms x 4 would lapse before many come
+    assert room.kept_for("thinker") == 0.0
