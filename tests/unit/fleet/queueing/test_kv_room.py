@@ -28,6 +28,14 @@ def _entry(room: KvRoom, session: str | None, tokens: int, replica: str = "r0") 
     return Entry(replica, session, tokens, room.clock())
 
 
+def _full_with_a_waiter(room: KvRoom) -> tuple[Entry, Entry]:
+    """r0 (4,096 tokens) holds s1's and s2's 2,000 tokens; s3's wait: s1's turn and s3's entry."""
+    turn1, other, waiter = _entry(room, "s1", 2000), _entry(room, "s2", 2000), _entry(room, "s3", 2000)
+    assert room.enter(turn1, 4096) and room.enter(other, 4096)
+    assert not room.enter(waiter, 4096)
+    return turn1, waiter
+
+
 async def _go(gate: RoomGate, replica: str, session: str | None, tokens: int, capacity: int) -> Entry:
     return await gate.enter(Entry(replica, session, tokens, gate.room.clock()), capacity)
 
@@ -51,10 +59,7 @@ def test_an_idle_replica_takes_a_request_larger_than_its_kv_and_an_unknown_capac
 
 def test_a_conversation_s_next_turn_goes_ahead_of_what_waits_into_the_room_its_turn_left() -> None:
     room, clock = _room(grace_s=0.1, patience_s=1.0)
-    turn1, other = _entry(room, "s1", 2000), _entry(room, "s2", 2000)
-    newcomer = _entry(room, "s3", 2000)
-    assert room.enter(turn1, 4096) and room.enter(other, 4096)
-    assert not room.enter(newcomer, 4096)
+    turn1, newcomer = _full_with_a_waiter(room)
     clock.now += 0.2
     assert room.leave(turn1) == []  # its room is kept for s1, not given to s3
     clock.now += 0.01
@@ -65,11 +70,7 @@ def test_a_conversation_s_next_turn_goes_ahead_of_what_waits_into_the_room_its_t
 
 def test_kept_room_lapses_and_goes_to_the_waiter() -> None:
     room, clock = _room(grace_s=0.1, patience_s=1.0)
-    turn1, other = _entry(room, "s1", 2000), _entry(room, "s2", 2000)
-    waiter = _entry(room, "s3", 2000)
-    room.enter(turn1, 4096)
-    room.enter(other, 4096)
-    room.enter(waiter, 4096)
+    turn1, waiter = _full_with_a_waiter(room)
     assert room.leave(turn1) == []
     assert room.kept_for("s1") == 0.1  # no gap known yet: all of grace
     clock.now += 0.11
@@ -305,10 +306,7 @@ def test_a_new_conversation_that_waited_its_patience_goes_before_a_next_turn_s_k
 
 def test_kept_room_waits_for_a_next_turn_that_arrived_while_the_router_decides_it() -> None:
     room, clock = _room(grace_s=0.1, patience_s=1.0)
-    turn1, other = _entry(room, "s1", 2000), _entry(room, "s2", 2000)
-    waiter = _entry(room, "s3", 2000)
-    assert room.enter(turn1, 4096) and room.enter(other, 4096)
-    assert not room.enter(waiter, 4096)
+    turn1, waiter = _full_with_a_waiter(room)
     assert room.leave(turn1) == []
     clock.now += 0.09
     assert room.arrived("s1") == ["r0"]  # s1's next turn is here, not yet decided
