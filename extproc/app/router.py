@@ -169,7 +169,6 @@ class Router:
             warmer=self.warmer,
             kv_events=kv_events,
         )
-        self.fleet.forget_picked = self.profiles.forget
         # Each replica's TTFT and TPOT, learned from responses where objectives are in use.
         # The pools' prior engine speeds (health.engine_rates): the rate learner's start and the
         # price's fallback, one config place for both.

@@ -65,10 +65,6 @@ class FleetControl:
         self.kv_events = kv_events
         self.cordons: dict[str, str] = {}
         """The store's cordons as last read (:meth:`refresh_cordons`): the decision's input."""
-        self.forget_picked: Callable[[str], None] | None = None
-        """Told each replica that leaves: the pickers drop what they kept about it (the price's
-        :class:`~extproc.routing.price.CacheFill`), so a replica of that name that joins later is
-        priced with an empty cache."""
 
     async def set_replicas(self, replicas: Sequence[Replica]) -> Membership:
         """Make ``replicas`` the membership (from discovery or a reload): new names join and take
@@ -83,8 +79,6 @@ class FleetControl:
             await self.rebalancer.on_leave(name, self.profile().ring_for(snapshot), snapshot)
             self.book.leave(name)
             self.caches.forget(name)
-            if self.forget_picked is not None:
-                self.forget_picked(name)
             try:
                 await self.store.forget_replica(name)
             except Exception as exc:

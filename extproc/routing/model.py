@@ -61,6 +61,11 @@ class ReplicaState:
     kv_usage: float = 0.0
     kv_capacity_tokens: int = 0
     """The replica's KV cache in tokens (``vllm:cache_config_info``), 0 while unknown."""
+    cache_fill: float = 1.0
+    """How full its prefix cache is believed to be, in [0, 1]: the uncached prompt tokens this
+    gateway sent there over the cache's size. Full (1) while the size is unknown, and once the
+    cache has taken its size: a fill of 1 everywhere tells nothing apart. It starts empty when the
+    router starts, whatever the engine held before."""
     adapters: frozenset[str] = frozenset()
     adapters_waiting: frozenset[str] = frozenset()
     max_lora: int = 0

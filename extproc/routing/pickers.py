@@ -14,7 +14,8 @@ from extproc.routing.plugins import CycleState
 class RoundRobinPicker:
     """Every candidate in turn, by name, whatever the scores: a baseline that ignores the cache, to
     compare the share of the offered reuse it captures (``extproc admin hit-ratio``) with the
-    scoring profile's. Each pick advances it, Explain's too."""
+    scoring profile's. Each decision carried out advances it; Explain and a held request's
+    re-judgement do not (``CycleState.record``), so Explain says where the next request goes."""
 
     name: str = field(default="in_turn", init=False)
     _turn: int = field(default=0, init=False, repr=False)
@@ -27,11 +28,9 @@ class RoundRobinPicker:
         if not ordered:
             return ordered
         start = self._turn % len(ordered)
-        self._turn += 1
+        if cycle.record:
+            self._turn += 1
         return ordered[start:] + ordered[:start]
-
-    def forget(self, replica: str) -> None:
-        """Nothing kept per replica."""
 
 
 @dataclass(slots=True)
@@ -45,6 +44,3 @@ class MaxScorePicker:
     ) -> list[ReplicaState]:
         """Order candidates best first."""
         return sorted(candidates, key=lambda c: (-totals.get(c.name, 0.0), c.work(256), c.name))
-
-    def forget(self, replica: str) -> None:
-        """Nothing kept per replica."""

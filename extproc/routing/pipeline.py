@@ -86,7 +86,7 @@ class DecisionInputs:
     """``prefix_key``'s fingerprint where the router computed it (hot keys on); else computed here."""
     record: bool = True
     """Whether the decision is carried out: False for Explain and for a held request's re-judgement,
-    which must leave what a picker keeps of its own choices (the price's cache fill) as it is."""
+    which must leave what a picker keeps of its own choices as it is."""
 
     @classmethod
     def of(
@@ -267,7 +267,7 @@ def _pair(given: DecisionInputs, cycle: CycleState, candidates: Sequence[Replica
     price = picker
 
     def cost(state: ReplicaState) -> float:
-        return prefill_here_s(cycle, state, price, price.fill)
+        return prefill_here_s(cycle, state, price)
 
     return choose_prefill(inputs, decode, given.pairing, cost=cost)
 

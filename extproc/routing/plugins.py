@@ -103,7 +103,3 @@ class Picker(Protocol):
     ) -> list[ReplicaState]:
         """Candidates, best first."""
         ...
-
-    def forget(self, replica: str) -> None:
-        """``replica`` left the fleet: nothing the picker kept about it holds."""
-        ...

@@ -29,8 +29,10 @@ To them the price adds what the choice costs others and later turns:
   :attr:`extproc.routing.disagg.PairSettings.decode_interference`, since a stall of decoding
   streams is not a first token's wait); and the cached prefixes its uncached tokens displace
   there, which later requests recompute (``evict_weight``, 1: the displaced tokens once, at the
-  same rate, times how full that cache is believed to be, :class:`CacheFill`), so a copy of a
-  prefix elsewhere is not free where the cache is full;
+  same rate, times how full that cache is believed to be, :attr:`ReplicaState.cache_fill`: a
+  copy of a prefix elsewhere is not free where the cache is full, and displaces nothing where it
+  has room: the hot-prefix table's caches never fill, and there the displaced part, counted as if
+  they did, cost TTFT p99 0.048 -> 0.078 s for nothing);
 - ``future_s``: for a new conversation (a session key, no pin; not a keyless request whose history
   continues a conversation the router does not remember), the prefill its replica's live
   conversations will queue with their next turns (``session_tokens`` each, the new part of a
@@ -64,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from extproc.base.engine_rates import BUILT_IN_SOURCE
 from extproc.request.features import RequestFeatures, uncached_tokens
@@ -75,43 +77,11 @@ from extproc.routing.price_parts import Price
 from extproc.routing.price_settings import PriceSettings
 
 __all__ = [
-    "CacheFill",
     "Price",
     "PricePicker",
     "PriceScorer",
     "prices",
 ]
-
-
-class CacheFill:
-    """How full each replica's prefix cache is believed to be: the uncached tokens this gateway's
-    decisions wrote there, over the cache's size (a cache is full once as many tokens as it holds
-    were written into it, and stays full: vLLM frees a block only to reuse it). A replica of
-    unknown size counts as full, which prices displacement as before this ledger existed.
-
-    Displacing cached prefixes costs only where the cache is full: on a fleet whose caches still
-    have room, a copy of a prefix on another replica evicts nothing (the hot-prefix table's
-    caches never fill: there the displaced part cost TTFT p99 0.048 -> 0.078 s for nothing)."""
-
-    __slots__ = ("_written",)
-
-    def __init__(self) -> None:
-        self._written: dict[str, float] = {}
-
-    def fill(self, state: ReplicaState) -> float:
-        """The share of ``state``'s cache believed full, in [0, 1]."""
-        capacity = state.kv_capacity_tokens
-        if capacity <= 0:
-            return 1.0
-        return min(1.0, self._written.get(state.name, 0.0) / capacity)
-
-    def wrote(self, replica: str, tokens: int) -> None:
-        """A decision sent ``tokens`` uncached tokens to ``replica``."""
-        self._written[replica] = self._written.get(replica, 0.0) + max(0, tokens)
-
-    def forget(self, replica: str) -> None:
-        """``replica``'s cache was reset (or the replica replaced): nothing written there holds."""
-        self._written.pop(replica, None)
 
 
 def _batch(state: ReplicaState) -> int:
@@ -153,7 +123,6 @@ def _price(
     settings: PriceSettings,
     block_chars: int,
     new_conversation: bool,
-    fill: CacheFill | None,
     adapter: str = "",
     own: int = 0,
 ) -> Price:
@@ -197,7 +166,7 @@ def _price(
     # The blocks it adds there displace cached prefixes (a cache is full of them once warm),
     # some of which later requests would have hit: a copy of a prefix elsewhere costs its
     # recompute now and the locality it takes from the prefix's next requests.
-    others += settings.evict_weight * uncached / rate * (fill.fill(state) if fill is not None else 1.0)
+    others += settings.evict_weight * uncached / rate * state.cache_fill
     future = 0.0
     if new_conversation and settings.session_tokens:
         future = state.live_sessions * settings.session_tokens / rate
@@ -215,7 +184,6 @@ def prices(
     candidates: Sequence[ReplicaState],
     settings: PriceSettings,
     block_chars: int,
-    fill: CacheFill | None = None,
 ) -> dict[str, Price]:
     """Each candidate's price for this request, computed once per decision (kept on the cycle
     state). A session's pinned replica, if a candidate, is priced as it is; every other candidate
@@ -229,7 +197,7 @@ def prices(
     if settings.working_set_weight and candidates:
         # The conversation's own history: what the replica holding least of it would compute.
         own = max(uncached_tokens(cycle.features, _held_blocks(cycle, c), block_chars) for c in candidates)
-    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, fill, adapter, own) for c in candidates}
+    out = {c.name: _price(cycle, c, settings, block_chars, new_conversation, adapter, own) for c in candidates}
     stay = out.get(pinned) if pinned is not None else None
     if stay is not None:
         margin = settings.hysteresis * stay.total_s + settings.hysteresis_s
@@ -246,8 +214,7 @@ def prices(
         by_name = {c.name: c for c in candidates}
         for name, p in out.items():
             if p.uncached_tokens > stay.uncached_tokens:
-                m = margin * (fill.fill(by_name[name]) if fill is not None else 1.0)
-                out[name] = replace(p, move_s=m)
+                out[name] = replace(p, move_s=margin * by_name[name].cache_fill)
     cycle.prices = out
     return out
 
@@ -267,14 +234,14 @@ def predicted_ttft_s(cycle: CycleState, state: ReplicaState, settings: PriceSett
     its rates are the built-in prior's: an H100's, not measured on this fleet, so no evidence to
     shed a request or break a pin on (the objectives' end-to-end test had its first request shed
     against an objective the built-in prior said it would miss, before anything was learnt)."""
-    price = _price(cycle, state, settings, cycle.block_chars, False, None, _adapter(cycle))
+    price = _price(cycle, state, settings, cycle.block_chars, False, _adapter(cycle))
     return None if price.rates.source == BUILT_IN_SOURCE else price.ttft_s
 
 
-def prefill_here_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings, fill: CacheFill | None) -> float:
+def prefill_here_s(cycle: CycleState, state: ReplicaState, settings: PriceSettings) -> float:
     """What prefilling the request on ``state`` costs: its time to first token there and what it
     costs the requests already there (``others``: the stall of the batch it decodes)."""
-    p = _price(cycle, state, settings, cycle.block_chars, False, fill, _adapter(cycle))
+    p = _price(cycle, state, settings, cycle.block_chars, False, _adapter(cycle))
     return p.ttft_s + p.others_s
 
 
@@ -287,25 +254,17 @@ class PricePicker(PriceSettings):
 
     seconds_per_point: float = 0.001
     name: str = "price"
-    fill: CacheFill = field(default_factory=CacheFill, init=False, repr=False, compare=False)
-    """What this picker's choices wrote into each replica's cache (:class:`CacheFill`)."""
 
     def pick(
         self, cycle: CycleState, candidates: Sequence[ReplicaState], totals: Mapping[str, float]
     ) -> list[ReplicaState]:
         """Candidates, cheapest first; the first is taken to be where the request goes."""
-        priced = prices(cycle, candidates, self, cycle.block_chars, self.fill)
+        priced = prices(cycle, candidates, self, cycle.block_chars)
         per_point = self.seconds_per_point
         ordered = sorted(
             candidates, key=lambda c: (priced[c.name].total_s - per_point * totals.get(c.name, 0.0), c.name)
         )
-        if ordered and cycle.record:
-            self.fill.wrote(ordered[0].name, priced[ordered[0].name].uncached_tokens)
         return ordered
-
-    def forget(self, replica: str) -> None:
-        """``replica`` left the fleet: a replica of that name later starts with an empty cache."""
-        self.fill.forget(replica)
 
 
 @dataclass(slots=True)

@@ -83,8 +83,3 @@ class Profiles:
     def __iter__(self) -> Iterator[Profile]:
         yield self.default
         yield from self.named.values()
-
-    def forget(self, replica: str) -> None:
-        """``replica`` left the fleet: every profile's picker drops what it kept about it."""
-        for profile in self:
-            profile.picker.forget(replica)

@@ -9,11 +9,11 @@ spreads over replicas instead of herding onto the one that looked idle.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from extproc.fleet.health.rotation import Rotation, step
+from extproc.fleet.health.record import ReplicaRecord
+from extproc.fleet.health.rotation import step
 from extproc.fleet.health.score import HealthSignals, fleet_baseline, health_score
 from extproc.fleet.health.sessions import LiveSessions
 from extproc.fleet.health.settings import HealthSettings
@@ -43,43 +43,6 @@ class Transition:
     replica: str
     in_rotation: bool
     score: float
-
-
-@dataclass(slots=True)
-class ReplicaRecord:
-    """Mutable per-replica bookkeeping behind a :class:`ReplicaState`."""
-
-    replica: Replica
-    inflight: int = 0
-    inflight_tokens: int = 0
-    pending_prefill_tokens: int = 0
-    recent: float = 0.0
-    recent_at: float = 0.0
-    queue: int = 0
-    running: int = 0
-    kv_usage: float = 0.0
-    scraped_at: float = float("-inf")
-    scrape_failures: int = 0
-    refused: bool = False
-    answered_at: float = float("-inf")
-    """When Envoy last saw the replica answer a request."""
-    metrics: ReplicaMetrics | None = None
-    ttft_history: deque[tuple[float, tuple[tuple[float, float], ...]]] = field(default_factory=lambda: deque(maxlen=64))
-    observed_ttfb: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))
-    inter_token_s: float | None = None
-    """The mean gap between two tokens of one request in the last scrape interval that had any
-    (``vllm:inter_token_latency_seconds`` deltas), as the engine measured it."""
-    error_rate: float = 0.0
-    upstream_failures: int = 0
-    rotation: Rotation = field(default_factory=Rotation)
-    health: float = 1.0
-    requests: int = 0
-    errors: int = 0
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Its KV cache in tokens, as last scraped (``vllm:cache_config_info``); 0 unknown."""
-        return self.metrics.kv_capacity_tokens if self.metrics is not None else 0
 
 
 class ReplicaBook:
@@ -168,6 +131,7 @@ class ReplicaBook:
                     running=r.running if fresh else 0,
                     kv_usage=r.kv_usage if fresh else 0.0,
                     kv_capacity_tokens=r.kv_capacity_tokens,
+                    cache_fill=r.cache_fill,
                     adapters=frozenset(lora.running) if lora else frozenset(),
                     adapters_waiting=frozenset(lora.waiting) if lora else frozenset(),
                     max_lora=lora.max_lora if lora else 0,
@@ -200,6 +164,7 @@ class ReplicaBook:
             rec.recent_at = now
             rec.inflight += 1
             rec.inflight_tokens += kv_tokens
+            rec.written_tokens += kv_tokens
             rec.requests += 1
             rec.pending_prefill_tokens += prefill_tokens
             if self.peers is not None:

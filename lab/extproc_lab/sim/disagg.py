@@ -277,6 +277,7 @@ class DisaggSimulation(ReplicaSteps):
         n = len(self.models)
         self._pending = [0] * n  # prefill tokens submitted and not yet computed, per replica
         self._uncached: dict[int, int] = {}  # id(seq) -> what it added to _pending
+        self._written = [0] * n  # uncached prompt tokens sent there, as the router's book counts them
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._order = 0
         self._version = [0] * n
@@ -289,6 +290,7 @@ class DisaggSimulation(ReplicaSteps):
         """Hand ``seq`` to replica model ``m``, counting its uncached prompt as pending there."""
         uncached = seq.prompt_tokens - self.models[m].cached_prefix_tokens(seq)
         self._pending[m] += uncached
+        self._written[m] += uncached
         self._uncached[id(seq)] = uncached
         super()._submit(m, seq, now)
 
@@ -304,6 +306,7 @@ class DisaggSimulation(ReplicaSteps):
                 kv_usage=m.kv_cache_usage_perc,
                 kv_capacity_tokens=capacity,
                 pending_prefill_tokens=self._pending[i],
+                cache_fill=min(1.0, self._written[i] / capacity) if capacity else 1.0,
             )
             for i, (replica, m) in enumerate(zip(self.replicas, self.models, strict=True))
         )

@@ -13,7 +13,6 @@ from extproc.request.features import RequestFeatures
 from extproc.routing.latency import LatencyFit, LatencyView, LearnedRates
 from extproc.routing.model import AffinityView, Reason, Replica, ReplicaState, Snapshot
 from extproc.routing.pipeline import DecisionInputs, decide
-from extproc.routing.price import CacheFill, PricePicker
 from extproc.routing.price_settings import PriceSettings
 from extproc.routing.rates import DEFAULT_RATES, fit_rates
 from extproc.routing.registry import PRICE_PROFILE, ProfileError, build_profile
@@ -235,23 +234,11 @@ def test_a_copy_of_a_prefix_elsewhere_is_not_free() -> None:
 def test_a_copy_into_a_cache_with_room_displaces_nothing() -> None:
     # The same choice, but b's cache (64k tokens) is known and nothing was written there yet: the
     # copy displaces nothing and leaving the holder needs no margin, so the idle replica wins.
-    replicas = [state("a", pending_prefill_tokens=5000), state("b", kv_capacity_tokens=64_000)]
+    replicas = [state("a", pending_prefill_tokens=5000), state("b", kv_capacity_tokens=64_000, cache_fill=0.0)]
     view = AffinityView(prefix_matches={"a": 250})
     name, _, _, _, trace = run(replicas, view, request(session=None))
     assert name == "b" and trace.prices["b"].move_s == 0.0
     assert trace.prices["b"].others_s < 4000 / RATE
-
-
-def test_cache_fill_is_what_was_written_over_the_cache() -> None:
-    fill = CacheFill()
-    a = state("a", kv_capacity_tokens=10_000)
-    assert fill.fill(a) == 0.0 and fill.fill(state("b")) == 1.0  # unknown size: taken as full
-    fill.wrote("a", 4000)
-    assert fill.fill(a) == pytest.approx(0.4)
-    fill.wrote("a", 8000)
-    assert fill.fill(a) == 1.0
-    fill.forget("a")
-    assert fill.fill(a) == 0.0
 
 
 def test_a_request_leaves_its_prefix_holder_only_for_a_clear_saving() -> None:
@@ -305,22 +292,6 @@ def test_the_realstack_gives_the_price_the_calibrated_prior_on_request() -> None
         assert prior.rates.overhead_s == 0.010642 and prior.rates.decode_step_s == 0.003983
     finally:
         os.unlink(Path(path))
-
-
-def test_only_a_decision_carried_out_counts_in_the_pickers_cache_fill() -> None:
-    # Explain and a held request's re-judgement decide too; their choices must not fill a cache
-    # (they did: Explain then disagreed with where the same request went next).
-    profile = build_profile(PRICE_PROFILE)
-    replicas = Snapshot((state("a", kv_capacity_tokens=100_000), state("b", kv_capacity_tokens=100_000)))
-    given = DecisionInputs.of(request(session=None), replicas, AffinityView(), 0.0, profile)
-    picker = profile.picker
-    assert isinstance(picker, PricePicker)
-    for _ in range(3):
-        decide(replace(given, record=False))
-    assert all(picker.fill.fill(s) == 0.0 for s in replicas.replicas)
-    chosen = decide(given).replica
-    assert chosen is not None
-    assert picker.fill.fill(next(s for s in replicas.replicas if s.name == chosen.name)) == pytest.approx(0.04)
 
 
 def test_requests_the_engine_reports_waiting_are_priced_where_the_router_sent_fewer() -> None:

@@ -38,6 +38,7 @@ def replica_states(draw: st.DrawFn, name: str) -> ReplicaState:
         running=draw(st.integers(0, 500)),
         kv_usage=draw(st.floats(-0.5, 2.0)),  # a scrape may say anything: the scorers bound it
         kv_capacity_tokens=draw(st.sampled_from([0, 1, 4096, 1_000_000])),
+        cache_fill=draw(fractions),
         working_set_tokens=draw(st.integers(0, 2_000_000)),
         adapters=draw(adapter_sets),
         adapters_waiting=draw(adapter_sets),
