@@ -172,11 +172,12 @@ class ReplicaBook:
 
     def hop(self, name: str, prefill_tokens: int) -> None:
         """A prefill hop was asked of ``name`` for a request another replica decodes: about
-        ``prefill_tokens`` of its prompt, uncached there, wait there until :meth:`prefilled`
-        (the request itself is counted in flight on its decode replica)."""
+        ``prefill_tokens`` of its prompt, uncached there, wait there until :meth:`prefilled`, and
+        fill its cache (the request itself is counted in flight on its decode replica)."""
         rec = self._records.get(name)
         if rec is not None:
             rec.pending_prefill_tokens += prefill_tokens
+            rec.written_tokens += prefill_tokens
             if self.peers is not None:
                 self.peers.publish(rec)
 
