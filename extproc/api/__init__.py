@@ -77,7 +77,7 @@ from extproc.request.openai_body import CHAT_PATH, COMPLETIONS_PATH, BodyError, 
 from extproc.request.tokenizer import PromptTokenizer, TokenizerError, TokenizerRegistry
 from extproc.request.usage import UsageTail, parse_usage
 from extproc.routing.disagg import PairSettings
-from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot
+from extproc.routing.model import AffinityView, Decision, Reason, Replica, ReplicaState, Snapshot, cache_fill
 from extproc.routing.pipeline import DecisionInputs, Profile, decide
 from extproc.routing.plugins import CycleState
 from extproc.routing.registry import (
@@ -195,6 +195,7 @@ __all__ = [
     "admin_pb2_grpc",
     "answer_messages",
     "build_profile",
+    "cache_fill",
     "cli_main",
     "config_from_mapping",
     "decide",

@@ -192,6 +192,13 @@ class Decision:
     """KV blocks that cross from ``prefill`` to ``replica`` (0 without a prefill hop)."""
 
 
+def cache_fill(written_tokens: float, capacity_tokens: int) -> float:
+    """:attr:`ReplicaState.cache_fill` of a cache of ``capacity_tokens`` (0: unknown, full) into
+    which ``written_tokens`` uncached tokens were written: vLLM frees a block only to reuse it, so
+    a cache that took as many tokens as it holds stays full."""
+    return min(1.0, written_tokens / capacity_tokens) if capacity_tokens > 0 else 1.0
+
+
 def working_set_overflow(state: ReplicaState, own: int, pinned: str | None = None) -> float:
     """What placing a conversation whose history is ``own`` tokens on ``state`` is expected to
     make its next turns and its neighbours' recompute, in tokens. The cache keeps the histories due

@@ -226,8 +226,9 @@ class PrefillCostScorer:
         # prompt every candidate holds): where one holds more, that is where it lives, and a copy
         # elsewhere is the prefix and uncached terms' to weigh (charged there too, the simulator's
         # Mooncake conversations and shared prefixes at 12,000 blocks found 0.2 and 0.6 points less).
-        holds = [matches.get(c.name, 0) for c in candidates]
-        beyond = {c.name: _beyond_room(c, uncached[c.name]) for c in candidates} if min(holds) == max(holds) else {}
+        beyond: dict[str, float] = {}
+        if self.evict_weight and len({matches.get(c.name, 0) for c in candidates}) == 1:
+            beyond = {c.name: _beyond_room(c, uncached[c.name]) for c in candidates}
         least = min(beyond.values(), default=0.0)
         for c in candidates:
             cost[c.name] = float(c.pending_prefill_tokens) + uncached[c.name]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from extproc.fleet.health.rotation import Rotation
 from extproc.fleet.health.vllm_metrics import ReplicaMetrics
-from extproc.routing.model import Replica
+from extproc.routing.model import Replica, cache_fill
 
 __all__ = ["ReplicaRecord"]
 
@@ -53,8 +53,5 @@ class ReplicaRecord:
 
     @property
     def cache_fill(self) -> float:
-        """How full its prefix cache is believed to be (:attr:`ReplicaState.cache_fill`): what was
-        written there over its size, 1 while the size is unknown. vLLM frees a block only to reuse
-        it, so a cache that took as many tokens as it holds stays full."""
-        capacity = self.kv_capacity_tokens
-        return min(1.0, self.written_tokens / capacity) if capacity else 1.0
+        """How full its prefix cache is believed to be (:func:`~extproc.routing.model.cache_fill`)."""
+        return cache_fill(self.written_tokens, self.kv_capacity_tokens)

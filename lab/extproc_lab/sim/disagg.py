@@ -40,6 +40,7 @@ from extproc.api import (
     Role,
     Snapshot,
     build_profile,
+    cache_fill,
     decide,
 )
 from extproc_lab.replica.model import ReplicaModel, Seq
@@ -306,7 +307,7 @@ class DisaggSimulation(ReplicaSteps):
                 kv_usage=m.kv_cache_usage_perc,
                 kv_capacity_tokens=capacity,
                 pending_prefill_tokens=self._pending[i],
-                cache_fill=min(1.0, self._written[i] / capacity) if capacity else 1.0,
+                cache_fill=cache_fill(self._written[i], capacity),
             )
             for i, (replica, m) in enumerate(zip(self.replicas, self.models, strict=True))
         )
