@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from extproc_lab.bench.realstack import RealStackSetup, ServeLoad, read_counters, replay_vllm_bench
+from extproc_lab.bench.realstack import RealStackSetup, ServeLoad, figures, read_counters, replay_vllm_bench
 from extproc_lab.demo.gateway import LocalGateway
 from tests.conftest import require_binary
 from tests.e2e.conftest import TINY_BLOCKS, TinyEngines
@@ -60,3 +60,18 @@ def test_vllm_bench_serve_runs_through_the_router_and_its_figures_match_the_engi
     queries = sum(after[n][_QUERIES] - before[n][_QUERIES] for n in after)
     # Two 512-token prefixes over 16 requests of ~544 tokens: at most 6 cold prefills on 3 engines.
     assert hits / queries > 0.5, (hits, queries)
+
+    # Where the client's time to first token went: the engines' own histograms counted each request
+    # once, and their time (from the request's arrival at the engine) is inside the client's.
+    assert (
+        sum(
+            after[n]["vllm:time_to_first_token_seconds_count"] - before[n]["vllm:time_to_first_token_seconds_count"]
+            for n in after
+        )
+        == 16
+    )
+    row = figures(setup, run, before, after)
+    assert 0 < row["engine_ttft_mean_s"] < row["ttft_mean_s"], row
+    assert 0 <= row["engine_queue_mean_s"] <= row["engine_ttft_mean_s"], row
+    assert row["outside_engine_mean_s"] == pytest.approx(row["ttft_mean_s"] - row["engine_ttft_mean_s"], abs=2e-4)
+    assert len(row["ttfts_s"]) == 16

@@ -93,6 +93,11 @@ PROFILE = "demo"
 CHAT_PATH = "/v1/chat/completions"
 MODEL = "demo-model"
 _HITS, _QUERIES, _DONE = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
+# The engine's own time to first token (from the request's arrival at its API server) and the part
+# of it spent waiting for the scheduler: histograms whose sums and counts give the run's means.
+_ENGINE_TTFT = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
+_ENGINE_QUEUE = ("vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count")
+_COUNTERS = (_HITS, _QUERIES, _DONE, *_ENGINE_TTFT, *_ENGINE_QUEUE)
 # Where the issue's targets allow us to trail a peer's hit ratio (2 points).
 HIT_RATIO_SLACK = 0.02
 # Where issue 42 allows us to trail a peer's captured reuse on the agent workload (1 point).
@@ -499,12 +504,13 @@ async def replay(url: str, setup: RealStackSetup, run_id: str) -> Replay:
 
 
 async def read_counters(gw: LocalGateway) -> dict[str, dict[str, float]]:
-    """Each replica's prefix-cache hits and queries (tokens) and finished requests."""
+    """Each replica's prefix-cache hits and queries (tokens), finished requests and the sums and
+    counts of its own TTFT and queue-time histograms (0 where a replica has none)."""
     out: dict[str, dict[str, float]] = {}
     async with aiohttp.ClientSession() as http:
         for r in gw.members:
             samples = await load.read_metrics(http, f"http://{r.address}/metrics")
-            out[r.name] = {n: load.total(samples, n) for n in (_HITS, _QUERIES, _DONE)}
+            out[r.name] = {n: load.total(samples, n) for n in _COUNTERS}
     return out
 
 
@@ -520,9 +526,13 @@ _PROCESSOR_COUNTERS = {
 }
 
 
+_DECISION_SECONDS = "extproc_decision_duration_seconds"
+
+
 async def read_decisions(url: str) -> dict[str, dict[str, float]]:
     """Our processor's own account of the run: decisions and session moves by reason, replicas
-    taken out of rotation, keyless conversations by match and its reuse ledger by kind."""
+    taken out of rotation, keyless conversations by match, its reuse ledger by kind and its mean
+    time to a decision."""
     async with aiohttp.ClientSession() as http:
         samples = await load.read_metrics(http, url)
     out: dict[str, dict[str, float]] = {kind: {} for kind, _ in _PROCESSOR_COUNTERS.values()}
@@ -534,6 +544,12 @@ async def read_decisions(url: str) -> dict[str, dict[str, float]]:
         prefix = f"{label}="
         by = next((kv[len(prefix) :] for kv in labels.rstrip("}").split(",") if kv.startswith(prefix)), "")
         out[kind][by] = out[kind].get(by, 0.0) + value
+    # The processor's own time a request (features, tokenizing included, to the decision): the part
+    # of the time outside the engines that is our code's, not Envoy's or gRPC's.
+    count = load.total(samples, f"{_DECISION_SECONDS}_count")
+    if count:
+        mean_ms = 1000 * load.total(samples, f"{_DECISION_SECONDS}_sum") / count
+        out["decision_time"] = {"mean_ms": round(mean_ms, 3), "decisions": count}
     return out
 
 
@@ -558,6 +574,7 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
         "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
         "ttft_p99_s": round(percentile(ttfts, 0.99), 4),
         "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else 0.0,
+        **_engine_time(delta, ttfts),
         "requests": len(run.turns),
         "answered": len(ok),
         "errors": len(errors),
@@ -580,9 +597,28 @@ def figures(setup: RealStackSetup, run: Replay, before: dict[str, Any], after: d
         "timed_out": run.timed_out,
         "wall_s": round(run.wall_s, 2),
         **run.reuse,
+        # vLLM's client numbers its requests, the same prompts in the same order for every router:
+        # each one's TTFT, to compare a run's slow requests across routers.
+        **({"ttfts_s": [round(t, 4) for t in ttfts]} if setup.workload == "vllm-bench" else {}),
         # Where the hit ratio was lost: each follow-up's history found or not, and every answer's
         # timing, so that a run can be analysed after the fact (the chat workload's turns only).
         **({"follow_ups": follow_ups(ok), "answers": records(ok)} if setup.workload == "chat" else {}),
+    }
+
+
+def _engine_time(delta: dict[str, dict[str, float]], ttfts: list[float]) -> dict[str, float]:
+    """Where the client's mean TTFT went: the engines' own mean (from their arrival to the first
+    token), the part of it queued in their schedulers, and the rest, outside the engines (client,
+    proxy, router, the first token's way back). Empty where the replicas keep no TTFT histogram."""
+    ttft_sum, ttft_n = (sum(d[k] for d in delta.values()) for k in _ENGINE_TTFT)
+    queue_sum, queue_n = (sum(d[k] for d in delta.values()) for k in _ENGINE_QUEUE)
+    if not ttft_n or not ttfts:
+        return {}
+    engine = ttft_sum / ttft_n
+    return {
+        "engine_ttft_mean_s": round(engine, 4),
+        "engine_queue_mean_s": round(queue_sum / queue_n, 4) if queue_n else 0.0,
+        "outside_engine_mean_s": round(statistics.fmean(ttfts) - engine, 4),
     }
 
 
@@ -841,13 +877,17 @@ def verdict(result: dict[str, Any]) -> list[str]:
 def format_table(result: dict[str, Any], order: Sequence[str] = (OURS, OURS_PRICE, *VLLM_ROUTERS[1:])) -> str:
     """Markdown, one row a router; requests per replica in replica order (replica-0 first). With
     the agent workload's reuse figures, the reuse offered, placed and captured and the share of
-    conversations kept on one replica follow the hit ratio."""
+    conversations kept on one replica follow the hit ratio; where the replicas keep a TTFT
+    histogram, the mean TTFT split into the engines' own and the rest (outside the engines)."""
     routers = result["routers"]
     agents = any(r.get("reuse_offered") is not None for r in routers.values())
+    split = any(r.get("engine_ttft_mean_s") is not None for r in routers.values())
     extra = " offered | placed | captured | one replica |" if agents else ""
+    mean = " TTFT mean = engines + outside |" if split else ""
     lines = [
-        f"| router | hit ratio |{extra} TTFT p50 | TTFT p99 | requests per replica | replicas used | answered | wall |",
-        "|---|---|" + "---|" * (4 if agents else 0) + "---|---|---|---|---|---|",
+        f"| router | hit ratio |{extra} TTFT p50 | TTFT p99 |{mean} requests per replica | replicas used | answered "
+        "| wall |",
+        "|---|---|" + "---|" * ((4 if agents else 0) + (1 if split else 0)) + "---|---|---|---|---|---|",
     ]
     for name in order:
         r = routers.get(name)
@@ -856,7 +896,7 @@ def format_table(result: dict[str, Any], order: Sequence[str] = (OURS, OURS_PRIC
         label = f"{name} *" if name == result.get("ours") else name
         if "error" in r:
             first = r["error"].splitlines()[0][:120] if r["error"] else "failed"
-            lines.append(f"| {label} | failed: {first} |" + " |" * (10 if agents else 6))
+            lines.append(f"| {label} | failed: {first} |" + " |" * ((10 if agents else 6) + (1 if split else 0)))
             continue
         spread = " / ".join(str(v) for _, v in sorted(r["requests_per_replica"].items(), key=_replica_order))
         reuse_cells = (
@@ -865,9 +905,13 @@ def format_table(result: dict[str, Any], order: Sequence[str] = (OURS, OURS_PRIC
             if agents
             else ""
         )
+        mean_cell = ""
+        if split:
+            parts = [r.get(k) for k in ("ttft_mean_s", "engine_ttft_mean_s", "outside_engine_mean_s")]
+            mean_cell = " |" if None in parts else " {:.1f} = {:.1f} + {:.1f} ms |".format(*(v * 1e3 for v in parts))
         lines.append(
-            f"| {label} | {r['hit_ratio']:.1%} |{reuse_cells} {r['ttft_p50_s']:.3f} s | {r['ttft_p99_s']:.3f} s "
-            f"| {spread} "
+            f"| {label} | {r['hit_ratio']:.1%} |{reuse_cells} {r['ttft_p50_s']:.3f} s | {r['ttft_p99_s']:.3f} s |"
+            f"{mean_cell} {spread} "
             f"| {r['replicas_used']} | {r['answered']}/{r['requests']} | {r['wall_s']:.0f} s |"
         )
     return "\n".join(lines)
