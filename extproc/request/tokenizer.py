@@ -14,7 +14,9 @@ tokenized is reused and only the rest is encoded again. The text already tokeniz
 session's previous turn, else the last prompt that opened with the same head (its text through
 the first special token past :data:`HEAD_CHARS` characters: a shared system prompt, say), kept in
 a store bounded by characters: requests of different sessions, or of none, that share a long
-system prompt tokenize it once.
+system prompt tokenize it once. A prompt encoded with its special tokens (a completion's) has no
+such cuts: :mod:`extproc.request.plain_reuse` reuses a recent prompt's tokens where a check says
+it is safe.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+from extproc.request.plain_reuse import PlainReuse, common_prefix
 
 HEAD_CHARS = 256
 """A prompt's head, the key of the store of recent prompts: its text through the first special
@@ -52,7 +56,7 @@ class Tokenized:
     text: str
     ids: tuple[int, ...]
     reused: int = 0
-    """How many leading tokens came from the session's previous turn."""
+    """How many leading tokens came from a previous prompt (the session's turn, a same head's)."""
 
 
 def _token_str(value: Any) -> str | None:
@@ -75,20 +79,6 @@ def _message_content(content: Any) -> Any:
             raise TokenizerError("media parts are not tokenized here")
         return "\n".join(t for t in texts if isinstance(t, str))
     return content
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """The length of the longest common prefix of ``a`` and ``b`` (by halving: slices compare in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class PromptTokenizer:
@@ -151,6 +141,8 @@ class PromptTokenizer:
         self._head_chars = 0
         self._head_cap = head_store_chars
         self._lock = threading.Lock()
+        self.plain = PlainReuse(self.tokenizer)
+        """Completions (and Responses) prompts: a recent prompt's tokens reused where checked."""
 
     def _takes_only_a_leading_system(self) -> bool:
         """vLLM's probe: a system, user, system, user conversation rendered (no generation prompt);
@@ -190,8 +182,9 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool, session: str | None = None) -> Tokenized:
         """Token ids of ``text``; with ``session``, reusing what its previous turn tokenized, else
         (or where that shares less) what a recent prompt with the same head did."""
-        if add_special_tokens:  # a prompt that starts with added tokens: never cut (completions)
-            return self._encode_from(text, True)
+        if add_special_tokens:  # a prompt that starts with added tokens (completions): no special-token cuts
+            ids, reused = self.plain.encode(text)
+            return Tokenized(text, ids, reused=reused)
         head = self._head(text)
         previous = by_head = None
         with self._lock:
@@ -199,7 +192,7 @@ class PromptTokenizer:
                 previous = self._sessions.get(session)
             if head is not None and self._heads is not None:
                 by_head = self._heads.get(head)
-        result = self._encode_from(text, False, previous, by_head)
+        result = self._encode_from(text, previous, by_head)
         with self._lock:
             if session is not None:
                 self._sessions[session] = result
@@ -242,15 +235,15 @@ class PromptTokenizer:
             _, dropped = self._heads.popitem(last=False)
             self._head_chars -= len(dropped.text)
 
-    def _encode_from(self, text: str, add_special_tokens: bool, *candidates: Tokenized | None) -> Tokenized:
-        """``text`` encoded, reusing the candidate that shares the most of it up to a special token."""
+    def _encode_from(self, text: str, *candidates: Tokenized | None) -> Tokenized:
+        """``text`` encoded without added special tokens, reusing the candidate that shares the
+        most of it up to a special token."""
         best: tuple[int, str, int, Tokenized] | None = None
-        if not add_special_tokens:
-            for previous in candidates:
-                if previous is not None:
-                    cut, token, after = self._safe_cut(previous, text)
-                    if cut and (best is None or cut > best[0]):
-                        best = (cut, token, after, previous)
+        for previous in candidates:
+            if previous is not None:
+                cut, token, after = self._safe_cut(previous, text)
+                if cut and (best is None or cut > best[0]):
+                    best = (cut, token, after, previous)
         if best is not None:
             # The special token ending at ``cut`` is followed, in the previous ids, by ``after``
             # more cut ids (a literal special token is always split out as one): everything up to
@@ -269,7 +262,7 @@ class PromptTokenizer:
             if n and cut_ids[ids[n - 1]] == token:
                 rest = self.tokenizer.encode(text[cut:], add_special_tokens=False)
                 return Tokenized(text, ids[:n] + tuple(rest.ids), reused=n)
-        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
         return Tokenized(text, tuple(enc.ids))
 
     def _safe_cut(self, previous: Tokenized, text: str) -> tuple[int, str, int]:
@@ -277,7 +270,7 @@ class PromptTokenizer:
         of the previous text before, that token, and how many special tokens follow it in the
         previous text; (0, "", 0) if none."""
         old = previous.text
-        shared = _common_prefix(old, text)
+        shared = common_prefix(old, text)
         cut, token = 0, ""
         for candidate in self._cut_tokens:
             at = old.rfind(candidate, 0, shared)

@@ -5,8 +5,8 @@ The router asks three things, none of which blocks its event loop for long:
 - :meth:`EventCacheState.tokenized` (before the decision): for a model with a tokenizer, the
   request's prefix hashes become the engine's own block hashes over the model's tokens (or our
   content hashes in ``content`` mode), computed in a worker thread (``tokenizers`` and hashlib
-  release the GIL) unless little is left to encode after what a session's previous turn or a
-  prompt of the same head shares (:data:`INLINE_CHARS`: then on the loop, cheaper than the hop),
+  release the GIL) unless little is left to encode after what an earlier prompt shares
+  (:data:`INLINE_CHARS`: then on the loop, cheaper than the hop),
   with the block size and hash algorithm the model's engines report
   (:mod:`.layout`; the configured ones until they do);
 - :meth:`EventCacheState.view` (the decision's input): replicas whose feed is live get their
@@ -60,7 +60,8 @@ log = logging.getLogger("extproc.fleet.kvevents")
 
 INLINE_CHARS = 1024
 """A chat prompt with at most this many characters left to encode (after what its session's
-previous turn or a prompt of the same head shares) is tokenized on the event loop: about 0.2 ms
+previous turn or a prompt of the same head shares; a completion's, after a recent one's opening)
+is tokenized on the event loop: about 0.2 ms
 of the lab's tokenizer, less than the hop to a worker thread and back on a loaded machine
 (benchmarks/configured_cost.md)."""
 INLINE_TEXT_CHARS = 64 * 1024
@@ -145,11 +146,8 @@ class EventCacheState:
         layout = (bs, self._chain(algo))
         try:
             text = self._chat_text(tok, features, body)
-            if (
-                text is not None
-                and len(text) <= INLINE_TEXT_CHARS
-                and tok.unshared(text, features.session_key) <= INLINE_CHARS
-            ):
+            left = self._left_to_encode(tok, features, body, text)
+            if left is not None and left <= INLINE_CHARS:
                 # Little left to encode (a follow-up, a prompt after a known system prompt): on the
                 # loop, where the hop to a worker and back would cost more than the work.
                 keys, tokens = self.block_keys(tok, features, body, layout, text)
@@ -163,6 +161,18 @@ class EventCacheState:
             log.debug("not tokenized (%s): routed on character blocks", exc)
             return features
         return replace(features, prefix_hashes=keys, prompt_tokens=tokens, tokens_per_block=bs)
+
+    @staticmethod
+    def _left_to_encode(
+        tok: PromptTokenizer, features: RequestFeatures, parsed: Mapping[str, Any], chat_text: str | None
+    ) -> int | None:
+        """What a chat's template (``chat_text``) or a completion's prompt leaves to encode after
+        what earlier prompts share; None for other prompts and ones too long to hash on the loop."""
+        prompt = parsed.get("prompt") if features.path.startswith(COMPLETIONS_PATH) else None
+        text = chat_text if chat_text is not None else prompt
+        if not isinstance(text, str) or len(text) > INLINE_TEXT_CHARS:
+            return None
+        return tok.unshared(text, features.session_key) if chat_text is not None else tok.plain.unshared(text)
 
     @staticmethod
     def _chat_text(tok: PromptTokenizer, features: RequestFeatures, parsed: Mapping[str, Any]) -> str | None:
