@@ -505,35 +505,66 @@ def run(
 
 
 def in_process(requests: int, rounds: int) -> dict[str, dict[str, float]]:
-    """``Router.route`` in process (no Envoy, no gRPC, no engines) on the ``shared`` part's chats
-    with ``llama-tiny``'s tokenizer and KV events configured, against the default configuration:
-    the median over ``rounds`` of the mean route time, ms (the first turns of each round, with the
-    head store warm after the first request, as the engines' run sends them)."""
+    """``Router.route`` in process (no Envoy, no gRPC, no engines), with ``llama-tiny``'s tokenizer
+    and KV events configured, against the default configuration: the median over ``rounds`` of the
+    mean route time, ms. Two workloads: the ``shared`` part's chats (the first turns of each round,
+    with the head store warm after the first request, as the engines' run sends them), and
+    completions shaped as ``vllm bench serve``'s ``prefix_repetition`` run sends them (8 openings
+    of 1,024 tokens, each prompt one of them and 64 tokens of its own; the lab's ``small`` model's
+    tokenizer, as ``bench realstack --workload vllm-bench``)."""
     from extproc.api import Config, EventCacheState, KvEventSettings, Metrics, Replica, Router
     from extproc_lab.engines import install
 
-    model_dir = install.ensure(("tiny",))["tiny"]
+    models = install.ensure(("tiny", "small"))
     chats = [c.next_messages(0) for c in shared_prompt_chat(requests * rounds, 1, system_words=Workload.shared_words)]
-    bodies = [json.dumps({"model": MODEL, "messages": m, "max_tokens": 8}).encode() for m in chats]
-    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    chat_bodies = [json.dumps({"model": MODEL, "messages": m, "max_tokens": 8}).encode() for m in chats]
+    completion_bodies = [
+        json.dumps({"model": MODEL, "prompt": p, "max_tokens": 16, "stream": True}).encode()
+        for p in _repeated_prefixes(models["small"], requests * rounds)
+    ]
     cfg = Config(replicas=(Replica("r0", "127.0.0.1:1"), Replica("r1", "127.0.0.1:2")), metrics=Metrics(enabled=False))
-    kv = EventCacheState(KvEventSettings(tokenizers={MODEL: str(model_dir)}, block_size=32))
-    routers = {DEFAULT: Router(cfg), CONFIGURED: Router(cfg, kv_events=kv)}
-    for replica in ("r0", "r1"):  # every feed live, so the event index answers
-        kv.source.apply_events(replica, ())
+    out: dict[str, dict[str, float]] = {DEFAULT: {}, CONFIGURED: {}}
+    for workload, model_dir, path, bodies in (
+        ("route_ms", models["tiny"], "/v1/chat/completions", chat_bodies),
+        ("completions_route_ms", models["small"], "/v1/completions", completion_bodies),
+    ):
+        headers = {":path": path, ":method": "POST"}
+        kv = EventCacheState(KvEventSettings(tokenizers={MODEL: str(model_dir)}, block_size=32))
+        routers = {DEFAULT: Router(cfg), CONFIGURED: Router(cfg, kv_events=kv)}
+        for replica in ("r0", "r1"):  # every feed live, so the event index answers
+            kv.source.apply_events(replica, ())
 
-    async def mean_ms(router: Router, batch: list[bytes]) -> float:
-        started = time.perf_counter()
-        for body in batch:
-            await router.route(headers, body)
-        return (time.perf_counter() - started) / len(batch) * 1e3
+        async def mean_ms(router: Router, batch: list[bytes], headers: dict[str, str] = headers) -> float:
+            started = time.perf_counter()
+            for body in batch:
+                await router.route(headers, body)
+            return (time.perf_counter() - started) / len(batch) * 1e3
 
-    out: dict[str, list[float]] = {name: [] for name in routers}
-    for r in range(rounds):
-        batch = bodies[r * requests : (r + 1) * requests]
-        for name, router in routers.items():
-            out[name].append(asyncio.run(mean_ms(router, batch)))
-    return {name: {"route_ms": round(statistics.median(v), 3)} for name, v in out.items()}
+        times: dict[str, list[float]] = {name: [] for name in routers}
+        for r in range(rounds):
+            batch = bodies[r * requests : (r + 1) * requests]
+            for name, router in routers.items():
+                times[name].append(asyncio.run(mean_ms(router, batch)))
+        for name, v in times.items():
+            out[name][workload] = round(statistics.median(v), 3)
+    return out
+
+
+def _repeated_prefixes(model_dir: Path, n: int, prefixes: int = 8, prefix_tokens: int = 1024) -> list[str]:
+    """``vllm bench serve``'s ``prefix_repetition`` prompts, as its generator makes them: text
+    decoded from random token ids, ``prefixes`` openings each followed by 64 tokens of its own."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(0)
+
+    def text(tokens: int) -> str:
+        return tok.decode([rng.randrange(100, tok.get_vocab_size() - 300) for _ in range(tokens)])
+
+    openings = [text(prefix_tokens) for _ in range(prefixes)]
+    return [openings[i % prefixes] + text(64) for i in range(n)]
 
 
 def table(result: dict[str, Any]) -> str:
