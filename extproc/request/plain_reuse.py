@@ -107,12 +107,13 @@ class PlainReuse:
     def encode(self, text: str) -> tuple[tuple[int, ...], int]:
         """``text``'s token ids with the tokenizer's special tokens, and how many came from a
         recent prompt."""
-        if self.leading is None or len(text) < MIN_CHARS:
+        lead = self.leading  # read once: another thread may turn reuse off meanwhile
+        if lead is None or len(text) < MIN_CHARS:
             return tuple(self.tokenizer.encode(text, add_special_tokens=True).ids), 0
         key = text[:HEAD_CHARS]
         with self._lock:
             previous = self._store.get(key)
-        got = self._reuse(previous, text) if previous is not None else None
+        got = self._reuse(previous, text, lead) if previous is not None else None
         if got is not None and not self._agrees(text, got[0].ids):
             got = None
         encoded, reused = got if got is not None else (self._whole(text), 0)
@@ -143,17 +144,17 @@ class PlainReuse:
         enc = self.tokenizer.encode(text, add_special_tokens=True)
         return _Encoded(text, tuple(enc.ids), tuple(end for _, end in enc.offsets))
 
-    def _reuse(self, previous: _Encoded, text: str) -> tuple[_Encoded, int] | None:
+    def _reuse(self, previous: _Encoded, text: str, lead: int) -> tuple[_Encoded, int] | None:
         """``text`` encoded from ``previous``'s tokens up to a checked boundary; None where no
-        boundary passes the check."""
-        lead = self.leading
-        assert lead is not None
+        boundary passes the check (``lead``: the special tokens before a prompt)."""
         ends, old = previous.ends, previous.text
         limit = common_prefix(old, text) - MARGIN
         # The boundary that ends the overlap, and the one it starts at: each the end of a token
         # whose last character is not a space (a space may be left out of a token's recorded end).
+        # Bisect takes ends as never decreasing (so in every tokenizer tried); where they would, it
+        # may pick another boundary, and the checks below still hold it within the shared text.
         k = self._exact_boundary(old, ends, bisect.bisect_right(ends, limit), lead)
-        if k is None:
+        if k is None or ends[k - 1] > limit:
             return None
         j = self._exact_boundary(old, ends, bisect.bisect_right(ends, ends[k - 1] - WINDOW, 0, k), lead)
         if j is None or j >= k:

@@ -61,9 +61,8 @@ log = logging.getLogger("extproc.fleet.kvevents")
 INLINE_CHARS = 1024
 """A chat prompt with at most this many characters left to encode (after what its session's
 previous turn or a prompt of the same head shares; a completion's, after a recent one's opening)
-is tokenized on the event loop: about 0.2 ms
-of the lab's tokenizer, less than the hop to a worker thread and back on a loaded machine
-(benchmarks/configured_cost.md)."""
+is tokenized on the event loop: about 0.2 ms of the lab's tokenizer, less than the hop to a
+worker thread and back on a loaded machine (benchmarks/configured_cost.md)."""
 INLINE_TEXT_CHARS = 64 * 1024
 """And is at most this long: its blocks' hashes are computed with it (where no session's reuse)."""
 

@@ -103,11 +103,13 @@ def test_any_two_prompts_sharing_an_opening_get_the_ids_of_encoding_whole(
     emoji), and whatever follows: a reuse the check lets through gives what encoding whole gives."""
     tok = tokenizers[kind]
     reuse = PlainReuse(tok)
-    opening = sample_text(300, seed)
+    opening = sample_text(500, seed)
     opening = opening[: len(opening) - cut] + pad + sample_text(10, seed + 1)
     first, second = opening + a, opening + b
+    assert len(first) >= MIN_CHARS  # long enough to be kept
     assert reuse.encode(first) == (whole(tok, first), 0)
-    got = reuse._reuse(reuse._store[first[: plain_reuse.HEAD_CHARS]], second)
+    assert reuse.leading is not None
+    got = reuse._reuse(reuse._store[first[: plain_reuse.HEAD_CHARS]], second, reuse.leading)
     if got is not None:
         assert got[0].ids == whole(tok, second)
         assert got[0].ends == tuple(e for _, e in tok.encode(second, add_special_tokens=True).offsets)
@@ -149,8 +151,8 @@ def test_a_reuse_that_differs_from_encoding_whole_turns_reuse_off(
     tok.completion_ids(opening + "first")
     real = PlainReuse._reuse
 
-    def off_by_one(self: PlainReuse, previous: object, text: str) -> object:
-        got = real(self, previous, text)  # type: ignore[arg-type]
+    def off_by_one(self: PlainReuse, previous: object, text: str, lead: int) -> object:
+        got = real(self, previous, text, lead)  # type: ignore[arg-type]
         assert got is not None
         encoded, n = got
         return plain_reuse._Encoded(encoded.text, (*encoded.ids[:-1], encoded.ids[-1] + 1), encoded.ends), n
