@@ -110,8 +110,10 @@ def wait_for_port(host: str, port: int, timeout_s: float = 15.0, proc: subproces
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
 
 
-def wait_for_http(url: str, timeout_s: float = 15.0) -> None:
-    """Wait until ``url`` answers 200."""
+def wait_for_http(url: str, timeout_s: float = 30.0) -> None:
+    """Wait until ``url`` answers 200. The default allows for a loaded machine: a fresh-clone CI
+    run once saw a fake replica take over 15 s to import and answer while vLLM engines started
+    beside it on the two cores."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=0.5) as resp:
