@@ -69,3 +69,20 @@ def _alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"  # a zombie has ended (init reaps it)
     except FileNotFoundError:
         return False
+
+
+def test_a_process_that_dies_before_answering_fails_at_once_with_its_log(tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path)
+    dies = [sys.executable, "-c", "import sys; print('bind failed: address in use'); sys.exit(3)"]
+    try:
+        group.start("replica", dies)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"exited with 3[\s\S]*bind failed: address in use"):
+            group.wait_healthy("replica", f"http://127.0.0.1:{free_port()}/health", timeout_s=10)
+        assert time.monotonic() - started < 5
+        # One that never answers times out, its log attached.
+        group.start("mute", [sys.executable, "-c", "print('still importing', flush=True); import time; time.sleep(30)"])
+        with pytest.raises(TimeoutError, match="still importing"):
+            group.wait_healthy("mute", f"http://127.0.0.1:{free_port()}/health", timeout_s=1)
+    finally:
+        group.stop_all()

@@ -49,7 +49,7 @@ from extproc_lab.demo.load import (
     stickiness,
     total,
 )
-from extproc_lab.demo.processes import free_port, wait_for_http
+from extproc_lab.demo.processes import free_port
 from extproc_lab.demo.redis_server import LocalRedis
 from extproc_lab.demo.request_shapes import REQUEST_SHAPES, RequestShape
 from extproc_lab.stats import percentile
@@ -145,7 +145,7 @@ class FaultyGateway(LocalGateway):
         if self.time_scale is not None:
             argv += ["--time-scale", str(self.time_scale)]
         self.procs.start(replica.name, argv)
-        wait_for_http(f"http://{replica.address}/health")
+        self.procs.wait_healthy(replica.name, f"http://{replica.address}/health")
 
     def set_metrics_fault(self, name: str, mode: str) -> None:
         """Switch replica ``name``'s /metrics page to ``mode`` (ok, hang, garbage, nonsense)."""

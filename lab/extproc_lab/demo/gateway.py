@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any
 
 from extproc.api import GatewaySpec, Replica, render_yaml
-from extproc_lab.demo.processes import ProcessGroup, envoy_binary, free_port, wait_for_http, wait_for_port
+from extproc_lab.demo.processes import ProcessGroup, envoy_binary, free_port, wait_for_port
 from extproc_lab.engines.fleet import EngineSettings, VllmFleet
 
 HOST = "127.0.0.1"
@@ -204,7 +204,7 @@ class LocalGateway:
             self.fleet.restart(replica.name)
             return
         self.procs.start(replica.name, self.replica_argv(replica))
-        wait_for_http(f"http://{replica.address}/health")
+        self.procs.wait_healthy(replica.name, f"http://{replica.address}/health")
 
     def start_replicas(self, wait: bool = True) -> None:
         """Start every member at once (their start-ups overlap), then, with ``wait``, :meth:`wait_replicas`.
@@ -225,7 +225,7 @@ class LocalGateway:
             self.fleet.wait(timeout_s=max(timeout_s, self.engine_settings.startup_timeout_s))
             return
         for replica in self.members:
-            wait_for_http(f"http://{replica.address}/health", timeout_s)
+            self.procs.wait_healthy(replica.name, f"http://{replica.address}/health", timeout_s)
 
     def start_processor(self, index: int = 0) -> None:
         """Start (or restart) processor ``index`` and wait for its port."""

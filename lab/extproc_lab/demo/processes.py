@@ -110,12 +110,12 @@ def wait_for_port(host: str, port: int, timeout_s: float = 15.0, proc: subproces
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
 
 
-def wait_for_http(url: str, timeout_s: float = 30.0) -> None:
-    """Wait until ``url`` answers 200. The default allows for a loaded machine: a fresh-clone CI
-    run once saw a fake replica take over 15 s to import and answer while vLLM engines started
-    beside it on the two cores."""
+def wait_for_http(url: str, timeout_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until ``url`` answers 200; with ``proc``, fail at once if it exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before {url} answered")
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=0.5) as resp:
             if resp.status == 200:
                 return
@@ -188,6 +188,14 @@ class ProcessGroup:
         """Stop every process, newest first."""
         for name in reversed(list(self.procs)):
             self.stop(name)
+
+    def wait_healthy(self, name: str, url: str, timeout_s: float = 15.0) -> None:
+        """Wait until ``name``'s ``url`` answers 200; failing (it exited, or never answered), the
+        error carries the end of its log, so that a start that failed says why."""
+        try:
+            wait_for_http(url, timeout_s, proc=self.procs.get(name))
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{exc}\n{self.log_tail(name)}") from None
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         """The end of a process's log, for error messages."""

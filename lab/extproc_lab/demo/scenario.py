@@ -29,7 +29,7 @@ import yaml
 
 from extproc.api import Replica
 from extproc_lab.demo.gateway import HOST, LocalGateway
-from extproc_lab.demo.processes import envoy_binary, free_port, wait_for_http, wait_for_port
+from extproc_lab.demo.processes import envoy_binary, free_port, wait_for_port
 
 # What the shipped files are rendered for (tests/unit/adapters/envoy_config/test_envoy_config.py renders
 # them with these).
@@ -179,7 +179,7 @@ class ScenarioGateway(LocalGateway):
             for replica in every:
                 self.procs.start(replica.name, self._replica_argv(replica))
             for replica in every:
-                wait_for_http(f"http://{replica.address}/health")
+                self.procs.wait_healthy(replica.name, f"http://{replica.address}/health")
             self.start_processor()
             self.start_envoy()
         except BaseException:
