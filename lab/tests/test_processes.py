@@ -63,6 +63,24 @@ def test_a_process_ends_when_the_run_that_started_it_is_killed(tmp_path: Path) -
     assert not _alive(child)
 
 
+def test_a_process_starts_without_fork_handlers(tmp_path: Path) -> None:
+    """A start forks nothing that runs at-fork handlers: gRPC's, in a run with live gRPC threads,
+    restarted its poller in the child, which then aborted as it closed its descriptors."""
+    starter = (
+        "import os\n"
+        "from pathlib import Path\n"
+        "from extproc_lab.demo.processes import ProcessGroup\n"
+        "ran = []\n"
+        "os.register_at_fork(before=lambda: ran.append(1))\n"
+        f"group = ProcessGroup(Path({str(tmp_path)!r}))\n"
+        f"group.start('engine', {SLEEP!r})\n"
+        "group.stop_all()\n"
+        "print(len(ran))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout.strip() == "0"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:

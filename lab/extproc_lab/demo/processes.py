@@ -8,7 +8,6 @@ SIGTERM or SIGKILL to a test run), so no engine outlives its run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import shutil
@@ -123,15 +122,20 @@ def wait_for_http(url: str, timeout_s: float = 15.0, proc: subprocess.Popen[byte
     raise TimeoutError(f"{url} did not answer 200 after {timeout_s}s")
 
 
-# libc's prctl, looked up here: between fork and exec the child only calls it (no import, no lock).
-_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
-_PR_SET_PDEATHSIG = 1
+# setpriv (util-linux) sets the parent-death signal and then runs the command in the same process.
+# A preexec_fn could do it in the child, but it makes Python fork() instead of vfork(), and fork()
+# runs gRPC's at-fork handlers: a pytest worker or processor with live gRPC threads then restarts
+# its poller in the child, which dies of SIGABRT ("epoll_wait error: Bad file descriptor") when the
+# child closes its inherited descriptors before exec (seen in fresh-clone CI runs; reproduced with
+# 2 aborts in 600 starts beside a busy channel, none with setpriv).
+_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
 
 
-def _end_with_parent() -> None:
-    """In the child before it runs: SIGTERM once its parent dies."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _ending_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` made to receive SIGTERM once the thread that starts it ends (where setpriv is)."""
+    if _SETPRIV is None:
+        return list(argv)
+    return [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]
 
 
 class ProcessGroup:
@@ -151,16 +155,16 @@ class ProcessGroup:
             raise RuntimeError(f"{name} is already running (pid {running.pid}): stop it first")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
+        # Only from the main thread: the kernel signals the child when the thread that started it
+        # ends, and a worker thread may end long before the process does.
+        main = threading.current_thread() is threading.main_thread()
         proc = subprocess.Popen(
-            list(argv),
+            _ending_with_parent(argv) if main else list(argv),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            # Only from the main thread: the kernel signals the child when the thread that forked
-            # it ends, and a worker thread may end long before the process does.
-            preexec_fn=_end_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
         )
         log.close()
         self.procs[name] = proc
