@@ -102,6 +102,11 @@ def _envoy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="PERCENT",
         help="share of requests without a sampled traceparent Envoy traces (default: the config's tracing.sample_rate)",
     )
+    p.add_argument(
+        "--access-log",
+        metavar="PATH",
+        help="Envoy's access log (a file, or /dev/stdout): a JSON line a request, the processor's time by message",
+    )
 
 
 def _check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

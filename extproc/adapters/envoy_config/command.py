@@ -85,6 +85,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         identity_headers=cfg.identity_headers,
         queue_wait_s=cfg.queueing.longest_wait_s,
         processor_streams_per_connection=1 if cfg.workers > 1 else None,
+        access_log=getattr(args, "access_log", None),
         **_tracing(args, cfg),
     )
 

@@ -29,6 +29,7 @@ from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import Previ
 from envoy_data_plane.envoy.extensions.retry.priority.previous_priorities.v3 import PreviousPrioritiesConfig
 from envoy_data_plane.google.protobuf import Any as AnyMessage
 
+from extproc.adapters.envoy_config.access_log import access_logs
 from extproc.adapters.envoy_config.filters import (
     early_mutations,
     ext_proc_filter,
@@ -168,6 +169,7 @@ def http_connection_manager(spec: GatewaySpec, name: str, with_processor: bool) 
         http_filters=filters,
         tracing=tracing(spec),
         early_header_mutation_extensions=early_mutations(spec),
+        access_log=access_logs(spec, with_processor),
     )
     return Filter(name=HCM_FILTER, typed_config=AnyMessage.pack(hcm))
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import betterproto2
 import yaml
+from envoy_data_plane.google.protobuf import Struct
 
 from extproc.adapters.envoy_config.bootstrap import bootstrap
 from extproc.adapters.envoy_config.spec import GatewaySpec
@@ -24,6 +25,20 @@ def _plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.name
     return value
+
+
+_struct_to_dict = Struct.to_dict
+
+
+def _struct_as_plain_data(self: Struct, **kwargs: Any) -> Any:
+    # betterproto2 0.9 asserts on a Struct built as a message (an access log's JSON format, once
+    # its Any is unpacked) in Python output; a Struct's proto JSON is plain data already, the
+    # same as its Python form.
+    kwargs["output_format"] = betterproto2.OutputFormat.PROTO_JSON
+    return _struct_to_dict(self, **kwargs)
+
+
+Struct.to_dict = _struct_as_plain_data  # type: ignore[method-assign]
 
 
 def to_dict(message: betterproto2.Message) -> dict[str, Any]:

@@ -106,6 +106,9 @@ class GatewaySpec:
     # parent_based) when it samples the request; without, the client's traceparent and
     # tracestate are removed before Envoy reads them (bootstrap.trace_forcing_headers).
     tracing_client_parent: bool = False
+    # A file (or /dev/stdout) for Envoy's access log: a JSON line a request with where its time
+    # went before the replica answered, the processor's share by message (access_log.py).
+    access_log: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

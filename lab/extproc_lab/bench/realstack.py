@@ -66,6 +66,7 @@ from extproc_lab.bench.agent_sessions import (
     replay_calls,
     reuse,
 )
+from extproc_lab.bench.envoy_log import time_before_upstream
 from extproc_lab.bench.follow_ups import follow_ups, records
 from extproc_lab.bench.peer_routers import PEER_ROUTERS, default_peers_dir, start_peer, wait_serving
 from extproc_lab.demo import load
@@ -743,6 +744,8 @@ def warm_engines(gw: LocalGateway) -> None:
 def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]) -> dict[str, Any]:
     """One router's run on a fleet of its own, every process ended (by PID) afterwards."""
     gw = _fresh_gateway(setup, name)
+    access_log = _access_log_path(setup, name)
+    gw.envoy_options["access_log"] = str(access_log)
     try:
         url = start_router(gw, name, setup)
         if setup.workload == "agents":
@@ -763,9 +766,25 @@ def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]
         if name in (OURS, OURS_ESTIMATE, OURS_PRICE):
             # Cumulative since the processor started (the one warm-up request included).
             row["processor"] = asyncio.run(read_decisions(gw.metrics_url))
-        return row
     finally:
         gw.stop()
+        # Read once Envoy has stopped: it writes the file every 10 s, and as it exits.
+        envoy = time_before_upstream(access_log)
+        if setup.log_dir is None:
+            access_log.unlink(missing_ok=True)
+    if name not in PEER_ROUTERS:
+        row["envoy"] = envoy
+    return row
+
+
+def _access_log_path(setup: RealStackSetup, name: str) -> Path:
+    """Where Envoy writes its access log for ``name``'s run: in the run's log directory if it
+    keeps one, else a temporary file the run removes."""
+    if setup.log_dir is not None:
+        return setup.log_dir / name / "envoy-access.jsonl"
+    fd, path = tempfile.mkstemp(prefix=f"extproc-{name}-access-", suffix=".jsonl")
+    os.close(fd)
+    return Path(path)
 
 
 # `bench realstack --engine vllm` unless told otherwise: 3 engines whose caches (128 blocks of 32
