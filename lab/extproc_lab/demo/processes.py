@@ -138,6 +138,20 @@ def _ending_with_parent(argv: Sequence[str]) -> list[str]:
     return [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]
 
 
+def _wait_for_exec(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    """Until setpriv has run ``proc``'s command, and so has set its parent-death signal: a run
+    killed before then would leave it running (seen in a loaded CI run)."""
+    setpriv = os.path.realpath(_SETPRIV or "")
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if os.readlink(f"/proc/{proc.pid}/exe") != setpriv:
+                return
+        except OSError:
+            return  # gone, or not ours to read: nothing to wait for
+        time.sleep(0.001)
+
+
 class ProcessGroup:
     """Processes started together and stopped together (context manager)."""
 
@@ -167,6 +181,8 @@ class ProcessGroup:
             start_new_session=True,
         )
         log.close()
+        if main and _SETPRIV is not None:
+            _wait_for_exec(proc)
         self.procs[name] = proc
         return proc
 
