@@ -141,6 +141,12 @@ def test_tiny_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) 
     # The processor decided every request (and the one warm-up request before the run).
     assert sum(ours["processor"]["decisions"].values()) == sent + 1
     assert f"| {OURS} * |" in done.stdout and f"| {ROUND_ROBIN} |" in done.stdout
+    # Envoy's access log told where each request's time went before its replica: only ours waited
+    # for a processor. The run's requests and the one that found the router serving.
+    envoy = {name: r["envoy"] for name, r in result["routers"].items()}
+    assert all(e["requests"] == sent + 1 and 0 < e["to_upstream_mean_ms"] < 1000 for e in envoy.values()), envoy
+    assert envoy[OURS]["processor_body_mean_ms"] > 0 and envoy[ROUND_ROBIN]["processor_body_mean_ms"] is None
+    assert "| router (through Envoy) |" in done.stdout
 
 
 def test_tiny_agent_run_through_envoy_with_our_router_and_round_robin(tmp_path: Path) -> None:

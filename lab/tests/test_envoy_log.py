@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from extproc_lab.bench.envoy_log import time_before_upstream
+from extproc_lab.bench.envoy_log import format_envoy_table, time_before_upstream
 
 
 def _line(**fields: object) -> str:
@@ -36,3 +36,15 @@ def test_means_split_the_time_before_the_replica_and_skip_what_is_not_a_request(
 def test_no_log_is_no_figures(tmp_path: Path) -> None:
     out = time_before_upstream(tmp_path / "missing.jsonl")
     assert out["requests"] == 0 and out["to_upstream_mean_ms"] is None
+
+
+def test_the_table_has_a_row_for_each_logged_router() -> None:
+    logged = {"requests": 2, "received_mean_ms": 2.0, "to_upstream_mean_ms": 7.0, "envoy_own_mean_ms": 2.0}
+    logged |= {f"processor_{k}_mean_ms": 1.0 for k in ("headers", "body")} | {
+        "processor_response_headers_mean_ms": None
+    }
+    table = format_envoy_table({"extproc": {"envoy": logged}, "smg": {}, "idle": {"envoy": {"requests": 0}}})
+    rows = [line for line in table.splitlines() if line.startswith("| extproc")]
+    assert rows == ["| extproc | 2 | 2.00 | 1.00 / 1.00 / - | 2.00 | 7.00 |"]
+    assert "smg" not in table and "idle" not in table
+    assert format_envoy_table({"smg": {}}) == ""

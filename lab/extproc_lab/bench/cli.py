@@ -452,6 +452,7 @@ def run_objectives_ramp_command(args: argparse.Namespace) -> int:
 def run_realstack_command(args: argparse.Namespace) -> int:
     """Run ``extproc bench realstack``."""
     from extproc_lab.bench.agent_sessions import SMALL_AGENTS, AgentLoad
+    from extproc_lab.bench.envoy_log import format_envoy_table
     from extproc_lab.bench.follow_ups import summary
     from extproc_lab.bench.peer_routers import default_peers_dir
     from extproc_lab.bench.realstack import (
@@ -550,6 +551,8 @@ def run_realstack_command(args: argparse.Namespace) -> int:
     for name, figures in result["routers"].items():
         if (said := summary(name, figures)) is not None:
             print(f"  {said}")
+    if envoy := format_envoy_table(result["routers"]):
+        print(f"\n{envoy}")
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")

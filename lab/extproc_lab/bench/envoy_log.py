@@ -80,3 +80,27 @@ def time_before_upstream(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": len(lines)}
     out.update({f"{key}_mean_ms": _mean_ms(values) for key, values in columns.items()})
     return out
+
+
+def format_envoy_table(routers: dict[str, dict[str, Any]]) -> str:
+    """Markdown: each router behind Envoy, the means of :func:`time_before_upstream` (empty
+    when no router's run was logged)."""
+    rows = [(name, r["envoy"]) for name, r in routers.items() if r.get("envoy", {}).get("requests")]
+    if not rows:
+        return ""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [
+        "| router (through Envoy) | requests | body received | processor: headers / body / response headers "
+        "| Envoy's own | to the replica |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, e in rows:
+        processor = " / ".join(ms(e[f"processor_{k}_mean_ms"]) for k in ("headers", "body", "response_headers"))
+        lines.append(
+            f"| {name} | {e['requests']} | {ms(e['received_mean_ms'])} | {processor} | {ms(e['envoy_own_mean_ms'])} "
+            f"| {ms(e['to_upstream_mean_ms'])} |"
+        )
+    return "\n".join(lines) + "\n\nmeans in ms from the request's first byte at Envoy (its access log)"

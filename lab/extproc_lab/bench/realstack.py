@@ -84,8 +84,12 @@ OURS_PRICE = "extproc_price"
 """Ours with the price profile (benchmarks/routing/price.yaml), on request (``--routers``): a
 profile measured against the default on the same fresh engines in the same run."""
 PRICE_PROFILE_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "routing" / "price.yaml"
+OURS_DUPLEX = "extproc_duplex"
+"""Ours behind an ext_proc filter that streams request bodies full-duplex, as the Inference
+Extension's gateways do: Envoy sends the body without waiting for the headers' answer."""
 ROUND_ROBIN = "envoy_round_robin"
 ROUTERS = (OURS, ROUND_ROBIN, *PEER_ROUTERS)
+OUR_ROUTERS = (OURS, OURS_ESTIMATE, OURS_PRICE, OURS_DUPLEX)
 # On real engines: ours also without KV events.
 VLLM_ROUTERS = (OURS, OURS_ESTIMATE, ROUND_ROBIN, *PEER_ROUTERS)
 ENGINES = ("fake", "vllm")
@@ -189,7 +193,8 @@ class RealStackSetup:
 
     def known_routers(self) -> tuple[str, ...]:
         """The routers this engine kind can be benchmarked with."""
-        return (*VLLM_ROUTERS, OURS_PRICE) if self.engine == "vllm" else (*ROUTERS, OURS_PRICE)
+        on_request = (OURS_PRICE, OURS_DUPLEX)
+        return (*VLLM_ROUTERS, *on_request) if self.engine == "vllm" else (*ROUTERS, *on_request)
 
     def engine_settings(self) -> EngineSettings:
         """How the real engines are started (``engine="vllm"``)."""
@@ -689,12 +694,19 @@ def _fresh_gateway(setup: RealStackSetup, name: str = OURS) -> LocalGateway:
             engine="vllm",
             engine_settings=setup.engine_settings(),
             kv_events=name != OURS_ESTIMATE,
+            full_duplex=name == OURS_DUPLEX,
             log_dir=log_dir,
         )
         gw.envoy_options["queue_wait_s"] = _held_at_most(processor_args)
         return gw
     blocks = ("--kv-blocks", str(setup.kv_blocks)) if setup.kv_blocks else ()
-    gw = LocalGateway(replicas=setup.replicas, profile=setup.profile, processor_args=processor_args, log_dir=log_dir)
+    gw = LocalGateway(
+        replicas=setup.replicas,
+        profile=setup.profile,
+        processor_args=processor_args,
+        full_duplex=name == OURS_DUPLEX,
+        log_dir=log_dir,
+    )
     gw.replica_args = {r.name: blocks for r in gw.members}
     return gw
 
@@ -713,12 +725,12 @@ def start_router(gw: LocalGateway, name: str, setup: RealStackSetup) -> str:
     gw.start_replicas()
     if name in PEER_ROUTERS:
         return start_peer(gw, PEER_ROUTERS[name], setup.peers_dir, setup.install)
-    if name in (OURS, OURS_ESTIMATE, OURS_PRICE):
+    if name in OUR_ROUTERS:
         # After the replicas answer, so its first scrapes find them up, as a peer's first requests do.
         gw.start_processor()
     # Envoy's round-robin listener needs no processor; ours goes through the processor started above.
     gw.start_envoy()
-    url = gw.url if name in (OURS, OURS_ESTIMATE, OURS_PRICE) else gw.round_robin_url
+    url = gw.url if name in OUR_ROUTERS else gw.round_robin_url
     wait_serving(url)
     return url
 
@@ -763,7 +775,7 @@ def run_router(name: str, setup: RealStackSetup, progress: Callable[[str], None]
         time.sleep(0.2)
         after = asyncio.run(read_counters(gw))
         row = figures(setup, run, before, after)
-        if name in (OURS, OURS_ESTIMATE, OURS_PRICE):
+        if name in OUR_ROUTERS:
             # Cumulative since the processor started (the one warm-up request included).
             row["processor"] = asyncio.run(read_decisions(gw.metrics_url))
     finally:
@@ -874,7 +886,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
         return ["our router did not run"]
     lines = []
     for name, r in routers.items():
-        if name in (result["ours"], OURS_ESTIMATE, OURS_PRICE) or "error" in r:
+        if name in (result["ours"], *OUR_ROUTERS) or "error" in r:
             continue
         p99 = "met" if ours["ttft_p99_s"] <= r["ttft_p99_s"] else "MISSED"
         hit = "met" if ours["hit_ratio"] >= r["hit_ratio"] - HIT_RATIO_SLACK else "MISSED"
@@ -893,7 +905,9 @@ def verdict(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_table(result: dict[str, Any], order: Sequence[str] = (OURS, OURS_PRICE, *VLLM_ROUTERS[1:])) -> str:
+def format_table(
+    result: dict[str, Any], order: Sequence[str] = (OURS, OURS_PRICE, OURS_DUPLEX, *VLLM_ROUTERS[1:])
+) -> str:
     """Markdown, one row a router; requests per replica in replica order (replica-0 first). With
     the agent workload's reuse figures, the reuse offered, placed and captured and the share of
     conversations kept on one replica follow the hit ratio; where the replicas keep a TTFT
