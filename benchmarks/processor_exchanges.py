@@ -3,24 +3,30 @@ processor, read from Envoy's access log (``extproc envoy-config --access-log``).
 
 Real Envoy in front of fake replicas on this machine; each arm is a fresh gateway: ``ours`` (our
 processor, default configuration) and ``bare`` (:mod:`extproc_lab.bench.bare_processor`: every
-message answered at once with a prebuilt answer, the floor of any grpc.aio processor). Each arm
-sends ``--requests`` completions (a 600-word prompt, 8 openings) from ``--workers`` clients at
-once, after 10 untimed; ``--hogs N`` runs N busy loops beside it (CPU taken as engines would take
-it); ``--engine vllm`` puts three real vLLM CPU engines (the ``small`` model, 128 blocks of 32
-tokens, as ``bench realstack --engine vllm``) in place of the fake replicas, so the exchanges
-happen while the engines prefill other requests. The means are over the timed requests
+message answered at once with a prebuilt answer, the floor of any grpc.aio processor; served as
+ours is, on uvloop through ``context.read()`` and ``write()``, its streams taking the replicas in
+turn). Each arm sends ``--requests`` completions (a 600-word prompt, 8 openings) from ``--workers``
+clients at once, after 10 untimed; ``--hogs N`` runs N busy loops beside it (CPU taken as engines would take
+it); ``--engine vllm`` puts real vLLM CPU engines (``--replicas`` of them, the ``small`` model, 128
+blocks of 32 tokens, as ``bench realstack --engine vllm``) in place of the fake replicas, so the
+exchanges happen while the engines prefill other requests, our processor configured for them
+(tokenizer, and their KV events unless ``--no-kv-events``); ``--nice-engines N`` lowers every
+engine thread's priority. The means are over the timed requests
 (:func:`extproc_lab.bench.envoy_log.time_before_upstream`).
 
     .venv/bin/python benchmarks/processor_exchanges.py                       # one client at a time
     .venv/bin/python benchmarks/processor_exchanges.py --workers 4 --stream  # four at once, streamed
-    .venv/bin/python benchmarks/processor_exchanges.py --hogs 3 --arms ours  # beside three busy loops
+    .venv/bin/python benchmarks/processor_exchanges.py --hogs 3              # beside three busy loops
     .venv/bin/python benchmarks/processor_exchanges.py --engine vllm --workers 4 --stream --requests 120
+    .venv/bin/python benchmarks/processor_exchanges.py --engine vllm --workers 4 --stream --requests 120 --replicas 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,6 +41,7 @@ from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.engines.fleet import EngineSettings
 
 WARMUP = 10
+REPLICAS = 3
 
 
 def _send(url: str, text: str, stream: bool) -> None:
@@ -44,19 +51,35 @@ def _send(url: str, text: str, stream: bool) -> None:
         r.read()
 
 
-def _gateway(engine: str, log: Path, processor_args: tuple[str, ...], kv_events: bool = True) -> LocalGateway:
+def _renice_engines(niceness: int) -> None:
+    """Every thread of every vLLM process (API servers and engine cores) at ``niceness``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"vllm" not in cmdline.lower() or b"processor_exchanges" in cmdline:
+            continue
+        for task in (proc / "task").iterdir():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+
+
+def _gateway(
+    engine: str, log: Path, processor_args: tuple[str, ...], kv_events: bool = True, replicas: int = REPLICAS
+) -> LocalGateway:
     options: dict[str, Any] = {"access_log": str(log)}
     if engine == "vllm":
         settings = EngineSettings(model="small", block_size=32, num_blocks=128)
         return LocalGateway(
-            replicas=3,
+            replicas=replicas,
             engine="vllm",
             engine_settings=settings,
             envoy_options=options,
             processor_args=processor_args,
             kv_events=kv_events,
         )
-    return LocalGateway(replicas=3, time_scale=0.2, envoy_options=options, processor_args=processor_args)
+    return LocalGateway(replicas=replicas, time_scale=0.2, envoy_options=options, processor_args=processor_args)
 
 
 def run_arm(
@@ -67,12 +90,17 @@ def run_arm(
     engine: str = "fake",
     processor_args: tuple[str, ...] = (),
     kv_events: bool = True,
+    replicas: int = REPLICAS,
+    nice_engines: int = 0,
 ) -> dict[str, Any]:
     """One arm on a fresh gateway: its timed requests' means."""
     with tempfile.TemporaryDirectory(prefix="extproc-exchanges-") as tmp:
         log = Path(tmp) / "access.jsonl"
-        with _gateway(engine, log, processor_args, kv_events) as gw:
-            url = swap_in_bare_processor(gw) if arm == "bare" else gw.url
+        with _gateway(engine, log, processor_args, kv_events, replicas) as gw:
+            if nice_engines:
+                _renice_engines(nice_engines)
+            # As ours serves: uvloop, context.read() and write(); the replicas in turn.
+            url = swap_in_bare_processor(gw, server="uvloop-rw", spread=True) if arm == "bare" else gw.url
             for i in range(WARMUP):
                 _send(url, f"warm {i} " + "word " * 600, stream)
 
@@ -97,13 +125,25 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="streamed completions")
     ap.add_argument("--hogs", type=int, default=0, help="busy loops beside the gateway")
     ap.add_argument("--engine", choices=("fake", "vllm"), default="fake")
+    ap.add_argument("--replicas", type=int, default=REPLICAS, help="replicas (the do-nothing processor uses one)")
+    ap.add_argument("--nice-engines", type=int, default=0, help="real engines: every thread at this niceness")
     ap.add_argument("--no-kv-events", action="store_true", help="real engines: our processor without their KV events")
     ap.add_argument("--processor-arg", action="append", default=[], help="a flag for our processor (repeatable)")
     args = ap.parse_args()
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
     try:
         out = {
-            arm: run_arm(arm, args.requests, args.workers, args.stream, args.engine, tuple(args.processor_arg))
+            arm: run_arm(
+                arm,
+                args.requests,
+                args.workers,
+                args.stream,
+                args.engine,
+                tuple(args.processor_arg),
+                not args.no_kv_events,
+                args.replicas,
+                args.nice_engines,
+            )
             for arm in args.arms.split(",")
         }
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from typing import Any
@@ -45,17 +46,29 @@ def _responses(header: str, target: str) -> dict[str, pb.ProcessingResponse]:
     }
 
 
+class _Targets:
+    """The prebuilt answers of each target (``target``: one or more, comma-separated); streams
+    take the targets in turn, so a fleet's replicas share the load as they would behind a router."""
+
+    def __init__(self, header: str, target: str) -> None:
+        self.sets = [_responses(header, t) for t in target.split(",")]
+        self.turn = itertools.count()
+
+    def next(self) -> dict[str, pb.ProcessingResponse]:
+        return self.sets[next(self.turn) % len(self.sets)]
+
+
 class BareProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """Answers each message with its prebuilt response."""
 
     def __init__(self, header: str, target: str) -> None:
-        self.answers = _responses(header, target)
+        self.targets = _Targets(header, target)
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         """One answer per message."""
-        answers = self.answers
+        answers = self.targets.next()
         async for request in request_iterator:
             yield answers[request.WhichOneof("request")]
 
@@ -65,11 +78,11 @@ class ReadWriteBareProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore
     request iterator and an async generator (one generator layer less each way)."""
 
     def __init__(self, header: str, target: str) -> None:
-        self.answers = _responses(header, target)
+        self.targets = _Targets(header, target)
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any) -> None:
         """One answer per message."""
-        answers, read, write, eof = self.answers, context.read, context.write, grpc.aio.EOF
+        answers, read, write, eof = self.targets.next(), context.read, context.write, grpc.aio.EOF
         while (request := await read()) is not eof:
             await write(answers[request.WhichOneof("request")])
 
@@ -140,7 +153,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--listen", default="127.0.0.1:9002")
     parser.add_argument("--header", default="x-target-cluster")
-    parser.add_argument("--target", default="replica-0")
+    parser.add_argument(
+        "--target", default="replica-0", help="one or more, comma-separated: the aio servers' streams take them in turn"
+    )
     parser.add_argument("--server", choices=SERVERS, default="aio")
     parser.add_argument("--threads", type=int, default=64, help="sync: the thread pool's size (streams at once)")
     args = parser.parse_args()

@@ -209,15 +209,18 @@ def replica_counts(metrics_urls: dict[str, str]) -> dict[str, float]:
     return out
 
 
-def swap_in_bare_processor(gw: LocalGateway) -> str:
-    """Replace our processor behind the gateway's Envoy with the do-nothing one; Envoy's URL."""
+def swap_in_bare_processor(gw: LocalGateway, server: str = "aio", spread: bool = False) -> str:
+    """Replace our processor behind the gateway's Envoy with the do-nothing one (grpc.aio
+    ``server`` of :mod:`extproc_lab.bench.bare_processor`; ``spread``: its streams take the
+    replicas in turn, else all go to the first); Envoy's URL."""
     gw.procs.stop(gw.processor_name())
     cfg = Config()  # the gateway's processor runs with the default headers
     cluster_mode = gw.mode == "cluster"
-    target = gw.members[0].name if cluster_mode else gw.members[0].address
+    members = gw.members if spread else gw.members[:1]
+    target = ",".join(m.name if cluster_mode else m.address for m in members)
     header = cfg.headers.target_cluster if cluster_mode else cfg.headers.destination_endpoint
     argv = [sys.executable, "-m", "extproc_lab.bench.bare_processor", "--listen", f"{HOST}:{gw.processor_port}",
-            "--header", header, "--target", target]  # fmt: skip
+            "--header", header, "--target", target, "--server", server]  # fmt: skip
     proc = gw.procs.start(BARE, argv)
     wait_for_port(HOST, gw.processor_port, proc=proc)
     wait_serving(gw.url)
