@@ -3,7 +3,8 @@
 Its figures split what a request spends outside the replica: receiving the body, the processor's
 answers as Envoy waited for them (the ext_proc filter's own per-message latencies), and the hop to
 the replica. A line carries no prompt, no header a client could put a secret in, and no session
-key: the path, the status, the replica, the request id Envoy generated, and times.
+key: the method and path, the status, the replica, the request id, and times; Envoy's JSON
+formatter escapes every value (a request id a client sent and Envoy kept included).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from extproc.adapters.envoy_config.spec import EXT_PROC_FILTER, GatewaySpec
 
 FILE_ACCESS_LOG = "envoy.access_loggers.file"
 
-# Microseconds from the first byte Envoy received from the client (DS_RX_BEG) to each point.
+# The *_us fields: microseconds from the first byte Envoy received from the client (DS_RX_BEG).
 REQUEST_FIELDS: dict[str, str] = {
     "start": "%START_TIME%",
     "request_id": "%REQ(X-REQUEST-ID)%",

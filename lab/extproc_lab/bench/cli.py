@@ -211,7 +211,8 @@ def _add_realstack_parser(kinds: Any) -> None:
     p.add_argument(
         "--routers",
         default=None,
-        help=f"comma-separated (default: {','.join(ROUTERS)}; with --engine vllm: {','.join(VLLM_ROUTERS)})",
+        help=f"comma-separated (default: {','.join(ROUTERS)}; with --engine vllm: {','.join(VLLM_ROUTERS)}; "
+        "on request: extproc_price, ours with the price profile, and extproc_duplex, ours behind full-duplex bodies)",
     )
     p.add_argument("--peers-dir", help=f"where the peer routers' venvs live (default: ${PEERS_DIR_ENV} or ~/.cache)")
     p.add_argument("--no-install", action="store_true", help="do not pip-install missing peer routers")
