@@ -36,10 +36,6 @@ requests, and the difference each adds over ``envoy_direct``.
 run from another checkout of the repository (``git archive COMMIT extproc | tar -x -C DIR``), so
 that a change is measured against the code before it in the same run, in the same turns.
 
-``--duplex`` adds a path, ``configured_duplex``: the configured processor behind an ext_proc filter
-that streams request bodies full-duplex (as the Inference Extension's gateways do), where Envoy
-sends the headers and the body without waiting for the headers' answer.
-
 ``--profile FILE`` adds ``--profile-phases`` more phases of each processor, after the rounds and not counted in
 them, sampled by py-spy (every thread, ``--nonblocking``; raw stacks in ``FILE-<path>.txt``), and
 prints where its CPU went: tokenizing, the chat template, block hashing, KV event decoding and
@@ -79,7 +75,6 @@ from extproc_lab.stats import percentile
 DIRECT, DEFAULT, CONFIGURED = "envoy_direct", "default", "configured"
 BASELINE = "configured_"
 """The configured processor from a ``--baseline NAME=DIR`` checkout is path ``configured_NAME``."""
-DUPLEX = "configured_duplex"
 PATHS = (DIRECT, DEFAULT, CONFIGURED)
 _HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 WARMUP = 2
@@ -396,13 +391,12 @@ def run(
     baselines: dict[str, Path] | None = None,
     log: Any = print,
     profile_phases: int = 1,
-    duplex: bool = False,
 ) -> dict[str, Any]:
     """Start two engines and the gateways, run the rounds (and, with ``profile``, one more round of
     the configured processors only, sampled); every figure by path."""
     settings = EngineSettings(model="tiny", block_size=32, max_model_len=2048)
     baselines = baselines or {}
-    paths = PATHS + ((DUPLEX,) if duplex else ()) + tuple(BASELINE + name for name in baselines)
+    paths = PATHS + tuple(BASELINE + name for name in baselines)
     phases: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
     profiles: dict[str, Any] = {}
     with (
@@ -416,8 +410,6 @@ def run(
             DEFAULT: default,
             CONFIGURED: LocalGateway(replicas=2, engines=fleet, log_dir=Path(tmp) / "configured"),
         }
-        if duplex:
-            gws[DUPLEX] = LocalGateway(replicas=2, engines=fleet, full_duplex=True, log_dir=Path(tmp) / "duplex")
         for label, checkout in baselines.items():
             gws[BASELINE + label] = CheckoutGateway(
                 replicas=2, engines=fleet, log_dir=Path(tmp) / f"baseline-{label}", checkout=checkout.resolve()
@@ -640,7 +632,6 @@ def main() -> None:
     ap.add_argument(
         "--in-process", action="store_true", help="only Router.route in process, default against configured"
     )
-    ap.add_argument("--duplex", action="store_true", help="add the configured processor with full-duplex bodies")
     ap.add_argument("--profile", type=Path, help="py-spy the configured processor; its raw stacks here")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--profile-phases", type=int, default=1, help="sampled phases of each processor")
@@ -672,7 +663,6 @@ def main() -> None:
         baselines,
         log=lambda m: print(m, file=sys.stderr, flush=True),
         profile_phases=max(1, args.profile_phases),
-        duplex=args.duplex,
     )
     print(table(result))
     print()
