@@ -32,6 +32,7 @@ import sys
 import tempfile
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,20 @@ from extproc_lab.demo.gateway import LocalGateway
 from extproc_lab.engines.fleet import EngineSettings
 
 WARMUP = 10
-REPLICAS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """One run's settings, every arm alike (the command line's flags)."""
+
+    requests: int = 200
+    workers: int = 1
+    stream: bool = False
+    engine: str = "fake"
+    replicas: int = 3
+    nice_engines: int = 0
+    kv_events: bool = True
+    processor_args: tuple[str, ...] = ()
 
 
 def _send(url: str, text: str, stream: bool) -> None:
@@ -65,52 +79,41 @@ def _renice_engines(niceness: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
 
 
-def _gateway(
-    engine: str, log: Path, processor_args: tuple[str, ...], kv_events: bool = True, replicas: int = REPLICAS
-) -> LocalGateway:
+def _gateway(setup: Setup, log: Path) -> LocalGateway:
     options: dict[str, Any] = {"access_log": str(log)}
-    if engine == "vllm":
-        settings = EngineSettings(model="small", block_size=32, num_blocks=128)
+    if setup.engine == "vllm":
         return LocalGateway(
-            replicas=replicas,
+            replicas=setup.replicas,
             engine="vllm",
-            engine_settings=settings,
+            engine_settings=EngineSettings(model="small", block_size=32, num_blocks=128),
             envoy_options=options,
-            processor_args=processor_args,
-            kv_events=kv_events,
+            processor_args=setup.processor_args,
+            kv_events=setup.kv_events,
         )
-    return LocalGateway(replicas=replicas, time_scale=0.2, envoy_options=options, processor_args=processor_args)
+    return LocalGateway(
+        replicas=setup.replicas, time_scale=0.2, envoy_options=options, processor_args=setup.processor_args
+    )
 
 
-def run_arm(
-    arm: str,
-    requests: int,
-    workers: int,
-    stream: bool,
-    engine: str = "fake",
-    processor_args: tuple[str, ...] = (),
-    kv_events: bool = True,
-    replicas: int = REPLICAS,
-    nice_engines: int = 0,
-) -> dict[str, Any]:
+def run_arm(arm: str, setup: Setup) -> dict[str, Any]:
     """One arm on a fresh gateway: its timed requests' means."""
     with tempfile.TemporaryDirectory(prefix="extproc-exchanges-") as tmp:
         log = Path(tmp) / "access.jsonl"
-        with _gateway(engine, log, processor_args, kv_events, replicas) as gw:
-            if nice_engines:
-                _renice_engines(nice_engines)
+        with _gateway(setup, log) as gw:
+            if setup.nice_engines:
+                _renice_engines(setup.nice_engines)
             # As ours serves: uvloop, context.read() and write(); the replicas in turn.
             url = swap_in_bare_processor(gw, server="uvloop-rw", spread=True) if arm == "bare" else gw.url
             for i in range(WARMUP):
-                _send(url, f"warm {i} " + "word " * 600, stream)
+                _send(url, f"warm {i} " + "word " * 600, setup.stream)
 
             def one(i: int) -> None:
-                _send(url, f"{arm} {i % 8} " + "word " * 600 + str(i), stream)
+                _send(url, f"{arm} {i % 8} " + "word " * 600 + str(i), setup.stream)
 
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(one, range(requests)))
+            with ThreadPoolExecutor(setup.workers) as pool:
+                list(pool.map(one, range(setup.requests)))
         # Read once Envoy has stopped (it writes the file as it exits); the timed requests only.
-        timed = log.read_text().splitlines()[-requests:]
+        timed = log.read_text().splitlines()[-setup.requests :]
         kept = Path(tmp) / "timed.jsonl"
         kept.write_text("\n".join(timed) + "\n")
         return time_before_upstream(kept)
@@ -118,39 +121,44 @@ def run_arm(
 
 def main() -> None:
     """Parse the arguments, run each arm, print the means as JSON."""
+    d = Setup()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", default="ours,bare", help="ours, bare, or both (comma-separated)")
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--workers", type=int, default=1, help="clients sending at once")
+    ap.add_argument("--requests", type=int, default=d.requests)
+    ap.add_argument("--workers", type=int, default=d.workers, help="clients sending at once")
     ap.add_argument("--stream", action="store_true", help="streamed completions")
     ap.add_argument("--hogs", type=int, default=0, help="busy loops beside the gateway")
-    ap.add_argument("--engine", choices=("fake", "vllm"), default="fake")
-    ap.add_argument("--replicas", type=int, default=REPLICAS, help="replicas (the do-nothing processor uses one)")
-    ap.add_argument("--nice-engines", type=int, default=0, help="real engines: every thread at this niceness")
+    ap.add_argument("--engine", choices=("fake", "vllm"), default=d.engine)
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=d.replicas,
+        help="replicas (the do-nothing processor's streams take them in turn)",
+    )
+    ap.add_argument(
+        "--nice-engines", type=int, default=d.nice_engines, help="real engines: every thread at this niceness"
+    )
     ap.add_argument("--no-kv-events", action="store_true", help="real engines: our processor without their KV events")
     ap.add_argument("--processor-arg", action="append", default=[], help="a flag for our processor (repeatable)")
     args = ap.parse_args()
+    setup = Setup(
+        requests=args.requests,
+        workers=args.workers,
+        stream=args.stream,
+        engine=args.engine,
+        replicas=args.replicas,
+        nice_engines=args.nice_engines,
+        kv_events=not args.no_kv_events,
+        processor_args=tuple(args.processor_arg),
+    )
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
     try:
-        out = {
-            arm: run_arm(
-                arm,
-                args.requests,
-                args.workers,
-                args.stream,
-                args.engine,
-                tuple(args.processor_arg),
-                not args.no_kv_events,
-                args.replicas,
-                args.nice_engines,
-            )
-            for arm in args.arms.split(",")
-        }
+        out = {arm: run_arm(arm, setup) for arm in args.arms.split(",")}
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
-    print(json.dumps({"setup": vars(args), "arms": out}, indent=1))
+    print(json.dumps({"setup": {**asdict(setup), "arms": args.arms, "hogs": args.hogs}, "arms": out}, indent=1))
 
 
 if __name__ == "__main__":

@@ -159,6 +159,8 @@ def main() -> None:
     parser.add_argument("--server", choices=SERVERS, default="aio")
     parser.add_argument("--threads", type=int, default=64, help="sync: the thread pool's size (streams at once)")
     args = parser.parse_args()
+    if "," in args.target and args.server in ("sync", "grpclib", "grpclib-uvloop"):
+        parser.error(f"--target: several targets take turns on the aio servers only, not {args.server}")
     if args.server == "sync":
         serve_sync(args.listen, args.header, args.target, args.threads)
     elif args.server == "grpclib":

@@ -128,7 +128,9 @@ def wait_for_http(url: str, timeout_s: float = 15.0, proc: subprocess.Popen[byte
 # its poller in the child, which dies of SIGABRT ("epoll_wait error: Bad file descriptor") when the
 # child closes its inherited descriptors before exec (seen in fresh-clone CI runs; reproduced with
 # 2 aborts in 600 starts beside a busy channel, none with setpriv).
-_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
+_found = shutil.which("setpriv") if sys.platform == "linux" else None
+_SETPRIV = os.path.realpath(_found) if _found else None
+"""setpriv's own path: what a started process's /proc/PID/exe shows until setpriv has run it."""
 
 
 def _ending_with_parent(argv: Sequence[str]) -> list[str]:
@@ -141,11 +143,10 @@ def _ending_with_parent(argv: Sequence[str]) -> list[str]:
 def _wait_for_exec(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
     """Until setpriv has run ``proc``'s command, and so has set its parent-death signal: a run
     killed before then would leave it running (seen in a loaded CI run)."""
-    setpriv = os.path.realpath(_SETPRIV or "")
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            if os.readlink(f"/proc/{proc.pid}/exe") != setpriv:
+            if os.readlink(f"/proc/{proc.pid}/exe") != _SETPRIV:
                 return
         except OSError:
             return  # gone, or not ours to read: nothing to wait for
