@@ -3,16 +3,16 @@ processor, read from Envoy's access log (``extproc envoy-config --access-log``).
 
 Real Envoy in front of fake replicas on this machine; each arm is a fresh gateway: ``ours`` (our
 processor, default configuration) and ``bare`` (:mod:`extproc_lab.bench.bare_processor`: every
-message answered at once with a prebuilt answer, the floor of any grpc.aio processor; served as
-ours is, on uvloop through ``context.read()`` and ``write()``, its streams taking the replicas in
-turn). Each arm sends ``--requests`` completions (a 600-word prompt, 8 openings) from ``--workers``
-clients at once, after 10 untimed; ``--hogs N`` runs N busy loops beside it (CPU taken as engines would take
-it); ``--engine vllm`` puts real vLLM CPU engines (``--replicas`` of them, the ``small`` model, 128
-blocks of 32 tokens, as ``bench realstack --engine vllm``) in place of the fake replicas, so the
-exchanges happen while the engines prefill other requests, our processor configured for them
-(tokenizer, and their KV events unless ``--no-kv-events``); ``--nice-engines N`` lowers every
-engine thread's priority. The means are over the timed requests
-(:func:`extproc_lab.bench.envoy_log.time_before_upstream`).
+message answered at once with a prebuilt answer, the floor of any grpc.aio processor; served as ours
+is, on uvloop through ``context.read()`` and ``write()``, or on another server with
+``--bare-server``, its streams taking the replicas in turn). Each arm sends ``--requests``
+completions (a 600-word prompt, 8 openings) from ``--workers`` clients at once, after 10 untimed;
+``--hogs N`` runs N busy loops beside it (CPU taken as engines would take it); ``--engine vllm``
+puts real vLLM CPU engines (``--replicas`` of them, the ``small`` model, 128 blocks of 32 tokens, as
+``bench realstack --engine vllm``) in place of the fake replicas, so the exchanges happen while the
+engines prefill other requests, our processor configured for them (tokenizer, and their KV events
+unless ``--no-kv-events``); ``--nice-engines N`` lowers every engine thread's priority. The means
+are over the timed requests (:func:`extproc_lab.bench.envoy_log.time_before_upstream`).
 
     .venv/bin/python benchmarks/processor_exchanges.py                       # one client at a time
     .venv/bin/python benchmarks/processor_exchanges.py --workers 4 --stream  # four at once, streamed
@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from extproc_lab.bench.bare_processor import SERVERS
 from extproc_lab.bench.envoy_log import time_before_upstream
 from extproc_lab.bench.overhead import swap_in_bare_processor
 from extproc_lab.demo.gateway import LocalGateway
@@ -56,6 +57,7 @@ class Setup:
     nice_engines: int = 0
     kv_events: bool = True
     processor_args: tuple[str, ...] = ()
+    bare_server: str = "uvloop-rw"
 
 
 def _send(url: str, text: str, stream: bool) -> None:
@@ -102,8 +104,8 @@ def run_arm(arm: str, setup: Setup) -> dict[str, Any]:
         with _gateway(setup, log) as gw:
             if setup.nice_engines:
                 _renice_engines(setup.nice_engines)
-            # As ours serves: uvloop, context.read() and write(); the replicas in turn.
-            url = swap_in_bare_processor(gw, server="uvloop-rw", spread=True) if arm == "bare" else gw.url
+            # The replicas in turn; by default served as ours is (uvloop, context.read() and write()).
+            url = swap_in_bare_processor(gw, server=setup.bare_server, spread=True) if arm == "bare" else gw.url
             for i in range(WARMUP):
                 _send(url, f"warm {i} " + "word " * 600, setup.stream)
 
@@ -140,6 +142,9 @@ def main() -> None:
     )
     ap.add_argument("--no-kv-events", action="store_true", help="real engines: our processor without their KV events")
     ap.add_argument("--processor-arg", action="append", default=[], help="a flag for our processor (repeatable)")
+    ap.add_argument(
+        "--bare-server", choices=SERVERS, default=d.bare_server, help="the do-nothing processor's gRPC server"
+    )
     args = ap.parse_args()
     setup = Setup(
         requests=args.requests,
@@ -150,6 +155,7 @@ def main() -> None:
         nice_engines=args.nice_engines,
         kv_events=not args.no_kv_events,
         processor_args=tuple(args.processor_arg),
+        bare_server=args.bare_server,
     )
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
     try:

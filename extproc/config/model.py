@@ -130,6 +130,11 @@ class Config(Section):
                 build_profile(spec)
             except ProfileError as exc:
                 raise ValueError(f"profiles.{name}: {exc}") from None
+        if self.grpc.server == "grpclib" and self.admin.enabled and self.admin.listen in (None, self.listen):
+            raise ValueError(
+                "grpc.server: grpclib serves ext_proc and health only; give the admin API a port of its own "
+                "(admin.listen) or turn it off (admin.listen: 'off')"
+            )
         return self
 
     @cached_property

@@ -4,7 +4,7 @@ gRPC, admin, spillover and disaggregation (each subsystem's own section lives be
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -118,6 +118,12 @@ class Grpc(Section):
         "null: on when following an InferencePool (discovery type inference_pool), else off",
     )
     grace_s: float = option(5.0, "on SIGTERM, streams in flight get this long to finish", ge=0)
+    server: Literal["grpcio", "grpclib"] = option(
+        "grpcio",
+        "the ext_proc port's gRPC server: grpcio (with reflection and the admin API), or grpclib "
+        "(ext_proc and health on the event loop's one thread: fewer thread hand-offs a message "
+        "where the host's CPUs are busy; docs/performance.md)",
+    )
 
 
 class AdminSettings(Section):

@@ -15,10 +15,11 @@ from tests.conftest import require_binary
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("mode", ["cluster", "endpoint"])
-async def test_full_duplex_bodies_are_routed_and_arrive_intact(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "server"), [("cluster", "grpcio"), ("endpoint", "grpcio"), ("endpoint", "grpclib")])
+async def test_full_duplex_bodies_are_routed_and_arrive_intact(mode: str, server: str) -> None:
     require_binary("envoy")
-    with LocalGateway(replicas=3, mode=mode, full_duplex=True, time_scale=0.02) as gw:
+    args = ("--grpc-server=grpclib", "--admin-listen=off") if server == "grpclib" else ()
+    with LocalGateway(replicas=3, mode=mode, full_duplex=True, time_scale=0.02, processor_args=args) as gw:
         async with aiohttp.ClientSession() as http:
 
             async def turn(session: str, text: str) -> tuple[str, int]:

@@ -134,15 +134,23 @@ async def test_a_plaintext_listener_off_loopback_is_warned_about(caplog: pytest.
 # --- TLS and mTLS on the gRPC listener --------------------------------------------------------
 
 
+SERVERS = ("grpcio", "grpclib")  # grpc.server: each TLS test holds for both
+
+
+@pytest.fixture(params=SERVERS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-async def tls_server(pki: Pki, request: pytest.FixtureRequest) -> AsyncIterator[ProcessorServer]:
+async def tls_server(pki: Pki, request: pytest.FixtureRequest, kind: str) -> AsyncIterator[ProcessorServer]:
     mutual = getattr(request, "param", False)
     tls = ListenerTls(
         cert_file=pki.path("server.pem"),
         key_file=pki.path("server.key"),
         client_ca_file=pki.path("ca.pem") if mutual else None,
     )
-    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls)
+    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls, server=kind)
     await server.start()
     yield server
     await server.stop(0)
@@ -197,13 +205,13 @@ async def test_tls_listener_serves_tls_clients_and_refuses_plaintext(tls_server:
         assert await refused(channel) == grpc.StatusCode.UNAVAILABLE  # a server it cannot verify
 
 
-async def test_a_plaintext_health_port_beside_an_mtls_listener_serves_health_alone(pki: Pki) -> None:
+async def test_a_plaintext_health_port_beside_an_mtls_listener_serves_health_alone(pki: Pki, kind: str) -> None:
     """kubelet's gRPC probes speak plaintext: grpc.health_listen gives them the health service,
     with the status of the TLS listener, and nothing else."""
     tls = ListenerTls(
         cert_file=pki.path("server.pem"), key_file=pki.path("server.key"), client_ca_file=pki.path("ca.pem")
     )
-    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls, health_listen="127.0.0.1:0")
+    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", tls=tls, health_listen="127.0.0.1:0", server=kind)
     await server.start()
     try:
         plain = f"127.0.0.1:{server.health_port}"
@@ -239,14 +247,14 @@ async def test_mtls_requires_a_client_certificate_signed_by_the_client_ca(
         assert await refused(channel) == grpc.StatusCode.UNAVAILABLE  # one from another CA
 
 
-async def test_a_rotated_certificate_is_served_without_a_restart(pki: Pki, tmp_path: Path) -> None:
+async def test_a_rotated_certificate_is_served_without_a_restart(pki: Pki, tmp_path: Path, kind: str) -> None:
     make_ca(tmp_path, "next-ca")
     make_leaf(tmp_path, "next", "next-ca", SERVER_EXT)
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_bytes(pki.read("server.pem"))
     key.write_bytes(pki.read("server.key"))
     server = ProcessorServer(
-        Router(make_config()), "127.0.0.1:0", tls=ListenerTls(cert_file=str(cert), key_file=str(key))
+        Router(make_config()), "127.0.0.1:0", tls=ListenerTls(cert_file=str(cert), key_file=str(key)), server=kind
     )
     await server.start()
     trusts_next = grpc.ssl_channel_credentials(root_certificates=(tmp_path / "next-ca.pem").read_bytes())
@@ -329,9 +337,11 @@ def test_envoy_config_cli_renders_processor_tls(pki: Pki, capsys: pytest.Capture
 
 
 @pytest.mark.e2e
-async def test_envoy_routes_through_a_processor_that_requires_mtls(pki: Pki) -> None:
+async def test_envoy_routes_through_a_processor_that_requires_mtls(pki: Pki, kind: str) -> None:
     require_binary("envoy")
-    tls_flags = ("--tls-cert", pki.path("server.pem"), "--tls-key", pki.path("server.key"))
+    tls_flags = ("--tls-cert", pki.path("server.pem"), "--tls-key", pki.path("server.key"), f"--grpc-server={kind}")
+    if kind == "grpclib":
+        tls_flags += ("--admin-listen=off",)
     envoy_tls = ProcessorTls(pki.path("ca.pem"), pki.path("client.pem"), pki.path("client.key"), SERVER_NAME)
     with LocalGateway(
         replicas=2,

@@ -18,11 +18,13 @@ pytestmark = pytest.mark.e2e
 CONVERSATIONS, TURNS = 20, 4
 
 
-async def test_two_workers_share_one_port_and_keep_sessions_sticky() -> None:
+@pytest.mark.parametrize("server", ["grpcio", "grpclib"])
+async def test_two_workers_share_one_port_and_keep_sessions_sticky(server: str) -> None:
     require_binary("envoy")
     # Envoy opens one connection per ext_proc stream (as envoy-config renders it for several
     # workers): the kernel spreads connections over the workers.
-    with LocalGateway(replicas=3, time_scale=0.02, processor_args=("--workers", "2")) as gw:
+    lib = ("--grpc-server=grpclib", "--admin-listen=off") if server == "grpclib" else ()
+    with LocalGateway(replicas=3, time_scale=0.02, processor_args=("--workers", "2", *lib)) as gw:
         worker_metrics = gw.worker_metrics_urls
         convs = multi_turn(CONVERSATIONS, TURNS, seed=4, system_tokens=100, document_tokens=300, run_id="workers")
         async with aiohttp.ClientSession() as http:

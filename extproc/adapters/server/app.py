@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -17,9 +18,12 @@ from grpc_reflection.v1alpha import reflection
 from extproc.adapters.server.envoy_check import EnvoyConfigCheck
 from extproc.adapters.server.listeners import GrpcListener, is_loopback
 from extproc.adapters.server.servicer import ExternalProcessor
-from extproc.adapters.server.tls import CertificateFiles, server_credentials
+from extproc.adapters.server.tls import WatchedFiles, server_credentials
 from extproc.app.router import Router
 from extproc.config import ListenerTls
+
+if TYPE_CHECKING:
+    from extproc.adapters.server.grpclib_server import GrpclibListener
 
 log = logging.getLogger("extproc.adapters.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
@@ -33,6 +37,13 @@ Service = Callable[[grpc.aio.Server], str]
 """Adds one more servicer to the ext_proc port's server and returns its full name (for reflection)."""
 
 
+class HealthStatuses(Protocol):
+    """gRPC health's statuses, as both servers' health services take them."""
+
+    async def set(self, name: str, status: int) -> None:
+        """Report ``status`` (``HealthCheckResponse.ServingStatus``) for the service ``name``."""
+
+
 class ProcessorServer:
     """A running ext_proc server bound to one address.
 
@@ -41,6 +52,9 @@ class ProcessorServer:
     (:func:`~extproc.adapters.server.listeners.bind_all`, after the processor's other listeners), so that
     the ext_proc port is taken only once every other port is. ``services`` share the ext_proc
     port (the admin API by default).
+
+    ``server`` is ``grpc.server``: grpcio, or grpclib (ext_proc and health only,
+    :mod:`extproc.adapters.server.grpclib_server`).
 
     A processor does not share its ports with another process (a second one on the same port
     fails to start, rather than silently take half the traffic), except with ``reuse_port``: the
@@ -59,14 +73,57 @@ class ProcessorServer:
         bind: bool = True,
         reuse_port: bool = False,
         self_signed: bool = False,
+        server: str = "grpcio",
     ) -> None:
         self.router = router
         self.listen = listen
         self.tls = tls
         self.self_signed_cert: bytes | None = None
         """The certificate made at start (``self_signed`` without ``tls``), PEM."""
-        self.certificates: CertificateFiles | None = None
-        self.server = grpc.aio.server(
+        self.certificates: WatchedFiles[Any] | None = None
+        # What the streams show of Envoy's ext_proc filter: a body mode that cannot route fails
+        # readiness (extproc.adapters.server.envoy_check).
+        self.envoy_check = EnvoyConfigCheck(router.clock, router.metrics.config_problem_seen)
+        self._discovered = True
+        self._config_ok = True
+        self._checking: asyncio.Task[None] | None = None
+        self._readiness: asyncio.Task[None] | None = None
+        self.health: HealthStatuses
+        self.ext_proc: GrpcListener | GrpclibListener
+        self.health_listener: GrpcListener | GrpclibListener | None = None
+        self.listeners: list[GrpcListener | GrpclibListener] = []
+        self.services: list[str] = []
+        servicer = ExternalProcessor(router, self.envoy_check)
+        if not tls and not self_signed and not is_loopback(listen):
+            # Anything that reaches a plaintext listener can have requests routed and hold
+            # in-flight slots; off loopback that wants TLS or a network policy in front.
+            log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
+        self.kind = server
+        if server == "grpclib":
+            if services:
+                raise ValueError(
+                    "grpc.server grpclib serves ext_proc and health only: the admin API needs admin.listen"
+                )
+            self._on_grpclib(servicer, listen, tls, self_signed, health_listen, reuse_port)
+        else:
+            self._on_grpcio(servicer, listen, max_message_bytes, tls, self_signed, health_listen, services, reuse_port)
+        self.listeners = [*([self.health_listener] if self.health_listener is not None else []), self.ext_proc]
+        if bind:
+            for listener in self.listeners:
+                listener.bind_now()
+
+    def _on_grpcio(
+        self,
+        servicer: ExternalProcessor,
+        listen: str,
+        max_message_bytes: int,
+        tls: ListenerTls | None,
+        self_signed: bool,
+        health_listen: str | None,
+        services: Sequence[Service],
+        reuse_port: bool,
+    ) -> None:
+        server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
@@ -74,18 +131,13 @@ class ProcessorServer:
                 ("grpc.http2.max_pings_without_data", 0),
             ]
         )
-        # What the streams show of Envoy's ext_proc filter: a body mode that cannot route fails
-        # readiness (extproc.adapters.server.envoy_check).
-        self.envoy_check = EnvoyConfigCheck(router.clock, router.metrics.config_problem_seen)
-        self._discovered = True
-        self._config_ok = True
-        self._checking: asyncio.Task[None] | None = None
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router, self.envoy_check), self.server)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.services = [add(self.server) for add in services]
+        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        self.health = health_servicer
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        self.services = [add(server) for add in services]
         names = (SERVICE_NAME, HEALTH_SERVICE_NAME, *self.services, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        reflection.enable_server_reflection(names, server)
         credentials = None
         if tls is not None:
             credentials, self.certificates = server_credentials(tls)  # ValueError names a bad file
@@ -93,29 +145,45 @@ class ProcessorServer:
             from extproc.adapters.server.self_signed import self_signed_credentials
 
             credentials, self.self_signed_cert = self_signed_credentials()
-        elif not is_loopback(listen):
-            # Anything that reaches a plaintext listener can have requests routed and hold
-            # in-flight slots; off loopback that wants TLS or a network policy in front.
-            log.warning("ext_proc listener %s is not loopback and has no TLS (see grpc.tls)", listen)
-        self.ext_proc = GrpcListener("ext_proc", listen, self.server, credentials, shared=reuse_port)
-
-        # Health alone, in plaintext: the same servicer, so both ports report the same status.
-        self._readiness: asyncio.Task[None] | None = None
-        self.health_server: grpc.aio.Server | None = None
-        self.health_listener: GrpcListener | None = None
+        self.ext_proc = GrpcListener("ext_proc", listen, server, credentials, shared=reuse_port)
         if health_listen is not None:
-            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(reuse_port))])
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            # Health alone, in plaintext: the same servicer, so both ports report the same status.
+            health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(reuse_port))])
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
             self.health_listener = GrpcListener(
-                "gRPC health", health_listen, self.health_server, grace_s=0, shared=reuse_port
+                "gRPC health", health_listen, health_server, grace_s=0, shared=reuse_port
             )
-        self.listeners: list[GrpcListener] = [
-            *([self.health_listener] if self.health_listener is not None else []),
-            self.ext_proc,
-        ]
-        if bind:
-            for listener in self.listeners:
-                listener.bind_now()
+
+    def _on_grpclib(
+        self,
+        servicer: ExternalProcessor,
+        listen: str,
+        tls: ListenerTls | None,
+        self_signed: bool,
+        health_listen: str | None,
+        reuse_port: bool,
+    ) -> None:
+        from extproc.adapters.server import grpclib_server as lib
+
+        statuses = lib.Health()
+        self.health = statuses
+        context = None
+        if tls is not None:
+            files = lib.SslContextFiles(tls)  # ValueError names a bad file
+            self.certificates, context = files, files.listening
+        elif self_signed:
+            from extproc.adapters.server.self_signed import self_signed_pair
+
+            cert, key = self_signed_pair()
+            self.self_signed_cert, context = cert, lib.self_signed_context(cert, key)
+        ext_proc = lib.ExtProc(servicer.serve)
+        self.ext_proc = lib.GrpclibListener(
+            "ext_proc", listen, [ext_proc, statuses], context, shared=reuse_port, ext_proc=ext_proc
+        )
+        if health_listen is not None:
+            self.health_listener = lib.GrpclibListener(
+                "gRPC health", health_listen, [statuses], grace_s=0, shared=reuse_port
+            )
 
     @property
     def port(self) -> int:

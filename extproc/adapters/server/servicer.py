@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -55,12 +55,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         (``request_iterator`` is not used): measured behind Envoy with the do-nothing processor,
         grpc.aio spends less CPU a request this way than driving an async generator handler and
         its request iterator (benchmarks/grpc_servers.py, ``aio-rw`` against ``aio``)."""
-        stream = RequestStream(self.planner, msg.trace_context(context.invocation_metadata()))
-        check, first, write = self.check, True, context.write
+        await self.serve(Reads(context), context.write, context.invocation_metadata())
+
+    async def serve(
+        self,
+        requests: AsyncIterator[pb.ProcessingRequest],
+        write: Callable[[pb.ProcessingResponse], Awaitable[None]],
+        metadata: Iterable[tuple[str, Any]] | None,
+    ) -> None:
+        """One stream, whichever gRPC server carries it: ``requests`` answered through ``write``;
+        ``metadata``: the stream's gRPC metadata (Envoy's trace context)."""
+        stream = RequestStream(self.planner, msg.trace_context(metadata))
+        check, first = self.check, True
         try:
             # Closed on any exit: a write cancelled under it (Envoy reset the stream) still runs its
             # end, which releases the request's in-flight slot.
-            async with contextlib.aclosing(stream.run(Reads(context))) as answers:
+            async with contextlib.aclosing(stream.run(requests)) as answers:
                 async for response in answers:
                     if first and check is not None:  # the first message's protocol_config is read by now
                         first = False

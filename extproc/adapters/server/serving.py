@@ -165,6 +165,7 @@ async def serve(cfg: Config, worker: tuple[WorkerSlot, SharedSegment] | None = N
             bind=False,
             reuse_port=worker is not None,
             self_signed=self_signed,
+            server=cfg.grpc.server,
         )
     except ValueError as exc:  # the token file or a certificate or key file
         await _close_early(kv_events, store)

@@ -19,15 +19,18 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import grpc
 
 from extproc.config import ListenerTls
 
 log = logging.getLogger("extproc.adapters.server")
+T = TypeVar("T")
 
 
-def _read(path: str, field: str) -> bytes:
+def read_pem(path: str, field: str) -> bytes:
+    """The PEM file at ``path``; ValueError naming ``grpc.tls.<field>`` if unreadable or not PEM."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -37,8 +40,9 @@ def _read(path: str, field: str) -> bytes:
     return data
 
 
-class CertificateFiles:
-    """The listener's certificate, key and client CA, read again when one of the files changes."""
+class WatchedFiles(Generic[T]):
+    """The listener's certificate, key and client CA as the server takes them (:meth:`_load`),
+    read again when one of the files changes."""
 
     def __init__(self, tls: ListenerTls) -> None:
         self.tls = tls
@@ -57,16 +61,14 @@ class CertificateFiles:
                 out.append((-1, -1))
         return tuple(out)
 
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        tls = self.tls
-        pair = (_read(tls.key_file, "key_file"), _read(tls.cert_file, "cert_file"))
-        ca = _read(tls.client_ca_file, "client_ca_file") if tls.client_ca_file else None
-        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+    def _load(self) -> T:
+        raise NotImplementedError
 
-    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
-        """gRPC's fetcher: a new configuration when the files changed, else None (keep the current).
+    def __call__(self) -> T | None:
+        """A new configuration when the files changed, else None (keep the current).
 
-        Called from gRPC's own threads before each handshake, so it must never raise."""
+        Called before each handshake (from gRPC's own threads, or OpenSSL's callback), so it
+        must never raise."""
         stamp = self._stamps()
         if stamp == self._stamp:
             return None
@@ -79,6 +81,16 @@ class CertificateFiles:
         self.reloads += 1
         log.info("TLS certificate files changed: serving the new certificate to new connections")
         return self.configuration
+
+
+class CertificateFiles(WatchedFiles[grpc.ServerCertificateConfiguration]):
+    """The files as grpcio's certificate configuration; the instance is gRPC's fetcher."""
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        tls = self.tls
+        pair = (read_pem(tls.key_file, "key_file"), read_pem(tls.cert_file, "cert_file"))
+        ca = read_pem(tls.client_ca_file, "client_ca_file") if tls.client_ca_file else None
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
 
 def server_credentials(tls: ListenerTls) -> tuple[grpc.ServerCredentials, CertificateFiles]:

@@ -105,13 +105,13 @@ class SyncBareProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     """The same answers from grpcio's thread-pool server: each stream holds a thread."""
 
     def __init__(self, header: str, target: str) -> None:
-        self.answers = _responses(header, target)
+        self.targets = _Targets(header, target)
 
     def Process(
         self, request_iterator: Iterator[pb.ProcessingRequest], context: Any
     ) -> Iterator[pb.ProcessingResponse]:
         """One answer per message."""
-        answers = self.answers
+        answers = self.targets.next()
         for request in request_iterator:
             yield answers[request.WhichOneof("request")]
 
@@ -131,9 +131,10 @@ async def serve_grpclib(listen: str, header: str, target: str) -> None:
     from grpclib.const import Cardinality, Handler  # type: ignore[import-not-found, unused-ignore]
     from grpclib.server import Server, Stream  # type: ignore[import-not-found, unused-ignore]
 
-    answers = _responses(header, target)
+    targets = _Targets(header, target)
 
     async def process(stream: Stream[pb.ProcessingRequest, pb.ProcessingResponse]) -> None:
+        answers = targets.next()
         async for request in stream:
             await stream.send_message(answers[request.WhichOneof("request")])
 
@@ -153,14 +154,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--listen", default="127.0.0.1:9002")
     parser.add_argument("--header", default="x-target-cluster")
-    parser.add_argument(
-        "--target", default="replica-0", help="one or more, comma-separated: the aio servers' streams take them in turn"
-    )
+    parser.add_argument("--target", default="replica-0", help="one or more, comma-separated: streams take them in turn")
     parser.add_argument("--server", choices=SERVERS, default="aio")
     parser.add_argument("--threads", type=int, default=64, help="sync: the thread pool's size (streams at once)")
     args = parser.parse_args()
-    if "," in args.target and args.server in ("sync", "grpclib", "grpclib-uvloop"):
-        parser.error(f"--target: several targets take turns on the aio servers only, not {args.server}")
     if args.server == "sync":
         serve_sync(args.listen, args.header, args.target, args.threads)
     elif args.server == "grpclib":

@@ -280,3 +280,15 @@ def test_gies_picker_flags_mean_the_same_here_and_errors_name_the_flag_given(tmp
     bad.write_text("listen: 127.0.0.1:1\n")
     with pytest.raises(ConfigError, match=re.escape("kv_events.check_sample_rate (--kv-check-sample-rate):")):
         _config("--kv-check-sample-rate", "2", path=bad)
+
+
+def test_the_grpclib_server_asks_for_the_admin_api_on_a_port_of_its_own() -> None:
+    with pytest.raises(
+        ConfigError, match="grpclib serves ext_proc and health only; give the admin API a port of its own"
+    ):
+        _config("--grpc-server", "grpclib")
+    with pytest.raises(ConfigError, match="grpclib serves ext_proc and health only"):
+        _config("--grpc-server", "grpclib", "--admin-listen", "127.0.0.1:9002")  # the ext_proc port itself
+    assert _config("--grpc-server", "grpclib", "--admin-listen", "off").grpc.server == "grpclib"
+    assert _config("--grpc-server", "grpclib", "--admin-listen", "127.0.0.1:9003").admin.listen == "127.0.0.1:9003"
+    assert _config().grpc.server == "grpcio"

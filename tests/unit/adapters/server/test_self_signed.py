@@ -47,8 +47,9 @@ def test_secure_serving_is_the_pickers_default() -> None:
         parser.parse_args(["--secure-serving", "maybe"])
 
 
-async def test_the_listener_serves_tls_with_the_certificate_it_made_and_refuses_plaintext() -> None:
-    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", self_signed=True)
+@pytest.mark.parametrize("kind", ["grpcio", "grpclib"])
+async def test_the_listener_serves_tls_with_the_certificate_it_made_and_refuses_plaintext(kind: str) -> None:
+    server = ProcessorServer(Router(make_config()), "127.0.0.1:0", self_signed=True, server=kind)
     await server.start()
     try:
         assert server.self_signed_cert is not None

@@ -1,7 +1,9 @@
-"""The real gRPC server on a free port, with a real channel: ext_proc, health, reflection."""
+"""The real gRPC server on a free port, with a real channel: ext_proc, health, reflection; each
+test that both servers must pass runs on grpcio's and on grpclib's (``grpc.server``)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,10 +18,14 @@ from extproc.app.router import Router
 from tests.conftest import body_message, chat_body, headers_message, make_config, set_headers
 from tests.helpers import wait_for
 
+SERVERS = ("grpcio", "grpclib")
 
-@pytest.fixture
-async def server() -> AsyncIterator[ProcessorServer]:
-    srv = ProcessorServer(Router(make_config()), "127.0.0.1:0", max_message_bytes=32 * 1024 * 1024)
+
+@pytest.fixture(params=SERVERS)
+async def server(request: pytest.FixtureRequest) -> AsyncIterator[ProcessorServer]:
+    srv = ProcessorServer(
+        Router(make_config()), "127.0.0.1:0", max_message_bytes=32 * 1024 * 1024, server=request.param
+    )
     await srv.start()
     yield srv
     await srv.stop(0.5)
@@ -42,9 +48,14 @@ async def test_process_stream_over_a_real_channel(server: ProcessorServer) -> No
 async def test_health_and_reflection(server: ProcessorServer) -> None:
     async with grpc.aio.insecure_channel(server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor", "inference-extension", "liveness"):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        if server.kind == "grpclib":
+            return  # no reflection on grpclib (grpclib_server.py)
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = [s.name async for r in call for s in r.list_services_response.service]
@@ -64,9 +75,10 @@ async def test_graceful_stop_reports_not_serving_first(server: ProcessorServer) 
         watch.cancel()
 
 
-async def test_unix_socket_listener(tmp_path: object) -> None:
+@pytest.mark.parametrize("kind", SERVERS)
+async def test_unix_socket_listener(tmp_path: object, kind: str) -> None:
     path = f"unix:{tmp_path}/extproc.sock"
-    srv = ProcessorServer(Router(make_config()), path)
+    srv = ProcessorServer(Router(make_config()), path, server=kind)
     await srv.start()
     try:
         async with grpc.aio.insecure_channel(path) as channel:
@@ -81,13 +93,14 @@ async def test_unix_socket_listener(tmp_path: object) -> None:
         await srv.stop(0.5)
 
 
-async def test_with_discovery_pending_ext_proc_is_not_serving_until_a_replica_is_known() -> None:
+@pytest.mark.parametrize("kind", SERVERS)
+async def test_with_discovery_pending_ext_proc_is_not_serving_until_a_replica_is_known(kind: str) -> None:
     import asyncio
 
     from extproc.routing import Replica
 
     router = Router(make_config(replicas=()))
-    server = ProcessorServer(router, "127.0.0.1:0")
+    server = ProcessorServer(router, "127.0.0.1:0", server=kind)
     await server.start(ready_when=lambda: len(router.replicas) > 0, ready_timeout_s=30)
     service = "envoy.service.ext_proc.v3.ExternalProcessor"
     try:
@@ -140,3 +153,38 @@ async def test_a_stream_reset_after_the_decision_releases_its_in_flight_slot(ser
         assert sum(r.inflight for r in router.replicas.records()) == 1
         call.cancel()
         await wait_for(lambda: all(r.inflight == 0 for r in router.replicas.records()), "the slot released")
+
+
+async def test_health_watch_on_the_health_port_follows_the_same_statuses() -> None:
+    srv = ProcessorServer(Router(make_config()), "127.0.0.1:0", health_listen="127.0.0.1:0", server="grpclib")
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.health_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            unknown = health.Watch(health_pb2.HealthCheckRequest(service="later"))
+            assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            await srv.health.set("later", health_pb2.HealthCheckResponse.SERVING)
+            assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVING
+            unknown.cancel()
+            with pytest.raises(grpc.aio.AioRpcError):  # the health port serves health alone
+                await pb_grpc.ExternalProcessorStub(channel).Process(iter([headers_message({})])).read()
+    finally:
+        await srv.stop(0)
+
+
+async def test_on_grpclib_a_stop_lets_a_stream_in_flight_finish_within_its_grace() -> None:
+    srv = ProcessorServer(Router(make_config()), "127.0.0.1:0", server="grpclib")
+    await srv.start()
+    async with grpc.aio.insecure_channel(srv.address) as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers_message({":path": "/v1/chat/completions", "x-session-id": "s"}))
+        await call.read()
+        stopping = asyncio.create_task(srv.stop(5.0))
+        await asyncio.sleep(0.2)  # real time: the stop waits on a real gRPC stream
+        assert not stopping.done()  # waiting for the stream
+        await call.write(body_message(chat_body("hello")))
+        decided = await call.read()
+        assert set_headers(decided.request_body.response.header_mutation)["x-target-cluster"]
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        await asyncio.wait_for(stopping, 3)
