@@ -88,6 +88,7 @@ def collect(router: Router) -> None:
         m.replica_in_rotation.labels(name).set(1 if rec.rotation.in_rotation else 0)
         m.replica_queue.labels(name).set(rec.queue)
         m.replica_kv_usage.labels(name).set(rec.kv_usage)
+        m.replica_cache_fill.labels(name).set(rec.cache_fill)
         m.replica_cache_trust.labels(name).set(router.caches.estimate.trust(name))
         age = router.caches.estimate.evidence_age(name, now)
         m.replica_cache_evidence_age.labels(name).set(-1.0 if age is None else age)

@@ -448,12 +448,29 @@ def test_a_killed_engine_is_dropped_fails_over_and_comes_back(gw: LocalGateway, 
         assert s.engine == survivor, s
     wait_until(f"{victim} out of rotation", lambda: not replicas(admin)[victim].in_rotation)
 
+    fill_before = scrape_total(_get(gw.metrics_url), "extproc_replica_cache_fill_ratio", replica=victim)
+    assert fill_before > 0.0
     gw.fleet.restart(victim)  # the same HTTP and KV-event ports, an empty cache
     wait_until(f"{victim} back in rotation", lambda: replicas(admin)[victim].in_rotation, timeout_s=60)
     # Its index was dropped: nothing claimed there before it serves again.
     page = _get(gw.metrics_url)
     assert scrape_total(page, "extproc_kv_index_blocks", replica=victim) == 0
     assert scrape_total(page, "extproc_kv_event_restarts_total", replica=victim) >= restarts_before
+
+    # Nor is its cache believed full of what the old engine held: its counters went back, and
+    # the fill is what the new one reports computing (nothing, before it serves).
+    def fills() -> tuple[float, float]:
+        engine = parse_vllm_metrics(_get(gw.replica_url(victim) + "/metrics"))
+        assert engine.prefix_queries is not None and engine.prefix_hits is not None
+        computed = (engine.prefix_queries - engine.prefix_hits) / (BLOCKS * BLOCK)
+        return computed, scrape_total(_get(gw.metrics_url), "extproc_replica_cache_fill_ratio", replica=victim)
+
+    def agreed() -> tuple[float, float] | None:
+        engine, router = fills()
+        return (engine, router) if abs(engine - router) < 1e-9 else None
+
+    restarted, _ = wait_until(lambda: f"the router's fill of {victim} at its engine's: {fills()}", agreed)
+    assert restarted < fill_before, (restarted, fill_before)
 
     # The moved sessions stay where they moved (their cache is there now), the others at home,
     # predictions exact on both; the engine back takes new sessions again.

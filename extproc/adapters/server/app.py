@@ -229,6 +229,8 @@ class ProcessorServer:
             else "TLS"
         )
         also = "".join(f"; also {name}" for name in self.services)
+        if self.kind == "grpclib":
+            security += ", on grpclib"
         log.info(
             "ext_proc server listening on %s (mode %s, %s%s)", self.address, self.router.config.mode, security, also
         )

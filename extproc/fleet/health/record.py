@@ -44,7 +44,8 @@ class ReplicaRecord:
     requests: int = 0
     errors: int = 0
     written_tokens: int = 0
-    """The uncached prompt tokens this gateway sent there since the replica joined."""
+    """The uncached prompt tokens this gateway sent there since the replica joined (or, after its
+    engine restarted, the prompt tokens the new engine reports computing, then those sent)."""
 
     @property
     def kv_capacity_tokens(self) -> int:

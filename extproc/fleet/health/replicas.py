@@ -226,6 +226,10 @@ class ReplicaBook:
             gaps = metrics.itl_count - last.itl_count
             if gaps > 0:  # below zero: the engine restarted, its counters with it
                 rec.inter_token_s = max(0.0, (metrics.itl_sum or 0.0) - (last.itl_sum or 0.0)) / gaps
+        if _restarted(last, metrics):
+            # A new engine under the same name, its cache empty: what it holds is what it computed
+            # since it started, its own count (the ledger's writes were the old engine's).
+            rec.written_tokens = int(max(0.0, (metrics.prefix_queries or 0.0) - (metrics.prefix_hits or 0.0)))
         rec.metrics = metrics
         self.scrapes += 1
         rec.scraped_at = now
@@ -363,3 +367,11 @@ class ReplicaBook:
             if t is not None:
                 out.append(t)
         return out
+
+
+def _restarted(last: ReplicaMetrics | None, now: ReplicaMetrics) -> bool:
+    """Whether the engine restarted between two scrapes: its prefix-cache lookups, a counter
+    that only grows while it runs, went back."""
+    if last is None or last.prefix_queries is None or now.prefix_queries is None:
+        return False
+    return now.prefix_queries < last.prefix_queries

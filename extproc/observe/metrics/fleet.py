@@ -65,6 +65,14 @@ class FleetMetrics:
             ["replica"],
             registry=r,
         )
+        self.replica_cache_fill = Gauge(
+            "extproc_replica_cache_fill_ratio",
+            "How full the replica's prefix cache is believed to be, in [0, 1]: the uncached prompt "
+            "tokens this gateway sent there (since it joined, or since its engine restarted) over "
+            "its KV capacity; 1 while the capacity is unknown.",
+            ["replica"],
+            registry=r,
+        )
         self.replica_cache_trust = Gauge(
             "extproc_replica_cache_trust_ratio",
             "How far the prefix index's claims for the replica are believed, in (0, 1]: its hit "

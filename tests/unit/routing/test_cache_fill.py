@@ -37,6 +37,24 @@ def test_the_book_fills_a_cache_with_the_uncached_tokens_sent_there() -> None:
     assert {s.name: s.cache_fill for s in book.snapshot(2.0).replicas} == {"r0": 0.0, "r1": 512 / 4096}
 
 
+def test_an_engine_restarted_under_the_same_name_starts_the_fill_from_its_own_count() -> None:
+    book = ReplicaBook([Replica("r0", "h:0")])
+
+    def scrape(queries: float, hits: float) -> float:
+        page = ReplicaMetrics(block_size=32, num_gpu_blocks=128, prefix_queries=queries, prefix_hits=hits)
+        book.apply_scrape("r0", page, 0.0)
+        return book.snapshot(0.0).replicas[0].cache_fill
+
+    assert scrape(5000.0, 1000.0) == 0.0  # a warm engine the router never sent to: not seen (the ledger's limit)
+    for _ in range(3):
+        book.begin("r0", 1.0, prefill_tokens=1024, kv_tokens=1024)
+    assert scrape(8072.0, 1000.0) == 3072 / 4096  # the ledger: what this gateway sent
+    # Its lookups went back: a new engine, its cache empty but for what it computed since it started.
+    assert scrape(300.0, 0.0) == 300 / 4096
+    book.begin("r0", 2.0, prefill_tokens=1024, kv_tokens=1024)
+    assert scrape(1324.0, 0.0) == 1324 / 4096  # and the ledger goes on from there
+
+
 def new_prefix_goes_to(scorer_parameters: dict[str, Any] | None = None) -> str:
     """Where a keyless request of 34 blocks (1,088 tokens) that no replica holds goes with the
     scores profile, three engines of 4,096 tokens: r1 was given the most prefixes (its cache has
