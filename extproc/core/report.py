@@ -61,14 +61,17 @@ class DecisionReport:
 
 def _log(features: RequestFeatures, decision: Decision, took_s: float) -> None:
     replica = decision.replica.name if decision.replica else None
+    # Every candidate's total, best first: why the chosen one won, and by how much.
+    scores = {name: round(value, 4) for name, value in sorted(decision.scores.items(), key=lambda kv: -kv[1])}
     log.debug(
-        "decision request_id=%s replica=%s reason=%s matched=%d/%d moved_by=%s",
+        "decision request_id=%s replica=%s reason=%s matched=%d/%d moved_by=%s scores=%s",
         features.request_id,
         replica,
         decision.reason.value,
         decision.matched_blocks,
         decision.total_blocks,
         decision.moved_by or "-",
+        ",".join(f"{name}:{value:g}" for name, value in scores.items()) or "-",
         extra={
             "event": "decision",
             "request_id": features.request_id,
@@ -78,6 +81,7 @@ def _log(features: RequestFeatures, decision: Decision, took_s: float) -> None:
             "matched_blocks": decision.matched_blocks,
             "total_blocks": decision.total_blocks,
             "moved_by": decision.moved_by,
+            "scores": scores,
             "prefill": decision.prefill.name if decision.prefill else None,
             "pair": decision.pair.value if decision.pair else None,
             "stream": features.stream,

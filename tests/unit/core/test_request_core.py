@@ -118,3 +118,16 @@ async def test_both_drivers_route_the_same_request_alike() -> None:
         routed.append(await router.effects.drive(steps) if drive == "loop" else router.effects.drive_now(steps))
     (a, b) = routed
     assert a.decision.replica == b.decision.replica and a.features.prefix_hashes == b.features.prefix_hashes
+
+
+def test_the_debug_log_tells_each_candidates_score(caplog: pytest.LogCaptureFixture) -> None:
+    router = Router(make_config(), clock=Clock(5.0))
+    with caplog.at_level("DEBUG", logger="extproc.app.router"):
+        pushed = Pushed(router.core.route({":path": CHAT, "x-session-id": "s1"}, chat_body("hello " * 50)), plain)
+    decision = pushed.result.decision
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "decision"]
+    scores = record.scores  # type: ignore[attr-defined]
+    assert set(scores) == set(decision.scores) and len(scores) > 1
+    assert list(scores.values()) == sorted(scores.values(), reverse=True)  # best first
+    assert scores[decision.replica.name] == max(scores.values())  # the chosen one among the best
+    assert f"{decision.replica.name}:" in record.getMessage().split("scores=")[1]
