@@ -8,9 +8,9 @@ prompts, three ext_proc messages a request: request headers, request body, respo
 round measures every server once, in turn, so that a change in the shared machine's load falls on
 all of them; the table gives each server's median over the rounds of throughput and of the CPU
 per request of the processor and of Envoy. The servers are those of
-:mod:`extproc_lab.bench.bare_processor`; ``grpclib`` is not a dependency of the project and is left
-out unless installed. ``extproc`` and ``extproc-asyncio`` are our own processor (the default configuration) on
-uvloop's and on asyncio's event loop, measured the same way (not in the default list); ``base`` and
+:mod:`extproc_lab.bench.bare_processor` (``grpclib`` left out where it is not installed).
+``extproc`` and ``extproc-asyncio`` are our own processor (the default configuration) on uvloop's
+and on asyncio's event loop, measured the same way (not in the default list); ``base`` and
 ``base-asyncio`` the same from another checkout (``--base DIR``: ``git archive REV extproc | tar -x
 -C DIR``), for a before and after in one run.
 """

@@ -11,7 +11,7 @@ pattern (``benchmarks/grpc_servers.py``): ``aio`` (grpcio's asyncio server, as o
 ``uvloop`` (the same on uvloop's event loop), ``aio-rw`` and ``uvloop-rw`` (the same answered
 through ``context.read()`` and ``context.write()`` instead of an async generator), ``sync``
 (grpcio's thread-pool server, one thread a stream), ``grpclib`` (a pure-Python HTTP/2 server on
-asyncio) and ``grpclib-uvloop``. grpclib is not a dependency of the project: it needs installing.
+asyncio, as ``grpc.server: grpclib`` serves ours) and ``grpclib-uvloop``.
 """
 
 from __future__ import annotations
@@ -127,9 +127,8 @@ def serve_sync(listen: str, header: str, target: str, threads: int) -> None:
 
 async def serve_grpclib(listen: str, header: str, target: str) -> None:
     """Serve with grpclib (pure Python, no generated stubs: the one method mapped by hand)."""
-    # Not a dependency of the project: imported only when asked for.
-    from grpclib.const import Cardinality, Handler  # type: ignore[import-not-found, unused-ignore]
-    from grpclib.server import Server, Stream  # type: ignore[import-not-found, unused-ignore]
+    from grpclib.const import Cardinality, Handler
+    from grpclib.server import Server, Stream
 
     targets = _Targets(header, target)
 
