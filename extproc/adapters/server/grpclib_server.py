@@ -37,7 +37,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
-from extproc.adapters.server.listeners import BACKLOG, BindError, bind_failure, try_bind
+from extproc.adapters.server.listeners import BACKLOG, BindError, bind_failure, listening_sockets
 from extproc.adapters.server.tls import WatchedFiles, read_pem
 from extproc.config import ListenerTls
 
@@ -187,10 +187,11 @@ def self_signed_context(cert: bytes, key: bytes) -> ssl.SSLContext:
 
 
 class GrpclibListener:
-    """One port served by grpclib: bound (and listening) first, served from :meth:`start`.
+    """One port served by grpclib: bound (and listening) first, served from :meth:`start`, on
+    every address its host resolves to (as grpcio binds them), a grpclib server on each.
 
     ``shared``: the port is shared with the other workers of one ``serve --workers``
-    (SO_REUSEPORT, their parent checked it was free), so it is not test-bound first.
+    (SO_REUSEPORT, their parent checked it was free).
     """
 
     def __init__(
@@ -213,63 +214,50 @@ class GrpclibListener:
         """The ext_proc service on this port, whose streams a graceful stop waits for."""
         self.port = 0
         self.address = listen
-        self._sock: socket.socket | None = None
-        self._server: Server | None = None
+        self._sockets: list[socket.socket] = []
+        self._servers: list[Server] = []
 
     def bind_now(self) -> None:
         """Bind and listen; raises :class:`BindError`."""
         try:
-            self._sock = _unix_socket(self.listen[5:]) if self.listen.startswith("unix:") else self._tcp_socket()
+            if self.listen.startswith("unix:"):
+                self._sockets = [_unix_socket(self.listen[5:])]
+            else:
+                self._sockets = listening_sockets(self.listen, reuse_port=self.shared)
         except (OSError, ValueError) as exc:
             raise BindError(self.role, self.listen, bind_failure(exc)) from None
         if not self.listen.startswith("unix:"):
-            self.port = self._sock.getsockname()[1]
+            self.port = self._sockets[0].getsockname()[1]
             self.address = f"{self.listen.rpartition(':')[0]}:{self.port}"
-
-    def _tcp_socket(self) -> socket.socket:
-        if not self.shared:
-            try_bind(self.listen)  # a port in use is one line of ours
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError("expected HOST:PORT or unix:/path")
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if self.shared:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind(sockaddr)
-            sock.listen(BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
 
     async def bind(self) -> None:
         """Bind; raises :class:`BindError`."""
         self.bind_now()
 
     async def start(self) -> None:
-        """Serve the bound socket."""
-        if self._sock is None or self._server is not None:
+        """Serve the bound sockets."""
+        if self._servers:
             return
-        self._server = Server(self.services)
-        await self._server.start(sock=self._sock, ssl=self.context)
+        sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            server = Server(self.services)
+            await server.start(sock=sock, ssl=self.context)
+            self._servers.append(server)
 
     async def close(self) -> None:
         """Let streams in flight finish within ``grace_s``, then stop (idempotent)."""
-        sock, self._sock = self._sock, None
-        server, self._server = self._server, None
-        if server is None:
-            if sock is not None:
-                sock.close()
+        sockets, self._sockets = self._sockets, []
+        servers, self._servers = self._servers, []
+        for sock in sockets:
+            sock.close()
+        if not servers:
             return
         if self.ext_proc is not None and self.grace_s > 0:
             await self.ext_proc.idle(self.grace_s)
-        server.close()
-        await server.wait_closed()
+        for server in servers:
+            server.close()
+        for server in servers:
+            await server.wait_closed()
 
 
 def _unix_socket(path: str) -> socket.socket:

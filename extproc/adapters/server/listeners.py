@@ -25,7 +25,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from aiohttp import web
@@ -224,19 +224,38 @@ async def _listening_sockets(address: str) -> list[socket.socket]:
     Listening now, not at start: two processors starting together on one port would otherwise
     both bind (SO_REUSEADDR lets sockets that are not listening share an address) and the
     second would only fail once serving."""
+    host, port = _host_port(address)
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return listen_on(infos, port)
+
+
+def listening_sockets(address: str, reuse_port: bool = False) -> list[socket.socket]:
+    """:func:`_listening_sockets` for a caller not on the event loop (the name resolved
+    synchronously); ``reuse_port``: SO_REUSEPORT, a port the workers of one ``serve --workers``
+    share."""
+    host, port = _host_port(address)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return listen_on(infos, port, reuse_port)
+
+
+def _host_port(address: str) -> tuple[str | None, int]:
     host, sep, port_text = address.rpartition(":")
     if not sep:
         raise ValueError("expected HOST:PORT")
-    port = int(port_text)
-    infos = await asyncio.get_running_loop().getaddrinfo(
-        host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )
+    return host.strip("[]") or None, int(port_text)
+
+
+def listen_on(infos: Sequence[tuple[Any, ...]], port: int, reuse_port: bool = False) -> list[socket.socket]:
+    """A socket bound and listening on each of ``infos`` (getaddrinfo's results), on ``port``
+    (0: the port the first one got, for them all); every one closed if any fails."""
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind((sockaddr[0], port, *sockaddr[2:]))

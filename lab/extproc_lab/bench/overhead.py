@@ -210,8 +210,8 @@ def replica_counts(metrics_urls: dict[str, str]) -> dict[str, float]:
 
 
 def swap_in_bare_processor(gw: LocalGateway, server: str = "aio", spread: bool = False) -> str:
-    """Replace our processor behind the gateway's Envoy with the do-nothing one (grpc.aio
-    ``server`` of :mod:`extproc_lab.bench.bare_processor`; ``spread``: its streams take the
+    """Replace our processor behind the gateway's Envoy with the do-nothing one (``server``: one
+    of :data:`extproc_lab.bench.bare_processor.SERVERS`; ``spread``: its streams take the
     replicas in turn, else all go to the first); Envoy's URL."""
     gw.procs.stop(gw.processor_name())
     cfg = Config()  # the gateway's processor runs with the default headers
